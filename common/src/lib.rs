@@ -1,0 +1,13 @@
+//! Types and policy shared by the daemons of the runner suite.
+//!
+//! * [`plan`]: the launch plan that `runnerd` hands to `sandbox-init`.
+//! * [`channel`]: the length-prefixed, versioned postcard channel they speak, with file
+//!   descriptors passed as `SCM_RIGHTS`.
+//! * [`seccomp`]: the seccomp profiles (`baseline`, `network`, `npu`) for x86_64 and aarch64,
+//!   as pure rule tables compiled to classic BPF.
+//! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
+
+pub mod channel;
+pub mod plan;
+pub mod seccomp;
+pub mod sys;

@@ -1,0 +1,216 @@
+//! The launch plan: everything `sandbox-init` needs to exec bwrap, and nothing it has to
+//! decide. `runnerd` assembles it; `sandbox-init` checks it with [`LaunchPlan::validate`]
+//! and applies it in a fixed order.
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped whenever a message layout on the runnerd ↔ sandbox-init channel changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// bwrap reads the seccomp program from this descriptor (`--seccomp 3`).
+pub const SECCOMP_FD: i32 = 3;
+/// bwrap writes `{"child-pid": N, …}` to this descriptor (`--info-fd 4`): the host pid of
+/// the sandbox's PID-namespace init, which is what we kill to end the whole sandbox.
+pub const INFO_FD: i32 = 4;
+
+/// The most descriptors a plan may place; keeps `sandbox-init`'s arithmetic trivial.
+pub const MAX_FDS: usize = 16;
+/// Target descriptor numbers must stay below this.
+pub const MAX_TARGET_FD: i32 = 64;
+
+/// A process resource limit for the sandbox (inherited through bwrap by the command).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rlimit {
+    pub resource: Resource,
+    /// `None` means unlimited.
+    pub soft: Option<u64>,
+    pub hard: Option<u64>,
+}
+
+impl Rlimit {
+    /// Soft and hard limit both `value`.
+    pub const fn fixed(resource: Resource, value: u64) -> Self {
+        Rlimit { resource, soft: Some(value), hard: Some(value) }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Resource {
+    /// Core dump size.
+    Core,
+    /// Open descriptors.
+    NoFile,
+    /// Largest file a process may write.
+    FSize,
+    /// Processes of the (host) user.
+    NProc,
+    /// Address space.
+    As,
+    /// CPU seconds.
+    Cpu,
+}
+
+/// What `runnerd` sends first on the channel; the descriptors follow, one per message, in
+/// the order of `fds`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchPlan {
+    /// Absolute path of the bwrap binary; exec'd with an empty environment.
+    pub program: String,
+    /// `argv[1..]` for bwrap; `argv[0]` is `program`.
+    pub args: Vec<String>,
+    /// The descriptor number each passed descriptor must end up at, in passing order.
+    pub fds: Vec<i32>,
+    /// Limits applied before exec.
+    pub rlimits: Vec<Rlimit>,
+}
+
+/// A plan `sandbox-init` refuses to apply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("the bwrap path {0:?} is not absolute")]
+    RelativeProgram(String),
+    #[error("an argument contains a NUL byte")]
+    NulInArgument,
+    #[error("the plan places {0} descriptors; at most {MAX_FDS} are allowed")]
+    TooManyFds(usize),
+    #[error("descriptor target {0} is outside 0..{MAX_TARGET_FD}")]
+    TargetOutOfRange(i32),
+    #[error("descriptor target {0} appears twice")]
+    DuplicateTarget(i32),
+    #[error("resource limit {0:?} appears twice")]
+    DuplicateRlimit(Resource),
+    #[error("the soft limit of {0:?} exceeds its hard limit")]
+    SoftAboveHard(Resource),
+}
+
+impl LaunchPlan {
+    /// Checks the plan without touching the system.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if !self.program.starts_with('/') {
+            return Err(PlanError::RelativeProgram(self.program.clone()));
+        }
+        if self.program.contains('\0') || self.args.iter().any(|a| a.contains('\0')) {
+            return Err(PlanError::NulInArgument);
+        }
+        if self.fds.len() > MAX_FDS {
+            return Err(PlanError::TooManyFds(self.fds.len()));
+        }
+        for (i, target) in self.fds.iter().enumerate() {
+            if !(0..MAX_TARGET_FD).contains(target) {
+                return Err(PlanError::TargetOutOfRange(*target));
+            }
+            if self.fds[..i].contains(target) {
+                return Err(PlanError::DuplicateTarget(*target));
+            }
+        }
+        for (i, limit) in self.rlimits.iter().enumerate() {
+            if self.rlimits[..i].iter().any(|l| l.resource == limit.resource) {
+                return Err(PlanError::DuplicateRlimit(limit.resource));
+            }
+            let soft = limit.soft.unwrap_or(u64::MAX);
+            let hard = limit.hard.unwrap_or(u64::MAX);
+            if soft > hard {
+                return Err(PlanError::SoftAboveHard(limit.resource));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What `sandbox-init` sends back. Success has no message: the channel is close-on-exec,
+/// so a successful `execve` shows up as end-of-file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InitReport {
+    Failed(InitFailure),
+}
+
+/// The step of `sandbox-init` that failed, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InitStep {
+    ReadPlan,
+    ValidatePlan,
+    ReceiveFds,
+    ArrangeFds,
+    CloseFds,
+    Rlimits,
+    Signals,
+    Exec,
+}
+
+impl InitStep {
+    pub fn describe(self) -> &'static str {
+        match self {
+            InitStep::ReadPlan => "reading the launch plan",
+            InitStep::ValidatePlan => "checking the launch plan",
+            InitStep::ReceiveFds => "receiving the sandbox's file descriptors",
+            InitStep::ArrangeFds => "placing the file descriptors",
+            InitStep::CloseFds => "closing inherited file descriptors",
+            InitStep::Rlimits => "applying resource limits",
+            InitStep::Signals => "resetting signal dispositions",
+            InitStep::Exec => "executing bubblewrap",
+        }
+    }
+}
+
+/// A typed failure before (or of) the exec of bwrap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("sandbox-init failed while {}: {detail}{}", step.describe(), errno_suffix(*errno))]
+pub struct InitFailure {
+    pub step: InitStep,
+    /// The OS error number, 0 when the failure was not a syscall's.
+    pub errno: i32,
+    pub detail: String,
+}
+
+fn errno_suffix(errno: i32) -> String {
+    if errno == 0 { String::new() } else { format!(" (os error {errno})") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> LaunchPlan {
+        LaunchPlan {
+            program: "/usr/bin/bwrap".into(),
+            args: vec!["--unshare-all".into()],
+            fds: vec![0, 1, 2, SECCOMP_FD, INFO_FD],
+            rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
+        }
+    }
+
+    #[test]
+    fn validation_table() {
+        type Edit = Box<dyn Fn(&mut LaunchPlan)>;
+        let cases: Vec<(Edit, Option<PlanError>)> = vec![
+            (Box::new(|_| {}), None),
+            (Box::new(|p| p.program = "bwrap".into()), Some(PlanError::RelativeProgram("bwrap".into()))),
+            (Box::new(|p| p.args.push("a\0b".into())), Some(PlanError::NulInArgument)),
+            (Box::new(|p| p.fds = (0..17).collect()), Some(PlanError::TooManyFds(17))),
+            (Box::new(|p| p.fds = vec![0, 64]), Some(PlanError::TargetOutOfRange(64))),
+            (Box::new(|p| p.fds = vec![-1]), Some(PlanError::TargetOutOfRange(-1))),
+            (Box::new(|p| p.fds = vec![3, 3]), Some(PlanError::DuplicateTarget(3))),
+            (
+                Box::new(|p| p.rlimits.push(Rlimit::fixed(Resource::Core, 1))),
+                Some(PlanError::DuplicateRlimit(Resource::Core)),
+            ),
+            (
+                Box::new(|p| {
+                    p.rlimits = vec![Rlimit { resource: Resource::NoFile, soft: None, hard: Some(5) }]
+                }),
+                Some(PlanError::SoftAboveHard(Resource::NoFile)),
+            ),
+        ];
+        for (i, (edit, expected)) in cases.into_iter().enumerate() {
+            let mut p = plan();
+            edit(&mut p);
+            assert_eq!(p.validate().err(), expected, "case {i}");
+        }
+    }
+
+    #[test]
+    fn failure_messages_read_as_sentences() {
+        let f = InitFailure { step: InitStep::Exec, errno: 2, detail: "/nope/bwrap".into() };
+        assert_eq!(f.to_string(), "sandbox-init failed while executing bubblewrap: /nope/bwrap (os error 2)");
+    }
+}

@@ -1,0 +1,248 @@
+//! The steps of [`crate::run`], one function each, in the order they run.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use common::channel::{self, ChannelError};
+use common::plan::{InitFailure, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit};
+use common::sys::{self, cvt};
+
+/// Where received descriptors wait before they move to their targets: above every target
+/// and above the channel.
+const STAGING_FLOOR: RawFd = 128;
+
+fn failure(step: InitStep, errno: i32, detail: impl Into<String>) -> InitFailure {
+    InitFailure { step, errno, detail: detail.into() }
+}
+
+fn os_failure(step: InitStep, error: &io::Error, detail: impl Into<String>) -> InitFailure {
+    failure(step, error.raw_os_error().unwrap_or(0), detail)
+}
+
+/// Step 0: die with runnerd (the signal fires when the *thread* that spawned us exits).
+pub fn die_with_parent() -> Result<(), String> {
+    // SAFETY: PR_SET_PDEATHSIG takes a signal number; no pointers involved.
+    cvt(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) })
+        .map(drop)
+        .map_err(|e| format!("cannot arm PR_SET_PDEATHSIG: {e}"))
+}
+
+/// Step 1: the channel arrives as standard input. It must be a socketpair made by our
+/// parent: if the creator is not our parent, runnerd died before step 0 armed the death
+/// signal (we were re-parented), or someone started us by hand; either way, stop.
+/// Then move it above the target range, close-on-exec, so that its end-of-file tells
+/// runnerd that exec succeeded.
+pub fn take_channel() -> Result<UnixStream, String> {
+    // SAFETY: an all-zero stat is a valid out-buffer for fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into the buffer we own.
+    cvt(unsafe { libc::fstat(0, &mut st) }).map_err(|e| format!("standard input is unusable: {e}"))?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err("standard input is not the Unix socket runnerd passes".into());
+    }
+    // SAFETY: an all-zero ucred is a valid out-buffer.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes at most `len` bytes into `cred`.
+    cvt(unsafe {
+        libc::getsockopt(0, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len)
+    })
+    .map_err(|e| format!("cannot read the channel's peer credentials: {e}"))?;
+    // SAFETY: getppid cannot fail.
+    let parent = unsafe { libc::getppid() };
+    if cred.pid != parent {
+        return Err(format!(
+            "the channel was made by process {}, but our parent is {parent}: runnerd has exited or did not start us",
+            cred.pid
+        ));
+    }
+    // SAFETY: F_DUPFD_CLOEXEC duplicates fd 0 onto the lowest free number ≥ MAX_TARGET_FD.
+    let fd = cvt(unsafe { libc::fcntl(0, libc::F_DUPFD_CLOEXEC, MAX_TARGET_FD) })
+        .map_err(|e| format!("cannot move the channel off standard input: {e}"))?;
+    // SAFETY: the descriptor was just created for us and nothing else owns it.
+    Ok(UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// Steps 2–9. Returns only on failure.
+pub fn launch(channel: &UnixStream) -> InitFailure {
+    match prepare_and_exec(channel) {
+        Ok(never) => match never {},
+        Err(failure) => failure,
+    }
+}
+
+enum Never {}
+
+fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
+    let plan: LaunchPlan = channel::read_message(&mut &*channel).map_err(|e| match &e {
+        ChannelError::Read(io) => os_failure(InitStep::ReadPlan, io, e.to_string()),
+        _ => failure(InitStep::ReadPlan, 0, error_chain(&e)),
+    })?;
+    plan.validate().map_err(|e| failure(InitStep::ValidatePlan, 0, e.to_string()))?;
+
+    let fds = channel::recv_fds(channel.as_fd(), plan.fds.len()).map_err(|e| match &e {
+        ChannelError::RecvFd { source, .. } => os_failure(InitStep::ReceiveFds, source, e.to_string()),
+        _ => failure(InitStep::ReceiveFds, 0, e.to_string()),
+    })?;
+    place_fds(fds, &plan.fds)?;
+    close_other_fds(&plan.fds, channel.as_fd())?;
+    apply_rlimits(&plan.rlimits)?;
+    reset_signals()?;
+    Err(exec(&plan))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Step 5: move every received descriptor to a staging number first (so no target can
+/// clobber a descriptor still waiting to move), then `dup2` each onto its target.
+fn place_fds(fds: Vec<OwnedFd>, targets: &[RawFd]) -> Result<(), InitFailure> {
+    let staged: Vec<OwnedFd> = fds
+        .iter()
+        .map(|fd| {
+            // SAFETY: duplicates a descriptor we own onto a fresh number ≥ STAGING_FLOOR.
+            let raw = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, STAGING_FLOOR) })
+                .map_err(|e| os_failure(InitStep::ArrangeFds, &e, "staging a received descriptor"))?;
+            // SAFETY: fresh descriptor, owned by nobody else.
+            Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+        })
+        .collect::<Result<_, InitFailure>>()?;
+    drop(fds);
+    for (fd, target) in staged.iter().zip(targets) {
+        // SAFETY: dup2 onto a target number; the target is not CLOEXEC afterwards, which is
+        // what lets bwrap inherit it.
+        cvt(unsafe { libc::dup2(fd.as_raw_fd(), *target) })
+            .map_err(|e| os_failure(InitStep::ArrangeFds, &e, format!("placing descriptor {target}")))?;
+    }
+    Ok(())
+}
+
+/// Step 6: close everything but the targets and the channel.
+fn close_other_fds(targets: &[RawFd], channel: BorrowedFd<'_>) -> Result<(), InitFailure> {
+    let mut keep: Vec<libc::c_uint> =
+        targets.iter().chain([&channel.as_raw_fd()]).map(|fd| *fd as libc::c_uint).collect();
+    keep.sort_unstable();
+    let mut start: libc::c_uint = 0;
+    let mut ranges = Vec::new();
+    for k in keep {
+        if k > start {
+            ranges.push((start, k - 1));
+        }
+        start = k + 1;
+    }
+    ranges.push((start, libc::c_uint::MAX));
+    for (first, last) in &ranges {
+        match sys::close_range(*first, *last) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                return close_listed_fds(&ranges);
+            }
+            Err(e) => return Err(os_failure(InitStep::CloseFds, &e, "close_range")),
+        }
+    }
+    Ok(())
+}
+
+/// Fallback for kernels before 5.9: close what `/proc/self/fd` lists.
+fn close_listed_fds(ranges: &[(libc::c_uint, libc::c_uint)]) -> Result<(), InitFailure> {
+    let entries = std::fs::read_dir("/proc/self/fd")
+        .map_err(|e| os_failure(InitStep::CloseFds, &e, "listing /proc/self/fd"))?;
+    let open: Vec<libc::c_uint> =
+        entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect();
+    for fd in open {
+        if ranges.iter().any(|(first, last)| (*first..=*last).contains(&fd)) {
+            // SAFETY: closing a descriptor that no live Rust object owns (the directory
+            // handle used for listing is already gone); EBADF is harmless here.
+            unsafe { libc::close(fd as libc::c_int) };
+        }
+    }
+    Ok(())
+}
+
+/// Step 7.
+fn apply_rlimits(limits: &[Rlimit]) -> Result<(), InitFailure> {
+    for limit in limits {
+        let resource = match limit.resource {
+            Resource::Core => libc::RLIMIT_CORE,
+            Resource::NoFile => libc::RLIMIT_NOFILE,
+            Resource::FSize => libc::RLIMIT_FSIZE,
+            Resource::NProc => libc::RLIMIT_NPROC,
+            Resource::As => libc::RLIMIT_AS,
+            Resource::Cpu => libc::RLIMIT_CPU,
+        };
+        let value = libc::rlimit {
+            rlim_cur: limit.soft.unwrap_or(libc::RLIM_INFINITY),
+            rlim_max: limit.hard.unwrap_or(libc::RLIM_INFINITY),
+        };
+        // SAFETY: setrlimit reads the struct we pass.
+        cvt(unsafe { libc::setrlimit(resource, &value) }).map_err(|e| {
+            os_failure(
+                InitStep::Rlimits,
+                &e,
+                format!("{:?} to {:?}/{:?}", limit.resource, limit.soft, limit.hard),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Step 8. The raw `rt_sigaction` is used because glibc's wrapper refuses the two signals
+/// it reserves for itself (32, 33), and a parent may well have left those ignored.
+fn reset_signals() -> Result<(), InitFailure> {
+    // Large enough for every layout of the kernel's `struct sigaction` (handler, flags,
+    // optional restorer, 64-bit mask); all zero means SIG_DFL, no flags, empty mask.
+    let default_action = [0u64; 4];
+    for signal in 1..=libc::SIGRTMAX() {
+        if signal == libc::SIGKILL || signal == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: the kernel reads a struct sigaction from the zeroed buffer we own;
+        // the old action is not wanted; 8 is sizeof(kernel sigset_t).
+        cvt(unsafe {
+            libc::syscall(libc::SYS_rt_sigaction, signal, default_action.as_ptr(), std::ptr::null::<u8>(), 8)
+        })
+        .map_err(|e| os_failure(InitStep::Signals, &e, format!("signal {signal}")))?;
+    }
+    // SAFETY: an all-zero sigset_t is a valid buffer; sigemptyset initialises it.
+    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: initialises the set we own.
+    unsafe { libc::sigemptyset(&mut empty) };
+    // SAFETY: sets the mask from a valid set; single-threaded, so sigprocmask is the right call.
+    cvt(unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) })
+        .map_err(|e| os_failure(InitStep::Signals, &e, "unblocking signals"))?;
+    Ok(())
+}
+
+/// Step 9.
+fn exec(plan: &LaunchPlan) -> InitFailure {
+    let to_c = |s: &str| CString::new(s).map_err(|_| failure(InitStep::Exec, 0, "argument with a NUL byte"));
+    let program = match to_c(&plan.program) {
+        Ok(p) => p,
+        Err(f) => return f,
+    };
+    let mut argv = vec![program.clone()];
+    for arg in &plan.args {
+        match to_c(arg) {
+            Ok(a) => argv.push(a),
+            Err(f) => return f,
+        }
+    }
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let envp: [*const libc::c_char; 1] = [std::ptr::null()];
+    // SAFETY: program, argv and envp are NUL-terminated and outlive the call; execve only
+    // returns on failure.
+    unsafe { libc::execve(program.as_ptr(), argv_ptrs.as_ptr(), envp.as_ptr()) };
+    let e = io::Error::last_os_error();
+    os_failure(InitStep::Exec, &e, format!("could not execute {}: {e}", plan.program))
+}

@@ -1,0 +1,241 @@
+//! Drives the real `sandbox-init` binary over a real socketpair. The exec'd program here is
+//! a shell that reports what it inherited, so these tests see exactly what bwrap would.
+
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+
+use common::channel::{self, encode_frame};
+use common::plan::{InitReport, InitStep, LaunchPlan, PROTOCOL_VERSION, Resource, Rlimit};
+
+const INIT: &str = env!("CARGO_BIN_EXE_sandbox-init");
+
+struct Run {
+    status: std::process::ExitStatus,
+    report: Option<InitReport>,
+    stdout: String,
+}
+
+fn pipe() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the array with two new descriptors we then own.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: both descriptors are fresh and owned by nobody else.
+    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+}
+
+/// Starts sandbox-init, sends `frame` and then stdin(/dev/null), stdout(pipe), stderr and
+/// one extra descriptor at 3, collects what comes back.
+fn launch_with_frame(frame: Vec<u8>, send_fds: bool) -> Run {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let mut child = Command::new(INIT)
+        .stdin(Stdio::from(OwnedFd::from(theirs)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut &ours, &frame).unwrap();
+    let (out_r, out_w) = pipe();
+    if send_fds {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let extra = tempfile::tempfile().unwrap();
+        let sent = [null.as_fd(), out_w.as_fd(), out_w.as_fd(), extra.as_fd()];
+        let _ = channel::send_fds(ours.as_fd(), &sent);
+    } else {
+        // Nothing follows the frame: let sandbox-init see end-of-file where it waits for fds.
+        ours.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    drop(out_w);
+    let report = match channel::read_message::<InitReport>(&mut &ours) {
+        Ok(r) => Some(r),
+        Err(channel::ChannelError::Closed) => None,
+        Err(e) => panic!("unexpected channel error: {e}"),
+    };
+    let mut stdout = String::new();
+    std::fs::File::from(out_r).read_to_string(&mut stdout).unwrap();
+    let status = child.wait().unwrap();
+    Run { status, report, stdout }
+}
+
+fn plan(script: &str) -> LaunchPlan {
+    LaunchPlan {
+        program: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+        fds: vec![0, 1, 2, 3],
+        rlimits: vec![
+            Rlimit::fixed(Resource::Core, 0),
+            Rlimit::fixed(Resource::NoFile, 512),
+            Rlimit { resource: Resource::FSize, soft: Some(1 << 20), hard: None },
+        ],
+    }
+}
+
+fn launch(plan: &LaunchPlan) -> Run {
+    launch_with_frame(encode_frame(PROTOCOL_VERSION, plan).unwrap(), true)
+}
+
+fn failed_step(run: &Run) -> InitStep {
+    match &run.report {
+        Some(InitReport::Failed(f)) => f.step,
+        None => panic!("expected a failure report, got a successful exec"),
+    }
+}
+
+#[test]
+fn success_is_end_of_file_and_the_program_gets_exactly_the_placed_descriptors() {
+    // Leak an inheritable descriptor into sandbox-init, as a careless parent might.
+    // SAFETY: opening /dev/null without O_CLOEXEC; we close it below.
+    let leaked = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY) };
+    assert!(leaked >= 0);
+    let run = launch(&plan("ls /proc/$$/fd | sort -n | tr '\\n' ' '"));
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(leaked) };
+    assert!(run.report.is_none(), "exec should succeed: {:?}", run.report);
+    assert!(run.status.success());
+    assert_eq!(run.stdout.trim(), "0 1 2 3", "leaked fd was {leaked}");
+}
+
+#[test]
+fn environment_is_empty_limits_apply_and_signals_are_default() {
+    let script = "env | wc -l; ulimit -c; ulimit -n; ulimit -f; \
+                  grep -E '^Sig(Ign|Blk)' /proc/$$/status | tr -s '\\t' ' '";
+    let run = launch(&plan(script));
+    assert!(run.report.is_none(), "{:?}", run.report);
+    let lines: Vec<&str> = run.stdout.lines().collect();
+    // sh itself exports PWD (and nothing else); the parent's environment is gone.
+    assert!(lines[0].trim().parse::<u32>().unwrap() <= 2, "env lines: {}", lines[0]);
+    assert_eq!(lines[1], "0");
+    assert_eq!(lines[2], "512");
+    assert_eq!(lines[3], "2048"); // ulimit -f counts 512-byte blocks
+    assert_eq!(lines[4], "SigBlk: 0000000000000000");
+    assert_eq!(lines[5], "SigIgn: 0000000000000000");
+}
+
+#[test]
+fn a_failed_exec_is_reported_with_its_errno() {
+    let mut p = plan("true");
+    p.program = "/nonexistent/bwrap".into();
+    let run = launch(&p);
+    let Some(InitReport::Failed(f)) = &run.report else { panic!("no report") };
+    assert_eq!(f.step, InitStep::Exec);
+    assert_eq!(f.errno, libc::ENOENT);
+    assert!(f.to_string().contains("/nonexistent/bwrap"), "{f}");
+    assert_eq!(run.status.code(), Some(sandbox_init::FAILED_STATUS));
+}
+
+#[test]
+fn a_protocol_mismatch_is_reported_clearly() {
+    let run = launch_with_frame(encode_frame(PROTOCOL_VERSION + 1, &plan("true")).unwrap(), false);
+    assert_eq!(failed_step(&run), InitStep::ReadPlan);
+    let Some(InitReport::Failed(f)) = &run.report else { unreachable!() };
+    assert!(f.detail.contains("protocol version"), "{}", f.detail);
+}
+
+#[test]
+fn invalid_plans_and_garbage_are_refused() {
+    let mut relative = plan("true");
+    relative.program = "bwrap".into();
+    assert_eq!(
+        failed_step(&launch_with_frame(encode_frame(PROTOCOL_VERSION, &relative).unwrap(), false)),
+        InitStep::ValidatePlan
+    );
+
+    let garbage = vec![3, 0, 0, 0, 1, 0xff, 0xff];
+    assert_eq!(failed_step(&launch_with_frame(garbage, false)), InitStep::ReadPlan);
+
+    let huge = vec![0xff, 0xff, 0xff, 0x7f];
+    assert_eq!(failed_step(&launch_with_frame(huge, false)), InitStep::ReadPlan);
+
+    // The plan announces four descriptors but none follow: the channel just closes.
+    let run = launch_with_frame(encode_frame(PROTOCOL_VERSION, &plan("true")).unwrap(), false);
+    assert_eq!(failed_step(&run), InitStep::ReceiveFds);
+}
+
+#[test]
+fn a_bad_rlimit_is_reported() {
+    let mut p = plan("true");
+    // Raising the hard limit of open files above the kernel's nr_open fails even for root.
+    p.rlimits = vec![Rlimit::fixed(Resource::NoFile, u64::from(u32::MAX))];
+    let run = launch(&p);
+    assert_eq!(failed_step(&run), InitStep::Rlimits);
+}
+
+#[test]
+fn run_by_hand_it_explains_itself() {
+    let out = Command::new(INIT).stdin(Stdio::null()).output().unwrap();
+    assert_eq!(out.status.code(), Some(sandbox_init::USAGE_STATUS));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not the Unix socket runnerd passes"));
+    let help = Command::new(INIT).arg("--help").output().unwrap();
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("execs bubblewrap"));
+    let version = Command::new(INIT).arg("--version").output().unwrap();
+    assert!(String::from_utf8_lossy(&version.stdout).contains(&format!("protocol {PROTOCOL_VERSION}")));
+}
+
+#[test]
+fn it_dies_with_the_thread_that_spawned_it() {
+    // PR_SET_PDEATHSIG fires when the spawning *thread* exits. Spawn from a short-lived
+    // thread, wait until sandbox-init sits in step 4 (receiving descriptors: step 0 is done),
+    // let the thread end, and expect SIGKILL.
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let child = std::thread::spawn(move || {
+        let child = Command::new(INIT)
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut &ours, &encode_frame(PROTOCOL_VERSION, &plan("true")).unwrap())
+            .unwrap();
+        let syscall_file = format!("/proc/{}/syscall", child.id());
+        let recvmsg = libc::SYS_recvmsg.to_string();
+        while std::fs::read_to_string(&syscall_file).unwrap_or_default().split(' ').next() != Some(&recvmsg) {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        (child, ours)
+    })
+    .join()
+    .unwrap();
+    let (mut child, _ours) = child;
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+}
+
+#[test]
+fn it_refuses_a_channel_its_parent_did_not_make() {
+    // The socketpair is ours, but the parent is a shell: the shape of "runnerd died before
+    // sandbox-init armed its death signal".
+    let (_ours, theirs) = UnixStream::pair().unwrap();
+    let out = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(format!("{INIT} <&3"))
+        .stdin(Stdio::null())
+        .spawn_with_fd3(theirs);
+    assert_eq!(out.status.code(), Some(sandbox_init::USAGE_STATUS));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("runnerd has exited or did not start us"));
+}
+
+trait SpawnWithFd3 {
+    fn spawn_with_fd3(&mut self, fd: UnixStream) -> std::process::Output;
+}
+
+impl SpawnWithFd3 for Command {
+    /// Runs the command with `fd` inherited as descriptor 3.
+    fn spawn_with_fd3(&mut self, fd: UnixStream) -> std::process::Output {
+        use std::os::unix::process::CommandExt;
+        let raw = fd.as_raw_fd();
+        // SAFETY: dup2 in the child between fork and exec is async-signal-safe.
+        unsafe {
+            self.pre_exec(move || {
+                if libc::dup2(raw, 3) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = self.output().unwrap();
+        drop(fd);
+        out
+    }
+}
