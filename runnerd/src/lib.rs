@@ -1,0 +1,25 @@
+//! runnerd: the runner daemon's library.
+//!
+//! * [`launch`]: starting sandboxes through `sandbox-init`, with streaming output, budgets,
+//!   timeouts and clean kills.
+//! * [`sandbox`]: what a sandbox looks like — preflight probes and the bwrap argv.
+//! * [`startup`]: the start-up sequence that decides and prepares all of it.
+//! * [`cli`]: the `runnerd` command line; [`bench`]: the launch benchmark.
+
+pub mod bench;
+pub mod cli;
+pub mod launch;
+pub mod sandbox;
+pub mod startup;
+
+/// The full chain of an error, `outer: inner: root`, for logs and health reasons.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,484 @@
+//! The bwrap argv, as a pure function of a [`SandboxSpec`] (R-SBX-4, R-SBX-5), in the
+//! original runner's order (internals §2.2). It also returns the environment map and the
+//! working directory it injected, for provenance.
+//!
+//! Differences from the original, each deliberate:
+//! * `--new-session` stays (the original drops it to kill by process group). It is our
+//!   TIOCSTI defence next to the seccomp rule; we end a sandbox by killing its
+//!   PID-namespace init instead, which bwrap reports on `--info-fd 4`.
+//! * `--info-fd 4` is added just before `--seccomp 3`.
+
+use std::path::{Path, PathBuf};
+
+use common::plan::{INFO_FD, SECCOMP_FD};
+use common::seccomp::Profile;
+use serde::Serialize;
+
+use super::host::HostRuntime;
+
+/// How the sandbox gets its `/proc` (R-SBX-2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProcMode {
+    /// `--proc /proc`: a fresh procfs that shows only the sandbox's processes.
+    New,
+    /// `--ro-bind /proc /proc`: the weaker fallback where the kernel refuses a new procfs.
+    Bind,
+}
+
+/// The probe-decided form of every sandbox on this host (R-SBX-2, R-SBX-3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SandboxShape {
+    pub proc_mode: ProcMode,
+    pub disable_userns: bool,
+}
+
+/// What runs inside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    Shell,
+    Python,
+    R,
+}
+
+impl Language {
+    /// The label in error messages ("Shell execution timed out after …").
+    pub fn label(self) -> &'static str {
+        match self {
+            Language::Shell => "Shell execution",
+            Language::Python => "Python execution",
+            Language::R => "R execution",
+        }
+    }
+}
+
+/// Where the workspace appears inside the sandbox (contract §2A "Sandbox layout").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkspaceLayout {
+    /// Writable root at `/workspace`; a read-only parent, if any, at `/parent_workspace`.
+    Plain { root: PathBuf, read_only_parent: Option<PathBuf> },
+    /// The writable root lies inside the read-only parent: the parent at `/workspace`, the
+    /// root at `/workspace/<rel>`.
+    Nested { parent: PathBuf, root: PathBuf, rel: String },
+}
+
+impl WorkspaceLayout {
+    /// Chooses the layout from already-resolved (canonical) host paths.
+    pub fn new(root: PathBuf, read_only_parent: Option<PathBuf>) -> WorkspaceLayout {
+        if let Some(parent) = &read_only_parent
+            && let Ok(rel) = root.strip_prefix(parent)
+            && !rel.as_os_str().is_empty()
+        {
+            let rel = rel.to_string_lossy().into_owned();
+            return WorkspaceLayout::Nested { parent: parent.clone(), root, rel };
+        }
+        WorkspaceLayout::Plain { root, read_only_parent }
+    }
+
+    /// The writable root on the host.
+    pub fn root(&self) -> &Path {
+        match self {
+            WorkspaceLayout::Plain { root, .. } | WorkspaceLayout::Nested { root, .. } => root,
+        }
+    }
+
+    /// The sandbox path of the writable root: the default working directory.
+    pub fn mount_point(&self) -> String {
+        match self {
+            WorkspaceLayout::Plain { .. } => "/workspace".to_owned(),
+            WorkspaceLayout::Nested { rel, .. } => format!("/workspace/{rel}"),
+        }
+    }
+
+    fn bind_args(&self, args: &mut Vec<String>) {
+        match self {
+            WorkspaceLayout::Plain { root, read_only_parent } => {
+                if let Some(parent) = read_only_parent {
+                    push(args, &["--ro-bind", &lossy(parent), "/parent_workspace"]);
+                }
+                push(args, &["--bind", &lossy(root), "/workspace"]);
+            }
+            WorkspaceLayout::Nested { parent, root, rel } => {
+                push(args, &["--ro-bind", &lossy(parent), "/workspace"]);
+                push(args, &["--bind", &lossy(root), &format!("/workspace/{rel}")]);
+            }
+        }
+    }
+}
+
+/// Everything that decides one sandbox's argv.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec<'a> {
+    pub shape: SandboxShape,
+    pub host: &'a HostRuntime,
+    pub workspace: &'a WorkspaceLayout,
+    /// A workspace-relative directory inside the writable root, already validated.
+    pub cwd: Option<&'a str>,
+    pub language: Language,
+    /// Host interpreter binaries to hide (resolved targets); empty unless a science
+    /// environment is mounted.
+    pub interpreter_masks: &'a [PathBuf],
+    /// The Python interpreter for `Language::Python` without a science environment.
+    pub python: &'a str,
+}
+
+/// The result: bwrap's options, the command, and what they inject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxCommand {
+    /// bwrap's options, up to and including `--seccomp 3`.
+    pub options: Vec<String>,
+    /// The program and its arguments, after the options.
+    pub command: Vec<String>,
+    /// The environment after `--clearenv`, in insertion order.
+    pub env: Vec<(String, String)>,
+    /// The working directory inside the sandbox.
+    pub cwd: String,
+    pub seccomp: Profile,
+}
+
+impl SandboxCommand {
+    /// bwrap's full argument list: the options, then the command.
+    pub fn args(&self) -> Vec<String> {
+        self.options.iter().chain(&self.command).cloned().collect()
+    }
+}
+
+fn push(args: &mut Vec<String>, items: &[&str]) {
+    args.extend(items.iter().map(|s| (*s).to_owned()));
+}
+
+fn lossy(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+/// Builds the argv. Pure: no filesystem access.
+pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
+    let mut args = Vec::with_capacity(64);
+    push(&mut args, &["--die-with-parent", "--new-session", "--unshare-all", "--unshare-user"]);
+    if spec.shape.disable_userns {
+        push(&mut args, &["--disable-userns"]);
+    }
+    push(&mut args, &["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]);
+    for bind in spec.host.bind_args() {
+        args.push(bind);
+    }
+    push(&mut args, &["--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]);
+    push(&mut args, &["--symlink", "usr/lib64", "/lib64"]);
+    match spec.shape.proc_mode {
+        ProcMode::New => push(&mut args, &["--proc", "/proc"]),
+        ProcMode::Bind => push(&mut args, &["--ro-bind", "/proc", "/proc"]),
+    }
+    push(&mut args, &["--dev", "/dev"]);
+    for target in spec.interpreter_masks {
+        push(&mut args, &["--ro-bind", "/dev/null", &lossy(target)]);
+    }
+    push(&mut args, &["--tmpfs", "/tmp"]);
+    spec.workspace.bind_args(&mut args);
+
+    let cwd = match spec.cwd {
+        Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
+        _ => spec.workspace.mount_point(),
+    };
+    push(&mut args, &["--chdir", &cwd, "--clearenv"]);
+
+    let mut env: Vec<(String, String)> =
+        vec![("HOME".into(), "/tmp".into()), ("PATH".into(), "/usr/bin:/bin".into())];
+    match spec.language {
+        Language::Python => env.push(("PYTHONNOUSERSITE".into(), "1".into())),
+        Language::R => env.push(("R_ENVIRON_USER".into(), "/dev/null".into())),
+        Language::Shell => {}
+    }
+    env.extend(spec.host.env());
+    for (k, v) in &env {
+        push(&mut args, &["--setenv", k, v]);
+    }
+
+    let info_fd = INFO_FD.to_string();
+    let seccomp_fd = SECCOMP_FD.to_string();
+    push(&mut args, &["--info-fd", &info_fd, "--seccomp", &seccomp_fd]);
+    let command: &[&str] = match spec.language {
+        Language::Shell => &["/usr/bin/bash", "--noprofile", "--norc", "-euo", "pipefail", "-s"],
+        Language::Python => &[spec.python, "-I", "-"],
+        Language::R => &["/opt/science-env/bin/R", "--vanilla", "--slave"],
+    };
+    let command = command.iter().map(|s| (*s).to_owned()).collect();
+    SandboxCommand { options: args, command, env, cwd, seccomp: Profile::Baseline }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host() -> HostRuntime {
+        HostRuntime::default()
+    }
+
+    fn spec<'a>(host: &'a HostRuntime, ws: &'a WorkspaceLayout, shape: SandboxShape) -> SandboxSpec<'a> {
+        SandboxSpec {
+            shape,
+            host,
+            workspace: ws,
+            cwd: None,
+            language: Language::Shell,
+            interpreter_masks: &[],
+            python: "/usr/bin/python3",
+        }
+    }
+
+    const FULL: SandboxShape = SandboxShape { proc_mode: ProcMode::New, disable_userns: true };
+
+    fn plain() -> WorkspaceLayout {
+        WorkspaceLayout::new("/data/projects/p/ws".into(), None)
+    }
+
+    fn position(args: &[String], window: &[&str]) -> Option<usize> {
+        args.windows(window.len()).position(|w| w.iter().zip(window).all(|(a, b)| a == b))
+    }
+
+    #[test]
+    fn full_profile_in_the_original_order() {
+        let h = host();
+        let ws = plain();
+        let cmd = build(&spec(&h, &ws, FULL));
+        let expected: Vec<&str> = vec![
+            "--die-with-parent",
+            "--new-session",
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--cap-drop",
+            "ALL",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--bind",
+            "/data/projects/p/ws",
+            "/workspace",
+            "--chdir",
+            "/workspace",
+            "--clearenv",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--info-fd",
+            "4",
+            "--seccomp",
+            "3",
+            "/usr/bin/bash",
+            "--noprofile",
+            "--norc",
+            "-euo",
+            "pipefail",
+            "-s",
+        ];
+        assert_eq!(cmd.args(), expected);
+        assert_eq!(cmd.cwd, "/workspace");
+        assert_eq!(cmd.seccomp, Profile::Baseline);
+    }
+
+    #[test]
+    fn a_plain_launch_sets_exactly_home_and_path() {
+        let h = host();
+        let ws = plain();
+        let cmd = build(&spec(&h, &ws, FULL));
+        let keys: Vec<&str> = cmd.env.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["HOME", "PATH"]);
+        assert_eq!(cmd.env[0].1, "/tmp");
+        assert_eq!(cmd.env[1].1, "/usr/bin:/bin");
+    }
+
+    #[test]
+    fn baseline_isolation_is_always_present() {
+        let h = host();
+        let ws = plain();
+        for proc_mode in [ProcMode::New, ProcMode::Bind] {
+            for disable_userns in [true, false] {
+                let cmd = build(&spec(&h, &ws, SandboxShape { proc_mode, disable_userns }));
+                let a = &cmd.args();
+                for flag in
+                    ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv"]
+                {
+                    assert!(a.iter().any(|x| x == flag), "{flag}");
+                }
+                assert!(position(a, &["--cap-drop", "ALL"]).is_some());
+                assert!(position(a, &["--seccomp", "3"]).is_some());
+                assert!(!a.iter().any(|x| x == "--share-net"));
+                let first_ro = position(a, &["--ro-bind"]).unwrap();
+                assert_eq!(a[first_ro + 1], "/usr");
+                assert!(
+                    position(a, &["--proc", "/proc"]).is_some()
+                        || position(a, &["--ro-bind", "/proc", "/proc"]).is_some()
+                );
+                if disable_userns {
+                    let u = position(a, &["--unshare-user"]).unwrap();
+                    assert_eq!(position(a, &["--disable-userns"]), Some(u + 1));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn degradations_change_only_their_own_tokens() {
+        let h = host();
+        let ws = plain();
+        let full = build(&spec(&h, &ws, FULL)).args();
+        let bind =
+            build(&spec(&h, &ws, SandboxShape { proc_mode: ProcMode::Bind, disable_userns: true })).args();
+        let no_userns =
+            build(&spec(&h, &ws, SandboxShape { proc_mode: ProcMode::New, disable_userns: false })).args();
+        let both =
+            build(&spec(&h, &ws, SandboxShape { proc_mode: ProcMode::Bind, disable_userns: false })).args();
+
+        let p = position(&full, &["--proc", "/proc"]).unwrap();
+        let mut expected = full.clone();
+        expected.splice(p..p + 2, ["--ro-bind".to_owned(), "/proc".to_owned(), "/proc".to_owned()]);
+        assert_eq!(bind, expected);
+
+        let mut expected = full.clone();
+        expected.retain(|a| a != "--disable-userns");
+        assert_eq!(no_userns, expected);
+
+        let mut expected = bind.clone();
+        expected.retain(|a| a != "--disable-userns");
+        assert_eq!(both, expected);
+    }
+
+    #[test]
+    fn workspace_layouts() {
+        let cases: &[(&str, Option<&str>, &[&str], &str)] = &[
+            ("/d/ws", None, &["--bind", "/d/ws", "/workspace"], "/workspace"),
+            (
+                "/d/sub",
+                Some("/d/parent"),
+                &["--ro-bind", "/d/parent", "/parent_workspace", "--bind", "/d/sub", "/workspace"],
+                "/workspace",
+            ),
+            (
+                "/d/parent/subagents/a",
+                Some("/d/parent"),
+                &[
+                    "--ro-bind",
+                    "/d/parent",
+                    "/workspace",
+                    "--bind",
+                    "/d/parent/subagents/a",
+                    "/workspace/subagents/a",
+                ],
+                "/workspace/subagents/a",
+            ),
+            // The same directory is not "nested".
+            (
+                "/d/p",
+                Some("/d/p"),
+                &["--ro-bind", "/d/p", "/parent_workspace", "--bind", "/d/p", "/workspace"],
+                "/workspace",
+            ),
+            // A sibling whose name merely starts with the parent's is not nested either.
+            (
+                "/d/parent2",
+                Some("/d/parent"),
+                &["--ro-bind", "/d/parent", "/parent_workspace", "--bind", "/d/parent2", "/workspace"],
+                "/workspace",
+            ),
+        ];
+        let h = host();
+        for (root, parent, binds, cwd) in cases {
+            let ws = WorkspaceLayout::new(root.into(), parent.map(PathBuf::from));
+            let cmd = build(&spec(&h, &ws, FULL));
+            assert!(position(&cmd.args(), binds).is_some(), "{root}: {:?}", cmd.args());
+            assert_eq!(cmd.cwd, *cwd);
+            assert!(position(&cmd.args(), &["--chdir", cwd]).is_some());
+        }
+    }
+
+    #[test]
+    fn explicit_cwd_is_under_the_mount_point() {
+        let h = host();
+        let ws = WorkspaceLayout::new("/d/p/sub".into(), Some("/d/p".into()));
+        let mut s = spec(&h, &ws, FULL);
+        s.cwd = Some("analysis/run1");
+        assert_eq!(build(&s).cwd, "/workspace/sub/analysis/run1");
+        s.cwd = Some(".");
+        assert_eq!(build(&s).cwd, "/workspace/sub");
+    }
+
+    #[test]
+    fn languages() {
+        let h = host();
+        let ws = plain();
+        let mut s = spec(&h, &ws, FULL);
+        s.language = Language::Python;
+        let cmd = build(&s);
+        assert!(cmd.args().ends_with(&["/usr/bin/python3".into(), "-I".into(), "-".into()]));
+        assert_eq!(
+            cmd.env.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+            ["HOME", "PATH", "PYTHONNOUSERSITE"]
+        );
+        s.language = Language::R;
+        let cmd = build(&s);
+        assert!(cmd.args().ends_with(&[
+            "/opt/science-env/bin/R".into(),
+            "--vanilla".into(),
+            "--slave".into()
+        ]));
+        assert_eq!(cmd.env[2], ("R_ENVIRON_USER".into(), "/dev/null".into()));
+    }
+
+    #[test]
+    fn interpreter_masks_bind_dev_null_over_targets_before_tmp() {
+        let h = host();
+        let ws = plain();
+        let masks = vec![PathBuf::from("/usr/bin/python3.11"), PathBuf::from("/usr/lib/R/bin/exec/R")];
+        let mut s = spec(&h, &ws, FULL);
+        s.interpreter_masks = &masks;
+        let args = build(&s).args();
+        let m = position(&args, &["--ro-bind", "/dev/null", "/usr/bin/python3.11"]).unwrap();
+        assert!(position(&args, &["--ro-bind", "/dev/null", "/usr/lib/R/bin/exec/R"]).is_some());
+        assert!(m > position(&args, &["--dev", "/dev"]).unwrap());
+        assert!(m < position(&args, &["--tmpfs", "/tmp"]).unwrap());
+    }
+
+    #[test]
+    fn host_runtime_flows_into_binds_and_env() {
+        let h = HostRuntime {
+            identity: Some((
+                "/data/runtime/sandbox-identity/passwd".into(),
+                "/data/runtime/sandbox-identity/group".into(),
+            )),
+            ro_binds: vec!["/etc/alternatives".into(), "/etc/ssl/certs".into()],
+            env: vec![("SSL_CERT_FILE".into(), "/etc/ssl/certs/ca-certificates.crt".into())],
+        };
+        let ws = plain();
+        let cmd = build(&spec(&h, &ws, FULL));
+        let usr = position(&cmd.args(), &["--ro-bind", "/usr", "/usr"]).unwrap();
+        let passwd =
+            position(&cmd.args(), &["--ro-bind", "/data/runtime/sandbox-identity/passwd", "/etc/passwd"])
+                .unwrap();
+        assert_eq!(passwd, usr + 3);
+        assert_eq!(
+            position(&cmd.args(), &["--ro-bind", "/data/runtime/sandbox-identity/group", "/etc/group"]),
+            Some(passwd + 3)
+        );
+        assert!(position(&cmd.args(), &["--ro-bind", "/etc/ssl/certs", "/etc/ssl/certs"]).is_some());
+        assert_eq!(cmd.env[2].0, "SSL_CERT_FILE");
+    }
+}

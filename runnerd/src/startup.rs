@@ -1,0 +1,102 @@
+//! Start-up of the sandbox side of runnerd (R-API-5): resolve and check bwrap, publish the
+//! seccomp programs, stage the sandbox identity, start the launcher, and run the probes.
+//! The HTTP server opens its port only after this returns.
+
+use std::path::{Path, PathBuf};
+
+use common::seccomp::{self, Arch, Profile, SeccompError};
+
+use crate::launch::{LaunchError, Launcher};
+use crate::sandbox::HostRuntime;
+use crate::sandbox::host;
+use crate::sandbox::preflight::{self, Capability, CapabilityCache, PreflightError, Warning};
+
+/// Where to find things; the daemon's configuration fills this in.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// `SCIENCE_AGENT_BWRAP_PATH`: a name searched in `PATH`, or a path.
+    pub bwrap: String,
+    /// `SCIENCE_AGENT_DATA_DIR`.
+    pub data_dir: PathBuf,
+    pub sandbox_init: PathBuf,
+}
+
+/// Everything executions need from start-up.
+#[derive(Debug)]
+pub struct SandboxRuntime {
+    pub launcher: Launcher,
+    pub bwrap: PathBuf,
+    pub host: HostRuntime,
+    pub capability: Capability,
+    pub warnings: Vec<Warning>,
+    pub seccomp_files: Vec<PathBuf>,
+    pub probes: CapabilityCache,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error(transparent)]
+    Preflight(#[from] PreflightError),
+    #[error("could not publish the seccomp programs under {dir}")]
+    Seccomp {
+        dir: PathBuf,
+        #[source]
+        source: SeccompError,
+    },
+    #[error("could not stage the sandbox identity files under {dir}")]
+    Identity {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not start the sandbox launcher (sandbox-init at {path})")]
+    Launcher {
+        path: PathBuf,
+        #[source]
+        source: LaunchError,
+    },
+    #[error(
+        "sandbox-init was not found at {0}; set SCIENCE_AGENT_SANDBOX_INIT_PATH or install it next to runnerd"
+    )]
+    SandboxInitMissing(PathBuf),
+}
+
+/// `sandbox-init` next to the running executable (a cargo build, or /usr/libexec in a
+/// package where runnerd is linked there too), unless configured.
+pub fn locate_sandbox_init(configured: Option<PathBuf>) -> PathBuf {
+    if let Some(path) = configured {
+        return path;
+    }
+    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("sandbox-init")));
+    match beside {
+        Some(path) if path.exists() => path,
+        _ => PathBuf::from("/usr/libexec/sciencediscovery/sandbox-init"),
+    }
+}
+
+/// Runs the whole sequence. Missing or inadequate bwrap is fatal (as in the original); an
+/// unusable sandbox is not — it is reported in the capability and warnings.
+pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupError> {
+    let bwrap = preflight::resolve_bwrap(&config.bwrap, std::env::var_os("PATH").as_deref())?;
+    preflight::check_bwrap_options(&bwrap).await?;
+    let seccomp_files = publish_seccomp(&config.data_dir)?;
+    let host = host::detect_host_runtime(&config.data_dir)
+        .map_err(|source| StartupError::Identity { dir: config.data_dir.join("runtime"), source })?;
+    if !config.sandbox_init.exists() {
+        return Err(StartupError::SandboxInitMissing(config.sandbox_init.clone()));
+    }
+    let launcher = Launcher::new(config.sandbox_init.clone())
+        .map_err(|source| StartupError::Launcher { path: config.sandbox_init.clone(), source })?;
+    let probes = CapabilityCache::default();
+    let capability = probes.get(&launcher, &bwrap).await;
+    let warnings = preflight::warnings(&bwrap.to_string_lossy(), &capability);
+    Ok(SandboxRuntime { launcher, bwrap, host, capability, warnings, seccomp_files, probes })
+}
+
+/// Publishes every profile for this machine's architecture.
+pub fn publish_seccomp(data_dir: &Path) -> Result<Vec<PathBuf>, StartupError> {
+    let dir = data_dir.join("runner-runtime");
+    let err = |source| StartupError::Seccomp { dir: dir.clone(), source };
+    let arch = Arch::host().map_err(err)?;
+    Profile::ALL.iter().map(|p| seccomp::publish(&dir, *p, arch).map_err(err)).collect()
+}

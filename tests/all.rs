@@ -1,0 +1,3 @@
+//! The integration suite: one test binary, one module per area (`suite/`).
+
+mod suite;

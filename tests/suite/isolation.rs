@@ -1,0 +1,248 @@
+//! What code inside a baseline sandbox can and cannot do (R-SBX-4, R-SBX-6, R-SBX-7),
+//! checked from inside real bwrap sandboxes under the real seccomp program.
+
+use runner_tests::{Fixture, sandbox_or_skip};
+use runnerd::launch::Termination;
+
+/// Runs the probe binary once per check in one sandbox; returns `check -> answer`.
+async fn probe(f: &Fixture, checks: &[&str]) -> Vec<(String, String)> {
+    let exe = f.install_probe();
+    let script: String = checks.iter().map(|c| format!("printf '%s ' {c}; {exe} {c}\n")).collect();
+    let (outcome, out) = f.shell(&script).await;
+    assert_eq!(outcome.termination, Termination::Exited(0), "stderr: {}", out.stderr);
+    out.stdout
+        .lines()
+        .map(|l| {
+            let (k, v) = l.split_once(' ').unwrap_or((l, ""));
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
+fn errno_name(answer: &str) -> String {
+    match answer.strip_prefix("errno=").and_then(|n| n.parse::<i32>().ok()) {
+        Some(libc::EPERM) => "EPERM".into(),
+        Some(libc::ENOSYS) => "ENOSYS".into(),
+        Some(n) => format!("errno {n}"),
+        None => answer.to_owned(),
+    }
+}
+
+#[tokio::test]
+async fn denied_syscalls_answer_as_the_profile_says() {
+    if !sandbox_or_skip("denied_syscalls_answer_as_the_profile_says") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let mut expected: Vec<(&str, &str)> = vec![
+        ("ptrace", "EPERM"),
+        ("unshare-user", "EPERM"),
+        ("clone-newuser", "EPERM"),
+        ("mount", "EPERM"),
+        ("socket-inet", "EPERM"),
+        ("socket-unix", "EPERM"),
+        ("socketpair", "EPERM"),
+        ("keyctl", "EPERM"),
+        ("bpf", "EPERM"),
+        ("perf_event_open", "EPERM"),
+        ("userfaultfd", "EPERM"),
+        ("io_uring_setup", "EPERM"),
+        ("clone3", "ENOSYS"),
+        ("tiocsti", "EPERM"),
+        ("chroot", "EPERM"),
+        ("getpid", "ok"),
+    ];
+    if cfg!(target_arch = "x86_64") {
+        expected.push(("x32-getpid", "EPERM"));
+    }
+    let checks: Vec<&str> = expected.iter().map(|(c, _)| *c).collect();
+    let answers = probe(&f, &checks).await;
+    assert_eq!(answers.len(), expected.len(), "{answers:?}");
+    for ((check, want), (got_check, got)) in expected.iter().zip(&answers) {
+        assert_eq!(check, got_check);
+        assert_eq!(errno_name(got), *want, "{check}");
+    }
+}
+
+#[tokio::test]
+async fn threads_still_work_despite_the_clone3_rule() {
+    if !sandbox_or_skip("threads_still_work_despite_the_clone3_rule") {
+        return;
+    }
+    let f = Fixture::new().await;
+    // glibc tries clone3 for pthread_create, gets ENOSYS, and falls back to clone.
+    let (outcome, out) = f.shell("python3 -c 'import threading; t=threading.Thread(target=print, args=(\"thread-ok\",)); t.start(); t.join()'\n(sleep 0; echo subshell-ok)").await;
+    assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
+    assert_eq!(out.stdout, "thread-ok\nsubshell-ok\n");
+}
+
+#[tokio::test]
+async fn nested_user_namespaces_fail_from_the_shell() {
+    if !sandbox_or_skip("nested_user_namespaces_fail_from_the_shell") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let (outcome, out) = f.shell("unshare -U true && echo escaped || echo refused").await;
+    assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
+    assert_eq!(out.stdout.trim(), "refused", "{}", out.stderr);
+}
+
+#[tokio::test]
+async fn process_status_shows_seccomp_no_new_privs_and_no_capabilities() {
+    if !sandbox_or_skip("process_status_shows_seccomp_no_new_privs_and_no_capabilities") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let (_, out) = f.shell("grep -E '^(Seccomp|NoNewPrivs|CapEff|CapPrm|CapBnd):' /proc/self/status").await;
+    let status: Vec<(&str, &str)> =
+        out.stdout.lines().filter_map(|l| l.split_once(':')).map(|(k, v)| (k, v.trim())).collect();
+    let get = |k: &str| status.iter().find(|(key, _)| *key == k).map(|(_, v)| *v);
+    assert_eq!(get("Seccomp"), Some("2"), "{}", out.stdout);
+    assert_eq!(get("NoNewPrivs"), Some("1"));
+    assert_eq!(get("CapEff"), Some("0000000000000000"));
+    assert_eq!(get("CapPrm"), Some("0000000000000000"));
+    assert_eq!(get("CapBnd"), Some("0000000000000000"));
+}
+
+#[tokio::test]
+async fn the_sandbox_sees_only_its_own_processes_and_bwrap_has_no_environment() {
+    if !sandbox_or_skip("the_sandbox_sees_only_its_own_processes_and_bwrap_has_no_environment") {
+        return;
+    }
+    let f = Fixture::new().await;
+    if f.capability.proc_fallback {
+        panic!("this host only allows --ro-bind /proc; the fresh-procfs claim cannot be checked here");
+    }
+    let (_, out) = f
+        .shell("ls /proc | grep -E '^[0-9]+$' | sort -n | tr '\\n' ' '; echo; tr '\\0' '\\n' </proc/1/environ | wc -c; cat /proc/1/cmdline | tr '\\0' ' '")
+        .await;
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    let pids: Vec<u32> = lines[0].split_whitespace().map(|p| p.parse().unwrap()).collect();
+    assert!(pids.contains(&1), "{pids:?}");
+    assert!(pids.iter().all(|p| *p < 50), "host processes visible: {pids:?}");
+    // bwrap is PID 1 here; sandbox-init exec'd it with an empty environment (R-SBX-7).
+    assert_eq!(lines[1].trim(), "0", "bwrap's environment leaks into the sandbox: {}", out.stderr);
+    assert!(lines[2].contains("bwrap"), "{}", lines[2]);
+}
+
+#[tokio::test]
+async fn filesystem_view() {
+    if !sandbox_or_skip("filesystem_view") {
+        return;
+    }
+    let f = Fixture::new().await;
+    std::fs::write(f.workspace.join("input.txt"), "from host").unwrap();
+    let data_dir = f.data_dir.canonicalize().unwrap();
+    let script = format!(
+        "touch /usr/escape 2>/dev/null && echo usr-writable || echo usr-readonly
+test -e /root && echo root-visible || echo root-hidden
+test -e /home && echo home-visible || echo home-hidden
+test -e {data} && echo data-visible || echo data-hidden
+cat /workspace/input.txt; echo
+echo written > /workspace/output.txt && echo workspace-writable
+pwd
+id -un
+grep -c . /etc/passwd
+echo $HOME $PATH
+env | cut -d= -f1 | sort | tr '\\n' ' '",
+        data = data_dir.display()
+    );
+    let (outcome, out) = f.shell(&script).await;
+    assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(
+        &lines[..7],
+        [
+            "usr-readonly",
+            "root-hidden",
+            "home-hidden",
+            "data-hidden",
+            "from host",
+            "workspace-writable",
+            "/workspace"
+        ]
+    );
+    let me = nix_user_name();
+    assert!(lines[7] == me || lines[7] == "sciencediscovery", "{}", lines[7]);
+    assert_eq!(lines[8], "1", "one passwd line");
+    assert_eq!(lines[9], "/tmp /usr/bin:/bin");
+    assert_eq!(std::fs::read_to_string(f.workspace.join("output.txt")).unwrap(), "written\n");
+    // Nothing but what the launch injected (plus what bash itself sets).
+    for var in lines[10].split_whitespace() {
+        assert!(
+            [
+                "HOME",
+                "PATH",
+                "PWD",
+                "SHLVL",
+                "_",
+                "OLDPWD",
+                "SSL_CERT_FILE",
+                "CURL_CA_BUNDLE",
+                "REQUESTS_CA_BUNDLE",
+                "SSL_CERT_DIR"
+            ]
+            .contains(&var),
+            "unexpected variable {var}"
+        );
+    }
+}
+
+fn nix_user_name() -> String {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    std::fs::read_to_string("/etc/passwd")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split(':').nth(2) == Some(&uid.to_string()))
+        .and_then(|l| l.split(':').next().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn the_command_inherits_only_stdio() {
+    if !sandbox_or_skip("the_command_inherits_only_stdio") {
+        return;
+    }
+    // Leak an inheritable descriptor in runnerd's process, as a careless library might.
+    // SAFETY: opening /dev/null without O_CLOEXEC; closed below.
+    let leaked = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY) };
+    let f = Fixture::new().await;
+    let (outcome, out) = f.shell("exec ls -l /proc/self/fd").await;
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(leaked) };
+    assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
+    let fds: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter_map(|l| l.split_once(" -> "))
+        .filter(|(_, target)| !target.starts_with("/proc/"))
+        .filter_map(|(left, _)| left.split_whitespace().last())
+        .collect();
+    // Not the seccomp program (3), not bwrap's info pipe (4), not the leaked descriptor.
+    assert_eq!(fds, ["0", "1", "2"], "{}", out.stdout);
+}
+
+#[tokio::test]
+async fn no_network_in_the_baseline() {
+    if !sandbox_or_skip("no_network_in_the_baseline") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let (outcome, out) = f
+        .run(
+            f.launch(
+                runnerd::sandbox::Language::Python,
+                "import urllib.request\ntry:\n    urllib.request.urlopen('http://127.0.0.1:9', timeout=2)\nexcept Exception as e:\n    print(type(e).__name__, e)\n",
+                Some(std::time::Duration::from_secs(30)),
+            ),
+            1 << 20,
+        )
+        .await;
+    assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("PermissionError") || out.stdout.contains("Errno 1"),
+        "expected the socket call to be refused: {}",
+        out.stdout
+    );
+}

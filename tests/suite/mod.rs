@@ -1,0 +1,3 @@
+mod isolation;
+mod lifecycle;
+mod preflight;

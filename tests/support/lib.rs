@@ -1,0 +1,191 @@
+//! Test support: where the built binaries are, whether this host can run sandboxes (and
+//! what to do when it cannot), and a fixture that runs scripts in real sandboxes.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use runnerd::launch::{CollectedOutput, Launch, Launcher, Outcome, OutputBudget};
+use runnerd::sandbox::preflight::{self, Capability};
+use runnerd::sandbox::{HostRuntime, Language, SandboxSpec, WorkspaceLayout, argv, host};
+
+/// Directory of the workspace's built binaries: `$RUNNER_BIN_DIR`, else the cargo target
+/// directory this test binary was built into (`target/<profile>/deps/..`).
+pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("RUNNER_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent().and_then(Path::parent).expect("target/<profile>").to_owned()
+}
+
+/// A built binary of the workspace; panics with the command that builds it.
+pub fn bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace first (`cargo build --workspace`), or use scripts/test",
+        path.display()
+    );
+    path
+}
+
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// The resolved system bwrap.
+pub fn bwrap() -> PathBuf {
+    preflight::resolve_bwrap("bwrap", std::env::var_os("PATH").as_deref()).expect("bubblewrap is installed")
+}
+
+fn bwrap_or_default() -> PathBuf {
+    preflight::resolve_bwrap("bwrap", std::env::var_os("PATH").as_deref())
+        .unwrap_or_else(|_| "/usr/bin/bwrap".into())
+}
+
+/// Whether real sandboxes can run here. In CI a test that needs one must fail, not skip;
+/// elsewhere it skips with a loud message.
+pub fn sandbox_or_skip(test: &str) -> bool {
+    static USABLE: OnceLock<Result<(), String>> = OnceLock::new();
+    let usable = USABLE.get_or_init(|| {
+        let bwrap = preflight::resolve_bwrap("bwrap", std::env::var_os("PATH").as_deref())
+            .map_err(|e| e.to_string())?;
+        let status = std::process::Command::new(&bwrap)
+            .args(preflight::probe_args(argv::ProcMode::New, false))
+            .stderr(std::process::Stdio::null())
+            .status()
+            .map_err(|e| e.to_string())?;
+        let bind = || {
+            std::process::Command::new(&bwrap)
+                .args(preflight::probe_args(argv::ProcMode::Bind, false))
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if status.success() || bind() {
+            Ok(())
+        } else {
+            Err(format!("{} cannot build a sandbox", bwrap.display()))
+        }
+    });
+    match usable {
+        Ok(()) => true,
+        Err(why) if in_ci() => panic!("{test}: this CI machine cannot run sandboxes: {why}"),
+        Err(why) => {
+            eprintln!("\n!!! SKIPPING {test}: no usable sandbox on this machine ({why}) !!!\n");
+            false
+        }
+    }
+}
+
+/// A data directory with a workspace, a launcher, and the host's probed sandbox form.
+#[derive(Debug)]
+pub struct Fixture {
+    pub dir: tempfile::TempDir,
+    pub data_dir: PathBuf,
+    pub workspace: PathBuf,
+    pub launcher: Launcher,
+    pub host: HostRuntime,
+    pub capability: Capability,
+    pub bwrap: PathBuf,
+}
+
+impl Fixture {
+    /// Must be called inside a tokio runtime.
+    pub async fn new() -> Fixture {
+        let dir = tempfile::Builder::new().prefix("runner-test-").tempdir().expect("tempdir");
+        let data_dir = dir.path().join("data");
+        let workspace = data_dir.join("projects/p/sessions/s/workspace");
+        std::fs::create_dir_all(&workspace).unwrap();
+        let launcher = Launcher::new(bin("sandbox-init")).expect("launcher");
+        let host = host::detect_host_runtime(&data_dir).expect("host runtime");
+        let bwrap = bwrap();
+        let cache = preflight::CapabilityCache::default();
+        let capability = cache.get(&launcher, &bwrap).await;
+        Fixture { dir, data_dir, workspace, launcher, host, capability, bwrap }
+    }
+
+    /// The launch for `code` in `language`, under the baseline profile.
+    pub fn launch(&self, language: Language, code: &str, timeout: Option<Duration>) -> Launch {
+        let shape = self.capability.shape().expect("the probes found a usable sandbox");
+        let layout = WorkspaceLayout::new(self.workspace.canonicalize().unwrap(), None);
+        let cmd = argv::build(&SandboxSpec {
+            shape,
+            host: &self.host,
+            workspace: &layout,
+            cwd: None,
+            language,
+            interpreter_masks: &[],
+            python: "/usr/bin/python3",
+        });
+        Launch {
+            bwrap: self.bwrap.clone(),
+            args: cmd.args(),
+            seccomp: Some(cmd.seccomp),
+            info_fd: true,
+            rlimits: runnerd::launch::default_rlimits(Some(10 << 30)),
+            stdin: code.as_bytes().to_vec(),
+            timeout,
+        }
+    }
+
+    /// A fixture for launches that do not need a working sandbox (no probes are run).
+    pub async fn new_without_probe() -> Fixture {
+        let dir = tempfile::Builder::new().prefix("runner-test-").tempdir().expect("tempdir");
+        let data_dir = dir.path().join("data");
+        let workspace = data_dir.join("projects/p/sessions/s/workspace");
+        std::fs::create_dir_all(&workspace).unwrap();
+        let launcher = Launcher::new(bin("sandbox-init")).expect("launcher");
+        let capability = Capability {
+            reason: preflight::CapabilityReason::SandboxUnusable,
+            sandbox_usable: false,
+            disable_userns: false,
+            proc_mode: argv::ProcMode::New,
+            proc_fallback: false,
+            detail: Some("not probed".into()),
+            proc_detail: None,
+        };
+        Fixture {
+            dir,
+            data_dir,
+            workspace,
+            launcher,
+            host: HostRuntime::default(),
+            capability,
+            bwrap: bwrap_or_default(),
+        }
+    }
+
+    pub async fn run(&self, launch: Launch, budget: u64) -> (Outcome, CollectedOutput) {
+        let mut output = OutputBudget::new(budget);
+        let outcome = self.launcher.run(launch, &mut output).await.expect("launch");
+        (outcome, output.finish())
+    }
+
+    /// Runs a bash script in a baseline sandbox; panics on launch errors.
+    pub async fn shell(&self, script: &str) -> (Outcome, CollectedOutput) {
+        self.run(self.launch(Language::Shell, script, Some(Duration::from_secs(60))), 1 << 20).await
+    }
+
+    /// Copies the probe binary into the workspace; returns its sandbox path.
+    pub fn install_probe(&self) -> &'static str {
+        std::fs::copy(bin("sbx-probe"), self.workspace.join("sbx-probe")).expect("copy sbx-probe");
+        "/workspace/sbx-probe"
+    }
+}
+
+/// Host processes whose command line contains `needle` (other than ourselves).
+pub fn processes_matching(needle: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me)
+        .filter_map(|pid| {
+            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
+            cmd.contains(needle).then_some((pid, cmd))
+        })
+        .collect()
+}
