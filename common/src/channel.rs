@@ -173,7 +173,7 @@ mod tests {
         assert!(matches!(read_message::<LaunchPlan>(&mut &b"\x01\x00"[..]), Err(ChannelError::Read(_))));
         let huge = (MAX_FRAME as u32 + 1).to_le_bytes();
         assert!(matches!(read_message::<LaunchPlan>(&mut &huge[..]), Err(ChannelError::TooLarge { .. })));
-        let garbage = [4, 0, 0, 0, 1, 0xff, 0xff, 0xff];
+        let garbage = [4, 0, 0, 0, PROTOCOL_VERSION as u8, 0xff, 0xff, 0xff];
         assert!(matches!(read_message::<LaunchPlan>(&mut &garbage[..]), Err(ChannelError::Decode(_))));
         let mut frame = encode_frame(PROTOCOL_VERSION, &7u32).unwrap();
         frame.push(9);

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a message layout on the runnerd ↔ sandbox-init channel changes.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// bwrap reads the seccomp program from this descriptor (`--seccomp 3`).
 pub const SECCOMP_FD: i32 = 3;
@@ -22,7 +22,8 @@ pub const MAX_TARGET_FD: i32 = 64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rlimit {
     pub resource: Resource,
-    /// `None` means unlimited.
+    /// `None` keeps the current value (an unprivileged process cannot raise a hard limit,
+    /// so "unlimited" is never implied).
     pub soft: Option<u64>,
     pub hard: Option<u64>,
 }
@@ -107,9 +108,9 @@ impl LaunchPlan {
             if self.rlimits[..i].iter().any(|l| l.resource == limit.resource) {
                 return Err(PlanError::DuplicateRlimit(limit.resource));
             }
-            let soft = limit.soft.unwrap_or(u64::MAX);
-            let hard = limit.hard.unwrap_or(u64::MAX);
-            if soft > hard {
+            if let (Some(soft), Some(hard)) = (limit.soft, limit.hard)
+                && soft > hard
+            {
                 return Err(PlanError::SoftAboveHard(limit.resource));
             }
         }
@@ -117,10 +118,13 @@ impl LaunchPlan {
     }
 }
 
-/// What `sandbox-init` sends back. Success has no message: the channel is close-on-exec,
-/// so a successful `execve` shows up as end-of-file.
+/// What `sandbox-init` sends back: `Executing` right before `execve`, then nothing — the
+/// channel is close-on-exec, so end-of-file after `Executing` means bwrap is running — or
+/// `Failed`. End-of-file without either means sandbox-init died (it was killed, or started
+/// wrongly), which runnerd must not mistake for a running sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum InitReport {
+    Executing,
     Failed(InitFailure),
 }
 
@@ -196,7 +200,7 @@ mod tests {
             ),
             (
                 Box::new(|p| {
-                    p.rlimits = vec![Rlimit { resource: Resource::NoFile, soft: None, hard: Some(5) }]
+                    p.rlimits = vec![Rlimit { resource: Resource::NoFile, soft: Some(6), hard: Some(5) }]
                 }),
                 Some(PlanError::SoftAboveHard(Resource::NoFile)),
             ),

@@ -23,7 +23,7 @@ use common::channel::{self, encode_frame};
 use common::plan::{LaunchPlan, PROTOCOL_VERSION};
 use common::seccomp::{self, Arch, Profile};
 
-use crate::launch::{Launch, Launcher, OutputSink, Stream, Termination, default_rlimits};
+use crate::launch::{Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup;
 
@@ -79,6 +79,9 @@ impl OutputSink for Discard {
 struct Setup {
     launcher: Arc<Launcher>,
     bwrap: PathBuf,
+    /// What the launcher gets; `args` is what bare bwrap gets: the same argv.
+    options: Vec<String>,
+    command: Vec<String>,
     args: Vec<String>,
     program: Vec<u8>,
     _scratch: Scratch,
@@ -111,11 +114,21 @@ async fn setup() -> anyhow::Result<Setup> {
         language: Language::Shell,
         interpreter_masks: &[],
         python: "/usr/bin/python3",
+        science_env: None,
     });
-    let mut args = cmd.options.clone();
-    args.push("/usr/bin/true".into());
+    let options = cmd.options.clone();
+    let command = vec!["/usr/bin/true".to_owned()];
+    let args = bwrap_args(&options, true, &command);
     let program = seccomp::compile(cmd.seccomp, Arch::host()?)?.bytes().to_vec();
-    Ok(Setup { launcher: Arc::new(runtime.launcher), bwrap: runtime.bwrap, args, program, _scratch: scratch })
+    Ok(Setup {
+        launcher: Arc::new(runtime.launcher),
+        bwrap: runtime.bwrap,
+        options,
+        command,
+        args,
+        program,
+        _scratch: scratch,
+    })
 }
 
 fn sealed_memfd(bytes: &[u8]) -> anyhow::Result<OwnedFd> {
@@ -167,12 +180,13 @@ async fn init_once(setup: &Setup) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let launch = Launch {
         bwrap: setup.bwrap.clone(),
-        args: setup.args.clone(),
-        seccomp: Some(Profile::Baseline),
-        info_fd: true,
+        options: setup.options.clone(),
+        command: setup.command.clone(),
+        filter: Some(Filter::Profile(Profile::Baseline)),
         rlimits: default_rlimits(None),
         stdin: Vec::new(),
         timeout: Some(Duration::from_secs(30)),
+        cancel: None,
     };
     let outcome = setup.launcher.run(launch, &mut Discard).await?;
     if outcome.termination != Termination::Exited(0) {

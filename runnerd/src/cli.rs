@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::launch::{Launch, OutputBudget, Termination, default_rlimits};
+use crate::launch::{Launch, OutputBudget, Termination};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup::{self, SandboxConfig, SandboxRuntime};
 
@@ -119,17 +119,12 @@ async fn selftest() -> anyhow::Result<i32> {
         language: Language::Shell,
         interpreter_masks: &[],
         python: "/usr/bin/python3",
+        science_env: None,
     });
     let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
-    let launch = Launch {
-        bwrap: runtime.bwrap.clone(),
-        args: cmd.args(),
-        seccomp: Some(cmd.seccomp),
-        info_fd: true,
-        rlimits: default_rlimits(None),
-        stdin: script.as_bytes().to_vec(),
-        timeout: Some(Duration::from_secs(30)),
-    };
+    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd);
+    launch.stdin = script.as_bytes().to_vec();
+    launch.timeout = Some(Duration::from_secs(30));
     let mut output = OutputBudget::new(64 * 1024);
     let outcome =
         runtime.launcher.run(launch, &mut output).await.context("launching the selftest sandbox")?;

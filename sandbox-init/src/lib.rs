@@ -7,7 +7,8 @@
 //! one fixed order and execs bwrap:
 //!
 //! 0. Arm `PR_SET_PDEATHSIG(SIGKILL)`, so the launch dies with runnerd; stop if it already did.
-//! 1. Check that the channel on fd 0 was made by our parent (else runnerd died before step 0,
+//! 1. Make room for staging descriptors (soft `RLIMIT_NOFILE`), check that the channel on
+//!    fd 0 was made by our parent (else runnerd died before step 0,
 //!    or we were started by hand) and move it to a close-on-exec descriptor above every
 //!    target number.
 //! 2. Read the plan; a protocol version mismatch is reported as such.
@@ -19,12 +20,12 @@
 //! 7. Apply the resource limits (core 0, nofile, fsize; nproc/as when configured).
 //! 8. Reset every signal disposition to default and unblock all signals (Rust ignores
 //!    SIGPIPE in its runtime, and an ignored disposition survives exec).
-//! 9. `execve` bwrap with an **empty environment** (R-SBX-7): bwrap stays PID 1 of the
-//!    sandbox and its environment is readable at `/proc/1/environ` from inside.
+//! 9. Send `Executing`, then `execve` bwrap with an **empty environment** (R-SBX-7): bwrap
+//!    stays PID 1 of the sandbox and its environment is readable at `/proc/1/environ`.
 //!
 //! Any failure, including the exec itself, is sent back as an [`InitFailure`] and the
-//! process exits with 127. Success is seen by runnerd as end-of-file: the channel is
-//! close-on-exec.
+//! process exits with 127. Success is seen by runnerd as `Executing` followed by
+//! end-of-file (the channel is close-on-exec); end-of-file alone means we died.
 
 mod steps;
 
@@ -74,6 +75,10 @@ pub fn run() -> i32 {
     }
 
     if let Err(message) = steps::die_with_parent() {
+        eprintln!("sandbox-init: {message}");
+        return FAILED_STATUS;
+    }
+    if let Err(message) = steps::room_for_staging() {
         eprintln!("sandbox-init: {message}");
         return FAILED_STATUS;
     }

@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 use common::channel::{self, ChannelError};
-use common::plan::{InitFailure, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit};
+use common::plan::{InitFailure, InitReport, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit};
 use common::sys::{self, cvt};
 
 /// Where received descriptors wait before they move to their targets: above every target
@@ -27,6 +27,25 @@ pub fn die_with_parent() -> Result<(), String> {
     cvt(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) })
         .map(drop)
         .map_err(|e| format!("cannot arm PR_SET_PDEATHSIG: {e}"))
+}
+
+/// Part of step 1: descriptors are staged at numbers up to about [`STAGING_FLOOR`] + 16,
+/// which needs a soft `RLIMIT_NOFILE` above that; raise it (never above the hard limit).
+/// The plan's own limit is applied in step 7.
+pub fn room_for_staging() -> Result<(), String> {
+    // SAFETY: an all-zero rlimit is a valid out-buffer.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: getrlimit writes into the struct we own.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) })
+        .map_err(|e| format!("cannot read RLIMIT_NOFILE: {e}"))?;
+    let needed = (STAGING_FLOOR as libc::rlim_t) + 64;
+    if limit.rlim_cur < needed {
+        limit.rlim_cur = needed.min(limit.rlim_max);
+        // SAFETY: setrlimit reads the struct we pass.
+        cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) })
+            .map_err(|e| format!("cannot raise RLIMIT_NOFILE for staging: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Step 1: the channel arrives as standard input. It must be a socketpair made by our
@@ -90,7 +109,7 @@ fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
     close_other_fds(&plan.fds, channel.as_fd())?;
     apply_rlimits(&plan.rlimits)?;
     reset_signals()?;
-    Err(exec(&plan))
+    Err(exec(&plan, channel))
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -144,7 +163,9 @@ fn close_other_fds(targets: &[RawFd], channel: BorrowedFd<'_>) -> Result<(), Ini
     for (first, last) in &ranges {
         match sys::close_range(*first, *last) {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            // ENOSYS before Linux 5.9; EPERM under container seccomp profiles that refuse
+            // syscalls they do not know.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
                 return close_listed_fds(&ranges);
             }
             Err(e) => return Err(os_failure(InitStep::CloseFds, &e, "close_range")),
@@ -180,9 +201,14 @@ fn apply_rlimits(limits: &[Rlimit]) -> Result<(), InitFailure> {
             Resource::As => libc::RLIMIT_AS,
             Resource::Cpu => libc::RLIMIT_CPU,
         };
+        // SAFETY: an all-zero rlimit is a valid out-buffer.
+        let mut current: libc::rlimit = unsafe { std::mem::zeroed() };
+        // SAFETY: getrlimit writes into the struct we own.
+        cvt(unsafe { libc::getrlimit(resource, &mut current) })
+            .map_err(|e| os_failure(InitStep::Rlimits, &e, format!("reading {:?}", limit.resource)))?;
         let value = libc::rlimit {
-            rlim_cur: limit.soft.unwrap_or(libc::RLIM_INFINITY),
-            rlim_max: limit.hard.unwrap_or(libc::RLIM_INFINITY),
+            rlim_cur: limit.soft.unwrap_or(current.rlim_cur),
+            rlim_max: limit.hard.unwrap_or(current.rlim_max),
         };
         // SAFETY: setrlimit reads the struct we pass.
         cvt(unsafe { libc::setrlimit(resource, &value) }).map_err(|e| {
@@ -223,8 +249,9 @@ fn reset_signals() -> Result<(), InitFailure> {
     Ok(())
 }
 
-/// Step 9.
-fn exec(plan: &LaunchPlan) -> InitFailure {
+/// Step 9: say `Executing`, then exec. The channel is close-on-exec, so runnerd sees
+/// end-of-file right after the marker when the exec succeeds.
+fn exec(plan: &LaunchPlan, channel: &UnixStream) -> InitFailure {
     let to_c = |s: &str| CString::new(s).map_err(|_| failure(InitStep::Exec, 0, "argument with a NUL byte"));
     let program = match to_c(&plan.program) {
         Ok(p) => p,
@@ -240,6 +267,9 @@ fn exec(plan: &LaunchPlan) -> InitFailure {
     let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
     argv_ptrs.push(std::ptr::null());
     let envp: [*const libc::c_char; 1] = [std::ptr::null()];
+    if let Err(e) = channel::write_message(&mut &*channel, &InitReport::Executing) {
+        return failure(InitStep::Exec, 0, format!("could not tell runnerd about the exec: {e}"));
+    }
     // SAFETY: program, argv and envp are NUL-terminated and outlive the call; execve only
     // returns on failure.
     unsafe { libc::execve(program.as_ptr(), argv_ptrs.as_ptr(), envp.as_ptr()) };

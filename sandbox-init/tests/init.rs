@@ -13,6 +13,7 @@ const INIT: &str = env!("CARGO_BIN_EXE_sandbox-init");
 
 struct Run {
     status: std::process::ExitStatus,
+    /// `None`: `Executing` then end-of-file (bwrap — here a shell — is running).
     report: Option<InitReport>,
     stdout: String,
 }
@@ -28,13 +29,16 @@ fn pipe() -> (OwnedFd, OwnedFd) {
 /// Starts sandbox-init, sends `frame` and then stdin(/dev/null), stdout(pipe), stderr and
 /// one extra descriptor at 3, collects what comes back.
 fn launch_with_frame(frame: Vec<u8>, send_fds: bool) -> Run {
+    launch_with(frame, send_fds, |_| {})
+}
+
+fn launch_with(frame: Vec<u8>, send_fds: bool, customize: impl FnOnce(&mut Command)) -> Run {
     let (ours, theirs) = UnixStream::pair().unwrap();
-    let mut child = Command::new(INIT)
-        .stdin(Stdio::from(OwnedFd::from(theirs)))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut command = Command::new(INIT);
+    command.stdin(Stdio::from(OwnedFd::from(theirs))).stdout(Stdio::null()).stderr(Stdio::inherit());
+    customize(&mut command);
+    let mut child = command.spawn().unwrap();
+    drop(command); // it still holds our copy of sandbox-init's end of the channel
     std::io::Write::write_all(&mut &ours, &frame).unwrap();
     let (out_r, out_w) = pipe();
     if send_fds {
@@ -48,9 +52,13 @@ fn launch_with_frame(frame: Vec<u8>, send_fds: bool) -> Run {
     }
     drop(out_w);
     let report = match channel::read_message::<InitReport>(&mut &ours) {
-        Ok(r) => Some(r),
-        Err(channel::ChannelError::Closed) => None,
-        Err(e) => panic!("unexpected channel error: {e}"),
+        Ok(InitReport::Executing) => match channel::read_message::<InitReport>(&mut &ours) {
+            Err(channel::ChannelError::Closed) => None,
+            Ok(after) => Some(after),
+            Err(e) => panic!("unexpected channel error after Executing: {e}"),
+        },
+        Ok(failed) => Some(failed),
+        Err(e) => panic!("sandbox-init closed the channel without a report: {e}"),
     };
     let mut stdout = String::new();
     std::fs::File::from(out_r).read_to_string(&mut stdout).unwrap();
@@ -78,7 +86,7 @@ fn launch(plan: &LaunchPlan) -> Run {
 fn failed_step(run: &Run) -> InitStep {
     match &run.report {
         Some(InitReport::Failed(f)) => f.step,
-        None => panic!("expected a failure report, got a successful exec"),
+        other => panic!("expected a failure report, got {other:?}"),
     }
 }
 
@@ -107,9 +115,26 @@ fn success_is_end_of_file_and_the_program_gets_exactly_the_placed_descriptors() 
 
 #[test]
 fn environment_is_empty_limits_apply_and_signals_are_default() {
-    let script = "env | wc -l; ulimit -c; ulimit -n; ulimit -f; \
+    let script = "env | wc -l; ulimit -c; ulimit -n; ulimit -f; ulimit -Hf; \
                   grep -E '^Sig(Ign|Blk)' /proc/$$/status | tr -s '\\t' ' '";
-    let run = launch(&plan(script));
+    // A careless parent: SIGHUP and SIGINT ignored, SIGUSR1 blocked, a variable set. All of
+    // it would survive exec without sandbox-init's resets.
+    let run = launch_with(encode_frame(PROTOCOL_VERSION, &plan(script)).unwrap(), true, |c| {
+        use std::os::unix::process::CommandExt;
+        c.env("LEAKED_SECRET", "x");
+        // SAFETY: signal(2) and sigprocmask(2) are async-signal-safe.
+        unsafe {
+            c.pre_exec(|| {
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+                libc::signal(libc::SIGINT, libc::SIG_IGN);
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGUSR1);
+                libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+                Ok(())
+            });
+        }
+    });
     assert!(run.report.is_none(), "{:?}", run.report);
     let lines: Vec<&str> = run.stdout.lines().collect();
     // sh itself exports PWD (and nothing else); the parent's environment is gone.
@@ -117,8 +142,10 @@ fn environment_is_empty_limits_apply_and_signals_are_default() {
     assert_eq!(lines[1], "0");
     assert_eq!(lines[2], "512");
     assert_eq!(lines[3], "2048"); // ulimit -f counts 512-byte blocks
-    assert_eq!(lines[4], "SigBlk: 0000000000000000");
-    assert_eq!(lines[5], "SigIgn: 0000000000000000");
+    // The hard FSIZE limit was left as it was (None = unchanged), not raised or lowered.
+    assert_eq!(lines[4], "unlimited");
+    assert_eq!(lines[5], "SigBlk: 0000000000000000");
+    assert_eq!(lines[6], "SigIgn: 0000000000000000");
 }
 
 #[test]

@@ -1,14 +1,25 @@
 //! What code inside a baseline sandbox can and cannot do (R-SBX-4, R-SBX-6, R-SBX-7),
 //! checked from inside real bwrap sandboxes under the real seccomp program.
 
-use runner_tests::{Fixture, sandbox_or_skip};
+use common::seccomp::{self, Arch, Profile};
+use runner_tests::{Filter, Fixture, sandbox_or_skip};
 use runnerd::launch::Termination;
 
 /// Runs the probe binary once per check in one sandbox; returns `check -> answer`.
 async fn probe(f: &Fixture, checks: &[&str]) -> Vec<(String, String)> {
+    probe_under(f, checks, None).await
+}
+
+/// Like [`probe`], under a specific program instead of the launch's own profile.
+async fn probe_under(f: &Fixture, checks: &[&str], filter: Option<Filter>) -> Vec<(String, String)> {
     let exe = f.install_probe();
     let script: String = checks.iter().map(|c| format!("printf '%s ' {c}; {exe} {c}\n")).collect();
-    let (outcome, out) = f.shell(&script).await;
+    let mut launch =
+        f.launch(runnerd::sandbox::Language::Shell, &script, Some(std::time::Duration::from_secs(60)));
+    if filter.is_some() {
+        launch.filter = filter;
+    }
+    let (outcome, out) = f.run(launch, 1 << 20).await;
     assert_eq!(outcome.termination, Termination::Exited(0), "stderr: {}", out.stderr);
     out.stdout
         .lines()
@@ -61,6 +72,42 @@ async fn denied_syscalls_answer_as_the_profile_says() {
     for ((check, want), (got_check, got)) in expected.iter().zip(&answers) {
         assert_eq!(check, got_check);
         assert_eq!(errno_name(got), *want, "{check}");
+    }
+}
+
+/// The same calls under the *marked* baseline program (EPERM answers EHWPOISON instead):
+/// each refusal below comes from our filter, not from missing capabilities or sysctls.
+#[tokio::test]
+async fn the_refusals_come_from_the_filter() {
+    if !sandbox_or_skip("the_refusals_come_from_the_filter") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let marked = seccomp::compile(Profile::Baseline, Arch::host().unwrap()).unwrap().marked(libc::EHWPOISON);
+    let mut checks = vec![
+        "ptrace",
+        "unshare-user",
+        "clone-newuser",
+        "mount",
+        "socket-inet",
+        "socket-unix",
+        "socketpair",
+        "keyctl",
+        "bpf",
+        "perf_event_open",
+        "userfaultfd",
+        "io_uring_setup",
+        "tiocsti",
+        "chroot",
+    ];
+    if cfg!(target_arch = "x86_64") {
+        checks.push("x32-getpid");
+    }
+    let answers = probe_under(&f, &checks, Some(Filter::Program(marked.bytes().into()))).await;
+    assert_eq!(answers.len(), checks.len(), "{answers:?}");
+    for (check, (got_check, got)) in checks.iter().zip(&answers) {
+        assert_eq!(check, got_check);
+        assert_eq!(got, &format!("errno={}", libc::EHWPOISON), "{check} was not refused by the filter");
     }
 }
 

@@ -135,18 +135,23 @@ fn a_sandbox_outlives_an_idle_minute() {
     });
 }
 
+fn plain_launch(bwrap: &str, rlimits: Vec<common::plan::Rlimit>) -> Launch {
+    Launch {
+        bwrap: bwrap.into(),
+        options: Vec::new(),
+        command: vec!["--version".into()],
+        filter: None,
+        rlimits,
+        stdin: Vec::new(),
+        timeout: None,
+        cancel: None,
+    }
+}
+
 #[tokio::test]
 async fn a_missing_bwrap_is_a_typed_error() {
     let f = Fixture::new_without_probe().await;
-    let launch = Launch {
-        bwrap: "/nonexistent/bwrap".into(),
-        args: vec!["--version".into()],
-        seccomp: None,
-        info_fd: false,
-        rlimits: Vec::new(),
-        stdin: Vec::new(),
-        timeout: None,
-    };
+    let launch = plain_launch("/nonexistent/bwrap", Vec::new());
     let mut output = OutputBudget::new(0);
     let err = f.launcher.run(launch, &mut output).await.unwrap_err();
     assert!(matches!(&err, LaunchError::BwrapMissing { path } if path == "/nonexistent/bwrap"), "{err:?}");
@@ -155,19 +160,93 @@ async fn a_missing_bwrap_is_a_typed_error() {
 #[tokio::test]
 async fn a_failing_sandbox_init_step_is_a_typed_error() {
     let f = Fixture::new_without_probe().await;
-    let launch = Launch {
-        bwrap: "/usr/bin/true".into(),
-        args: Vec::new(),
-        seccomp: None,
-        info_fd: false,
-        // Above the kernel's nr_open: sandbox-init's setrlimit step fails.
-        rlimits: vec![common::plan::Rlimit::fixed(common::plan::Resource::NoFile, u64::from(u32::MAX))],
-        stdin: Vec::new(),
-        timeout: None,
-    };
+    // Above the kernel's nr_open: sandbox-init's setrlimit step fails.
+    let too_many = common::plan::Rlimit::fixed(common::plan::Resource::NoFile, u64::from(u32::MAX));
+    let launch = plain_launch("/usr/bin/true", vec![too_many]);
     let mut output = OutputBudget::new(0);
     match f.launcher.run(launch, &mut output).await {
         Err(LaunchError::Init(failure)) => assert_eq!(failure.step, common::plan::InitStep::Rlimits),
         other => panic!("expected an rlimit failure, got {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn an_early_failure_survives_the_connection_reset() {
+    // sandbox-init refuses a relative bwrap path before it receives its descriptors; it exits
+    // with them unread, the kernel resets the channel, and the report must still arrive.
+    let f = Fixture::new_without_probe().await;
+    for _ in 0..5 {
+        let mut output = OutputBudget::new(0);
+        match f.launcher.run(plain_launch("bwrap", Vec::new()), &mut output).await {
+            Err(LaunchError::Init(failure)) => assert_eq!(failure.step, common::plan::InitStep::ValidatePlan),
+            other => panic!("expected a ValidatePlan failure, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn descriptor_options_belong_to_the_launcher() {
+    let f = Fixture::new_without_probe().await;
+    for reserved in ["--seccomp", "--info-fd", "--json-status-fd"] {
+        let mut launch = plain_launch("/usr/bin/true", Vec::new());
+        launch.options = vec![reserved.into(), "9".into()];
+        let mut output = OutputBudget::new(0);
+        let err = f.launcher.run(launch, &mut output).await.unwrap_err();
+        assert!(matches!(&err, LaunchError::ReservedOption(o) if o == reserved), "{err:?}");
+    }
+}
+
+#[tokio::test]
+async fn timeouts_at_any_moment_of_the_start_leave_nothing_behind() {
+    if !sandbox_or_skip("timeouts_at_any_moment_of_the_start_leave_nothing_behind") {
+        return;
+    }
+    // Timeouts from 0 to ~12 ms land before, during and after bwrap sets the sandbox up;
+    // each must still end the sandbox and return.
+    let f = Fixture::new().await;
+    let marker = format!("{}", 600_000 + std::process::id() % 90_000);
+    for i in 0..40u64 {
+        let launch =
+            f.launch(Language::Shell, &format!("sleep 6{marker}"), Some(Duration::from_micros(i * 300)));
+        let mut output = OutputBudget::new(1 << 16);
+        // A liveness guard, not a performance threshold: a hung run never returns.
+        let outcome = tokio::time::timeout(Duration::from_secs(60), f.launcher.run(launch, &mut output))
+            .await
+            .unwrap_or_else(|_| panic!("run {i} never returned"))
+            .expect("launch");
+        assert_eq!(outcome.termination, Termination::TimedOut, "run {i}");
+    }
+    // The watcher tasks may still be delivering late kills; give them their grace period.
+    for _ in 0..300 {
+        let left = processes_matching(&format!("6{marker}"));
+        if left.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("processes survived early timeouts: {:?}", processes_matching(&format!("6{marker}")));
+}
+
+#[tokio::test]
+async fn cancellation_ends_the_sandbox_and_says_so() {
+    if !sandbox_or_skip("cancellation_ends_the_sandbox_and_says_so") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let marker = format!("{}", 500_000 + std::process::id() % 90_000);
+    let (cancel, rx) = tokio::sync::watch::channel(false);
+    let mut launch =
+        f.launch(Language::Shell, &format!("echo started; sleep 7{marker} & sleep 7{marker}"), None);
+    launch.cancel = Some(rx);
+    let mut output = OutputBudget::new(1 << 16);
+    let run = f.launcher.run(launch, &mut output);
+    let canceller = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        cancel.send(true).unwrap();
+    };
+    let (outcome, ()) = tokio::join!(run, canceller);
+    assert_eq!(outcome.expect("launch").termination, Termination::Cancelled);
+    assert_eq!(output.finish().stdout, "started\n");
+    let left = processes_matching(&format!("sleep 7{marker}"));
+    assert!(left.is_empty(), "{left:?}");
 }

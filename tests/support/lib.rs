@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+pub use runnerd::launch::Filter;
 use runnerd::launch::{CollectedOutput, Launch, Launcher, Outcome, OutputBudget};
 use runnerd::sandbox::preflight::{self, Capability};
 use runnerd::sandbox::{HostRuntime, Language, SandboxSpec, WorkspaceLayout, argv, host};
@@ -94,7 +95,7 @@ pub struct Fixture {
 impl Fixture {
     /// Must be called inside a tokio runtime.
     pub async fn new() -> Fixture {
-        let dir = tempfile::Builder::new().prefix("runner-test-").tempdir().expect("tempdir");
+        let dir = scratch_dir();
         let data_dir = dir.path().join("data");
         let workspace = data_dir.join("projects/p/sessions/s/workspace");
         std::fs::create_dir_all(&workspace).unwrap();
@@ -118,21 +119,18 @@ impl Fixture {
             language,
             interpreter_masks: &[],
             python: "/usr/bin/python3",
+            science_env: None,
         });
-        Launch {
-            bwrap: self.bwrap.clone(),
-            args: cmd.args(),
-            seccomp: Some(cmd.seccomp),
-            info_fd: true,
-            rlimits: runnerd::launch::default_rlimits(Some(10 << 30)),
-            stdin: code.as_bytes().to_vec(),
-            timeout,
-        }
+        let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd);
+        launch.rlimits = runnerd::launch::default_rlimits(Some(10 << 30));
+        launch.stdin = code.as_bytes().to_vec();
+        launch.timeout = timeout;
+        launch
     }
 
     /// A fixture for launches that do not need a working sandbox (no probes are run).
     pub async fn new_without_probe() -> Fixture {
-        let dir = tempfile::Builder::new().prefix("runner-test-").tempdir().expect("tempdir");
+        let dir = scratch_dir();
         let data_dir = dir.path().join("data");
         let workspace = data_dir.join("projects/p/sessions/s/workspace");
         std::fs::create_dir_all(&workspace).unwrap();
@@ -173,6 +171,14 @@ impl Fixture {
         std::fs::copy(bin("sbx-probe"), self.workspace.join("sbx-probe")).expect("copy sbx-probe");
         "/workspace/sbx-probe"
     }
+}
+
+/// A scratch directory for one test. Not under /tmp: the sandbox mounts its own tmpfs there,
+/// which would hide a data directory under /tmp whether or not the sandbox's mounts were
+/// right. `RUNNER_TEST_TMPDIR` overrides; /var/tmp is writable for any test user.
+pub fn scratch_dir() -> tempfile::TempDir {
+    let base = std::env::var_os("RUNNER_TEST_TMPDIR").map(PathBuf::from).unwrap_or_else(|| "/var/tmp".into());
+    tempfile::Builder::new().prefix("runner-test-").tempdir_in(base).expect("scratch directory")
 }
 
 /// Host processes whose command line contains `needle` (other than ourselves).

@@ -66,6 +66,25 @@ impl Program {
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
+
+    /// The same program with every EPERM return answering `errno` instead. Tests run this
+    /// "marked" variant to tell the filter's refusals from the kernel's own EPERM (a process
+    /// without capabilities gets EPERM for `mount` with or without a filter).
+    pub fn marked(&self, errno: i32) -> Program {
+        let eperm = errno_ret(libc::EPERM);
+        Program::new(
+            self.instructions
+                .iter()
+                .map(|i| {
+                    let mut i = i.clone();
+                    if i.code == BPF_RET_K && i.k == eperm {
+                        i.k = errno_ret(errno);
+                    }
+                    i
+                })
+                .collect(),
+        )
+    }
 }
 
 fn stmt(code: u16, k: u32) -> sock_filter {

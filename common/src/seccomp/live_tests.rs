@@ -24,7 +24,7 @@ enum Outcome {
 }
 
 fn marked(program: &[sock_filter]) -> Vec<sock_filter> {
-    program
+    let marked: Vec<sock_filter> = program
         .iter()
         .map(|i| {
             let mut i = i.clone();
@@ -33,7 +33,15 @@ fn marked(program: &[sock_filter]) -> Vec<sock_filter> {
             }
             i
         })
-        .collect()
+        .collect();
+    marked
+}
+
+#[test]
+fn program_marked_matches_the_test_marking() {
+    let program = compile(Profile::Network, host()).unwrap();
+    assert_eq!(program.marked(MARK).instructions(), marked(program.instructions()).as_slice());
+    assert_ne!(program.marked(MARK).bytes(), program.bytes());
 }
 
 /// Forks; the child installs `program`, calls `nr(args)` and exits with the errno.

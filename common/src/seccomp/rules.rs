@@ -146,6 +146,7 @@ const ADDED_DENIALS: &[Syscall] = &[
     sc::FSMOUNT,
     sc::FSPICK,
     sc::MOUNT_SETATTR,
+    sc::OPEN_TREE_ATTR,
     sc::CHROOT,
     sc::ACCT,
     sc::QUOTACTL,

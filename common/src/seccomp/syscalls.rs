@@ -79,6 +79,7 @@ syscalls! {
     FSMOUNT = "fsmount": Some(432), Some(432);
     FSPICK = "fspick": Some(433), Some(433);
     MOUNT_SETATTR = "mount_setattr": Some(442), Some(442);
+    OPEN_TREE_ATTR = "open_tree_attr": Some(467), Some(467);
     CHROOT = "chroot": Some(161), Some(51);
     ACCT = "acct": Some(163), Some(89);
     QUOTACTL = "quotactl": Some(179), Some(60);
@@ -185,7 +186,9 @@ mod tests {
             let ours = by_name(name).and_then(|s| s.number(host));
             assert_eq!(ours, u32::try_from(*number).ok(), "{name} on {host:?}");
         }
-        assert_eq!(libc_table.len() + x86_only(host), ALL.len());
+        // open_tree_attr (Linux 6.15) is newer than this libc's tables.
+        assert_eq!(OPEN_TREE_ATTR.number(host), Some(467));
+        assert_eq!(libc_table.len() + 1 + x86_only(host), ALL.len());
     }
 
     fn x86_only(host: Arch) -> usize {

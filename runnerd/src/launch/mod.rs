@@ -2,48 +2,98 @@
 //!
 //! [`Launcher::run`] prepares the sandbox's descriptors (stdio pipes, a sealed memfd with the
 //! seccomp program, bwrap's info pipe), has the [`spawner`] thread start `sandbox-init` and
-//! hand it the plan, then — all async — waits for the exec (end-of-file on the channel) or a
-//! typed failure, learns the sandbox's PID-namespace init from bwrap's `--info-fd`, feeds
-//! stdin, streams stdout/stderr into an [`OutputSink`], and enforces the wall-clock timeout.
+//! hand it the plan, then — all async — waits for sandbox-init's answer ([`handshake`]),
+//! learns the sandbox's PID-namespace init from bwrap's `--info-fd` ([`sandbox`]), feeds
+//! stdin, streams stdout/stderr into an [`OutputSink`], and enforces the wall-clock timeout
+//! and cancellation.
 //!
 //! A sandbox is ended by SIGKILL to its PID-namespace init (through a pidfd, immune to pid
 //! reuse): the kernel then kills every process in the namespace, background ones included.
-//! The same happens when the future is dropped (a client went away).
+//! The same happens when the run's future is dropped (a client went away).
 
+mod handshake;
 pub mod output;
+mod sandbox;
 pub mod spawner;
 
 use std::io;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::channel::{self, ChannelError};
-use common::plan::{
-    INFO_FD, InitFailure, InitReport, InitStep, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD,
-};
+use common::plan::{INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD};
 use common::seccomp::{self, Arch, Profile, Program, SeccompError};
 use common::sys;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
+use tokio::sync::watch;
 
 pub use output::{CollectedOutput, OutputBudget, OutputSink, Stream};
+use sandbox::Sandbox;
 use spawner::{SpawnError, Spawner};
+
+/// How long the output may keep flowing after a sandbox was ended before the run gives up
+/// on it (every writer is in the killed namespace, so this only trips on a kernel or
+/// bwrap misbehaviour).
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
+/// Which seccomp program bwrap installs.
+#[derive(Debug, Clone)]
+pub enum Filter {
+    Profile(Profile),
+    /// A specific program (tests use marked variants of the profiles).
+    Program(Arc<[u8]>),
+}
 
 /// One sandbox launch, fully decided.
 #[derive(Debug, Clone)]
 pub struct Launch {
     /// Absolute path of bwrap.
     pub bwrap: PathBuf,
-    /// bwrap's arguments, the command included. Must say `--seccomp 3` when `seccomp` is set
-    /// and `--info-fd 4` when `info_fd` is set.
-    pub args: Vec<String>,
-    pub seccomp: Option<Profile>,
-    pub info_fd: bool,
+    /// bwrap's options. The launcher appends `--info-fd 4` and, with a filter, `--seccomp 3`
+    /// itself, so a launch can never name a descriptor it does not get (or run unfiltered
+    /// by forgetting the option); options that name descriptors are refused.
+    pub options: Vec<String>,
+    /// The program and its arguments.
+    pub command: Vec<String>,
+    /// `None` only for preflight probes (the original probes without a filter).
+    pub filter: Option<Filter>,
     pub rlimits: Vec<Rlimit>,
     pub stdin: Vec<u8>,
     pub timeout: Option<Duration>,
+    /// When this turns `true`, the sandbox is ended and the run reports `Cancelled`.
+    pub cancel: Option<watch::Receiver<bool>>,
+}
+
+impl Launch {
+    /// A launch of `cmd` under its seccomp profile with the default limits; callers set
+    /// stdin, timeout and cancellation.
+    pub fn sandboxed(bwrap: PathBuf, cmd: crate::sandbox::SandboxCommand) -> Launch {
+        Launch {
+            bwrap,
+            options: cmd.options,
+            command: cmd.command,
+            filter: Some(Filter::Profile(cmd.seccomp)),
+            rlimits: default_rlimits(None),
+            stdin: Vec::new(),
+            timeout: None,
+            cancel: None,
+        }
+    }
+}
+
+/// bwrap's full argument list for a launch: the options, the launcher's descriptor options,
+/// the command. (Public so the benchmark can give bare bwrap the identical argv.)
+pub fn bwrap_args(options: &[String], filtered: bool, command: &[String]) -> Vec<String> {
+    let mut args = options.to_vec();
+    args.extend(["--info-fd".to_owned(), INFO_FD.to_string()]);
+    if filtered {
+        args.extend(["--seccomp".to_owned(), SECCOMP_FD.to_string()]);
+    }
+    args.extend(command.iter().cloned());
+    args
 }
 
 /// How the sandbox ended.
@@ -55,6 +105,8 @@ pub enum Termination {
     Signaled(i32),
     /// The wall-clock limit expired and the sandbox was killed.
     TimedOut,
+    /// The cancel signal fired and the sandbox was killed.
+    Cancelled,
 }
 
 #[derive(Debug, Clone)]
@@ -71,10 +123,16 @@ pub enum LaunchError {
     BwrapMissing { path: String },
     #[error("sandbox-init could not start bubblewrap")]
     Init(#[source] InitFailure),
+    #[error("sandbox-init exited before it could report; it was killed or its channel was not runnerd's")]
+    InitVanished,
     #[error("could not start sandbox-init")]
     Spawn(#[source] SpawnError),
     #[error("the channel to sandbox-init failed")]
     Channel(#[source] ChannelError),
+    #[error("the launch names descriptor option {0}, which only the launcher may set")]
+    ReservedOption(String),
+    #[error("the sandbox did not finish within {} s of being killed (namespace init {init:?})", DRAIN_LIMIT.as_secs())]
+    Unresponsive { init: Option<i32> },
     #[error("could not {what}")]
     Io {
         what: &'static str,
@@ -88,6 +146,17 @@ pub enum LaunchError {
 fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> LaunchError {
     move |source| LaunchError::Io { what, source }
 }
+
+/// bwrap options that name a descriptor of ours: only the launcher sets them.
+const RESERVED_OPTIONS: &[&str] = &[
+    "--seccomp",
+    "--add-seccomp-fd",
+    "--info-fd",
+    "--json-status-fd",
+    "--sync-fd",
+    "--block-fd",
+    "--userns-block-fd",
+];
 
 /// Starts sandboxes through `sandbox-init`. Sandboxes die with their launcher (their
 /// parent is its spawner thread), so keep one for the life of the daemon.
@@ -116,33 +185,35 @@ impl Launcher {
         &self.init_path
     }
 
-    fn program(&self, profile: Profile) -> &Program {
-        &self.programs.iter().find(|(p, _)| *p == profile).expect("all profiles compiled").1
+    fn program<'a>(&'a self, filter: &'a Filter) -> &'a [u8] {
+        match filter {
+            Filter::Profile(profile) => {
+                self.programs.iter().find(|(p, _)| p == profile).expect("all profiles compiled").1.bytes()
+            }
+            Filter::Program(bytes) => bytes,
+        }
     }
 
     /// Runs one sandbox to its end, streaming its output into `sink`.
     pub async fn run(&self, launch: Launch, sink: &mut dyn OutputSink) -> Result<Outcome, LaunchError> {
         let started = Instant::now();
+        if let Some(reserved) = launch.options.iter().find(|o| RESERVED_OPTIONS.contains(&o.as_str())) {
+            return Err(LaunchError::ReservedOption(reserved.clone()));
+        }
         let (stdin_r, stdin_w) = pipe_pair()?;
         let (stdout_r, stdout_w) = pipe_pair()?;
         let (stderr_r, stderr_w) = pipe_pair()?;
-        let mut fds = vec![stdin_r, stdout_w, stderr_w];
-        let mut targets = vec![0, 1, 2];
-        if let Some(profile) = launch.seccomp {
-            fds.push(sealed_memfd(self.program(profile).bytes())?);
+        let (info_r, info_w) = pipe_pair()?;
+        let mut fds = vec![stdin_r, stdout_w, stderr_w, info_w];
+        let mut targets = vec![0, 1, 2, INFO_FD];
+        if let Some(filter) = &launch.filter {
+            fds.push(sealed_memfd(self.program(filter))?);
             targets.push(SECCOMP_FD);
         }
-        let info_r = if launch.info_fd {
-            let (r, w) = pipe_pair()?;
-            fds.push(w);
-            targets.push(INFO_FD);
-            Some(r)
-        } else {
-            None
-        };
+        let args = bwrap_args(&launch.options, launch.filter.is_some(), &launch.command);
         let plan = LaunchPlan {
             program: launch.bwrap.to_string_lossy().into_owned(),
-            args: launch.args,
+            args,
             fds: targets,
             rlimits: launch.rlimits,
         };
@@ -150,54 +221,76 @@ impl Launcher {
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;
 
         let mut child = spawned.child;
-        let namespace_init: OnceLock<OwnedFd> = OnceLock::new();
-        // bwrap is not reaped before `work` ends, so its pid cannot be reused meanwhile.
-        let bwrap_pidfd = child.id().and_then(|pid| sys::pidfd_open(pid as i32).ok());
-        let mut guard =
-            KillOnDrop { namespace_init: &namespace_init, bwrap: bwrap_pidfd.as_ref(), armed: true };
+        // bwrap (sandbox-init's image after exec) is not reaped before `work` ends, so its
+        // pid cannot be reused meanwhile.
+        let sandbox = Sandbox::new(child.id().map(|p| p as i32).unwrap_or(0));
+        tokio::spawn(sandbox.clone().watch(info_r));
+        let guard = EndOnDrop { sandbox: &sandbox, armed: true };
+
         let work = async {
-            wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
-            let sandbox_pid = match info_r {
-                Some(info) => read_child_pid(info).await,
-                None => None,
-            };
-            if let Some(pidfd) = sandbox_pid.and_then(|pid| sys::pidfd_open(pid).ok()) {
-                let _ = namespace_init.set(pidfd);
-            }
+            handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
             let stdin = pipe::Sender::from_owned_fd(stdin_w).map_err(io_err("open the stdin pipe"))?;
             let feeder = tokio::spawn(feed_stdin(stdin, launch.stdin));
             pump_output(stdout_r, stderr_r, sink).await?;
             let status = child.wait().await.map_err(io_err("wait for bubblewrap"))?;
             feeder.abort();
-            Ok::<_, LaunchError>((status, sandbox_pid))
+            Ok::<_, LaunchError>(status)
         };
         tokio::pin!(work);
-        let timed_out;
-        let result = match launch.timeout {
-            None => {
-                timed_out = false;
-                work.await
-            }
-            Some(limit) => tokio::select! {
-                r = &mut work => { timed_out = false; r }
-                _ = tokio::time::sleep(limit) => {
-                    timed_out = true;
-                    end_sandbox(&namespace_init, bwrap_pidfd.as_ref());
-                    work.await
+        let stop = async {
+            let timeout = async {
+                match launch.timeout {
+                    Some(limit) => tokio::time::sleep(limit).await,
+                    None => std::future::pending().await,
                 }
-            },
+            };
+            let cancel = async {
+                match launch.cancel {
+                    Some(mut rx) => {
+                        if rx.wait_for(|c| *c).await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = timeout => Termination::TimedOut,
+                _ = cancel => Termination::Cancelled,
+            }
         };
-        let (status, sandbox_pid) = result?;
+        let (result, ended) = tokio::select! {
+            r = &mut work => (r, None),
+            why = stop => {
+                sandbox.end();
+                match tokio::time::timeout(DRAIN_LIMIT, &mut work).await {
+                    Ok(r) => (r, Some(why)),
+                    Err(_) => return Err(LaunchError::Unresponsive { init: sandbox.init_pid() }),
+                }
+            }
+        };
+        let mut guard = guard;
+        let status = match (result, ended) {
+            (Ok(status), _) => status,
+            // A sandbox ended during the hand-over reports as ended, not as a broken channel.
+            (Err(_), Some(why)) => {
+                guard.armed = false;
+                return Ok(Outcome {
+                    termination: why,
+                    sandbox_pid: sandbox.init_pid(),
+                    elapsed: started.elapsed(),
+                });
+            }
+            (Err(e), None) => return Err(e),
+        };
         guard.armed = false;
         use std::os::unix::process::ExitStatusExt;
-        let termination = if timed_out {
-            Termination::TimedOut
-        } else if let Some(code) = status.code() {
-            Termination::Exited(code)
-        } else {
-            Termination::Signaled(status.signal().unwrap_or(0))
+        let termination = match (ended, status.code()) {
+            (Some(why), _) => why,
+            (None, Some(code)) => Termination::Exited(code),
+            (None, None) => Termination::Signaled(status.signal().unwrap_or(0)),
         };
-        Ok(Outcome { termination, sandbox_pid, elapsed: started.elapsed() })
+        Ok(Outcome { termination, sandbox_pid: sandbox.init_pid(), elapsed: started.elapsed() })
     }
 }
 
@@ -221,29 +314,16 @@ pub fn default_rlimits(max_file_bytes: Option<u64>) -> Vec<Rlimit> {
 }
 
 /// Ends the sandbox if the run is abandoned (its future dropped) before it finished.
-struct KillOnDrop<'a> {
-    namespace_init: &'a OnceLock<OwnedFd>,
-    bwrap: Option<&'a OwnedFd>,
+struct EndOnDrop<'a> {
+    sandbox: &'a Arc<Sandbox>,
     armed: bool,
 }
 
-impl Drop for KillOnDrop<'_> {
+impl Drop for EndOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            end_sandbox(self.namespace_init, self.bwrap);
+            self.sandbox.end();
         }
-    }
-}
-
-/// SIGKILL to the PID-namespace init: the kernel kills every process in the namespace, and
-/// the bwrap monitor reaps the init and exits by itself. Before bwrap has reported the
-/// init, the monitor is killed instead; `--die-with-parent` then takes the init down.
-/// (Killing both would leave the init a zombie for the host's PID 1 to reap.)
-fn end_sandbox(namespace_init: &OnceLock<OwnedFd>, bwrap: Option<&OwnedFd>) {
-    let target = namespace_init.get().or(bwrap);
-    if let Some(pidfd) = target {
-        // ESRCH (already gone) is fine.
-        let _ = sys::pidfd_send_signal(pidfd.as_fd(), libc::SIGKILL);
     }
 }
 
@@ -270,41 +350,6 @@ fn sealed_memfd(bytes: &[u8]) -> Result<OwnedFd, LaunchError> {
     fcntl(&file, FcntlArg::F_ADD_SEALS(seals))
         .map_err(|e| LaunchError::Io { what: "seal the seccomp memfd", source: e.into() })?;
     Ok(OwnedFd::from(file))
-}
-
-/// End-of-file on the channel means bwrap is running; a message is sandbox-init's failure.
-async fn wait_for_exec(
-    channel: std::os::unix::net::UnixStream,
-    hand_over: Result<(), ChannelError>,
-    bwrap: &str,
-) -> Result<(), LaunchError> {
-    channel.set_nonblocking(true).map_err(io_err("configure the sandbox-init channel"))?;
-    let mut channel =
-        tokio::net::UnixStream::from_std(channel).map_err(io_err("register the sandbox-init channel"))?;
-    let mut bytes = Vec::new();
-    (&mut channel)
-        .take((channel::MAX_FRAME + 4) as u64)
-        .read_to_end(&mut bytes)
-        .await
-        .map_err(|e| LaunchError::Channel(ChannelError::Read(e)))?;
-    if bytes.is_empty() {
-        return hand_over.map_err(LaunchError::Channel);
-    }
-    match channel::read_message::<InitReport>(&mut bytes.as_slice()).map_err(LaunchError::Channel)? {
-        InitReport::Failed(f) if f.step == InitStep::Exec && f.errno == libc::ENOENT => {
-            Err(LaunchError::BwrapMissing { path: bwrap.to_owned() })
-        }
-        InitReport::Failed(f) => Err(LaunchError::Init(f)),
-    }
-}
-
-/// bwrap's `--info-fd` JSON: `{"child-pid": N, …}`, then end-of-file.
-async fn read_child_pid(info: OwnedFd) -> Option<i32> {
-    let mut info = pipe::Receiver::from_owned_fd(info).ok()?;
-    let mut text = Vec::new();
-    (&mut info).take(64 * 1024).read_to_end(&mut text).await.ok()?;
-    let value: serde_json::Value = serde_json::from_slice(&text).ok()?;
-    value.get("child-pid")?.as_i64().and_then(|p| i32::try_from(p).ok())
 }
 
 async fn feed_stdin(mut stdin: pipe::Sender, bytes: Vec<u8>) {

@@ -132,7 +132,11 @@ fn push_tail(tail: &mut VecDeque<u8>, cap: usize, bytes: &[u8]) {
 /// become a 3-byte replacement and break the budget); invalid bytes the program wrote
 /// itself are replaced.
 fn render(s: StreamBuf, marker: &str) -> String {
-    let Some(cap) = s.cap else { return String::from_utf8_lossy(&s.head).into_owned() };
+    let Some(cap) = s.cap else {
+        // Replacement characters can outgrow the bytes they replace; the share stays fixed.
+        let share = s.head.len();
+        return clamp(String::from_utf8_lossy(&s.head).into_owned(), share);
+    };
     if marker.len() >= cap {
         let mut end = cap;
         while !marker.is_char_boundary(end) {
@@ -147,6 +151,18 @@ fn render(s: StreamBuf, marker: &str) -> String {
     text.push_str(&String::from_utf8_lossy(head));
     text.push_str(marker);
     text.push_str(&String::from_utf8_lossy(tail));
+    clamp(text, cap)
+}
+
+/// Cuts `text` to at most `limit` bytes, at a character boundary.
+fn clamp(mut text: String, limit: usize) -> String {
+    if text.len() > limit {
+        let mut end = limit;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
     text
 }
 
@@ -246,6 +262,18 @@ mod tests {
             assert!(out.stdout.len() as u64 <= budget, "{budget}: {}", out.stdout.len());
             assert!(!out.stdout.contains('\u{FFFD}'), "{budget}");
         }
+    }
+
+    #[test]
+    fn invalid_bytes_never_break_the_budget() {
+        let binary: Vec<u8> = (0..20_000u32).map(|i| (0x80 + i % 64) as u8).collect();
+        for budget in [100u64, 1000, 4096] {
+            let out = collect(budget, &[(Stream::Stdout, &binary[..50]), (Stream::Stderr, &binary)]);
+            assert!(out.stdout.len() + out.stderr.len() <= budget as usize, "{budget}");
+        }
+        // Untruncated but invalid: kept within its own byte count.
+        let out = collect(1000, &[(Stream::Stdout, &binary[..30])]);
+        assert!(out.stdout.len() <= 30);
     }
 
     #[test]

@@ -105,6 +105,10 @@ fn spawn_one(init_path: &PathBuf, frame: Vec<u8>, fds: Vec<OwnedFd>) -> Result<S
         .map_err(|source| SpawnError::Spawn { path: init_path.clone(), source })?;
     let hand_over = hand_over(&ours, &frame, &fds);
     drop(fds);
+    if hand_over.is_err() {
+        // sandbox-init may be waiting for the rest; end-of-file makes it report and exit.
+        let _ = ours.shutdown(std::net::Shutdown::Write);
+    }
     Ok(Spawned { child, channel: ours, hand_over })
 }
 

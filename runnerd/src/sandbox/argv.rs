@@ -6,11 +6,11 @@
 //! * `--new-session` stays (the original drops it to kill by process group). It is our
 //!   TIOCSTI defence next to the seccomp rule; we end a sandbox by killing its
 //!   PID-namespace init instead, which bwrap reports on `--info-fd 4`.
-//! * `--info-fd 4` is added just before `--seccomp 3`.
+//! * The options end before the descriptor options: the launcher appends `--info-fd 4`
+//!   and `--seccomp 3` itself, the original's last option.
 
 use std::path::{Path, PathBuf};
 
-use common::plan::{INFO_FD, SECCOMP_FD};
 use common::seccomp::Profile;
 use serde::Serialize;
 
@@ -121,12 +121,17 @@ pub struct SandboxSpec<'a> {
     pub interpreter_masks: &'a [PathBuf],
     /// The Python interpreter for `Language::Python` without a science environment.
     pub python: &'a str,
+    /// A science environment prefix to mount read-only at `/opt/science-env` (R-SBX-5).
+    pub science_env: Option<&'a Path>,
 }
+
+/// Where a science environment appears inside the sandbox.
+pub const SCIENCE_ENV_MOUNT: &str = "/opt/science-env";
 
 /// The result: bwrap's options, the command, and what they inject.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxCommand {
-    /// bwrap's options, up to and including `--seccomp 3`.
+    /// bwrap's options (the launcher appends `--info-fd 4 --seccomp 3`).
     pub options: Vec<String>,
     /// The program and its arguments, after the options.
     pub command: Vec<String>,
@@ -174,6 +179,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         push(&mut args, &["--ro-bind", "/dev/null", &lossy(target)]);
     }
     push(&mut args, &["--tmpfs", "/tmp"]);
+    if let Some(prefix) = spec.science_env {
+        let prefix = lossy(prefix);
+        push(&mut args, &["--ro-bind", &prefix, SCIENCE_ENV_MOUNT, "--ro-bind", &prefix, &prefix]);
+    }
     spec.workspace.bind_args(&mut args);
 
     let cwd = match spec.cwd {
@@ -182,8 +191,12 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     };
     push(&mut args, &["--chdir", &cwd, "--clearenv"]);
 
-    let mut env: Vec<(String, String)> =
-        vec![("HOME".into(), "/tmp".into()), ("PATH".into(), "/usr/bin:/bin".into())];
+    let path = match (spec.science_env.is_some(), spec.language) {
+        (false, _) => "/usr/bin:/bin",
+        (true, Language::Shell) => "/opt/science-env/bin:/usr/bin:/bin",
+        (true, Language::Python | Language::R) => "/opt/science-env/bin:/usr/bin",
+    };
+    let mut env: Vec<(String, String)> = vec![("HOME".into(), "/tmp".into()), ("PATH".into(), path.into())];
     match spec.language {
         Language::Python => env.push(("PYTHONNOUSERSITE".into(), "1".into())),
         Language::R => env.push(("R_ENVIRON_USER".into(), "/dev/null".into())),
@@ -194,12 +207,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         push(&mut args, &["--setenv", k, v]);
     }
 
-    let info_fd = INFO_FD.to_string();
-    let seccomp_fd = SECCOMP_FD.to_string();
-    push(&mut args, &["--info-fd", &info_fd, "--seccomp", &seccomp_fd]);
+    let python = if spec.science_env.is_some() { "/opt/science-env/bin/python" } else { spec.python };
     let command: &[&str] = match spec.language {
         Language::Shell => &["/usr/bin/bash", "--noprofile", "--norc", "-euo", "pipefail", "-s"],
-        Language::Python => &[spec.python, "-I", "-"],
+        Language::Python => &[python, "-I", "-"],
         Language::R => &["/opt/science-env/bin/R", "--vanilla", "--slave"],
     };
     let command = command.iter().map(|s| (*s).to_owned()).collect();
@@ -223,6 +234,7 @@ mod tests {
             language: Language::Shell,
             interpreter_masks: &[],
             python: "/usr/bin/python3",
+            science_env: None,
         }
     }
 
@@ -279,10 +291,6 @@ mod tests {
             "--setenv",
             "PATH",
             "/usr/bin:/bin",
-            "--info-fd",
-            "4",
-            "--seccomp",
-            "3",
             "/usr/bin/bash",
             "--noprofile",
             "--norc",
@@ -320,7 +328,8 @@ mod tests {
                     assert!(a.iter().any(|x| x == flag), "{flag}");
                 }
                 assert!(position(a, &["--cap-drop", "ALL"]).is_some());
-                assert!(position(a, &["--seccomp", "3"]).is_some());
+                // The launcher owns the descriptor options.
+                assert!(!a.iter().any(|x| x == "--seccomp" || x == "--info-fd"));
                 assert!(!a.iter().any(|x| x == "--share-net"));
                 let first_ro = position(a, &["--ro-bind"]).unwrap();
                 assert_eq!(a[first_ro + 1], "/usr");
@@ -441,6 +450,31 @@ mod tests {
             "--slave".into()
         ]));
         assert_eq!(cmd.env[2], ("R_ENVIRON_USER".into(), "/dev/null".into()));
+    }
+
+    #[test]
+    fn science_environment_mounts_read_only_and_leads_path() {
+        let h = host();
+        let ws = plain();
+        let prefix = PathBuf::from("/data/scientific-envs/envs/starter-python");
+        let mut s = spec(&h, &ws, FULL);
+        s.science_env = Some(&prefix);
+        let cases = [
+            (Language::Shell, "/opt/science-env/bin:/usr/bin:/bin", "/usr/bin/bash"),
+            (Language::Python, "/opt/science-env/bin:/usr/bin", "/opt/science-env/bin/python"),
+            (Language::R, "/opt/science-env/bin:/usr/bin", "/opt/science-env/bin/R"),
+        ];
+        for (language, path, program) in cases {
+            s.language = language;
+            let cmd = build(&s);
+            let p = prefix.to_str().unwrap();
+            let bind =
+                position(&cmd.options, &["--ro-bind", p, "/opt/science-env", "--ro-bind", p, p]).unwrap();
+            assert!(bind > position(&cmd.options, &["--tmpfs", "/tmp"]).unwrap());
+            assert!(bind < position(&cmd.options, &["--bind"]).unwrap());
+            assert_eq!(cmd.env[1], ("PATH".into(), path.into()), "{language:?}");
+            assert_eq!(cmd.command[0], program);
+        }
     }
 
     #[test]

@@ -78,12 +78,20 @@ fn is_executable(path: &Path) -> bool {
 /// Runs `bwrap --help` (not a sandbox: a plain child) and checks the six options.
 pub async fn check_bwrap_options(bwrap: &Path) -> Result<(), PreflightError> {
     let path = bwrap.to_string_lossy().into_owned();
-    let out = tokio::process::Command::new(bwrap)
+    let help = tokio::process::Command::new(bwrap)
         .arg("--help")
         .env_clear()
         .stdin(std::process::Stdio::null())
-        .output()
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(PROBE_TIMEOUT, help)
         .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::other(format!(
+                "--help did not finish within {} ms",
+                PROBE_TIMEOUT.as_millis()
+            )))
+        })
         .map_err(|source| match source.kind() {
             std::io::ErrorKind::NotFound => PreflightError::Missing { path: path.clone(), code: "ENOENT" },
             _ => PreflightError::Unrunnable { path: path.clone(), source },
@@ -222,14 +230,17 @@ pub struct LaunchProber<'a> {
 
 impl Prober for LaunchProber<'_> {
     async fn probe(&self, proc_mode: ProcMode, disable_userns: bool) -> Result<(), String> {
+        let mut options = probe_args(proc_mode, disable_userns);
+        let command = options.split_off(options.len() - 1);
         let launch = Launch {
             bwrap: self.bwrap.to_owned(),
-            args: probe_args(proc_mode, disable_userns),
-            seccomp: None,
-            info_fd: false,
+            options,
+            command,
+            filter: None,
             rlimits: Vec::new(),
             stdin: Vec::new(),
             timeout: Some(PROBE_TIMEOUT),
+            cancel: None,
         };
         let mut output = OutputBudget::new(PROBE_OUTPUT_BYTES);
         match self.launcher.run(launch, &mut output).await {
