@@ -99,7 +99,7 @@ async fn setup() -> anyhow::Result<Setup> {
     let workspace = scratch.join("projects/bench");
     std::fs::create_dir_all(&workspace).with_context(|| format!("creating {}", workspace.display()))?;
     let scratch = Scratch(scratch);
-    let mut config = crate::cli::sandbox_config_from_env();
+    let mut config = crate::cli::sandbox_config_from_env()?;
     config.data_dir = scratch.0.join("data");
     let runtime = startup::prepare(&config).await?;
     let Some(shape) = runtime.capability.shape() else {

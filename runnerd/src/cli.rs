@@ -1,52 +1,70 @@
 //! The `runnerd` command line.
 
+use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 
+use crate::app::{App, runner_version};
+use crate::config::RunnerConfig;
+use crate::http::{self, Listener};
 use crate::launch::{Launch, OutputBudget, Termination};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup::{self, SandboxConfig, SandboxRuntime};
+use crate::token::{self, Fallback};
+use crate::{audit, error_chain};
 
 const USAGE: &str = "\
 runnerd: the ScienceDiscovery code runner (bubblewrap + seccomp sandboxes for agents).
 
 Usage:
+  runnerd [serve] [--dev] [--insecure-default-token]
+                       serve the HTTP API (127.0.0.1:4311 unless configured)
+      --dev            development start: generate a random token into
+                       <data dir>/runner-token (0600) when none is configured
+      --insecure-default-token
+                       accept the original's well-known token when none is
+                       configured (local compatibility tests only)
   runnerd preflight    check bubblewrap, probe the sandbox form this host allows, publish
                        the seccomp programs, and print the conclusions as JSON
   runnerd selftest     preflight, then run one real sandbox and check what it printed
                        (for deploy scripts: exit status 0 means executions will work)
   runnerd --help | --version
 
-Environment:
-  SCIENCE_AGENT_BWRAP_PATH          bubblewrap binary (default: bwrap, searched in PATH)
-  SCIENCE_AGENT_DATA_DIR            data directory (default: .sciencediscovery-data)
-  SCIENCE_AGENT_SANDBOX_INIT_PATH   sandbox-init binary (default: next to runnerd)
+Configuration (environment; the README lists every variable):
+  SCIENCE_AGENT_RUNNER_HOST / _PORT / _SOCKET   where to listen (default 127.0.0.1:4311)
+  SCIENCE_AGENT_RUNNER_TOKEN / _TOKEN_FILE      the token (or $CREDENTIALS_DIRECTORY/runner-token)
+  SCIENCE_AGENT_DATA_DIR                        data directory (default .sciencediscovery-data)
+  SCIENCE_AGENT_BWRAP_PATH                      bubblewrap (default: bwrap in PATH)
 ";
 
 /// Entry point of the `runnerd` binary; returns the process exit status.
 pub fn run() -> i32 {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let command = match args.first().map(String::as_str) {
-        Some("--help" | "-h" | "help") => {
-            print!("{USAGE}");
-            return 0;
+    let mut command = "serve";
+    let mut dev = false;
+    let mut default_token = false;
+    for arg in &args {
+        match arg.as_str() {
+            "--help" | "-h" | "help" => {
+                print!("{USAGE}");
+                return 0;
+            }
+            "--version" | "-V" => {
+                println!("runnerd {} ({})", env!("CARGO_PKG_VERSION"), runner_version());
+                return 0;
+            }
+            "serve" | "preflight" | "selftest" => command = arg.as_str(),
+            "--dev" => dev = true,
+            "--insecure-default-token" => default_token = true,
+            other => {
+                eprintln!("runnerd: unknown argument {other:?}\n\n{USAGE}");
+                return 2;
+            }
         }
-        Some("--version" | "-V") => {
-            println!("runnerd {}", env!("CARGO_PKG_VERSION"));
-            return 0;
-        }
-        Some(c @ ("preflight" | "selftest")) => c.to_owned(),
-        Some(other) => {
-            eprintln!("runnerd: unknown command {other:?}\n\n{USAGE}");
-            return 2;
-        }
-        None => {
-            eprint!("{USAGE}");
-            return 2;
-        }
-    };
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -54,10 +72,16 @@ pub fn run() -> i32 {
             return 1;
         }
     };
+    let fallback = match (dev, default_token) {
+        (_, true) => Fallback::WellKnown,
+        (true, false) => Fallback::Generate,
+        (false, false) => Fallback::None,
+    };
     let result = runtime.block_on(async {
-        match command.as_str() {
+        match command {
             "preflight" => preflight().await,
-            _ => selftest().await,
+            "selftest" => selftest().await,
+            _ => serve(fallback).await,
         }
     });
     match result {
@@ -69,29 +93,95 @@ pub fn run() -> i32 {
     }
 }
 
-/// The sandbox configuration from `SCIENCE_AGENT_*` variables.
-pub fn sandbox_config_from_env() -> SandboxConfig {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+fn sandbox_config(config: &RunnerConfig) -> SandboxConfig {
     SandboxConfig {
-        bwrap: var("SCIENCE_AGENT_BWRAP_PATH")
-            .map(|v| v.to_string_lossy().into_owned())
-            .unwrap_or("bwrap".into()),
-        data_dir: var("SCIENCE_AGENT_DATA_DIR").map(PathBuf::from).unwrap_or(".sciencediscovery-data".into()),
-        sandbox_init: startup::locate_sandbox_init(var("SCIENCE_AGENT_SANDBOX_INIT_PATH").map(PathBuf::from)),
+        bwrap: config.bwrap_path.clone(),
+        data_dir: config.data_dir.clone(),
+        sandbox_init: startup::locate_sandbox_init(config.sandbox_init.clone()),
     }
 }
 
-async fn prepare() -> anyhow::Result<SandboxRuntime> {
-    let config = sandbox_config_from_env();
-    let runtime = startup::prepare(&config).await?;
+/// The sandbox configuration from `SCIENCE_AGENT_*` variables.
+pub fn sandbox_config_from_env() -> anyhow::Result<SandboxConfig> {
+    Ok(sandbox_config(&RunnerConfig::from_env()?))
+}
+
+async fn prepare(config: &SandboxConfig) -> anyhow::Result<SandboxRuntime> {
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("creating the data directory {}", config.data_dir.display()))?;
+    let runtime = startup::prepare(config).await?;
     for w in &runtime.warnings {
         eprintln!("WARNING: {}", w.text);
+        tracing::warn!(event = w.event, detail = %w.text);
     }
     Ok(runtime)
 }
 
+async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
+    let sink = audit::init("runnerd");
+    let config = RunnerConfig::from_env()?;
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("creating the data directory {}", config.data_dir.display()))?;
+    let (token, source) =
+        token::resolve(|k| std::env::var(k).ok(), config.token_file.as_deref(), &config.data_dir, fallback)?;
+    if let token::TokenSource::Generated(path) = &source {
+        eprintln!("runnerd: development token in {} (clients read it from there)", path.display());
+    }
+    let sandbox = prepare(&sandbox_config(&config)).await?;
+    let listener = match &config.socket_path {
+        Some(path) => Listener::unix(path)?,
+        None => Listener::tcp(&config.host, config.port).await?,
+    };
+    tracing::info!(
+        event = "config_loaded",
+        data_dir = %config.data_dir.display(),
+        token_source = %source,
+        bwrap = %sandbox.bwrap.display(),
+        sandbox_usable = sandbox.capability.sandbox_usable,
+        proc_mode = ?sandbox.capability.proc_mode,
+        disable_userns = sandbox.capability.disable_userns,
+        log_sink = ?sink,
+    );
+    let address = listener.describe();
+    let usable = sandbox.capability.sandbox_usable;
+    let app = Arc::new(App::new(config, token, sandbox));
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "ScienceDiscovery runner listening on {address}")?;
+        writeln!(
+            out,
+            "sandbox: bubblewrap ({}), data dir {}, max workspace {} bytes, max output {} bytes, timeout {} ms",
+            if usable { "usable" } else { "UNUSABLE: executions will fail" },
+            app.data_dir.display(),
+            app.config.max_workspace_bytes,
+            app.config.max_output_bytes,
+            app.config.exec_timeout_ms,
+        )?;
+        out.flush()?;
+    }
+    tracing::info!(event = "listening", address = %address);
+    http::serve(app, listener, shutdown_signal()).await;
+    tracing::info!(event = "stopped");
+    Ok(0)
+}
+
+/// SIGTERM, SIGINT or SIGHUP.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
+    else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+        _ = hup.recv() => {}
+    }
+}
+
 async fn preflight() -> anyhow::Result<i32> {
-    let runtime = prepare().await?;
+    let runtime = prepare(&sandbox_config_from_env()?).await?;
     let report = serde_json::json!({
         "bwrap": runtime.bwrap,
         "sandboxInit": runtime.launcher.init_path(),
@@ -104,12 +194,12 @@ async fn preflight() -> anyhow::Result<i32> {
 }
 
 async fn selftest() -> anyhow::Result<i32> {
-    let runtime = prepare().await?;
+    let runtime = prepare(&sandbox_config_from_env()?).await?;
     let Some(shape) = runtime.capability.shape() else {
         eprintln!("selftest: FAILED: no sandbox can be built on this host (see the warning above)");
         return Ok(1);
     };
-    let scratch = tempfile_dir()?;
+    let scratch = scratch_dir()?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
     let cmd = argv::build(&SandboxSpec {
         shape,
@@ -126,10 +216,11 @@ async fn selftest() -> anyhow::Result<i32> {
     launch.stdin = script.as_bytes().to_vec();
     launch.timeout = Some(Duration::from_secs(30));
     let mut output = OutputBudget::new(64 * 1024);
-    let outcome =
-        runtime.launcher.run(launch, &mut output).await.context("launching the selftest sandbox")?;
-    let out = output.finish();
+    let outcome = runtime.launcher.run(launch, &mut output).await;
     let _ = std::fs::remove_dir_all(&scratch);
+    let outcome =
+        outcome.map_err(|e| anyhow::anyhow!(error_chain(&e))).context("launching the selftest sandbox")?;
+    let out = output.finish();
     let ok = outcome.termination == Termination::Exited(0)
         && out.stdout.starts_with("selftest-ok\n")
         && out.stdout.contains("Seccomp:\t2")
@@ -146,7 +237,7 @@ async fn selftest() -> anyhow::Result<i32> {
     }
 }
 
-fn tempfile_dir() -> anyhow::Result<PathBuf> {
+fn scratch_dir() -> anyhow::Result<PathBuf> {
     let base = std::env::temp_dir().join(format!("runnerd-selftest-{}", std::process::id()));
     std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
     Ok(base.canonicalize()?)

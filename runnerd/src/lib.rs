@@ -6,11 +6,21 @@
 //! * [`startup`]: the start-up sequence that decides and prepares all of it.
 //! * [`cli`]: the `runnerd` command line; [`bench`]: the launch benchmark.
 
+pub mod api;
+pub mod app;
+pub mod audit;
+pub mod auth;
 pub mod bench;
 pub mod cli;
+pub mod client;
+pub mod config;
+pub mod exec;
+pub mod http;
 pub mod launch;
 pub mod sandbox;
 pub mod startup;
+pub mod timefmt;
+pub mod token;
 
 /// The full chain of an error, `outer: inner: root`, for logs and health reasons.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

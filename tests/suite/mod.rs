@@ -1,3 +1,5 @@
+mod http_api;
+mod http_hostile;
 mod isolation;
 mod lifecycle;
 mod preflight;

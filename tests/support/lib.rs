@@ -1,6 +1,8 @@
 //! Test support: where the built binaries are, whether this host can run sandboxes (and
 //! what to do when it cannot), and a fixture that runs scripts in real sandboxes.
 
+pub mod server;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -1,0 +1,85 @@
+//! `GET /health` (contract §4): every key of the original, with honest values, plus what
+//! api.md improvement 5 adds — per-limit `enforced` with `reasons`, the preflight's
+//! `sandboxProfile`, and the reachability of the helper daemons. No disk access, no
+//! subprocess: everything was decided at start-up.
+
+use serde_json::{Value, json};
+
+use crate::app::{App, runner_version};
+use common::seccomp::Profile;
+
+const NOT_YET_LIMITS: &str =
+    "not enforced: this runner has no cgroup limits yet (cgroupMode none); only rlimits apply";
+
+pub fn health(app: &App) -> Value {
+    let cfg = &app.config;
+    let cap = &app.sandbox.capability;
+    let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
+    json!({
+        "cgroupDelegated": false,
+        "cgroupMode": "none",
+        "cgroupRoot": "",
+        "executionAuth": "bearer+hmac-sha256",
+        "executionUser": app.execution_user,
+        "executionTimeoutMs": cfg.exec_timeout_ms,
+        "maxFileBytes": 0,
+        "maxOutputBytes": cfg.max_output_bytes,
+        "maxWorkspaceBytes": cfg.max_workspace_bytes,
+        "networkPolicy": "none",
+        "noNewPrivileges": true,
+        "npuBroker": {"enabled": false, "queueConcurrency": 1, "workloads": []},
+        "platform": "linux",
+        "runnerVersion": runner_version(),
+        "sandbox": "bubblewrap",
+        "sandboxNetwork": {
+            "available": false,
+            "modes": ["none"],
+            "unavailableReason": "the egress gateway (egressd) is not part of this runner yet; sandboxes have no network",
+        },
+        "scientificEnvs": {
+            "available": false,
+            "enabled": false,
+            "languages": [],
+            "provisioner": null,
+            "startersReady": false,
+            "unavailableReason": "Scientific environments are not available in this runner yet",
+        },
+        "seccompBaseline": if cap.sandbox_usable { Value::from(Profile::Baseline.version_label()) } else { Value::Null },
+        "status": "ok",
+        "workerConcurrency": null,
+        "enforced": {
+            "memory": false,
+            "pids": false,
+            "cpu": false,
+            "fsize": if cfg.max_workspace_bytes > 0 { json!("partial") } else { json!(false) },
+            "seccomp": cap.sandbox_usable,
+            "nestedUserNamespaces": cap.disable_userns,
+        },
+        "reasons": {
+            "memory": NOT_YET_LIMITS,
+            "pids": NOT_YET_LIMITS,
+            "cpu": NOT_YET_LIMITS,
+            "fsize": if cfg.max_workspace_bytes > 0 {
+                "RLIMIT_FSIZE caps each file at maxWorkspaceBytes; the workspace total is polled every 100 ms"
+            } else {
+                "maxWorkspaceBytes is 0 (unlimited)"
+            },
+            "seccomp": if cap.sandbox_usable { "baseline profile on every execution" } else { "no sandbox can be built on this host" },
+            "nestedUserNamespaces": match cap.reason {
+                crate::sandbox::preflight::CapabilityReason::Supported => "--disable-userns, and clone(CLONE_NEWUSER)/unshare denied by seccomp",
+                _ => "--disable-userns unavailable; clone(CLONE_NEWUSER)/unshare still denied by seccomp",
+            },
+        },
+        "sandboxProfile": {
+            "sandboxUsable": cap.sandbox_usable,
+            "procMode": cap.proc_mode,
+            "procFallback": cap.proc_fallback,
+            "disableUserns": cap.disable_userns,
+            "reason": cap.reason,
+            "warnings": warnings,
+        },
+        "egressd": {"reachable": false, "reason": "not part of this runner yet"},
+        "npuBrokerd": {"reachable": false, "reason": "not part of this runner yet"},
+        "queue": {"admitted": app.admission.admitted(), "capacity": cfg.queue_capacity, "maxConcurrent": cfg.max_concurrent},
+    })
+}

@@ -1,0 +1,235 @@
+//! The routes (contract §2) and their handlers. Authentication happens before routing:
+//! `GET /health` is the only route answered without a token.
+
+pub mod error;
+mod health;
+mod resources;
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use crate::app::{App, runner_version};
+use crate::auth;
+use crate::exec::{self, request};
+use crate::timefmt;
+use error::ApiError;
+
+/// A request as the handlers see it: method, path, query, the signature headers, the body.
+#[derive(Debug)]
+pub struct ApiRequest {
+    pub method: String,
+    pub path: String,
+    pub query: Option<String>,
+    pub peer: String,
+    pub timestamp: Option<String>,
+    pub signature: Option<String>,
+    pub body: Vec<u8>,
+}
+
+/// A JSON answer with its status.
+#[derive(Debug)]
+pub struct ApiResponse {
+    pub status: u16,
+    pub body: Value,
+}
+
+fn ok(body: Value) -> Result<ApiResponse, ApiError> {
+    Ok(ApiResponse { status: 200, body })
+}
+
+/// The routes that carry an execution signature.
+fn signed(method: &str, path: &str) -> bool {
+    method == "POST"
+        && (matches!(path, "/execute" | "/execute-shell" | "/shell-executions" | "/npu/jobs")
+            || (path.starts_with("/npu/jobs/") && path.ends_with("/cancel")))
+}
+
+/// Whether the request may be answered before its body is read (health needs no body).
+pub fn is_health(method: &str, path: &str) -> bool {
+    method == "GET" && path == "/health"
+}
+
+/// Answers `GET /health` (no auth, no disk, no subprocess).
+pub fn health(app: &App) -> ApiResponse {
+    ApiResponse { status: 200, body: health::health(app) }
+}
+
+/// The bearer check, made before the body is read (contract §1.3).
+pub fn authorize(
+    app: &App,
+    authorization: Option<&[u8]>,
+    method: &str,
+    path: &str,
+    peer: &str,
+) -> Result<(), ApiError> {
+    if auth::bearer_ok(authorization, app.token.expose()) {
+        return Ok(());
+    }
+    let reason = if authorization.is_some() { "wrong token" } else { "no token" };
+    tracing::warn!(event = "auth_failed", reason, method, path, peer);
+    Err(ApiError::unauthorized())
+}
+
+/// Everything after the bearer check: the signature where required, then the route.
+pub async fn handle(
+    app: Arc<App>,
+    req: ApiRequest,
+    client_gone: watch::Receiver<bool>,
+) -> Result<ApiResponse, ApiError> {
+    if signed(&req.method, &req.path) {
+        verify_signature(&app, &req)?;
+    }
+    let segments: Vec<&str> = req.path.trim_start_matches('/').split('/').collect();
+    match (req.method.as_str(), segments.as_slice()) {
+        ("GET", ["status"]) => ok(status(&app)),
+        ("GET", ["resources"]) => ok(resources::resources(&app).await),
+        ("GET", ["kernels"]) => ok(json!([])),
+        ("POST", ["kernels", "teardown"]) => teardown_session(&app, &req.body).await,
+        ("POST", ["kernels", id, "teardown"]) => teardown_kernel(id, &req.body),
+        ("POST", ["execute-shell"]) => {
+            execute(app.clone(), request::Route::ExecuteShell, &req.body, client_gone).await
+        }
+        ("POST", ["execute"]) => execute(app.clone(), request::Route::Execute, &req.body, client_gone).await,
+        _ => Err(ApiError::not_found()),
+    }
+}
+
+fn verify_signature(app: &App, req: &ApiRequest) -> Result<(), ApiError> {
+    let now = timefmt::now_ms();
+    let max_age = app.config.signature_max_age_ms;
+    let checked = auth::verify(
+        app.token.expose(),
+        req.timestamp.as_deref(),
+        req.signature.as_deref(),
+        &req.body,
+        now,
+        max_age,
+    )
+    .and_then(|()| {
+        let ts = req.timestamp.as_deref().and_then(|t| t.parse::<u64>().ok()).unwrap_or(now);
+        let signature = req.signature.as_deref().unwrap_or_default();
+        if app.replays.first_use(signature, now, ts.saturating_add(max_age)) {
+            Ok(())
+        } else {
+            Err(auth::SignatureError::Replayed)
+        }
+    });
+    match checked {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            tracing::warn!(event = "auth_failed", reason = e.reason(), method = %req.method, path = %req.path, peer = %req.peer);
+            let message = if req.path.starts_with("/npu/jobs/") {
+                "Invalid or expired NPU job cancel signature"
+            } else if req.path == "/npu/jobs" {
+                "Invalid or expired NPU job signature"
+            } else {
+                "Invalid or expired execution signature"
+            };
+            let code =
+                if e == auth::SignatureError::Replayed { "replayed_request" } else { "invalid_signature" };
+            Err(ApiError::with_status(401, code, message))
+        }
+    }
+}
+
+fn status(app: &App) -> Value {
+    json!({
+        "activeExecutions": app.registry.snapshot(),
+        "capturedAt": timefmt::now_iso(),
+        "kernels": [],
+        "npuJobs": [],
+        "runnerVersion": runner_version(),
+        "status": "ok",
+    })
+}
+
+const DEFAULT_TEARDOWN_REASON: &str = "Persistent kernel memory was cleared";
+
+async fn teardown_session(app: &App, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    let session = request::non_blank(&obj, "sessionId")
+        .ok_or_else(|| ApiError::bad_request("session_id_required", "sessionId is required"))?;
+    let reason = request::non_blank(&obj, "reason").unwrap_or(DEFAULT_TEARDOWN_REASON).to_owned();
+    // No persistent kernels exist; the teardown still waits for the session's executions.
+    let _exclusive = app.admission.session_exclusive(session).await;
+    tracing::info!(event = "kernels_teardown", session_id = %session, count = 0);
+    ok(json!({"count": 0, "reason": reason}))
+}
+
+fn teardown_kernel(id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    let reason = request::non_blank(&obj, "reason").unwrap_or(DEFAULT_TEARDOWN_REASON).to_owned();
+    ok(json!({"count": 0, "kernelId": percent_decode(id), "reason": reason}))
+}
+
+async fn execute(
+    app: Arc<App>,
+    route: request::Route,
+    body: &[u8],
+    client_gone: watch::Receiver<bool>,
+) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    // The execution runs in its own task: when the client disconnects, this handler is
+    // dropped and `client_gone` fires, but the task still kills its sandbox, waits for the
+    // namespace to end, and releases its locks in order.
+    let task = tokio::spawn(exec::execute(app, route, obj, client_gone));
+    match task.await {
+        Ok(result) => ok(result?),
+        Err(e) => Err(ApiError::bad_request("internal", format!("the execution task failed: {e}"))),
+    }
+}
+
+/// `decodeURIComponent` for path parameters (invalid sequences are kept as written).
+pub fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(h), Some(l)) = (hex_val(bytes[i + 1]), hex_val(bytes[i + 2]))
+        {
+            out.push(h * 16 + l);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8(out).unwrap_or_else(|_| s.to_owned())
+}
+
+fn hex_val(b: u8) -> Option<u8> {
+    (b as char).to_digit(16).map(|d| d as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signed_routes() {
+        for (m, p, s) in [
+            ("POST", "/execute", true),
+            ("POST", "/execute-shell", true),
+            ("POST", "/shell-executions", true),
+            ("POST", "/npu/jobs", true),
+            ("POST", "/npu/jobs/abc/cancel", true),
+            ("GET", "/execute", false),
+            ("POST", "/shell-executions/x/cancel", false),
+            ("POST", "/kernels/teardown", false),
+        ] {
+            assert_eq!(signed(m, p), s, "{m} {p}");
+        }
+    }
+
+    #[test]
+    fn decoding() {
+        assert_eq!(percent_decode("a%20b"), "a b");
+        assert_eq!(percent_decode("%E8%AE%AD"), "训");
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+}

@@ -1,0 +1,65 @@
+//! Everything the HTTP handlers share, built once at start-up.
+
+use std::path::PathBuf;
+
+use crate::auth::ReplayCache;
+use crate::config::RunnerConfig;
+use crate::exec::admission::Admission;
+use crate::exec::dedupe::RecentIds;
+use crate::exec::registry::Registry;
+use crate::startup::SandboxRuntime;
+use crate::token::Token;
+
+#[derive(Debug)]
+pub struct App {
+    pub config: RunnerConfig,
+    pub token: Token,
+    pub sandbox: SandboxRuntime,
+    pub admission: Admission,
+    pub recent_ids: RecentIds,
+    pub registry: Registry,
+    pub replays: ReplayCache,
+    /// The data directory as given (paths in answers use it, like the original).
+    pub data_dir: PathBuf,
+    pub execution_user: String,
+}
+
+impl App {
+    pub fn new(config: RunnerConfig, token: Token, sandbox: SandboxRuntime) -> App {
+        let admission = Admission::new(config.queue_capacity, config.max_concurrent);
+        let data_dir = config.data_dir.clone();
+        App {
+            config,
+            token,
+            sandbox,
+            admission,
+            recent_ids: RecentIds::default(),
+            registry: Registry::default(),
+            replays: ReplayCache::default(),
+            data_dir,
+            execution_user: execution_user(),
+        }
+    }
+}
+
+/// `os.userInfo().username`, else `$USER`, else `unknown` (contract §4).
+fn execution_user() -> String {
+    nix::unistd::User::from_uid(nix::unistd::getuid())
+        .ok()
+        .flatten()
+        .map(|u| u.name)
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// The build's version: 8 hex of the commit (`-dirty` when built from a modified tree), or
+/// `unknown` (contract §4 `runnerVersion`).
+pub fn runner_version() -> &'static str {
+    let v = env!("RUNNER_VERSION");
+    let hash = v.strip_suffix("-dirty").unwrap_or(v);
+    if hash.len() == 8 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        v
+    } else {
+        "unknown"
+    }
+}

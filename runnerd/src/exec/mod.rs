@@ -1,0 +1,425 @@
+//! The synchronous executions, `POST /execute-shell` and `POST /execute`, in the original's
+//! order (contract §2A): parse → kernelMode → workspace → mounts → executionId dedupe →
+//! admission and queues → quota pre-check → sandbox (with quota polling, timeout and
+//! client-disconnect cancellation) → quota post-check → result.
+
+pub mod admission;
+pub mod dedupe;
+pub mod files;
+pub mod registry;
+pub mod request;
+pub mod workspace;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::watch;
+
+use crate::api::error::ApiError;
+use crate::app::{App, runner_version};
+use crate::launch::{Launch, OutputBudget, Termination, default_rlimits};
+use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv, preflight};
+use crate::timefmt;
+use registry::ActiveExecution;
+use request::{Object, Route};
+
+/// How often the workspace quota is re-measured during a run (the original's 100 ms).
+pub const QUOTA_POLL: Duration = Duration::from_millis(100);
+
+/// Why a run was cancelled from outside the launcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StopReason {
+    ClientGone,
+    Quota,
+}
+
+/// An insertion-ordered string map (the env map is reported in injection order).
+#[derive(Debug, Clone)]
+struct OrderedMap(Vec<(String, String)>);
+
+impl Serialize for OrderedMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+/// `ShellExecutionResult` / `PythonExecutionResult`, fields in the original's order.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ExecutionResult {
+    exit_code: i32,
+    stdout: String,
+    stderr: String,
+    cgroup_mode: &'static str,
+    created_files: Vec<String>,
+    modified_files: Vec<String>,
+    environment_revision_id: String,
+    environment_variables: OrderedMap,
+    execution_id: String,
+    finished_at: String,
+    kernel_id: String,
+    kernel_mode: &'static str,
+    language: &'static str,
+    network_access_revision: String,
+    network_policy: String,
+    runner_version: &'static str,
+    sandbox: &'static str,
+    started_at: String,
+    working_directory: String,
+}
+
+fn language_name(l: Language) -> &'static str {
+    match l {
+        Language::Shell => "shell",
+        Language::Python => "python",
+        Language::R => "r",
+    }
+}
+
+/// Workspace resolution (step 4): a `runnerWorkspaceKey` wins and drops
+/// `readOnlyWorkspaceRoot`; otherwise `workspaceRoot` must be inside the roots.
+fn resolve_workspace(app: &App, obj: &Object) -> Result<(PathBuf, Option<PathBuf>), ApiError> {
+    let data = &app.data_dir;
+    if let Some(key) = obj.get("runnerWorkspaceKey").filter(|v| is_truthy(v)) {
+        let key = key
+            .as_str()
+            .ok_or_else(|| ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key"))?;
+        let root = workspace::ensure_remote_workspace(data, key)?;
+        return Ok((workspace::validated_workspace(data, &root)?, None));
+    }
+    let root = request::string(obj, "workspaceRoot").ok_or_else(|| {
+        ApiError::bad_request("workspace_required", "workspaceRoot or runnerWorkspaceKey is required")
+    })?;
+    let root = workspace::validated_workspace(data, std::path::Path::new(root))?;
+    let read_only = match request::non_blank(obj, "readOnlyWorkspaceRoot") {
+        Some(p) => Some(workspace::validated_workspace(data, std::path::Path::new(p))?),
+        None => None,
+    };
+    Ok((root, read_only))
+}
+
+/// JavaScript truthiness, for the fields the original tests with `if (x)`.
+fn is_truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(_) | Value::Object(_) => true,
+    }
+}
+
+fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(code, message)
+}
+
+/// Runs one synchronous execution. `client_gone` turns true when the HTTP client
+/// disconnects: a queued call leaves the queue, a running sandbox is killed.
+pub async fn execute(
+    app: Arc<App>,
+    route: Route,
+    obj: Object,
+    mut client_gone: watch::Receiver<bool>,
+) -> Result<Value, ApiError> {
+    request::require_ephemeral(&obj)?;
+    let language = request::language(route, &obj)?;
+    let (root, read_only) = resolve_workspace(&app, &obj)?;
+    request::require_single_workspace_mount(&obj, language)?;
+
+    let execution_id = request::string(&obj, "executionId").unwrap_or("").to_owned();
+    if !app.recent_ids.record(&execution_id, Instant::now()) {
+        return Err(ApiError::with_status(409, "duplicate_execution", "Execution ID has already been used"));
+    }
+    if execution_id.trim().is_empty() {
+        return Err(ApiError::bad_request("execution_id_required", "Execution ID is required"));
+    }
+    let epoch = obj.get("permissionEpoch");
+    let session_id = epoch.and_then(|e| e.get("sessionId")).and_then(Value::as_str).unwrap_or("").to_owned();
+    let agent_id = request::non_blank(&obj, "agentId")
+        .ok_or_else(|| ApiError::bad_request("agent_id_required", "Agent ID is required"))?
+        .to_owned();
+
+    // What the executor checks before it starts anything.
+    let code = request::string(&obj, "code").unwrap_or("").to_owned();
+    if code.trim().is_empty() {
+        let message = match language {
+            Language::Shell => "Shell code is required",
+            Language::Python => "Python code is required",
+            Language::R => "R code is required",
+        };
+        return Err(ApiError::bad_request("code_required", message));
+    }
+    let epoch_revision = epoch.and_then(|e| e.get("environmentRevisionId")).and_then(Value::as_str);
+    let environment_revision_id = match language {
+        Language::R => {
+            return Err(unavailable(
+                "capability_unavailable",
+                "R execution requires the scientific environment capability",
+            ));
+        }
+        Language::Python => {
+            let named = request::non_blank(&obj, "environmentRevisionId");
+            if named.is_some() && named != epoch_revision {
+                return Err(unavailable(
+                    "capability_unavailable",
+                    "Named environment execution requires the scientific environment capability",
+                ));
+            }
+            named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned()
+        }
+        Language::Shell => {
+            if request::non_blank(&obj, "environmentId").is_some() {
+                return Err(unavailable("capability_unavailable", "Scientific environments are unavailable"));
+            }
+            "system-shell-bwrap-v1".to_owned()
+        }
+    };
+    let network = request::network_access(&obj);
+    if network.mode != "none" {
+        return Err(unavailable(
+            "network_unavailable",
+            format!(
+                "Sandbox network access is unavailable: policy {:?} needs the egress gateway (egressd), which this runner does not have yet; nothing was run",
+                network.mode
+            ),
+        ));
+    }
+    if obj.get("npuDevices").and_then(Value::as_array).is_some_and(|d| !d.is_empty()) {
+        return Err(unavailable(
+            "npu_unavailable",
+            "Requested NPU cards are not usable on this machine: this runner has no NPU support yet",
+        ));
+    }
+    if obj.get("skillPackagesRoot").is_some_and(is_truthy) {
+        return Err(unavailable("skills_unavailable", "Skill packages are not supported by this runner yet"));
+    }
+    let cfg = &app.config;
+    let timeout_ms = request::limit(&obj, "executionTimeoutMs", cfg.exec_timeout_ms, request::TIMEOUT_ERROR)?;
+    let max_output = request::limit(
+        &obj,
+        "maxOutputBytes",
+        cfg.max_output_bytes,
+        &request::bytes_error("maxOutputBytes"),
+    )?;
+    let max_workspace = request::limit(
+        &obj,
+        "maxWorkspaceBytes",
+        cfg.max_workspace_bytes,
+        &request::bytes_error("maxWorkspaceBytes"),
+    )?;
+    let cwd = match (language, request::string(&obj, "cwd").filter(|c| !c.is_empty())) {
+        (Language::Shell, Some(cwd)) => Some(workspace::resolve_cwd(&root, cwd)?),
+        _ => None,
+    };
+    let Some(shape) = app.sandbox.capability.shape() else {
+        return Err(unavailable(
+            "sandbox_unavailable",
+            preflight::sandbox_unusable_message(
+                &app.sandbox.bwrap.to_string_lossy(),
+                app.sandbox.capability.detail.as_deref(),
+            ),
+        ));
+    };
+
+    let _ticket = app.admission.admit()?;
+    let registration = app.registry.register(ActiveExecution {
+        agent_id: agent_id.clone(),
+        execution_id: execution_id.clone(),
+        kernel_mode: "ephemeral",
+        language: language_name(language),
+        queued_at: timefmt::now_iso(),
+        session_id: session_id.clone(),
+        started_at: None,
+        status: "queued",
+    });
+    tracing::info!(
+        event = "execution_admitted",
+        execution_id = %execution_id,
+        session_id = %session_id,
+        agent_id = %agent_id,
+        workspace = %root.display(),
+        language = language_name(language),
+    );
+    let key = admission::agent_key(&session_id, &agent_id);
+    let running = tokio::select! {
+        held = app.admission.acquire(&session_id, &key, &root) => held,
+        _ = gone(&mut client_gone) => {
+            tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "abandoned_in_queue");
+            return Err(ApiError::bad_request("execution_aborted", format!("{} aborted", language.label())));
+        }
+    };
+    let started_ms = timefmt::now_ms();
+    let started_at = timefmt::iso8601(started_ms);
+    registration.running(started_at.clone());
+
+    let before = fingerprints(&root).await;
+    if max_workspace > 0 && files::usage(&before) > max_workspace {
+        return Err(ApiError::bad_request(
+            "workspace_quota_exceeded",
+            files::quota_exceeds_message(max_workspace),
+        ));
+    }
+
+    let layout = WorkspaceLayout::new(root.clone(), read_only);
+    let cmd = argv::build(&SandboxSpec {
+        shape,
+        host: &app.sandbox.host,
+        workspace: &layout,
+        cwd: cwd.as_deref(),
+        language,
+        interpreter_masks: &[],
+        python: &cfg.python_path,
+        science_env: None,
+    });
+    let environment_variables = OrderedMap(cmd.env.clone());
+    let working_directory = cmd.cwd.clone();
+    let profile = cmd.seccomp;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_reason: Arc<Mutex<Option<StopReason>>> = Arc::default();
+    let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
+    launch.rlimits = default_rlimits((max_workspace > 0).then_some(max_workspace));
+    launch.stdin = code.into_bytes();
+    launch.timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
+    launch.cancel = Some(stop_rx);
+    let watchdog = tokio::spawn(watch_for_stop(
+        root.clone(),
+        max_workspace,
+        client_gone.clone(),
+        stop_tx,
+        stop_reason.clone(),
+    ));
+    tracing::info!(event = "execution_started", execution_id = %execution_id, profile = %profile);
+
+    let mut output = OutputBudget::new(max_output);
+    let outcome = app.sandbox.launcher.run(launch, &mut output).await;
+    watchdog.abort();
+    let outcome = outcome.map_err(|e| {
+        tracing::error!(event = "execution_failed", execution_id = %execution_id, error = %crate::error_chain(&e));
+        ApiError::bad_request("sandbox_launch_failed", crate::error_chain(&e))
+    })?;
+
+    let after = fingerprints(&root).await;
+    drop(running);
+    let duration_ms = outcome.elapsed.as_millis() as u64;
+    let finish = |outcome_name: &str, exit: Option<i32>| {
+        tracing::info!(
+            event = "execution_finished",
+            execution_id = %execution_id,
+            session_id = %session_id,
+            agent_id = %agent_id,
+            workspace = %root.display(),
+            profile = %profile,
+            outcome = outcome_name,
+            exit_code = exit,
+            duration_ms,
+        );
+    };
+    let exit_code = match outcome.termination {
+        Termination::Exited(code) => code,
+        Termination::Signaled(_) => 1,
+        Termination::TimedOut => {
+            finish("timed_out", None);
+            return Err(ApiError::bad_request(
+                "execution_timeout",
+                format!("{} timed out after {timeout_ms} ms", language.label()),
+            ));
+        }
+        Termination::Cancelled => {
+            let reason = *stop_reason.lock().unwrap_or_else(|p| p.into_inner());
+            return Err(match reason {
+                Some(StopReason::Quota) => {
+                    finish("workspace_quota_exceeded", None);
+                    ApiError::bad_request(
+                        "workspace_quota_exceeded",
+                        files::quota_exceeded_message(max_workspace),
+                    )
+                }
+                _ => {
+                    finish("aborted", None);
+                    ApiError::bad_request("execution_aborted", format!("{} aborted", language.label()))
+                }
+            });
+        }
+    };
+    if max_workspace > 0 && files::usage(&after) > max_workspace {
+        finish("workspace_quota_exceeded", Some(exit_code));
+        return Err(ApiError::bad_request(
+            "workspace_quota_exceeded",
+            files::quota_exceeds_message(max_workspace),
+        ));
+    }
+    let (created_files, modified_files) = files::changes(&before, &after);
+    let collected = output.finish();
+    finish("completed", Some(exit_code));
+    let result = ExecutionResult {
+        exit_code,
+        stdout: collected.stdout,
+        stderr: collected.stderr,
+        cgroup_mode: "none",
+        created_files,
+        modified_files,
+        environment_revision_id,
+        environment_variables,
+        execution_id: execution_id.clone(),
+        finished_at: timefmt::now_iso(),
+        kernel_id: format!("ephemeral:{execution_id}"),
+        kernel_mode: "ephemeral",
+        language: language_name(language),
+        network_access_revision: network.revision,
+        network_policy: network.mode,
+        runner_version: runner_version(),
+        sandbox: "bubblewrap",
+        started_at,
+        working_directory,
+    };
+    drop(registration);
+    serde_json::to_value(result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
+}
+
+/// Completes when the client is gone; never, if its handle is simply dropped.
+pub async fn gone(client_gone: &mut watch::Receiver<bool>) {
+    if client_gone.wait_for(|g| *g).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+async fn fingerprints(root: &std::path::Path) -> files::Fingerprints {
+    let root = root.to_owned();
+    tokio::task::spawn_blocking(move || files::fingerprints(&root)).await.unwrap_or_default()
+}
+
+/// Ends the run when the client goes away or the workspace outgrows its quota (measured
+/// every [`QUOTA_POLL`], one measurement at a time).
+async fn watch_for_stop(
+    root: PathBuf,
+    max_workspace: u64,
+    mut client_gone: watch::Receiver<bool>,
+    stop: watch::Sender<bool>,
+    reason: Arc<Mutex<Option<StopReason>>>,
+) {
+    let quota = async {
+        if max_workspace == 0 {
+            return std::future::pending().await;
+        }
+        loop {
+            tokio::time::sleep(QUOTA_POLL).await;
+            if files::usage(&fingerprints(&root).await) > max_workspace {
+                return;
+            }
+        }
+    };
+    let why = tokio::select! {
+        _ = quota => StopReason::Quota,
+        _ = gone(&mut client_gone) => StopReason::ClientGone,
+    };
+    *reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    let _ = stop.send(true);
+}

@@ -1,0 +1,296 @@
+//! The HTTP/1.1 face (contract §1): TCP or a Unix socket, hyper with a header-read
+//! timeout, a 2,000,000-byte body limit enforced while reading, JSON + `\n` answers with the
+//! original's headers (hyper adds `Date` to every response), and graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes_compat::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+
+use crate::api::{self, ApiRequest, ApiResponse, error::ApiError};
+use crate::app::App;
+
+mod bytes_compat {
+    pub use hyper::body::Bytes;
+}
+
+/// The original's request body limit.
+pub const BODY_LIMIT: usize = 2_000_000;
+/// A body must arrive within this time once its head has.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
+/// In-flight requests get this long to finish after SIGTERM.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix { listener: UnixListener, path: PathBuf },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("could not listen on {address}")]
+    Bind {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not prepare the socket directory {path}")]
+    SocketDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Listener {
+    /// TCP on `host:port` (port 0: ephemeral).
+    pub async fn tcp(host: &str, port: u16) -> Result<Listener, ListenError> {
+        let address = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        TcpListener::bind(&address)
+            .await
+            .map(Listener::Tcp)
+            .map_err(|source| ListenError::Bind { address, source })
+    }
+
+    /// A Unix socket: parent directory 0700 (created if missing), a stale socket removed,
+    /// the socket 0600.
+    pub fn unix(path: &Path) -> Result<Listener, ListenError> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let dir_err = |source| ListenError::SocketDir { path: parent.to_owned(), source };
+            if !parent.exists() {
+                std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent).map_err(dir_err)?;
+            }
+        }
+        let bind_err = |source| ListenError::Bind { address: format!("unix:{}", path.display()), source };
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(path).map_err(bind_err)?
+            }
+            _ => {}
+        }
+        let listener = UnixListener::bind(path).map_err(bind_err)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
+        Ok(Listener::Unix { listener, path: path.to_owned() })
+    }
+
+    /// What the start-up line prints: `http://HOST:PORT` or `unix:PATH`.
+    pub fn describe(&self) -> String {
+        match self {
+            Listener::Tcp(l) => match l.local_addr() {
+                Ok(a) => format!("http://{a}"),
+                Err(_) => "http://?".to_owned(),
+            },
+            Listener::Unix { path, .. } => format!("unix:{}", path.display()),
+        }
+    }
+}
+
+fn respond(status: u16, body: &str, retry_after: Option<u64>) -> Response<Full<Bytes>> {
+    let mut text = body.to_owned();
+    text.push('\n');
+    let mut response = Response::new(Full::new(Bytes::from(text)));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+    let headers = response.headers_mut();
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json; charset=utf-8"));
+    headers.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    if let Some(secs) = retry_after {
+        headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+fn from_result(result: Result<ApiResponse, ApiError>) -> Response<Full<Bytes>> {
+    match result {
+        Ok(ok) => respond(ok.status, &ok.body.to_string(), None),
+        Err(e) => respond(e.status, &e.body_json(), e.retry_after),
+    }
+}
+
+/// Sends `true` when dropped before [`ClientWatch::done`]: hyper drops a request's future
+/// when its connection closes, which is how a client disconnect reaches the execution.
+struct ClientWatch {
+    tx: watch::Sender<bool>,
+    done: bool,
+}
+
+impl ClientWatch {
+    fn done(mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for ClientWatch {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(true);
+        }
+    }
+}
+
+async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response<Full<Bytes>> {
+    let method = req.method().as_str().to_owned();
+    let path = req.uri().path().to_owned();
+    if api::is_health(&method, &path) {
+        let h = api::health(&app);
+        return respond(h.status, &h.body.to_string(), None);
+    }
+    let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes().to_vec());
+    if let Err(e) = api::authorize(&app, header("authorization").as_deref(), &method, &path, &peer) {
+        return from_result(Err(e));
+    }
+    let text = |name: &str| header(name).and_then(|v| String::from_utf8(v).ok());
+    let (timestamp, signature) =
+        (text("x-science-execution-timestamp"), text("x-science-execution-signature"));
+    let query = req.uri().query().map(str::to_owned);
+    let body =
+        match tokio::time::timeout(BODY_TIMEOUT, Limited::new(req.into_body(), BODY_LIMIT).collect()).await {
+            Ok(Ok(collected)) => collected.to_bytes().to_vec(),
+            Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                let message = format!("Request body exceeds the {BODY_LIMIT} byte limit");
+                return from_result(Err(ApiError::bad_request("body_too_large", message)));
+            }
+            Ok(Err(e)) => {
+                return from_result(Err(ApiError::bad_request(
+                    "body_unreadable",
+                    format!("Request body could not be read: {e}"),
+                )));
+            }
+            Err(_) => {
+                let message = format!("Request body was not received within {} s", BODY_TIMEOUT.as_secs());
+                return from_result(Err(ApiError::bad_request("body_timeout", message)));
+            }
+        };
+    let (tx, rx) = watch::channel(false);
+    let watch = ClientWatch { tx, done: false };
+    let request = ApiRequest { method, path, query, peer, timestamp, signature, body };
+    let result = api::handle(app, request, rx).await;
+    watch.done();
+    from_result(result)
+}
+
+/// Serves until `shutdown` completes, then lets in-flight requests finish (bounded).
+pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Output = ()>) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(app.config.header_read_timeout).keep_alive(true);
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => break,
+            a = accept(&listener) => a,
+        };
+        let (io, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(event = "accept_failed", error = %e);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let app = app.clone();
+        let service = service_fn(move |req| {
+            let app = app.clone();
+            let peer = peer.clone();
+            async move { Ok::<_, Infallible>(handle(app, req, peer).await) }
+        });
+        let conn = graceful.watch(builder.serve_connection(io, service));
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    let socket = match &listener {
+        Listener::Unix { path, .. } => Some(path.clone()),
+        Listener::Tcp(_) => None,
+    };
+    drop(listener);
+    if let Some(path) = socket {
+        let _ = std::fs::remove_file(path);
+    }
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
+        tracing::warn!(event = "shutdown", detail = "in-flight requests did not finish in time");
+    }
+}
+
+/// Either kind of connection, as one I/O type for hyper.
+enum Io {
+    Tcp(TokioIo<tokio::net::TcpStream>),
+    Unix(TokioIo<tokio::net::UnixStream>),
+}
+
+async fn accept(listener: &Listener) -> std::io::Result<(Io, String)> {
+    match listener {
+        Listener::Tcp(l) => {
+            let (s, a) = l.accept().await?;
+            let _ = s.set_nodelay(true);
+            Ok((Io::Tcp(TokioIo::new(s)), a.to_string()))
+        }
+        Listener::Unix { listener, .. } => {
+            let (s, _) = listener.accept().await?;
+            let peer =
+                s.peer_cred().map(|c| format!("uid {} pid {:?}", c.uid(), c.pid())).unwrap_or_default();
+            Ok((Io::Unix(TokioIo::new(s)), format!("unix ({peer})")))
+        }
+    }
+}
+
+impl hyper::rt::Read for Io {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Io::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl hyper::rt::Write for Io {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Io::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Io::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Io::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! The real `runnerd` binary, started on an ephemeral port (or a Unix socket) with its own
+//! data directory and token, and a client that signs like the original `RunnerClient`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use runnerd::client::{Endpoint, RunnerClient};
+
+use crate::{bin, scratch_dir};
+
+pub const TEST_TOKEN: &str = "runner-test-token";
+
+/// A running runnerd; SIGTERM and reaped on drop.
+#[derive(Debug)]
+pub struct Server {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub data_dir: PathBuf,
+    pub endpoint: Endpoint,
+    pub stderr_log: PathBuf,
+    /// The second line runnerd printed (sandbox and quotas).
+    pub banner: String,
+}
+
+/// How to start it.
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    pub env: Vec<(String, String)>,
+    pub args: Vec<String>,
+    /// Listen on `<dir>/run/runner.sock` instead of TCP.
+    pub unix_socket: bool,
+    /// Leave `SCIENCE_AGENT_RUNNER_TOKEN` unset.
+    pub no_token: bool,
+}
+
+impl Server {
+    pub fn start() -> Server {
+        Server::start_with(ServerOptions::default())
+    }
+
+    pub fn start_with(options: ServerOptions) -> Server {
+        let dir = scratch_dir();
+        let data_dir = dir.path().join("data");
+        std::fs::create_dir_all(&data_dir).unwrap();
+        let stderr_log = dir.path().join("runnerd.stderr");
+        let mut cmd = Command::new(bin("runnerd"));
+        cmd.args(&options.args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()))
+            .env("SCIENCE_AGENT_DATA_DIR", &data_dir)
+            .env("SCIENCE_AGENT_RUNNER_PORT", "0")
+            .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_log).unwrap());
+        if !options.no_token {
+            cmd.env("SCIENCE_AGENT_RUNNER_TOKEN", TEST_TOKEN);
+        }
+        let socket = dir.path().join("run/runner.sock");
+        if options.unix_socket {
+            cmd.env("SCIENCE_AGENT_RUNNER_SOCKET", &socket);
+        }
+        for (k, v) in &options.env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start runnerd");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = match lines.next() {
+            Some(Ok(line)) => line,
+            _ => {
+                let _ = child.wait();
+                panic!("runnerd did not start:\n{}", std::fs::read_to_string(&stderr_log).unwrap_or_default());
+            }
+        };
+        let address = first
+            .strip_prefix("ScienceDiscovery runner listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
+            .to_owned();
+        let banner = lines.next().and_then(Result::ok).unwrap_or_default();
+        // Keep draining stdout so runnerd never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, dir, data_dir, endpoint: Endpoint::parse(&address), stderr_log, banner }
+    }
+
+    pub fn client(&self) -> RunnerClient {
+        RunnerClient::new(self.endpoint.clone(), TEST_TOKEN)
+    }
+
+    pub fn client_with_token(&self, token: &str) -> RunnerClient {
+        RunnerClient::new(self.endpoint.clone(), token)
+    }
+
+    /// `host:port` of a TCP server.
+    pub fn address(&self) -> String {
+        match &self.endpoint {
+            Endpoint::Tcp(a) => a.clone(),
+            Endpoint::Unix(p) => panic!("unix server at {}", p.display()),
+        }
+    }
+
+    /// A project workspace under the data directory (created).
+    pub fn project_workspace(&self, name: &str) -> PathBuf {
+        let ws = self.data_dir.join("projects/project/sessions").join(name).join("workspace");
+        std::fs::create_dir_all(&ws).unwrap();
+        ws
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.data_dir.join(rel)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        for _ in 0..600 {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.stop();
+        }
+    }
+}
+
+/// A body for `/execute-shell` in `workspace_root` (or by key when it starts with `key:`).
+pub fn shell_request(agent: &str, session: &str, workspace: &Path, code: &str) -> serde_json::Value {
+    serde_json::json!({
+        "agentId": agent,
+        "code": code,
+        "executionId": runnerd::client::new_execution_id(),
+        "permissionEpoch": runnerd::client::permission_epoch(session),
+        "workspaceRoot": workspace,
+    })
+}
+
+/// A body for `/execute-shell` in the remote workspace `key`.
+pub fn keyed_shell_request(agent: &str, session: &str, key: &str, code: &str) -> serde_json::Value {
+    serde_json::json!({
+        "agentId": agent,
+        "code": code,
+        "executionId": runnerd::client::new_execution_id(),
+        "permissionEpoch": runnerd::client::permission_epoch(session),
+        "runnerWorkspaceKey": key,
+        "workspaceRoot": "/nonexistent/control/workspace",
+    })
+}
