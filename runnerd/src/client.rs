@@ -111,7 +111,8 @@ impl RunnerClient {
         };
         let received_at = timefmt::now_ms() as i64;
         if let Some(date) = response.header("date").and_then(|d| httpdate::parse_http_date(d).ok()) {
-            let server_ms = date.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+            let server_ms =
+                date.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
             self.clock_offset_ms.store(server_ms - (sent_at + received_at) / 2, Ordering::Relaxed);
         }
         Ok(response)

@@ -1,1 +1,566 @@
-//! The HTTP API of the real runnerd, driven like the original RunnerClient drives it.
+//! The HTTP API of the real runnerd, driven like the original RunnerClient drives it
+//! (contract §7 items 1–3, 5–12, 19–23).
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use runner_tests::server::{Server, ServerOptions, keyed_shell_request, shell_request};
+use runner_tests::{processes_matching, sandbox_or_skip};
+use serde_json::{Value, json};
+
+fn marker(base: u32) -> String {
+    format!("{}", base + std::process::id() % 90_000)
+}
+
+#[tokio::test]
+async fn health_needs_no_token_and_has_every_original_key() {
+    let server = Server::start_with(ServerOptions {
+        env: vec![("SCIENCE_AGENT_EXEC_TIMEOUT_MS".into(), "60000".into())],
+        ..Default::default()
+    });
+    let client = server.client_with_token("wrong");
+    let reply = client.raw("GET", "/health", &[], Vec::new()).await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert!(reply.body.ends_with(b"}\n"), "JSON + newline");
+    assert_eq!(reply.header("content-type"), Some("application/json; charset=utf-8"));
+    assert_eq!(reply.header("cache-control"), Some("no-store"));
+    assert_eq!(reply.header("x-content-type-options"), Some("nosniff"));
+    let date = reply.header("date").expect("a Date header on every response");
+    assert!(httpdate::parse_http_date(date).is_ok(), "{date}");
+    let h = reply.json();
+    for key in [
+        "cgroupDelegated",
+        "cgroupMode",
+        "cgroupRoot",
+        "executionAuth",
+        "executionUser",
+        "executionTimeoutMs",
+        "maxFileBytes",
+        "maxOutputBytes",
+        "maxWorkspaceBytes",
+        "networkPolicy",
+        "noNewPrivileges",
+        "npuBroker",
+        "platform",
+        "runnerVersion",
+        "sandbox",
+        "sandboxNetwork",
+        "scientificEnvs",
+        "seccompBaseline",
+        "status",
+        "workerConcurrency",
+    ] {
+        assert!(h.get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(h["status"], "ok");
+    assert_eq!(h["sandbox"], "bubblewrap");
+    assert_eq!(h["platform"], "linux");
+    assert_eq!(h["cgroupMode"], "none");
+    assert_eq!(h["cgroupDelegated"], false);
+    assert_eq!(h["executionAuth"], "bearer+hmac-sha256");
+    assert_eq!(h["executionTimeoutMs"], 60000);
+    assert_eq!(h["maxFileBytes"], 0);
+    assert_eq!(h["maxWorkspaceBytes"], 10_737_418_240u64);
+    assert_eq!(h["maxOutputBytes"], 1_073_741_824u64);
+    let version = h["runnerVersion"].as_str().unwrap();
+    let hash = version.strip_suffix("-dirty").unwrap_or(version);
+    assert!(
+        version == "unknown" || (hash.len() == 8 && hash.chars().all(|c| c.is_ascii_hexdigit())),
+        "{version}"
+    );
+    // Our additions: honest limits and the preflight's conclusions.
+    assert_eq!(h["enforced"]["memory"], false);
+    assert!(h["reasons"]["memory"].as_str().unwrap().contains("not enforced"));
+    assert!(h["sandboxProfile"]["procMode"].is_string());
+    assert_eq!(h["sandboxNetwork"]["available"], false);
+    // Health is GET only: POST goes through auth, then 404.
+    let post = server.client().post_json("/health", &json!({})).await.unwrap();
+    assert_eq!((post.status, post.json()["error"].as_str()), (404, Some("Not found")));
+}
+
+#[tokio::test]
+async fn status_and_resources_need_the_token() {
+    let server = Server::start();
+    let anonymous = server.client_with_token("nope");
+    for path in ["/status", "/resources", "/kernels", "/no/such/route"] {
+        let r = anonymous.get(path).await.unwrap();
+        assert_eq!((r.status, r.json()["error"].as_str()), (401, Some("Unauthorized")), "{path}");
+    }
+    let client = server.client();
+    let status = client.get("/status").await.unwrap().json();
+    assert_eq!(status["activeExecutions"], json!([]));
+    assert_eq!(status["kernels"], json!([]));
+    assert_eq!(status["status"], "ok");
+    let resources = client.get("/resources").await.unwrap().json();
+    let expected = server.data_dir.canonicalize().unwrap().join("remote-workspaces");
+    assert_eq!(resources["workspaceDisk"]["path"], json!(expected));
+    assert!(resources["workspaceDisk"]["totalBytes"].as_u64().unwrap() > 0);
+    assert!(resources["cpuCores"].as_u64().unwrap() >= 1);
+    assert!(resources["memoryTotalBytes"].as_u64().unwrap() > 0);
+    let unknown = client.get("/no/such/route").await.unwrap();
+    assert_eq!((unknown.status, unknown.json()["error"].as_str()), (404, Some("Not found")));
+    assert_eq!(client.get("/kernels").await.unwrap().json(), json!([]));
+}
+
+#[tokio::test]
+async fn shell_and_python_results_carry_the_original_fields() {
+    if !sandbox_or_skip("shell_and_python_results_carry_the_original_fields") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("s1");
+    std::fs::write(ws.join("existing.txt"), "old").unwrap();
+    let body = shell_request(
+        "main",
+        "session-test",
+        &ws,
+        "echo out; echo err >&2; echo r > result.txt; echo new >> existing.txt; exit 7",
+    );
+    let reply = client.post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    let r = reply.json();
+    assert_eq!(r["exitCode"], 7, "a non-zero exit is still 200");
+    assert_eq!((r["stdout"].as_str(), r["stderr"].as_str()), (Some("out\n"), Some("err\n")));
+    assert_eq!(r["createdFiles"], json!(["result.txt"]));
+    assert_eq!(r["modifiedFiles"], json!(["existing.txt"]));
+    assert_eq!(r["cgroupMode"], "none");
+    assert_eq!(r["kernelMode"], "ephemeral");
+    assert_eq!(r["kernelId"], format!("ephemeral:{}", body["executionId"].as_str().unwrap()));
+    assert_eq!(r["executionId"], body["executionId"]);
+    assert_eq!(r["language"], "shell");
+    assert_eq!(r["sandbox"], "bubblewrap");
+    assert_eq!(r["networkPolicy"], "none");
+    assert_eq!(r["networkAccessRevision"], "none");
+    assert_eq!(r["environmentRevisionId"], "system-shell-bwrap-v1");
+    assert_eq!(r["workingDirectory"], "/workspace");
+    assert_eq!(r["environmentVariables"]["HOME"], "/tmp");
+    assert_eq!(r["environmentVariables"]["PATH"], "/usr/bin:/bin");
+    for key in ["startedAt", "finishedAt"] {
+        let t = r[key].as_str().unwrap();
+        assert!(t.len() == 24 && t.ends_with('Z') && t.as_bytes()[10] == b'T', "{key}: {t}");
+    }
+    assert!(r.get("runnerVersion").is_some());
+
+    let mut py = shell_request("main", "session-test", &ws, "import os\nprint('ok', os.getcwd())");
+    py.as_object_mut().unwrap().remove("cwd");
+    let reply = client.post_signed("/execute", &py).await.unwrap();
+    let r = reply.json();
+    assert_eq!(reply.status, 200, "{r}");
+    assert_eq!((r["exitCode"].as_i64(), r["stdout"].as_str()), (Some(0), Some("ok /workspace\n")));
+    assert_eq!(r["language"], "python");
+    assert_eq!(r["environmentVariables"]["PYTHONNOUSERSITE"], "1");
+}
+
+#[tokio::test]
+async fn nothing_carries_over_between_calls() {
+    if !sandbox_or_skip("nothing_carries_over_between_calls") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("s2");
+    std::fs::create_dir_all(ws.join("old")).unwrap();
+    let first = client
+        .post_signed("/execute-shell", &shell_request("main", "s", &ws, "export FOO=current; cd old"))
+        .await
+        .unwrap();
+    assert_eq!(first.status, 200);
+    let second = client
+        .post_signed("/execute-shell", &shell_request("main", "s", &ws, "echo \"$(pwd)|${FOO:-unset}\""))
+        .await
+        .unwrap();
+    assert_eq!(second.json()["stdout"], "/workspace|unset\n");
+    let py = client
+        .post_signed(
+            "/execute",
+            &shell_request(
+                "main",
+                "s",
+                &ws,
+                "import os\nprint(os.getcwd() + '|' + os.environ.get('FOO', 'unset'))",
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(py.json()["stdout"], "/workspace|unset\n");
+}
+
+#[tokio::test]
+async fn remote_workspaces_by_key() {
+    if !sandbox_or_skip("remote_workspaces_by_key") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let main = keyed_shell_request("main", "s", "project/session", "echo shared > shell.txt");
+    let r = client.post_signed("/execute-shell", &main).await.unwrap();
+    assert_eq!(
+        (r.status, r.json()["exitCode"].as_i64()),
+        (200, Some(0)),
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+    assert_eq!(
+        std::fs::read_to_string(server.path("remote-workspaces/project/session/shell.txt")).unwrap(),
+        "shared\n"
+    );
+    let mut py =
+        keyed_shell_request("main", "s", "project/session", "print(open('shell.txt').read().strip())");
+    py["agentId"] = json!("main");
+    let r = client.post_signed("/execute", &py).await.unwrap();
+    assert_eq!(r.json()["stdout"], "shared\n");
+    // A child agent's workspace sits physically inside the main one.
+    let child =
+        keyed_shell_request("subagent:child", "s", "project/session/agents/child", "pwd; echo child > c.txt");
+    let r = client.post_signed("/execute-shell", &child).await.unwrap();
+    assert_eq!(r.json()["stdout"], "/workspace\n");
+    assert!(server.path("remote-workspaces/project/session/agents/child/c.txt").exists());
+    assert!(!server.path("projects").exists(), "projects/ must never be created");
+    let teardown =
+        client.post_json("/kernels/teardown", &json!({"sessionId": "s", "reason": "done"})).await.unwrap();
+    assert_eq!((teardown.status, teardown.json()), (200, json!({"count": 0, "reason": "done"})));
+}
+
+#[tokio::test]
+async fn a_timeout_answers_400_and_leaves_no_process() {
+    if !sandbox_or_skip("a_timeout_answers_400_and_leaves_no_process") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("s3");
+    let m = marker(300_000);
+    let mut body = shell_request("main", "s", &ws, &format!("sleep 1{m} &\nsleep 2{m}"));
+    body["executionTimeoutMs"] = json!(700);
+    let r = client.post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"], "Shell execution timed out after 700 ms");
+    assert!(processes_matching(&format!("sleep 1{m}")).is_empty());
+    assert!(processes_matching(&format!("sleep 2{m}")).is_empty());
+    let mut py = shell_request("main", "s", &ws, "import time\ntime.sleep(30)");
+    py["executionTimeoutMs"] = json!(25);
+    let r = client.post_signed("/execute", &py).await.unwrap();
+    assert_eq!(r.json()["error"], "Python execution timed out after 25 ms");
+}
+
+#[tokio::test]
+async fn output_and_workspace_quotas() {
+    if !sandbox_or_skip("output_and_workspace_quotas") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("s4");
+    let mut flood = shell_request("main", "s", &ws, "seq 1 100000");
+    flood["maxOutputBytes"] = json!(2000);
+    let r = client.post_signed("/execute-shell", &flood).await.unwrap().json();
+    let stdout = r["stdout"].as_str().unwrap();
+    assert!(stdout.contains("output truncated"), "{stdout}");
+    assert!(stdout.len() + r["stderr"].as_str().unwrap().len() <= 2000);
+    assert_eq!(r["exitCode"], 0, "truncation never fails the execution");
+
+    // A 17 MB file is fine under the default quota.
+    let big = client
+        .post_signed(
+            "/execute-shell",
+            &shell_request("main", "s", &ws, "head -c 17000000 /dev/zero > big.bin"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(big.json()["exitCode"], 0);
+    std::fs::remove_file(ws.join("big.bin")).unwrap();
+
+    // Before the run: the workspace already exceeds the quota.
+    std::fs::write(ws.join("blob"), vec![0u8; 2000]).unwrap();
+    let mut pre = shell_request("main", "s", &ws, "echo never");
+    pre["maxWorkspaceBytes"] = json!(1000);
+    let r = client.post_signed("/execute-shell", &pre).await.unwrap();
+    assert_eq!(r.status, 400);
+    assert!(
+        r.json()["error"].as_str().unwrap().starts_with("Workspace exceeds the 1000 byte execution quota")
+    );
+    std::fs::remove_file(ws.join("blob")).unwrap();
+
+    // During the run: the poll kills a writer that keeps growing the workspace (in many
+    // files, each below RLIMIT_FSIZE, which caps any single file at the quota).
+    let m = marker(400_000);
+    let mut during = shell_request(
+        "main",
+        "s",
+        &ws,
+        &format!(
+            "for i in $(seq 1 200); do head -c 100000 /dev/zero > grow-$i.bin; sleep 0.05; done; sleep 4{m}"
+        ),
+    );
+    during["maxWorkspaceBytes"] = json!(1_000_000);
+    let r = client.post_signed("/execute-shell", &during).await.unwrap();
+    assert_eq!(r.status, 400);
+    assert!(
+        r.json()["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("Workspace exceeded the 1000000 byte execution quota"),
+        "{}",
+        r.json()
+    );
+    assert!(processes_matching(&format!("sleep 4{m}")).is_empty());
+
+    // One file can never outgrow the quota: RLIMIT_FSIZE stops the write at the limit.
+    for f in std::fs::read_dir(&ws).unwrap() {
+        std::fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    let mut one = shell_request("main", "s", &ws, "head -c 2000000 /dev/zero > one.bin; echo unreachable");
+    one["maxWorkspaceBytes"] = json!(1_000_000);
+    let r = client.post_signed("/execute-shell", &one).await.unwrap().json();
+    assert_ne!(r["exitCode"], 0, "{r}");
+    assert_eq!(r["stdout"], "");
+    assert_eq!(std::fs::metadata(ws.join("one.bin")).unwrap().len(), 1_000_000);
+}
+
+/// Polls /status until `pred` holds for the active executions (liveness guard only).
+async fn wait_for_status(
+    client: &runnerd::client::RunnerClient,
+    pred: impl Fn(&[Value]) -> bool,
+) -> Vec<Value> {
+    for _ in 0..600 {
+        let status = client.get("/status").await.unwrap().json();
+        let active = status["activeExecutions"].as_array().cloned().unwrap_or_default();
+        if pred(&active) {
+            return active;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("status never reached the expected state");
+}
+
+#[tokio::test]
+async fn status_lists_running_and_queued_calls_and_disconnects_clean_up() {
+    if !sandbox_or_skip("status_lists_running_and_queued_calls_and_disconnects_clean_up") {
+        return;
+    }
+    let server = Server::start();
+    let client = std::sync::Arc::new(server.client());
+    let ws = server.project_workspace("s5");
+    let m = marker(500_000);
+    let running_body = shell_request("main", "session-test", &ws, &format!("sleep 5{m}"));
+    let queued_body = shell_request("main", "session-test", &ws, "echo queued");
+    let (c1, b1) = (client.clone(), running_body.clone());
+    let running = tokio::spawn(async move { c1.post_signed("/execute-shell", &b1).await });
+    let active = wait_for_status(&client, |a| a.iter().any(|e| e["status"] == "running")).await;
+    let e = &active[0];
+    assert_eq!((e["agentId"].as_str(), e["sessionId"].as_str()), (Some("main"), Some("session-test")));
+    assert_eq!(e["executionId"], running_body["executionId"]);
+    assert_eq!(e["kernelMode"], "ephemeral");
+    assert!(e["startedAt"].is_string() && e["queuedAt"].is_string());
+    let (c2, b2) = (client.clone(), queued_body.clone());
+    let queued = tokio::spawn(async move { c2.post_signed("/execute-shell", &b2).await });
+    wait_for_status(&client, |a| a.len() == 2 && a.iter().any(|e| e["status"] == "queued")).await;
+
+    // The queued client goes away: its entry disappears, the running one stays.
+    queued.abort();
+    let left = wait_for_status(&client, |a| a.len() == 1).await;
+    assert_eq!(left[0]["executionId"], running_body["executionId"]);
+    // The running client goes away: the sandbox is killed, the list empties.
+    running.abort();
+    wait_for_status(&client, |a| a.is_empty()).await;
+    for _ in 0..200 {
+        if processes_matching(&format!("sleep 5{m}")).is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the disconnected client's sandbox is still running");
+}
+
+/// Each call records when it started and ended inside the sandbox.
+async fn run_pair(server: &Server, same_workspace: bool) -> Vec<(u128, u128)> {
+    let client = std::sync::Arc::new(server.client());
+    let ws1 = server.project_workspace("pair-a");
+    let ws2 = if same_workspace { ws1.clone() } else { server.project_workspace("pair-b") };
+    let script = "s=$(date +%s%N); sleep 1.5; e=$(date +%s%N); echo \"$s $e\"";
+    let calls: Vec<_> = [("subagent:one", ws1), ("subagent:two", ws2)]
+        .into_iter()
+        .map(|(agent, ws)| {
+            let c = client.clone();
+            let body = shell_request(agent, "s", &ws, script);
+            tokio::spawn(async move { c.post_signed("/execute-shell", &body).await.unwrap() })
+        })
+        .collect();
+    let mut spans = Vec::new();
+    for call in calls {
+        let r = call.await.unwrap();
+        assert_eq!(r.status, 200);
+        let out = r.json()["stdout"].as_str().unwrap().to_owned();
+        let mut it = out.split_whitespace().map(|t| t.parse::<u128>().unwrap());
+        spans.push((it.next().unwrap(), it.next().unwrap()));
+    }
+    spans
+}
+
+#[tokio::test]
+async fn one_workspace_serialises_two_workspaces_run_together() {
+    if !sandbox_or_skip("one_workspace_serialises_two_workspaces_run_together") {
+        return;
+    }
+    let server = Server::start();
+    let same = run_pair(&server, true).await;
+    let overlap = |a: (u128, u128), b: (u128, u128)| a.0 < b.1 && b.0 < a.1;
+    assert!(!overlap(same[0], same[1]), "two agents in one workspace ran at the same time: {same:?}");
+    let apart = run_pair(&server, false).await;
+    assert!(overlap(apart[0], apart[1]), "two workspaces did not run concurrently: {apart:?}");
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_503_with_retry_after() {
+    if !sandbox_or_skip("a_full_queue_answers_503_with_retry_after") {
+        return;
+    }
+    let server = Server::start_with(ServerOptions {
+        env: vec![("SCIENCE_AGENT_QUEUE_CAPACITY".into(), "1".into())],
+        ..Default::default()
+    });
+    let client = std::sync::Arc::new(server.client());
+    let ws = server.project_workspace("s6");
+    let c = client.clone();
+    let body = shell_request("main", "s", &ws, "sleep 2");
+    let first = tokio::spawn(async move { c.post_signed("/execute-shell", &body).await.unwrap() });
+    wait_for_status(&client, |a| a.len() == 1).await;
+    let r = client.post_signed("/execute-shell", &shell_request("other", "s", &ws, "true")).await.unwrap();
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["code"], "queue_full");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(first.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn kernel_routes() {
+    let server = Server::start();
+    let client = server.client();
+    let r = client.post_json("/kernels/teardown", &json!({"sessionId": "  "})).await.unwrap();
+    assert_eq!((r.status, r.json()["error"].as_str()), (400, Some("sessionId is required")));
+    let r = client.post_json("/kernels/teardown", &json!({"sessionId": "s"})).await.unwrap();
+    assert_eq!(r.json(), json!({"count": 0, "reason": "Persistent kernel memory was cleared"}));
+    let empty = client
+        .raw(
+            "POST",
+            "/kernels/k1/teardown",
+            &[("authorization", "Bearer runner-test-token".into())],
+            Vec::new(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(empty.status, 400, "the body must be JSON");
+    let r = client.post_json("/kernels/k%201/teardown", &json!({"reason": "bye"})).await.unwrap();
+    assert_eq!(r.json(), json!({"count": 0, "kernelId": "k 1", "reason": "bye"}));
+}
+
+#[tokio::test]
+async fn unix_socket_mode() {
+    let mut server = Server::start_with(ServerOptions { unix_socket: true, ..Default::default() });
+    let runnerd::client::Endpoint::Unix(path) = server.endpoint.clone() else {
+        panic!("expected a unix endpoint")
+    };
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let parent_mode = std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(parent_mode, 0o700);
+    let h = server.client().get("/health").await.unwrap().json();
+    assert_eq!((h["status"].as_str(), h["platform"].as_str()), (Some("ok"), Some("linux")));
+    let status = server.stop();
+    assert!(status.success(), "graceful SIGTERM: {status:?}");
+    assert!(!path.exists(), "the socket is removed on exit");
+}
+
+#[tokio::test]
+async fn start_up_failures_and_warnings() {
+    // A missing bwrap stops the start with the original's ENOENT text.
+    let out = std::process::Command::new(runner_tests::bin("runnerd"))
+        .env("SCIENCE_AGENT_BWRAP_PATH", "/nonexistent/bwrap")
+        .env("SCIENCE_AGENT_RUNNER_TOKEN", "t")
+        .env("SCIENCE_AGENT_DATA_DIR", runner_tests::scratch_dir().path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("ENOENT"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // No token configured: a clear refusal that names the ways out.
+    let dir = runner_tests::scratch_dir();
+    let out = std::process::Command::new(runner_tests::bin("runnerd"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap())
+        .env("SCIENCE_AGENT_DATA_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no runner token is configured") && err.contains("--dev"), "{err}");
+
+    // A bad variable is a start-up error naming it.
+    let out = std::process::Command::new(runner_tests::bin("runnerd"))
+        .env("SCIENCE_AGENT_MAX_WORKSPACE_BYTES", "-1")
+        .env("SCIENCE_AGENT_RUNNER_TOKEN", "t")
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("SCIENCE_AGENT_MAX_WORKSPACE_BYTES must be a non-negative integer")
+    );
+
+    // A bwrap that has the options but cannot build a sandbox: the runner starts, warns,
+    // and executions refuse clearly.
+    let stub_dir = runner_tests::scratch_dir();
+    let stub = stub_dir.path().join("bwrap");
+    std::fs::write(
+        &stub,
+        "#!/bin/sh\nif [ \"$1\" = --help ]; then echo '--cap-drop --die-with-parent --new-session --seccomp --unshare-all --unshare-user'; exit 0; fi\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&stub, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let server = Server::start_with(ServerOptions {
+        env: vec![("SCIENCE_AGENT_BWRAP_PATH".into(), stub.to_string_lossy().into_owned())],
+        ..Default::default()
+    });
+    let stderr = server.stderr();
+    assert!(
+        stderr.contains("could not build a sandbox") && stderr.contains("run_python and run_shell will fail"),
+        "{stderr}"
+    );
+    assert!(server.banner.contains("UNUSABLE"));
+    let h = server.client().get("/health").await.unwrap().json();
+    assert_eq!(h["sandboxProfile"]["sandboxUsable"], false);
+    let ws = server.project_workspace("s7");
+    let r = server
+        .client()
+        .post_signed("/execute-shell", &shell_request("main", "s", &ws, "true"))
+        .await
+        .unwrap();
+    assert_eq!((r.status, r.json()["code"].as_str()), (400, Some("sandbox_unavailable")));
+}
+
+#[tokio::test]
+async fn development_start_generates_a_private_token() {
+    let dir = runner_tests::scratch_dir();
+    let data = dir.path().join("data");
+    let server = Server::start_with(ServerOptions {
+        no_token: true,
+        args: vec!["--dev".into()],
+        env: vec![("SCIENCE_AGENT_DATA_DIR".into(), data.to_string_lossy().into_owned())],
+        ..Default::default()
+    });
+    let token_path = data.join("runner-token");
+    let token = std::fs::read_to_string(&token_path).unwrap().trim().to_owned();
+    assert_eq!(token.len(), 64);
+    assert_eq!(std::fs::metadata(&token_path).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(server.stderr().contains(&token_path.display().to_string()), "says where the token is");
+    assert!(!server.stderr().contains(&token), "never prints the token");
+    assert_eq!(server.client_with_token(&token).get("/status").await.unwrap().status, 200);
+    assert_eq!(
+        server.client_with_token("sciencediscovery-runner-local").get("/status").await.unwrap().status,
+        401
+    );
+}

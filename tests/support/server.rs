@@ -71,7 +71,10 @@ impl Server {
             Some(Ok(line)) => line,
             _ => {
                 let _ = child.wait();
-                panic!("runnerd did not start:\n{}", std::fs::read_to_string(&stderr_log).unwrap_or_default());
+                panic!(
+                    "runnerd did not start:\n{}",
+                    std::fs::read_to_string(&stderr_log).unwrap_or_default()
+                );
             }
         };
         let address = first
