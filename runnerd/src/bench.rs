@@ -6,7 +6,10 @@
 //! * (b) through `sandbox-init` and the [`Launcher`](crate::launch::Launcher), as runnerd does;
 //!
 //! each sequentially (a and b interleaved, so drift hits both alike) and with 2 parallel
-//! launchers. It prints p50/p95 per case, the ratio (b)/(a), and sandbox-init's peak RSS.
+//! launchers; then through a real runnerd: (c) sequential signed `POST /execute-shell` of
+//! `true`, (d) 2, 4 and 8 concurrent clients over distinct workspaces. It prints p50/p95
+//! per case, executions per second, the ratios against bare bwrap, sandbox-init's peak RSS
+//! and runnerd's RSS idle and through concurrency 8.
 //! Figures, never pass/fail: tests do not time anything.
 
 use std::io::Read;
@@ -23,6 +26,7 @@ use common::channel::{self, encode_frame};
 use common::plan::{LaunchPlan, PROTOCOL_VERSION};
 use common::seccomp::{self, Arch, Profile};
 
+use crate::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
 use crate::launch::{Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup;
@@ -77,6 +81,8 @@ impl OutputSink for Discard {
 }
 
 struct Setup {
+    /// bwrap's argv for the API's shell (`bash … -s`), for the baseline of (c).
+    shell_args: Vec<String>,
     launcher: Arc<Launcher>,
     bwrap: PathBuf,
     /// What the launcher gets; `args` is what bare bwrap gets: the same argv.
@@ -117,10 +123,12 @@ async fn setup() -> anyhow::Result<Setup> {
         science_env: None,
     });
     let options = cmd.options.clone();
+    let shell_args = bwrap_args(&options, true, &cmd.command);
     let command = vec!["/usr/bin/true".to_owned()];
     let args = bwrap_args(&options, true, &command);
     let program = seccomp::compile(cmd.seccomp, Arch::host()?)?.bytes().to_vec();
     Ok(Setup {
+        shell_args,
         launcher: Arc::new(runtime.launcher),
         bwrap: runtime.bwrap,
         options,
@@ -147,12 +155,23 @@ fn pipe() -> anyhow::Result<(OwnedFd, OwnedFd)> {
 
 /// (a): bwrap spawned directly, fds 3 and 4 placed in the child before exec.
 fn bare_once(bwrap: &Path, args: &[String], program: &[u8]) -> anyhow::Result<Duration> {
+    bare_with_stdin(bwrap, args, program, None)
+}
+
+/// (a) with `stdin` fed to the command (for the shell baseline of (c)).
+fn bare_with_stdin(
+    bwrap: &Path,
+    args: &[String],
+    program: &[u8],
+    stdin: Option<&[u8]>,
+) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let memfd = sealed_memfd(program)?;
     let (info_r, info_w) = pipe()?;
     let (seccomp_raw, info_raw) = (memfd.as_raw_fd(), info_w.as_raw_fd());
     let mut cmd = Command::new(bwrap);
-    cmd.args(args).env_clear().stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    let input = if stdin.is_some() { Stdio::piped() } else { Stdio::null() };
+    cmd.args(args).env_clear().stdin(input).stdout(Stdio::null()).stderr(Stdio::null());
     // SAFETY: only dup2 (async-signal-safe) runs between fork and exec. This is the bench's
     // baseline; runnerd itself never runs code there (sandbox-init does this work).
     unsafe {
@@ -164,6 +183,9 @@ fn bare_once(bwrap: &Path, args: &[String], program: &[u8]) -> anyhow::Result<Du
         });
     }
     let mut child = cmd.spawn().context("spawning bwrap")?;
+    if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        let _ = std::io::Write::write_all(&mut pipe, bytes);
+    }
     drop(info_w);
     drop(memfd);
     let mut info = String::new();
@@ -293,6 +315,154 @@ async fn bench(n: usize) -> anyhow::Result<()> {
     println!(
         "sandbox-init peak RSS before exec (VmHWM): {rss} KiB ({:.2} MiB, target <= 2 MiB)",
         rss as f64 / 1024.0
+    );
+    println!();
+    // The API runs `bash -s` with the code on stdin: its bare-bwrap baseline, same argv.
+    let mut shell = Vec::with_capacity(n);
+    let start = Instant::now();
+    for _ in 0..n {
+        shell.push(bare_with_stdin(&setup.bwrap, &setup.shell_args, &setup.program, Some(b"true"))?);
+    }
+    let a_shell = stats(shell, start.elapsed());
+    println!(
+        "(a') bare bwrap, `bash -s` with `true` on stdin: p50 {:.2} ms, p95 {:.2} ms",
+        a_shell.p50, a_shell.p95
+    );
+    http_cases(n, init, &a_seq, &a_shell, &a_par).await
+}
+
+/// A runnerd started from the binary next to this one, on an ephemeral port.
+struct Daemon {
+    child: std::process::Child,
+    endpoint: Endpoint,
+    _scratch: Scratch,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const BENCH_TOKEN: &str = "bench-token";
+
+fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
+    let exe = std::env::current_exe()?;
+    let runnerd = exe.with_file_name("runnerd");
+    let scratch = std::env::temp_dir().join(format!("runnerd-bench-http-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let scratch = Scratch(scratch);
+    let mut child = Command::new(&runnerd)
+        .env("SCIENCE_AGENT_DATA_DIR", scratch.0.join("data"))
+        .env("SCIENCE_AGENT_RUNNER_PORT", "0")
+        .env("SCIENCE_AGENT_RUNNER_TOKEN", BENCH_TOKEN)
+        .env("SCIENCE_AGENT_SANDBOX_INIT_PATH", init)
+        .env("SCIENCE_AGENT_LOG_LEVEL", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", runnerd.display()))?;
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().context("stdout")?));
+    let first = lines.next().context("runnerd printed nothing")??;
+    let address =
+        first.strip_prefix("ScienceDiscovery runner listening on ").context("unexpected start-up line")?;
+    let endpoint = Endpoint::parse(address);
+    std::thread::spawn(move || for _ in lines {});
+    Ok(Daemon { child, endpoint, _scratch: scratch })
+}
+
+fn rss_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// One signed `POST /execute-shell` of `true` in the remote workspace `key`.
+async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Result<Duration> {
+    let body = serde_json::json!({
+        "agentId": "bench",
+        "code": "true",
+        "executionId": new_execution_id(),
+        "permissionEpoch": permission_epoch(key),
+        "runnerWorkspaceKey": key,
+    });
+    let start = Instant::now();
+    let reply = client.post_signed("/execute-shell", &body).await?;
+    if reply.status != 200 || reply.json()["exitCode"] != 0 {
+        bail!("runnerd answered {}: {}", reply.status, String::from_utf8_lossy(&reply.body));
+    }
+    Ok(start.elapsed())
+}
+
+/// (c) sequential signed executions through runnerd; (d) 2, 4 and 8 concurrent clients
+/// over distinct workspaces; runnerd's RSS idle and at concurrency 8.
+async fn http_cases(
+    n: usize,
+    init: &Path,
+    a_seq: &Stats,
+    a_shell: &Stats,
+    a_par: &Stats,
+) -> anyhow::Result<()> {
+    let daemon = start_runnerd(init)?;
+    let pid = daemon.child.id();
+    let client = Arc::new(RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN));
+    for _ in 0..5 {
+        http_once(&client, "bench/warm").await?;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle_rss = rss_kib(pid, "VmRSS:");
+
+    let start = Instant::now();
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        samples.push(http_once(&client, "bench/seq").await?);
+    }
+    let c_seq = stats(samples, start.elapsed());
+
+    let mut rows = vec![("(c) runnerd HTTP, sequential".to_owned(), c_seq)];
+    for clients in [2usize, 4, 8] {
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..clients)
+            .map(|i| {
+                let client = client.clone();
+                let per = n / clients;
+                tokio::spawn(async move {
+                    let key = format!("bench/c{clients}-{i}");
+                    let mut v = Vec::with_capacity(per);
+                    for _ in 0..per {
+                        v.push(http_once(&client, &key).await?);
+                    }
+                    Ok::<_, anyhow::Error>(v)
+                })
+            })
+            .collect();
+        let mut samples = Vec::new();
+        for t in tasks {
+            samples.extend(t.await??);
+        }
+        rows.push((format!("(d) runnerd HTTP, {clients} clients"), stats(samples, start.elapsed())));
+    }
+    let peak_rss = rss_kib(pid, "VmHWM:");
+
+    println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "execs/s");
+    for (name, s) in &rows {
+        println!("{name:<44} {:>9.2} {:>9.2} {:>11.1}", s.p50, s.p95, s.per_sec);
+    }
+    println!();
+    println!("ratio (c)/(a) at p50: {:.3}  (target <= 1.3)", rows[0].1.p50 / a_seq.p50);
+    println!("ratio (c)/(a') at p50 (same shell, bare bwrap): {:.3}", rows[0].1.p50 / a_shell.p50);
+    println!(
+        "throughput at 2 clients / bare bwrap with 2 parallel launchers: {:.3}  (target >= 0.8)",
+        rows[1].1.per_sec / a_par.per_sec
+    );
+    println!(
+        "runnerd RSS idle: {idle_rss} KiB ({:.1} MiB, target <= 15 MiB); peak through concurrency 8: {peak_rss} KiB ({:.1} MiB)",
+        idle_rss as f64 / 1024.0,
+        peak_rss as f64 / 1024.0
     );
     Ok(())
 }

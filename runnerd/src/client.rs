@@ -100,6 +100,7 @@ impl RunnerClient {
                 let stream = tokio::net::TcpStream::connect(addr)
                     .await
                     .map_err(|e| ClientError::Connect(self.endpoint.clone(), e))?;
+                let _ = stream.set_nodelay(true);
                 send(TokioIo::new(stream), request).await?
             }
             Endpoint::Unix(path) => {

@@ -564,3 +564,33 @@ async fn development_start_generates_a_private_token() {
         401
     );
 }
+
+#[tokio::test]
+async fn runnerctl_runs_a_script_and_exits_with_its_code() {
+    if !sandbox_or_skip("runnerctl_runs_a_script_and_exits_with_its_code") {
+        return;
+    }
+    let server = Server::start();
+    let run = |args: &[&str]| {
+        std::process::Command::new(runner_tests::bin("runnerctl"))
+            .args(["--url", &format!("http://{}", server.address())])
+            .args(args)
+            .env("SCIENCE_AGENT_RUNNER_TOKEN", runner_tests::server::TEST_TOKEN)
+            .env("SCIENCE_AGENT_DATA_DIR", &server.data_dir)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["exec", "--workspace", "ctl/one", "--", "echo hello; echo oops >&2; exit 3"]);
+    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
+    let out = run(&["exec", "--python", "--workspace", "ctl/one", "--", "print(6 * 7)"]);
+    assert_eq!((out.status.code(), String::from_utf8_lossy(&out.stdout).as_ref()), (Some(0), "42\n"));
+    let out = run(&["health"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"status\": \"ok\""));
+    // A refused request is an error exit with runnerd's text.
+    let out = run(&["exec", "--workspace", "../escape", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Invalid remote workspace key"));
+}
