@@ -11,3 +11,15 @@ pub mod channel;
 pub mod plan;
 pub mod seccomp;
 pub mod sys;
+
+/// The full chain of an error, `outer: inner: root`, for reports and logs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

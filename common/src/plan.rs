@@ -13,6 +13,9 @@ pub const SECCOMP_FD: i32 = 3;
 /// the sandbox's PID-namespace init, which is what we kill to end the whole sandbox.
 pub const INFO_FD: i32 = 4;
 
+/// Further descriptors (the workspace directories for `--bind-fd`) start here.
+pub const FIRST_EXTRA_FD: i32 = 5;
+
 /// The most descriptors a plan may place; keeps `sandbox-init`'s arithmetic trivial.
 pub const MAX_FDS: usize = 16;
 /// Target descriptor numbers must stay below this.

@@ -22,6 +22,8 @@ pub struct App {
     /// The data directory as given (paths in answers use it, like the original).
     pub data_dir: PathBuf,
     pub execution_user: String,
+    /// Turns `true` when runnerd is stopping: queued and running executions are aborted.
+    pub shutdown: tokio::sync::watch::Sender<bool>,
 }
 
 impl App {
@@ -38,6 +40,7 @@ impl App {
             replays: ReplayCache::default(),
             data_dir,
             execution_user: execution_user(),
+            shutdown: tokio::sync::watch::Sender::new(false),
         }
     }
 }

@@ -43,8 +43,12 @@ pub fn init(identifier: &str) -> Sink {
             return Sink::Journald;
         }
     }
-    let layer =
-        tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).with_filter(level);
+    use std::io::IsTerminal;
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(level);
     let _ = tracing_subscriber::registry().with(layer).try_init();
     Sink::Stderr
 }

@@ -121,6 +121,7 @@ async fn setup() -> anyhow::Result<Setup> {
         interpreter_masks: &[],
         python: "/usr/bin/python3",
         science_env: None,
+        workspace_fds: None,
     });
     let options = cmd.options.clone();
     let shell_args = bwrap_args(&options, true, &cmd.command);
@@ -209,6 +210,7 @@ async fn init_once(setup: &Setup) -> anyhow::Result<Duration> {
         stdin: Vec::new(),
         timeout: Some(Duration::from_secs(30)),
         cancel: None,
+        extra_fds: Vec::new(),
     };
     let outcome = setup.launcher.run(launch, &mut Discard).await?;
     if outcome.termination != Termination::Exited(0) {

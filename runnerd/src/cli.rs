@@ -117,8 +117,20 @@ async fn prepare(config: &SandboxConfig) -> anyhow::Result<SandboxRuntime> {
     Ok(runtime)
 }
 
+/// Raises the soft open-file limit to the hard one: every connection and every launch
+/// (five descriptors) counts against it.
+fn raise_nofile() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+    {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}
+
 async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     let sink = audit::init("runnerd");
+    raise_nofile();
     let config = RunnerConfig::from_env()?;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating the data directory {}", config.data_dir.display()))?;
@@ -160,7 +172,18 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         out.flush()?;
     }
     tracing::info!(event = "listening", address = %address);
-    http::serve(app, listener, shutdown_signal()).await;
+    let stopping = app.clone();
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!(event = "stopping", detail = "aborting executions; a second signal exits at once");
+        let _ = stopping.shutdown.send(true);
+        tokio::spawn(async {
+            shutdown_signal().await;
+            eprintln!("runnerd: second signal, exiting now");
+            std::process::exit(130);
+        });
+    };
+    http::serve(app, listener, shutdown).await;
     tracing::info!(event = "stopped");
     Ok(0)
 }
@@ -210,6 +233,7 @@ async fn selftest() -> anyhow::Result<i32> {
         interpreter_masks: &[],
         python: "/usr/bin/python3",
         science_env: None,
+        workspace_fds: None,
     });
     let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
     let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd);

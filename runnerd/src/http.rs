@@ -100,8 +100,8 @@ impl Listener {
     }
 }
 
-fn respond(status: u16, body: &str, retry_after: Option<u64>) -> Response<Full<Bytes>> {
-    let mut text = body.to_owned();
+fn respond(status: u16, body: String, retry_after: Option<u64>) -> Response<Full<Bytes>> {
+    let mut text = body;
     text.push('\n');
     let mut response = Response::new(Full::new(Bytes::from(text)));
     *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
@@ -117,8 +117,8 @@ fn respond(status: u16, body: &str, retry_after: Option<u64>) -> Response<Full<B
 
 fn from_result(result: Result<ApiResponse, ApiError>) -> Response<Full<Bytes>> {
     match result {
-        Ok(ok) => respond(ok.status, &ok.body.to_string(), None),
-        Err(e) => respond(e.status, &e.body_json(), e.retry_after),
+        Ok(ok) => respond(ok.status, ok.body, None),
+        Err(e) => respond(e.status, e.body_json(), e.retry_after),
     }
 }
 
@@ -148,7 +148,7 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     let path = req.uri().path().to_owned();
     if api::is_health(&method, &path) {
         let h = api::health(&app);
-        return respond(h.status, &h.body.to_string(), None);
+        return respond(h.status, h.body, None);
     }
     let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes().to_vec());
     if let Err(e) = api::authorize(&app, header("authorization").as_deref(), &method, &path, &peer) {
@@ -178,11 +178,23 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
         };
     let (tx, rx) = watch::channel(false);
     let watch = ClientWatch { tx, done: false };
+    let (log_method, log_path, log_peer) = (method.clone(), path.clone(), peer.clone());
     let request = ApiRequest { method, path, query, peer, timestamp, signature, body };
     let result = api::handle(app, request, rx).await;
     watch.done();
+    match &result {
+        Ok(ok) => {
+            tracing::info!(event = "request", method = %log_method, path = %log_path, peer = %log_peer, status = ok.status)
+        }
+        Err(e) => {
+            tracing::info!(event = "request", method = %log_method, path = %log_path, peer = %log_peer, status = e.status, code = e.code, error = %e.message)
+        }
+    }
     from_result(result)
 }
+
+/// Connections served at once; more wait in the kernel's accept queue.
+pub const MAX_CONNECTIONS: usize = 1024;
 
 /// Serves until `shutdown` completes, then lets in-flight requests finish (bounded).
 pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Output = ()>) {
@@ -190,7 +202,12 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(app.config.header_read_timeout).keep_alive(true);
     tokio::pin!(shutdown);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let slot = tokio::select! {
+            _ = &mut shutdown => break,
+            s = slots.clone().acquire_owned() => s.expect("never closed"),
+        };
         let accepted = tokio::select! {
             _ = &mut shutdown => break,
             a = accept(&listener) => a,
@@ -212,6 +229,7 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
         let conn = graceful.watch(builder.serve_connection(io, service));
         tokio::spawn(async move {
             let _ = conn.await;
+            drop(slot);
         });
     }
     let socket = match &listener {

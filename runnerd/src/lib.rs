@@ -23,14 +23,4 @@ pub mod startup;
 pub mod timefmt;
 pub mod token;
 
-/// The full chain of an error, `outer: inner: root`, for logs and health reasons.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
+pub use common::error_chain;

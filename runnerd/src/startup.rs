@@ -28,6 +28,7 @@ pub struct SandboxRuntime {
     pub bwrap: PathBuf,
     pub host: HostRuntime,
     pub capability: Capability,
+    pub features: preflight::BwrapFeatures,
     pub warnings: Vec<Warning>,
     pub seccomp_files: Vec<PathBuf>,
     pub probes: CapabilityCache,
@@ -78,7 +79,7 @@ pub fn locate_sandbox_init(configured: Option<PathBuf>) -> PathBuf {
 /// unusable sandbox is not — it is reported in the capability and warnings.
 pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupError> {
     let bwrap = preflight::resolve_bwrap(&config.bwrap, std::env::var_os("PATH").as_deref())?;
-    preflight::check_bwrap_options(&bwrap).await?;
+    let features = preflight::check_bwrap_options(&bwrap).await?;
     let seccomp_files = publish_seccomp(&config.data_dir)?;
     let host = host::detect_host_runtime(&config.data_dir)
         .map_err(|source| StartupError::Identity { dir: config.data_dir.join("runtime"), source })?;
@@ -89,8 +90,19 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         .map_err(|source| StartupError::Launcher { path: config.sandbox_init.clone(), source })?;
     let probes = CapabilityCache::default();
     let capability = probes.get(&launcher, &bwrap).await;
-    let warnings = preflight::warnings(&bwrap.to_string_lossy(), &capability);
-    Ok(SandboxRuntime { launcher, bwrap, host, capability, warnings, seccomp_files, probes })
+    let mut warnings = preflight::warnings(&bwrap.to_string_lossy(), &capability);
+    if capability.sandbox_usable && !features.bind_fd {
+        warnings.push(Warning {
+            event: "sandbox_option_unavailable",
+            text: format!(
+                "bubblewrap at \"{}\" has no --bind-fd (bwrap < 0.8): workspaces are bound by path, re-checked just \
+                 before each launch, which leaves a short window in which a sandbox that can rename directories of \
+                 another workspace could redirect its bind. Upgrade bubblewrap to close it.",
+                bwrap.display()
+            ),
+        });
+    }
+    Ok(SandboxRuntime { launcher, bwrap, host, capability, features, warnings, seccomp_files, probes })
 }
 
 /// Publishes every profile for this machine's architecture.

@@ -97,7 +97,7 @@ enum Never {}
 fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
     let plan: LaunchPlan = channel::read_message(&mut &*channel).map_err(|e| match &e {
         ChannelError::Read(io) => os_failure(InitStep::ReadPlan, io, e.to_string()),
-        _ => failure(InitStep::ReadPlan, 0, error_chain(&e)),
+        _ => failure(InitStep::ReadPlan, 0, common::error_chain(&e)),
     })?;
     plan.validate().map_err(|e| failure(InitStep::ValidatePlan, 0, e.to_string()))?;
 
@@ -110,17 +110,6 @@ fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
     apply_rlimits(&plan.rlimits)?;
     reset_signals()?;
     Err(exec(&plan, channel))
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// Step 5: move every received descriptor to a staging number first (so no target can

@@ -426,11 +426,42 @@ async fn a_full_queue_answers_503_with_retry_after() {
     let body = shell_request("main", "s", &ws, "sleep 2");
     let first = tokio::spawn(async move { c.post_signed("/execute-shell", &body).await.unwrap() });
     wait_for_status(&client, |a| a.len() == 1).await;
-    let r = client.post_signed("/execute-shell", &shell_request("other", "s", &ws, "true")).await.unwrap();
+    let refused_body = shell_request("other", "s", &ws, "true");
+    let r = client.post_signed("/execute-shell", &refused_body).await.unwrap();
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["code"], "queue_full");
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(first.await.unwrap().status, 200);
+    // The refused call did not use up its id: the retry runs.
+    let retry = client.post_signed("/execute-shell", &refused_body).await.unwrap();
+    assert_eq!(retry.status, 200, "{}", retry.json());
+}
+
+#[tokio::test]
+async fn sigterm_aborts_running_executions_and_exits_cleanly() {
+    if !sandbox_or_skip("sigterm_aborts_running_executions_and_exits_cleanly") {
+        return;
+    }
+    let mut server = Server::start();
+    let client = std::sync::Arc::new(server.client());
+    let ws = server.project_workspace("s8");
+    let m = marker(200_000);
+    let body = shell_request("main", "s", &ws, &format!("sleep 8{m}"));
+    let c = client.clone();
+    let call = tokio::spawn(async move { c.post_signed("/execute-shell", &body).await });
+    wait_for_status(&client, |a| a.iter().any(|e| e["status"] == "running")).await;
+    let status = tokio::task::spawn_blocking(move || {
+        let status = server.stop();
+        (status, server.stderr())
+    })
+    .await
+    .unwrap();
+    assert!(status.0.success(), "{:?}\n{}", status.0, status.1);
+    // Either the abort answer arrives, or the connection closed with the server.
+    if let Ok(reply) = call.await.unwrap() {
+        assert_eq!(reply.json()["error"], "Shell execution aborted");
+    }
+    assert!(processes_matching(&format!("sleep 8{m}")).is_empty(), "a sandbox outlived runnerd's shutdown");
 }
 
 #[tokio::test]
@@ -593,4 +624,41 @@ async fn runnerctl_runs_a_script_and_exits_with_its_code() {
     let out = run(&["exec", "--workspace", "../escape", "--", "true"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("Invalid remote workspace key"));
+}
+
+/// A sandbox of the parent workspace swaps a queued child workspace for a symlink to a host
+/// directory while the child's next call waits for its lock. The queued call must not run
+/// in (or write to) the symlink's target.
+#[tokio::test]
+async fn a_workspace_swapped_for_a_symlink_while_queued_is_refused() {
+    if !sandbox_or_skip("a_workspace_swapped_for_a_symlink_while_queued_is_refused") {
+        return;
+    }
+    let server = Server::start();
+    let client = std::sync::Arc::new(server.client());
+    let outside = runner_tests::scratch_dir();
+    let outside_path = outside.path().to_owned();
+    std::fs::set_permissions(&outside_path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let child_key = "t/s/agents/c";
+    let (c, hold) = (client.clone(), keyed_shell_request("subagent:c", "s", child_key, "sleep 2"));
+    let holder = tokio::spawn(async move { c.post_signed("/execute-shell", &hold).await.unwrap() });
+    wait_for_status(&client, |a| a.iter().any(|e| e["status"] == "running")).await;
+    let (c, victim) =
+        (client.clone(), keyed_shell_request("subagent:c", "s", child_key, "echo pwned > escaped.txt"));
+    let queued = tokio::spawn(async move { c.post_signed("/execute-shell", &victim).await.unwrap() });
+    wait_for_status(&client, |a| a.iter().any(|e| e["status"] == "queued")).await;
+    let swap =
+        format!("mv agents/c agents/c.old && ln -s {} agents/c && echo swapped", outside_path.display());
+    let r =
+        client.post_signed("/execute-shell", &keyed_shell_request("main", "s", "t/s", &swap)).await.unwrap();
+    assert_eq!(r.json()["stdout"], "swapped\n", "{}", r.json());
+    assert_eq!(holder.await.unwrap().status, 200);
+    let refused = queued.await.unwrap();
+    assert_eq!(refused.status, 400, "{}", refused.json());
+    assert_eq!(refused.json()["code"], "workspace_symlink");
+    assert!(
+        !outside_path.join("escaped.txt").exists(),
+        "the sandbox escaped into {}",
+        outside_path.display()
+    );
 }

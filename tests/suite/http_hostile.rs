@@ -1078,3 +1078,25 @@ async fn npu_devices_fail_closed_without_npu_support() {
         }
     }
 }
+
+#[tokio::test]
+async fn paths_are_matched_exactly_so_no_spelling_skips_the_signature() {
+    if !sandbox_or_skip("paths_are_matched_exactly_so_no_spelling_skips_the_signature") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("paths");
+    let body = shell_request("main", "s", &ws, "touch ran.txt").to_string().into_bytes();
+    let bearer = ("authorization", format!("Bearer {TEST_TOKEN}"));
+    for path in
+        ["//execute-shell", "///execute-shell", "/execute-shell/", "//execute", "/status/", "//status"]
+    {
+        let method = if path.contains("status") { "GET" } else { "POST" };
+        let r = client.raw(method, path, std::slice::from_ref(&bearer), body.clone()).await.unwrap();
+        assert_eq!((r.status, r.json()["error"].as_str()), (404, Some("Not found")), "{method} {path}");
+    }
+    let r = client.raw("POST", "/kernels//teardown", &[bearer], b"{}".to_vec()).await.unwrap();
+    assert_eq!(r.status, 404);
+    assert!(!ws.join("ran.txt").exists(), "an unsigned request ran code");
+}

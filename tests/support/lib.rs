@@ -122,6 +122,7 @@ impl Fixture {
             interpreter_masks: &[],
             python: "/usr/bin/python3",
             science_env: None,
+            workspace_fds: None,
         });
         let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd);
         launch.rlimits = runnerd::launch::default_rlimits(Some(10 << 30));

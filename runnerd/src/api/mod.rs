@@ -32,11 +32,12 @@ pub struct ApiRequest {
 #[derive(Debug)]
 pub struct ApiResponse {
     pub status: u16,
-    pub body: Value,
+    /// The serialized JSON (without the trailing newline).
+    pub body: String,
 }
 
 fn ok(body: Value) -> Result<ApiResponse, ApiError> {
-    Ok(ApiResponse { status: 200, body })
+    Ok(ApiResponse { status: 200, body: body.to_string() })
 }
 
 /// The routes that carry an execution signature.
@@ -53,7 +54,7 @@ pub fn is_health(method: &str, path: &str) -> bool {
 
 /// Answers `GET /health` (no auth, no disk, no subprocess).
 pub fn health(app: &App) -> ApiResponse {
-    ApiResponse { status: 200, body: health::health(app) }
+    ApiResponse { status: 200, body: health::health(app).to_string() }
 }
 
 /// The bearer check, made before the body is read (contract §1.3).
@@ -81,7 +82,12 @@ pub async fn handle(
     if signed(&req.method, &req.path) {
         verify_signature(&app, &req)?;
     }
-    let segments: Vec<&str> = req.path.trim_start_matches('/').split('/').collect();
+    // Exact paths only (contract §2): `//execute`, `/status/` or `/kernels//teardown` are
+    // not routes. The signature check above saw this same string.
+    let segments: Vec<&str> = req.path.strip_prefix('/').unwrap_or("").split('/').collect();
+    if segments.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::not_found());
+    }
     match (req.method.as_str(), segments.as_slice()) {
         ("GET", ["status"]) => ok(status(&app)),
         ("GET", ["resources"]) => ok(resources::resources(&app).await),
@@ -173,10 +179,23 @@ async fn execute(
     let obj = request::parse_object(body)?;
     // The execution runs in its own task: when the client disconnects, this handler is
     // dropped and `client_gone` fires, but the task still kills its sandbox, waits for the
-    // namespace to end, and releases its locks in order.
-    let task = tokio::spawn(exec::execute(app, route, obj, client_gone));
+    // namespace to end, and releases its locks in order. A stopping runnerd aborts it too.
+    let (stop, stop_rx) = watch::channel(false);
+    let mut shutdown = app.shutdown.subscribe();
+    let mut client_gone = client_gone;
+    // Not tied to this handler (it may be dropped first): it ends with the execution, whose
+    // end drops every receiver of `stop`.
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = exec::gone(&mut client_gone) => { let _ = stop.send(true); }
+            _ = exec::gone(&mut shutdown) => { let _ = stop.send(true); }
+            _ = stop.closed() => {}
+        }
+    });
+    let task = tokio::spawn(exec::execute(app, route, obj, stop_rx));
     match task.await {
-        Ok(result) => ok(result?),
+        // Serialized once, straight from the result (output can be large).
+        Ok(result) => Ok(ApiResponse { status: 200, body: result? }),
         Err(e) => Err(ApiError::bad_request("internal", format!("the execution task failed: {e}"))),
     }
 }

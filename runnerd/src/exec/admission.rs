@@ -39,14 +39,21 @@ impl<K: Eq + Hash + Clone, L: Default> Default for Keyed<K, L> {
 struct Entry<K: Eq + Hash + Clone, L> {
     map: Arc<Mutex<HashMap<K, Arc<L>>>>,
     key: K,
-    lock: Arc<L>,
+    /// Always `Some` until dropped.
+    lock: Option<Arc<L>>,
+}
+
+impl<K: Eq + Hash + Clone, L> Entry<K, L> {
+    fn lock(&self) -> Arc<L> {
+        self.lock.clone().expect("present until drop")
+    }
 }
 
 impl<K: Eq + Hash + Clone, L: Default> Keyed<K, L> {
     fn entry(&self, key: &K) -> Entry<K, L> {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         let lock = map.entry(key.clone()).or_default().clone();
-        Entry { map: self.map.clone(), key: key.clone(), lock }
+        Entry { map: self.map.clone(), key: key.clone(), lock: Some(lock) }
     }
 
     fn len(&self) -> usize {
@@ -57,8 +64,11 @@ impl<K: Eq + Hash + Clone, L: Default> Keyed<K, L> {
 impl<K: Eq + Hash + Clone, L> Drop for Entry<K, L> {
     fn drop(&mut self) {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        // Ours and the map's: nobody else holds or waits for this key.
-        if Arc::strong_count(&self.lock) == 2 {
+        // Drop our reference under the map lock; if only the map's is left, nobody holds
+        // or waits for this key. (Checking before dropping ours would let two last holders
+        // each see the other and both keep the entry.)
+        drop(self.lock.take());
+        if map.get(&self.key).is_some_and(|l| Arc::strong_count(l) == 1) {
             map.remove(&self.key);
         }
     }
@@ -152,11 +162,11 @@ impl Admission {
     /// Waits for the session (shared), the agent, the workspace and a sandbox slot.
     pub async fn acquire(&self, session_id: &str, agent_key: &str, workspace: &PathBuf) -> Running {
         let session = self.sessions.entry(&session_id.to_owned());
-        let session = Held { _guard: session.lock.clone().read_owned().await, _entry: session };
+        let session = Held { _guard: session.lock().read_owned().await, _entry: session };
         let agent = self.agents.entry(&agent_key.to_owned());
-        let agent = Held { _guard: agent.lock.clone().lock_owned().await, _entry: agent };
+        let agent = Held { _guard: agent.lock().lock_owned().await, _entry: agent };
         let ws = self.workspaces.entry(workspace);
-        let ws = Held { _guard: ws.lock.clone().lock_owned().await, _entry: ws };
+        let ws = Held { _guard: ws.lock().lock_owned().await, _entry: ws };
         let slot = self.slots.clone().acquire_owned().await.expect("the semaphore is never closed");
         Running { _slot: slot, _workspace: ws, _agent: agent, _session: session }
     }
@@ -164,7 +174,7 @@ impl Admission {
     /// Waits until no execution of the session runs, and holds later ones back.
     pub async fn session_exclusive(&self, session_id: &str) -> SessionExclusive {
         let entry = self.sessions.entry(&session_id.to_owned());
-        SessionExclusive { _held: Held { _guard: entry.lock.clone().write_owned().await, _entry: entry } }
+        SessionExclusive { _held: Held { _guard: entry.lock().write_owned().await, _entry: entry } }
     }
 
     /// Registered per-key locks (for tests: they must not leak).
@@ -216,6 +226,26 @@ mod tests {
         drop(first);
         tokio::time::timeout(Duration::from_secs(1), waiting).await.unwrap().unwrap();
         assert_eq!(a.lock_count(), 0, "per-key locks must not leak");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_releases_never_leak_a_lock() {
+        let a = Arc::new(Admission::new(100_000, 100_000));
+        for round in 0..200 {
+            let tasks: Vec<_> = (0..4)
+                .map(|_| {
+                    let a = a.clone();
+                    tokio::spawn(async move {
+                        let w = PathBuf::from(format!("/w{round}"));
+                        drop(a.acquire("s", &agent_key("s", &format!("x{round}")), &w).await);
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        }
+        assert_eq!(a.lock_count(), 0);
     }
 
     #[tokio::test]

@@ -21,10 +21,14 @@ use tokio::sync::watch;
 use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
 use crate::launch::{Launch, OutputBudget, Termination, default_rlimits};
-use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv, preflight};
+use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
 use crate::timefmt;
+use common::plan::FIRST_EXTRA_FD;
 use registry::ActiveExecution;
 use request::{Object, Route};
+
+/// Ours: ids are UUIDs in practice; anything longer than this is refused before it is kept.
+pub const MAX_EXECUTION_ID: usize = 1024;
 
 /// How often the workspace quota is re-measured during a run (the original's 100 ms).
 pub const QUOTA_POLL: Duration = Duration::from_millis(100);
@@ -128,13 +132,22 @@ pub async fn execute(
     route: Route,
     obj: Object,
     mut client_gone: watch::Receiver<bool>,
-) -> Result<Value, ApiError> {
+) -> Result<String, ApiError> {
     request::require_ephemeral(&obj)?;
     let language = request::language(route, &obj)?;
     let (root, read_only) = resolve_workspace(&app, &obj)?;
     request::require_single_workspace_mount(&obj, language)?;
 
+    // Ours: a full queue answers 503 before the id is recorded, so a retry after
+    // `Retry-After` is not refused as a duplicate.
+    let ticket = app.admission.admit()?;
     let execution_id = request::string(&obj, "executionId").unwrap_or("").to_owned();
+    if execution_id.len() > MAX_EXECUTION_ID {
+        return Err(ApiError::bad_request(
+            "execution_id_too_long",
+            format!("Execution ID must be at most {MAX_EXECUTION_ID} bytes"),
+        ));
+    }
     if !app.recent_ids.record(&execution_id, Instant::now()) {
         return Err(ApiError::with_status(409, "duplicate_execution", "Execution ID has already been used"));
     }
@@ -229,7 +242,7 @@ pub async fn execute(
         ));
     };
 
-    let _ticket = app.admission.admit()?;
+    let _ticket = ticket;
     let registration = app.registry.register(ActiveExecution {
         agent_id: agent_id.clone(),
         execution_id: execution_id.clone(),
@@ -260,8 +273,17 @@ pub async fn execute(
     let started_at = timefmt::iso8601(started_ms);
     registration.running(started_at.clone());
 
-    let before = fingerprints(&root).await;
+    // From here on the workspace is the directory opened now, whatever its path names later
+    // (another workspace's sandbox may rename directories around it while we queued).
+    let root_fd = workspace::open_beneath(&app.data_dir, &root)?;
+    let parent_fd = match read_only.as_ref() {
+        Some(p) => Some(workspace::open_beneath(&app.data_dir, p)?),
+        None => None,
+    };
+    let pinned_root = workspace::fd_path(&root_fd);
+    let before = fingerprints(&pinned_root).await;
     if max_workspace > 0 && files::usage(&before) > max_workspace {
+        tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "workspace_quota_exceeded_before_run");
         return Err(ApiError::bad_request(
             "workspace_quota_exceeded",
             files::quota_exceeds_message(max_workspace),
@@ -278,6 +300,10 @@ pub async fn execute(
         interpreter_masks: &[],
         python: &cfg.python_path,
         science_env: None,
+        workspace_fds: app.sandbox.features.bind_fd.then_some(WorkspaceFds {
+            root: FIRST_EXTRA_FD,
+            read_only: parent_fd.as_ref().map(|_| FIRST_EXTRA_FD + 1),
+        }),
     });
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();
@@ -289,8 +315,18 @@ pub async fn execute(
     launch.stdin = code.into_bytes();
     launch.timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
     launch.cancel = Some(stop_rx);
+    if app.sandbox.features.bind_fd {
+        launch
+            .extra_fds
+            .push(root_fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?);
+        if let Some(fd) = &parent_fd {
+            launch
+                .extra_fds
+                .push(fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?);
+        }
+    }
     let watchdog = tokio::spawn(watch_for_stop(
-        root.clone(),
+        pinned_root.clone(),
         max_workspace,
         client_gone.clone(),
         stop_tx,
@@ -301,12 +337,21 @@ pub async fn execute(
     let mut output = OutputBudget::new(max_output);
     let outcome = app.sandbox.launcher.run(launch, &mut output).await;
     watchdog.abort();
-    let outcome = outcome.map_err(|e| {
-        tracing::error!(event = "execution_failed", execution_id = %execution_id, error = %crate::error_chain(&e));
-        ApiError::bad_request("sandbox_launch_failed", crate::error_chain(&e))
-    })?;
+    let outcome = match outcome {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(event = "execution_finished", execution_id = %execution_id, outcome = "launch_failed", error = %crate::error_chain(&e));
+            if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
+                // The sandbox may still be writing: keep its workspace locked (fail closed)
+                // rather than let the next writer in. An operator restart clears it.
+                tracing::error!(event = "workspace_locked", workspace = %root.display(), reason = "a sandbox did not die");
+                std::mem::forget(running);
+            }
+            return Err(ApiError::bad_request("sandbox_launch_failed", crate::error_chain(&e)));
+        }
+    };
 
-    let after = fingerprints(&root).await;
+    let after = fingerprints(&pinned_root).await;
     drop(running);
     let duration_ms = outcome.elapsed.as_millis() as u64;
     let finish = |outcome_name: &str, exit: Option<i32>| {
@@ -381,7 +426,7 @@ pub async fn execute(
         working_directory,
     };
     drop(registration);
-    serde_json::to_value(result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
+    serde_json::to_string(&result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
 }
 
 /// Completes when the client is gone; never, if its handle is simply dropped.

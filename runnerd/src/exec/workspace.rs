@@ -5,6 +5,8 @@
 
 use std::fs;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use crate::api::error::ApiError;
@@ -72,13 +74,35 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str) -> Result<PathBuf, Ap
             format!("Could not create the data directory {}: {e}", data_dir.display()),
         )
     })?;
-    let mut path = data_dir.join(REMOTE_WORKSPACES);
-    ensure_real_dir(&path)?;
-    for segment in segments {
-        path.push(segment);
-        ensure_real_dir(&path)?;
-    }
+    // Walk by descriptor: each segment is created with mkdirat and opened with O_NOFOLLOW
+    // relative to the previous one, so a segment swapped for a symlink mid-walk is refused
+    // and nothing is ever created through it.
     let data_real = fs::canonicalize(data_dir).map_err(|e| realpath_error(data_dir, &e))?;
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| invalid_key());
+    let root = std::ffi::CString::new(data_real.as_os_str().as_bytes()).map_err(|_| invalid_key())?;
+    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
+    // SAFETY: opens a path as a new descriptor; the result is checked.
+    let mut dir =
+        cvt_fd(unsafe { libc::open(root.as_ptr(), flags) }).map_err(|e| realpath_error(data_dir, &e))?;
+    let mut path = data_dir.to_owned();
+    for segment in std::iter::once(REMOTE_WORKSPACES).chain(segments) {
+        path.push(segment);
+        let name = c(segment)?;
+        // SAFETY: mkdirat relative to a directory descriptor we own.
+        let made = unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o755) };
+        if made == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::AlreadyExists {
+                return Err(ApiError::bad_request(
+                    "workspace_create_failed",
+                    format!("Could not create remote workspace directory {}: {e}", path.display()),
+                ));
+            }
+        }
+        // SAFETY: openat relative to a directory descriptor we own; O_NOFOLLOW refuses a symlink.
+        dir = cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW) })
+            .map_err(|_| symlinked())?;
+    }
     let real = fs::canonicalize(&path).map_err(|e| realpath_error(&path, &e))?;
     if !real.starts_with(&data_real) {
         return Err(ApiError::bad_request(
@@ -87,24 +111,6 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str) -> Result<PathBuf, Ap
         ));
     }
     Ok(path)
-}
-
-fn ensure_real_dir(path: &Path) -> Result<(), ApiError> {
-    match fs::create_dir(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => {
-            return Err(ApiError::bad_request(
-                "workspace_create_failed",
-                format!("Could not create remote workspace directory {}: {e}", path.display()),
-            ));
-        }
-    }
-    let meta = fs::symlink_metadata(path).map_err(|e| realpath_error(path, &e))?;
-    if meta.file_type().is_symlink() || !meta.is_dir() {
-        return Err(symlinked());
-    }
-    Ok(())
 }
 
 /// `realpath(path)`, which must equal or lie under `realpath(<data>/projects)` or
@@ -150,6 +156,48 @@ pub fn resolve_cwd(root: &Path, cwd: &str) -> Result<String, ApiError> {
     }
     debug_assert!(rel.components().all(|c| matches!(c, Component::Normal(_))));
     Ok(rel.to_string_lossy().into_owned())
+}
+
+/// Opens `path` (canonical, inside `data_dir`) as an `O_PATH` directory descriptor, one
+/// component at a time from the data directory, refusing every symlink on the way. The
+/// directory a sandbox gets is the one opened here, whatever happens to the path after
+/// (bwrap binds it with `--bind-fd`): a workspace that another sandbox renamed or replaced
+/// by a symlink between validation and launch is refused instead of followed.
+pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, ApiError> {
+    let escaped = || {
+        ApiError::bad_request(
+            "workspace_symlink",
+            "Runner workspace changed under it: a path component is now a symbolic link or missing",
+        )
+    };
+    let data_real = fs::canonicalize(data_dir).map_err(|e| realpath_error(data_dir, &e))?;
+    let rel = path.strip_prefix(&data_real).map_err(|_| escaped())?;
+    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
+    let c = |p: &std::ffi::OsStr| std::ffi::CString::new(p.as_bytes()).map_err(|_| escaped());
+    let root = c(data_real.as_os_str())?;
+    // SAFETY: opens a path we own as a new descriptor; the result is checked.
+    let mut dir = cvt_fd(unsafe { libc::open(root.as_ptr(), flags) }).map_err(|_| escaped())?;
+    for component in rel.components() {
+        let Component::Normal(name) = component else { return Err(escaped()) };
+        let name = c(name)?;
+        // SAFETY: openat relative to a directory descriptor we own; O_NOFOLLOW with
+        // O_PATH|O_DIRECTORY refuses a symlink (ENOTDIR/ELOOP) instead of following it.
+        dir = cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW) })
+            .map_err(|_| escaped())?;
+    }
+    Ok(dir)
+}
+
+fn cvt_fd(fd: libc::c_int) -> io::Result<OwnedFd> {
+    let fd = common::sys::cvt(fd)?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A path that names the opened directory itself (the `/proc/self/fd` magic link), for
+/// walking exactly what the sandbox was given.
+pub fn fd_path(fd: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 #[cfg(test)]
@@ -244,6 +292,27 @@ mod tests {
             err.message,
             format!("ENOENT: no such file or directory, realpath '{}'", missing.display())
         );
+    }
+
+    #[test]
+    fn opening_beneath_refuses_a_swapped_in_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let child = ensure_remote_workspace(&data, "t/s/agents/c").unwrap();
+        let child = validated_workspace(&data, &child).unwrap();
+        let fd = open_beneath(&data, &child).unwrap();
+        fs::write(child.join("mine.txt"), "x").unwrap();
+        assert!(fd_path(&fd).join("mine.txt").exists());
+        // The parent's sandbox swaps the child for a symlink to somewhere else.
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        let agents = child.parent().unwrap().to_owned();
+        fs::rename(&child, agents.join("c.old")).unwrap();
+        symlink(&outside, &child).unwrap();
+        assert!(open_beneath(&data, &child).is_err());
+        // A descriptor opened before the swap still names the original directory.
+        assert!(fd_path(&fd).join("mine.txt").exists());
+        assert!(!outside.join("mine.txt").exists());
     }
 
     #[test]

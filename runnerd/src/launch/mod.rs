@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::channel::{self, ChannelError};
-use common::plan::{INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD};
+use common::plan::{FIRST_EXTRA_FD, INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD};
 use common::seccomp::{self, Arch, Profile, Program, SeccompError};
 use common::sys;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -48,7 +48,7 @@ pub enum Filter {
 }
 
 /// One sandbox launch, fully decided.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Launch {
     /// Absolute path of bwrap.
     pub bwrap: PathBuf,
@@ -65,6 +65,8 @@ pub struct Launch {
     pub timeout: Option<Duration>,
     /// When this turns `true`, the sandbox is ended and the run reports `Cancelled`.
     pub cancel: Option<watch::Receiver<bool>>,
+    /// Descriptors placed at 5, 6, … in order (the workspace directories for `--bind-fd`).
+    pub extra_fds: Vec<OwnedFd>,
 }
 
 impl Launch {
@@ -80,6 +82,7 @@ impl Launch {
             stdin: Vec::new(),
             timeout: None,
             cancel: None,
+            extra_fds: Vec::new(),
         }
     }
 }
@@ -210,6 +213,10 @@ impl Launcher {
             fds.push(sealed_memfd(self.program(filter))?);
             targets.push(SECCOMP_FD);
         }
+        for (i, fd) in launch.extra_fds.into_iter().enumerate() {
+            fds.push(fd);
+            targets.push(FIRST_EXTRA_FD + i as i32);
+        }
         let args = bwrap_args(&launch.options, launch.filter.is_some(), &launch.command);
         let plan = LaunchPlan {
             program: launch.bwrap.to_string_lossy().into_owned(),
@@ -269,6 +276,8 @@ impl Launcher {
                 }
             }
         };
+        // The namespace must be empty before anyone looks at the workspace (R-RUN-4).
+        sandbox.ensure_ended(DRAIN_LIMIT).await;
         let mut guard = guard;
         let status = match (result, ended) {
             (Ok(status), _) => status,

@@ -8,7 +8,7 @@
 //! run's future is dropped. Should bwrap never report (it failed before `clone`, or is
 //! wedged), the monitor itself is killed after a grace period.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,6 +38,7 @@ pub struct Sandbox {
     monitor_pid: i32,
     state: Mutex<State>,
     end_requested: Notify,
+    reported: Notify,
 }
 
 impl Sandbox {
@@ -48,6 +49,7 @@ impl Sandbox {
             monitor_pid,
             state: Mutex::new(State::default()),
             end_requested: Notify::new(),
+            reported: Notify::new(),
         })
     }
 
@@ -96,6 +98,29 @@ impl Sandbox {
         if state.ending {
             self.kill_locked(&state);
         }
+        drop(state);
+        self.reported.notify_waiters();
+    }
+
+    /// Waits until the PID namespace is really gone. bwrap's monitor can exit as soon as
+    /// its init reports the command's exit status, a moment before the init itself exits
+    /// and the kernel kills what is left in the namespace; background processes live in
+    /// that moment. The init's pidfd turns readable only once its exit — and with it the
+    /// namespace's teardown — is complete. Bounded by `limit`; kills the init if needed.
+    pub async fn ensure_ended(&self, limit: Duration) {
+        let reported = self.reported.notified();
+        tokio::pin!(reported);
+        reported.as_mut().enable();
+        if !self.lock().reported {
+            let _ = tokio::time::timeout(limit, reported).await;
+        }
+        let init = self.lock().init.as_ref().and_then(|fd| fd.try_clone().ok());
+        let Some(init) = init else { return };
+        if !wait_exited(&init, Duration::from_millis(200)).await {
+            // Still alive after its command ended: end it now.
+            let _ = sys::pidfd_send_signal(init.as_fd(), libc::SIGKILL);
+            wait_exited(&init, limit).await;
+        }
     }
 
     /// Reads bwrap's report from the info pipe; kills the monitor if an end was requested
@@ -113,6 +138,25 @@ impl Sandbox {
                 self.kill_monitor();
             }
         }
+    }
+}
+
+/// Whether the process behind `pidfd` has exited (its pidfd is readable), waiting up to
+/// `limit`. Polled: the wait is normally zero or a few milliseconds.
+async fn wait_exited(pidfd: &OwnedFd, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut pause = Duration::from_micros(200);
+    loop {
+        let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll reads one pollfd we own, with a zero timeout.
+        if unsafe { libc::poll(&mut poll, 1, 0) } > 0 {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
 

@@ -91,20 +91,40 @@ impl WorkspaceLayout {
         }
     }
 
-    fn bind_args(&self, args: &mut Vec<String>) {
+    fn bind_args(&self, args: &mut Vec<String>, fds: Option<WorkspaceFds>) {
+        // With descriptors, bwrap mounts exactly the directories runnerd opened and checked.
+        let rw = |path: &Path| match fds {
+            Some(f) => ("--bind-fd", f.root.to_string()),
+            None => ("--bind", lossy(path)),
+        };
+        let ro = |path: &Path| match fds.and_then(|f| f.read_only) {
+            Some(fd) => ("--ro-bind-fd", fd.to_string()),
+            None => ("--ro-bind", lossy(path)),
+        };
         match self {
             WorkspaceLayout::Plain { root, read_only_parent } => {
                 if let Some(parent) = read_only_parent {
-                    push(args, &["--ro-bind", &lossy(parent), "/parent_workspace"]);
+                    let (opt, src) = ro(parent);
+                    push(args, &[opt, &src, "/parent_workspace"]);
                 }
-                push(args, &["--bind", &lossy(root), "/workspace"]);
+                let (opt, src) = rw(root);
+                push(args, &[opt, &src, "/workspace"]);
             }
             WorkspaceLayout::Nested { parent, root, rel } => {
-                push(args, &["--ro-bind", &lossy(parent), "/workspace"]);
-                push(args, &["--bind", &lossy(root), &format!("/workspace/{rel}")]);
+                let (opt, src) = ro(parent);
+                push(args, &[opt, &src, "/workspace"]);
+                let (opt, src) = rw(root);
+                push(args, &[opt, &src, &format!("/workspace/{rel}")]);
             }
         }
     }
+}
+
+/// Descriptors (numbers in the sandbox launch) of the opened workspace directories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkspaceFds {
+    pub root: i32,
+    pub read_only: Option<i32>,
 }
 
 /// Everything that decides one sandbox's argv.
@@ -123,6 +143,8 @@ pub struct SandboxSpec<'a> {
     pub python: &'a str,
     /// A science environment prefix to mount read-only at `/opt/science-env` (R-SBX-5).
     pub science_env: Option<&'a Path>,
+    /// Bind the workspace from these descriptors instead of by path.
+    pub workspace_fds: Option<WorkspaceFds>,
 }
 
 /// Where a science environment appears inside the sandbox.
@@ -183,7 +205,7 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         let prefix = lossy(prefix);
         push(&mut args, &["--ro-bind", &prefix, SCIENCE_ENV_MOUNT, "--ro-bind", &prefix, &prefix]);
     }
-    spec.workspace.bind_args(&mut args);
+    spec.workspace.bind_args(&mut args, spec.workspace_fds);
 
     let cwd = match spec.cwd {
         Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
@@ -235,6 +257,7 @@ mod tests {
             interpreter_masks: &[],
             python: "/usr/bin/python3",
             science_env: None,
+            workspace_fds: None,
         }
     }
 
@@ -416,6 +439,29 @@ mod tests {
             assert!(position(&cmd.args(), binds).is_some(), "{root}: {:?}", cmd.args());
             assert_eq!(cmd.cwd, *cwd);
             assert!(position(&cmd.args(), &["--chdir", cwd]).is_some());
+        }
+    }
+
+    #[test]
+    fn workspaces_bound_from_descriptors() {
+        let h = host();
+        let cases = [
+            (WorkspaceLayout::new("/d/ws".into(), None), vec!["--bind-fd", "5", "/workspace"]),
+            (
+                WorkspaceLayout::new("/d/sub".into(), Some("/d/parent".into())),
+                vec!["--ro-bind-fd", "6", "/parent_workspace", "--bind-fd", "5", "/workspace"],
+            ),
+            (
+                WorkspaceLayout::new("/d/p/sub".into(), Some("/d/p".into())),
+                vec!["--ro-bind-fd", "6", "/workspace", "--bind-fd", "5", "/workspace/sub"],
+            ),
+        ];
+        for (ws, expected) in cases {
+            let mut s = spec(&h, &ws, FULL);
+            s.workspace_fds = Some(WorkspaceFds { root: 5, read_only: Some(6) });
+            let args = build(&s).args();
+            assert!(position(&args, &expected).is_some(), "{args:?}");
+            assert!(!args.iter().any(|a| a.starts_with("/d/")), "no host path left: {args:?}");
         }
     }
 

@@ -5,5 +5,7 @@ pub mod argv;
 pub mod host;
 pub mod preflight;
 
-pub use argv::{Language, ProcMode, SandboxCommand, SandboxShape, SandboxSpec, WorkspaceLayout};
+pub use argv::{
+    Language, ProcMode, SandboxCommand, SandboxShape, SandboxSpec, WorkspaceFds, WorkspaceLayout,
+};
 pub use host::HostRuntime;

@@ -75,8 +75,18 @@ fn is_executable(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// Runs `bwrap --help` (not a sandbox: a plain child) and checks the six options.
-pub async fn check_bwrap_options(bwrap: &Path) -> Result<(), PreflightError> {
+/// Optional bwrap features we use when present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BwrapFeatures {
+    /// `--bind-fd`/`--ro-bind-fd` (bwrap ≥ 0.8): bind the directory runnerd opened and
+    /// checked, not whatever a path names by the time bwrap mounts it.
+    pub bind_fd: bool,
+}
+
+/// Runs `bwrap --help` (not a sandbox: a plain child), checks the six required options and
+/// reports the optional ones.
+pub async fn check_bwrap_options(bwrap: &Path) -> Result<BwrapFeatures, PreflightError> {
     let path = bwrap.to_string_lossy().into_owned();
     let help = tokio::process::Command::new(bwrap)
         .arg("--help")
@@ -99,7 +109,11 @@ pub async fn check_bwrap_options(bwrap: &Path) -> Result<(), PreflightError> {
     let mut help = String::from_utf8_lossy(&out.stdout).into_owned();
     help.push_str(&String::from_utf8_lossy(&out.stderr));
     let missing = missing_options(&help);
-    if missing.is_empty() { Ok(()) } else { Err(PreflightError::LacksOptions { path, missing }) }
+    if !missing.is_empty() {
+        return Err(PreflightError::LacksOptions { path, missing });
+    }
+    let has = |opt: &str| help.split(|c: char| c.is_whitespace() || c == ',').any(|w| w == opt);
+    Ok(BwrapFeatures { bind_fd: has("--bind-fd") && has("--ro-bind-fd") })
 }
 
 /// The probe argv of the original (internals §2.8).
@@ -241,6 +255,7 @@ impl Prober for LaunchProber<'_> {
             stdin: Vec::new(),
             timeout: Some(PROBE_TIMEOUT),
             cancel: None,
+            extra_fds: Vec::new(),
         };
         let mut output = OutputBudget::new(PROBE_OUTPUT_BYTES);
         match self.launcher.run(launch, &mut output).await {
