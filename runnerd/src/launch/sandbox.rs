@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::sys;
-use tokio::io::AsyncReadExt;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::unix::pipe;
 use tokio::sync::Notify;
 
@@ -141,23 +142,21 @@ impl Sandbox {
     }
 }
 
-/// Whether the process behind `pidfd` has exited (its pidfd is readable), waiting up to
-/// `limit`. Polled: the wait is normally zero or a few milliseconds.
+/// Whether the process behind `pidfd` has exited (a pidfd turns readable then), waiting up
+/// to `limit` on the runtime's reactor.
 async fn wait_exited(pidfd: &OwnedFd, limit: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + limit;
-    let mut pause = Duration::from_micros(200);
-    loop {
-        let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: poll reads one pollfd we own, with a zero timeout.
-        if unsafe { libc::poll(&mut poll, 1, 0) } > 0 {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(20));
+    let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: poll reads one pollfd we own, with a zero timeout.
+    if unsafe { libc::poll(&mut poll, 1, 0) } > 0 {
+        return true;
     }
+    let Ok(fd) = pidfd.try_clone() else { return false };
+    // SAFETY: the AsyncFd owns this OwnedFd, which stays open and keeps its number until
+    // the AsyncFd is dropped.
+    let Ok(watched) = (unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }) else {
+        return false;
+    };
+    tokio::time::timeout(limit, watched.readable()).await.is_ok_and(|r| r.is_ok())
 }
 
 /// A pidfd for the reported init, but only if it really is bwrap's child and PID 1 of its
