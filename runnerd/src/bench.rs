@@ -112,17 +112,7 @@ async fn setup() -> anyhow::Result<Setup> {
         bail!("no usable sandbox on this host: {:?}", runtime.capability)
     };
     let layout = WorkspaceLayout::new(workspace.canonicalize()?, None);
-    let cmd = argv::build(&SandboxSpec {
-        shape,
-        host: &runtime.host,
-        workspace: &layout,
-        cwd: None,
-        language: Language::Shell,
-        interpreter_masks: &[],
-        python: "/usr/bin/python3",
-        science_env: None,
-        workspace_fds: None,
-    });
+    let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
     let options = cmd.options.clone();
     let shell_args = bwrap_args(&options, true, &cmd.command);
     let command = vec!["/usr/bin/true".to_owned()];

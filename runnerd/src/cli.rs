@@ -224,17 +224,7 @@ async fn selftest() -> anyhow::Result<i32> {
     };
     let scratch = scratch_dir()?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
-    let cmd = argv::build(&SandboxSpec {
-        shape,
-        host: &runtime.host,
-        workspace: &layout,
-        cwd: None,
-        language: Language::Shell,
-        interpreter_masks: &[],
-        python: "/usr/bin/python3",
-        science_env: None,
-        workspace_fds: None,
-    });
+    let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
     let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
     let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd);
     launch.stdin = script.as_bytes().to_vec();

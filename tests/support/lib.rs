@@ -113,17 +113,7 @@ impl Fixture {
     pub fn launch(&self, language: Language, code: &str, timeout: Option<Duration>) -> Launch {
         let shape = self.capability.shape().expect("the probes found a usable sandbox");
         let layout = WorkspaceLayout::new(self.workspace.canonicalize().unwrap(), None);
-        let cmd = argv::build(&SandboxSpec {
-            shape,
-            host: &self.host,
-            workspace: &layout,
-            cwd: None,
-            language,
-            interpreter_masks: &[],
-            python: "/usr/bin/python3",
-            science_env: None,
-            workspace_fds: None,
-        });
+        let cmd = argv::build(&SandboxSpec::new(shape, &self.host, &layout, language));
         let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd);
         launch.rlimits = runnerd::launch::default_rlimits(Some(10 << 30));
         launch.stdin = code.as_bytes().to_vec();

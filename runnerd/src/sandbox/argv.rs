@@ -147,6 +147,29 @@ pub struct SandboxSpec<'a> {
     pub workspace_fds: Option<WorkspaceFds>,
 }
 
+impl<'a> SandboxSpec<'a> {
+    /// A spec with no cwd, no masks, the host `/usr/bin/python3`, no science environment
+    /// and path binds; callers override what they decide.
+    pub fn new(
+        shape: SandboxShape,
+        host: &'a HostRuntime,
+        workspace: &'a WorkspaceLayout,
+        language: Language,
+    ) -> Self {
+        SandboxSpec {
+            shape,
+            host,
+            workspace,
+            cwd: None,
+            language,
+            interpreter_masks: &[],
+            python: "/usr/bin/python3",
+            science_env: None,
+            workspace_fds: None,
+        }
+    }
+}
+
 /// Where a science environment appears inside the sandbox.
 pub const SCIENCE_ENV_MOUNT: &str = "/opt/science-env";
 
@@ -248,17 +271,7 @@ mod tests {
     }
 
     fn spec<'a>(host: &'a HostRuntime, ws: &'a WorkspaceLayout, shape: SandboxShape) -> SandboxSpec<'a> {
-        SandboxSpec {
-            shape,
-            host,
-            workspace: ws,
-            cwd: None,
-            language: Language::Shell,
-            interpreter_masks: &[],
-            python: "/usr/bin/python3",
-            science_env: None,
-            workspace_fds: None,
-        }
+        SandboxSpec::new(shape, host, ws, Language::Shell)
     }
 
     const FULL: SandboxShape = SandboxShape { proc_mode: ProcMode::New, disable_userns: true };
