@@ -14,6 +14,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod coordination;
 pub mod ctl;
 pub mod exec;
 pub mod http;
