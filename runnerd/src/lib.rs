@@ -19,6 +19,7 @@ pub mod ctl;
 pub mod exec;
 pub mod http;
 pub mod launch;
+pub mod managed;
 pub mod sandbox;
 pub mod startup;
 pub mod timefmt;

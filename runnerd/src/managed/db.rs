@@ -1,0 +1,319 @@
+//! Durable managed-execution records and logs (contract §3 "What survives a restart",
+//! versioning reference §3.5): `<dataDir>/runner-executions/executions.sqlite`, WAL with
+//! `synchronous=FULL`, the original's two tables and its plain-JSON record text. Ids stay
+//! used forever; on open, unfinished records become `unknown` and are never replayed.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::logs::{LogRow, stream_name};
+use crate::launch::Stream;
+
+pub const RESTARTED: &str = "Runner restarted before completion was recorded; the command was not replayed";
+
+/// The HTTP and on-disk `ManagedExecution`, keys in the original's order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ManagedExecution {
+    pub agent_id: String,
+    pub session_id: String,
+    pub id: String,
+    pub state: String,
+    pub queued_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_truncated: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<Value>,
+}
+
+impl ManagedExecution {
+    pub fn is_terminal(&self) -> bool {
+        is_terminal(&self.state)
+    }
+}
+
+pub fn is_terminal(state: &str) -> bool {
+    matches!(state, "completed" | "failed" | "cancelled" | "unknown")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("The execution database {} failed: {source}", path.display())]
+    Sqlite {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("Could not create the execution directory {}: {source}", path.display())]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("A stored execution record is unreadable: {0}")]
+    Record(#[source] serde_json::Error),
+}
+
+/// One page of logs: rows after a cursor, and whether more exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogPage {
+    pub rows: Vec<(u64, String, String)>,
+    pub more: bool,
+}
+
+#[derive(Debug)]
+pub struct ExecutionsDb {
+    conn: Mutex<Connection>,
+    path: PathBuf,
+}
+
+impl ExecutionsDb {
+    /// Opens (creating) the database and turns every unfinished record into `unknown`.
+    /// Returns the database and the ids it turned.
+    pub fn open(data_dir: &Path, now_iso: &str) -> Result<(ExecutionsDb, Vec<String>), DbError> {
+        let dir = data_dir.join("runner-executions");
+        std::fs::create_dir_all(&dir).map_err(|source| DbError::Dir { path: dir.clone(), source })?;
+        let path = dir.join("executions.sqlite");
+        let db = ExecutionsDb { conn: Mutex::new(Self::connect(&path)?), path };
+        let turned = db.mark_unfinished_unknown(now_iso)?;
+        Ok((db, turned))
+    }
+
+    fn connect(path: &Path) -> Result<Connection, DbError> {
+        let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+        let conn = Connection::open(path).map_err(sqlite)?;
+        conn.busy_timeout(std::time::Duration::from_millis(5000)).map_err(sqlite)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(sqlite)?;
+        conn.pragma_update(None, "synchronous", "FULL").map_err(sqlite)?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS executions(id TEXT PRIMARY KEY, session TEXT NOT NULL, agent TEXT NOT NULL, record TEXT NOT NULL);
+             CREATE TABLE IF NOT EXISTS logs(execution TEXT NOT NULL, cursor INTEGER NOT NULL, stream TEXT NOT NULL, text TEXT NOT NULL, PRIMARY KEY(execution, cursor));",
+        )
+        .map_err(sqlite)?;
+        Ok(conn)
+    }
+
+    fn sqlite(&self, source: rusqlite::Error) -> DbError {
+        DbError::Sqlite { path: self.path.clone(), source }
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn mark_unfinished_unknown(&self, now_iso: &str) -> Result<Vec<String>, DbError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(|e| self.sqlite(e))?;
+        let mut turned = Vec::new();
+        {
+            let mut stmt = tx.prepare("SELECT record FROM executions").map_err(|e| self.sqlite(e))?;
+            let records = stmt
+                .query_map([], |row| row.get::<_, String>(0))
+                .map_err(|e| self.sqlite(e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| self.sqlite(e))?;
+            for text in records {
+                let Ok(mut rec) = serde_json::from_str::<ManagedExecution>(&text) else { continue };
+                if rec.is_terminal() {
+                    continue;
+                }
+                rec.state = "unknown".into();
+                rec.finished_at = Some(now_iso.to_owned());
+                rec.error = Some(RESTARTED.into());
+                let json = serde_json::to_string(&rec).map_err(DbError::Record)?;
+                tx.execute("UPDATE executions SET record=?1 WHERE id=?2", params![json, rec.id])
+                    .map_err(|e| self.sqlite(e))?;
+                turned.push(rec.id);
+            }
+        }
+        tx.commit().map_err(|e| self.sqlite(e))?;
+        Ok(turned)
+    }
+
+    /// Stores a new record; `Ok(false)` when the id was ever used before.
+    pub fn insert_new(&self, rec: &ManagedExecution) -> Result<bool, DbError> {
+        let json = serde_json::to_string(rec).map_err(DbError::Record)?;
+        let n = self
+            .conn()
+            .execute(
+                "INSERT OR IGNORE INTO executions(id, session, agent, record) VALUES(?1, ?2, ?3, ?4)",
+                params![rec.id, rec.session_id, rec.agent_id, json],
+            )
+            .map_err(|e| self.sqlite(e))?;
+        Ok(n == 1)
+    }
+
+    pub fn exists(&self, id: &str) -> Result<bool, DbError> {
+        self.conn()
+            .query_row("SELECT 1 FROM executions WHERE id=?1", params![id], |_| Ok(()))
+            .optional()
+            .map(|r| r.is_some())
+            .map_err(|e| self.sqlite(e))
+    }
+
+    /// Upserts the record (every state change).
+    pub fn save(&self, rec: &ManagedExecution) -> Result<(), DbError> {
+        let json = serde_json::to_string(rec).map_err(DbError::Record)?;
+        self.conn()
+            .execute(
+                "INSERT INTO executions(id, session, agent, record) VALUES(?1, ?2, ?3, ?4)
+                 ON CONFLICT(id) DO UPDATE SET record=excluded.record",
+                params![rec.id, rec.session_id, rec.agent_id, json],
+            )
+            .map(|_| ())
+            .map_err(|e| self.sqlite(e))
+    }
+
+    pub fn get(&self, id: &str) -> Result<Option<ManagedExecution>, DbError> {
+        let text: Option<String> = self
+            .conn()
+            .query_row("SELECT record FROM executions WHERE id=?1", params![id], |row| row.get(0))
+            .optional()
+            .map_err(|e| self.sqlite(e))?;
+        text.map(|t| serde_json::from_str(&t).map_err(DbError::Record)).transpose()
+    }
+
+    /// Appends rows with cursors `first, first+1, …` in one transaction.
+    pub fn append_logs(&self, id: &str, first: u64, rows: &[LogRow]) -> Result<(), DbError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(|e| self.sqlite(e))?;
+        {
+            let mut stmt = tx
+                .prepare_cached("INSERT INTO logs(execution, cursor, stream, text) VALUES(?1, ?2, ?3, ?4)")
+                .map_err(|e| self.sqlite(e))?;
+            for (i, row) in rows.iter().enumerate() {
+                stmt.execute(params![id, (first + i as u64) as i64, stream_name(row.stream), row.text])
+                    .map_err(|e| self.sqlite(e))?;
+            }
+        }
+        tx.commit().map_err(|e| self.sqlite(e))
+    }
+
+    /// Up to `limit` rows with cursor > `after`, ascending, and whether more follow.
+    pub fn page(&self, id: &str, after: u64, limit: usize) -> Result<LogPage, DbError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare_cached(
+                "SELECT cursor, stream, text FROM logs WHERE execution=?1 AND cursor>?2 ORDER BY cursor LIMIT ?3",
+            )
+            .map_err(|e| self.sqlite(e))?;
+        let mut rows = stmt
+            .query_map(params![id, after as i64, (limit + 1) as i64], |r| {
+                Ok((r.get::<_, i64>(0)? as u64, r.get::<_, String>(1)?, r.get::<_, String>(2)?))
+            })
+            .map_err(|e| self.sqlite(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.sqlite(e))?;
+        let more = rows.len() > limit;
+        rows.truncate(limit);
+        Ok(LogPage { rows, more })
+    }
+
+    /// A stream's retained text, rows concatenated in cursor order.
+    pub fn stream_text(&self, id: &str, stream: Stream) -> Result<String, DbError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare_cached("SELECT text FROM logs WHERE execution=?1 AND stream=?2 ORDER BY cursor")
+            .map_err(|e| self.sqlite(e))?;
+        let mut out = String::new();
+        let texts = stmt
+            .query_map(params![id, stream_name(stream)], |r| r.get::<_, String>(0))
+            .map_err(|e| self.sqlite(e))?;
+        for t in texts {
+            out.push_str(&t.map_err(|e| self.sqlite(e))?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, state: &str) -> ManagedExecution {
+        ManagedExecution {
+            agent_id: "main".into(),
+            session_id: "s".into(),
+            id: id.into(),
+            state: state.into(),
+            queued_at: "2026-01-01T00:00:00.000Z".into(),
+            started_at: None,
+            finished_at: None,
+            log_truncated: None,
+            result: None,
+            error: None,
+            version: None,
+        }
+    }
+
+    #[test]
+    fn the_record_text_is_the_originals_shape() {
+        let text = serde_json::to_string(&record("a", "queued")).unwrap();
+        assert_eq!(
+            text,
+            r#"{"agentId":"main","sessionId":"s","id":"a","state":"queued","queuedAt":"2026-01-01T00:00:00.000Z"}"#
+        );
+    }
+
+    #[test]
+    fn ids_are_used_forever_and_restarts_never_replay() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, turned) = ExecutionsDb::open(dir.path(), "t0").unwrap();
+        assert!(turned.is_empty());
+        assert!(db.insert_new(&record("done", "queued")).unwrap());
+        let mut done = record("done", "completed");
+        done.finished_at = Some("t1".into());
+        db.save(&done).unwrap();
+        assert!(db.insert_new(&record("run", "queued")).unwrap());
+        db.save(&record("run", "running")).unwrap();
+        assert!(!db.insert_new(&record("done", "queued")).unwrap(), "a used id is refused");
+        drop(db);
+        let (db, turned) = ExecutionsDb::open(dir.path(), "t2").unwrap();
+        assert_eq!(turned, vec!["run".to_owned()]);
+        let run = db.get("run").unwrap().unwrap();
+        assert_eq!(
+            (run.state.as_str(), run.error.as_deref(), run.finished_at.as_deref()),
+            ("unknown", Some(RESTARTED), Some("t2"))
+        );
+        assert_eq!(db.get("done").unwrap().unwrap(), done);
+        assert!(!db.insert_new(&record("run", "queued")).unwrap());
+        assert!(db.exists("run").unwrap() && !db.exists("nope").unwrap());
+    }
+
+    #[test]
+    fn pages_hold_four_rows_and_say_whether_more_follow() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, _) = ExecutionsDb::open(dir.path(), "t").unwrap();
+        let rows: Vec<LogRow> = (0..6)
+            .map(|i| LogRow {
+                stream: if i == 2 { Stream::Stderr } else { Stream::Stdout },
+                text: format!("r{i}"),
+            })
+            .collect();
+        db.append_logs("x", 1, &rows[..3]).unwrap();
+        db.append_logs("x", 4, &rows[3..]).unwrap();
+        let p1 = db.page("x", 0, 4).unwrap();
+        assert_eq!(p1.rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+        assert_eq!(p1.rows[2].1, "stderr");
+        assert!(p1.more);
+        let p2 = db.page("x", 4, 4).unwrap();
+        assert_eq!((p2.rows.len(), p2.more), (2, false));
+        assert!(db.page("x", 6, 4).unwrap().rows.is_empty());
+        assert_eq!(db.stream_text("x", Stream::Stdout).unwrap(), "r0r1r3r4r5");
+    }
+}
