@@ -20,7 +20,7 @@ use tokio::sync::watch;
 
 use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
-use crate::launch::{Launch, OutputBudget, Termination, default_rlimits};
+use crate::launch::{Launch, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
 use crate::timefmt;
 use common::plan::FIRST_EXTRA_FD;
@@ -29,6 +29,9 @@ use request::{Object, Route};
 
 /// Ours: ids are UUIDs in practice; anything longer than this is refused before it is kept.
 pub const MAX_EXECUTION_ID: usize = 1024;
+
+/// The error code of a sandbox that did not die: its caller keeps the workspace locked.
+pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
 
 /// How often the workspace quota is re-measured during a run (the original's 100 ms).
 pub const QUOTA_POLL: Duration = Duration::from_millis(100);
@@ -58,7 +61,7 @@ impl Serialize for OrderedMap {
 /// `ShellExecutionResult` / `PythonExecutionResult`, fields in the original's order.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-struct ExecutionResult {
+pub struct ExecutionResult {
     exit_code: i32,
     stdout: String,
     stderr: String,
@@ -78,6 +81,9 @@ struct ExecutionResult {
     sandbox: &'static str,
     started_at: String,
     working_directory: String,
+    /// The committed WorkspaceTree ref after the run (appended last, like the original).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    workspace_snapshot: Option<Value>,
 }
 
 fn language_name(l: Language) -> &'static str {
@@ -160,8 +166,82 @@ pub async fn execute(
         .ok_or_else(|| ApiError::bad_request("agent_id_required", "Agent ID is required"))?
         .to_owned();
 
-    // What the executor checks before it starts anything.
-    let code = request::string(&obj, "code").unwrap_or("").to_owned();
+    let prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
+
+    let _ticket = ticket;
+    let registration = app.registry.register(ActiveExecution {
+        agent_id: prepared.agent_id.clone(),
+        execution_id: prepared.execution_id.clone(),
+        kernel_mode: "ephemeral",
+        language: language_name(language),
+        queued_at: timefmt::now_iso(),
+        session_id: prepared.session_id.clone(),
+        started_at: None,
+        status: "queued",
+    });
+    tracing::info!(
+        event = "execution_admitted",
+        execution_id = %prepared.execution_id,
+        session_id = %prepared.session_id,
+        agent_id = %prepared.agent_id,
+        workspace = %prepared.root.display(),
+        language = language_name(language),
+    );
+    let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
+    let abandoned = || {
+        tracing::info!(event = "execution_finished", execution_id = %prepared.execution_id, outcome = "abandoned_in_queue");
+        ApiError::bad_request("execution_aborted", format!("{} aborted", language.label()))
+    };
+    let running = tokio::select! {
+        held = app.admission.acquire(&prepared.session_id, &key, &prepared.root) => held,
+        _ = gone(&mut client_gone) => return Err(abandoned()),
+    };
+    let started_at = timefmt::iso8601(timefmt::now_ms());
+    registration.running(started_at.clone());
+    let ran = run_sandbox(&app, &prepared, started_at, None, client_gone).await;
+    if ran.as_ref().is_err_and(|e| e.code == UNRESPONSIVE) {
+        // The sandbox may still be writing: keep its workspace locked (fail closed) rather
+        // than let the next writer in. An operator restart clears it.
+        std::mem::forget(running);
+    } else {
+        drop(running);
+    }
+    drop(registration);
+    let result = ran?;
+    serde_json::to_string(&result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
+}
+
+/// A validated request, ready to run.
+#[derive(Debug)]
+pub struct Prepared {
+    pub language: Language,
+    pub root: PathBuf,
+    pub read_only: Option<PathBuf>,
+    pub execution_id: String,
+    pub session_id: String,
+    pub agent_id: String,
+    pub code: String,
+    pub environment_revision_id: String,
+    pub network: request::NetworkAccess,
+    pub timeout_ms: u64,
+    pub max_output: u64,
+    pub max_workspace: u64,
+    pub cwd: Option<String>,
+}
+
+/// What the executor checks before it starts anything (after the workspace and the id).
+#[allow(clippy::too_many_arguments)]
+pub fn prepare(
+    app: &App,
+    language: Language,
+    root: PathBuf,
+    read_only: Option<PathBuf>,
+    obj: &Object,
+    execution_id: String,
+    session_id: String,
+    agent_id: String,
+) -> Result<Prepared, ApiError> {
+    let code = request::string(obj, "code").unwrap_or("").to_owned();
     if code.trim().is_empty() {
         let message = match language {
             Language::Shell => "Shell code is required",
@@ -170,6 +250,7 @@ pub async fn execute(
         };
         return Err(ApiError::bad_request("code_required", message));
     }
+    let epoch = obj.get("permissionEpoch");
     let epoch_revision = epoch.and_then(|e| e.get("environmentRevisionId")).and_then(Value::as_str);
     let environment_revision_id = match language {
         Language::R => {
@@ -179,7 +260,7 @@ pub async fn execute(
             ));
         }
         Language::Python => {
-            let named = request::non_blank(&obj, "environmentRevisionId");
+            let named = request::non_blank(obj, "environmentRevisionId");
             if named.is_some() && named != epoch_revision {
                 return Err(unavailable(
                     "capability_unavailable",
@@ -189,13 +270,13 @@ pub async fn execute(
             named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned()
         }
         Language::Shell => {
-            if request::non_blank(&obj, "environmentId").is_some() {
+            if request::non_blank(obj, "environmentId").is_some() {
                 return Err(unavailable("capability_unavailable", "Scientific environments are unavailable"));
             }
             "system-shell-bwrap-v1".to_owned()
         }
     };
-    let network = request::network_access(&obj);
+    let network = request::network_access(obj);
     if network.mode != "none" {
         return Err(unavailable(
             "network_unavailable",
@@ -215,90 +296,102 @@ pub async fn execute(
         return Err(unavailable("skills_unavailable", "Skill packages are not supported by this runner yet"));
     }
     let cfg = &app.config;
-    let timeout_ms = request::limit(&obj, "executionTimeoutMs", cfg.exec_timeout_ms, request::TIMEOUT_ERROR)?;
-    let max_output = request::limit(
-        &obj,
-        "maxOutputBytes",
-        cfg.max_output_bytes,
-        &request::bytes_error("maxOutputBytes"),
-    )?;
+    let timeout_ms = request::limit(obj, "executionTimeoutMs", cfg.exec_timeout_ms, request::TIMEOUT_ERROR)?;
+    let max_output =
+        request::limit(obj, "maxOutputBytes", cfg.max_output_bytes, &request::bytes_error("maxOutputBytes"))?;
     let max_workspace = request::limit(
-        &obj,
+        obj,
         "maxWorkspaceBytes",
         cfg.max_workspace_bytes,
         &request::bytes_error("maxWorkspaceBytes"),
     )?;
-    let cwd = match (language, request::string(&obj, "cwd").filter(|c| !c.is_empty())) {
+    let cwd = match (language, request::string(obj, "cwd").filter(|c| !c.is_empty())) {
         (Language::Shell, Some(cwd)) => Some(workspace::resolve_cwd(&root, cwd)?),
         _ => None,
     };
-    let Some(shape) = app.sandbox.capability.shape() else {
-        return Err(unavailable(
+    sandbox_shape(app)?;
+    Ok(Prepared {
+        language,
+        root,
+        read_only,
+        execution_id,
+        session_id,
+        agent_id,
+        code,
+        environment_revision_id,
+        network,
+        timeout_ms,
+        max_output,
+        max_workspace,
+        cwd,
+    })
+}
+
+fn sandbox_shape(app: &App) -> Result<crate::sandbox::SandboxShape, ApiError> {
+    app.sandbox.capability.shape().ok_or_else(|| {
+        unavailable(
             "sandbox_unavailable",
             preflight::sandbox_unusable_message(
                 &app.sandbox.bwrap.to_string_lossy(),
                 app.sandbox.capability.detail.as_deref(),
             ),
-        ));
-    };
+        )
+    })
+}
 
-    let _ticket = ticket;
-    let registration = app.registry.register(ActiveExecution {
-        agent_id: agent_id.clone(),
-        execution_id: execution_id.clone(),
-        kernel_mode: "ephemeral",
-        language: language_name(language),
-        queued_at: timefmt::now_iso(),
-        session_id: session_id.clone(),
-        started_at: None,
-        status: "queued",
-    });
-    tracing::info!(
-        event = "execution_admitted",
-        execution_id = %execution_id,
-        session_id = %session_id,
-        agent_id = %agent_id,
-        workspace = %root.display(),
-        language = language_name(language),
-    );
-    let key = admission::agent_key(&session_id, &agent_id);
-    let running = tokio::select! {
-        held = app.admission.acquire(&session_id, &key, &root) => held,
-        _ = gone(&mut client_gone) => {
-            tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "abandoned_in_queue");
-            return Err(ApiError::bad_request("execution_aborted", format!("{} aborted", language.label())));
+/// Sends the sandbox's output to the result budget and, for managed runs, to the logs.
+struct Tee<'a, 'b> {
+    budget: &'a mut OutputBudget,
+    extra: Option<&'b mut (dyn OutputSink + 'b)>,
+}
+
+impl OutputSink for Tee<'_, '_> {
+    fn write(&mut self, stream: Stream, bytes: &[u8]) {
+        self.budget.write(stream, bytes);
+        if let Some(extra) = self.extra.as_mut() {
+            extra.write(stream, bytes);
         }
-    };
-    let started_ms = timefmt::now_ms();
-    let started_at = timefmt::iso8601(started_ms);
-    registration.running(started_at.clone());
+    }
+}
 
+/// Runs a prepared request in a fresh sandbox: quota pre-check, launch with timeout and a
+/// watchdog (`cancel` turning true, or the workspace over quota), quota post-check, result.
+/// The caller holds the workspace's locks.
+pub async fn run_sandbox(
+    app: &App,
+    p: &Prepared,
+    started_at: String,
+    logs: Option<&mut dyn OutputSink>,
+    cancel: watch::Receiver<bool>,
+) -> Result<ExecutionResult, ApiError> {
+    let shape = sandbox_shape(app)?;
+    let (language, root, execution_id) = (p.language, &p.root, &p.execution_id);
     // From here on the workspace is the directory opened now, whatever its path names later
     // (another workspace's sandbox may rename directories around it while we queued).
-    let root_fd = workspace::open_beneath(&app.data_dir, &root)?;
-    let parent_fd = match read_only.as_ref() {
-        Some(p) => Some(workspace::open_beneath(&app.data_dir, p)?),
+    let root_fd = workspace::open_beneath(&app.data_dir, root)?;
+    let parent_fd = match p.read_only.as_ref() {
+        Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
     };
     let pinned_root = workspace::fd_path(&root_fd);
     let before = fingerprints(&pinned_root).await;
-    if max_workspace > 0 && files::usage(&before) > max_workspace {
+    if p.max_workspace > 0 && files::usage(&before) > p.max_workspace {
         tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "workspace_quota_exceeded_before_run");
         return Err(ApiError::bad_request(
             "workspace_quota_exceeded",
-            files::quota_exceeds_message(max_workspace),
+            files::quota_exceeds_message(p.max_workspace),
         ));
     }
 
-    let layout = WorkspaceLayout::new(root.clone(), read_only);
+    let layout = WorkspaceLayout::new(root.clone(), p.read_only.clone());
     let cmd = argv::build(&SandboxSpec {
         shape,
         host: &app.sandbox.host,
         workspace: &layout,
-        cwd: cwd.as_deref(),
+        cwd: p.cwd.as_deref(),
         language,
         interpreter_masks: &[],
-        python: &cfg.python_path,
+        python: &app.config.python_path,
         science_env: None,
         workspace_fds: app.sandbox.features.bind_fd.then_some(WorkspaceFds {
             root: FIRST_EXTRA_FD,
@@ -311,55 +404,49 @@ pub async fn execute(
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_reason: Arc<Mutex<Option<StopReason>>> = Arc::default();
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
-    launch.rlimits = default_rlimits((max_workspace > 0).then_some(max_workspace));
-    launch.stdin = code.into_bytes();
-    launch.timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
+    launch.rlimits = default_rlimits((p.max_workspace > 0).then_some(p.max_workspace));
+    launch.stdin = p.code.clone().into_bytes();
+    launch.timeout = (p.timeout_ms > 0).then(|| Duration::from_millis(p.timeout_ms));
     launch.cancel = Some(stop_rx);
     if app.sandbox.features.bind_fd {
-        launch
-            .extra_fds
-            .push(root_fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?);
+        let internal = |e: std::io::Error| ApiError::bad_request("internal", e.to_string());
+        launch.extra_fds.push(root_fd.try_clone().map_err(internal)?);
         if let Some(fd) = &parent_fd {
-            launch
-                .extra_fds
-                .push(fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?);
+            launch.extra_fds.push(fd.try_clone().map_err(internal)?);
         }
     }
     let watchdog = tokio::spawn(watch_for_stop(
         pinned_root.clone(),
-        max_workspace,
-        client_gone.clone(),
+        p.max_workspace,
+        cancel,
         stop_tx,
         stop_reason.clone(),
     ));
     tracing::info!(event = "execution_started", execution_id = %execution_id, profile = %profile);
 
-    let mut output = OutputBudget::new(max_output);
-    let outcome = app.sandbox.launcher.run(launch, &mut output).await;
+    let mut output = OutputBudget::new(p.max_output);
+    let outcome = app.sandbox.launcher.run(launch, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
     let outcome = match outcome {
         Ok(o) => o,
         Err(e) => {
             tracing::error!(event = "execution_finished", execution_id = %execution_id, outcome = "launch_failed", error = %crate::error_chain(&e));
             if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
-                // The sandbox may still be writing: keep its workspace locked (fail closed)
-                // rather than let the next writer in. An operator restart clears it.
                 tracing::error!(event = "workspace_locked", workspace = %root.display(), reason = "a sandbox did not die");
-                std::mem::forget(running);
+                return Err(ApiError::bad_request(UNRESPONSIVE, crate::error_chain(&e)));
             }
             return Err(ApiError::bad_request("sandbox_launch_failed", crate::error_chain(&e)));
         }
     };
 
     let after = fingerprints(&pinned_root).await;
-    drop(running);
     let duration_ms = outcome.elapsed.as_millis() as u64;
     let finish = |outcome_name: &str, exit: Option<i32>| {
         tracing::info!(
             event = "execution_finished",
             execution_id = %execution_id,
-            session_id = %session_id,
-            agent_id = %agent_id,
+            session_id = %p.session_id,
+            agent_id = %p.agent_id,
             workspace = %root.display(),
             profile = %profile,
             outcome = outcome_name,
@@ -374,7 +461,7 @@ pub async fn execute(
             finish("timed_out", None);
             return Err(ApiError::bad_request(
                 "execution_timeout",
-                format!("{} timed out after {timeout_ms} ms", language.label()),
+                format!("{} timed out after {} ms", language.label(), p.timeout_ms),
             ));
         }
         Termination::Cancelled => {
@@ -384,7 +471,7 @@ pub async fn execute(
                     finish("workspace_quota_exceeded", None);
                     ApiError::bad_request(
                         "workspace_quota_exceeded",
-                        files::quota_exceeded_message(max_workspace),
+                        files::quota_exceeded_message(p.max_workspace),
                     )
                 }
                 _ => {
@@ -394,39 +481,38 @@ pub async fn execute(
             });
         }
     };
-    if max_workspace > 0 && files::usage(&after) > max_workspace {
+    if p.max_workspace > 0 && files::usage(&after) > p.max_workspace {
         finish("workspace_quota_exceeded", Some(exit_code));
         return Err(ApiError::bad_request(
             "workspace_quota_exceeded",
-            files::quota_exceeds_message(max_workspace),
+            files::quota_exceeds_message(p.max_workspace),
         ));
     }
     let (created_files, modified_files) = files::changes(&before, &after);
     let collected = output.finish();
     finish("completed", Some(exit_code));
-    let result = ExecutionResult {
+    Ok(ExecutionResult {
         exit_code,
         stdout: collected.stdout,
         stderr: collected.stderr,
         cgroup_mode: "none",
         created_files,
         modified_files,
-        environment_revision_id,
+        environment_revision_id: p.environment_revision_id.clone(),
         environment_variables,
         execution_id: execution_id.clone(),
         finished_at: timefmt::now_iso(),
         kernel_id: format!("ephemeral:{execution_id}"),
         kernel_mode: "ephemeral",
         language: language_name(language),
-        network_access_revision: network.revision,
-        network_policy: network.mode,
+        network_access_revision: p.network.revision.clone(),
+        network_policy: p.network.mode.clone(),
         runner_version: runner_version(),
         sandbox: "bubblewrap",
         started_at,
         working_directory,
-    };
-    drop(registration);
-    serde_json::to_string(&result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
+        workspace_snapshot: None,
+    })
 }
 
 /// Completes when the client is gone; never, if its handle is simply dropped.
