@@ -22,5 +22,6 @@ pub mod sandbox;
 pub mod startup;
 pub mod timefmt;
 pub mod token;
+pub mod versioning;
 
 pub use common::error_chain;
