@@ -26,6 +26,8 @@ pub mod records;
 pub mod refs;
 pub mod snapshot;
 pub mod store;
+#[cfg(test)]
+mod testutil;
 
 pub use export::{SnapshotFile, export_value};
 pub use jcs::canonicalize;

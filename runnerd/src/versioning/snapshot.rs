@@ -188,3 +188,182 @@ fn changed_or_io(action: &'static str, path: &Path) -> impl FnOnce(io::Error) ->
         _ => VersionError::Io { action, path, source: e },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::versioning::names::b64url_decode;
+    use crate::versioning::testutil::{blob_text, example_workspace, root_tree_ref, temp_store, write_mode};
+    use crate::versioning::{OCTET_STREAM, RECORD_MEDIA_TYPE};
+
+    const EMPTY_TREE: &str =
+        r#"{"dependencies":[],"kind":"WorkspaceTree","schemaVersion":1,"value":{"entries":[]}}"#;
+    const DATA_TREE: &str = r#"{"dependencies":[{"digest":"sha256:492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470","mediaType":"application/octet-stream","pool":"data","size":8}],"kind":"WorkspaceTree","schemaVersion":1,"value":{"entries":[{"content":{"digest":"sha256:492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470","mediaType":"application/octet-stream","pool":"data","size":8},"executable":0,"name":"eC5jc3Y","type":"file"}]}}"#;
+    const ROOT_TREE: &str = r#"{"dependencies":[{"digest":"sha256:0389cba415fca9fe23c658bb86a70590e57fb5d3ad7cd3ef38f72991cd7c5409","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":83},{"digest":"sha256:29339eee4a81e3d32b49ea8ba160b2a739a5403deb5ced6ffac0fbe09ba15bb7","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":433},{"digest":"sha256:299001868fb8c02fd431c336c6d058f5558c5dff5b5af5e6fe04b870a6a9cbba","mediaType":"application/octet-stream","pool":"data","size":18},{"digest":"sha256:5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03","mediaType":"application/octet-stream","pool":"data","size":6}],"kind":"WorkspaceTree","schemaVersion":1,"value":{"entries":[{"content":{"digest":"sha256:5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03","mediaType":"application/octet-stream","pool":"data","size":6},"executable":0,"name":"UkVBRE1FLm1k","type":"file"},{"name":"ZGF0YQ","tree":{"digest":"sha256:29339eee4a81e3d32b49ea8ba160b2a739a5403deb5ced6ffac0fbe09ba15bb7","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":433},"type":"directory"},{"name":"ZW1wdHk","tree":{"digest":"sha256:0389cba415fca9fe23c658bb86a70590e57fb5d3ad7cd3ef38f72991cd7c5409","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":83},"type":"directory"},{"name":"bGluaw","target":"UkVBRE1FLm1k","type":"symlink"},{"content":{"digest":"sha256:299001868fb8c02fd431c336c6d058f5558c5dff5b5af5e6fe04b870a6a9cbba","mediaType":"application/octet-stream","pool":"data","size":18},"executable":73,"name":"cnVuLnNo","type":"file"}]}}"#;
+
+    fn tree_ref(hex: &str, size: u64) -> Ref {
+        Ref::new(Pool::AgentState, hex, size, RECORD_MEDIA_TYPE)
+    }
+
+    fn entries(store: &Store, tree: &Ref) -> Vec<Value> {
+        store.read_record(tree, Some("WorkspaceTree")).unwrap().value["entries"].as_array().unwrap().clone()
+    }
+
+    #[test]
+    fn example_workspace_matches_the_golden_vectors() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        example_workspace(ws.path());
+        let root = store.snapshot(ws.path()).unwrap();
+        assert_eq!(root, root_tree_ref());
+        assert_eq!(blob_text(&store, &root), ROOT_TREE);
+        let empty = tree_ref("0389cba415fca9fe23c658bb86a70590e57fb5d3ad7cd3ef38f72991cd7c5409", 83);
+        assert_eq!(blob_text(&store, &empty), EMPTY_TREE);
+        let data = tree_ref("29339eee4a81e3d32b49ea8ba160b2a739a5403deb5ced6ffac0fbe09ba15bb7", 433);
+        assert_eq!(blob_text(&store, &data), DATA_TREE);
+        for (hex, bytes) in [
+            ("5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03", &b"hello\n"[..]),
+            ("492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470", b"a,b\n1,2\n"),
+            ("299001868fb8c02fd431c336c6d058f5558c5dff5b5af5e6fe04b870a6a9cbba", b"#!/bin/sh\necho hi\n"),
+        ] {
+            let r = Ref::new(Pool::Data, hex, bytes.len() as u64, OCTET_STREAM);
+            assert_eq!(store.read(&r).unwrap(), bytes);
+        }
+        // root + 2 subtrees + 3 file blobs.
+        assert_eq!(store.validate_closure(&root).unwrap(), 6);
+    }
+
+    #[test]
+    fn names_are_raw_bytes_in_memcmp_order_and_symlinks_are_not_followed() {
+        let (_data, store) = temp_store();
+        let parent = tempfile::TempDir::new().unwrap();
+        let ws = parent.path().join("ws");
+        fs::create_dir(&ws).unwrap();
+        for name in ["A", "a", "\u{e9}", "e\u{301}"] {
+            fs::write(ws.join(name), name).unwrap();
+        }
+        fs::write(ws.join(std::ffi::OsStr::from_bytes(b"\xff")), b"raw").unwrap();
+        fs::create_dir(ws.join("empty")).unwrap();
+        symlink("../outside", ws.join("link")).unwrap();
+        let tree = store.snapshot(&ws).unwrap();
+        let entries = entries(&store, &tree);
+        assert_eq!(entries.len(), 7);
+        let names: Vec<Vec<u8>> =
+            entries.iter().map(|e| b64url_decode(e["name"].as_str().unwrap()).unwrap()).collect();
+        let expected: Vec<&[u8]> =
+            vec![b"A", b"a", b"empty", b"e\xcc\x81", b"link", "\u{e9}".as_bytes(), b"\xff"];
+        assert_eq!(names, expected);
+        assert!(entries.iter().any(|e| e["name"] == "_w"));
+        let link = entries.iter().find(|e| e["type"] == "symlink").unwrap();
+        assert_eq!(b64url_decode(link["target"].as_str().unwrap()).unwrap(), b"../outside");
+        assert_eq!(store.snapshot(&ws).unwrap(), tree);
+    }
+
+    #[test]
+    fn mode_and_content_change_the_digest_but_times_do_not() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        let file = ws.path().join("f.txt");
+        write_mode(&file, b"first", 0o644);
+        let base = store.snapshot(ws.path()).unwrap();
+
+        let old = fs::metadata(&file).unwrap().modified().unwrap();
+        File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(old - Duration::from_secs(3600))
+            .unwrap();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), base, "utimes alone");
+
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o755)).unwrap();
+        let exec = store.snapshot(ws.path()).unwrap();
+        assert_ne!(exec, base);
+        assert_eq!(entries(&store, &exec)[0]["executable"], 73);
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o744)).unwrap();
+        assert_eq!(entries(&store, &store.snapshot(ws.path()).unwrap())[0]["executable"], 64);
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), base);
+
+        let mtime = fs::metadata(&file).unwrap().modified().unwrap();
+        fs::write(&file, b"other").unwrap();
+        File::options().write(true).open(&file).unwrap().set_modified(mtime).unwrap();
+        assert_ne!(store.snapshot(ws.path()).unwrap(), base, "same size and mtime, new content");
+    }
+
+    #[test]
+    fn special_files_and_non_directory_roots_are_rejected() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        nix::unistd::mkfifo(&ws.path().join("pipe"), nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .unwrap();
+        let e = store.snapshot(ws.path()).unwrap_err();
+        assert_eq!(e.to_string(), "Workspace snapshot rejects FIFO, socket and device files");
+
+        let other = tempfile::TempDir::new().unwrap();
+        fs::create_dir(other.path().join("real")).unwrap();
+        symlink("real", other.path().join("alias")).unwrap();
+        fs::write(other.path().join("file"), b"x").unwrap();
+        for root in [other.path().join("alias"), other.path().join("file")] {
+            let e = store.snapshot(&root).unwrap_err();
+            assert_eq!(e.to_string(), "Workspace root must be a directory, not a symlink");
+        }
+        // Intermediate symlinks are fine; only the root itself must not be one.
+        fs::create_dir(other.path().join("real/sub")).unwrap();
+        assert!(store.snapshot(&other.path().join("alias/sub")).is_ok());
+    }
+
+    #[test]
+    fn unchanged_files_are_not_rehashed_and_digests_stay_identical() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        example_workspace(ws.path());
+        let file = ws.path().join("README.md");
+        // Files changed within the racy margin are always re-read; let them settle.
+        std::thread::sleep(Duration::from_nanos(RACY_MARGIN_NS as u64) + Duration::from_millis(200));
+        let full = store.snapshot(ws.path()).unwrap();
+        assert_eq!(full, root_tree_ref());
+        let hashed = store.files_hashed();
+        assert_eq!(hashed, 3);
+
+        assert_eq!(store.snapshot(ws.path()).unwrap(), full);
+        assert_eq!(store.files_hashed(), hashed, "nothing touched: served from the cache");
+
+        // A blob missing from the pool is never trusted from the cache.
+        let csv = Ref::new(Pool::Data, crate::versioning::testutil::X_CSV_HEX, 8, OCTET_STREAM);
+        fs::remove_file(store.blob_path(Pool::Data, csv.hex())).unwrap();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), full);
+        assert_eq!(store.files_hashed(), hashed + 1, "only the file whose blob vanished");
+        assert!(store.has(&csv));
+
+        // Same size, restored mtime: only ctime tells, and it is part of the key.
+        let mtime = fs::metadata(&file).unwrap().modified().unwrap();
+        fs::write(&file, b"HELLO\n").unwrap();
+        File::options().write(true).open(&file).unwrap().set_modified(mtime).unwrap();
+        let changed = store.snapshot(ws.path()).unwrap();
+        assert_ne!(changed, full);
+        assert_eq!(store.files_hashed(), hashed + 2);
+        // Just changed, so within the racy margin: re-read again rather than trusted.
+        assert_eq!(store.snapshot(ws.path()).unwrap(), changed);
+        assert_eq!(store.files_hashed(), hashed + 3);
+
+        // And a fresh store (no cache) agrees with the cached result.
+        let (_data2, fresh) = temp_store();
+        assert_eq!(fresh.snapshot(ws.path()).unwrap(), changed);
+        assert_eq!(fresh.files_hashed(), 3);
+    }
+
+    #[test]
+    fn freshly_changed_files_are_always_rehashed() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        fs::write(ws.path().join("f"), b"now").unwrap();
+        store.snapshot(ws.path()).unwrap();
+        store.snapshot(ws.path()).unwrap();
+        assert_eq!(store.files_hashed(), 2, "within the racy margin nothing is cached");
+    }
+}
