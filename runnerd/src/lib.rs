@@ -24,5 +24,6 @@ pub mod sandbox;
 pub mod startup;
 pub mod timefmt;
 pub mod token;
+pub mod versioning;
 
 pub use common::error_chain;

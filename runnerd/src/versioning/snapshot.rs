@@ -1,0 +1,369 @@
+//! Workspace snapshots as `WorkspaceTree` records (§4 of the format), plus incremental
+//! hashing: a file whose (dev, ino, size, mtime, ctime) match what was hashed before, and
+//! whose blob is still in the data pool, reuses its `DataRef` without being read again.
+//!
+//! The cache can only shortcut work, never change a digest: it is keyed and checked on the
+//! same stat fields the change detection relies on, and entries are only kept for files whose
+//! last change (ctime) lies clearly before they were hashed. A file written again within the
+//! same timestamp tick could otherwise keep size, mtime and ctime (git's "racy clean" problem).
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::fs::{self, Metadata, OpenOptions};
+use std::io;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+use super::names::b64url_encode;
+use super::store::Store;
+use super::{Pool, Ref, VersionError, io_err};
+
+/// Beyond this many files the cache is dropped wholesale (about 200 MB at most).
+const CACHE_LIMIT: usize = 1_000_000;
+/// A file is cached only if its ctime is this much older than the start of its hashing: more
+/// than the timestamp granularity of any filesystem a workspace lives on (FAT: 2 s).
+const RACY_MARGIN_NS: i128 = 2_000_000_000;
+
+/// The stat fields a cached content ref is valid for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl Stamp {
+    fn of(m: &Metadata) -> Stamp {
+        Stamp { size: m.len(), mtime_ns: mtime_ns(m), ctime_ns: ctime_ns(m) }
+    }
+}
+
+/// The incremental-hashing cache, (dev, ino) → stamp and content; shared by all snapshots.
+#[derive(Default)]
+pub(crate) struct FileCache {
+    entries: Mutex<HashMap<(u64, u64), (Stamp, Ref)>>,
+    hashed: AtomicU64,
+}
+
+impl FileCache {
+    fn lookup(&self, key: (u64, u64), stamp: Stamp) -> Option<Ref> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.get(&key).filter(|(s, _)| *s == stamp).map(|(_, r)| r.clone())
+    }
+
+    fn store(&self, key: (u64, u64), entry: Option<(Stamp, Ref)>) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        match entry {
+            Some(entry) => {
+                if entries.len() >= CACHE_LIMIT {
+                    entries.clear();
+                }
+                entries.insert(key, entry);
+            }
+            None => {
+                entries.remove(&key);
+            }
+        }
+    }
+}
+
+impl Store {
+    /// Snapshots the directory `root` into `WorkspaceTree` records and returns the root tree's
+    /// ref. The caller holds the workspace's writer lease; concurrent changes that are
+    /// noticed fail with `Workspace changed during snapshot`.
+    pub fn snapshot(&self, root: &Path) -> Result<Ref, VersionError> {
+        let root = std::path::absolute(root).map_err(io_err("resolve the workspace root", root))?;
+        let meta = fs::symlink_metadata(&root).map_err(io_err("inspect the workspace root", &root))?;
+        if !meta.file_type().is_dir() {
+            return Err(VersionError::RootNotDirectory);
+        }
+        self.snapshot_dir(&root, &meta)
+    }
+
+    /// How many regular files snapshots have actually opened and hashed (cache misses).
+    pub fn files_hashed(&self) -> u64 {
+        self.cache.hashed.load(Ordering::Relaxed)
+    }
+
+    /// One directory: children first (depth-first, raw names in memcmp order), then its record.
+    fn snapshot_dir(&self, dir: &Path, before: &Metadata) -> Result<Ref, VersionError> {
+        let mut names = fs::read_dir(dir)
+            .and_then(|entries| {
+                entries.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<OsString>>>()
+            })
+            .map_err(changed_or_io("read the directory", dir))?;
+        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        let mut entries = Vec::with_capacity(names.len());
+        for name in names {
+            let path = dir.join(&name);
+            let meta = fs::symlink_metadata(&path).map_err(changed_or_io("inspect", &path))?;
+            let b64_name = b64url_encode(name.as_bytes());
+            let kind = meta.file_type();
+            let entry = if kind.is_symlink() {
+                let target = fs::read_link(&path).map_err(changed_or_io("read the symlink", &path))?;
+                json!({ "name": b64_name, "target": b64url_encode(&target.into_os_string().into_vec()), "type": "symlink" })
+            } else if kind.is_dir() {
+                let tree = self.snapshot_dir(&path, &meta)?;
+                json!({ "name": b64_name, "tree": tree.to_value(), "type": "directory" })
+            } else if kind.is_file() {
+                let content = self.snapshot_file(&path, &meta)?;
+                json!({
+                    "content": content.to_value(),
+                    "executable": meta.mode() & 0o111,
+                    "name": b64_name,
+                    "type": "file",
+                })
+            } else {
+                return Err(VersionError::SpecialFile);
+            };
+            let after = fs::symlink_metadata(&path).map_err(changed_or_io("inspect", &path))?;
+            if after.ino() != meta.ino() || after.dev() != meta.dev() || ctime_ns(&after) != ctime_ns(&meta) {
+                return Err(VersionError::Changed);
+            }
+            entries.push(entry);
+        }
+        let after = fs::symlink_metadata(dir).map_err(changed_or_io("inspect", dir))?;
+        if after.ino() != before.ino() || ctime_ns(&after) != ctime_ns(before) {
+            return Err(VersionError::Changed);
+        }
+        self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))
+    }
+
+    /// One regular file's content ref: from the cache when provably unchanged, otherwise opened
+    /// without following links or blocking, streamed into the data pool and checked stable.
+    fn snapshot_file(&self, path: &Path, lstat: &Metadata) -> Result<Ref, VersionError> {
+        let key = (lstat.dev(), lstat.ino());
+        if let Some(cached) = self.cache.lookup(key, Stamp::of(lstat)) {
+            if self.has(&cached) {
+                return Ok(cached);
+            }
+        }
+        let started = now_ns();
+        let mut file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+            .map_err(changed_or_io("open", path))?;
+        let opened = file.metadata().map_err(io_err("stat", path))?;
+        if !opened.file_type().is_file() || opened.ino() != lstat.ino() || opened.dev() != lstat.dev() {
+            return Err(VersionError::Changed);
+        }
+        self.cache.hashed.fetch_add(1, Ordering::Relaxed);
+        let content = self.put_stream(Pool::Data, &mut file)?;
+        let done = file.metadata().map_err(io_err("stat", path))?;
+        let stamp = Stamp::of(&done);
+        if stamp != Stamp::of(&opened) || content.size != stamp.size {
+            return Err(VersionError::Changed);
+        }
+        let settled = stamp.ctime_ns + RACY_MARGIN_NS < started;
+        self.cache.store(key, settled.then(|| (stamp, content.clone())));
+        Ok(content)
+    }
+}
+
+fn mtime_ns(m: &Metadata) -> i128 {
+    i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec())
+}
+
+fn ctime_ns(m: &Metadata) -> i128 {
+    i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec())
+}
+
+fn now_ns() -> i128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i128).unwrap_or(0)
+}
+
+/// Something inside the workspace that vanished or turned into a symlink (ELOOP from
+/// O_NOFOLLOW) between listing and use was changed concurrently.
+fn changed_or_io(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> VersionError {
+    let path = path.to_path_buf();
+    move |e| match e.raw_os_error() {
+        Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR) => VersionError::Changed,
+        _ => VersionError::Io { action, path, source: e },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::versioning::names::b64url_decode;
+    use crate::versioning::testutil::{blob_text, example_workspace, root_tree_ref, temp_store, write_mode};
+    use crate::versioning::{OCTET_STREAM, RECORD_MEDIA_TYPE};
+
+    const EMPTY_TREE: &str =
+        r#"{"dependencies":[],"kind":"WorkspaceTree","schemaVersion":1,"value":{"entries":[]}}"#;
+    const DATA_TREE: &str = r#"{"dependencies":[{"digest":"sha256:492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470","mediaType":"application/octet-stream","pool":"data","size":8}],"kind":"WorkspaceTree","schemaVersion":1,"value":{"entries":[{"content":{"digest":"sha256:492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470","mediaType":"application/octet-stream","pool":"data","size":8},"executable":0,"name":"eC5jc3Y","type":"file"}]}}"#;
+    const ROOT_TREE: &str = r#"{"dependencies":[{"digest":"sha256:0389cba415fca9fe23c658bb86a70590e57fb5d3ad7cd3ef38f72991cd7c5409","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":83},{"digest":"sha256:29339eee4a81e3d32b49ea8ba160b2a739a5403deb5ced6ffac0fbe09ba15bb7","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":433},{"digest":"sha256:299001868fb8c02fd431c336c6d058f5558c5dff5b5af5e6fe04b870a6a9cbba","mediaType":"application/octet-stream","pool":"data","size":18},{"digest":"sha256:5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03","mediaType":"application/octet-stream","pool":"data","size":6}],"kind":"WorkspaceTree","schemaVersion":1,"value":{"entries":[{"content":{"digest":"sha256:5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03","mediaType":"application/octet-stream","pool":"data","size":6},"executable":0,"name":"UkVBRE1FLm1k","type":"file"},{"name":"ZGF0YQ","tree":{"digest":"sha256:29339eee4a81e3d32b49ea8ba160b2a739a5403deb5ced6ffac0fbe09ba15bb7","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":433},"type":"directory"},{"name":"ZW1wdHk","tree":{"digest":"sha256:0389cba415fca9fe23c658bb86a70590e57fb5d3ad7cd3ef38f72991cd7c5409","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":83},"type":"directory"},{"name":"bGluaw","target":"UkVBRE1FLm1k","type":"symlink"},{"content":{"digest":"sha256:299001868fb8c02fd431c336c6d058f5558c5dff5b5af5e6fe04b870a6a9cbba","mediaType":"application/octet-stream","pool":"data","size":18},"executable":73,"name":"cnVuLnNo","type":"file"}]}}"#;
+
+    fn tree_ref(hex: &str, size: u64) -> Ref {
+        Ref::new(Pool::AgentState, hex, size, RECORD_MEDIA_TYPE)
+    }
+
+    fn entries(store: &Store, tree: &Ref) -> Vec<Value> {
+        store.read_record(tree, Some("WorkspaceTree")).unwrap().value["entries"].as_array().unwrap().clone()
+    }
+
+    #[test]
+    fn example_workspace_matches_the_golden_vectors() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        example_workspace(ws.path());
+        let root = store.snapshot(ws.path()).unwrap();
+        assert_eq!(root, root_tree_ref());
+        assert_eq!(blob_text(&store, &root), ROOT_TREE);
+        let empty = tree_ref("0389cba415fca9fe23c658bb86a70590e57fb5d3ad7cd3ef38f72991cd7c5409", 83);
+        assert_eq!(blob_text(&store, &empty), EMPTY_TREE);
+        let data = tree_ref("29339eee4a81e3d32b49ea8ba160b2a739a5403deb5ced6ffac0fbe09ba15bb7", 433);
+        assert_eq!(blob_text(&store, &data), DATA_TREE);
+        for (hex, bytes) in [
+            ("5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03", &b"hello\n"[..]),
+            ("492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470", b"a,b\n1,2\n"),
+            ("299001868fb8c02fd431c336c6d058f5558c5dff5b5af5e6fe04b870a6a9cbba", b"#!/bin/sh\necho hi\n"),
+        ] {
+            let r = Ref::new(Pool::Data, hex, bytes.len() as u64, OCTET_STREAM);
+            assert_eq!(store.read(&r).unwrap(), bytes);
+        }
+        // root + 2 subtrees + 3 file blobs.
+        assert_eq!(store.validate_closure(&root).unwrap(), 6);
+    }
+
+    #[test]
+    fn names_are_raw_bytes_in_memcmp_order_and_symlinks_are_not_followed() {
+        let (_data, store) = temp_store();
+        let parent = tempfile::TempDir::new().unwrap();
+        let ws = parent.path().join("ws");
+        fs::create_dir(&ws).unwrap();
+        for name in ["A", "a", "\u{e9}", "e\u{301}"] {
+            fs::write(ws.join(name), name).unwrap();
+        }
+        fs::write(ws.join(std::ffi::OsStr::from_bytes(b"\xff")), b"raw").unwrap();
+        fs::create_dir(ws.join("empty")).unwrap();
+        symlink("../outside", ws.join("link")).unwrap();
+        let tree = store.snapshot(&ws).unwrap();
+        let entries = entries(&store, &tree);
+        assert_eq!(entries.len(), 7);
+        let names: Vec<Vec<u8>> =
+            entries.iter().map(|e| b64url_decode(e["name"].as_str().unwrap()).unwrap()).collect();
+        let expected: Vec<&[u8]> =
+            vec![b"A", b"a", b"empty", b"e\xcc\x81", b"link", "\u{e9}".as_bytes(), b"\xff"];
+        assert_eq!(names, expected);
+        assert!(entries.iter().any(|e| e["name"] == "_w"));
+        let link = entries.iter().find(|e| e["type"] == "symlink").unwrap();
+        assert_eq!(b64url_decode(link["target"].as_str().unwrap()).unwrap(), b"../outside");
+        assert_eq!(store.snapshot(&ws).unwrap(), tree);
+    }
+
+    #[test]
+    fn mode_and_content_change_the_digest_but_times_do_not() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        let file = ws.path().join("f.txt");
+        write_mode(&file, b"first", 0o644);
+        let base = store.snapshot(ws.path()).unwrap();
+
+        let old = fs::metadata(&file).unwrap().modified().unwrap();
+        File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(old - Duration::from_secs(3600))
+            .unwrap();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), base, "utimes alone");
+
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o755)).unwrap();
+        let exec = store.snapshot(ws.path()).unwrap();
+        assert_ne!(exec, base);
+        assert_eq!(entries(&store, &exec)[0]["executable"], 73);
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o744)).unwrap();
+        assert_eq!(entries(&store, &store.snapshot(ws.path()).unwrap())[0]["executable"], 64);
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), base);
+
+        let mtime = fs::metadata(&file).unwrap().modified().unwrap();
+        fs::write(&file, b"other").unwrap();
+        File::options().write(true).open(&file).unwrap().set_modified(mtime).unwrap();
+        assert_ne!(store.snapshot(ws.path()).unwrap(), base, "same size and mtime, new content");
+    }
+
+    #[test]
+    fn special_files_and_non_directory_roots_are_rejected() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        nix::unistd::mkfifo(&ws.path().join("pipe"), nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .unwrap();
+        let e = store.snapshot(ws.path()).unwrap_err();
+        assert_eq!(e.to_string(), "Workspace snapshot rejects FIFO, socket and device files");
+
+        let other = tempfile::TempDir::new().unwrap();
+        fs::create_dir(other.path().join("real")).unwrap();
+        symlink("real", other.path().join("alias")).unwrap();
+        fs::write(other.path().join("file"), b"x").unwrap();
+        for root in [other.path().join("alias"), other.path().join("file")] {
+            let e = store.snapshot(&root).unwrap_err();
+            assert_eq!(e.to_string(), "Workspace root must be a directory, not a symlink");
+        }
+        // Intermediate symlinks are fine; only the root itself must not be one.
+        fs::create_dir(other.path().join("real/sub")).unwrap();
+        assert!(store.snapshot(&other.path().join("alias/sub")).is_ok());
+    }
+
+    #[test]
+    fn unchanged_files_are_not_rehashed_and_digests_stay_identical() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        example_workspace(ws.path());
+        let file = ws.path().join("README.md");
+        // Files changed within the racy margin are always re-read; let them settle.
+        std::thread::sleep(Duration::from_nanos(RACY_MARGIN_NS as u64) + Duration::from_millis(200));
+        let full = store.snapshot(ws.path()).unwrap();
+        assert_eq!(full, root_tree_ref());
+        let hashed = store.files_hashed();
+        assert_eq!(hashed, 3);
+
+        assert_eq!(store.snapshot(ws.path()).unwrap(), full);
+        assert_eq!(store.files_hashed(), hashed, "nothing touched: served from the cache");
+
+        // A blob missing from the pool is never trusted from the cache.
+        let csv = Ref::new(Pool::Data, crate::versioning::testutil::X_CSV_HEX, 8, OCTET_STREAM);
+        fs::remove_file(store.blob_path(Pool::Data, csv.hex())).unwrap();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), full);
+        assert_eq!(store.files_hashed(), hashed + 1, "only the file whose blob vanished");
+        assert!(store.has(&csv));
+
+        // Same size, restored mtime: only ctime tells, and it is part of the key.
+        let mtime = fs::metadata(&file).unwrap().modified().unwrap();
+        fs::write(&file, b"HELLO\n").unwrap();
+        File::options().write(true).open(&file).unwrap().set_modified(mtime).unwrap();
+        let changed = store.snapshot(ws.path()).unwrap();
+        assert_ne!(changed, full);
+        assert_eq!(store.files_hashed(), hashed + 2);
+        // Just changed, so within the racy margin: re-read again rather than trusted.
+        assert_eq!(store.snapshot(ws.path()).unwrap(), changed);
+        assert_eq!(store.files_hashed(), hashed + 3);
+
+        // And a fresh store (no cache) agrees with the cached result.
+        let (_data2, fresh) = temp_store();
+        assert_eq!(fresh.snapshot(ws.path()).unwrap(), changed);
+        assert_eq!(fresh.files_hashed(), 3);
+    }
+
+    #[test]
+    fn freshly_changed_files_are_always_rehashed() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        fs::write(ws.path().join("f"), b"now").unwrap();
+        store.snapshot(ws.path()).unwrap();
+        store.snapshot(ws.path()).unwrap();
+        assert_eq!(store.files_hashed(), 2, "within the racy margin nothing is cached");
+    }
+}

@@ -1,0 +1,718 @@
+//! The two blob pools and the record envelope on top of them (§1, §2.3 of the format).
+//!
+//! Blobs are immutable: they are published by hard-linking a fully written and fsynced temp
+//! file to the digest name, so an existing object is never replaced, only verified.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use super::names::{hex, new_uuid_v4};
+use super::snapshot::FileCache;
+use super::{OCTET_STREAM, Pool, RECORD_MEDIA_TYPE, Ref, VersionError, io_err, jcs};
+
+/// `oci-layout` of each pool, exactly (30 bytes, no newline).
+pub const OCI_LAYOUT: &[u8] = br#"{"imageLayoutVersion":"1.0.0"}"#;
+/// `index.json` of each pool, exactly (34 bytes, unsorted keys, never updated).
+pub const OCI_INDEX: &[u8] = br#"{"schemaVersion":2,"manifests":[]}"#;
+
+const CHUNK: usize = 64 * 1024;
+
+/// The version store under `<dataDir>/versioning`. Send + Sync: share it behind an `Arc`.
+pub struct Store {
+    data_dir: PathBuf,
+    root: PathBuf,
+    /// Snapshot's (dev, ino) → content cache; see [`crate::versioning::snapshot`].
+    pub(crate) cache: FileCache,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store").field("root", &self.root).finish_non_exhaustive()
+    }
+}
+
+/// A decoded record: what `readRecord` returns after all its checks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub kind: String,
+    pub value: Value,
+    pub dependencies: Vec<Ref>,
+}
+
+impl Store {
+    /// Opens (and on first use initialises) `<data_dir>/versioning` exactly as the original:
+    /// for data then agent-state, `mkdir -p blobs/sha256`, publish `oci-layout` and
+    /// `index.json`, fsync `blobs/` and the pool root; then fsync `versioning/` and `data_dir`.
+    /// Idempotent; fails with `Corrupt immutable object` if a layout file has other bytes.
+    pub fn open(data_dir: &Path) -> Result<Store, VersionError> {
+        // Lexical only (no realpath), like the original's path.join.
+        let data_dir =
+            std::path::absolute(data_dir).map_err(io_err("resolve the data directory", data_dir))?;
+        let root = data_dir.join("versioning");
+        let store = Store { data_dir, root, cache: FileCache::default() };
+        for pool in [Pool::Data, Pool::AgentState] {
+            let pool_dir = store.root.join(pool.as_str());
+            let blobs = store.blob_dir(pool);
+            fs::create_dir_all(&blobs).map_err(io_err("create the blob directory", &blobs))?;
+            store.publish_bytes(&pool_dir.join("oci-layout"), OCI_LAYOUT)?;
+            store.publish_bytes(&pool_dir.join("index.json"), OCI_INDEX)?;
+            fsync_dir(&pool_dir.join("blobs"))?;
+            fsync_dir(&pool_dir)?;
+        }
+        fsync_dir(&store.root)?;
+        fsync_dir(&store.data_dir)?;
+        Ok(store)
+    }
+
+    /// `<dataDir>/versioning`.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The data directory the store was opened on (made absolute lexically).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// `<root>/<pool>/blobs/sha256`.
+    pub fn blob_dir(&self, pool: Pool) -> PathBuf {
+        self.root.join(pool.as_str()).join("blobs").join("sha256")
+    }
+
+    /// Where the blob with lowercase hex digest `hex` lives in `pool`.
+    pub fn blob_path(&self, pool: Pool, hex: &str) -> PathBuf {
+        self.blob_dir(pool).join(hex)
+    }
+
+    /// The read-only legacy `CasStore` location `<dataDir>/cas/sha256/<2 hex>/<hex>`.
+    fn legacy_path(&self, hex: &str) -> PathBuf {
+        self.data_dir.join("cas").join("sha256").join(&hex[..2]).join(hex)
+    }
+
+    /// Stores an in-memory buffer (the original's `put`).
+    pub fn put(&self, pool: Pool, bytes: &[u8], media_type: &str) -> Result<Ref, VersionError> {
+        if media_type.is_empty() {
+            return Err(VersionError::InvalidRef);
+        }
+        let hex = hex(&Sha256::digest(bytes));
+        self.publish_bytes(&self.blob_path(pool, &hex), bytes)?;
+        Ok(Ref::new(pool, &hex, bytes.len() as u64, media_type))
+    }
+
+    /// Atomic no-clobber write of a buffer: temp `<final>.<uuid>.tmp` (0600, O_EXCL), fsync,
+    /// hard link, verify on EEXIST, fsync the directory, always remove the temp.
+    fn publish_bytes(&self, final_path: &Path, bytes: &[u8]) -> Result<(), VersionError> {
+        let dir = final_path.parent().expect("object paths have a parent directory");
+        fs::create_dir_all(dir).map_err(io_err("create the directory", dir))?;
+        let mut tmp = final_path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", new_uuid_v4()));
+        let tmp = TempFile(PathBuf::from(tmp));
+        let mut file = create_exclusive(&tmp.0)?;
+        file.write_all(bytes).map_err(io_err("write the temporary object", &tmp.0))?;
+        file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
+        drop(file);
+        match fs::hard_link(&tmp.0, final_path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let existing =
+                    fs::read(final_path).map_err(io_err("read the existing object", final_path))?;
+                if existing != bytes {
+                    return Err(VersionError::Corrupt { path: final_path.to_path_buf() });
+                }
+            }
+            Err(e) => return Err(io_err("publish the object", final_path)(e)),
+        }
+        fsync_dir(dir)
+    }
+
+    /// Streams content into `pool` without buffering it whole (the original's `putStream`);
+    /// the ref's mediaType is always `application/octet-stream`.
+    pub fn put_stream(&self, pool: Pool, reader: &mut dyn Read) -> Result<Ref, VersionError> {
+        let dir = self.blob_dir(pool);
+        let tmp = TempFile(dir.join(format!("{}.tmp", new_uuid_v4())));
+        let mut file = create_exclusive(&tmp.0)?;
+        let mut hasher = Sha256::new();
+        let mut size = 0u64;
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = match reader.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err("read the content being stored into", &tmp.0)(e)),
+            };
+            hasher.update(&buf[..n]);
+            file.write_all(&buf[..n]).map_err(io_err("write the temporary object", &tmp.0))?;
+            size += n as u64;
+        }
+        file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
+        drop(file);
+        let hex = hex(&hasher.finalize());
+        let final_path = dir.join(&hex);
+        match fs::hard_link(&tmp.0, &final_path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let file =
+                    File::open(&final_path).map_err(io_err("open the existing object", &final_path))?;
+                let mut check = VerifiedReader::new(file, &final_path, size, &hex);
+                io::copy(&mut check, &mut io::sink()).map_err(|e| integrity_or_io(e, &final_path))?;
+            }
+            Err(e) => return Err(io_err("publish the object", &final_path)(e)),
+        }
+        fsync_dir(&dir)?;
+        Ok(Ref::new(pool, &hex, size, OCTET_STREAM))
+    }
+
+    /// Opens the blob of `r`: its own pool, then the other pool, then the legacy store.
+    fn locate(&self, r: &Ref) -> Result<(File, PathBuf), VersionError> {
+        r.validate()?;
+        let hex = r.hex();
+        for path in [self.blob_path(r.pool, hex), self.blob_path(r.pool.other(), hex), self.legacy_path(hex)]
+        {
+            match File::open(&path) {
+                Ok(file) => return Ok((file, path)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err("open the object", &path)(e)),
+            }
+        }
+        Err(VersionError::Missing { digest: r.digest.clone(), pool: r.pool.as_str() })
+    }
+
+    /// The verified content of `r` (size and digest checked, else `Object integrity failure`).
+    pub fn read(&self, r: &Ref) -> Result<Vec<u8>, VersionError> {
+        let mut reader = self.open_reader(r)?;
+        let mut bytes = Vec::with_capacity(r.size as usize);
+        reader.read_to_end(&mut bytes).map_err(|e| integrity_or_io(e, &reader.path))?;
+        Ok(bytes)
+    }
+
+    /// A streaming reader of `r` that fails with `InvalidData` ("Object integrity failure") at
+    /// EOF, before reporting the end, if the size or digest is wrong. A size mismatch on disk
+    /// is reported here already.
+    pub fn open_reader(&self, r: &Ref) -> Result<VerifiedReader, VersionError> {
+        let (file, path) = self.locate(r)?;
+        let len = file.metadata().map_err(io_err("stat the object", &path))?.len();
+        if len != r.size {
+            return Err(VersionError::Integrity);
+        }
+        Ok(VerifiedReader::new(file, &path, r.size, r.hex()))
+    }
+
+    /// Cheap presence check: a file of the right size in the ref's own pool (content is not
+    /// re-hashed; reads verify).
+    pub fn has(&self, r: &Ref) -> bool {
+        r.validate().is_ok()
+            && fs::symlink_metadata(self.blob_path(r.pool, r.hex()))
+                .is_ok_and(|m| m.is_file() && m.len() == r.size)
+    }
+
+    /// Stores `{schemaVersion:1, kind, value, dependencies}` as JCS in agent-state, with the
+    /// refs embedded in `value` as its de-duplicated, sorted dependencies.
+    pub fn put_record(&self, kind: &str, value: Value) -> Result<Ref, VersionError> {
+        let mut found = Vec::new();
+        collect_refs(&value, &mut found)?;
+        let mut deps: Vec<(String, Ref)> = found.into_iter().map(|r| (r.jcs(), r)).collect();
+        deps.sort_by(|a, b| jcs::cmp_utf16(&a.0, &b.0));
+        deps.dedup_by(|a, b| a.0 == b.0);
+        let mut envelope = Map::new();
+        envelope.insert("schemaVersion".into(), Value::from(1));
+        envelope.insert("kind".into(), Value::from(kind));
+        envelope.insert("value".into(), value);
+        envelope
+            .insert("dependencies".into(), Value::Array(deps.iter().map(|(_, r)| r.to_value()).collect()));
+        let text = jcs::canonicalize(&Value::Object(envelope))?;
+        self.put(Pool::AgentState, text.as_bytes(), RECORD_MEDIA_TYPE)
+    }
+
+    /// Reads a record with every check the original's `readRecord` makes, so whatever passes
+    /// here passes in the API too.
+    pub fn read_record(&self, r: &Ref, expected_kind: Option<&str>) -> Result<Record, VersionError> {
+        if r.pool != Pool::AgentState || !r.is_record() {
+            return Err(VersionError::InvalidRef);
+        }
+        let bytes = self.read(r)?;
+        let parsed: Value = serde_json::from_slice(&bytes).map_err(json_error)?;
+        let obj = parsed.as_object().ok_or(VersionError::Schema)?;
+        if obj.get("schemaVersion") != Some(&Value::from(1)) {
+            return Err(VersionError::Schema);
+        }
+        let kind = obj.get("kind").and_then(Value::as_str).ok_or(VersionError::Schema)?;
+        let deps = obj.get("dependencies").and_then(Value::as_array).ok_or(VersionError::Schema)?;
+        if let Some(expected) = expected_kind.filter(|expected| *expected != kind) {
+            return Err(VersionError::KindMismatch {
+                expected: expected.to_string(),
+                found: kind.to_string(),
+            });
+        }
+        if jcs::canonicalize(&parsed)?.as_bytes() != bytes.as_slice() {
+            return Err(VersionError::Schema);
+        }
+        let dependencies = deps.iter().map(Ref::from_value).collect::<Result<Vec<_>, _>>()?;
+        let declared: HashSet<String> = dependencies.iter().map(Ref::jcs).collect();
+        let value = obj.get("value").cloned().unwrap_or(Value::Null);
+        let mut embedded = Vec::new();
+        collect_refs(&value, &mut embedded)?;
+        if embedded.iter().any(|r| !declared.contains(&r.jcs())) {
+            return Err(VersionError::UndeclaredDependency);
+        }
+        Ok(Record { kind: kind.to_string(), value, dependencies })
+    }
+
+    /// Verifies everything reachable from `root` (records with all reader checks, other blobs
+    /// re-hashed) and returns the number of distinct objects. Runs before every ref commit.
+    pub fn validate_closure(&self, root: &Ref) -> Result<usize, VersionError> {
+        let mut seen = HashSet::new();
+        let mut queue = vec![root.clone()];
+        while let Some(r) = queue.pop() {
+            if !seen.insert(r.jcs()) {
+                continue;
+            }
+            if r.is_record() {
+                if r.pool != Pool::AgentState {
+                    return Err(VersionError::InvalidRef);
+                }
+                queue.extend(self.read_record(&r, None)?.dependencies);
+            } else {
+                let mut reader = self.open_reader(&r)?;
+                io::copy(&mut reader, &mut io::sink()).map_err(|e| integrity_or_io(e, &reader.path))?;
+            }
+        }
+        Ok(seen.len())
+    }
+}
+
+/// `JSON.parse` accepts escaped lone surrogates and the original's re-canonicalisation then
+/// rejects them; serde_json already refuses to parse them (only in surrogate escapes does it
+/// report these two errors), so keep the original's message for that case.
+fn json_error(e: serde_json::Error) -> VersionError {
+    let text = e.to_string();
+    if text.contains("lone leading surrogate") || text.contains("unexpected end of hex escape") {
+        VersionError::LoneSurrogate
+    } else {
+        VersionError::Schema
+    }
+}
+
+/// The original's dependency scan: depth-first through objects and arrays; an object with both
+/// `pool` and `digest` is a ref (validated, not descended into).
+pub(crate) fn collect_refs(v: &Value, out: &mut Vec<Ref>) -> Result<(), VersionError> {
+    match v {
+        Value::Object(map) if map.contains_key("pool") && map.contains_key("digest") => {
+            out.push(Ref::from_value(v)?);
+        }
+        Value::Object(map) => {
+            for item in map.values() {
+                collect_refs(item, out)?;
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                collect_refs(item, out)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A blob reader that checks size and digest as it streams; see [`Store::open_reader`].
+pub struct VerifiedReader {
+    file: File,
+    path: PathBuf,
+    hasher: Sha256,
+    expected_size: u64,
+    expected_hex: String,
+    seen: u64,
+    state: ReaderState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReaderState {
+    Reading,
+    Verified,
+    Failed,
+}
+
+impl fmt::Debug for VerifiedReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerifiedReader")
+            .field("path", &self.path)
+            .field("expected_size", &self.expected_size)
+            .field("seen", &self.seen)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VerifiedReader {
+    fn new(file: File, path: &Path, expected_size: u64, expected_hex: &str) -> VerifiedReader {
+        VerifiedReader {
+            file,
+            path: path.to_path_buf(),
+            hasher: Sha256::new(),
+            expected_size,
+            expected_hex: expected_hex.to_string(),
+            seen: 0,
+            state: ReaderState::Reading,
+        }
+    }
+
+    /// The content length the ref promises (e.g. for `Content-Length`).
+    pub fn size(&self) -> u64 {
+        self.expected_size
+    }
+
+    fn fail(&mut self) -> io::Error {
+        self.state = ReaderState::Failed;
+        io::Error::new(io::ErrorKind::InvalidData, VersionError::Integrity)
+    }
+}
+
+impl Read for VerifiedReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.state {
+            ReaderState::Verified => return Ok(0),
+            ReaderState::Failed => return Err(self.fail()),
+            ReaderState::Reading if buf.is_empty() => return Ok(0),
+            ReaderState::Reading => {}
+        }
+        let n = self.file.read(buf)?;
+        if n > 0 {
+            self.seen += n as u64;
+            if self.seen > self.expected_size {
+                return Err(self.fail());
+            }
+            self.hasher.update(&buf[..n]);
+            return Ok(n);
+        }
+        let digest = hex(&self.hasher.finalize_reset());
+        if self.seen != self.expected_size || digest != self.expected_hex {
+            return Err(self.fail());
+        }
+        self.state = ReaderState::Verified;
+        Ok(0)
+    }
+}
+
+/// Turns a [`VerifiedReader`] error back into `Object integrity failure` or an I/O error.
+fn integrity_or_io(e: io::Error, path: &Path) -> VersionError {
+    if e.get_ref().is_some_and(|inner| matches!(inner.downcast_ref(), Some(VersionError::Integrity))) {
+        VersionError::Integrity
+    } else {
+        io_err("read the object", path)(e)
+    }
+}
+
+/// A temp file that is always removed when dropped (the original's `finally`), ENOENT ignored.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+/// `open(path, O_CREAT|O_EXCL|O_WRONLY, 0600)`.
+fn create_exclusive(path: &Path) -> Result<File, VersionError> {
+    OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io_err("create", path))
+}
+
+/// `open(dir, O_RDONLY|O_DIRECTORY)` + `fsync`, so new names survive a crash.
+pub(crate) fn fsync_dir(dir: &Path) -> Result<(), VersionError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY)
+        .open(dir)
+        .map_err(io_err("open the directory for fsync", dir))?;
+    file.sync_all().map_err(io_err("fsync the directory", dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::versioning::names::sha256_hex;
+    use crate::versioning::testutil::temp_store;
+
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn layout_files_are_exact_and_reopening_is_idempotent() {
+        let (dir, store) = temp_store();
+        for pool in ["data", "agent-state"] {
+            let layout = dir.path().join("versioning").join(pool).join("oci-layout");
+            let index = dir.path().join("versioning").join(pool).join("index.json");
+            assert_eq!(fs::read(&layout).unwrap(), OCI_LAYOUT);
+            assert_eq!(fs::read(&index).unwrap(), OCI_INDEX);
+            assert_eq!(OCI_LAYOUT.len(), 30);
+            assert_eq!(OCI_INDEX.len(), 34);
+            assert!(sha256_hex(OCI_LAYOUT).starts_with("18f0797e"));
+            assert!(sha256_hex(OCI_INDEX).starts_with("bc5857ac"));
+            let v: Value = serde_json::from_slice(&fs::read(&layout).unwrap()).unwrap();
+            assert_eq!(v["imageLayoutVersion"], "1.0.0");
+            assert_eq!(mode(&layout), 0o600);
+            assert!(dir.path().join("versioning").join(pool).join("blobs/sha256").is_dir());
+        }
+        assert_eq!(store.root(), dir.path().join("versioning"));
+        assert_eq!(store.data_dir(), dir.path());
+        drop(store);
+        Store::open(dir.path()).unwrap();
+        let leftovers: Vec<_> = fs::read_dir(dir.path().join("versioning/data"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    #[test]
+    fn a_layout_file_with_other_bytes_is_corrupt() {
+        let (dir, store) = temp_store();
+        drop(store);
+        let index = dir.path().join("versioning/agent-state/index.json");
+        fs::remove_file(&index).unwrap();
+        fs::write(&index, br#"{"schemaVersion":2,"manifests":[{}]}"#).unwrap();
+        let e = Store::open(dir.path()).unwrap_err();
+        assert_eq!(e.to_string(), format!("Corrupt immutable object: {}", index.display()));
+    }
+
+    #[test]
+    fn pools_are_separate_and_cross_pool_reads_are_refused() {
+        let (_dir, store) = temp_store();
+        let data = store.put(Pool::Data, b"same", OCTET_STREAM).unwrap();
+        let state = store.put(Pool::AgentState, b"same", OCTET_STREAM).unwrap();
+        assert_eq!(data.digest, state.digest);
+        assert_ne!(store.blob_path(data.pool, data.hex()), store.blob_path(state.pool, state.hex()));
+        assert!(store.blob_path(Pool::Data, data.hex()).is_file());
+        assert!(store.blob_path(Pool::AgentState, data.hex()).is_file());
+        assert_eq!(mode(&store.blob_path(Pool::Data, data.hex())), 0o600);
+        assert!(state.require_pool(Pool::Data).unwrap_err().to_string().contains("cross-pool"));
+        assert_eq!(store.read(&data).unwrap(), b"same");
+        assert!(store.has(&data) && store.has(&state));
+        assert!(store.put(Pool::Data, b"x", "").is_err());
+    }
+
+    #[test]
+    fn concurrent_puts_of_the_same_bytes_agree() {
+        let (_dir, store) = temp_store();
+        let store = Arc::new(store);
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let store = Arc::clone(&store);
+                std::thread::spawn(move || store.put(Pool::Data, b"same", OCTET_STREAM).unwrap())
+            })
+            .collect();
+        let refs: Vec<Ref> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert!(refs.iter().all(|r| *r == refs[0]));
+        let names: Vec<_> =
+            fs::read_dir(store.blob_dir(Pool::Data)).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(refs[0].hex())], "no temp files left");
+    }
+
+    #[test]
+    fn record_key_order_is_irrelevant() {
+        let (_dir, store) = temp_store();
+        let a = store.put_record("Test", json!({"b": 2, "a": 1})).unwrap();
+        let b = store.put_record("Test", json!({"a": 1, "b": 2})).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(
+            String::from_utf8(store.read(&a).unwrap()).unwrap(),
+            r#"{"dependencies":[],"kind":"Test","schemaVersion":1,"value":{"a":1,"b":2}}"#
+        );
+        let record = store.read_record(&a, Some("Test")).unwrap();
+        assert_eq!(
+            record,
+            Record { kind: "Test".into(), value: json!({"a": 1, "b": 2}), dependencies: vec![] }
+        );
+        let e = store.read_record(&a, Some("Other")).unwrap_err();
+        assert!(matches!(e, VersionError::KindMismatch { .. }), "{e}");
+    }
+
+    #[test]
+    fn overwritten_blobs_are_caught_on_put_and_read() {
+        let (_dir, store) = temp_store();
+        let r = store.put(Pool::Data, b"same", OCTET_STREAM).unwrap();
+        let path = store.blob_path(Pool::Data, r.hex());
+        fs::write(&path, b"evil").unwrap();
+        let e = store.put(Pool::Data, b"same", OCTET_STREAM).unwrap_err();
+        assert!(e.to_string().starts_with("Corrupt immutable object: "), "{e}");
+        assert_eq!(store.read(&r).unwrap_err().to_string(), "Object integrity failure");
+        // Streaming: same size, so only the digest at EOF can tell.
+        let mut reader = store.open_reader(&r).unwrap();
+        let e = io::copy(&mut reader, &mut io::sink()).unwrap_err();
+        assert_eq!(
+            (e.kind(), e.to_string()),
+            (io::ErrorKind::InvalidData, "Object integrity failure".into())
+        );
+        let e = store.put_stream(Pool::Data, &mut &b"same"[..]).unwrap_err();
+        assert_eq!(e.to_string(), "Object integrity failure");
+        assert_eq!(store.validate_closure(&r).unwrap_err().to_string(), "Object integrity failure");
+    }
+
+    #[test]
+    fn truncated_or_wrongly_sized_blobs_fail_integrity() {
+        let (_dir, store) = temp_store();
+        let r = store.put(Pool::Data, b"0123456789", OCTET_STREAM).unwrap();
+        fs::write(store.blob_path(Pool::Data, r.hex()), b"01234").unwrap();
+        assert_eq!(store.read(&r).unwrap_err().to_string(), "Object integrity failure");
+        assert_eq!(store.open_reader(&r).unwrap_err().to_string(), "Object integrity failure");
+        let good = store.put(Pool::Data, b"abc", OCTET_STREAM).unwrap();
+        let wrong = Ref { size: 4, ..good.clone() };
+        assert_eq!(store.read(&wrong).unwrap_err().to_string(), "Object integrity failure");
+        assert!(!store.has(&wrong));
+        let missing = Ref::new(Pool::Data, &sha256_hex(b"never stored"), 12, OCTET_STREAM);
+        assert!(matches!(store.read(&missing).unwrap_err(), VersionError::Missing { .. }));
+        assert!(!store.has(&missing));
+    }
+
+    #[test]
+    fn verified_reader_streams_good_content() {
+        let (_dir, store) = temp_store();
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let r = store.put_stream(Pool::Data, &mut big.as_slice()).unwrap();
+        assert_eq!(r, Ref::new(Pool::Data, &sha256_hex(&big), big.len() as u64, OCTET_STREAM));
+        let mut reader = store.open_reader(&r).unwrap();
+        assert_eq!(reader.size(), 300_000);
+        let mut out = Vec::new();
+        reader.read_to_end(&mut out).unwrap();
+        assert_eq!(out, big);
+        assert_eq!(reader.read(&mut [0u8; 8]).unwrap(), 0);
+        // The same content again de-duplicates through the verified no-clobber link.
+        assert_eq!(store.put_stream(Pool::Data, &mut big.as_slice()).unwrap(), r);
+    }
+
+    #[test]
+    fn reads_fall_back_to_the_other_pool_and_the_legacy_store() {
+        let (dir, store) = temp_store();
+        let bytes = b"legacy content";
+        let hex = sha256_hex(bytes);
+        let legacy = dir.path().join("cas/sha256").join(&hex[..2]).join(&hex);
+        fs::create_dir_all(legacy.parent().unwrap()).unwrap();
+        fs::write(&legacy, bytes).unwrap();
+        let r = Ref::new(Pool::Data, &hex, bytes.len() as u64, OCTET_STREAM);
+        assert_eq!(store.read(&r).unwrap(), bytes);
+        assert!(!store.has(&r), "has() looks in the ref's own pool only");
+        // A new write goes to the pool and leaves the legacy file alone.
+        assert_eq!(store.put(Pool::Data, bytes, OCTET_STREAM).unwrap(), r);
+        assert_eq!(fs::read(&legacy).unwrap(), bytes);
+        assert!(store.blob_path(Pool::Data, &hex).is_file());
+        let state = store.put(Pool::AgentState, b"only in state", OCTET_STREAM).unwrap();
+        assert_eq!(store.read(&Ref { pool: Pool::Data, ..state }).unwrap(), b"only in state");
+    }
+
+    #[test]
+    fn dependencies_are_scanned_deduplicated_and_sorted() {
+        let (_dir, store) = temp_store();
+        let leaf = store.put(Pool::Data, b"leaf", OCTET_STREAM).unwrap();
+        let other = store.put(Pool::AgentState, b"other", OCTET_STREAM).unwrap();
+        let value = json!({
+            "z": [leaf.to_value(), {"nested": other.to_value()}],
+            "a": leaf.to_value(),
+            "same-digest-other-pool": Ref { pool: Pool::AgentState, ..leaf.clone() }.to_value(),
+        });
+        let rec = store.put_record("Test", value).unwrap();
+        let deps = store.read_record(&rec, None).unwrap().dependencies;
+        let mut expected = vec![leaf.clone(), other.clone(), Ref { pool: Pool::AgentState, ..leaf.clone() }];
+        expected.sort_by_key(Ref::jcs);
+        assert_eq!(deps, expected);
+        assert_eq!(store.validate_closure(&rec).unwrap(), 4);
+        let bad = json!({"r": {"pool": "data", "digest": "sha256:00"}});
+        assert_eq!(store.put_record("Test", bad).unwrap_err().to_string(), "Invalid or cross-pool reference");
+    }
+
+    #[test]
+    fn closure_of_a_record_and_one_leaf_is_two() {
+        let (_dir, store) = temp_store();
+        let leaf = store.put(Pool::Data, b"leaf", OCTET_STREAM).unwrap();
+        let root = store.put_record("Test", json!({"leaf": leaf.to_value()})).unwrap();
+        assert_eq!(store.validate_closure(&root).unwrap(), 2);
+        fs::remove_file(store.blob_path(Pool::Data, leaf.hex())).unwrap();
+        assert!(matches!(store.validate_closure(&root).unwrap_err(), VersionError::Missing { .. }));
+    }
+
+    #[test]
+    fn reader_checks_table() {
+        let (_dir, store) = temp_store();
+        let leaf = store.put(Pool::Data, b"leaf", OCTET_STREAM).unwrap();
+        let leaf_json = leaf.jcs();
+        let cases: Vec<(String, &str)> = vec![
+            (
+                format!(r#"{{"dependencies":[],"kind":"T","schemaVersion":1,"value":{{"x":{leaf_json}}}}}"#),
+                "Undeclared record dependency",
+            ),
+            (
+                r#"{"dependencies":[],"kind":"T","schemaVersion":2,"value":1}"#.into(),
+                "Unsupported or invalid record schema",
+            ),
+            (
+                r#"{"dependencies":[],"kind":"T","schemaVersion":1.0,"value":1}"#.into(),
+                "Unsupported or invalid record schema",
+            ),
+            (
+                r#"{"kind":"T","schemaVersion":1,"value":1,"dependencies":[]}"#.into(),
+                "Unsupported or invalid record schema",
+            ),
+            (
+                r#"{"dependencies":[], "kind":"T","schemaVersion":1,"value":1}"#.into(),
+                "Unsupported or invalid record schema",
+            ),
+            (
+                r#"{"dependencies":{},"kind":"T","schemaVersion":1,"value":1}"#.into(),
+                "Unsupported or invalid record schema",
+            ),
+            (
+                r#"{"dependencies":[],"kind":7,"schemaVersion":1,"value":1}"#.into(),
+                "Unsupported or invalid record schema",
+            ),
+            (
+                r#"{"dependencies":[],"kind":"T","schemaVersion":1,"value":"\ud800"}"#.into(),
+                "JCS rejects lone surrogates",
+            ),
+            (
+                r#"{"dependencies":[],"kind":"T","schemaVersion":1,"value":"\udc00x"}"#.into(),
+                "JCS rejects lone surrogates",
+            ),
+            (
+                r#"{"dependencies":[],"kind":"T","schemaVersion":1,"value":"\ud800\u0041"}"#.into(),
+                "JCS rejects lone surrogates",
+            ),
+            ("not json".into(), "Unsupported or invalid record schema"),
+            (
+                r#"{"dependencies":[{"pool":"data"}],"kind":"T","schemaVersion":1,"value":1}"#.into(),
+                "Invalid or cross-pool reference",
+            ),
+        ];
+        for (text, message) in cases {
+            let r = store.put(Pool::AgentState, text.as_bytes(), RECORD_MEDIA_TYPE).unwrap();
+            assert_eq!(store.read_record(&r, None).unwrap_err().to_string(), message, "{text}");
+        }
+        // Extra declared dependencies are tolerated on read.
+        let text = format!(r#"{{"dependencies":[{leaf_json}],"kind":"T","schemaVersion":1,"value":1}}"#);
+        let r = store.put(Pool::AgentState, text.as_bytes(), RECORD_MEDIA_TYPE).unwrap();
+        assert_eq!(store.read_record(&r, Some("T")).unwrap().dependencies, vec![leaf]);
+        // Only agent-state refs of the record type are records.
+        let wrong_type = store.put(Pool::AgentState, text.as_bytes(), OCTET_STREAM).unwrap();
+        assert_eq!(
+            store.read_record(&wrong_type, None).unwrap_err().to_string(),
+            "Invalid or cross-pool reference"
+        );
+        let wrong_pool = Ref { pool: Pool::Data, ..r };
+        assert_eq!(
+            store.read_record(&wrong_pool, None).unwrap_err().to_string(),
+            "Invalid or cross-pool reference"
+        );
+    }
+}
