@@ -8,7 +8,9 @@ use crate::exec::admission::Admission;
 use crate::exec::dedupe::RecentIds;
 use crate::exec::registry::Registry;
 use crate::startup::SandboxRuntime;
+use crate::managed::Manager;
 use crate::token::Token;
+use crate::writer::Versions;
 
 #[derive(Debug)]
 pub struct App {
@@ -24,10 +26,20 @@ pub struct App {
     pub execution_user: String,
     /// Turns `true` when runnerd is stopping: queued and running executions are aborted.
     pub shutdown: tokio::sync::watch::Sender<bool>,
+    /// Workspace versions and writer coordination under the data directory.
+    pub versions: std::sync::Arc<Versions>,
+    /// Managed (background) shell executions.
+    pub managed: std::sync::Arc<Manager>,
 }
 
 impl App {
-    pub fn new(config: RunnerConfig, token: Token, sandbox: SandboxRuntime) -> App {
+    pub fn new(
+        config: RunnerConfig,
+        token: Token,
+        sandbox: SandboxRuntime,
+        versions: std::sync::Arc<Versions>,
+        managed: std::sync::Arc<Manager>,
+    ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
         App {
@@ -41,6 +53,8 @@ impl App {
             data_dir,
             execution_user: execution_user(),
             shutdown: tokio::sync::watch::Sender::new(false),
+            versions,
+            managed,
         }
     }
 }

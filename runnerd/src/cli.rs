@@ -11,9 +11,11 @@ use crate::app::{App, runner_version};
 use crate::config::RunnerConfig;
 use crate::http::{self, Listener};
 use crate::launch::{Launch, OutputBudget, Termination};
+use crate::managed::Manager;
 use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup::{self, SandboxConfig, SandboxRuntime};
 use crate::token::{self, Fallback};
+use crate::writer::Versions;
 use crate::{audit, error_chain};
 
 const USAGE: &str = "\
@@ -128,6 +130,9 @@ fn raise_nofile() {
     }
 }
 
+/// How long a stopping runnerd waits for managed executions to record their end.
+const MANAGED_GRACE: Duration = Duration::from_secs(20);
+
 async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     let sink = audit::init("runnerd");
     raise_nofile();
@@ -156,7 +161,18 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     );
     let address = listener.describe();
     let usable = sandbox.capability.sandbox_usable;
-    let app = Arc::new(App::new(config, token, sandbox));
+    let versions = Arc::new(
+        Versions::open(&config.data_dir)
+            .with_context(|| format!("opening the workspace version store under {}", config.data_dir.display()))?,
+    );
+    for root in versions.recover_interrupted().await {
+        eprintln!("runnerd: recovered the interrupted write of {} (see the audit log)", root.display());
+    }
+    let managed = Arc::new(
+        Manager::open(&config.data_dir)
+            .with_context(|| format!("opening the execution records under {}", config.data_dir.display()))?,
+    );
+    let app = Arc::new(App::new(config, token, sandbox, versions, managed));
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "ScienceDiscovery runner listening on {address}")?;
@@ -183,7 +199,8 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
             std::process::exit(130);
         });
     };
-    http::serve(app, listener, shutdown).await;
+    http::serve(app.clone(), listener, shutdown).await;
+    app.managed.close(MANAGED_GRACE).await;
     tracing::info!(event = "stopped");
     Ok(0)
 }

@@ -25,5 +25,6 @@ pub mod startup;
 pub mod timefmt;
 pub mod token;
 pub mod versioning;
+pub mod writer;
 
 pub use common::error_chain;

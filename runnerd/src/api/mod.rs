@@ -3,6 +3,8 @@
 
 pub mod error;
 mod health;
+mod managed;
+pub mod query;
 mod resources;
 
 use std::sync::Arc;
@@ -98,6 +100,14 @@ pub async fn handle(
             execute(app.clone(), request::Route::ExecuteShell, &req.body, client_gone).await
         }
         ("POST", ["execute"]) => execute(app.clone(), request::Route::Execute, &req.body, client_gone).await,
+        ("POST", ["shell-executions"]) => managed::start(&app, &req.body).await,
+        ("GET", ["shell-executions", id]) => managed::get(&app, &percent_decode(id), req.query.as_deref()).await,
+        ("GET", ["shell-executions", id, "logs"]) => {
+            managed::logs(&app, &percent_decode(id), req.query.as_deref()).await
+        }
+        ("POST", ["shell-executions", id, "cancel"]) => {
+            managed::cancel(&app, &percent_decode(id), req.query.as_deref()).await
+        }
         _ => Err(ApiError::not_found()),
     }
 }

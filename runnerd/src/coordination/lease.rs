@@ -100,6 +100,13 @@ impl Lease {
         }
     }
 
+    /// Releases the lock but keeps the marker and the journal entry: the write stays
+    /// refused (and a later start retries its recovery).
+    pub fn release_keeping_marker(mut self) {
+        self.created_active = false;
+        self.journal = None;
+    }
+
     /// Writes the poison marker (create or truncate, 0600) with the original's text.
     pub fn write_poison(&self) -> Result<(), CoordError> {
         write_poison(&self.paths)

@@ -14,10 +14,11 @@ use super::CoordError;
 /// The original's poll interval while another holder has the lock.
 pub const POLL: Duration = Duration::from_millis(20);
 
-/// A held lock: rolled back and closed on drop, which releases it.
+/// A held lock: rolled back and closed on drop, which releases it. (The connection sits in
+/// a mutex only so that holders can be shared across tasks; nothing uses it while held.)
 #[derive(Debug)]
 pub struct SqliteLock {
-    conn: Option<Connection>,
+    conn: Option<std::sync::Mutex<Connection>>,
 }
 
 impl SqliteLock {
@@ -27,7 +28,7 @@ impl SqliteLock {
         let conn = Connection::open(path).map_err(sqlite)?;
         conn.busy_timeout(Duration::ZERO).map_err(sqlite)?;
         match conn.execute_batch("BEGIN IMMEDIATE") {
-            Ok(()) => Ok(Some(SqliteLock { conn: Some(conn) })),
+            Ok(()) => Ok(Some(SqliteLock { conn: Some(std::sync::Mutex::new(conn)) })),
             Err(e) if is_busy(&e) => Ok(None),
             Err(e) => Err(sqlite(e)),
         }
@@ -64,6 +65,7 @@ fn is_busy(e: &rusqlite::Error) -> bool {
 impl Drop for SqliteLock {
     fn drop(&mut self) {
         if let Some(conn) = self.conn.take() {
+            let conn = conn.into_inner().unwrap_or_else(|p| p.into_inner());
             let _ = conn.execute_batch("ROLLBACK");
             let _ = conn.close();
         }

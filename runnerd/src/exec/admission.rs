@@ -90,6 +90,13 @@ pub struct Running {
     _session: Held<OwnedRwLockReadGuard<()>, String, RwLock<()>>,
 }
 
+/// What a managed execution holds while it runs: its workspace's FIFO and a slot.
+#[derive(Debug)]
+pub struct WorkspaceRun {
+    _slot: OwnedSemaphorePermit,
+    _workspace: Held<OwnedMutexGuard<()>, PathBuf, tokio::sync::Mutex<()>>,
+}
+
 /// A place in the admission count; released on drop.
 #[derive(Debug)]
 pub struct Ticket {
@@ -169,6 +176,15 @@ impl Admission {
         let ws = Held { _guard: ws.lock().lock_owned().await, _entry: ws };
         let slot = self.slots.clone().acquire_owned().await.expect("the semaphore is never closed");
         Running { _slot: slot, _workspace: ws, _agent: agent, _session: session }
+    }
+
+    /// Waits for the workspace (FIFO with every other writer of it in this process) and a
+    /// sandbox slot: what a managed execution needs (it has no agent queue).
+    pub async fn acquire_workspace(&self, workspace: &PathBuf) -> WorkspaceRun {
+        let ws = self.workspaces.entry(workspace);
+        let ws = Held { _guard: ws.lock().lock_owned().await, _entry: ws };
+        let slot = self.slots.clone().acquire_owned().await.expect("the semaphore is never closed");
+        WorkspaceRun { _slot: slot, _workspace: ws }
     }
 
     /// Waits until no execution of the session runs, and holds later ones back.

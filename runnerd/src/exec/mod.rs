@@ -22,7 +22,9 @@ use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
 use crate::launch::{Launch, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
+use crate::coordination::CoordError;
 use crate::timefmt;
+use crate::writer::WriteError;
 use common::plan::FIRST_EXTRA_FD;
 use registry::ActiveExecution;
 use request::{Object, Route};
@@ -45,7 +47,7 @@ enum StopReason {
 
 /// An insertion-ordered string map (the env map is reported in injection order).
 #[derive(Debug, Clone)]
-struct OrderedMap(Vec<(String, String)>);
+pub struct OrderedMap(Vec<(String, String)>);
 
 impl Serialize for OrderedMap {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -62,28 +64,28 @@ impl Serialize for OrderedMap {
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ExecutionResult {
-    exit_code: i32,
-    stdout: String,
-    stderr: String,
-    cgroup_mode: &'static str,
-    created_files: Vec<String>,
-    modified_files: Vec<String>,
-    environment_revision_id: String,
-    environment_variables: OrderedMap,
-    execution_id: String,
-    finished_at: String,
-    kernel_id: String,
-    kernel_mode: &'static str,
-    language: &'static str,
-    network_access_revision: String,
-    network_policy: String,
-    runner_version: &'static str,
-    sandbox: &'static str,
-    started_at: String,
-    working_directory: String,
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub cgroup_mode: &'static str,
+    pub created_files: Vec<String>,
+    pub modified_files: Vec<String>,
+    pub environment_revision_id: String,
+    pub environment_variables: OrderedMap,
+    pub execution_id: String,
+    pub finished_at: String,
+    pub kernel_id: String,
+    pub kernel_mode: &'static str,
+    pub language: &'static str,
+    pub network_access_revision: String,
+    pub network_policy: String,
+    pub runner_version: &'static str,
+    pub sandbox: &'static str,
+    pub started_at: String,
+    pub working_directory: String,
     /// The committed WorkspaceTree ref after the run (appended last, like the original).
     #[serde(skip_serializing_if = "Option::is_none")]
-    workspace_snapshot: Option<Value>,
+    pub workspace_snapshot: Option<Value>,
 }
 
 fn language_name(l: Language) -> &'static str {
@@ -96,7 +98,7 @@ fn language_name(l: Language) -> &'static str {
 
 /// Workspace resolution (step 4): a `runnerWorkspaceKey` wins and drops
 /// `readOnlyWorkspaceRoot`; otherwise `workspaceRoot` must be inside the roots.
-fn resolve_workspace(app: &App, obj: &Object) -> Result<(PathBuf, Option<PathBuf>), ApiError> {
+pub fn resolve_workspace(app: &App, obj: &Object) -> Result<(PathBuf, Option<PathBuf>), ApiError> {
     let data = &app.data_dir;
     if let Some(key) = obj.get("runnerWorkspaceKey").filter(|v| is_truthy(v)) {
         let key = key
@@ -196,19 +198,47 @@ pub async fn execute(
         held = app.admission.acquire(&prepared.session_id, &key, &prepared.root) => held,
         _ = gone(&mut client_gone) => return Err(abandoned()),
     };
+    // The cross-process writer lease (shared with the API process), inside our own queues;
+    // `running` only once both are held.
+    let writer = match app.versions.begin(&prepared.root, Some(&client_gone)).await {
+        Ok(w) => w,
+        Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
+        Err(e) => return Err(ApiError::bad_request(e_code(&e), e.to_string())),
+    };
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
     let ran = run_sandbox(&app, &prepared, started_at, None, client_gone).await;
     if ran.as_ref().is_err_and(|e| e.code == UNRESPONSIVE) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
+        std::mem::forget(writer);
         std::mem::forget(running);
-    } else {
-        drop(running);
+        return Err(ran.err().unwrap_or_else(|| ApiError::bad_request(UNRESPONSIVE, "")));
     }
+    // Whatever happened, the files as the run left them become the workspace's head
+    // (`legacy-execution`, failed when the run failed), before the lease is released.
+    let committed = app
+        .versions
+        .commit_mutation(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
+        .await;
+    drop(writer);
+    drop(running);
     drop(registration);
-    let result = ran?;
+    let tree = committed.map_err(|e| ApiError::bad_request("version_commit_failed", e.to_string()))?;
+    let mut result = ran?;
+    result.workspace_snapshot = Some(tree.to_value());
     serde_json::to_string(&result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
+}
+
+/// The error code for a refused or failed workspace write.
+pub fn e_code(e: &WriteError) -> &'static str {
+    match e {
+        WriteError::Coordination(CoordError::Retired) => "workspace_retired",
+        WriteError::Coordination(CoordError::Interrupted) => "workspace_interrupted",
+        WriteError::Coordination(CoordError::Poisoned) => "workspace_poisoned",
+        WriteError::NoBaseline => "no_baseline",
+        _ => "workspace_version_failed",
+    }
 }
 
 /// A validated request, ready to run.

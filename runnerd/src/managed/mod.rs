@@ -4,3 +4,6 @@
 
 pub mod db;
 pub mod logs;
+pub mod manager;
+
+pub use manager::Manager;

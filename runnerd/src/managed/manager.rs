@@ -1,0 +1,492 @@
+//! The managed-execution lifecycle (contract §3, internals §6): start checks in the
+//! original's order, then in the background: the workspace FIFO and a slot, admission and
+//! the writer lease, a baseline, `running`, the sandbox with live logs, and — whenever the
+//! command started — a committed `WorkspaceExecution` version before `finishedAt` is saved
+//! and the workspace released. Cancel aborts; the record turns `cancelled` only after the
+//! process namespace is gone and the version committed.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::{Notify, watch};
+
+use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED};
+use super::logs::{LogRow, PAGE_ROWS, Retention};
+use crate::api::error::ApiError;
+use crate::app::App;
+use crate::coordination::{ABORTED, CoordError};
+use crate::exec::{self, UNRESPONSIVE, request};
+use crate::launch::{OutputSink, Stream};
+use crate::sandbox::Language;
+use crate::timefmt;
+use crate::writer::{ExecutionFacts, WriteError};
+
+pub const SHUTTING_DOWN: &str = "Runner is shutting down";
+pub const INVALID_ID: &str = "Invalid Execution ID";
+pub const POISONED_HERE: &str = "Workspace version commit failed; repair storage before restarting the Runner";
+pub const USED_ID: &str = "Execution ID has already been used; query it instead of replaying the command";
+pub const NOT_FOUND: &str = "Execution not found for this Agent";
+pub const INVALID_CURSOR: &str = "Invalid log cursor";
+pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
+/// How often live log rows are written (one transaction per flush).
+pub const LOG_FLUSH: Duration = Duration::from_millis(100);
+
+/// `^[A-Za-z0-9_:.-]{1,160}$`
+pub fn valid_id(id: &str) -> bool {
+    (1..=160).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_:.-".contains(&b))
+}
+
+/// `Number(param ?? "0")` accepted only when a non-negative integer (contract §3 "Logs").
+pub fn parse_cursor(param: Option<&str>) -> Option<u64> {
+    let text = param.unwrap_or("0").trim_matches(|c: char| c.is_whitespace() || c == '\u{feff}');
+    if text.is_empty() {
+        return Some(0);
+    }
+    for (prefix, radix) in [("0x", 16), ("0X", 16), ("0o", 8), ("0O", 8), ("0b", 2), ("0B", 2)] {
+        if let Some(digits) = text.strip_prefix(prefix) {
+            return u64::from_str_radix(digits, radix).ok().filter(|_| !digits.starts_with(['+', '-']));
+        }
+    }
+    let lower = text.to_ascii_lowercase();
+    if lower.contains("inf") || lower.contains("nan") {
+        return None;
+    }
+    let n: f64 = text.parse().ok()?;
+    (n >= 0.0 && n.fract() == 0.0 && n <= 9_007_199_254_740_991.0).then_some(n as u64)
+}
+
+#[derive(Debug)]
+pub struct Manager {
+    db: Arc<ExecutionsDb>,
+    controllers: Mutex<HashMap<String, watch::Sender<bool>>>,
+    closing: AtomicBool,
+    active: AtomicUsize,
+    idle: Notify,
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::bad_request("internal", e.to_string())
+}
+
+async fn db_do<T: Send + 'static>(
+    db: &Arc<ExecutionsDb>,
+    f: impl FnOnce(&ExecutionsDb) -> Result<T, DbError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let db = db.clone();
+    match tokio::task::spawn_blocking(move || f(&db)).await {
+        Ok(r) => r.map_err(internal),
+        Err(e) => Err(internal(e)),
+    }
+}
+
+impl Manager {
+    /// Opens the records; unfinished ones from a previous process become `unknown`.
+    pub fn open(data_dir: &std::path::Path) -> Result<Manager, DbError> {
+        let (db, turned) = ExecutionsDb::open(data_dir, &timefmt::now_iso())?;
+        for id in turned {
+            tracing::warn!(event = "execution_unknown", execution_id = %id, reason = RESTARTED);
+        }
+        Ok(Manager {
+            db: Arc::new(db),
+            controllers: Mutex::default(),
+            closing: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            idle: Notify::new(),
+        })
+    }
+
+    fn controllers(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<bool>>> {
+        self.controllers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `ExecutionManager.start`: checks, the queued record, and the background run.
+    pub async fn start(
+        self: &Arc<Self>,
+        app: Arc<App>,
+        mut obj: request::Object,
+        root: PathBuf,
+        read_only: Option<PathBuf>,
+    ) -> Result<ManagedExecution, ApiError> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(ApiError::bad_request("shutting_down", SHUTTING_DOWN));
+        }
+        let id = request::string(&obj, "executionId").unwrap_or("").to_owned();
+        if !valid_id(&id) {
+            return Err(ApiError::bad_request("invalid_execution_id", INVALID_ID));
+        }
+        if app.versions.lifecycle().is_poisoned(&root) {
+            return Err(ApiError::bad_request("workspace_poisoned", POISONED_HERE));
+        }
+        let session_id = obj
+            .get("permissionEpoch")
+            .and_then(|e| e.get("sessionId"))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
+        let agent_id = request::string(&obj, "agentId").unwrap_or("").to_owned();
+        let rec = ManagedExecution {
+            agent_id,
+            session_id,
+            id: id.clone(),
+            state: "queued".into(),
+            queued_at: timefmt::now_iso(),
+            started_at: None,
+            finished_at: None,
+            log_truncated: None,
+            result: None,
+            error: None,
+            version: None,
+        };
+        let stored = rec.clone();
+        if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
+            return Err(ApiError::bad_request("execution_id_used", USED_ID));
+        }
+        // The wait deadline is the client's concern (the original forces 0).
+        obj.insert("executionTimeoutMs".into(), json!(0));
+        let (tx, rx) = watch::channel(false);
+        self.controllers().insert(id.clone(), tx);
+        self.active.fetch_add(1, Ordering::SeqCst);
+        tracing::info!(
+            event = "execution_admitted",
+            managed = true,
+            execution_id = %id,
+            session_id = %rec.session_id,
+            agent_id = %rec.agent_id,
+            workspace = %root.display(),
+            language = "shell",
+        );
+        let me = self.clone();
+        let queued = rec.clone();
+        tokio::spawn(async move {
+            me.run(app, queued, obj, root, read_only, rx).await;
+            me.controllers().remove(&id);
+            if me.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+                me.idle.notify_waiters();
+            }
+        });
+        Ok(rec)
+    }
+
+    async fn save(&self, rec: &ManagedExecution) {
+        let stored = rec.clone();
+        if let Err(e) = db_do(&self.db, move |db| db.save(&stored)).await {
+            tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e.message);
+        }
+    }
+
+    async fn finish(&self, rec: &mut ManagedExecution, state: &str, error: Option<String>) {
+        rec.state = state.into();
+        if error.is_some() {
+            rec.error = error;
+        }
+        rec.finished_at = Some(timefmt::now_iso());
+        self.save(rec).await;
+        tracing::info!(
+            event = "managed_execution_finished",
+            execution_id = %rec.id,
+            session_id = %rec.session_id,
+            agent_id = %rec.agent_id,
+            state = %rec.state,
+            error = rec.error.as_deref().unwrap_or(""),
+            version = rec.version.as_ref().and_then(|v| v.get("digest")).and_then(serde_json::Value::as_str).unwrap_or(""),
+        );
+    }
+
+    async fn run(
+        self: &Arc<Self>,
+        app: Arc<App>,
+        mut rec: ManagedExecution,
+        obj: request::Object,
+        root: PathBuf,
+        read_only: Option<PathBuf>,
+        cancel: watch::Receiver<bool>,
+    ) {
+        let mut waiting = cancel.clone();
+        let queue = tokio::select! {
+            held = app.admission.acquire_workspace(&root) => held,
+            _ = exec::gone(&mut waiting) => return self.finish(&mut rec, "cancelled", Some(ABORTED.into())).await,
+        };
+        let writer = match app.versions.begin(&root, Some(&cancel)).await {
+            Ok(w) => w,
+            Err(WriteError::Coordination(CoordError::Aborted)) => {
+                return self.finish(&mut rec, "cancelled", Some(ABORTED.into())).await;
+            }
+            Err(e) => return self.finish(&mut rec, "failed", Some(e.to_string())).await,
+        };
+        if *cancel.borrow() {
+            return self.finish(&mut rec, "cancelled", Some(CANCELLED_BEFORE_START.into())).await;
+        }
+        let started_at = timefmt::now_iso();
+        rec.state = "running".into();
+        rec.started_at = Some(started_at.clone());
+        self.save(&rec).await;
+
+        let budget = request::limit(&obj, "maxOutputBytes", app.config.max_output_bytes, "")
+            .unwrap_or(app.config.max_output_bytes);
+        let live = LiveLogs::new(budget);
+        let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.state.clone()));
+        let mut sink = live.sink();
+        let code = request::string(&obj, "code").unwrap_or("").to_owned();
+        let ran = async {
+            let p = exec::prepare(
+                &app,
+                Language::Shell,
+                root.clone(),
+                read_only,
+                &obj,
+                rec.id.clone(),
+                rec.session_id.clone(),
+                rec.agent_id.clone(),
+            )?;
+            exec::run_sandbox(&app, &p, started_at, Some(&mut sink), cancel.clone()).await
+        }
+        .await;
+        live.close();
+        let _ = flusher.await;
+        let truncated = live.truncated();
+        if truncated {
+            rec.log_truncated = Some(true);
+        }
+        let (state, error, mut result) = match ran {
+            Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
+            Err(e) if e.code == UNRESPONSIVE => {
+                // The sandbox may still write: keep the workspace locked until a restart.
+                std::mem::forget(writer);
+                std::mem::forget(queue);
+                return self.finish(&mut rec, "failed", Some(e.message)).await;
+            }
+            Err(e) if *cancel.borrow() => ("cancelled", Some(e.message), None),
+            Err(e) => ("failed", Some(e.message), None),
+        };
+
+        // The version: the files as the command left them, and the retained logs.
+        let id = rec.id.clone();
+        let texts = db_do(&self.db, move |db| Ok((db.stream_text(&id, Stream::Stdout)?, db.stream_text(&id, Stream::Stderr)?))).await;
+        let (mut stdout, mut stderr) = texts.unwrap_or_default();
+        if stdout.is_empty() {
+            stdout = result.as_ref().map(|r| r.stdout.clone()).unwrap_or_default();
+        }
+        if stderr.is_empty() {
+            stderr = result.as_ref().map(|r| r.stderr.clone()).or_else(|| error.clone()).unwrap_or_default();
+        }
+        let facts = ExecutionFacts {
+            agent_id: rec.agent_id.clone(),
+            session_id: rec.session_id.clone(),
+            execution_id: rec.id.clone(),
+            environment_revision_id: result.as_ref().map(|r| r.environment_revision_id.clone()),
+            state: state.into(),
+            code,
+            stdout,
+            stderr,
+        };
+        let (state, error) = match app.versions.commit_execution(&writer, facts).await {
+            Ok((version, tree)) => {
+                rec.version = Some(version.to_value());
+                if let Some(r) = result.as_mut() {
+                    r.workspace_snapshot = Some(tree.to_value());
+                }
+                (state, error)
+            }
+            Err(e) => {
+                app.versions.poison(&root, &e);
+                ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
+            }
+        };
+        rec.result = result.and_then(|r| serde_json::to_value(r).ok());
+        self.finish(&mut rec, state, error).await;
+        drop(writer);
+        drop(queue);
+    }
+
+    /// The record, if it belongs to this owner.
+    pub async fn get(&self, id: &str, session_id: &str, agent_id: &str) -> Result<ManagedExecution, ApiError> {
+        let key = id.to_owned();
+        let rec = db_do(&self.db, move |db| db.get(&key)).await?;
+        rec.filter(|r| r.session_id == session_id && r.agent_id == agent_id)
+            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
+    }
+
+    /// One `ExecutionLogPage`.
+    pub async fn logs(
+        &self,
+        id: &str,
+        session_id: &str,
+        agent_id: &str,
+        cursor: Option<&str>,
+    ) -> Result<Value, ApiError> {
+        let after = parse_cursor(cursor).ok_or_else(|| ApiError::bad_request("invalid_cursor", INVALID_CURSOR))?;
+        let rec = self.get(id, session_id, agent_id).await?;
+        let key = id.to_owned();
+        let page = db_do(&self.db, move |db| db.page(&key, after, PAGE_ROWS)).await?;
+        let next = page.rows.last().map_or(after, |r| r.0);
+        let chunks: Vec<Value> =
+            page.rows.into_iter().map(|(cursor, stream, text)| json!({"cursor": cursor, "stream": stream, "text": text})).collect();
+        Ok(json!({
+            "chunks": chunks,
+            "nextCursor": next,
+            "retentionTruncated": rec.log_truncated.unwrap_or(false),
+            "truncated": page.more,
+        }))
+    }
+
+    /// Aborts a non-terminal execution; answers the record as it is now.
+    pub async fn cancel(&self, id: &str, session_id: &str, agent_id: &str) -> Result<ManagedExecution, ApiError> {
+        let rec = self.get(id, session_id, agent_id).await?;
+        if !rec.is_terminal()
+            && let Some(tx) = self.controllers().get(id)
+        {
+            let _ = tx.send(true);
+            tracing::info!(event = "execution_cancel_requested", execution_id = %id, state = %rec.state);
+        }
+        Ok(rec)
+    }
+
+    /// Refuses new starts, aborts every execution and waits (bounded) for them to record
+    /// their end.
+    pub async fn close(&self, grace: Duration) {
+        self.closing.store(true, Ordering::SeqCst);
+        for tx in self.controllers().values() {
+            let _ = tx.send(true);
+        }
+        let wait = async {
+            loop {
+                let notified = self.idle.notified();
+                if self.active.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        if tokio::time::timeout(grace, wait).await.is_err() {
+            tracing::warn!(event = "shutdown", detail = "managed executions did not record their end in time");
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LogState {
+    retention: Retention,
+    pending: Vec<LogRow>,
+    newly_truncated: bool,
+    closed: bool,
+}
+
+/// The live log of one run: the sink side (called by the launcher) and the state the
+/// flusher drains.
+#[derive(Debug, Clone)]
+struct LiveLogs {
+    state: Arc<(Mutex<LogState>, Notify)>,
+}
+
+impl LiveLogs {
+    fn new(budget: u64) -> LiveLogs {
+        let state = LogState { retention: Retention::new(budget), pending: Vec::new(), newly_truncated: false, closed: false };
+        LiveLogs { state: Arc::new((Mutex::new(state), Notify::new())) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LogState> {
+        self.state.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn sink(&self) -> LiveLogs {
+        self.clone()
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.state.1.notify_one();
+    }
+
+    fn truncated(&self) -> bool {
+        self.lock().retention.truncated()
+    }
+}
+
+impl OutputSink for LiveLogs {
+    fn write(&mut self, stream: Stream, bytes: &[u8]) {
+        let mut s = self.lock();
+        let (rows, first) = s.retention.push(stream, bytes);
+        s.pending.extend(rows);
+        s.newly_truncated |= first;
+    }
+}
+
+/// Writes pending rows every [`LOG_FLUSH`] (one transaction each) until closed and drained;
+/// the first overflow is recorded on the execution at once.
+async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogState>, Notify)>) {
+    let mut next_cursor = 1u64;
+    loop {
+        let closed = tokio::select! {
+            _ = tokio::time::sleep(LOG_FLUSH) => false,
+            _ = state.1.notified() => true,
+        };
+        let (rows, truncated_now, done) = {
+            let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
+            let rows = std::mem::take(&mut s.pending);
+            let t = std::mem::take(&mut s.newly_truncated);
+            (rows, t, closed || s.closed)
+        };
+        let first = next_cursor;
+        next_cursor += rows.len() as u64;
+        let key = id.clone();
+        let written = db_do(&db, move |db| {
+            db.append_logs(&key, first, &rows)?;
+            if truncated_now && let Some(mut rec) = db.get(&key)? {
+                rec.log_truncated = Some(true);
+                db.save(&rec)?;
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(e) = written {
+            tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e.message);
+        }
+        if done {
+            return;
+        }
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn execution_ids_follow_the_original_pattern() {
+        for (id, ok) in [
+            ("managed-first", true),
+            ("a:b.c_d-1", true),
+            ("", false),
+            ("has space", false),
+            ("slash/no", false),
+            ("é", false),
+        ] {
+            assert_eq!(valid_id(id), ok, "{id:?}");
+        }
+        assert!(valid_id(&"x".repeat(160)) && !valid_id(&"x".repeat(161)));
+    }
+
+    #[test]
+    fn cursors_parse_like_javascript_number() {
+        for (text, want) in [
+            (None, Some(0)),
+            (Some(""), Some(0)),
+            (Some("  7 "), Some(7)),
+            (Some("1e2"), Some(100)),
+            (Some("0x10"), Some(16)),
+            (Some("-1"), None),
+            (Some("1.5"), None),
+            (Some("abc"), None),
+            (Some("Infinity"), None),
+            (Some("NaN"), None),
+            (Some("3.0"), Some(3)),
+        ] {
+            assert_eq!(parse_cursor(text), want, "{text:?}");
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! The workspace writer protocol shared with the API process (versioning reference §6):
+//! admission → lease → baseline → the operation → snapshot → record → compare-and-swap
+//! commit of `workspaces/<sha256(root)>/head`, with poisoning when a commit fails; the
+//! observer read (`committedWorkspaceSnapshot`); and, beyond the original, start-up recovery
+//! of the writes our own crashed process left unfinished.
+//!
+//! The store work is blocking file I/O and runs on tokio's blocking pool.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use tokio::sync::watch;
+
+use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
+use crate::versioning::{
+    self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value, new_uuid_v4,
+    workspace_head_name,
+};
+
+/// The observer's answer when a writer is busy and nothing was ever committed.
+pub const NO_BASELINE: &str = "Workspace has no committed baseline yet; retry after admission completes";
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error(transparent)]
+    Coordination(#[from] CoordError),
+    #[error(transparent)]
+    Version(#[from] VersionError),
+    #[error("{NO_BASELINE}")]
+    NoBaseline,
+    #[error("Invalid Workspace head kind")]
+    HeadKind,
+    #[error("The version store task stopped unexpectedly: {0}")]
+    Task(String),
+}
+
+/// The version store, its refs and the coordination state of one data directory.
+pub struct Versions {
+    store: Store,
+    refs: Mutex<Refs>,
+    lifecycle: Lifecycle,
+}
+
+impl std::fmt::Debug for Versions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Versions").field("root", &self.store.root()).finish_non_exhaustive()
+    }
+}
+
+/// A writer admitted and holding the lease, with a committed head. Dropping it releases
+/// the lease (removing `.active`) and then the admission.
+#[derive(Debug)]
+pub struct Writer {
+    root: PathBuf,
+    head: String,
+    _lease: Lease,
+    _admitted: Admitted,
+}
+
+impl Writer {
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+/// What a managed execution's version records.
+#[derive(Debug, Clone)]
+pub struct ExecutionFacts {
+    pub agent_id: String,
+    pub session_id: String,
+    pub execution_id: String,
+    pub environment_revision_id: Option<String>,
+    pub state: String,
+    pub code: String,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Versions {
+    pub fn open(data_dir: &Path) -> Result<Versions, WriteError> {
+        let lifecycle = Lifecycle::open(data_dir)?;
+        let store = Store::open(data_dir)?;
+        let refs = Refs::open(&store)?;
+        Ok(Versions { store, refs: Mutex::new(refs), lifecycle })
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
+    }
+
+    /// The current head of a workspace, if any.
+    pub fn head(&self, canonical: &Path) -> Result<Option<Ref>, WriteError> {
+        Ok(self.refs().head(&workspace_head_name(canonical))?)
+    }
+
+    fn refs(&self) -> std::sync::MutexGuard<'_, Refs> {
+        self.refs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Admission, then the lease (both waited for; `cancel` ends the wait), then a baseline
+    /// if the workspace has no head. A failed baseline poisons the workspace.
+    pub async fn begin(
+        self: &Arc<Self>,
+        canonical: &Path,
+        cancel: Option<&watch::Receiver<bool>>,
+    ) -> Result<Writer, WriteError> {
+        let admitted = self.lifecycle.admit(canonical, cancel).await?;
+        let lease = self.lifecycle.lease(canonical, cancel).await?;
+        let writer = Writer {
+            root: canonical.to_owned(),
+            head: workspace_head_name(canonical),
+            _lease: lease,
+            _admitted: admitted,
+        };
+        let me = self.clone();
+        let root = writer.root.clone();
+        let baseline = blocking(move || me.ensure_baseline(&root)).await;
+        if let Err(e) = baseline {
+            self.poison(&writer.root, &e);
+            return Err(e);
+        }
+        Ok(writer)
+    }
+
+    fn ensure_baseline(&self, root: &Path) -> Result<Option<Ref>, WriteError> {
+        let name = workspace_head_name(root);
+        if self.refs().head(&name)?.is_some() {
+            return Ok(None);
+        }
+        let tree = self.store.snapshot(root)?;
+        let record = self.store.put_record("WorkspaceMutation", mutation_value(None, "baseline", true, &tree))?;
+        self.refs().commit(&self.store, &name, None, &record)?;
+        tracing::info!(event = "workspace_baseline", workspace = %root.display(), head = %record.digest);
+        Ok(Some(record))
+    }
+
+    /// Snapshots the workspace and commits a `WorkspaceMutation` as its new head; returns the
+    /// tree. A failure poisons the workspace.
+    pub async fn commit_mutation(
+        self: &Arc<Self>,
+        writer: &Writer,
+        kind: &str,
+        id: Option<String>,
+        completed: bool,
+    ) -> Result<Ref, WriteError> {
+        let me = self.clone();
+        let (root, head, kind_owned) = (writer.root.clone(), writer.head.clone(), kind.to_owned());
+        let id = id.unwrap_or_else(new_uuid_v4);
+        let committed = blocking(move || {
+            let tree = me.store.snapshot(&root)?;
+            let record = me
+                .store
+                .put_record("WorkspaceMutation", mutation_value(Some(&id), &kind_owned, completed, &tree))?;
+            me.commit_head(&head, &record)?;
+            Ok(tree)
+        })
+        .await;
+        if let Err(e) = &committed {
+            self.poison(&writer.root, e);
+        }
+        committed
+    }
+
+    /// Snapshots the workspace and commits a `WorkspaceExecution` as its head; returns the
+    /// record (`version`) and the tree (`result.workspaceSnapshot`). The caller poisons on
+    /// failure (its message differs).
+    pub async fn commit_execution(
+        self: &Arc<Self>,
+        writer: &Writer,
+        facts: ExecutionFacts,
+    ) -> Result<(Ref, Ref), WriteError> {
+        let me = self.clone();
+        let (root, head) = (writer.root.clone(), writer.head.clone());
+        blocking(move || {
+            let tree = me.store.snapshot(&root)?;
+            let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
+            let (code, stdout, stderr) = (put(&facts.code)?, put(&facts.stdout)?, put(&facts.stderr)?);
+            let value = execution_value(
+                &facts.agent_id,
+                &code,
+                facts.environment_revision_id.as_deref(),
+                &facts.execution_id,
+                &facts.session_id,
+                &facts.state,
+                &stderr,
+                &stdout,
+                &tree,
+            );
+            let record = me.store.put_record("WorkspaceExecution", value)?;
+            me.commit_head(&head, &record)?;
+            Ok((record, tree))
+        })
+        .await
+    }
+
+    /// Compare-and-swap from the head read just before (the lease serialises writers).
+    fn commit_head(&self, name: &str, record: &Ref) -> Result<(), WriteError> {
+        let mut refs = self.refs();
+        let expected = refs.head(name)?;
+        refs.commit(&self.store, name, expected.as_ref(), record)?;
+        Ok(())
+    }
+
+    /// Records the failure and refuses later writers (`.failed` plus this process's set).
+    pub fn poison(&self, root: &Path, cause: &dyn std::fmt::Display) {
+        tracing::error!(event = "workspace_poisoned", workspace = %root.display(), error = %cause);
+        if let Err(e) = self.lifecycle.poison(root) {
+            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %e);
+        }
+    }
+
+    /// `committedWorkspaceSnapshot`: when a writer is admitted or holds the lease, the last
+    /// committed tree without waiting; otherwise a fresh snapshot, committed as a
+    /// `checkpoint` when it differs from the head.
+    pub async fn observed_tree(self: &Arc<Self>, canonical: &Path) -> Result<Ref, WriteError> {
+        let busy = |me: &Versions| me.head_tree(canonical)?.ok_or(WriteError::NoBaseline);
+        let Some(admitted) = self.lifecycle.try_admit(canonical).await? else { return busy(self) };
+        let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy(self) };
+        let me = self.clone();
+        let root = canonical.to_owned();
+        let observed = blocking(move || {
+            let name = workspace_head_name(&root);
+            let tree = me.store.snapshot(&root)?;
+            if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
+                return Ok(tree);
+            }
+            let (kind, expected) = match me.refs().head(&name)? {
+                Some(head) => ("checkpoint", Some(head)),
+                None => ("baseline", None),
+            };
+            let record = me.store.put_record("WorkspaceMutation", mutation_value(None, kind, true, &tree))?;
+            me.refs().commit(&me.store, &name, expected.as_ref(), &record)?;
+            Ok(tree)
+        })
+        .await;
+        drop(lease);
+        drop(admitted);
+        observed
+    }
+
+    /// The tree of the current head (`value.workspace` of a mutation or execution record).
+    pub fn head_tree(&self, canonical: &Path) -> Result<Option<Ref>, WriteError> {
+        let Some(head) = self.head(canonical)? else { return Ok(None) };
+        let record = self.store.read_record(&head, None)?;
+        if record.kind != "WorkspaceMutation" && record.kind != "WorkspaceExecution" {
+            return Err(WriteError::HeadKind);
+        }
+        let tree = record.value.get("workspace").ok_or(WriteError::HeadKind)?;
+        Ok(Some(Ref::from_value(tree)?))
+    }
+
+    /// Start-up recovery (ours): every workspace whose lease our previous process held when
+    /// it died gets a `runner-recovery` mutation committed (the files as they are now), its
+    /// `.active` marker removed, and an audit event. Roots someone else holds are left.
+    pub async fn recover_interrupted(self: &Arc<Self>) -> Vec<PathBuf> {
+        let mut recovered = Vec::new();
+        for (root, entry) in self.lifecycle.journaled_roots() {
+            let lease = match self.lifecycle.take_over_interrupted(&root, &entry) {
+                Ok(Some(lease)) => lease,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
+                    continue;
+                }
+            };
+            let me = self.clone();
+            let r = root.clone();
+            let committed = blocking(move || {
+                let name = workspace_head_name(&r);
+                let tree = me.store.snapshot(&r)?;
+                let expected = me.refs().head(&name)?;
+                let (id, kind) = match expected {
+                    Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
+                    None => (None, "baseline"),
+                };
+                let record =
+                    me.store.put_record("WorkspaceMutation", mutation_value(id.as_deref(), kind, true, &tree))?;
+                me.refs().commit(&me.store, &name, expected.as_ref(), &record)?;
+                Ok(record)
+            })
+            .await;
+            match committed {
+                Ok(record) => {
+                    tracing::warn!(
+                        event = "workspace_recovered",
+                        workspace = %root.display(),
+                        head = %record.digest,
+                        reason = "runnerd stopped while it held this workspace's writer lease",
+                    );
+                    recovered.push(root);
+                    drop(lease);
+                }
+                Err(e) => {
+                    // Keep the marker: the workspace stays refused until a person looks.
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
+                    lease.release_keeping_marker();
+                }
+            }
+        }
+        recovered
+    }
+}
+
+/// The record value of a head, for answers (`version` and `workspaceSnapshot` fields).
+pub fn ref_value(r: &Ref) -> Value {
+    r.to_value()
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, WriteError> + Send + 'static,
+) -> Result<T, WriteError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(WriteError::Task(e.to_string())))
+}
