@@ -86,7 +86,8 @@ impl Refs {
         }
         let text = target.jcs();
         tx.execute(
-            "INSERT INTO live_refs(name, target) VALUES(?, ?) ON CONFLICT(name) DO UPDATE SET target=excluded.target",
+            "INSERT INTO live_refs(name, target) VALUES(?, ?) \
+             ON CONFLICT(name) DO UPDATE SET target=excluded.target",
             params![name, text],
         )
         .map_err(sql("update a head", &path))?;
