@@ -116,3 +116,116 @@ fn validate_selected(path: &str) -> Result<(), VersionError> {
 fn selected(path: &str, selected: &str) -> bool {
     path.strip_prefix(selected).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::os::unix::ffi::OsStrExt;
+
+    use super::*;
+    use crate::versioning::testutil::{X_CSV_HEX, blob_text, example_workspace, temp_store};
+    use crate::versioning::{OCTET_STREAM, RECORD_MEDIA_TYPE};
+
+    const EXPORT: &str = r#"{"dependencies":[{"digest":"sha256:3281b48862c580205dbbfd69a71877636c9a5469fbdc4f6107c12d290bd91653","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":1656},{"digest":"sha256:492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470","mediaType":"application/octet-stream","pool":"data","size":8}],"kind":"WorkspaceExport","schemaVersion":1,"value":{"capturedAt":"2026-09-01T12:00:00.000Z","files":[{"content":{"digest":"sha256:492d5ea496056f1a6a6592241032fab764c321596317930b4fa0e1e8bc3b7470","mediaType":"application/octet-stream","pool":"data","size":8},"executable":0,"path":"data/x.csv"}],"tree":{"digest":"sha256:3281b48862c580205dbbfd69a71877636c9a5469fbdc4f6107c12d290bd91653","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":1656},"workspace":"project-1/session-1"}}"#;
+
+    fn paths(files: &[SnapshotFile]) -> Vec<&str> {
+        files.iter().map(|f| f.path.as_str()).collect()
+    }
+
+    fn sel(paths: &[&str]) -> Vec<String> {
+        paths.iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn export_vector_and_full_listing() {
+        let (_dir, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        example_workspace(ws.path());
+        let tree = store.snapshot(ws.path()).unwrap();
+        let all = store.snapshot_files(&tree, None).unwrap();
+        assert_eq!(paths(&all), ["README.md", "data/x.csv", "run.sh"]);
+        assert_eq!(all[2].executable, 73);
+
+        let files = store.snapshot_files(&tree, Some(&sel(&["data"]))).unwrap();
+        assert_eq!(
+            files,
+            [SnapshotFile {
+                path: "data/x.csv".into(),
+                content: Ref::new(Pool::Data, X_CSV_HEX, 8, OCTET_STREAM),
+                executable: 0
+            }]
+        );
+        let value = export_value("project-1/session-1", &tree, &files, "2026-09-01T12:00:00.000Z");
+        let r = store.put_record("WorkspaceExport", value).unwrap();
+        assert_eq!(blob_text(&store, &r), EXPORT);
+        assert_eq!(
+            (r.hex(), r.size),
+            ("cddb056cc06517cd8501b97060682e99abf13703bae9628e4ce5f5171cfb66f4", 863)
+        );
+        assert_eq!(r.media_type, RECORD_MEDIA_TYPE);
+    }
+
+    #[test]
+    fn selection_keeps_files_under_selected_paths_and_skips_symlinks() {
+        let (_dir, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        fs::create_dir(ws.path().join("data")).unwrap();
+        fs::write(ws.path().join("data/file"), b"x").unwrap();
+        fs::write(ws.path().join("database"), b"y").unwrap();
+        std::os::unix::fs::symlink("data/file", ws.path().join("link")).unwrap();
+        let tree = store.snapshot(ws.path()).unwrap();
+        let selection = sel(&["data", "link"]);
+        assert_eq!(paths(&store.snapshot_files(&tree, Some(&selection)).unwrap()), ["data/file"]);
+        // The selection comes from the immutable tree, not the live files.
+        fs::remove_dir_all(ws.path().join("data")).unwrap();
+        assert_eq!(paths(&store.snapshot_files(&tree, Some(&selection)).unwrap()), ["data/file"]);
+        assert_eq!(paths(&store.snapshot_files(&tree, Some(&sel(&["data/file"]))).unwrap()), ["data/file"]);
+        assert!(store.snapshot_files(&tree, Some(&sel(&["dat"]))).unwrap().is_empty());
+        assert!(store.snapshot_files(&tree, Some(&[])).unwrap().is_empty());
+    }
+
+    #[test]
+    fn selected_paths_must_be_relative_workspace_paths() {
+        let (_dir, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        let tree = store.snapshot(ws.path()).unwrap();
+        for bad in ["../data", "/data", "data/../other", "data\\file", "data//file", "./data", "data/", ""] {
+            let e = store.snapshot_files(&tree, Some(&sel(&[bad]))).unwrap_err();
+            assert!(e.to_string().contains("relative Workspace"), "{bad:?}: {e}");
+        }
+        let many: Vec<String> = (0..51).map(|i| format!("p{i}")).collect();
+        assert!(store.snapshot_files(&tree, Some(&many)).is_err());
+        assert!(store.snapshot_files(&tree, Some(&many[..50])).is_ok());
+    }
+
+    #[test]
+    fn non_utf8_names_round_trip_but_cannot_be_listed() {
+        let (_dir, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        let raw = std::ffi::OsStr::from_bytes(b"caf\xe9.txt");
+        fs::write(ws.path().join(raw), b"latin-1").unwrap();
+        let tree = store.snapshot(ws.path()).unwrap();
+        let record = store.read_record(&tree, Some("WorkspaceTree")).unwrap();
+        let name = record.value["entries"][0]["name"].as_str().unwrap();
+        assert_eq!(b64url_decode(name).unwrap(), b"caf\xe9.txt");
+        let e = store.snapshot_files(&tree, None).unwrap_err();
+        assert_eq!(e.to_string(), "Snapshot filename cannot be represented by the Workspace path API");
+    }
+
+    #[test]
+    fn entry_names_that_are_not_single_segments_are_refused() {
+        let (_dir, store) = temp_store();
+        let content = store.put(Pool::Data, b"x", OCTET_STREAM).unwrap();
+        for name in ["..", ".", "a/b", ""] {
+            let entry = serde_json::json!({
+                "content": content.to_value(),
+                "executable": 0,
+                "name": crate::versioning::b64url_encode(name.as_bytes()),
+                "type": "file",
+            });
+            let tree = store.put_record("WorkspaceTree", serde_json::json!({ "entries": [entry] })).unwrap();
+            let e = store.snapshot_files(&tree, None).unwrap_err();
+            assert_eq!(e.to_string(), "Invalid snapshot filename", "{name:?}");
+        }
+    }
+}

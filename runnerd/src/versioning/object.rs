@@ -197,9 +197,10 @@ mod tests {
         for v in &good {
             assert!(Ref::from_value(v).is_ok(), "{v}");
         }
+        let upper = format!("sha256:{}", HEX.to_uppercase());
         let bad = [
             json!({"pool": "other", "digest": d, "size": 0, "mediaType": "x"}),
-            json!({"pool": "data", "digest": d.to_uppercase().replace("SHA256", "sha256"), "size": 0, "mediaType": "x"}),
+            json!({"pool": "data", "digest": upper, "size": 0, "mediaType": "x"}),
             json!({"pool": "data", "digest": HEX, "size": 0, "mediaType": "x"}),
             json!({"pool": "data", "digest": format!("{d}0"), "size": 0, "mediaType": "x"}),
             json!({"pool": "data", "digest": "sha256:../../etc/passwd", "size": 0, "mediaType": "x"}),

@@ -86,7 +86,8 @@ impl Refs {
         }
         let text = target.jcs();
         tx.execute(
-            "INSERT INTO live_refs(name, target) VALUES(?, ?) ON CONFLICT(name) DO UPDATE SET target=excluded.target",
+            "INSERT INTO live_refs(name, target) VALUES(?, ?) \
+             ON CONFLICT(name) DO UPDATE SET target=excluded.target",
             params![name, text],
         )
         .map_err(sql("update a head", &path))?;
@@ -129,4 +130,167 @@ fn parse_target(text: &str) -> Result<Ref, VersionError> {
 fn sql(action: &'static str, path: &std::path::Path) -> impl FnOnce(rusqlite::Error) -> VersionError {
     let path = path.to_path_buf();
     move |source| VersionError::Sqlite { action, path, source }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::versioning::testutil::{example_workspace, temp_store};
+    use crate::versioning::{OCTET_STREAM, mutation_value, workspace_head_name};
+
+    fn record_with_leaf(store: &Store, text: &[u8]) -> Ref {
+        let leaf = store.put(Pool::Data, text, OCTET_STREAM).unwrap();
+        store.put_record("Test", json!({ "leaf": leaf.to_value() })).unwrap()
+    }
+
+    #[test]
+    fn schema_pragmas_and_the_stored_target_text() {
+        let (_dir, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        example_workspace(ws.path());
+        let tree = store.snapshot(ws.path()).unwrap();
+        let baseline =
+            store.put_record("WorkspaceMutation", mutation_value(None, "baseline", true, &tree)).unwrap();
+        let mut refs = Refs::open(&store).unwrap();
+        let name =
+            workspace_head_name(std::path::Path::new("/srv/sd-data/remote-workspaces/project-1/session-1"));
+        refs.commit(&store, &name, None, &baseline).unwrap();
+        assert_eq!(refs.head(&name).unwrap(), Some(baseline));
+
+        let conn = Connection::open(store.root().join("refs.sqlite")).unwrap();
+        let target: String =
+            conn.query_row("SELECT target FROM live_refs WHERE name=?", [&name], |r| r.get(0)).unwrap();
+        assert_eq!(
+            target,
+            r#"{"digest":"sha256:2436366ad32fa74d4bb0308c853a6de9daf13b88f5776f6a8e74e8f461c6203b","mediaType":"application/vnd.sciencediscovery.record.v1+json","pool":"agent-state","size":484}"#
+        );
+        let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+        assert_eq!(mode, "wal");
+        let objects: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        for expected in ["history_by_name", "history_refs", "live_refs", "sqlite_sequence"] {
+            assert!(objects.iter().any(|o| o == expected), "{objects:?}");
+        }
+        drop(refs);
+        assert_eq!(Refs::open(&store).unwrap().history(&name).unwrap().len(), 1, "reopening keeps rows");
+    }
+
+    #[test]
+    fn history_order_and_roots() {
+        let (_dir, store) = temp_store();
+        let mut refs = Refs::open(&store).unwrap();
+        let first = record_with_leaf(&store, b"first");
+        let second = record_with_leaf(&store, b"second");
+        refs.commit(&store, "agent/main", None, &first).unwrap();
+        refs.commit(&store, "agent/main", Some(&first), &second).unwrap();
+        assert_eq!(refs.history("agent/main").unwrap(), vec![first.clone(), second.clone()]);
+        assert_eq!(refs.head("agent/main").unwrap(), Some(second.clone()));
+        let roots = refs.roots().unwrap();
+        assert_eq!(roots.len(), 2);
+        assert!(roots.contains(&first) && roots.contains(&second));
+        assert_eq!(refs.head("absent").unwrap(), None);
+        assert!(refs.history("absent").unwrap().is_empty());
+    }
+
+    #[test]
+    fn compare_and_swap_lets_exactly_one_writer_win() {
+        let (_dir, store) = temp_store();
+        let base = record_with_leaf(&store, b"base");
+        let a = record_with_leaf(&store, b"a");
+        let b = record_with_leaf(&store, b"b");
+        let mut one = Refs::open(&store).unwrap();
+        let mut two = Refs::open(&store).unwrap();
+        one.commit(&store, "agent/x", None, &base).unwrap();
+        one.commit(&store, "agent/x", Some(&base), &a).unwrap();
+        let e = two.commit(&store, "agent/x", Some(&base), &b).unwrap_err();
+        assert!(matches!(e, VersionError::HeadChanged));
+        assert_eq!(e.to_string(), "Agent head changed");
+        assert!(matches!(two.commit(&store, "agent/x", None, &b).unwrap_err(), VersionError::HeadChanged));
+        assert_eq!(two.head("agent/x").unwrap(), Some(a.clone()));
+        assert_eq!(two.history("agent/x").unwrap(), vec![base, a]);
+    }
+
+    #[test]
+    fn concurrent_commits_on_threads_serialise() {
+        let (_dir, store) = temp_store();
+        let store = std::sync::Arc::new(store);
+        let targets: Vec<Ref> =
+            (0..6).map(|i| record_with_leaf(&store, format!("t{i}").as_bytes())).collect();
+        let threads: Vec<_> = targets
+            .into_iter()
+            .map(|t| {
+                let store = std::sync::Arc::clone(&store);
+                std::thread::spawn(move || {
+                    Refs::open(&store).unwrap().commit(&store, "agent/race", None, &t).is_ok()
+                })
+            })
+            .collect();
+        let wins = threads.into_iter().map(|t| t.join().unwrap()).filter(|ok| *ok).count();
+        assert_eq!(wins, 1);
+        assert_eq!(Refs::open(&store).unwrap().history("agent/race").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn broken_closures_and_bad_names_leave_the_head_unchanged() {
+        let (_dir, store) = temp_store();
+        let mut refs = Refs::open(&store).unwrap();
+        let leaf = store.put(Pool::Data, b"leaf", OCTET_STREAM).unwrap();
+        let root = store.put_record("Test", json!({ "leaf": leaf.to_value() })).unwrap();
+        std::fs::remove_file(store.blob_path(Pool::Data, leaf.hex())).unwrap();
+        assert!(refs.commit(&store, "agent/broken", None, &root).is_err());
+        assert_eq!(refs.head("agent/broken").unwrap(), None);
+
+        // An embedded ref missing from dependencies cannot be committed.
+        let good = store.put(Pool::Data, b"good", OCTET_STREAM).unwrap();
+        let text = format!(
+            r#"{{"dependencies":[],"kind":"Test","schemaVersion":1,"value":{{"leaf":{}}}}}"#,
+            good.jcs()
+        );
+        let undeclared =
+            store.put(Pool::AgentState, text.as_bytes(), crate::versioning::RECORD_MEDIA_TYPE).unwrap();
+        let e = refs.commit(&store, "agent/undeclared", None, &undeclared).unwrap_err();
+        assert_eq!(e.to_string(), "Undeclared record dependency");
+
+        let ok = record_with_leaf(&store, b"ok");
+        let long = "x".repeat(513);
+        for name in ["", "a\nb", "tab\there", "\u{1f}", long.as_str()] {
+            let e = refs.commit(&store, name, None, &ok).unwrap_err();
+            assert_eq!(e.to_string(), "Invalid ref name", "{name:?}");
+        }
+        refs.commit(&store, &"€".repeat(512), None, &ok).unwrap();
+        let data_target = store.put(Pool::Data, b"not state", OCTET_STREAM).unwrap();
+        let e = refs.commit(&store, "agent/data", None, &data_target).unwrap_err();
+        assert_eq!(e.to_string(), "Invalid or cross-pool reference");
+        assert!(refs.roots().unwrap().iter().all(|r| *r == ok));
+    }
+
+    #[test]
+    fn a_failure_after_the_live_upsert_rolls_back_both_writes() {
+        let (_dir, store) = temp_store();
+        let mut refs = Refs::open(&store).unwrap();
+        let first = record_with_leaf(&store, b"first");
+        let second = record_with_leaf(&store, b"second");
+        refs.commit(&store, "agent/fault", None, &first).unwrap();
+        // Fault injection between step 6 (live upsert) and step 7 (history insert).
+        refs.conn
+            .execute_batch(
+                "CREATE TRIGGER inject BEFORE INSERT ON history_refs \
+                 BEGIN SELECT RAISE(ABORT, 'injected after live ref'); END;",
+            )
+            .unwrap();
+        let e = refs.commit(&store, "agent/fault", Some(&first), &second).unwrap_err();
+        assert!(common::error_chain(&e).contains("injected after live ref"), "{e}");
+        assert_eq!(refs.head("agent/fault").unwrap(), Some(first.clone()));
+        assert_eq!(refs.history("agent/fault").unwrap(), vec![first.clone()]);
+        refs.conn.execute_batch("DROP TRIGGER inject").unwrap();
+        refs.commit(&store, "agent/fault", Some(&first), &second).unwrap();
+        assert_eq!(refs.history("agent/fault").unwrap(), vec![first, second]);
+    }
 }

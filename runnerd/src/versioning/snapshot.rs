@@ -13,7 +13,7 @@ use std::fs::{self, Metadata, OpenOptions};
 use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -78,7 +78,7 @@ impl Store {
     /// ref. The caller holds the workspace's writer lease; concurrent changes that are
     /// noticed fail with `Workspace changed during snapshot`.
     pub fn snapshot(&self, root: &Path) -> Result<Ref, VersionError> {
-        let root = std::path::absolute(root).map_err(io_err("resolve the workspace root", root))?;
+        let root = lexical_absolute(root).map_err(io_err("resolve the workspace root", root))?;
         let meta = fs::symlink_metadata(&root).map_err(io_err("inspect the workspace root", &root))?;
         if !meta.file_type().is_dir() {
             return Err(VersionError::RootNotDirectory);
@@ -107,7 +107,8 @@ impl Store {
             let kind = meta.file_type();
             let entry = if kind.is_symlink() {
                 let target = fs::read_link(&path).map_err(changed_or_io("read the symlink", &path))?;
-                json!({ "name": b64_name, "target": b64url_encode(&target.into_os_string().into_vec()), "type": "symlink" })
+                let target = b64url_encode(&target.into_os_string().into_vec());
+                json!({ "name": b64_name, "target": target, "type": "symlink" })
             } else if kind.is_dir() {
                 let tree = self.snapshot_dir(&path, &meta)?;
                 json!({ "name": b64_name, "tree": tree.to_value(), "type": "directory" })
@@ -165,6 +166,21 @@ impl Store {
         self.cache.store(key, settled.then(|| (stamp, content.clone())));
         Ok(content)
     }
+}
+
+/// Node's `path.resolve`: absolute, with `.` and `..` removed textually (symlinks untouched).
+fn lexical_absolute(path: &Path) -> io::Result<PathBuf> {
+    let mut out = PathBuf::new();
+    for part in std::path::absolute(path)?.components() {
+        match part {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    Ok(out)
 }
 
 fn mtime_ns(m: &Metadata) -> i128 {
@@ -312,6 +328,12 @@ mod tests {
             let e = store.snapshot(&root).unwrap_err();
             assert_eq!(e.to_string(), "Workspace root must be a directory, not a symlink");
         }
+        // `..` is resolved textually, as Node's path.resolve does: `alias/..` is `other`.
+        assert_eq!(
+            lexical_absolute(&other.path().join("alias/../real/.")).unwrap(),
+            other.path().join("real")
+        );
+        assert_eq!(lexical_absolute(Path::new("/..")).unwrap(), Path::new("/"));
         // Intermediate symlinks are fine; only the root itself must not be one.
         fs::create_dir(other.path().join("real/sub")).unwrap();
         assert!(store.snapshot(&other.path().join("alias/sub")).is_ok());

@@ -450,6 +450,15 @@ mod tests {
     }
 
     #[test]
+    fn shared_across_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Store>();
+        send_sync::<Ref>();
+        fn send<T: Send>() {}
+        send::<VerifiedReader>();
+    }
+
+    #[test]
     fn layout_files_are_exact_and_reopening_is_idempotent() {
         let (dir, store) = temp_store();
         for pool in ["data", "agent-state"] {
