@@ -7,8 +7,8 @@ use crate::config::RunnerConfig;
 use crate::exec::admission::Admission;
 use crate::exec::dedupe::RecentIds;
 use crate::exec::registry::Registry;
-use crate::startup::SandboxRuntime;
 use crate::managed::Manager;
+use crate::startup::SandboxRuntime;
 use crate::token::Token;
 use crate::writer::Versions;
 

@@ -161,10 +161,9 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     );
     let address = listener.describe();
     let usable = sandbox.capability.sandbox_usable;
-    let versions = Arc::new(
-        Versions::open(&config.data_dir)
-            .with_context(|| format!("opening the workspace version store under {}", config.data_dir.display()))?,
-    );
+    let versions = Arc::new(Versions::open(&config.data_dir).with_context(|| {
+        format!("opening the workspace version store under {}", config.data_dir.display())
+    })?);
     for root in versions.recover_interrupted().await {
         eprintln!("runnerd: recovered the interrupted write of {} (see the audit log)", root.display());
     }

@@ -9,6 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use std::os::fd::{AsRawFd, OwnedFd};
+
 use serde_json::Value;
 use tokio::sync::watch;
 
@@ -54,6 +56,7 @@ impl std::fmt::Debug for Versions {
 pub struct Writer {
     root: PathBuf,
     head: String,
+    pinned: OwnedFd,
     _lease: Lease,
     _admitted: Admitted,
 }
@@ -62,6 +65,16 @@ impl Writer {
     pub fn root(&self) -> &Path {
         &self.root
     }
+
+    /// The directory to snapshot: the one the caller opened, whatever its path names now.
+    fn snapshot_dir(&self) -> PathBuf {
+        pinned_path(&self.pinned)
+    }
+}
+
+/// `/proc/self/fd/N/`: the trailing slash makes `lstat` see the directory itself.
+fn pinned_path(fd: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}/", fd.as_raw_fd()))
 }
 
 /// What a managed execution's version records.
@@ -103,10 +116,12 @@ impl Versions {
     }
 
     /// Admission, then the lease (both waited for; `cancel` ends the wait), then a baseline
-    /// if the workspace has no head. A failed baseline poisons the workspace.
+    /// if the workspace has no head. A failed baseline poisons the workspace. `pinned` is
+    /// the workspace directory as the caller opened it (snapshots read it, not the path).
     pub async fn begin(
         self: &Arc<Self>,
         canonical: &Path,
+        pinned: OwnedFd,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Writer, WriteError> {
         let admitted = self.lifecycle.admit(canonical, cancel).await?;
@@ -114,12 +129,13 @@ impl Versions {
         let writer = Writer {
             root: canonical.to_owned(),
             head: workspace_head_name(canonical),
+            pinned,
             _lease: lease,
             _admitted: admitted,
         };
         let me = self.clone();
-        let root = writer.root.clone();
-        let baseline = blocking(move || me.ensure_baseline(&root)).await;
+        let (root, dir) = (writer.root.clone(), writer.snapshot_dir());
+        let baseline = blocking(move || me.ensure_baseline(&root, &dir)).await;
         if let Err(e) = baseline {
             self.poison(&writer.root, &e);
             return Err(e);
@@ -127,13 +143,14 @@ impl Versions {
         Ok(writer)
     }
 
-    fn ensure_baseline(&self, root: &Path) -> Result<Option<Ref>, WriteError> {
+    fn ensure_baseline(&self, root: &Path, dir: &Path) -> Result<Option<Ref>, WriteError> {
         let name = workspace_head_name(root);
         if self.refs().head(&name)?.is_some() {
             return Ok(None);
         }
-        let tree = self.store.snapshot(root)?;
-        let record = self.store.put_record("WorkspaceMutation", mutation_value(None, "baseline", true, &tree))?;
+        let tree = self.store.snapshot(dir)?;
+        let record =
+            self.store.put_record("WorkspaceMutation", mutation_value(None, "baseline", true, &tree))?;
         self.refs().commit(&self.store, &name, None, &record)?;
         tracing::info!(event = "workspace_baseline", workspace = %root.display(), head = %record.digest);
         Ok(Some(record))
@@ -149,10 +166,10 @@ impl Versions {
         completed: bool,
     ) -> Result<Ref, WriteError> {
         let me = self.clone();
-        let (root, head, kind_owned) = (writer.root.clone(), writer.head.clone(), kind.to_owned());
+        let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
         let id = id.unwrap_or_else(new_uuid_v4);
         let committed = blocking(move || {
-            let tree = me.store.snapshot(&root)?;
+            let tree = me.store.snapshot(&dir)?;
             let record = me
                 .store
                 .put_record("WorkspaceMutation", mutation_value(Some(&id), &kind_owned, completed, &tree))?;
@@ -175,9 +192,9 @@ impl Versions {
         facts: ExecutionFacts,
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
-        let (root, head) = (writer.root.clone(), writer.head.clone());
+        let (dir, head) = (writer.snapshot_dir(), writer.head.clone());
         blocking(move || {
-            let tree = me.store.snapshot(&root)?;
+            let tree = me.store.snapshot(&dir)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let (code, stdout, stderr) = (put(&facts.code)?, put(&facts.stdout)?, put(&facts.stderr)?);
             let value = execution_value(
@@ -217,15 +234,19 @@ impl Versions {
     /// `committedWorkspaceSnapshot`: when a writer is admitted or holds the lease, the last
     /// committed tree without waiting; otherwise a fresh snapshot, committed as a
     /// `checkpoint` when it differs from the head.
-    pub async fn observed_tree(self: &Arc<Self>, canonical: &Path) -> Result<Ref, WriteError> {
+    pub async fn observed_tree(
+        self: &Arc<Self>,
+        canonical: &Path,
+        pinned: &OwnedFd,
+    ) -> Result<Ref, WriteError> {
         let busy = |me: &Versions| me.head_tree(canonical)?.ok_or(WriteError::NoBaseline);
         let Some(admitted) = self.lifecycle.try_admit(canonical).await? else { return busy(self) };
         let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy(self) };
         let me = self.clone();
-        let root = canonical.to_owned();
+        let (root, dir) = (canonical.to_owned(), pinned_path(pinned));
         let observed = blocking(move || {
             let name = workspace_head_name(&root);
-            let tree = me.store.snapshot(&root)?;
+            let tree = me.store.snapshot(&dir)?;
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
                 return Ok(tree);
             }
@@ -278,8 +299,9 @@ impl Versions {
                     Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
                     None => (None, "baseline"),
                 };
-                let record =
-                    me.store.put_record("WorkspaceMutation", mutation_value(id.as_deref(), kind, true, &tree))?;
+                let record = me
+                    .store
+                    .put_record("WorkspaceMutation", mutation_value(id.as_deref(), kind, true, &tree))?;
                 me.refs().commit(&me.store, &name, expected.as_ref(), &record)?;
                 Ok(record)
             })

@@ -101,7 +101,9 @@ pub async fn handle(
         }
         ("POST", ["execute"]) => execute(app.clone(), request::Route::Execute, &req.body, client_gone).await,
         ("POST", ["shell-executions"]) => managed::start(&app, &req.body).await,
-        ("GET", ["shell-executions", id]) => managed::get(&app, &percent_decode(id), req.query.as_deref()).await,
+        ("GET", ["shell-executions", id]) => {
+            managed::get(&app, &percent_decode(id), req.query.as_deref()).await
+        }
         ("GET", ["shell-executions", id, "logs"]) => {
             managed::logs(&app, &percent_decode(id), req.query.as_deref()).await
         }

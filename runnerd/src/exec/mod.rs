@@ -20,9 +20,9 @@ use tokio::sync::watch;
 
 use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
+use crate::coordination::CoordError;
 use crate::launch::{Launch, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
 use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
-use crate::coordination::CoordError;
 use crate::timefmt;
 use crate::writer::WriteError;
 use common::plan::FIRST_EXTRA_FD;
@@ -200,7 +200,8 @@ pub async fn execute(
     };
     // The cross-process writer lease (shared with the API process), inside our own queues;
     // `running` only once both are held.
-    let writer = match app.versions.begin(&prepared.root, Some(&client_gone)).await {
+    let pinned = workspace::open_beneath(&app.data_dir, &prepared.root)?;
+    let writer = match app.versions.begin(&prepared.root, pinned, Some(&client_gone)).await {
         Ok(w) => w,
         Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
         Err(e) => return Err(ApiError::bad_request(e_code(&e), e.to_string())),

@@ -27,7 +27,8 @@ use crate::writer::{ExecutionFacts, WriteError};
 
 pub const SHUTTING_DOWN: &str = "Runner is shutting down";
 pub const INVALID_ID: &str = "Invalid Execution ID";
-pub const POISONED_HERE: &str = "Workspace version commit failed; repair storage before restarting the Runner";
+pub const POISONED_HERE: &str =
+    "Workspace version commit failed; repair storage before restarting the Runner";
 pub const USED_ID: &str = "Execution ID has already been used; query it instead of replaying the command";
 pub const NOT_FOUND: &str = "Execution not found for this Agent";
 pub const INVALID_CURSOR: &str = "Invalid log cursor";
@@ -210,7 +211,11 @@ impl Manager {
             held = app.admission.acquire_workspace(&root) => held,
             _ = exec::gone(&mut waiting) => return self.finish(&mut rec, "cancelled", Some(ABORTED.into())).await,
         };
-        let writer = match app.versions.begin(&root, Some(&cancel)).await {
+        let pinned = match crate::exec::workspace::open_beneath(&app.data_dir, &root) {
+            Ok(fd) => fd,
+            Err(e) => return self.finish(&mut rec, "failed", Some(e.message)).await,
+        };
+        let writer = match app.versions.begin(&root, pinned, Some(&cancel)).await {
             Ok(w) => w,
             Err(WriteError::Coordination(CoordError::Aborted)) => {
                 return self.finish(&mut rec, "cancelled", Some(ABORTED.into())).await;
@@ -265,7 +270,10 @@ impl Manager {
 
         // The version: the files as the command left them, and the retained logs.
         let id = rec.id.clone();
-        let texts = db_do(&self.db, move |db| Ok((db.stream_text(&id, Stream::Stdout)?, db.stream_text(&id, Stream::Stderr)?))).await;
+        let texts = db_do(&self.db, move |db| {
+            Ok((db.stream_text(&id, Stream::Stdout)?, db.stream_text(&id, Stream::Stderr)?))
+        })
+        .await;
         let (mut stdout, mut stderr) = texts.unwrap_or_default();
         if stdout.is_empty() {
             stdout = result.as_ref().map(|r| r.stdout.clone()).unwrap_or_default();
@@ -303,7 +311,12 @@ impl Manager {
     }
 
     /// The record, if it belongs to this owner.
-    pub async fn get(&self, id: &str, session_id: &str, agent_id: &str) -> Result<ManagedExecution, ApiError> {
+    pub async fn get(
+        &self,
+        id: &str,
+        session_id: &str,
+        agent_id: &str,
+    ) -> Result<ManagedExecution, ApiError> {
         let key = id.to_owned();
         let rec = db_do(&self.db, move |db| db.get(&key)).await?;
         rec.filter(|r| r.session_id == session_id && r.agent_id == agent_id)
@@ -318,13 +331,17 @@ impl Manager {
         agent_id: &str,
         cursor: Option<&str>,
     ) -> Result<Value, ApiError> {
-        let after = parse_cursor(cursor).ok_or_else(|| ApiError::bad_request("invalid_cursor", INVALID_CURSOR))?;
+        let after =
+            parse_cursor(cursor).ok_or_else(|| ApiError::bad_request("invalid_cursor", INVALID_CURSOR))?;
         let rec = self.get(id, session_id, agent_id).await?;
         let key = id.to_owned();
         let page = db_do(&self.db, move |db| db.page(&key, after, PAGE_ROWS)).await?;
         let next = page.rows.last().map_or(after, |r| r.0);
-        let chunks: Vec<Value> =
-            page.rows.into_iter().map(|(cursor, stream, text)| json!({"cursor": cursor, "stream": stream, "text": text})).collect();
+        let chunks: Vec<Value> = page
+            .rows
+            .into_iter()
+            .map(|(cursor, stream, text)| json!({"cursor": cursor, "stream": stream, "text": text}))
+            .collect();
         Ok(json!({
             "chunks": chunks,
             "nextCursor": next,
@@ -334,7 +351,12 @@ impl Manager {
     }
 
     /// Aborts a non-terminal execution; answers the record as it is now.
-    pub async fn cancel(&self, id: &str, session_id: &str, agent_id: &str) -> Result<ManagedExecution, ApiError> {
+    pub async fn cancel(
+        &self,
+        id: &str,
+        session_id: &str,
+        agent_id: &str,
+    ) -> Result<ManagedExecution, ApiError> {
         let rec = self.get(id, session_id, agent_id).await?;
         if !rec.is_terminal()
             && let Some(tx) = self.controllers().get(id)
@@ -362,7 +384,10 @@ impl Manager {
             }
         };
         if tokio::time::timeout(grace, wait).await.is_err() {
-            tracing::warn!(event = "shutdown", detail = "managed executions did not record their end in time");
+            tracing::warn!(
+                event = "shutdown",
+                detail = "managed executions did not record their end in time"
+            );
         }
     }
 }
@@ -384,7 +409,12 @@ struct LiveLogs {
 
 impl LiveLogs {
     fn new(budget: u64) -> LiveLogs {
-        let state = LogState { retention: Retention::new(budget), pending: Vec::new(), newly_truncated: false, closed: false };
+        let state = LogState {
+            retention: Retention::new(budget),
+            pending: Vec::new(),
+            newly_truncated: false,
+            closed: false,
+        };
         LiveLogs { state: Arc::new((Mutex::new(state), Notify::new())) }
     }
 
@@ -450,7 +480,6 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogStat
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -77,8 +77,16 @@ impl Store {
     /// Snapshots the directory `root` into `WorkspaceTree` records and returns the root tree's
     /// ref. The caller holds the workspace's writer lease; concurrent changes that are
     /// noticed fail with `Workspace changed during snapshot`.
+    ///
+    /// A trailing slash is kept, so `lstat` sees the directory a final symlink names: runnerd
+    /// passes `/proc/self/fd/N/` to snapshot the directory it pinned, not whatever the path
+    /// names by now.
     pub fn snapshot(&self, root: &Path) -> Result<Ref, VersionError> {
-        let root = lexical_absolute(root).map_err(io_err("resolve the workspace root", root))?;
+        let trailing_slash = root.as_os_str().as_encoded_bytes().ends_with(b"/");
+        let mut root = lexical_absolute(root).map_err(io_err("resolve the workspace root", root))?;
+        if trailing_slash && root != Path::new("/") {
+            root.as_mut_os_string().push("/");
+        }
         let meta = fs::symlink_metadata(&root).map_err(io_err("inspect the workspace root", &root))?;
         if !meta.file_type().is_dir() {
             return Err(VersionError::RootNotDirectory);
