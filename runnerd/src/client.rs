@@ -119,12 +119,25 @@ impl RunnerClient {
         Ok(response)
     }
 
-    fn bearer(&self) -> (&'static str, String) {
+    pub fn bearer(&self) -> (&'static str, String) {
         ("authorization", format!("Bearer {}", self.token))
     }
 
     pub async fn get(&self, path: &str) -> Result<Reply, ClientError> {
         self.raw("GET", path, &[self.bearer()], Vec::new()).await
+    }
+
+    /// A request with the bearer token and a raw body (file uploads, deletes).
+    pub async fn send_bytes(
+        &self,
+        method: &str,
+        path: &str,
+        extra: &[(&str, String)],
+        body: Vec<u8>,
+    ) -> Result<Reply, ClientError> {
+        let mut headers = vec![self.bearer()];
+        headers.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+        self.raw(method, path, &headers, body).await
     }
 
     pub async fn post_json(&self, path: &str, body: &serde_json::Value) -> Result<Reply, ClientError> {

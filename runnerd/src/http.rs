@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes_compat::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::server::conn::http1;
@@ -21,6 +21,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
+use crate::api::stream::ReplyBody;
 use crate::api::{self, ApiRequest, ApiResponse, error::ApiError};
 use crate::app::App;
 
@@ -100,10 +101,10 @@ impl Listener {
     }
 }
 
-fn respond(status: u16, body: String, retry_after: Option<u64>) -> Response<Full<Bytes>> {
+fn respond(status: u16, body: String, retry_after: Option<u64>) -> Response<ReplyBody> {
     let mut text = body;
     text.push('\n');
-    let mut response = Response::new(Full::new(Bytes::from(text)));
+    let mut response = Response::new(ReplyBody::Full(Some(Bytes::from(text))));
     *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
     let headers = response.headers_mut();
     headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
@@ -115,8 +116,23 @@ fn respond(status: u16, body: String, retry_after: Option<u64>) -> Response<Full
     response
 }
 
-fn from_result(result: Result<ApiResponse, ApiError>) -> Response<Full<Bytes>> {
+/// A download: raw bytes, `no-store`, `nosniff`, and a length when it is known.
+fn respond_download(status: u16, download: api::stream::Download) -> Response<ReplyBody> {
+    let mut response = Response::new(ReplyBody::Stream(download.rx));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    let headers = response.headers_mut();
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    headers.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    if let Some(len) = download.content_length {
+        headers.insert(hyper::header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    response
+}
+
+fn from_result(result: Result<ApiResponse, ApiError>) -> Response<ReplyBody> {
     match result {
+        Ok(ApiResponse { status, download: Some(d), .. }) => respond_download(status, d),
         Ok(ok) => respond(ok.status, ok.body, None),
         Err(e) => respond(e.status, e.body_json(), e.retry_after),
     }
@@ -143,7 +159,7 @@ impl Drop for ClientWatch {
     }
 }
 
-async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response<Full<Bytes>> {
+async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response<ReplyBody> {
     let method = req.method().as_str().to_owned();
     let path = req.uri().path().to_owned();
     if api::is_health(&method, &path) {
@@ -158,28 +174,39 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     let (timestamp, signature) =
         (text("x-science-execution-timestamp"), text("x-science-execution-signature"));
     let query = req.uri().query().map(str::to_owned);
-    let body =
-        match tokio::time::timeout(BODY_TIMEOUT, Limited::new(req.into_body(), BODY_LIMIT).collect()).await {
-            Ok(Ok(collected)) => collected.to_bytes().to_vec(),
-            Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                let message = format!("Request body exceeds the {BODY_LIMIT} byte limit");
-                return from_result(Err(ApiError::bad_request("body_too_large", message)));
+    let (parts, incoming) = req.into_parts();
+    let headers = parts.headers;
+    // File uploads stream to disk (any size, bounded by the workspace quota); every other
+    // body is read whole under the original's limit.
+    let (upload, incoming) =
+        if api::streams_upload(&method, &path) { (Some(incoming), None) } else { (None, Some(incoming)) };
+    let body = match incoming {
+        None => Vec::new(),
+        Some(incoming) => {
+            match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, BODY_LIMIT).collect()).await {
+                Ok(Ok(collected)) => collected.to_bytes().to_vec(),
+                Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                    let message = format!("Request body exceeds the {BODY_LIMIT} byte limit");
+                    return from_result(Err(ApiError::bad_request("body_too_large", message)));
+                }
+                Ok(Err(e)) => {
+                    return from_result(Err(ApiError::bad_request(
+                        "body_unreadable",
+                        format!("Request body could not be read: {e}"),
+                    )));
+                }
+                Err(_) => {
+                    let message =
+                        format!("Request body was not received within {} s", BODY_TIMEOUT.as_secs());
+                    return from_result(Err(ApiError::bad_request("body_timeout", message)));
+                }
             }
-            Ok(Err(e)) => {
-                return from_result(Err(ApiError::bad_request(
-                    "body_unreadable",
-                    format!("Request body could not be read: {e}"),
-                )));
-            }
-            Err(_) => {
-                let message = format!("Request body was not received within {} s", BODY_TIMEOUT.as_secs());
-                return from_result(Err(ApiError::bad_request("body_timeout", message)));
-            }
-        };
+        }
+    };
     let (tx, rx) = watch::channel(false);
     let watch = ClientWatch { tx, done: false };
     let (log_method, log_path, log_peer) = (method.clone(), path.clone(), peer.clone());
-    let request = ApiRequest { method, path, query, peer, timestamp, signature, body };
+    let request = ApiRequest { method, path, query, peer, timestamp, signature, body, headers, upload };
     let result = api::handle(app, request, rx).await;
     watch.done();
     match &result {

@@ -20,6 +20,7 @@ pub mod exec;
 pub mod http;
 pub mod launch;
 pub mod managed;
+pub mod remote;
 pub mod sandbox;
 pub mod startup;
 pub mod timefmt;

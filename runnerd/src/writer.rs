@@ -328,6 +328,22 @@ impl Versions {
     }
 }
 
+impl Versions {
+    /// Stores a `WorkspaceExport` record at `workspace-exports/<uuid>` (expected: none).
+    pub fn put_export(&self, value: Value) -> Result<(String, Ref), WriteError> {
+        let record = self.store.put_record("WorkspaceExport", value)?;
+        let id = new_uuid_v4();
+        self.refs().commit(&self.store, &format!("workspace-exports/{id}"), None, &record)?;
+        Ok((id, record))
+    }
+
+    /// The `WorkspaceExport` record of an export id, if it exists.
+    pub fn read_export(&self, id: &str) -> Result<Option<versioning::Record>, WriteError> {
+        let Some(head) = self.refs().head(&format!("workspace-exports/{id}"))? else { return Ok(None) };
+        Ok(Some(self.store.read_record(&head, Some("WorkspaceExport"))?))
+    }
+}
+
 /// The record value of a head, for answers (`version` and `workspaceSnapshot` fields).
 pub fn ref_value(r: &Ref) -> Value {
     r.to_value()

@@ -3,3 +3,4 @@ mod http_hostile;
 mod isolation;
 mod lifecycle;
 mod preflight;
+mod remote;

@@ -10,7 +10,7 @@ use crate::exec::{self, request};
 
 fn answer(status: u16, value: impl serde::Serialize) -> Result<ApiResponse, ApiError> {
     let body = serde_json::to_string(&value).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
-    Ok(ApiResponse { status, body })
+    Ok(ApiResponse::json(status, body))
 }
 
 /// The owner named by the query; missing parameters mean `""`.

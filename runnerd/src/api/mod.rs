@@ -5,7 +5,9 @@ pub mod error;
 mod health;
 mod managed;
 pub mod query;
+mod remote;
 mod resources;
+pub mod stream;
 
 use std::sync::Arc;
 
@@ -28,6 +30,9 @@ pub struct ApiRequest {
     pub timestamp: Option<String>,
     pub signature: Option<String>,
     pub body: Vec<u8>,
+    pub headers: hyper::HeaderMap,
+    /// The unread body of a streamed upload ([`streams_upload`]).
+    pub upload: Option<hyper::body::Incoming>,
 }
 
 /// A JSON answer with its status.
@@ -36,10 +41,23 @@ pub struct ApiResponse {
     pub status: u16,
     /// The serialized JSON (without the trailing newline).
     pub body: String,
+    /// Raw bytes streamed instead of `body` (file downloads).
+    pub download: Option<stream::Download>,
+}
+
+impl ApiResponse {
+    pub fn json(status: u16, body: String) -> ApiResponse {
+        ApiResponse { status, body, download: None }
+    }
 }
 
 fn ok(body: Value) -> Result<ApiResponse, ApiError> {
-    Ok(ApiResponse { status: 200, body: body.to_string() })
+    Ok(ApiResponse::json(200, body.to_string()))
+}
+
+/// The routes whose request body is streamed to disk rather than read whole.
+pub fn streams_upload(method: &str, path: &str) -> bool {
+    method == "PUT" && matches!(path, "/remote-workspace/file" | "/remote-workspace/transfer-file")
 }
 
 /// The routes that carry an execution signature.
@@ -56,7 +74,7 @@ pub fn is_health(method: &str, path: &str) -> bool {
 
 /// Answers `GET /health` (no auth, no disk, no subprocess).
 pub fn health(app: &App) -> ApiResponse {
-    ApiResponse { status: 200, body: health::health(app).to_string() }
+    ApiResponse::json(200, health::health(app).to_string())
 }
 
 /// The bearer check, made before the body is read (contract §1.3).
@@ -101,6 +119,22 @@ pub async fn handle(
         }
         ("POST", ["execute"]) => execute(app.clone(), request::Route::Execute, &req.body, client_gone).await,
         ("POST", ["shell-executions"]) => managed::start(&app, &req.body).await,
+        ("GET", ["remote-workspace", "files"]) => remote::list_all(&app, req.query.as_deref()).await,
+        ("POST", ["remote-workspace", "files"]) => {
+            remote::list_selected(&app, req.query.as_deref(), &req.body).await
+        }
+        ("DELETE", ["remote-workspace"]) => remote::clear(&app, req.query.as_deref()).await,
+        ("GET", ["remote-workspace", "file"]) => remote::get_file(&app, req.query.as_deref()).await,
+        ("PUT", ["remote-workspace", "file"]) => {
+            remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, false).await
+        }
+        ("PUT", ["remote-workspace", "transfer-file"]) => {
+            remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, true).await
+        }
+        ("POST", ["remote-workspace", "snapshots"]) => remote::snapshot(&app, &req.body).await,
+        ("GET", ["remote-workspace", "snapshots", id, "file"]) if remote::is_export_id(id) => {
+            remote::snapshot_file(&app, id, req.query.as_deref()).await
+        }
         ("GET", ["shell-executions", id]) => {
             managed::get(&app, &percent_decode(id), req.query.as_deref()).await
         }
@@ -207,7 +241,7 @@ async fn execute(
     let task = tokio::spawn(exec::execute(app, route, obj, stop_rx));
     match task.await {
         // Serialized once, straight from the result (output can be large).
-        Ok(result) => Ok(ApiResponse { status: 200, body: result? }),
+        Ok(result) => Ok(ApiResponse::json(200, result?)),
         Err(e) => Err(ApiError::bad_request("internal", format!("the execution task failed: {e}"))),
     }
 }

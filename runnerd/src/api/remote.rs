@@ -1,0 +1,345 @@
+//! `/remote-workspace/*` routes (contract §5.1): list, read, upload (plain and verified
+//! transfer), clear, and snapshot exports. Uploads stream into a private staging file first
+//! and take the writer lease only to publish, so a long upload never blocks executions;
+//! every write commits a `WorkspaceMutation`.
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+
+use super::error::ApiError;
+use super::stream::{self, Download, UploadError};
+use super::{ApiResponse, query};
+use crate::app::App;
+use crate::exec::request::parse_object as request_parse;
+use crate::exec::{e_code, workspace};
+use crate::remote::files::{self, RemoteError};
+use crate::remote::paths;
+use crate::timefmt;
+use crate::versioning::{self, Ref};
+use crate::writer::WriteError;
+
+const MAX_PATHS: usize = 50;
+
+fn json_reply(status: u16, v: Value) -> Result<ApiResponse, ApiError> {
+    Ok(ApiResponse::json(status, v.to_string()))
+}
+
+fn remote_err(e: RemoteError) -> ApiError {
+    let code = match &e {
+        RemoteError::Escapes => "workspace_symlink",
+        RemoteError::NotRegular => "not_regular_file",
+        RemoteError::ParentNotDir => "parent_not_directory",
+        RemoteError::TargetSymlink => "target_symlink",
+        RemoteError::Exists => "file_exists",
+        RemoteError::Quota => "workspace_quota_exceeded",
+        RemoteError::NotFound(_) => "file_not_found",
+        RemoteError::Io { .. } => "workspace_io",
+    };
+    ApiError::bad_request(code, e.to_string())
+}
+
+fn write_err(e: WriteError) -> ApiError {
+    ApiError::bad_request(e_code(&e), e.to_string())
+}
+
+fn path_err(message: &'static str) -> ApiError {
+    ApiError::bad_request("invalid_workspace_path", message)
+}
+
+/// The workspace named by the `workspace` key (created segment by segment), its canonical
+/// path and a descriptor pinning it.
+fn workspace_root(app: &App, key: &str) -> Result<(PathBuf, OwnedFd), ApiError> {
+    let root = workspace::ensure_remote_workspace(&app.data_dir, key)?;
+    let root = workspace::validated_workspace(&app.data_dir, &root)?;
+    let fd = workspace::open_beneath(&app.data_dir, &root)?;
+    Ok((root, fd))
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(ApiError::bad_request("internal", format!("the file task failed: {e}"))))
+}
+
+fn listing(files: Vec<files::Listed>) -> Value {
+    Value::Array(
+        files
+            .into_iter()
+            .map(|f| json!({"modifiedAt": timefmt::iso8601(f.mtime_ms), "path": f.path, "size": f.size}))
+            .collect(),
+    )
+}
+
+/// `GET /remote-workspace/files?workspace=K`
+pub async fn list_all(app: &App, q: Option<&str>) -> Result<ApiResponse, ApiError> {
+    let (_, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let listed = blocking(move || files::list(&fd, None).map_err(remote_err)).await?;
+    json_reply(200, listing(listed))
+}
+
+/// `POST /remote-workspace/files` with `{workspace?, paths?}`.
+pub async fn list_selected(app: &App, q: Option<&str>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request_parse(body)?;
+    let key = match obj.get("workspace").and_then(Value::as_str) {
+        Some(k) => k.to_owned(),
+        None => query::get(q, "workspace").unwrap_or_default(),
+    };
+    let (_, fd) = workspace_root(app, &key)?;
+    let selection = match obj.get("paths") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(Value::Array(paths)) if paths.len() <= MAX_PATHS => Some(paths.clone()),
+        Some(Value::String(s)) if s.is_empty() => None,
+        Some(Value::Number(n)) if n.as_f64() == Some(0.0) => None,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "too_many_paths",
+                "Remote workspace paths must contain at most 50 entries",
+            ));
+        }
+    };
+    let selection: Option<Vec<String>> = selection
+        .map(|paths| {
+            paths
+                .iter()
+                .map(|p| p.as_str().map(str::to_owned).ok_or_else(|| path_err(paths::NOT_RELATIVE)))
+                .collect::<Result<_, _>>()
+        })
+        .transpose()?;
+    let listed = blocking(move || {
+        let segs: Option<Vec<Vec<&str>>> = selection
+            .as_ref()
+            .map(|paths| paths.iter().map(|p| paths::segments(p).map_err(path_err)).collect::<Result<_, _>>())
+            .transpose()?;
+        files::list(&fd, segs.as_deref()).map_err(remote_err)
+    })
+    .await?;
+    json_reply(200, listing(listed))
+}
+
+/// `GET /remote-workspace/file?workspace=K&path=P`: the raw bytes, streamed.
+pub async fn get_file(app: &App, q: Option<&str>) -> Result<ApiResponse, ApiError> {
+    let (root, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let path = query::get(q, "path").unwrap_or_default();
+    let (file, size) = blocking(move || {
+        let segs = paths::segments(&path).map_err(path_err)?;
+        files::open_file(&fd, &root, &segs).map_err(remote_err)
+    })
+    .await?;
+    Ok(ApiResponse {
+        status: 200,
+        body: String::new(),
+        download: Some(Download::from_reader(file, Some(size))),
+    })
+}
+
+/// The verified-transfer headers.
+#[derive(Debug, Clone, Copy)]
+struct Declared {
+    size: u64,
+    sha256: [u8; 64],
+    executable: u32,
+}
+
+const BAD_METADATA: &str = "Invalid verified upload metadata";
+
+fn declared(headers: &hyper::HeaderMap) -> Result<Declared, ApiError> {
+    let bad = || ApiError::bad_request("invalid_upload_metadata", BAD_METADATA);
+    let text =
+        |name: &str| headers.get(name).map(|v| v.to_str().map(str::trim).map_err(|_| bad())).transpose();
+    let size = text("x-workspace-size")?.ok_or_else(bad)?;
+    let size: u64 = size
+        .parse()
+        .ok()
+        .filter(|n| *n <= 9_007_199_254_740_991 && size.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(bad)?;
+    let sha = text("x-workspace-sha256")?.ok_or_else(bad)?;
+    if sha.len() != 64 || !sha.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return Err(bad());
+    }
+    let mut sha256 = [0u8; 64];
+    sha256.copy_from_slice(sha.as_bytes());
+    let executable = match text("x-workspace-executable")? {
+        None | Some("") => 0,
+        Some(t) => t
+            .parse::<u32>()
+            .ok()
+            .filter(|n| n & !0o111 == 0 && t.bytes().all(|b| b.is_ascii_digit()))
+            .ok_or_else(bad)?,
+    };
+    Ok(Declared { size, sha256, executable })
+}
+
+/// `PUT /remote-workspace/file` (`transfer: false`) and `PUT …/transfer-file` (`true`).
+pub async fn put_file(
+    app: &Arc<App>,
+    q: Option<&str>,
+    headers: &hyper::HeaderMap,
+    upload: Option<hyper::body::Incoming>,
+    transfer: bool,
+) -> Result<ApiResponse, ApiError> {
+    let (root, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let overwrite = match query::get(q, "conflict").as_deref() {
+        None | Some("reject") => false,
+        Some("overwrite") => true,
+        Some(_) if transfer => return Err(ApiError::bad_request("invalid_upload_metadata", BAD_METADATA)),
+        Some(_) => {
+            return Err(ApiError::bad_request("invalid_conflict", "Invalid workspace conflict policy"));
+        }
+    };
+    let declared = if transfer { Some(declared(headers)?) } else { None };
+    let path = query::get(q, "path").unwrap_or_default();
+    let segs: Vec<String> =
+        paths::segments(&path).map_err(path_err)?.into_iter().map(str::to_owned).collect();
+    let display_path = segs.join("/");
+    let max = app.config.max_workspace_bytes;
+    let upload = upload.ok_or_else(|| ApiError::bad_request("body_unreadable", "Upload body is missing"))?;
+    let staging = app.data_dir.join(".runner-uploads");
+    let staged = stream::receive(upload, &staging, max).await.map_err(|e| match e {
+        UploadError::TooLarge(_) => remote_err(RemoteError::Quota),
+        other => ApiError::bad_request("upload_failed", other.to_string()),
+    })?;
+    if let Some(d) = declared
+        && (staged.size != d.size || staged.sha256.as_bytes() != d.sha256)
+    {
+        return Err(ApiError::bad_request(
+            "upload_mismatch",
+            format!(
+                "Verified upload did not match its declared size and SHA-256 (received {} bytes, sha256 {}); nothing was published",
+                staged.size, staged.sha256
+            ),
+        ));
+    }
+    let pinned = fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+    let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
+    let exec_bits = declared.map_or(0, |d| d.executable);
+    let (size, sha) = (staged.size, staged.sha256.clone());
+    let op = blocking(move || {
+        let refs: Vec<&str> = segs.iter().map(String::as_str).collect();
+        let (name, parents) = refs.split_last().expect("segments are never empty");
+        let parent = files::parent_for_write(&fd, parents).map_err(remote_err)?;
+        let replaced = files::replaced_size(&parent, name).map_err(remote_err)?;
+        if replaced > 0 && !overwrite && !transfer {
+            // Checked again by the no-clobber link; this answers before the quota does.
+            return Err(ApiError::with_status(409, "file_exists", files::EXISTS));
+        }
+        if max > 0 {
+            let used = crate::exec::files::usage(&crate::exec::files::fingerprints(&files::dir_path(&fd)));
+            if used.saturating_sub(replaced).saturating_add(staged.size) > max {
+                return Err(remote_err(RemoteError::Quota));
+            }
+        }
+        files::publish(&parent, name, &staged.path, overwrite, exec_bits).map_err(|e| match e {
+            RemoteError::Exists if !transfer => ApiError::with_status(409, "file_exists", files::EXISTS),
+            other => remote_err(other),
+        })
+    })
+    .await;
+    let kind = if transfer { "workspace-transfer" } else { "workspace-upload" };
+    let committed = app.versions.commit_mutation(&writer, kind, None, op.is_ok()).await;
+    drop(writer);
+    committed.map_err(write_err)?;
+    op?;
+    tracing::info!(event = "workspace_file_written", workspace = %root.display(), path = %display_path, size, transfer);
+    let body = if transfer {
+        json!({"path": display_path, "size": size, "sha256": sha})
+    } else {
+        json!({"path": display_path, "size": size})
+    };
+    json_reply(201, body)
+}
+
+/// `DELETE /remote-workspace?workspace=K`: empties the workspace, keeps its directory.
+pub async fn clear(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiError> {
+    let (root, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let pinned = fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+    let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
+    let op = blocking(move || files::clear(&fd).map_err(remote_err)).await;
+    let committed = app.versions.commit_mutation(&writer, "workspace-clear", None, op.is_ok()).await;
+    drop(writer);
+    committed.map_err(write_err)?;
+    op?;
+    tracing::info!(event = "workspace_cleared", workspace = %root.display());
+    json_reply(200, json!({"deleted": true}))
+}
+
+/// `POST /remote-workspace/snapshots` with `{workspace, paths?}`: an export of the
+/// committed tree (a checkpoint is committed first when the idle workspace changed).
+pub async fn snapshot(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request_parse(body)?;
+    let key = obj.get("workspace").and_then(Value::as_str).unwrap_or("").trim().to_owned();
+    let paths_value = obj.get("paths").and_then(Value::as_array).cloned();
+    if paths_value.as_ref().is_some_and(|p| p.len() > MAX_PATHS) {
+        return Err(ApiError::bad_request("too_many_paths", "Snapshot accepts at most 50 paths"));
+    }
+    let selection: Option<Vec<String>> =
+        paths_value.map(|p| p.iter().map(|v| v.as_str().unwrap_or("").to_owned()).collect());
+    let (root, fd) = workspace_root(app, &key)?;
+    let tree = app.versions.observed_tree(&root, &fd).await.map_err(write_err)?;
+    let versions = app.versions.clone();
+    let captured_at = timefmt::now_iso();
+    let answered_at = captured_at.clone();
+    let (id, files) = blocking(move || {
+        let store = versions.store();
+        let files = store
+            .snapshot_files(&tree, selection.as_deref())
+            .map_err(|e| ApiError::bad_request("invalid_snapshot_path", e.to_string()))?;
+        let value = versioning::export_value(&key, &tree, &files, &captured_at);
+        let (id, _) = versions.put_export(value).map_err(write_err)?;
+        Ok((id, files))
+    })
+    .await?;
+    let files: Vec<Value> = files
+        .iter()
+        .map(|f| json!({"path": f.path, "size": f.content.size, "sha256": f.content.hex(), "executable": f.executable}))
+        .collect();
+    let key = obj.get("workspace").and_then(Value::as_str).unwrap_or("").trim();
+    tracing::info!(event = "workspace_exported", export = %id, workspace = %key, files = files.len());
+    json_reply(201, json!({"id": id, "workspace": key, "capturedAt": answered_at, "files": files}))
+}
+
+/// Whether a path parameter can be an export id (`[a-f0-9-]{36}`).
+pub fn is_export_id(id: &str) -> bool {
+    id.len() == 36 && id.bytes().all(|b| matches!(b, b'a'..=b'f' | b'0'..=b'9' | b'-'))
+}
+
+/// `GET /remote-workspace/snapshots/:id/file?workspace=K&path=P`: the exported bytes.
+pub async fn snapshot_file(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<ApiResponse, ApiError> {
+    let key = query::get(q, "workspace").unwrap_or_default();
+    let path = query::get(q, "path").unwrap_or_default();
+    let versions = app.versions.clone();
+    let id = id.to_owned();
+    let reader = blocking(move || {
+        let not_found = || ApiError::bad_request("snapshot_not_found", "Workspace snapshot not found");
+        let record = versions.read_export(&id).map_err(|_| not_found())?.ok_or_else(not_found)?;
+        if record.value.get("workspace").and_then(Value::as_str) != Some(key.trim()) {
+            return Err(ApiError::bad_request(
+                "snapshot_other_workspace",
+                "Workspace snapshot belongs to another Workspace",
+            ));
+        }
+        let wanted = path.trim();
+        let content = record
+            .value
+            .get("files")
+            .and_then(Value::as_array)
+            .and_then(|files| files.iter().find(|f| f.get("path").and_then(Value::as_str) == Some(wanted)))
+            .and_then(|f| f.get("content"))
+            .map(Ref::from_value)
+            .transpose()
+            .map_err(|e| ApiError::bad_request("snapshot_corrupt", e.to_string()))?
+            .ok_or_else(|| {
+                ApiError::bad_request("file_not_selected", "File was not selected in this Workspace snapshot")
+            })?;
+        versions
+            .store()
+            .open_reader(&content)
+            .map_err(|e| ApiError::bad_request("snapshot_corrupt", e.to_string()))
+    })
+    .await?;
+    Ok(ApiResponse { status: 200, body: String::new(), download: Some(Download::from_reader(reader, None)) })
+}

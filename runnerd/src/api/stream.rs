@@ -1,0 +1,161 @@
+//! Bodies that are not held in memory: uploads read frame by frame into a staging file
+//! (hashing as they go), and downloads fed from a blocking reader through a bounded channel.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::body::{Body, Bytes, Frame, Incoming};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+/// Chunks in flight between the reader thread and the connection.
+const DOWNLOAD_DEPTH: usize = 8;
+const CHUNK: usize = 256 * 1024;
+/// The longest pause allowed between two frames of an upload.
+pub const UPLOAD_IDLE: Duration = Duration::from_secs(60);
+
+/// A streamed answer: `application/octet-stream`, with a length when known.
+#[derive(Debug)]
+pub struct Download {
+    pub content_length: Option<u64>,
+    pub rx: mpsc::Receiver<std::io::Result<Bytes>>,
+}
+
+impl Download {
+    /// Streams `reader` from a blocking thread. A read error ends the body with that error,
+    /// which makes hyper abort the connection: the client sees a truncated transfer, never a
+    /// complete-looking wrong one.
+    pub fn from_reader(mut reader: impl Read + Send + 'static, content_length: Option<u64>) -> Download {
+        let (tx, rx) = mpsc::channel(DOWNLOAD_DEPTH);
+        tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                match reader.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => {
+                        if tx.blocking_send(Ok(Bytes::copy_from_slice(&buf[..n]))).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(e));
+                        return;
+                    }
+                }
+            }
+        });
+        Download { content_length, rx }
+    }
+}
+
+/// The response body: a whole JSON text, or a download.
+#[derive(Debug)]
+pub enum ReplyBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<std::io::Result<Bytes>>),
+}
+
+impl Body for ReplyBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            ReplyBody::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ReplyBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, ReplyBody::Full(None))
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            ReplyBody::Full(Some(d)) => hyper::body::SizeHint::with_exact(d.len() as u64),
+            ReplyBody::Full(None) => hyper::body::SizeHint::with_exact(0),
+            ReplyBody::Stream(_) => hyper::body::SizeHint::default(),
+        }
+    }
+}
+
+/// A fully received upload, staged in a private file.
+#[derive(Debug)]
+pub struct Staged {
+    pub path: PathBuf,
+    pub size: u64,
+    pub sha256: String,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    #[error("upload exceeds {0} bytes")]
+    TooLarge(u64),
+    #[error("Upload stalled: no data for {} s", UPLOAD_IDLE.as_secs())]
+    Stalled,
+    #[error("Upload could not be read: {0}")]
+    Read(#[source] hyper::Error),
+    #[error("Could not stage the upload in {}: {source}", path.display())]
+    Stage {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Receives `body` into a new 0600 file in `staging` (created 0700), hashing it; more than
+/// `limit` bytes (0 = none) stops the transfer. Memory stays at one frame.
+pub async fn receive(mut body: Incoming, staging: &Path, limit: u64) -> Result<Staged, UploadError> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let stage_err = |source| UploadError::Stage { path: staging.to_owned(), source };
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(staging).map_err(stage_err)?;
+    let path = staging.join(format!("{}.upload", crate::versioning::new_uuid_v4()));
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(stage_err)?;
+    let mut staged = Staged { path, size: 0, sha256: String::new() };
+    let mut writer = std::io::BufWriter::with_capacity(CHUNK, file);
+    let mut hasher = Sha256::new();
+    loop {
+        let frame = match tokio::time::timeout(UPLOAD_IDLE, body.frame()).await {
+            Err(_) => return Err(UploadError::Stalled),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(UploadError::Read(e)),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        staged.size += data.len() as u64;
+        if limit > 0 && staged.size > limit {
+            return Err(UploadError::TooLarge(limit));
+        }
+        hasher.update(&data);
+        // Small synchronous writes into the page cache; the fsync happens once, below.
+        writer.write_all(&data).map_err(|source| UploadError::Stage { path: staged.path.clone(), source })?;
+    }
+    let file = writer
+        .into_inner()
+        .map_err(|e| UploadError::Stage { path: staged.path.clone(), source: e.into_error() })?;
+    let synced = tokio::task::spawn_blocking(move || file.sync_all()).await;
+    if let Ok(Err(source)) = synced {
+        return Err(UploadError::Stage { path: staged.path.clone(), source });
+    }
+    staged.sha256 = crate::versioning::names::hex(&hasher.finalize());
+    Ok(staged)
+}

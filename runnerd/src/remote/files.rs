@@ -1,0 +1,389 @@
+//! File operations of the remote workspace routes, always relative to a workspace directory
+//! descriptor and never through a symlink: open for reading, create parents and publish an
+//! upload (rename to overwrite, hard link to refuse clobbering), list, and clear.
+
+use std::ffi::CString;
+use std::fs::{File, Metadata};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+pub const ESCAPES: &str = "Workspace path escapes through a symbolic link";
+pub const NOT_REGULAR: &str = "Workspace path is not a regular file";
+pub const PARENT_NOT_DIR: &str = "Workspace parent must be a real directory";
+pub const TARGET_SYMLINK: &str = "Workspace target is a symbolic link";
+pub const EXISTS: &str = "Remote workspace file already exists";
+pub const QUOTA: &str = "Remote workspace exceeds its execution quota";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    #[error("{ESCAPES}")]
+    Escapes,
+    #[error("{NOT_REGULAR}")]
+    NotRegular,
+    #[error("{PARENT_NOT_DIR}")]
+    ParentNotDir,
+    #[error("{TARGET_SYMLINK}")]
+    TargetSymlink,
+    #[error("{EXISTS}")]
+    Exists,
+    #[error("{QUOTA}")]
+    Quota,
+    /// Node's message for a missing file, which the original passes through.
+    #[error("ENOENT: no such file or directory, open '{}'", .0.display())]
+    NotFound(PathBuf),
+    #[error("Could not {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn cname(name: &str) -> io::Result<CString> {
+    CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn cvt_fd(fd: libc::c_int) -> io::Result<OwnedFd> {
+    let fd = common::sys::cvt(fd)?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn openat(dir: &OwnedFd, name: &str, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
+    let name = cname(name)?;
+    // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
+    cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC, mode) })
+}
+
+/// `lstat` of `name` in `dir` (never follows a final symlink).
+fn lstat_at(dir: &OwnedFd, name: &str) -> io::Result<Metadata> {
+    std::fs::symlink_metadata(dir_path(dir).join(name))
+}
+
+/// `/proc/self/fd/N/`: a path that names the directory itself.
+pub fn dir_path(dir: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}/", dir.as_raw_fd()))
+}
+
+const DIR_FLAGS: libc::c_int = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+
+fn is_symlink_error(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR))
+}
+
+/// Opens a regular file for reading: parents walked without following symlinks; returns the
+/// file and its size.
+pub fn open_file(root: &OwnedFd, root_path: &Path, segs: &[&str]) -> Result<(File, u64), RemoteError> {
+    let full = segs.iter().fold(root_path.to_owned(), |p, s| p.join(s));
+    let (name, parents) = segs.split_last().ok_or(RemoteError::NotRegular)?;
+    let mut dir =
+        root.try_clone().map_err(|e| RemoteError::Io { what: "open", path: full.clone(), source: e })?;
+    for seg in parents {
+        dir = match openat(&dir, seg, DIR_FLAGS, 0) {
+            Ok(d) => d,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(RemoteError::NotFound(full)),
+            Err(e) if is_symlink_error(&e) => {
+                return Err(if lstat_at(&dir, seg).is_ok_and(|m| m.file_type().is_symlink()) {
+                    RemoteError::Escapes
+                } else {
+                    RemoteError::NotFound(full)
+                });
+            }
+            Err(e) => return Err(RemoteError::Io { what: "open", path: full, source: e }),
+        };
+    }
+    let fd = match openat(&dir, name, libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK, 0) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(RemoteError::NotFound(full)),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(RemoteError::Escapes),
+        Err(e) => return Err(RemoteError::Io { what: "open", path: full, source: e }),
+    };
+    let file = File::from(fd);
+    let meta = file.metadata().map_err(|e| RemoteError::Io { what: "inspect", path: full, source: e })?;
+    if !meta.file_type().is_file() {
+        return Err(RemoteError::NotRegular);
+    }
+    Ok((file, meta.len()))
+}
+
+/// The directory an upload lands in, created segment by segment (mode 0777 less umask).
+pub fn parent_for_write(root: &OwnedFd, parents: &[&str]) -> Result<OwnedFd, RemoteError> {
+    let mut dir =
+        root.try_clone().map_err(|e| RemoteError::Io { what: "open", path: dir_path(root), source: e })?;
+    for seg in parents {
+        let name = cname(seg).map_err(|_| RemoteError::ParentNotDir)?;
+        // SAFETY: mkdirat relative to a directory descriptor we own.
+        let made = unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o777) };
+        if made == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::AlreadyExists {
+                return Err(RemoteError::Io {
+                    what: "create the directory",
+                    path: dir_path(&dir).join(seg),
+                    source: e,
+                });
+            }
+        }
+        dir = openat(&dir, seg, DIR_FLAGS, 0).map_err(|_| RemoteError::ParentNotDir)?;
+    }
+    Ok(dir)
+}
+
+/// The size of the regular file `name` would replace (0 when there is none); refuses a
+/// symlink or anything that is not a regular file.
+pub fn replaced_size(parent: &OwnedFd, name: &str) -> Result<u64, RemoteError> {
+    match lstat_at(parent, name) {
+        Ok(m) if m.file_type().is_symlink() => Err(RemoteError::TargetSymlink),
+        Ok(m) if m.file_type().is_file() => Ok(m.len()),
+        Ok(_) => Err(RemoteError::NotRegular),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(RemoteError::Io { what: "inspect", path: dir_path(parent).join(name), source: e }),
+    }
+}
+
+/// Moves the staged file next to its target (a temp name, mode `0600 | exec`), then
+/// publishes it: `rename` when overwriting, `link` (no clobber) otherwise.
+pub fn publish(
+    parent: &OwnedFd,
+    name: &str,
+    staged: &Path,
+    overwrite: bool,
+    exec_bits: u32,
+) -> Result<(), RemoteError> {
+    let tmp = format!(".{name}.{}.tmp", crate::versioning::new_uuid_v4());
+    let io_err = |what, source| RemoteError::Io { what, path: dir_path(parent).join(name), source };
+    let tmp_path = dir_path(parent).join(&tmp);
+    if let Err(e) = std::fs::rename(staged, &tmp_path) {
+        if e.raw_os_error() != Some(libc::EXDEV) {
+            return Err(io_err("move the upload into", e));
+        }
+        copy_new(staged, &tmp_path).map_err(|e| io_err("copy the upload into", e))?;
+    }
+    let cleanup = TempName(tmp_path.clone());
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&tmp_path, std::fs::Permissions::from_mode(0o600 | (exec_bits & 0o111)))
+        .map_err(|e| io_err("set the mode of", e))?;
+    let (tmp_c, name_c) =
+        (cname(&tmp).map_err(|e| io_err("name", e))?, cname(name).map_err(|e| io_err("name", e))?);
+    let fd = parent.as_raw_fd();
+    let rc = if overwrite {
+        // SAFETY: renameat between names in one directory descriptor we own.
+        unsafe { libc::renameat(fd, tmp_c.as_ptr(), fd, name_c.as_ptr()) }
+    } else {
+        // SAFETY: linkat between names in one directory descriptor we own; no flags, so a
+        // symlink at the source is never followed (the source is our own regular file).
+        unsafe { libc::linkat(fd, tmp_c.as_ptr(), fd, name_c.as_ptr(), 0) }
+    };
+    if rc == -1 {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EEXIST) => RemoteError::Exists,
+            Some(libc::EISDIR) | Some(libc::ENOTDIR) => RemoteError::NotRegular,
+            _ => io_err("publish", e),
+        });
+    }
+    drop(cleanup);
+    Ok(())
+}
+
+/// Removes a temp name on drop (after a rename it is already gone).
+struct TempName(PathBuf);
+
+impl Drop for TempName {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn copy_new(from: &Path, to: &Path) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut src = File::open(from)?;
+    let mut dst = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(to)?;
+    io::copy(&mut src, &mut dst)?;
+    dst.sync_all()
+}
+
+/// One listed file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub path: String,
+    pub size: u64,
+    pub mtime_ms: u64,
+}
+
+/// Regular files below `rel` (a directory under the root), symlinks skipped.
+fn walk(base: &Path, rel: &str, out: &mut Vec<Listed>) -> io::Result<()> {
+    let dir = if rel.is_empty() { base.to_owned() } else { base.join(rel) };
+    let mut names: Vec<_> = std::fs::read_dir(&dir)?.flatten().map(|e| e.file_name()).collect();
+    names.sort();
+    for name in names {
+        let Some(name) = name.to_str().map(str::to_owned) else { continue };
+        let child = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
+        let Ok(meta) = std::fs::symlink_metadata(base.join(&child)) else { continue };
+        if meta.file_type().is_dir() {
+            walk(base, &child, out)?;
+        } else if meta.file_type().is_file() {
+            out.push(listed(child, &meta));
+        }
+    }
+    Ok(())
+}
+
+fn listed(path: String, meta: &Metadata) -> Listed {
+    let mtime_ms = (meta.mtime().max(0) as u64) * 1000 + (meta.mtime_nsec().max(0) as u64) / 1_000_000;
+    Listed { path, size: meta.len(), mtime_ms }
+}
+
+/// Lists the workspace (`selection: None`) or only the selected paths: directories
+/// expanded, missing paths ignored, symlinks skipped, a symlink on the way refused.
+pub fn list(root: &OwnedFd, selection: Option<&[Vec<&str>]>) -> Result<Vec<Listed>, RemoteError> {
+    let base = dir_path(root);
+    let io_err = |e| RemoteError::Io { what: "list", path: base.clone(), source: e };
+    let mut out = Vec::new();
+    match selection {
+        None => walk(&base, "", &mut out).map_err(io_err)?,
+        Some(paths) => {
+            for segs in paths {
+                let Some((last, parents)) = segs.split_last() else { continue };
+                let mut rel = String::new();
+                let mut missing = false;
+                for seg in parents {
+                    rel = if rel.is_empty() { (*seg).to_owned() } else { format!("{rel}/{seg}") };
+                    match std::fs::symlink_metadata(base.join(&rel)) {
+                        Ok(m) if m.file_type().is_symlink() => return Err(RemoteError::Escapes),
+                        Ok(m) if m.file_type().is_dir() => {}
+                        _ => {
+                            missing = true;
+                            break;
+                        }
+                    }
+                }
+                if missing {
+                    continue;
+                }
+                rel = if rel.is_empty() { (*last).to_owned() } else { format!("{rel}/{last}") };
+                match std::fs::symlink_metadata(base.join(&rel)) {
+                    Ok(m) if m.file_type().is_dir() => walk(&base, &rel, &mut out).map_err(io_err)?,
+                    Ok(m) if m.file_type().is_file() => out.push(listed(rel, &m)),
+                    _ => {}
+                }
+            }
+            out.sort_by(|a, b| a.path.cmp(&b.path));
+            out.dedup_by(|a, b| a.path == b.path);
+        }
+    }
+    out.sort_by(|a, b| super::paths::locale_order(&a.path, &b.path));
+    Ok(out)
+}
+
+/// Empties the workspace directory (the directory itself stays). Never follows a symlink:
+/// links are removed, not their targets.
+pub fn clear(root: &OwnedFd) -> Result<(), RemoteError> {
+    let base = dir_path(root);
+    let io_err = |e| RemoteError::Io { what: "clear", path: base.clone(), source: e };
+    for entry in std::fs::read_dir(&base).map_err(io_err)?.flatten() {
+        let path = base.join(entry.file_name());
+        let meta = std::fs::symlink_metadata(&path).map_err(io_err)?;
+        if meta.file_type().is_dir() {
+            std::fs::remove_dir_all(&path).map_err(io_err)?;
+        } else {
+            std::fs::remove_file(&path).map_err(io_err)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::ffi::OsStrExt;
+
+    fn root(dir: &Path) -> OwnedFd {
+        let c = CString::new(dir.as_os_str().as_bytes()).unwrap();
+        // SAFETY: open(2) of a test directory; the result is checked.
+        cvt_fd(unsafe { libc::open(c.as_ptr(), DIR_FLAGS | libc::O_CLOEXEC) }).unwrap()
+    }
+
+    #[test]
+    fn reads_refuse_symlinks_and_non_files() {
+        let t = tempfile::tempdir().unwrap();
+        let ws = t.path().join("ws");
+        std::fs::create_dir_all(ws.join("d")).unwrap();
+        std::fs::write(ws.join("d/f.txt"), "hello").unwrap();
+        std::fs::write(t.path().join("secret"), "s").unwrap();
+        std::os::unix::fs::symlink(t.path(), ws.join("up")).unwrap();
+        std::os::unix::fs::symlink(t.path().join("secret"), ws.join("link")).unwrap();
+        let fd = root(&ws);
+        let (_, size) = open_file(&fd, &ws, &["d", "f.txt"]).unwrap();
+        assert_eq!(size, 5);
+        for (segs, want) in [
+            (&["up", "secret"][..], ESCAPES.to_owned()),
+            (&["link"][..], ESCAPES.to_owned()),
+            (&["d"][..], NOT_REGULAR.to_owned()),
+            (
+                &["nope"][..],
+                format!("ENOENT: no such file or directory, open '{}'", ws.join("nope").display()),
+            ),
+        ] {
+            assert_eq!(open_file(&fd, &ws, segs).unwrap_err().to_string(), want, "{segs:?}");
+        }
+    }
+
+    #[test]
+    fn publishing_links_or_renames_and_never_writes_through_a_symlink() {
+        let t = tempfile::tempdir().unwrap();
+        let ws = t.path().join("ws");
+        let outside = t.path().join("outside");
+        std::fs::create_dir_all(&ws).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, ws.join("esc")).unwrap();
+        let fd = root(&ws);
+        let stage = |text: &str| {
+            let p = t.path().join(format!("stage-{}", crate::versioning::new_uuid_v4()));
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let parent = parent_for_write(&fd, &["a", "b"]).unwrap();
+        publish(&parent, "f", &stage("one"), false, 0).unwrap();
+        assert_eq!(std::fs::read_to_string(ws.join("a/b/f")).unwrap(), "one");
+        assert!(matches!(publish(&parent, "f", &stage("two"), false, 0), Err(RemoteError::Exists)));
+        publish(&parent, "f", &stage("three"), true, 0o111).unwrap();
+        assert_eq!(std::fs::read_to_string(ws.join("a/b/f")).unwrap(), "three");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(ws.join("a/b/f")).unwrap().permissions().mode() & 0o777, 0o711);
+        assert!(matches!(parent_for_write(&fd, &["esc", "x"]), Err(RemoteError::ParentNotDir)));
+        assert!(std::fs::read_dir(&outside).unwrap().next().is_none(), "nothing written outside");
+        std::os::unix::fs::symlink(outside.join("t"), ws.join("a/b/ln")).unwrap();
+        assert!(matches!(replaced_size(&parent, "ln"), Err(RemoteError::TargetSymlink)));
+        // No temp names are left behind.
+        let names: Vec<_> =
+            std::fs::read_dir(ws.join("a/b")).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn listing_and_clearing() {
+        let t = tempfile::tempdir().unwrap();
+        let ws = t.path().join("ws");
+        std::fs::create_dir_all(ws.join("inputs/deep")).unwrap();
+        std::fs::write(ws.join("inputs/data.txt"), "remote-data").unwrap();
+        std::fs::write(ws.join("inputs/deep/x"), "x").unwrap();
+        std::fs::write(ws.join("B.txt"), "b").unwrap();
+        std::fs::write(t.path().join("secret"), "s").unwrap();
+        std::os::unix::fs::symlink(t.path(), ws.join("up")).unwrap();
+        let fd = root(&ws);
+        let all: Vec<String> = list(&fd, None).unwrap().into_iter().map(|l| l.path).collect();
+        assert_eq!(all, vec!["B.txt", "inputs/data.txt", "inputs/deep/x"]);
+        let sel = vec![vec!["inputs"], vec!["inputs", "data.txt"], vec!["missing"]];
+        let picked: Vec<(String, u64)> =
+            list(&fd, Some(&sel)).unwrap().into_iter().map(|l| (l.path, l.size)).collect();
+        assert_eq!(picked, vec![("inputs/data.txt".into(), 11), ("inputs/deep/x".into(), 1)]);
+        assert!(matches!(list(&fd, Some(&[vec!["up", "secret"]])), Err(RemoteError::Escapes)));
+        clear(&fd).unwrap();
+        assert!(std::fs::read_dir(&ws).unwrap().next().is_none());
+        assert!(t.path().join("secret").exists(), "a symlink's target survives a clear");
+    }
+}

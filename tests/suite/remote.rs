@@ -1,0 +1,326 @@
+//! Remote workspace routes through HTTP against the real binary (contract §5.1, §7 items
+//! 12, 15 and 16): uploads (plain and verified), listing, reads, clears, snapshot exports,
+//! symlink refusals, and the workspace versions they commit.
+
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use runner_tests::server::Server;
+
+fn hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn paths_and_sizes(listing: &serde_json::Value) -> Vec<(String, u64)> {
+    listing
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap().to_owned(), f["size"].as_u64().unwrap()))
+        .collect()
+}
+
+/// The head of a workspace in refs.sqlite, and the record it points at.
+fn head_record(server: &Server, root: &std::path::Path) -> serde_json::Value {
+    let canonical = root.canonicalize().unwrap();
+    let name = format!("workspaces/{}/head", hex(canonical.to_string_lossy().as_bytes()));
+    let db = rusqlite::Connection::open(server.path("versioning/refs.sqlite")).unwrap();
+    let target: String =
+        db.query_row("SELECT target FROM live_refs WHERE name=?1", [&name], |r| r.get(0)).unwrap();
+    let target: serde_json::Value = serde_json::from_str(&target).unwrap();
+    let digest = target["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap();
+    let bytes = std::fs::read(server.path(&format!("versioning/agent-state/blobs/sha256/{digest}"))).unwrap();
+    assert_eq!(hex(&bytes), digest, "the blob's name is its digest");
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test]
+async fn files_in_and_out_with_conflicts_snapshots_and_clear() {
+    let server = Server::start();
+    let client = server.client();
+    let ws = "workspace=project-1/session-1";
+    let put = client
+        .send_bytes(
+            "PUT",
+            &format!("/remote-workspace/file?{ws}&path=inputs/data.txt"),
+            &[],
+            b"remote-data".to_vec(),
+        )
+        .await
+        .unwrap();
+    assert_eq!((put.status, put.json()), (201, json!({"path": "inputs/data.txt", "size": 11})));
+    let again = client
+        .send_bytes(
+            "PUT",
+            &format!("/remote-workspace/file?{ws}&path=inputs/data.txt"),
+            &[],
+            b"other".to_vec(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.status, again.json()["error"].as_str()),
+        (409, Some("Remote workspace file already exists"))
+    );
+    let root = server.path("remote-workspaces/project-1/session-1");
+    assert_eq!(std::fs::read_to_string(root.join("inputs/data.txt")).unwrap(), "remote-data");
+    let head = head_record(&server, &root);
+    assert_eq!(head["kind"], "WorkspaceMutation");
+    assert_eq!(head["value"]["kind"], "workspace-upload");
+    // The refused second write still committed what the workspace holds, marked failed
+    // (the original's withWorkspaceMutation); the first one's id is a UUID.
+    assert_eq!(head["value"]["status"], "failed");
+    assert_eq!(head["value"]["id"].as_str().unwrap().len(), 36);
+
+    let listing = client.get(&format!("/remote-workspace/files?{ws}")).await.unwrap();
+    assert_eq!(paths_and_sizes(&listing.json()), vec![("inputs/data.txt".to_owned(), 11)]);
+    let got = client.get(&format!("/remote-workspace/file?{ws}&path=inputs/data.txt")).await.unwrap();
+    assert_eq!((got.status, got.body.as_slice()), (200, &b"remote-data"[..]));
+    assert_eq!(got.header("content-type"), Some("application/octet-stream"));
+    assert_eq!(got.header("content-length"), Some("11"));
+    assert_eq!(got.header("cache-control"), Some("no-store"));
+
+    // Overwrite is explicit.
+    let over = client
+        .send_bytes(
+            "PUT",
+            &format!("/remote-workspace/file?{ws}&path=notes.md&conflict=overwrite"),
+            &[],
+            b"v1".to_vec(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(over.status, 201);
+    let bad_conflict = client
+        .send_bytes("PUT", &format!("/remote-workspace/file?{ws}&path=x&conflict=maybe"), &[], b"v".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(bad_conflict.json()["error"], "Invalid workspace conflict policy");
+
+    let snap = client
+        .post_json(
+            "/remote-workspace/snapshots",
+            &json!({"workspace": "project-1/session-1", "paths": ["inputs"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(snap.status, 201, "{}", snap.json());
+    let snap = snap.json();
+    assert_eq!(snap["files"].as_array().unwrap().len(), 1);
+    assert_eq!(snap["files"][0]["path"], "inputs/data.txt");
+    assert_eq!(snap["files"][0]["sha256"], hex(b"remote-data"));
+    assert_eq!(snap["files"][0]["executable"], 0);
+    assert_eq!(snap["workspace"], "project-1/session-1");
+    let id = snap["id"].as_str().unwrap().to_owned();
+    let too_many: Vec<String> = (0..51).map(|i| format!("p{i}")).collect();
+    let refused = client
+        .post_json(
+            "/remote-workspace/snapshots",
+            &json!({"workspace": "project-1/session-1", "paths": too_many}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (refused.status, refused.json()["error"].as_str()),
+        (400, Some("Snapshot accepts at most 50 paths"))
+    );
+
+    let deleted =
+        client.send_bytes("DELETE", &format!("/remote-workspace?{ws}"), &[], Vec::new()).await.unwrap();
+    assert_eq!((deleted.status, deleted.json()), (200, json!({"deleted": true})));
+    assert_eq!(client.get(&format!("/remote-workspace/files?{ws}")).await.unwrap().json(), json!([]));
+    assert!(root.is_dir(), "the root is kept");
+    assert_eq!(head_record(&server, &root)["value"]["kind"], "workspace-clear");
+
+    // The export outlives the files.
+    let url = format!("/remote-workspace/snapshots/{id}/file?{ws}&path=inputs/data.txt");
+    let exported = client.get(&url).await.unwrap();
+    assert_eq!((exported.status, exported.body.as_slice()), (200, &b"remote-data"[..]));
+    assert_eq!(exported.header("content-type"), Some("application/octet-stream"));
+    let unauth = server.client_with_token("wrong").get(&url).await.unwrap();
+    assert_eq!(unauth.status, 401);
+    let other = client
+        .get(&format!("/remote-workspace/snapshots/{id}/file?workspace=project-1/other&path=inputs/data.txt"))
+        .await
+        .unwrap();
+    assert_eq!(other.json()["error"], "Workspace snapshot belongs to another Workspace");
+    let unselected =
+        client.get(&format!("/remote-workspace/snapshots/{id}/file?{ws}&path=notes.md")).await.unwrap();
+    assert_eq!(unselected.json()["error"], "File was not selected in this Workspace snapshot");
+    let missing = client
+        .get(&format!("/remote-workspace/snapshots/00000000-0000-4000-8000-000000000000/file?{ws}&path=x"))
+        .await
+        .unwrap();
+    assert_eq!(missing.json()["error"], "Workspace snapshot not found");
+    // Not an export id: not a route.
+    assert_eq!(
+        client.get(&format!("/remote-workspace/snapshots/NOTANID/file?{ws}&path=x")).await.unwrap().status,
+        404
+    );
+}
+
+#[tokio::test]
+async fn verified_transfers_publish_only_matching_bytes() {
+    let server = Server::start();
+    let client = server.client();
+    let ws = "workspace=project-1/session-1";
+    let url = format!("/remote-workspace/transfer-file?{ws}&path=file");
+    let meta = |size: usize, sha: &str, exec: &str| {
+        vec![
+            ("x-workspace-size", size.to_string()),
+            ("x-workspace-sha256", sha.to_owned()),
+            ("x-workspace-executable", exec.to_owned()),
+        ]
+    };
+    let wrong =
+        client.send_bytes("PUT", &url, &meta(7, &hex(b"content"), "0"), b"CONTENT".to_vec()).await.unwrap();
+    assert_eq!(wrong.status, 400, "{}", wrong.json());
+    assert_eq!(client.get(&format!("/remote-workspace/files?{ws}")).await.unwrap().json(), json!([]));
+    for (headers, what) in [
+        (meta(7, &hex(b"content").to_uppercase(), "0"), "uppercase sha"),
+        (meta(7, "abc", "0"), "short sha"),
+        (meta(7, &hex(b"content"), "2"), "non-exec bits"),
+        (vec![("x-workspace-sha256", hex(b"content"))], "no size"),
+    ] {
+        let r = client.send_bytes("PUT", &url, &headers, b"content".to_vec()).await.unwrap();
+        assert_eq!(r.json()["error"], "Invalid verified upload metadata", "{what}");
+    }
+    let ok =
+        client.send_bytes("PUT", &url, &meta(7, &hex(b"content"), "73"), b"content".to_vec()).await.unwrap();
+    assert_eq!((ok.status, ok.json()), (201, json!({"path": "file", "size": 7, "sha256": hex(b"content")})));
+    let again =
+        client.send_bytes("PUT", &url, &meta(7, &hex(b"content"), "0"), b"content".to_vec()).await.unwrap();
+    assert_eq!(again.status, 400, "re-uploading with reject is 400 on this route");
+    let snap = client
+        .post_json("/remote-workspace/snapshots", &json!({"workspace": "project-1/session-1"}))
+        .await
+        .unwrap();
+    let snap = snap.json();
+    assert_eq!(snap["files"][0]["sha256"], hex(b"content"));
+    assert_eq!(snap["files"][0]["executable"], 73);
+    let root = server.path("remote-workspaces/project-1/session-1");
+    assert_eq!(head_record(&server, &root)["value"]["kind"], "workspace-transfer");
+}
+
+#[tokio::test]
+async fn symlinks_and_bad_paths_are_refused_and_nothing_is_written_outside() {
+    let server = Server::start();
+    let client = server.client();
+    let outside = runner_tests::scratch_dir();
+    let root = server.path("remote-workspaces/p/s");
+    std::fs::create_dir_all(&root).unwrap();
+    std::os::unix::fs::symlink(outside.path(), root.join("esc")).unwrap();
+    std::fs::write(outside.path().join("secret"), "s").unwrap();
+    let put = client
+        .send_bytes("PUT", "/remote-workspace/file?workspace=p/s&path=esc/planted", &[], b"x".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(
+        (put.status, put.json()["error"].as_str()),
+        (400, Some("Workspace parent must be a real directory"))
+    );
+    let get = client.get("/remote-workspace/file?workspace=p/s&path=esc/secret").await.unwrap();
+    assert_eq!(get.json()["error"], "Workspace path escapes through a symbolic link");
+    let listing = client
+        .post_json("/remote-workspace/files", &json!({"workspace": "p/s", "paths": ["esc/secret"]}))
+        .await
+        .unwrap();
+    assert_eq!(listing.json()["error"], "Workspace path escapes through a symbolic link");
+    std::os::unix::fs::symlink(outside.path().join("target"), root.join("link")).unwrap();
+    let put = client
+        .send_bytes(
+            "PUT",
+            "/remote-workspace/file?workspace=p/s&path=link&conflict=overwrite",
+            &[],
+            b"x".to_vec(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(put.json()["error"], "Workspace target is a symbolic link");
+    for (path, message) in [
+        ("", "Workspace path must be a non-empty relative POSIX path"),
+        ("/etc/passwd", "Workspace path must be a non-empty relative POSIX path"),
+        ("a\\b", "Workspace path must be a non-empty relative POSIX path"),
+        ("a/../b", "Workspace path contains an invalid segment"),
+        ("a//b", "Workspace path contains an invalid segment"),
+    ] {
+        let r = client.get(&format!("/remote-workspace/file?workspace=p/s&path={path}")).await.unwrap();
+        assert_eq!(r.json()["error"], message, "{path:?}");
+    }
+    let missing = client.get("/remote-workspace/file?workspace=p/s&path=nope.txt").await.unwrap();
+    assert!(missing.json()["error"].as_str().unwrap().starts_with("ENOENT: no such file or directory"));
+    let too_many: Vec<String> = (0..51).map(|i| format!("p{i}")).collect();
+    let r = client
+        .post_json("/remote-workspace/files", &json!({"workspace": "p/s", "paths": too_many}))
+        .await
+        .unwrap();
+    assert_eq!(r.json()["error"], "Remote workspace paths must contain at most 50 entries");
+    // A symlinked key segment (contract §7 item 12): 400 and nothing created outside.
+    std::os::unix::fs::symlink(outside.path(), server.path("remote-workspaces/escape")).unwrap();
+    let r = client.get("/remote-workspace/files?workspace=escape/child").await.unwrap();
+    assert_eq!(r.status, 400);
+    assert!(!outside.path().join("child").exists());
+    for key in ["../escape", "/abs", "a//b"] {
+        let r = client.get(&format!("/remote-workspace/files?workspace={key}")).await.unwrap();
+        assert_eq!(r.json()["error"], "Invalid remote workspace key", "{key}");
+    }
+    let names: Vec<_> = std::fs::read_dir(outside.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("secret")], "nothing was written outside");
+}
+
+#[tokio::test]
+async fn quota_is_enforced_on_uploads() {
+    let server = runner_tests::server::Server::start_with(runner_tests::server::ServerOptions {
+        env: vec![("SCIENCE_AGENT_MAX_WORKSPACE_BYTES".into(), "1000".into())],
+        ..Default::default()
+    });
+    let client = server.client();
+    let url = |p: &str| format!("/remote-workspace/file?workspace=q/s&path={p}");
+    assert_eq!(client.send_bytes("PUT", &url("a"), &[], vec![b'a'; 600]).await.unwrap().status, 201);
+    let over = client.send_bytes("PUT", &url("b"), &[], vec![b'b'; 600]).await.unwrap();
+    assert_eq!(
+        (over.status, over.json()["error"].as_str()),
+        (400, Some("Remote workspace exceeds its execution quota"))
+    );
+    let huge = client.send_bytes("PUT", &url("c"), &[], vec![b'c'; 5000]).await.unwrap();
+    assert_eq!(huge.json()["error"], "Remote workspace exceeds its execution quota");
+    // Replacing a file counts only the difference.
+    let replace = client
+        .send_bytes("PUT", &format!("{}&conflict=overwrite", url("a")), &[], vec![b'z'; 900])
+        .await
+        .unwrap();
+    assert_eq!(replace.status, 201);
+    let listing = client.get("/remote-workspace/files?workspace=q/s").await.unwrap();
+    assert_eq!(paths_and_sizes(&listing.json()), vec![("a".to_owned(), 900)]);
+    assert!(
+        std::fs::read_dir(server.path(".runner-uploads")).unwrap().next().is_none(),
+        "no staged leftovers"
+    );
+}
+
+/// Uploads stream to disk: runnerd's peak memory grows far less than the upload.
+#[tokio::test]
+async fn a_large_upload_is_streamed_not_buffered() {
+    let server = Server::start();
+    let client = server.client();
+    let hwm = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap().to_owned();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    };
+    let before = hwm();
+    let size = 256 * 1024 * 1024;
+    let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    let sha = hex(&body);
+    let headers = [("x-workspace-size", size.to_string()), ("x-workspace-sha256", sha.clone())];
+    let r = client
+        .send_bytes("PUT", "/remote-workspace/transfer-file?workspace=big/s&path=blob.bin", &headers, body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 201, "{}", r.json());
+    assert_eq!(r.json()["sha256"], sha);
+    let grown = hwm().saturating_sub(before);
+    assert!(grown < 64 * 1024 * 1024, "runnerd's peak memory grew by {grown} bytes for a {size}-byte upload");
+    let got = client.get("/remote-workspace/file?workspace=big/s&path=blob.bin").await.unwrap();
+    assert_eq!(hex(&got.body), sha);
+}
