@@ -2,4 +2,5 @@ mod http_api;
 mod http_hostile;
 mod isolation;
 mod lifecycle;
+mod managed;
 mod preflight;
