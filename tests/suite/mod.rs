@@ -2,5 +2,6 @@ mod http_api;
 mod http_hostile;
 mod isolation;
 mod lifecycle;
+mod managed;
 mod preflight;
 mod remote;
