@@ -33,6 +33,8 @@ pub enum WriteError {
     NoBaseline,
     #[error("Invalid Workspace head kind")]
     HeadKind,
+    #[error("Workspace was deleted before its snapshot; nothing was committed")]
+    Deleted,
     #[error("The version store task stopped unexpectedly: {0}")]
     Task(String),
 }
@@ -148,7 +150,7 @@ impl Versions {
         if self.refs().head(&name)?.is_some() {
             return Ok(None);
         }
-        let tree = self.store.snapshot(dir)?;
+        let tree = self.snapshot_live(dir)?;
         let record =
             self.store.put_record("WorkspaceMutation", mutation_value(None, "baseline", true, &tree))?;
         self.refs().commit(&self.store, &name, None, &record)?;
@@ -169,7 +171,7 @@ impl Versions {
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
         let id = id.unwrap_or_else(new_uuid_v4);
         let committed = blocking(move || {
-            let tree = me.store.snapshot(&dir)?;
+            let tree = me.snapshot_live(&dir)?;
             let record = me
                 .store
                 .put_record("WorkspaceMutation", mutation_value(Some(&id), &kind_owned, completed, &tree))?;
@@ -194,7 +196,7 @@ impl Versions {
         let me = self.clone();
         let (dir, head) = (writer.snapshot_dir(), writer.head.clone());
         blocking(move || {
-            let tree = me.store.snapshot(&dir)?;
+            let tree = me.snapshot_live(&dir)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let (code, stdout, stderr) = (put(&facts.code)?, put(&facts.stdout)?, put(&facts.stderr)?);
             let value = execution_value(
@@ -213,6 +215,16 @@ impl Versions {
             Ok((record, tree))
         })
         .await
+    }
+
+    /// Snapshots a pinned workspace directory, refusing one that was deleted meanwhile (its
+    /// descriptor would show an empty directory, which is not what the workspace holds).
+    fn snapshot_live(&self, dir: &Path) -> Result<Ref, WriteError> {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::metadata(dir) {
+            Ok(m) if m.nlink() == 0 => Err(WriteError::Deleted),
+            _ => Ok(self.store.snapshot(dir)?),
+        }
     }
 
     /// Compare-and-swap from the head read just before (the lease serialises writers).
@@ -246,7 +258,7 @@ impl Versions {
         let (root, dir) = (canonical.to_owned(), pinned_path(pinned));
         let observed = blocking(move || {
             let name = workspace_head_name(&root);
-            let tree = me.store.snapshot(&dir)?;
+            let tree = me.snapshot_live(&dir)?;
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
                 return Ok(tree);
             }

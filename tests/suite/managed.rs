@@ -895,3 +895,30 @@ async fn managed_routes_refuse_strangers_and_bad_input() {
     assert_eq!(cancel.status, 202);
     assert_eq!(cancel.json(), done);
 }
+
+/// Contract §7 item 36: the workspace deleted under a running execution. The snapshot would
+/// see an empty directory through runnerd's descriptor; it is refused instead: `failed`, no
+/// `version`, `version commit failed`, and later starts refused with `repair storage`.
+#[tokio::test]
+async fn a_workspace_deleted_under_a_run_fails_its_version_and_poisons() {
+    if !sandbox_or_skip("a_workspace_deleted_under_a_run_fails_its_version_and_poisons") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("deleted");
+    std::fs::write(ws.join("data.txt"), "x").unwrap();
+    let (status, _) = submit(&client, &managed_body(&ws, "doomed", "echo started; sleep 2")).await;
+    assert_eq!(status, 202);
+    wait_log(&client, "doomed", "started").await;
+    std::fs::remove_dir_all(&ws).unwrap();
+    let rec = wait_terminal(&client, "doomed").await;
+    assert_eq!(rec["state"], "failed", "{rec}");
+    assert!(rec.get("version").is_none(), "{rec}");
+    let error = rec["error"].as_str().unwrap();
+    assert!(error.contains("version commit failed") && error.contains("deleted"), "{error}");
+    std::fs::create_dir_all(&ws).unwrap();
+    let (status, refused) = submit(&client, &managed_body(&ws, "after", "true")).await;
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused["error"].as_str().unwrap().contains("repair storage"), "{refused}");
+}
