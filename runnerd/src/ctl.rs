@@ -17,9 +17,20 @@ Usage:
   runnerctl status                      print /status
   runnerctl exec [options] -- SCRIPT    run SCRIPT (bash; --python for Python) in a sandbox,
                                         print its stdout/stderr, exit with its exit code
-Options for exec:
+  runnerctl run --detach [options] -- SCRIPT
+                                        start a managed (background) shell execution and
+                                        print its id; it outlives this command
+  runnerctl logs [-f] ID                print a managed execution's logs; -f follows them
+                                        until it ends, then exits with its exit code
+  runnerctl show ID                     print a managed execution's record
+  runnerctl cancel ID                   cancel a managed execution
+  runnerctl ls                          list the workspace's files
+  runnerctl put LOCAL PATH [--overwrite]
+                                        upload a file (verified by size and SHA-256)
+  runnerctl get PATH [LOCAL]            download a file (to stdout without LOCAL)
+Options:
   --workspace KEY        remote workspace key (default: runnerctl/default)
-  --timeout MS           executionTimeoutMs
+  --timeout MS           executionTimeoutMs (exec)
   --python               run SCRIPT with /execute (Python) instead of /execute-shell
   --session ID, --agent ID   owner of the call (default: runnerctl / main)
 Connection:
@@ -41,6 +52,10 @@ struct Options {
     agent: String,
     well_known: bool,
     script: Option<String>,
+    detach: bool,
+    follow: bool,
+    overwrite: bool,
+    positional: Vec<String>,
 }
 
 fn parse(args: Vec<String>) -> Result<Options, String> {
@@ -55,6 +70,10 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
         agent: "main".into(),
         well_known: false,
         script: None,
+        detach: false,
+        follow: false,
+        overwrite: false,
+        positional: Vec::new(),
     };
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
@@ -71,11 +90,19 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
             "--agent" => o.agent = value("--agent")?,
             "--python" => o.python = true,
             "--insecure-default-token" => o.well_known = true,
+            "--detach" | "-d" => o.detach = true,
+            "--follow" | "-f" => o.follow = true,
+            "--overwrite" => o.overwrite = true,
             "--" => {
                 let rest: Vec<String> = it.by_ref().collect();
                 o.script = Some(rest.join(" "));
             }
-            "health" | "status" | "exec" if o.command.is_empty() => o.command = arg,
+            "health" | "status" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put" | "get"
+                if o.command.is_empty() =>
+            {
+                o.command = if arg == "run" { "exec".into() } else { arg }
+            }
+            other if !other.starts_with('-') && !o.command.is_empty() => o.positional.push(arg),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -84,6 +111,15 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
     }
     if o.command == "exec" && o.script.as_deref().is_none_or(|s| s.trim().is_empty()) {
         return Err("exec needs a script after --".into());
+    }
+    let wanted = match o.command.as_str() {
+        "logs" | "show" | "cancel" => 1..=1,
+        "put" => 2..=2,
+        "get" => 1..=2,
+        _ => 0..=0,
+    };
+    if !wanted.contains(&o.positional.len()) {
+        return Err(format!("{} takes {} argument(s), got {:?}", o.command, wanted.end(), o.positional));
     }
     Ok(o)
 }
@@ -158,6 +194,8 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             println!("{}", serde_json::to_string_pretty(&reply.json())?);
             Ok(if reply.status == 200 { 0 } else { 1 })
         }
+        "logs" | "show" | "cancel" => managed(&client, &o).await,
+        "ls" | "put" | "get" => files(&client, &o).await,
         _ => {
             let mut body = serde_json::json!({
                 "agentId": o.agent,
@@ -169,10 +207,26 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             if let Some(ms) = o.timeout {
                 body["executionTimeoutMs"] = ms.into();
             }
-            let path = if o.python { "/execute" } else { "/execute-shell" };
+            let path = match (o.detach, o.python) {
+                (true, true) => {
+                    anyhow::bail!("--detach runs shell scripts only (managed executions are shell)")
+                }
+                (true, false) => "/shell-executions",
+                (false, true) => "/execute",
+                (false, false) => "/execute-shell",
+            };
             // The client has no clock offset yet: one cheap request learns it from `Date`.
             let _ = client.raw("GET", "/health", &[], Vec::new()).await;
             let reply = client.post_signed(path, &body).await?;
+            if o.detach {
+                return Ok(match reply.status {
+                    202 => {
+                        println!("{}", reply.json()["id"].as_str().unwrap_or_default());
+                        0
+                    }
+                    status => failed(status, &reply.json()),
+                });
+            }
             let result = reply.json();
             if reply.status != 200 {
                 eprintln!(
@@ -185,6 +239,160 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             std::io::stdout().write_all(result["stdout"].as_str().unwrap_or("").as_bytes())?;
             std::io::stderr().write_all(result["stderr"].as_str().unwrap_or("").as_bytes())?;
             Ok(result["exitCode"].as_i64().map(|c| c as i32).unwrap_or(1))
+        }
+    }
+}
+
+fn failed(status: u16, body: &serde_json::Value) -> i32 {
+    eprintln!(
+        "runnerctl: runnerd answered {status}: {}",
+        body["error"].as_str().unwrap_or("(no error text)")
+    );
+    1
+}
+
+/// How often `logs -f` polls.
+const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+fn owner(o: &Options) -> String {
+    let enc = |s: &str| crate::api::query::encode(s);
+    format!("sessionId={}&agentId={}", enc(&o.session), enc(&o.agent))
+}
+
+/// `logs`, `show` and `cancel` of a managed execution.
+async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
+    let id = crate::api::query::encode(&o.positional[0]);
+    let owner = owner(o);
+    match o.command.as_str() {
+        "show" => {
+            let reply = client.get(&format!("/shell-executions/{id}?{owner}")).await?;
+            if reply.status != 200 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            println!("{}", serde_json::to_string_pretty(&reply.json())?);
+            Ok(0)
+        }
+        "cancel" => {
+            let reply = client
+                .send_bytes("POST", &format!("/shell-executions/{id}/cancel?{owner}"), &[], Vec::new())
+                .await?;
+            if reply.status != 202 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            println!("{}: {}", o.positional[0], reply.json()["state"].as_str().unwrap_or("?"));
+            Ok(0)
+        }
+        _ => {
+            let mut cursor = 0u64;
+            loop {
+                // Read the state before the page: once terminal, the next pages are final.
+                let rec = client.get(&format!("/shell-executions/{id}?{owner}")).await?;
+                if rec.status != 200 {
+                    return Ok(failed(rec.status, &rec.json()));
+                }
+                let rec = rec.json();
+                let terminal =
+                    matches!(rec["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown"));
+                loop {
+                    let page =
+                        client.get(&format!("/shell-executions/{id}/logs?{owner}&cursor={cursor}")).await?;
+                    if page.status != 200 {
+                        return Ok(failed(page.status, &page.json()));
+                    }
+                    let page = page.json();
+                    for chunk in page["chunks"].as_array().into_iter().flatten() {
+                        let text = chunk["text"].as_str().unwrap_or_default();
+                        if chunk["stream"] == "stderr" {
+                            std::io::stderr().write_all(text.as_bytes())?;
+                        } else {
+                            std::io::stdout().write_all(text.as_bytes())?;
+                        }
+                    }
+                    std::io::stdout().flush()?;
+                    cursor = page["nextCursor"].as_u64().unwrap_or(cursor);
+                    if page["truncated"] != true {
+                        break;
+                    }
+                }
+                if !o.follow {
+                    return Ok(0);
+                }
+                if terminal {
+                    if let Some(error) = rec["error"].as_str() {
+                        eprintln!(
+                            "runnerctl: {} {}: {error}",
+                            o.positional[0],
+                            rec["state"].as_str().unwrap_or("")
+                        );
+                    }
+                    return Ok(rec["result"]["exitCode"].as_i64().map(|c| c as i32).unwrap_or(1));
+                }
+                tokio::time::sleep(FOLLOW_POLL).await;
+            }
+        }
+    }
+}
+
+/// `ls`, `put` and `get` on the remote workspace.
+async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
+    use sha2::{Digest, Sha256};
+    let ws = format!("workspace={}", crate::api::query::encode(&o.workspace));
+    match o.command.as_str() {
+        "ls" => {
+            let reply = client.get(&format!("/remote-workspace/files?{ws}")).await?;
+            if reply.status != 200 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            for f in reply.json().as_array().into_iter().flatten() {
+                println!(
+                    "{:>12}  {}  {}",
+                    f["size"],
+                    f["modifiedAt"].as_str().unwrap_or(""),
+                    f["path"].as_str().unwrap_or("")
+                );
+            }
+            Ok(0)
+        }
+        "put" => {
+            let bytes = std::fs::read(&o.positional[0])
+                .map_err(|e| anyhow::anyhow!("reading {}: {e}", o.positional[0]))?;
+            let sha: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            let exec = std::fs::metadata(&o.positional[0]).map(|m| {
+                use std::os::unix::fs::PermissionsExt;
+                m.permissions().mode() & 0o111
+            })?;
+            let headers = [
+                ("x-workspace-size", bytes.len().to_string()),
+                ("x-workspace-sha256", sha.clone()),
+                ("x-workspace-executable", exec.to_string()),
+            ];
+            let conflict = if o.overwrite { "overwrite" } else { "reject" };
+            let path = crate::api::query::encode(&o.positional[1]);
+            let url = format!("/remote-workspace/transfer-file?{ws}&path={path}&conflict={conflict}");
+            let reply = client.send_bytes("PUT", &url, &headers, bytes).await?;
+            if reply.status != 201 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            let receipt = reply.json();
+            if receipt["sha256"] != sha.as_str() {
+                anyhow::bail!("runnerd's receipt does not match what was sent: {receipt}");
+            }
+            println!("{} ({} bytes, sha256 {sha})", receipt["path"].as_str().unwrap_or(""), receipt["size"]);
+            Ok(0)
+        }
+        _ => {
+            let path = crate::api::query::encode(&o.positional[0]);
+            let reply = client.get(&format!("/remote-workspace/file?{ws}&path={path}")).await?;
+            if reply.status != 200 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            match o.positional.get(1) {
+                Some(local) => {
+                    std::fs::write(local, &reply.body).map_err(|e| anyhow::anyhow!("writing {local}: {e}"))?
+                }
+                None => std::io::stdout().write_all(&reply.body)?,
+            }
+            Ok(0)
         }
     }
 }

@@ -324,3 +324,74 @@ async fn a_large_upload_is_streamed_not_buffered() {
     let got = client.get("/remote-workspace/file?workspace=big/s&path=blob.bin").await.unwrap();
     assert_eq!(hex(&got.body), sha);
 }
+
+/// `runnerctl run --detach`, `logs -f`, `show`, `cancel`, and `put`/`ls`/`get`.
+#[tokio::test]
+async fn runnerctl_manages_detached_runs_and_workspace_files() {
+    if !runner_tests::sandbox_or_skip("runnerctl_manages_detached_runs_and_workspace_files") {
+        return;
+    }
+    let server = Server::start();
+    let ctl = |args: &[&str]| {
+        std::process::Command::new(runner_tests::bin("runnerctl"))
+            .args(["--url", &format!("http://{}", server.address()), "--workspace", "ctl/files"])
+            .args(args)
+            .env("SCIENCE_AGENT_RUNNER_TOKEN", runner_tests::server::TEST_TOKEN)
+            .env("SCIENCE_AGENT_DATA_DIR", &server.data_dir)
+            .output()
+            .unwrap()
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let local = runner_tests::scratch_dir();
+    let input = local.path().join("in.sh");
+    std::fs::write(&input, "#!/bin/sh\necho from-upload\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&input, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = ctl(&["put", input.to_str().unwrap(), "tools/in.sh"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("tools/in.sh (27 bytes, sha256 "), "{}", text(&out.stdout));
+    let out = ctl(&["put", input.to_str().unwrap(), "tools/in.sh"]);
+    assert_eq!(out.status.code(), Some(1), "a second put without --overwrite is refused");
+    assert!(ctl(&["put", input.to_str().unwrap(), "tools/in.sh", "--overwrite"]).status.success());
+    let out = ctl(&["ls"]);
+    assert!(text(&out.stdout).contains("tools/in.sh"), "{}", text(&out.stdout));
+
+    // A detached run that uses the uploaded (executable) file and prints over time.
+    let out = ctl(&[
+        "run",
+        "--detach",
+        "--",
+        "./tools/in.sh; for i in 1 2 3; do echo line-$i; sleep 0.2; done; echo err >&2; exit 4",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let id = text(&out.stdout).trim().to_owned();
+    assert!(!id.is_empty());
+    let out = ctl(&["logs", "-f", &id]);
+    assert_eq!(out.status.code(), Some(4), "logs -f exits with the run's code");
+    assert_eq!(text(&out.stdout), "from-upload\nline-1\nline-2\nline-3\n");
+    assert!(text(&out.stderr).contains("err\n"), "{}", text(&out.stderr));
+    let out = ctl(&["show", &id]);
+    let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((rec["state"].as_str(), rec["result"]["exitCode"].as_i64()), (Some("failed"), Some(4)));
+    assert!(rec["version"]["digest"].as_str().unwrap().starts_with("sha256:"));
+
+    let out = ctl(&["run", "--detach", "--", "echo started; sleep 30"]);
+    let long = text(&out.stdout).trim().to_owned();
+    let out = ctl(&["cancel", &long]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = ctl(&["logs", "-f", &long]);
+    assert_eq!(out.status.code(), Some(1));
+    let out = ctl(&["show", &long]);
+    let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rec["state"], "cancelled");
+
+    // Files back out.
+    let fetched = local.path().join("out.sh");
+    assert!(ctl(&["get", "tools/in.sh", fetched.to_str().unwrap()]).status.success());
+    assert_eq!(std::fs::read(&fetched).unwrap(), std::fs::read(&input).unwrap());
+    let out = ctl(&["get", "nope"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("ENOENT"), "{}", text(&out.stderr));
+    let out = ctl(&["show", "no-such-id"]);
+    assert!(text(&out.stderr).contains("Execution not found for this Agent"));
+}
