@@ -32,16 +32,39 @@ use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup;
 
 const USAGE: &str = "\
-runnerd-bench: sandbox launch overhead against bare bwrap, in one run.
+runnerd-bench: figures in one run, never pass/fail (build with --release).
 
-Usage: runnerd-bench [--iterations N]   (default 200; build with --release)
+Usage:
+  runnerd-bench [--iterations N]        sandbox launch overhead against bare bwrap (default 200)
+  runnerd-bench versions [--files N] [--mib M] [--log-mb L]
+                                        workspace commit cost against a stat walk and
+                                        sha256sum of the same tree (default 10000 files,
+                                        1024 MiB), and managed-run log throughput (100 MB)
 ";
 
 pub fn run() -> i32 {
     let mut iterations = 200usize;
+    let mut versions = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
+        let mut number = |name: &str| -> Option<u64> {
+            let v = args.next().and_then(|v| v.parse().ok());
+            if v.is_none() {
+                eprintln!("runnerd-bench: {name} needs a number\n\n{USAGE}");
+            }
+            v
+        };
         match arg.as_str() {
+            "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
+            "--files" | "--mib" | "--log-mb" if versions.is_some() => {
+                let Some(n) = number(&arg) else { return 2 };
+                let v = versions.as_mut().expect("checked");
+                match arg.as_str() {
+                    "--files" => v.0 = n.max(100),
+                    "--mib" => v.1 = n.max(1),
+                    _ => v.2 = n.max(1),
+                }
+            }
             "--iterations" | "-n" => match args.next().and_then(|v| v.parse().ok()) {
                 Some(n) if n >= 4 => iterations = n,
                 _ => {
@@ -66,7 +89,11 @@ pub fn run() -> i32 {
             return 1;
         }
     };
-    match rt.block_on(bench(iterations)) {
+    let result = match versions {
+        Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
+        None => rt.block_on(bench(iterations)),
+    };
+    match result {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("runnerd-bench: {e:#}");
@@ -321,6 +348,23 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         a_shell.p50, a_shell.p95
     );
     http_cases(n, init, &a_seq, &a_shell, &a_par).await
+}
+
+/// The version benchmark: commit cost on a scratch tree, then log throughput through a
+/// real runnerd (sandbox-init from `SCIENCE_AGENT_SANDBOX_INIT_PATH` or next to us).
+async fn bench_versions(files: usize, mib: u64, log_mb: u64) -> anyhow::Result<()> {
+    let base = std::env::var_os("RUNNER_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/tmp".into());
+    let scratch = Scratch(base.join(format!("runnerd-bench-versions-{}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0)?;
+    let size = crate::bench_versions::TreeSize { files, bytes: mib << 20 };
+    crate::bench_versions::commit_cost(&scratch.0, size).await?;
+    drop(scratch);
+    println!();
+    let setup = setup().await?;
+    let daemon = start_runnerd(setup.launcher.init_path())?;
+    let client = RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN);
+    let _ = client.raw("GET", "/health", &[], Vec::new()).await;
+    crate::bench_versions::log_throughput(&client, log_mb).await
 }
 
 /// A runnerd started from the binary next to this one, on an ephemeral port.

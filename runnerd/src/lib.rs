@@ -11,6 +11,7 @@ pub mod app;
 pub mod audit;
 pub mod auth;
 pub mod bench;
+pub mod bench_versions;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -137,7 +137,7 @@ impl Versions {
         };
         let me = self.clone();
         let (root, dir) = (writer.root.clone(), writer.snapshot_dir());
-        let baseline = blocking(move || me.ensure_baseline(&root, &dir)).await;
+        let baseline = blocking_retry(self.clone(), move || me.ensure_baseline(&root, &dir)).await;
         if let Err(e) = baseline {
             self.poison(&writer.root, &e);
             return Err(e);
@@ -170,7 +170,7 @@ impl Versions {
         let me = self.clone();
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
         let id = id.unwrap_or_else(new_uuid_v4);
-        let committed = blocking(move || {
+        let committed = blocking_retry(self.clone(), move || {
             let tree = me.snapshot_live(&dir)?;
             let record = me
                 .store
@@ -195,7 +195,7 @@ impl Versions {
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
         let (dir, head) = (writer.snapshot_dir(), writer.head.clone());
-        blocking(move || {
+        blocking_retry(self.clone(), move || {
             let tree = me.snapshot_live(&dir)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let (code, stdout, stderr) = (put(&facts.code)?, put(&facts.stdout)?, put(&facts.stderr)?);
@@ -256,7 +256,7 @@ impl Versions {
         let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy(self) };
         let me = self.clone();
         let (root, dir) = (canonical.to_owned(), pinned_path(pinned));
-        let observed = blocking(move || {
+        let observed = blocking_retry(self.clone(), move || {
             let name = workspace_head_name(&root);
             let tree = me.snapshot_live(&dir)?;
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
@@ -303,7 +303,7 @@ impl Versions {
             };
             let me = self.clone();
             let r = root.clone();
-            let committed = blocking(move || {
+            let committed = blocking_retry(self.clone(), move || {
                 let name = workspace_head_name(&r);
                 let tree = me.store.snapshot(&r)?;
                 let expected = me.refs().head(&name)?;
@@ -361,8 +361,21 @@ pub fn ref_value(r: &Ref) -> Value {
     r.to_value()
 }
 
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, WriteError> + Send + 'static,
+/// Runs store work on the blocking pool. An object found missing (deleted behind the
+/// store's caches) makes it forget every cache and try once more, re-reading and re-storing
+/// what it needs, so a damaged pool heals instead of failing the write.
+async fn blocking_retry<T: Send + 'static>(
+    versions: Arc<Versions>,
+    f: impl Fn() -> Result<T, WriteError> + Send + 'static,
 ) -> Result<T, WriteError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(WriteError::Task(e.to_string())))
+    tokio::task::spawn_blocking(move || match f() {
+        Err(WriteError::Version(VersionError::Missing { digest, .. })) => {
+            tracing::warn!(event = "object_missing", digest = %digest, detail = "caches dropped; snapshotting again");
+            versions.store.forget_caches();
+            f()
+        }
+        other => other,
+    })
+    .await
+    .unwrap_or_else(|e| Err(WriteError::Task(e.to_string())))
 }

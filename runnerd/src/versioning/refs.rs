@@ -65,6 +65,7 @@ impl Refs {
         validate_name(name)?;
         target.require_pool(Pool::AgentState)?;
         store.validate_closure(target)?;
+        store.sync_pending()?;
         let path = self.path.clone();
         let tx = self
             .conn

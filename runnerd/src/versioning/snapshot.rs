@@ -8,10 +8,11 @@
 //! same timestamp tick could otherwise keep size, mtime and ctime (git's "racy clean" problem).
 
 use std::collections::HashMap;
-use std::ffi::OsString;
-use std::fs::{self, Metadata, OpenOptions};
+use std::ffi::{CStr, CString, OsString};
+use std::fs::{self, OpenOptions};
 use std::io;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 
 use super::names::b64url_encode;
 use super::store::Store;
@@ -30,6 +32,65 @@ const CACHE_LIMIT: usize = 1_000_000;
 /// than the timestamp granularity of any filesystem a workspace lives on (FAT: 2 s).
 const RACY_MARGIN_NS: i128 = 2_000_000_000;
 
+/// The `lstat` fields a snapshot looks at, read relative to a directory descriptor
+/// (`fstatat`), so no path is resolved again below the root.
+#[derive(Debug, Clone, Copy)]
+struct Stat {
+    dev: u64,
+    ino: u64,
+    mode: u32,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl Stat {
+    fn from_raw(st: &libc::stat) -> Stat {
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        Stat {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            mode: st.st_mode,
+            size: st.st_size as u64,
+            mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
+            ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
+        }
+    }
+
+    /// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`.
+    fn at(dir: &OwnedFd, name: &CStr) -> io::Result<Stat> {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstatat writes a full `stat` into the buffer on success (checked); the
+        // name is NUL-terminated and the descriptor is ours.
+        let rc = unsafe {
+            libc::fstatat(dir.as_raw_fd(), name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW)
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: initialised by the successful call above.
+        let st = unsafe { st.assume_init() };
+        Ok(Stat::from_raw(&st))
+    }
+
+    /// `fstat(fd)`.
+    fn of_fd(fd: &impl AsRawFd) -> io::Result<Stat> {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: as above, for fstat on a descriptor we own.
+        let rc = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: initialised by the successful call above.
+        let st = unsafe { st.assume_init() };
+        Ok(Stat::from_raw(&st))
+    }
+
+    fn kind(&self) -> u32 {
+        self.mode & libc::S_IFMT
+    }
+}
+
 /// The stat fields a cached content ref is valid for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stamp {
@@ -39,8 +100,8 @@ struct Stamp {
 }
 
 impl Stamp {
-    fn of(m: &Metadata) -> Stamp {
-        Stamp { size: m.len(), mtime_ns: mtime_ns(m), ctime_ns: ctime_ns(m) }
+    fn of(m: &Stat) -> Stamp {
+        Stamp { size: m.size, mtime_ns: m.mtime_ns, ctime_ns: m.ctime_ns }
     }
 }
 
@@ -48,10 +109,30 @@ impl Stamp {
 #[derive(Default)]
 pub(crate) struct FileCache {
     entries: Mutex<HashMap<(u64, u64), (Stamp, Ref)>>,
+    /// SHA-256 of a directory's entries (binary form) → its `WorkspaceTree` record, so an
+    /// unchanged directory costs no JSON, no canonicalisation and no record write.
+    trees: Mutex<HashMap<[u8; 32], Ref>>,
     hashed: AtomicU64,
 }
 
 impl FileCache {
+    pub(crate) fn clear(&self) {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.trees.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    fn tree(&self, fingerprint: &[u8; 32]) -> Option<Ref> {
+        self.trees.lock().unwrap_or_else(|e| e.into_inner()).get(fingerprint).cloned()
+    }
+
+    fn store_tree(&self, fingerprint: [u8; 32], r: Ref) {
+        let mut trees = self.trees.lock().unwrap_or_else(|e| e.into_inner());
+        if trees.len() >= CACHE_LIMIT {
+            trees.clear();
+        }
+        trees.insert(fingerprint, r);
+    }
+
     fn lookup(&self, key: (u64, u64), stamp: Stamp) -> Option<Ref> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.get(&key).filter(|(s, _)| *s == stamp).map(|(_, r)| r.clone())
@@ -91,7 +172,17 @@ impl Store {
         if !meta.file_type().is_dir() {
             return Err(VersionError::RootNotDirectory);
         }
-        self.snapshot_dir(&root, &meta)
+        let dir = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(&root)
+            .map_err(changed_or_io("open", &root))?;
+        let dir = OwnedFd::from(dir);
+        let before = Stat::of_fd(&dir).map_err(io_err("inspect the workspace root", &root))?;
+        if before.ino != meta.ino() || before.dev != meta.dev() {
+            return Err(VersionError::Changed);
+        }
+        self.snapshot_dir(&dir, &root, before)
     }
 
     /// How many regular files snapshots have actually opened and hashed (cache misses).
@@ -99,80 +190,185 @@ impl Store {
         self.cache.hashed.load(Ordering::Relaxed)
     }
 
-    /// One directory: children first (depth-first, raw names in memcmp order), then its record.
-    fn snapshot_dir(&self, dir: &Path, before: &Metadata) -> Result<Ref, VersionError> {
-        let mut names = fs::read_dir(dir)
+    /// One directory, by descriptor: children first (depth-first, raw names in memcmp
+    /// order), then its record. `path` only names things in errors.
+    fn snapshot_dir(&self, dir: &OwnedFd, path: &Path, before: Stat) -> Result<Ref, VersionError> {
+        let listing = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+        let mut names = fs::read_dir(&listing)
             .and_then(|entries| {
                 entries.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<OsString>>>()
             })
-            .map_err(changed_or_io("read the directory", dir))?;
+            .map_err(changed_or_io("read the directory", path))?;
         names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
         let mut entries = Vec::with_capacity(names.len());
+        let mut fingerprint = Sha256::new();
         for name in names {
-            let path = dir.join(&name);
-            let meta = fs::symlink_metadata(&path).map_err(changed_or_io("inspect", &path))?;
-            let b64_name = b64url_encode(name.as_bytes());
-            let kind = meta.file_type();
-            let entry = if kind.is_symlink() {
-                let target = fs::read_link(&path).map_err(changed_or_io("read the symlink", &path))?;
-                let target = b64url_encode(&target.into_os_string().into_vec());
-                json!({ "name": b64_name, "target": target, "type": "symlink" })
-            } else if kind.is_dir() {
-                let tree = self.snapshot_dir(&path, &meta)?;
-                json!({ "name": b64_name, "tree": tree.to_value(), "type": "directory" })
-            } else if kind.is_file() {
-                let content = self.snapshot_file(&path, &meta)?;
-                json!({
-                    "content": content.to_value(),
-                    "executable": meta.mode() & 0o111,
-                    "name": b64_name,
-                    "type": "file",
-                })
-            } else {
-                return Err(VersionError::SpecialFile);
+            let child_path = path.join(&name);
+            let cname = CString::new(name.as_bytes()).map_err(|_| VersionError::Changed)?;
+            let meta = Stat::at(dir, &cname).map_err(changed_or_io("inspect", &child_path))?;
+            let (entry, recheck) = match meta.kind() {
+                libc::S_IFLNK => {
+                    let target =
+                        readlink_at(dir, &cname).map_err(changed_or_io("read the symlink", &child_path))?;
+                    fingerprint_entry(&mut fingerprint, b'l', name.as_bytes(), &target, 0);
+                    (Entry::Symlink { name: name.as_bytes().to_vec(), target }, true)
+                }
+                libc::S_IFDIR => {
+                    let child = open_at(dir, &cname, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+                        .map_err(changed_or_io("open", &child_path))?;
+                    let opened = Stat::of_fd(&child).map_err(io_err("inspect", &child_path))?;
+                    if opened.ino != meta.ino || opened.dev != meta.dev {
+                        return Err(VersionError::Changed);
+                    }
+                    let tree = self.snapshot_dir(&child, &child_path, meta)?;
+                    fingerprint_entry(&mut fingerprint, b'd', name.as_bytes(), &ref_bytes(&tree), 0);
+                    (Entry::Dir { name: name.as_bytes().to_vec(), tree }, true)
+                }
+                libc::S_IFREG => {
+                    let (content, hashed) = self.snapshot_file(dir, &cname, &child_path, &meta)?;
+                    let exec = meta.mode & 0o111;
+                    fingerprint_entry(&mut fingerprint, b'f', name.as_bytes(), &ref_bytes(&content), exec);
+                    let entry = Entry::File { name: name.as_bytes().to_vec(), content, exec };
+                    // A file served from the cache was not read: the stat just taken is the
+                    // observation, and re-taking it would only double the cost of a walk.
+                    (entry, hashed)
+                }
+                _ => return Err(VersionError::SpecialFile),
             };
-            let after = fs::symlink_metadata(&path).map_err(changed_or_io("inspect", &path))?;
-            if after.ino() != meta.ino() || after.dev() != meta.dev() || ctime_ns(&after) != ctime_ns(&meta) {
-                return Err(VersionError::Changed);
+            if recheck {
+                let after = Stat::at(dir, &cname).map_err(changed_or_io("inspect", &child_path))?;
+                if after.ino != meta.ino || after.dev != meta.dev || after.ctime_ns != meta.ctime_ns {
+                    return Err(VersionError::Changed);
+                }
             }
             entries.push(entry);
         }
-        let after = fs::symlink_metadata(dir).map_err(changed_or_io("inspect", dir))?;
-        if after.ino() != before.ino() || ctime_ns(&after) != ctime_ns(before) {
+        let after = Stat::of_fd(dir).map_err(changed_or_io("inspect", path))?;
+        if after.ino != before.ino || after.ctime_ns != before.ctime_ns {
             return Err(VersionError::Changed);
         }
-        self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))
+        let fingerprint: [u8; 32] = fingerprint.finalize().into();
+        if let Some(known) = self.cache.tree(&fingerprint) {
+            return Ok(known);
+        }
+        let entries: Vec<Value> = entries.iter().map(Entry::to_value).collect();
+        let record = self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))?;
+        self.cache.store_tree(fingerprint, record.clone());
+        Ok(record)
     }
 
-    /// One regular file's content ref: from the cache when provably unchanged, otherwise opened
-    /// without following links or blocking, streamed into the data pool and checked stable.
-    fn snapshot_file(&self, path: &Path, lstat: &Metadata) -> Result<Ref, VersionError> {
-        let key = (lstat.dev(), lstat.ino());
+    /// One regular file's content ref (and whether it was read): from the cache when provably
+    /// unchanged, otherwise opened without following links or blocking, streamed into the
+    /// data pool and checked stable.
+    fn snapshot_file(
+        &self,
+        dir: &OwnedFd,
+        name: &CStr,
+        path: &Path,
+        lstat: &Stat,
+    ) -> Result<(Ref, bool), VersionError> {
+        let key = (lstat.dev, lstat.ino);
+        // A cached blob is not checked here: the commit's closure check stats every blob,
+        // and a missing one makes the writer forget the caches and snapshot again.
         if let Some(cached) = self.cache.lookup(key, Stamp::of(lstat)) {
-            if self.has(&cached) {
-                return Ok(cached);
-            }
+            return Ok((cached, false));
         }
         let started = now_ns();
-        let mut file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)
+        let fd = open_at(dir, name, libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .map_err(changed_or_io("open", path))?;
-        let opened = file.metadata().map_err(io_err("stat", path))?;
-        if !opened.file_type().is_file() || opened.ino() != lstat.ino() || opened.dev() != lstat.dev() {
+        let mut file = fs::File::from(fd);
+        let opened = Stat::of_fd(&file).map_err(io_err("stat", path))?;
+        if opened.kind() != libc::S_IFREG || opened.ino != lstat.ino || opened.dev != lstat.dev {
             return Err(VersionError::Changed);
         }
         self.cache.hashed.fetch_add(1, Ordering::Relaxed);
         let content = self.put_stream(Pool::Data, &mut file)?;
-        let done = file.metadata().map_err(io_err("stat", path))?;
+        let done = Stat::of_fd(&file).map_err(io_err("stat", path))?;
         let stamp = Stamp::of(&done);
         if stamp != Stamp::of(&opened) || content.size != stamp.size {
             return Err(VersionError::Changed);
         }
         let settled = stamp.ctime_ns + RACY_MARGIN_NS < started;
         self.cache.store(key, settled.then(|| (stamp, content.clone())));
-        Ok(content)
+        Ok((content, true))
+    }
+}
+
+/// One directory entry, turned into JSON only when its directory's record must be written.
+enum Entry {
+    File { name: Vec<u8>, content: Ref, exec: u32 },
+    Dir { name: Vec<u8>, tree: Ref },
+    Symlink { name: Vec<u8>, target: Vec<u8> },
+}
+
+impl Entry {
+    fn to_value(&self) -> Value {
+        match self {
+            Entry::File { name, content, exec } => json!({
+                "content": content.to_value(),
+                "executable": exec,
+                "name": b64url_encode(name),
+                "type": "file",
+            }),
+            Entry::Dir { name, tree } => {
+                json!({ "name": b64url_encode(name), "tree": tree.to_value(), "type": "directory" })
+            }
+            Entry::Symlink { name, target } => {
+                json!({ "name": b64url_encode(name), "target": b64url_encode(target), "type": "symlink" })
+            }
+        }
+    }
+}
+
+/// A ref's identity for fingerprints: every field, length-delimited, without formatting JSON.
+fn ref_bytes(r: &Ref) -> Vec<u8> {
+    let mut out = Vec::with_capacity(r.digest.len() + r.media_type.len() + 24);
+    out.extend_from_slice(r.pool.as_str().as_bytes());
+    out.push(0);
+    out.extend_from_slice(r.digest.as_bytes());
+    out.push(0);
+    out.extend_from_slice(&r.size.to_le_bytes());
+    out.extend_from_slice(r.media_type.as_bytes());
+    out
+}
+
+/// Feeds one entry into a directory's fingerprint: kind, length-prefixed name and payload
+/// (the content or tree ref's text, or the symlink target), and the exec bits.
+fn fingerprint_entry(h: &mut Sha256, kind: u8, name: &[u8], payload: &[u8], exec: u32) {
+    h.update([kind]);
+    h.update((name.len() as u64).to_le_bytes());
+    h.update(name);
+    h.update((payload.len() as u64).to_le_bytes());
+    h.update(payload);
+    h.update(exec.to_le_bytes());
+}
+
+fn open_at(dir: &OwnedFd, name: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: openat relative to a directory descriptor we own, NUL-terminated name.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `readlinkat`, growing the buffer until the target fits.
+fn readlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; 256];
+    loop {
+        // SAFETY: readlinkat writes at most `buf.len()` bytes into `buf`.
+        let n =
+            unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let n = n as usize;
+        if n < buf.len() {
+            buf.truncate(n);
+            return Ok(buf);
+        }
+        buf.resize(buf.len() * 2, 0);
     }
 }
 
@@ -189,14 +385,6 @@ fn lexical_absolute(path: &Path) -> io::Result<PathBuf> {
         }
     }
     Ok(out)
-}
-
-fn mtime_ns(m: &Metadata) -> i128 {
-    i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec())
-}
-
-fn ctime_ns(m: &Metadata) -> i128 {
-    i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec())
 }
 
 fn now_ns() -> i128 {
@@ -363,12 +551,18 @@ mod tests {
         assert_eq!(store.snapshot(ws.path()).unwrap(), full);
         assert_eq!(store.files_hashed(), hashed, "nothing touched: served from the cache");
 
-        // A blob missing from the pool is never trusted from the cache.
+        // A blob missing from the pool: the closure check before any commit finds it, and
+        // the writer then forgets the caches and snapshots again, which restores it.
         let csv = Ref::new(Pool::Data, crate::versioning::testutil::X_CSV_HEX, 8, OCTET_STREAM);
         fs::remove_file(store.blob_path(Pool::Data, csv.hex())).unwrap();
         assert_eq!(store.snapshot(ws.path()).unwrap(), full);
-        assert_eq!(store.files_hashed(), hashed + 1, "only the file whose blob vanished");
+        assert!(matches!(store.validate_closure(&full), Err(VersionError::Missing { .. })));
+        store.forget_caches();
+        assert_eq!(store.snapshot(ws.path()).unwrap(), full);
+        assert_eq!(store.files_hashed(), hashed + 3, "everything re-read after the caches were dropped");
         assert!(store.has(&csv));
+        assert_eq!(store.validate_closure(&full).unwrap(), 6);
+        let hashed = hashed + 2;
 
         // Same size, restored mtime: only ctime tells, and it is part of the key.
         let mtime = fs::metadata(&file).unwrap().modified().unwrap();
