@@ -101,6 +101,7 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     // (3) Nothing changed.
     let mut unchanged = Vec::new();
+    // RUNNER_BENCH_REPEAT: more unchanged commits, to profile that case alone.
     let repeat = std::env::var("RUNNER_BENCH_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     for _ in 0..repeat {
         let start = Instant::now();

@@ -423,6 +423,7 @@ impl Store {
     /// re-hashed) and returns the number of distinct objects. Runs before every ref commit.
     pub fn validate_closure(&self, root: &Ref) -> Result<usize, VersionError> {
         let mut seen: HashSet<Ref> = HashSet::new();
+        let mut leaves = Vec::new();
         let mut queue = vec![root.clone()];
         while let Some(r) = queue.pop() {
             if seen.contains(&r) {
@@ -430,57 +431,93 @@ impl Store {
             }
             seen.insert(r.clone());
             r.validate()?;
-            // One stat when the object is where it belongs and unchanged since we hashed it.
+            if !r.is_record() {
+                leaves.push(r);
+                continue;
+            }
+            if r.pool != Pool::AgentState {
+                return Err(VersionError::InvalidRef);
+            }
+            // One stat when the record is where it belongs and unchanged since we read it.
             let stamp = self.stat_blob(r.pool, r.hex());
             let trusted =
                 stamp.as_ref().is_some_and(|st| st.2 == r.size && self.is_verified(r.pool, r.hex(), st));
-            if r.is_record() {
-                if r.pool != Pool::AgentState {
-                    return Err(VersionError::InvalidRef);
-                }
-                let cached = trusted
-                    .then(|| {
-                        self.record_deps
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get(&digest_key(Pool::AgentState, r.hex()))
-                            .cloned()
-                    })
-                    .flatten();
-                if let Some(deps) = cached {
-                    queue.extend(deps);
-                    continue;
-                }
-                let deps = self.read_record(&r, None)?.dependencies;
-                // Remember only objects whose last change is well in the past: a write within
-                // the same timestamp tick as this stat could otherwise go unnoticed.
-                if let Some(st) = stamp.filter(stamp_settled) {
-                    self.remember_verified(r.pool, r.hex(), st);
+            let cached = trusted
+                .then(|| {
                     self.record_deps
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(digest_key(Pool::AgentState, r.hex()), deps.clone());
-                }
+                        .get(&digest_key(Pool::AgentState, r.hex()))
+                        .cloned()
+                })
+                .flatten();
+            if let Some(deps) = cached {
                 queue.extend(deps);
-            } else {
-                if trusted {
-                    continue;
-                }
-                let (file, path) = self.locate(&r)?;
-                let meta = file.metadata().map_err(io_err("stat the object", &path))?;
-                if meta.len() != r.size {
-                    return Err(VersionError::Integrity);
-                }
-                self.verified_hashes.fetch_add(1, AtomicOrdering::Relaxed);
-                let mut reader = VerifiedReader::new(file, &path, r.size, r.hex());
-                io::copy(&mut reader, &mut io::sink()).map_err(|e| integrity_or_io(e, &reader.path))?;
-                let st = blob_stamp(&meta);
-                if path == self.blob_path(r.pool, r.hex()) && stamp_settled(&st) {
-                    self.remember_verified(r.pool, r.hex(), st);
-                }
+                continue;
             }
+            let deps = self.read_record(&r, None)?.dependencies;
+            // Remember only objects whose last change is well in the past: a write within
+            // the same timestamp tick as this stat could otherwise go unnoticed.
+            if let Some(st) = stamp.filter(stamp_settled) {
+                self.remember_verified(r.pool, r.hex(), st);
+                self.record_deps
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(digest_key(Pool::AgentState, r.hex()), deps.clone());
+            }
+            queue.extend(deps);
+        }
+        // The leaves (file contents, logs, code): one stat each, spread over the cores — on a
+        // large workspace this is most of a commit's cost once nothing needs hashing.
+        for r in self.untrusted_leaves(&leaves) {
+            self.verify_leaf(r)?;
         }
         Ok(seen.len())
+    }
+
+    /// The leaves whose blob is not where it belongs, unchanged since this process hashed it.
+    fn untrusted_leaves<'a>(&self, refs: &'a [Ref]) -> Vec<&'a Ref> {
+        let check = |chunk: &'a [Ref]| -> Vec<&'a Ref> {
+            chunk
+                .iter()
+                .filter(|r| {
+                    !self
+                        .stat_blob(r.pool, r.hex())
+                        .is_some_and(|st| st.2 == r.size && self.is_verified(r.pool, r.hex(), &st))
+                })
+                .collect()
+        };
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4);
+        if workers < 2 || refs.len() < 1024 {
+            return check(refs);
+        }
+        let size = refs.len().div_ceil(workers);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = refs.chunks(size).map(|chunk| scope.spawn(move || check(chunk))).collect();
+            // A panicked checker trusts nothing: everything it had is re-hashed.
+            let mut out = Vec::new();
+            for (handle, chunk) in handles.into_iter().zip(refs.chunks(size)) {
+                out.extend(handle.join().unwrap_or_else(|_| chunk.iter().collect()));
+            }
+            out
+        })
+    }
+
+    /// Re-hashes one leaf object (found in its pool, the other pool or the legacy store).
+    fn verify_leaf(&self, r: &Ref) -> Result<(), VersionError> {
+        let (file, path) = self.locate(r)?;
+        let meta = file.metadata().map_err(io_err("stat the object", &path))?;
+        if meta.len() != r.size {
+            return Err(VersionError::Integrity);
+        }
+        self.verified_hashes.fetch_add(1, AtomicOrdering::Relaxed);
+        let mut reader = VerifiedReader::new(file, &path, r.size, r.hex());
+        io::copy(&mut reader, &mut io::sink()).map_err(|e| integrity_or_io(e, &reader.path))?;
+        let st = blob_stamp(&meta);
+        if path == self.blob_path(r.pool, r.hex()) && stamp_settled(&st) {
+            self.remember_verified(r.pool, r.hex(), st);
+        }
+        Ok(())
     }
 
     /// `fstatat` of an object in its pool's blob directory (no path walk from `/`).
