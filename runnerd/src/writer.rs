@@ -361,20 +361,36 @@ pub fn ref_value(r: &Ref) -> Value {
     r.to_value()
 }
 
+/// Snapshots retried after `Workspace changed during snapshot` before the write fails.
+const SNAPSHOT_RETRIES: u32 = 3;
+
 /// Runs store work on the blocking pool. An object found missing (deleted behind the
 /// store's caches) makes it forget every cache and try once more, re-reading and re-storing
-/// what it needs, so a damaged pool heals instead of failing the write.
+/// what it needs, so a damaged pool heals instead of failing the write; a tree that changed
+/// under the walk is walked again (a few times, briefly apart).
 async fn blocking_retry<T: Send + 'static>(
     versions: Arc<Versions>,
     f: impl Fn() -> Result<T, WriteError> + Send + 'static,
 ) -> Result<T, WriteError> {
-    tokio::task::spawn_blocking(move || match f() {
-        Err(WriteError::Version(VersionError::Missing { digest, .. })) => {
-            tracing::warn!(event = "object_missing", digest = %digest, detail = "caches dropped; snapshotting again");
-            versions.store.forget_caches();
-            f()
+    tokio::task::spawn_blocking(move || {
+        let mut changed = 0;
+        loop {
+            match f() {
+                Err(WriteError::Version(VersionError::Missing { digest, .. })) if changed < SNAPSHOT_RETRIES => {
+                    tracing::warn!(event = "object_missing", digest = %digest, detail = "caches dropped; snapshotting again");
+                    versions.store.forget_caches();
+                    changed = SNAPSHOT_RETRIES;
+                }
+                // A nested workspace's writer (its files, or its lease markers, live inside
+                // this tree) can change it mid-walk; a moment later the walk usually holds.
+                Err(WriteError::Version(VersionError::Changed)) if changed < SNAPSHOT_RETRIES => {
+                    changed += 1;
+                    tracing::info!(event = "snapshot_retry", attempt = changed, reason = "workspace changed during snapshot");
+                    std::thread::sleep(std::time::Duration::from_millis(50 * changed as u64));
+                }
+                other => return other,
+            }
         }
-        other => other,
     })
     .await
     .unwrap_or_else(|e| Err(WriteError::Task(e.to_string())))

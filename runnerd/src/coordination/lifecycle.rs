@@ -25,6 +25,8 @@ pub struct Admitted {
 pub struct Lifecycle {
     dir: PathBuf,
     registry: PathBuf,
+    /// One connection for every registry transaction (opening one costs several files).
+    registry_conn: std::sync::Arc<Mutex<Connection>>,
     journal: PathBuf,
     poisoned: Mutex<HashSet<PathBuf>>,
 }
@@ -46,7 +48,8 @@ impl Lifecycle {
              CREATE TABLE IF NOT EXISTS fences(scope TEXT PRIMARY KEY, owner TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'pending');",
         )
         .map_err(|source| CoordError::Sqlite { path: registry.clone(), source })?;
-        Ok(Lifecycle { dir, registry, journal, poisoned: Mutex::default() })
+        let registry_conn = std::sync::Arc::new(Mutex::new(conn));
+        Ok(Lifecycle { dir, registry, registry_conn, journal, poisoned: Mutex::default() })
     }
 
     /// `withWorkspaceAdmission`: fence check and root registration in one registry
@@ -144,10 +147,11 @@ impl Lifecycle {
 
     async fn register(&self, canonical: &Path) -> Result<(), CoordError> {
         let registry = self.registry.clone();
+        let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
         blocking(move || {
             let sqlite = |source| CoordError::Sqlite { path: registry.clone(), source };
-            let mut conn = open_registry(&registry)?;
+            let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
             let tx =
                 conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sqlite)?;
             if fenced(&tx, &path).map_err(sqlite)? {
@@ -162,9 +166,10 @@ impl Lifecycle {
 
     async fn check_fences(&self, canonical: &Path) -> Result<(), CoordError> {
         let registry = self.registry.clone();
+        let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
         blocking(move || {
-            let conn = open_registry(&registry)?;
+            let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
             match fenced(&conn, &path) {
                 Ok(true) => Err(CoordError::Retired),
                 Ok(false) => Ok(()),
