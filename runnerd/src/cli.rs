@@ -67,13 +67,15 @@ pub fn run() -> i32 {
             }
         }
     }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("runnerd: cannot start the async runtime: {e}");
-            return 1;
-        }
-    };
+    // 8 MiB stacks: a snapshot recurses once per directory level (up to MAX_DEPTH).
+    let runtime =
+        match tokio::runtime::Builder::new_multi_thread().enable_all().thread_stack_size(8 << 20).build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("runnerd: cannot start the async runtime: {e}");
+                return 1;
+            }
+        };
     let fallback = match (dev, default_token) {
         (_, true) => Fallback::WellKnown,
         (true, false) => Fallback::Generate,

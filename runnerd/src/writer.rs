@@ -79,6 +79,15 @@ fn pinned_path(fd: &OwnedFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}/", fd.as_raw_fd()))
 }
 
+/// What a commit compares the head with.
+#[derive(Debug)]
+enum Expected {
+    /// The head as it is just before the commit (the lease serialises writers).
+    Current,
+    /// This head (none: the ref must not exist yet).
+    Exactly(Option<Ref>),
+}
+
 /// What a managed execution's version records.
 #[derive(Debug, Clone)]
 pub struct ExecutionFacts {
@@ -152,8 +161,7 @@ impl Versions {
         }
         let tree = self.snapshot_live(dir)?;
         let record =
-            self.store.put_record("WorkspaceMutation", mutation_value(None, "baseline", true, &tree))?;
-        self.refs().commit(&self.store, &name, None, &record)?;
+            self.commit_mutation_record(&name, &tree, (None, "baseline", true), Expected::Exactly(None))?;
         tracing::info!(event = "workspace_baseline", workspace = %root.display(), head = %record.digest);
         Ok(Some(record))
     }
@@ -172,10 +180,7 @@ impl Versions {
         let id = id.unwrap_or_else(new_uuid_v4);
         let committed = blocking_retry(self.clone(), move || {
             let tree = me.snapshot_live(&dir)?;
-            let record = me
-                .store
-                .put_record("WorkspaceMutation", mutation_value(Some(&id), &kind_owned, completed, &tree))?;
-            me.commit_head(&head, &record)?;
+            me.commit_mutation_record(&head, &tree, (Some(&id), &kind_owned, completed), Expected::Current)?;
             Ok(tree)
         })
         .await;
@@ -229,10 +234,35 @@ impl Versions {
 
     /// Compare-and-swap from the head read just before (the lease serialises writers).
     fn commit_head(&self, name: &str, record: &Ref) -> Result<(), WriteError> {
+        self.commit_ref(name, Expected::Current, record)
+    }
+
+    /// Validates `record`'s closure and makes its objects durable — without the refs lock,
+    /// so one commit's checks do not hold up other workspaces' commits — then commits it
+    /// under the lock (compare-and-swap against `expected`).
+    fn commit_ref(&self, name: &str, expected: Expected, record: &Ref) -> Result<(), WriteError> {
+        self.store.validate_closure(record)?;
+        self.store.sync_pending()?;
         let mut refs = self.refs();
-        let expected = refs.head(name)?;
-        refs.commit(&self.store, name, expected.as_ref(), record)?;
+        let expected = match expected {
+            Expected::Current => refs.head(name)?,
+            Expected::Exactly(r) => r,
+        };
+        refs.commit_validated(name, expected.as_ref(), record)?;
         Ok(())
+    }
+
+    /// Puts a `WorkspaceMutation` for `tree` and commits it as the head `name`.
+    fn commit_mutation_record(
+        &self,
+        name: &str,
+        tree: &Ref,
+        (id, kind, completed): (Option<&str>, &str, bool),
+        expected: Expected,
+    ) -> Result<Ref, WriteError> {
+        let record = self.store.put_record("WorkspaceMutation", mutation_value(id, kind, completed, tree))?;
+        self.commit_ref(name, expected, &record)?;
+        Ok(record)
     }
 
     /// Records the failure and refuses later writers (`.failed` plus this process's set).
@@ -251,9 +281,12 @@ impl Versions {
         canonical: &Path,
         pinned: &OwnedFd,
     ) -> Result<Ref, WriteError> {
-        let busy = |me: &Versions| me.head_tree(canonical)?.ok_or(WriteError::NoBaseline);
-        let Some(admitted) = self.lifecycle.try_admit(canonical).await? else { return busy(self) };
-        let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy(self) };
+        let busy = || {
+            let (me, root) = (self.clone(), canonical.to_owned());
+            blocking_retry(self.clone(), move || me.head_tree(&root)?.ok_or(WriteError::NoBaseline))
+        };
+        let Some(admitted) = self.lifecycle.try_admit(canonical).await? else { return busy().await };
+        let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy().await };
         let me = self.clone();
         let (root, dir) = (canonical.to_owned(), pinned_path(pinned));
         let observed = blocking_retry(self.clone(), move || {
@@ -262,12 +295,9 @@ impl Versions {
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
                 return Ok(tree);
             }
-            let (kind, expected) = match me.refs().head(&name)? {
-                Some(head) => ("checkpoint", Some(head)),
-                None => ("baseline", None),
-            };
-            let record = me.store.put_record("WorkspaceMutation", mutation_value(None, kind, true, &tree))?;
-            me.refs().commit(&me.store, &name, expected.as_ref(), &record)?;
+            let head = me.refs().head(&name)?;
+            let kind = if head.is_some() { "checkpoint" } else { "baseline" };
+            me.commit_mutation_record(&name, &tree, (None, kind, true), Expected::Exactly(head))?;
             Ok(tree)
         })
         .await;
@@ -293,6 +323,20 @@ impl Versions {
     pub async fn recover_interrupted(self: &Arc<Self>) -> Vec<PathBuf> {
         let mut recovered = Vec::new();
         for (root, entry) in self.lifecycle.journaled_roots() {
+            // Admission first, as for every writer: a fenced (retired) or busy root is left.
+            let admitted = match self.lifecycle.try_admit(&root).await {
+                Ok(Some(a)) => a,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %e);
+                    continue;
+                }
+            };
+            if crate::coordination::LeasePaths::for_root(&root).failed.exists() {
+                // Poisoned before the crash: that needs a person, not a recovery commit.
+                tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = crate::coordination::POISONED);
+                continue;
+            }
             let lease = match self.lifecycle.take_over_interrupted(&root, &entry) {
                 Ok(Some(lease)) => lease,
                 Ok(None) => continue,
@@ -306,16 +350,12 @@ impl Versions {
             let committed = blocking_retry(self.clone(), move || {
                 let name = workspace_head_name(&r);
                 let tree = me.store.snapshot(&r)?;
-                let expected = me.refs().head(&name)?;
-                let (id, kind) = match expected {
+                let head = me.refs().head(&name)?;
+                let (id, kind) = match head {
                     Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
                     None => (None, "baseline"),
                 };
-                let record = me
-                    .store
-                    .put_record("WorkspaceMutation", mutation_value(id.as_deref(), kind, true, &tree))?;
-                me.refs().commit(&me.store, &name, expected.as_ref(), &record)?;
-                Ok(record)
+                me.commit_mutation_record(&name, &tree, (id.as_deref(), kind, true), Expected::Exactly(head))
             })
             .await;
             match committed {
@@ -335,6 +375,7 @@ impl Versions {
                     lease.release_keeping_marker();
                 }
             }
+            drop(admitted);
         }
         recovered
     }
@@ -345,7 +386,7 @@ impl Versions {
     pub fn put_export(&self, value: Value) -> Result<(String, Ref), WriteError> {
         let record = self.store.put_record("WorkspaceExport", value)?;
         let id = new_uuid_v4();
-        self.refs().commit(&self.store, &format!("workspace-exports/{id}"), None, &record)?;
+        self.commit_ref(&format!("workspace-exports/{id}"), Expected::Exactly(None), &record)?;
         Ok((id, record))
     }
 
@@ -394,4 +435,50 @@ async fn blocking_retry<T: Send + 'static>(
     })
     .await
     .unwrap_or_else(|e| Err(WriteError::Task(e.to_string())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether another process can take the SQLite lock on `db` right now.
+    fn free_for_another_process(db: &Path) -> bool {
+        let script = "import sqlite3,sys\nc=sqlite3.connect(sys.argv[1],timeout=0,isolation_level=None)\ntry:\n c.execute('BEGIN IMMEDIATE')\nexcept sqlite3.OperationalError:\n sys.exit(3)\n";
+        let status = std::process::Command::new("python3")
+            .args(["-c", script])
+            .arg(db)
+            .status()
+            .expect("python3 runs");
+        match status.code() {
+            Some(0) => true,
+            Some(3) => false,
+            other => panic!("the lock probe failed: {other:?}"),
+        }
+    }
+
+    /// A nested workspace's lease database lives inside its parent's tree. Snapshotting the
+    /// parent must not open (and close) it: closing any descriptor of a file drops every
+    /// POSIX lock this process holds on it, the child's lease included.
+    #[tokio::test]
+    async fn snapshotting_a_parent_keeps_a_nested_lease_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let parent = data.join("remote-workspaces/p/s");
+        let child = parent.join("agents/c");
+        std::fs::create_dir_all(&child).unwrap();
+        std::fs::write(parent.join("f.txt"), "x").unwrap();
+        let versions = Arc::new(Versions::open(&data).unwrap());
+        let (parent, child) = (parent.canonicalize().unwrap(), child.canonicalize().unwrap());
+        let pin = |p: &Path| OwnedFd::from(std::fs::File::open(p).unwrap());
+        let child_writer = versions.begin(&child, pin(&child), None).await.unwrap();
+        let lock = crate::coordination::LeasePaths::for_root(&child).lock;
+        assert!(lock.starts_with(&parent), "the nested lease lives in the parent's tree");
+        assert!(!free_for_another_process(&lock), "held");
+        let parent_writer = versions.begin(&parent, pin(&parent), None).await.unwrap();
+        versions.commit_mutation(&parent_writer, "test", None, true).await.unwrap();
+        assert!(!free_for_another_process(&lock), "the parent's snapshot released the child's lease");
+        drop(parent_writer);
+        drop(child_writer);
+        assert!(free_for_another_process(&lock));
+    }
 }

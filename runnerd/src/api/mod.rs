@@ -123,15 +123,27 @@ pub async fn handle(
         ("POST", ["remote-workspace", "files"]) => {
             remote::list_selected(&app, req.query.as_deref(), &req.body).await
         }
-        ("DELETE", ["remote-workspace"]) => remote::clear(&app, req.query.as_deref()).await,
+        // Writes run in their own task: a client that disconnects drops this handler, and
+        // the writer must still finish, commit and release its lease in order.
+        ("DELETE", ["remote-workspace"]) => {
+            detached(async move { remote::clear(&app, req.query.as_deref()).await }).await
+        }
         ("GET", ["remote-workspace", "file"]) => remote::get_file(&app, req.query.as_deref()).await,
         ("PUT", ["remote-workspace", "file"]) => {
-            remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, false).await
+            detached(async move {
+                remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, false).await
+            })
+            .await
         }
         ("PUT", ["remote-workspace", "transfer-file"]) => {
-            remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, true).await
+            detached(async move {
+                remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, true).await
+            })
+            .await
         }
-        ("POST", ["remote-workspace", "snapshots"]) => remote::snapshot(&app, &req.body).await,
+        ("POST", ["remote-workspace", "snapshots"]) => {
+            detached(async move { remote::snapshot(&app, &req.body).await }).await
+        }
         ("GET", ["remote-workspace", "snapshots", id, "file"]) if remote::is_export_id(id) => {
             remote::snapshot_file(&app, id, req.query.as_deref()).await
         }
@@ -244,6 +256,16 @@ async fn execute(
         Ok(result) => Ok(ApiResponse::json(200, result?)),
         Err(e) => Err(ApiError::bad_request("internal", format!("the execution task failed: {e}"))),
     }
+}
+
+/// Runs a handler in its own task, so that dropping the request (a client disconnect) does
+/// not drop it halfway through a workspace write.
+async fn detached(
+    work: impl std::future::Future<Output = Result<ApiResponse, ApiError>> + Send + 'static,
+) -> Result<ApiResponse, ApiError> {
+    tokio::spawn(work)
+        .await
+        .unwrap_or_else(|e| Err(ApiError::bad_request("internal", format!("the request task failed: {e}"))))
 }
 
 /// `decodeURIComponent` for path parameters (invalid sequences are kept as written).

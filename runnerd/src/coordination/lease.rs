@@ -75,12 +75,16 @@ impl Lease {
             return Err(CoordError::Poisoned);
         }
         if let Some(dir) = journal_dir {
+            // An entry that already exists belongs to an interrupted write of an earlier
+            // process (its marker refuses us below): it is left for start-up recovery.
             let entry = dir.join(&lease.paths.hex);
-            write_file(&entry, root.as_os_str().as_encoded_bytes(), false)
-                .map_err(|e| CoordError::io("record the lease in", &entry, e))?;
-            lease.journal = Some(entry);
+            match write_new_file(&entry, root.as_os_str().as_encoded_bytes()) {
+                Ok(()) => lease.journal = Some(entry),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(CoordError::io("record the lease in", &entry, e)),
+            }
         }
-        match write_file(&lease.paths.active, ACTIVE_TEXT.as_bytes(), true) {
+        match write_new_file(&lease.paths.active, ACTIVE_TEXT.as_bytes()) {
             Ok(()) => lease.created_active = true,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(CoordError::Interrupted),
             Err(e) => return Err(CoordError::io("create the lease marker", &lease.paths.active, e)),
@@ -140,19 +144,11 @@ pub(super) fn prepare(paths: &LeasePaths) -> Result<(), CoordError> {
     private_dir(&paths.dir)
 }
 
-/// Writes a small file with mode 0600: exclusively (`O_EXCL`) or replacing. Not fsynced:
-/// markers and journal entries describe a *process* that died mid-write, whose page cache
-/// survives it (the original does not sync `.active` either); each fsync costs a launch
-/// about a millisecond here.
-fn write_file(path: &Path, bytes: &[u8], exclusive: bool) -> std::io::Result<()> {
-    let mut opts = OpenOptions::new();
-    opts.write(true).mode(0o600);
-    if exclusive {
-        opts.create_new(true);
-    } else {
-        opts.create(true).truncate(true);
-    }
-    let mut f = opts.open(path)?;
+/// Creates a small file exclusively (`O_EXCL`, 0600). Not fsynced: markers and journal
+/// entries describe a *process* that died mid-write, whose page cache survives it (the
+/// original does not sync `.active` either); each fsync costs a launch about a millisecond.
+fn write_new_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
     f.write_all(bytes)
 }
 

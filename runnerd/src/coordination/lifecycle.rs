@@ -303,4 +303,23 @@ mod tests {
         assert!(life.take_over_interrupted(&root, &journaled[0].1).unwrap().is_none());
         assert!(paths.active.exists());
     }
+
+    #[tokio::test]
+    async fn a_refused_write_leaves_a_crashed_writers_journal_entry_for_recovery() {
+        let (_d, life, root) = fixture();
+        let paths = LeasePaths::for_root(&root);
+        // What a crash leaves: the marker and our journal entry (the lock died with us).
+        drop(life.lease(&root, None).await.unwrap());
+        std::fs::write(&paths.active, ACTIVE_TEXT).unwrap();
+        let entry = life.journal.join(&paths.hex);
+        std::fs::write(&entry, root.as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(life.lease(&root, None).await.unwrap_err().to_string(), INTERRUPTED);
+        assert!(entry.exists(), "the refused writer must not take the entry away");
+        let journaled = life.journaled_roots();
+        assert_eq!(journaled, vec![(root.clone(), entry.clone())]);
+        let recovered = life.take_over_interrupted(&root, &entry).unwrap().expect("lock is free");
+        drop(recovered);
+        assert!(!paths.active.exists() && !entry.exists());
+        assert!(life.lease(&root, None).await.is_ok());
+    }
 }

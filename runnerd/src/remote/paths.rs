@@ -5,6 +5,8 @@
 pub const NOT_RELATIVE: &str = "Workspace path must be a non-empty relative POSIX path";
 pub const BAD_SEGMENT: &str = "Workspace path contains an invalid segment";
 pub const MAX_PATH_CHARS: usize = 2000;
+pub const COORDINATION_DIR: &str = ".workspace-coordination";
+pub const COORDINATION: &str = "Workspace coordination files are not reachable through the file routes";
 
 /// Splits a request path into its segments: trimmed, non-empty, at most 2000 characters,
 /// no `\`, not absolute; no empty, `.` or `..` segment.
@@ -20,6 +22,11 @@ pub fn segments(path: &str) -> Result<Vec<&str>, &'static str> {
     let parts: Vec<&str> = path.split('/').collect();
     if parts.iter().any(|s| s.is_empty() || *s == "." || *s == ".." || s.contains('\0')) {
         return Err(BAD_SEGMENT);
+    }
+    // A nested workspace's lease files live there; opening and closing one here would drop
+    // the lease's POSIX lock held by this process, and writing one could forge a marker.
+    if parts.contains(&COORDINATION_DIR) {
+        return Err(COORDINATION);
     }
     Ok(parts)
 }
@@ -47,6 +54,7 @@ mod tests {
             assert_eq!(segments(bad).unwrap_err(), BAD_SEGMENT, "{bad:?}");
         }
         assert!(segments(&"x".repeat(2000)).is_ok());
+        assert_eq!(segments("agents/.workspace-coordination/x.sqlite").unwrap_err(), COORDINATION);
     }
 
     #[test]

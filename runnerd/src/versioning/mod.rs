@@ -75,6 +75,8 @@ pub enum VersionError {
     SpecialFile,
     #[error("Workspace changed during snapshot")]
     Changed,
+    #[error("Workspace nests directories deeper than {0} levels; snapshots refuse it (flatten the tree)")]
+    TooDeep(usize),
     #[error("Invalid ref name")]
     InvalidRefName,
     #[error("Agent head changed")]

@@ -66,6 +66,20 @@ impl Refs {
         target.require_pool(Pool::AgentState)?;
         store.validate_closure(target)?;
         store.sync_pending()?;
+        self.commit_validated(name, expected, target)
+    }
+
+    /// The transaction of [`Refs::commit`] alone, for a caller that has already run
+    /// `validate_closure` and `sync_pending` on `target` itself (outside any lock it holds
+    /// around this call, so that one commit's closure check does not hold others up).
+    pub fn commit_validated(
+        &mut self,
+        name: &str,
+        expected: Option<&Ref>,
+        target: &Ref,
+    ) -> Result<(), VersionError> {
+        validate_name(name)?;
+        target.require_pool(Pool::AgentState)?;
         let path = self.path.clone();
         let tx = self
             .conn

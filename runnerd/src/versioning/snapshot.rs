@@ -182,7 +182,7 @@ impl Store {
         if before.ino != meta.ino() || before.dev != meta.dev() {
             return Err(VersionError::Changed);
         }
-        self.snapshot_dir(&dir, &root, before)
+        self.snapshot_dir(&dir, &root, before, 0)
     }
 
     /// Hashes the files of one directory that the cache cannot serve on several threads,
@@ -195,7 +195,9 @@ impl Store {
         let work: Vec<&(OsString, CString, Stat)> = listed
             .iter()
             .filter(|(_, _, st)| {
-                st.kind() == libc::S_IFREG && self.cache.lookup((st.dev, st.ino), Stamp::of(st)).is_none()
+                st.kind() == libc::S_IFREG
+                    && st.size > 0
+                    && self.cache.lookup((st.dev, st.ino), Stamp::of(st)).is_none()
             })
             .collect();
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(PREHASH_THREADS);
@@ -227,7 +229,18 @@ impl Store {
 
     /// One directory, by descriptor: children first (depth-first, raw names in memcmp
     /// order), then its record. `path` only names things in errors.
-    fn snapshot_dir(&self, dir: &OwnedFd, path: &Path, before: Stat) -> Result<Ref, VersionError> {
+    fn snapshot_dir(
+        &self,
+        dir: &OwnedFd,
+        path: &Path,
+        before: Stat,
+        depth: usize,
+    ) -> Result<Ref, VersionError> {
+        // Code in a sandbox can nest directories without limit; the walk recurses (and holds
+        // a descriptor) per level, so it stops long before a thread's stack would.
+        if depth >= MAX_DEPTH {
+            return Err(VersionError::TooDeep(MAX_DEPTH));
+        }
         let listing = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
         let mut names = fs::read_dir(&listing)
             .and_then(|entries| {
@@ -260,7 +273,7 @@ impl Store {
                     if opened.ino != meta.ino || opened.dev != meta.dev {
                         return Err(VersionError::Changed);
                     }
-                    let tree = self.snapshot_dir(&child, &child_path, meta)?;
+                    let tree = self.snapshot_dir(&child, &child_path, meta, depth + 1)?;
                     fingerprint_entry(&mut fingerprint, b'd', name.as_bytes(), &ref_bytes(&tree), 0);
                     (Entry::Dir { name: name.as_bytes().to_vec(), tree }, true)
                 }
@@ -315,6 +328,13 @@ impl Store {
         if let Some(cached) = self.cache.lookup(key, Stamp::of(lstat)) {
             return Ok((cached, false));
         }
+        // An empty file is the empty blob: no need to open it. This matters beyond speed:
+        // a nested workspace's lease database (an empty SQLite file inside this tree) must
+        // never be opened and closed by this process, because closing any descriptor of a
+        // file drops every POSIX lock the process holds on it, the lease's included.
+        if lstat.size == 0 {
+            return Ok((self.put(Pool::Data, b"", super::OCTET_STREAM)?, false));
+        }
         let early = prehashed.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
         if let Some((_, content)) = early.filter(|(stamp, _)| *stamp == Stamp::of(lstat)) {
             return Ok((content, true));
@@ -357,6 +377,9 @@ impl Store {
 
 /// Results of a directory's parallel hashing, by (dev, ino).
 type Prehashed = Mutex<HashMap<(u64, u64), (Stamp, Ref)>>;
+
+/// Directory levels a snapshot walks at most.
+pub const MAX_DEPTH: usize = 256;
 
 /// Threads that hash a first snapshot; more would only queue on the disk.
 const PREHASH_THREADS: usize = 4;
@@ -697,5 +720,30 @@ mod tests {
         // A fresh store agrees.
         let (_data2, fresh) = temp_store();
         assert_eq!(fresh.snapshot(ws.path()).unwrap(), root);
+    }
+
+    #[test]
+    fn nesting_beyond_the_depth_limit_is_refused_not_a_crash() {
+        let (_data, store) = temp_store();
+        let ws = tempfile::TempDir::new().unwrap();
+        let mut deep = ws.path().to_owned();
+        for _ in 0..MAX_DEPTH - 1 {
+            deep.push("d");
+        }
+        fs::create_dir_all(&deep).unwrap();
+        let store = std::sync::Arc::new(store);
+        let (s2, root) = (store.clone(), ws.path().to_owned());
+        // The daemon's threads have 8 MiB stacks; so does this one.
+        let run = move || {
+            std::thread::Builder::new()
+                .stack_size(8 << 20)
+                .spawn(move || s2.snapshot(&root))
+                .unwrap()
+                .join()
+                .unwrap()
+        };
+        assert!(run.clone()().is_ok(), "{} levels are fine", MAX_DEPTH);
+        fs::create_dir(deep.join("d")).unwrap();
+        assert!(matches!(run(), Err(VersionError::TooDeep(MAX_DEPTH))));
     }
 }

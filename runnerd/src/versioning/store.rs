@@ -47,6 +47,8 @@ pub struct Store {
     /// blob's entry in `verified` matches its file: closure checks then walk the graph with
     /// one stat per record instead of a read, a parse and a re-canonicalisation.
     record_deps: Mutex<HashMap<DigestKey, Vec<Ref>, DigestHasher>>,
+    /// Refs held in `record_deps` (an upper bound: replaced entries are not subtracted).
+    deps_held: std::sync::atomic::AtomicUsize,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
 }
@@ -111,6 +113,9 @@ impl std::hash::Hasher for DigestState {
     }
 }
 
+/// Beyond this many dependency refs in all (~75 MB), the dependency map starts over.
+const DEPS_LIMIT: usize = 500_000;
+
 /// Beyond this many entries the verified set starts over (memory stays bounded).
 const VERIFIED_LIMIT: usize = 2_000_000;
 
@@ -171,6 +176,7 @@ impl Store {
             verified_hashes: AtomicU64::new(0),
             pending_dirs: Mutex::default(),
             record_deps: Mutex::default(),
+            deps_held: std::sync::atomic::AtomicUsize::new(0),
             blob_dir_fds: Default::default(),
         };
         for pool in [Pool::Data, Pool::AgentState] {
@@ -371,8 +377,7 @@ impl Store {
         let r = self.put(Pool::AgentState, text.as_bytes(), RECORD_MEDIA_TYPE)?;
         let key = digest_key(Pool::AgentState, r.hex());
         if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key) {
-            let deps = deps.into_iter().map(|(_, d)| d).collect();
-            self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).insert(key, deps);
+            self.remember_deps(key, deps.into_iter().map(|(_, d)| d).collect());
         }
         Ok(r)
     }
@@ -383,6 +388,7 @@ impl Store {
         self.cache.clear();
         self.verified.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.deps_held.store(0, AtomicOrdering::Relaxed);
     }
 
     /// Reads a record with every check the original's `readRecord` makes, so whatever passes
@@ -460,10 +466,7 @@ impl Store {
             // the same timestamp tick as this stat could otherwise go unnoticed.
             if let Some(st) = stamp.filter(stamp_settled) {
                 self.remember_verified(r.pool, r.hex(), st);
-                self.record_deps
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(digest_key(Pool::AgentState, r.hex()), deps.clone());
+                self.remember_deps(digest_key(Pool::AgentState, r.hex()), deps.clone());
             }
             queue.extend(deps);
         }
@@ -590,9 +593,22 @@ impl Store {
     fn remember_verified(&self, pool: Pool, hex: &str, stamp: BlobStamp) {
         let mut verified = self.verified.lock().unwrap_or_else(|p| p.into_inner());
         if verified.len() >= VERIFIED_LIMIT {
+            // Dependencies are only trusted with a verified entry: they go together.
             verified.clear();
+            self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
         verified.insert(digest_key(pool, hex), stamp);
+    }
+
+    /// Keeps a record's dependencies; the map starts over beyond [`DEPS_LIMIT`] refs in all.
+    fn remember_deps(&self, key: DigestKey, deps: Vec<Ref>) {
+        let mut map = self.record_deps.lock().unwrap_or_else(|p| p.into_inner());
+        let held = self.deps_held.fetch_add(deps.len(), AtomicOrdering::Relaxed) + deps.len();
+        if held > DEPS_LIMIT {
+            map.clear();
+            self.deps_held.store(deps.len(), AtomicOrdering::Relaxed);
+        }
+        map.insert(key, deps);
     }
 
     /// An object this call created from bytes it hashed: trusted as it is now.
