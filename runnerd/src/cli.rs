@@ -166,6 +166,14 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     let versions = Arc::new(Versions::open(&config.data_dir).with_context(|| {
         format!("opening the workspace version store under {}", config.data_dir.display())
     })?);
+    let swept = crate::api::stream::sweep_staging(&config.data_dir.join(crate::api::remote::STAGING));
+    if swept > 0 {
+        tracing::info!(
+            event = "uploads_swept",
+            count = swept,
+            reason = "left half-received by a previous process"
+        );
+    }
     for root in versions.recover_interrupted().await {
         eprintln!("runnerd: recovered the interrupted write of {} (see the audit log)", root.display());
     }

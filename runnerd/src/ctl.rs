@@ -291,8 +291,7 @@ async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                     return Ok(failed(rec.status, &rec.json()));
                 }
                 let rec = rec.json();
-                let terminal =
-                    matches!(rec["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown"));
+                let terminal = rec["state"].as_str().is_some_and(crate::managed::db::is_terminal);
                 loop {
                     let page =
                         client.get(&format!("/shell-executions/{id}/logs?{owner}&cursor={cursor}")).await?;
@@ -356,6 +355,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
         "put" => {
             let bytes = std::fs::read(&o.positional[0])
                 .map_err(|e| anyhow::anyhow!("reading {}: {e}", o.positional[0]))?;
+            let size = bytes.len() as u64;
             let sha: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
             let exec = std::fs::metadata(&o.positional[0]).map(|m| {
                 use std::os::unix::fs::PermissionsExt;
@@ -374,7 +374,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                 return Ok(failed(reply.status, &reply.json()));
             }
             let receipt = reply.json();
-            if receipt["sha256"] != sha.as_str() {
+            if receipt["sha256"] != sha.as_str() || receipt["size"].as_u64() != Some(size) {
                 anyhow::bail!("runnerd's receipt does not match what was sent: {receipt}");
             }
             println!("{} ({} bytes, sha256 {sha})", receipt["path"].as_str().unwrap_or(""), receipt["size"]);

@@ -64,8 +64,9 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn root(&self) -> &Path {
-        &self.root
+    /// The workspace directory as opened under the locks (`O_PATH`).
+    pub fn pinned(&self) -> &OwnedFd {
+        &self.pinned
     }
 
     /// The directory to snapshot: the one the caller opened, whatever its path names now.
@@ -88,8 +89,20 @@ enum Expected {
     Exactly(Option<Ref>),
 }
 
+/// Opens a content stream (logs are streamed into the store, never held whole).
+pub type ContentSource = Arc<dyn Fn() -> Box<dyn std::io::Read + Send> + Send + Sync>;
+
+impl std::fmt::Debug for ExecutionFacts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutionFacts")
+            .field("execution_id", &self.execution_id)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What a managed execution's version records.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ExecutionFacts {
     pub agent_id: String,
     pub session_id: String,
@@ -97,8 +110,9 @@ pub struct ExecutionFacts {
     pub environment_revision_id: Option<String>,
     pub state: String,
     pub code: String,
-    pub stdout: String,
-    pub stderr: String,
+    /// The stream's content, opened afresh for each attempt (a commit may be retried).
+    pub stdout: ContentSource,
+    pub stderr: ContentSource,
 }
 
 impl Versions {
@@ -203,7 +217,8 @@ impl Versions {
         blocking_retry(self.clone(), move || {
             let tree = me.snapshot_live(&dir)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
-            let (code, stdout, stderr) = (put(&facts.code)?, put(&facts.stdout)?, put(&facts.stderr)?);
+            let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
+            let (code, stdout, stderr) = (put(&facts.code)?, stream(&facts.stdout)?, stream(&facts.stderr)?);
             let value = execution_value(
                 &facts.agent_id,
                 &code,
@@ -395,11 +410,6 @@ impl Versions {
         let Some(head) = self.refs().head(&format!("workspace-exports/{id}"))? else { return Ok(None) };
         Ok(Some(self.store.read_record(&head, Some("WorkspaceExport"))?))
     }
-}
-
-/// The record value of a head, for answers (`version` and `workspaceSnapshot` fields).
-pub fn ref_value(r: &Ref) -> Value {
-    r.to_value()
 }
 
 /// Snapshots retried after `Workspace changed during snapshot` before the write fails.

@@ -283,7 +283,7 @@ async fn quota_is_enforced_on_uploads() {
         (400, Some("Remote workspace exceeds its execution quota"))
     );
     let huge = client.send_bytes("PUT", &url("c"), &[], vec![b'c'; 5000]).await.unwrap();
-    assert_eq!(huge.json()["error"], "Remote workspace exceeds its execution quota");
+    assert_eq!(huge.json()["error"], "Request body exceeds the 1000 byte limit", "the original's body limit");
     // Replacing a file counts only the difference.
     let replace = client
         .send_bytes("PUT", &format!("{}&conflict=overwrite", url("a")), &[], vec![b'z'; 900])

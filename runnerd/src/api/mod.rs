@@ -5,7 +5,7 @@ pub mod error;
 mod health;
 mod managed;
 pub mod query;
-mod remote;
+pub mod remote;
 mod resources;
 pub mod stream;
 

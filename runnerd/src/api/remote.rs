@@ -22,6 +22,9 @@ use crate::versioning::{self, Ref};
 use crate::writer::WriteError;
 
 const MAX_PATHS: usize = 50;
+/// Where uploads are received before they are published (under the data directory, so a
+/// rename into a workspace stays on one filesystem).
+pub const STAGING: &str = ".runner-uploads";
 
 fn json_reply(status: u16, v: Value) -> Result<ApiResponse, ApiError> {
     Ok(ApiResponse::json(status, v.to_string()))
@@ -133,7 +136,8 @@ pub async fn get_file(app: &App, q: Option<&str>) -> Result<ApiResponse, ApiErro
     Ok(ApiResponse {
         status: 200,
         body: String::new(),
-        download: Some(Download::from_reader(file, Some(size))),
+        // `take`: a file that grows while it is sent must not overrun its Content-Length.
+        download: Some(Download::from_reader(std::io::Read::take(file, size), Some(size))),
     })
 }
 
@@ -198,21 +202,35 @@ pub async fn put_file(
     let display_path = segs.join("/");
     let max = app.config.max_workspace_bytes;
     let upload = upload.ok_or_else(|| ApiError::bad_request("body_unreadable", "Upload body is missing"))?;
-    let staging = app.data_dir.join(".runner-uploads");
-    let staged = stream::receive(upload, &staging, max).await.map_err(|e| match e {
-        UploadError::TooLarge(_) => remote_err(RemoteError::Quota),
+    let staging = app.data_dir.join(STAGING);
+    let mismatch = |detail: String| {
+        ApiError::bad_request(
+            "upload_mismatch",
+            format!(
+                "Verified upload did not match its declared size and SHA-256 ({detail}); nothing was published"
+            ),
+        )
+    };
+    // A verified transfer is read no further than it declared; a plain upload no further
+    // than the quota (the original's body limit for that route).
+    let limit = match declared {
+        Some(d) if max > 0 && d.size > max => return Err(remote_err(RemoteError::Quota)),
+        Some(d) => Some(d.size),
+        None => (max > 0).then_some(max),
+    };
+    let staged = stream::receive(upload, &staging, limit).await.map_err(|e| match e {
+        UploadError::TooLarge(declared_size) if transfer => {
+            mismatch(format!("more than the declared {declared_size} bytes arrived"))
+        }
+        UploadError::TooLarge(limit) => {
+            ApiError::bad_request("body_too_large", format!("Request body exceeds the {limit} byte limit"))
+        }
         other => ApiError::bad_request("upload_failed", other.to_string()),
     })?;
     if let Some(d) = declared
         && (staged.size != d.size || staged.sha256.as_bytes() != d.sha256)
     {
-        return Err(ApiError::bad_request(
-            "upload_mismatch",
-            format!(
-                "Verified upload did not match its declared size and SHA-256 (received {} bytes, sha256 {}); nothing was published",
-                staged.size, staged.sha256
-            ),
-        ));
+        return Err(mismatch(format!("received {} bytes, sha256 {}", staged.size, staged.sha256)));
     }
     let pinned = fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
     let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
@@ -315,7 +333,11 @@ pub async fn snapshot_file(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<
     let id = id.to_owned();
     let reader = blocking(move || {
         let not_found = || ApiError::bad_request("snapshot_not_found", "Workspace snapshot not found");
-        let record = versions.read_export(&id).map_err(|_| not_found())?.ok_or_else(not_found)?;
+        let record = match versions.read_export(&id) {
+            Ok(Some(record)) => record,
+            Ok(None) => return Err(not_found()),
+            Err(e) => return Err(ApiError::bad_request("snapshot_unreadable", e.to_string())),
+        };
         if record.value.get("workspace").and_then(Value::as_str) != Some(key.trim()) {
             return Err(ApiError::bad_request(
                 "snapshot_other_workspace",

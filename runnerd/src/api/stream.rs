@@ -1,7 +1,7 @@
 //! Bodies that are not held in memory: uploads read frame by frame into a staging file
 //! (hashing as they go), and downloads fed from a blocking reader through a bounded channel.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,6 +10,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Bytes, Frame, Incoming};
 use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 /// Chunks in flight between the reader thread and the connection.
@@ -26,26 +27,43 @@ pub struct Download {
 }
 
 impl Download {
-    /// Streams `reader` from a blocking thread. A read error ends the body with that error,
-    /// which makes hyper abort the connection: the client sees a truncated transfer, never a
-    /// complete-looking wrong one.
-    pub fn from_reader(mut reader: impl Read + Send + 'static, content_length: Option<u64>) -> Download {
+    /// Streams `reader`, one chunk per short blocking task: a client that stops reading
+    /// parks only this task, never a thread of the blocking pool. A read error ends the body
+    /// with that error, which makes hyper abort the connection: the client sees a truncated
+    /// transfer, never a complete-looking wrong one.
+    pub fn from_reader<R: Read + Send + 'static>(reader: R, content_length: Option<u64>) -> Download {
         let (tx, rx) = mpsc::channel(DOWNLOAD_DEPTH);
-        tokio::task::spawn_blocking(move || {
-            let mut buf = vec![0u8; CHUNK];
-            loop {
-                match reader.read(&mut buf) {
-                    Ok(0) => return,
-                    Ok(n) => {
-                        if tx.blocking_send(Ok(Bytes::copy_from_slice(&buf[..n]))).is_err() {
-                            return;
+        tokio::spawn(async move {
+            let mut reader = Some(reader);
+            while let Some(mut r) = reader.take() {
+                let read = tokio::task::spawn_blocking(move || {
+                    let mut buf = vec![0u8; CHUNK];
+                    let n = loop {
+                        match r.read(&mut buf) {
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            other => break other,
                         }
+                    };
+                    (
+                        r,
+                        n.map(|n| {
+                            buf.truncate(n);
+                            buf
+                        }),
+                    )
+                })
+                .await;
+                let item = match read {
+                    Ok((r, Ok(buf))) if !buf.is_empty() => {
+                        reader = Some(r);
+                        Ok(Bytes::from(buf))
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        let _ = tx.blocking_send(Err(e));
-                        return;
-                    }
+                    Ok((_, Ok(_))) => return,
+                    Ok((_, Err(e))) => Err(e),
+                    Err(e) => Err(std::io::Error::other(e.to_string())),
+                };
+                if tx.send(item).await.is_err() {
+                    return;
                 }
             }
         });
@@ -118,8 +136,8 @@ pub enum UploadError {
 }
 
 /// Receives `body` into a new 0600 file in `staging` (created 0700), hashing it; more than
-/// `limit` bytes (0 = none) stops the transfer. Memory stays at one frame.
-pub async fn receive(mut body: Incoming, staging: &Path, limit: u64) -> Result<Staged, UploadError> {
+/// `limit` bytes stops the transfer. Memory stays at one frame.
+pub async fn receive(mut body: Incoming, staging: &Path, limit: Option<u64>) -> Result<Staged, UploadError> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let stage_err = |source| UploadError::Stage { path: staging.to_owned(), source };
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(staging).map_err(stage_err)?;
@@ -131,7 +149,9 @@ pub async fn receive(mut body: Incoming, staging: &Path, limit: u64) -> Result<S
         .open(&path)
         .map_err(stage_err)?;
     let mut staged = Staged { path, size: 0, sha256: String::new() };
-    let mut writer = std::io::BufWriter::with_capacity(CHUNK, file);
+    // Async file writes (tokio runs each on its blocking pool): a slow disk must not stall a
+    // runtime thread frame after frame.
+    let mut writer = tokio::io::BufWriter::with_capacity(CHUNK, tokio::fs::File::from_std(file));
     let mut hasher = Sha256::new();
     loop {
         let frame = match tokio::time::timeout(UPLOAD_IDLE, body.frame()).await {
@@ -142,20 +162,28 @@ pub async fn receive(mut body: Incoming, staging: &Path, limit: u64) -> Result<S
         };
         let Ok(data) = frame.into_data() else { continue };
         staged.size += data.len() as u64;
-        if limit > 0 && staged.size > limit {
+        if let Some(limit) = limit.filter(|l| staged.size > *l) {
             return Err(UploadError::TooLarge(limit));
         }
         hasher.update(&data);
-        // Small synchronous writes into the page cache; the fsync happens once, below.
-        writer.write_all(&data).map_err(|source| UploadError::Stage { path: staged.path.clone(), source })?;
+        writer
+            .write_all(&data)
+            .await
+            .map_err(|source| UploadError::Stage { path: staged.path.clone(), source })?;
     }
-    let file = writer
-        .into_inner()
-        .map_err(|e| UploadError::Stage { path: staged.path.clone(), source: e.into_error() })?;
-    let synced = tokio::task::spawn_blocking(move || file.sync_all()).await;
-    if let Ok(Err(source)) = synced {
-        return Err(UploadError::Stage { path: staged.path.clone(), source });
-    }
+    let stage = |source| UploadError::Stage { path: staged.path.clone(), source };
+    writer.flush().await.map_err(stage)?;
+    writer.into_inner().sync_all().await.map_err(stage)?;
     staged.sha256 = crate::versioning::names::hex(&hasher.finalize());
     Ok(staged)
+}
+
+/// Removes uploads a previous process left half-received in the staging directory.
+pub fn sweep_staging(staging: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(staging) else { return 0 };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".upload"))
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .count()
 }

@@ -5,7 +5,7 @@
 //! Beyond the original, runnerd journals each lease it holds under
 //! `<dataDir>/runner-executions/active-leases/<H>` (the root's path) before it creates the
 //! marker, so after a crash of *our* process it can tell its own interrupted writes from
-//! someone else's and recover them (see `crate::workspace_versions::recover`).
+//! someone else's and recover them (see `crate::writer::Versions::recover_interrupted`).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -44,7 +44,6 @@ impl LeasePaths {
 /// then releases the lock (the original's order).
 #[derive(Debug)]
 pub struct Lease {
-    root: PathBuf,
     paths: LeasePaths,
     journal: Option<PathBuf>,
     created_active: bool,
@@ -52,10 +51,6 @@ pub struct Lease {
 }
 
 impl Lease {
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
     pub fn paths(&self) -> &LeasePaths {
         &self.paths
     }
@@ -69,8 +64,7 @@ impl Lease {
         journal_dir: Option<&Path>,
     ) -> Result<Lease, CoordError> {
         let paths = LeasePaths::for_root(root);
-        let mut lease =
-            Lease { root: root.to_owned(), paths, journal: None, created_active: false, _lock: lock };
+        let mut lease = Lease { paths, journal: None, created_active: false, _lock: lock };
         if poisoned_here || lease.paths.failed.exists() {
             return Err(CoordError::Poisoned);
         }
@@ -95,13 +89,7 @@ impl Lease {
     /// Takes over the marker a crashed holder left: the lock is held, so the marker's
     /// writer is gone; dropping this lease removes the marker.
     pub(super) fn take_over(root: &Path, lock: SqliteLock, journal: PathBuf) -> Lease {
-        Lease {
-            root: root.to_owned(),
-            paths: LeasePaths::for_root(root),
-            journal: Some(journal),
-            created_active: true,
-            _lock: lock,
-        }
+        Lease { paths: LeasePaths::for_root(root), journal: Some(journal), created_active: true, _lock: lock }
     }
 
     /// Releases the lock but keeps the marker and the journal entry: the write stays
@@ -109,11 +97,6 @@ impl Lease {
     pub fn release_keeping_marker(mut self) {
         self.created_active = false;
         self.journal = None;
-    }
-
-    /// Writes the poison marker (create or truncate, 0600) with the original's text.
-    pub fn write_poison(&self) -> Result<(), CoordError> {
-        write_poison(&self.paths)
     }
 }
 

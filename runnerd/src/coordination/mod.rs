@@ -75,7 +75,9 @@ pub fn path_hex(path: &Path) -> String {
 /// Creates `dir` (and parents) and makes `dir` itself 0700, as the original does for its
 /// coordination and lifecycle directories.
 fn private_dir(dir: &Path) -> Result<(), CoordError> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::os::unix::fs::DirBuilderExt;
+    // Created 0700 (less umask); an existing directory keeps its mode, as in the original
+    // (a data directory shared with the API process through its group must stay so).
     if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir) {
         return Err(CoordError::io("create the directory", dir, e));
     }
@@ -86,10 +88,6 @@ fn private_dir(dir: &Path) -> Result<(), CoordError> {
             dir,
             std::io::Error::other("it is not a directory (a symlink or file is in the way)"),
         ));
-    }
-    if meta.permissions().mode() & 0o777 != 0o700 {
-        // Best effort: a directory made by another user (the API) keeps its mode.
-        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
     }
     Ok(())
 }

@@ -24,32 +24,45 @@ pub struct SqliteLock {
 impl SqliteLock {
     /// One attempt: `Ok(None)` when another connection (in any process) holds it.
     pub fn try_take(path: &Path) -> Result<Option<SqliteLock>, CoordError> {
+        let conn = Self::connect(path)?;
+        Self::try_begin(path, conn).map(|r| r.ok())
+    }
+
+    fn connect(path: &Path) -> Result<Connection, CoordError> {
         let sqlite = |source| CoordError::Sqlite { path: path.to_owned(), source };
         let conn = Connection::open(path).map_err(sqlite)?;
         conn.busy_timeout(Duration::ZERO).map_err(sqlite)?;
+        Ok(conn)
+    }
+
+    /// One `BEGIN IMMEDIATE`; when busy, the connection comes back for the next try.
+    fn try_begin(path: &Path, conn: Connection) -> Result<Result<SqliteLock, Connection>, CoordError> {
         match conn.execute_batch("BEGIN IMMEDIATE") {
-            Ok(()) => Ok(Some(SqliteLock { conn: Some(std::sync::Mutex::new(conn)) })),
-            Err(e) if is_busy(&e) => Ok(None),
-            Err(e) => Err(sqlite(e)),
+            Ok(()) => Ok(Ok(SqliteLock { conn: Some(std::sync::Mutex::new(conn)) })),
+            Err(e) if is_busy(&e) => Ok(Err(conn)),
+            Err(e) => Err(CoordError::Sqlite { path: path.to_owned(), source: e }),
         }
     }
 
-    /// Waits for the lock, polling every [`POLL`]; a cancel (the watch turning `true`)
-    /// ends the wait with [`CoordError::Aborted`].
+    /// Waits for the lock on one connection, retrying `BEGIN IMMEDIATE` every [`POLL`]; a
+    /// cancel (the watch turning `true`) ends the wait with [`CoordError::Aborted`].
     pub async fn take(path: &Path, cancel: Option<&watch::Receiver<bool>>) -> Result<SqliteLock, CoordError> {
+        let mut conn = Self::connect(path)?;
         loop {
             if cancel.is_some_and(|c| *c.borrow()) {
                 return Err(CoordError::Aborted);
             }
-            if let Some(lock) = Self::try_take(path)? {
-                return Ok(lock);
-            }
+            conn = match Self::try_begin(path, conn)? {
+                Ok(lock) => return Ok(lock),
+                Err(conn) => conn,
+            };
             match cancel {
                 Some(c) => {
                     let mut c = c.clone();
                     tokio::select! {
                         _ = tokio::time::sleep(POLL) => {}
-                        _ = c.wait_for(|v| *v) => return Err(CoordError::Aborted),
+                        // A dropped sender never cancels (as `exec::gone`).
+                        Ok(_) = c.wait_for(|v| *v) => return Err(CoordError::Aborted),
                     }
                 }
                 None => tokio::time::sleep(POLL).await,

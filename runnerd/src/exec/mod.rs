@@ -208,7 +208,7 @@ pub async fn execute(
     };
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
-    let ran = run_sandbox(&app, &prepared, started_at, None, client_gone).await;
+    let ran = run_sandbox(&app, &prepared, started_at, None, client_gone, writer.pinned()).await;
     if ran.as_ref().is_err_and(|e| e.code == UNRESPONSIVE) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
@@ -387,24 +387,25 @@ impl OutputSink for Tee<'_, '_> {
 
 /// Runs a prepared request in a fresh sandbox: quota pre-check, launch with timeout and a
 /// watchdog (`cancel` turning true, or the workspace over quota), quota post-check, result.
-/// The caller holds the workspace's locks.
+/// The caller holds the workspace's locks, and `root_fd` is the workspace directory its
+/// writer pinned: the sandbox runs in exactly the directory the version will snapshot,
+/// whatever its path names by now (another workspace's sandbox may rename directories
+/// around it while this one queued).
 pub async fn run_sandbox(
     app: &App,
     p: &Prepared,
     started_at: String,
     logs: Option<&mut dyn OutputSink>,
     cancel: watch::Receiver<bool>,
+    root_fd: &std::os::fd::OwnedFd,
 ) -> Result<ExecutionResult, ApiError> {
     let shape = sandbox_shape(app)?;
     let (language, root, execution_id) = (p.language, &p.root, &p.execution_id);
-    // From here on the workspace is the directory opened now, whatever its path names later
-    // (another workspace's sandbox may rename directories around it while we queued).
-    let root_fd = workspace::open_beneath(&app.data_dir, root)?;
     let parent_fd = match p.read_only.as_ref() {
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
     };
-    let pinned_root = workspace::fd_path(&root_fd);
+    let pinned_root = workspace::fd_path(root_fd);
     let before = fingerprints(&pinned_root).await;
     if p.max_workspace > 0 && files::usage(&before) > p.max_workspace {
         tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "workspace_quota_exceeded_before_run");

@@ -155,7 +155,8 @@ impl ExecutionsDb {
         Ok(n == 1)
     }
 
-    pub fn exists(&self, id: &str) -> Result<bool, DbError> {
+    #[cfg(test)]
+    fn exists(&self, id: &str) -> Result<bool, DbError> {
         self.conn()
             .query_row("SELECT 1 FROM executions WHERE id=?1", params![id], |_| Ok(()))
             .optional()
@@ -224,20 +225,82 @@ impl ExecutionsDb {
         Ok(LogPage { rows, more })
     }
 
-    /// A stream's retained text, rows concatenated in cursor order.
-    pub fn stream_text(&self, id: &str, stream: Stream) -> Result<String, DbError> {
+    /// Whether any row of `stream` was retained.
+    pub fn has_rows(&self, id: &str, stream: Stream) -> Result<bool, DbError> {
+        self.conn()
+            .query_row(
+                "SELECT 1 FROM logs WHERE execution=?1 AND stream=?2 LIMIT 1",
+                params![id, stream_name(stream)],
+                |_| Ok(()),
+            )
+            .optional()
+            .map(|r| r.is_some())
+            .map_err(|e| self.sqlite(e))
+    }
+
+    /// Up to `limit` rows of one stream after `after`, as (cursor, text).
+    fn stream_rows(
+        &self,
+        id: &str,
+        stream: Stream,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, String)>, DbError> {
         let conn = self.conn();
         let mut stmt = conn
-            .prepare_cached("SELECT text FROM logs WHERE execution=?1 AND stream=?2 ORDER BY cursor")
+            .prepare_cached(
+                "SELECT cursor, text FROM logs WHERE execution=?1 AND stream=?2 AND cursor>?3 ORDER BY cursor LIMIT ?4",
+            )
             .map_err(|e| self.sqlite(e))?;
-        let mut out = String::new();
-        let texts = stmt
-            .query_map(params![id, stream_name(stream)], |r| r.get::<_, String>(0))
-            .map_err(|e| self.sqlite(e))?;
-        for t in texts {
-            out.push_str(&t.map_err(|e| self.sqlite(e))?);
+        let rows: Result<Vec<(u64, String)>, _> = stmt
+            .query_map(params![id, stream_name(stream), after as i64, limit as i64], |r| {
+                Ok((r.get::<_, i64>(0)? as u64, r.get::<_, String>(1)?))
+            })
+            .map_err(|e| self.sqlite(e))?
+            .collect();
+        rows.map_err(|e| self.sqlite(e))
+    }
+}
+
+/// Reads one stream's retained rows in cursor order, a page at a time: a 1 GiB log goes
+/// into the version store without ever being held whole.
+#[derive(Debug)]
+pub struct RowReader {
+    db: std::sync::Arc<ExecutionsDb>,
+    id: String,
+    stream: Stream,
+    after: u64,
+    buf: Vec<u8>,
+    pos: usize,
+    done: bool,
+}
+
+impl RowReader {
+    pub fn new(db: std::sync::Arc<ExecutionsDb>, id: &str, stream: Stream) -> RowReader {
+        RowReader { db, id: id.to_owned(), stream, after: 0, buf: Vec::new(), pos: 0, done: false }
+    }
+}
+
+impl std::io::Read for RowReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.pos == self.buf.len() {
+            if self.done {
+                return Ok(0);
+            }
+            let rows =
+                self.db.stream_rows(&self.id, self.stream, self.after, 64).map_err(std::io::Error::other)?;
+            self.done = rows.len() < 64;
+            self.buf.clear();
+            self.pos = 0;
+            for (cursor, text) in rows {
+                self.after = cursor;
+                self.buf.extend_from_slice(text.as_bytes());
+            }
         }
-        Ok(out)
+        let n = out.len().min(self.buf.len() - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
     }
 }
 
@@ -314,6 +377,11 @@ mod tests {
         let p2 = db.page("x", 4, 4).unwrap();
         assert_eq!((p2.rows.len(), p2.more), (2, false));
         assert!(db.page("x", 6, 4).unwrap().rows.is_empty());
-        assert_eq!(db.stream_text("x", Stream::Stdout).unwrap(), "r0r1r3r4r5");
+        let db = std::sync::Arc::new(db);
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut RowReader::new(db.clone(), "x", Stream::Stdout), &mut text)
+            .unwrap();
+        assert_eq!(text, "r0r1r3r4r5");
+        assert!(db.has_rows("x", Stream::Stderr).unwrap() && !db.has_rows("y", Stream::Stdout).unwrap());
     }
 }

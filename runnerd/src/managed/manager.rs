@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
-use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED};
+use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::api::error::ApiError;
 use crate::app::App;
@@ -23,7 +23,7 @@ use crate::exec::{self, UNRESPONSIVE, request};
 use crate::launch::{OutputSink, Stream};
 use crate::sandbox::Language;
 use crate::timefmt;
-use crate::writer::{ExecutionFacts, WriteError};
+use crate::writer::{ContentSource, ExecutionFacts, WriteError};
 
 pub const SHUTTING_DOWN: &str = "Runner is shutting down";
 pub const INVALID_ID: &str = "Invalid Execution ID";
@@ -35,6 +35,16 @@ pub const INVALID_CURSOR: &str = "Invalid log cursor";
 pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
 /// How often live log rows are written (one transaction per flush).
 pub const LOG_FLUSH: Duration = Duration::from_millis(100);
+
+/// The most output a managed run's `result.stdout`/`stderr` hold together (the logs keep
+/// everything the retention budget allows).
+pub const RESULT_OUTPUT_CAP: u64 = 64 << 20;
+
+/// The output budget of a managed run's result: its `maxOutputBytes`, at most the cap
+/// (`0`, unlimited, becomes the cap).
+pub fn result_budget(max_output: u64) -> u64 {
+    if max_output == 0 { RESULT_OUTPUT_CAP } else { max_output.min(RESULT_OUTPUT_CAP) }
+}
 
 /// `^[A-Za-z0-9_:.-]{1,160}$`
 pub fn valid_id(id: &str) -> bool {
@@ -234,10 +244,10 @@ impl Manager {
             .unwrap_or(app.config.max_output_bytes);
         let live = LiveLogs::new(budget);
         let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.state.clone()));
-        let mut sink = live.sink();
+        let mut sink = live.clone();
         let code = request::string(&obj, "code").unwrap_or("").to_owned();
         let ran = async {
-            let p = exec::prepare(
+            let mut p = exec::prepare(
                 &app,
                 Language::Shell,
                 root.clone(),
@@ -247,7 +257,10 @@ impl Manager {
                 rec.session_id.clone(),
                 rec.agent_id.clone(),
             )?;
-            exec::run_sandbox(&app, &p, started_at, Some(&mut sink), cancel.clone()).await
+            // The full retained output is in the logs (and the version's blobs); the copy in
+            // `result` is bounded so that a huge or unlimited budget cannot exhaust memory.
+            p.max_output = result_budget(p.max_output);
+            exec::run_sandbox(&app, &p, started_at, Some(&mut sink), cancel.clone(), writer.pinned()).await
         }
         .await;
         live.close();
@@ -268,19 +281,20 @@ impl Manager {
             Err(e) => ("failed", Some(e.message), None),
         };
 
-        // The version: the files as the command left them, and the retained logs.
-        let id = rec.id.clone();
-        let texts = db_do(&self.db, move |db| {
-            Ok((db.stream_text(&id, Stream::Stdout)?, db.stream_text(&id, Stream::Stderr)?))
+        // The version: the files as the command left them, and the retained logs (streamed
+        // from the database); a stream with nothing retained falls back to the result's text,
+        // then (stderr) the error, as the original.
+        let (id, db) = (rec.id.clone(), self.db.clone());
+        let retained = db_do(&self.db, move |db| {
+            Ok((db.has_rows(&id, Stream::Stdout)?, db.has_rows(&id, Stream::Stderr)?))
         })
-        .await;
-        let (mut stdout, mut stderr) = texts.unwrap_or_default();
-        if stdout.is_empty() {
-            stdout = result.as_ref().map(|r| r.stdout.clone()).unwrap_or_default();
-        }
-        if stderr.is_empty() {
-            stderr = result.as_ref().map(|r| r.stderr.clone()).or_else(|| error.clone()).unwrap_or_default();
-        }
+        .await
+        .unwrap_or((false, false));
+        let fallback_out = result.as_ref().map(|r| r.stdout.clone()).unwrap_or_default();
+        let fallback_err =
+            result.as_ref().map(|r| r.stderr.clone()).or_else(|| error.clone()).unwrap_or_default();
+        let stdout = content_source(&db, &rec.id, Stream::Stdout, retained.0, fallback_out);
+        let stderr = content_source(&db, &rec.id, Stream::Stderr, retained.1, fallback_err);
         let facts = ExecutionFacts {
             agent_id: rec.agent_id.clone(),
             session_id: rec.session_id.clone(),
@@ -392,6 +406,25 @@ impl Manager {
     }
 }
 
+/// The content of one stream for the version: the retained rows, or the fallback text.
+fn content_source(
+    db: &Arc<ExecutionsDb>,
+    id: &str,
+    stream: Stream,
+    retained: bool,
+    fallback: String,
+) -> ContentSource {
+    if retained {
+        let (db, id) = (db.clone(), id.to_owned());
+        Arc::new(move || Box::new(RowReader::new(db.clone(), &id, stream)) as Box<dyn std::io::Read + Send>)
+    } else {
+        let text = Arc::new(fallback);
+        Arc::new(move || {
+            Box::new(std::io::Cursor::new(text.as_bytes().to_vec())) as Box<dyn std::io::Read + Send>
+        })
+    }
+}
+
 #[derive(Debug)]
 struct LogState {
     retention: Retention,
@@ -420,10 +453,6 @@ impl LiveLogs {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, LogState> {
         self.state.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn sink(&self) -> LiveLogs {
-        self.clone()
     }
 
     fn close(&self) {
@@ -460,20 +489,28 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogStat
             let t = std::mem::take(&mut s.newly_truncated);
             (rows, t, closed || s.closed)
         };
-        let first = next_cursor;
-        next_cursor += rows.len() as u64;
-        let key = id.clone();
-        let written = db_do(&db, move |db| {
-            db.append_logs(&key, first, &rows)?;
-            if truncated_now && let Some(mut rec) = db.get(&key)? {
-                rec.log_truncated = Some(true);
-                db.save(&rec)?;
-            }
-            Ok(())
+        let (first, key, db2) = (next_cursor, id.clone(), db.clone());
+        let written = tokio::task::spawn_blocking(move || {
+            let result = db2.append_logs(&key, first, &rows).and_then(|()| match db2.get(&key)? {
+                Some(mut rec) if truncated_now => {
+                    rec.log_truncated = Some(true);
+                    db2.save(&rec)
+                }
+                _ => Ok(()),
+            });
+            (rows, result)
         })
         .await;
-        if let Err(e) = written {
-            tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e.message);
+        match written {
+            Ok((rows, Ok(()))) => next_cursor += rows.len() as u64,
+            Ok((rows, Err(e))) => {
+                // Kept for the next flush, in order: cursors stay gapless.
+                tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e, rows = rows.len());
+                let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
+                s.pending.splice(0..0, rows);
+                s.newly_truncated |= truncated_now;
+            }
+            Err(e) => tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e),
         }
         if done {
             return;

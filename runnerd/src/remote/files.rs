@@ -156,16 +156,18 @@ pub fn publish(
     let tmp = format!(".{name}.{}.tmp", crate::versioning::new_uuid_v4());
     let io_err = |what, source| RemoteError::Io { what, path: dir_path(parent).join(name), source };
     let tmp_path = dir_path(parent).join(&tmp);
+    // The mode is set while the file is still in the private staging directory: once inside
+    // the workspace, its name could be swapped for a symlink by a sandbox.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::Permissions::from_mode(0o600 | (exec_bits & 0o111));
+    std::fs::set_permissions(staged, mode.clone()).map_err(|e| io_err("set the mode of", e))?;
     if let Err(e) = std::fs::rename(staged, &tmp_path) {
         if e.raw_os_error() != Some(libc::EXDEV) {
             return Err(io_err("move the upload into", e));
         }
-        copy_new(staged, &tmp_path).map_err(|e| io_err("copy the upload into", e))?;
+        copy_new(staged, &tmp_path, mode).map_err(|e| io_err("copy the upload into", e))?;
     }
     let cleanup = TempName(tmp_path.clone());
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&tmp_path, std::fs::Permissions::from_mode(0o600 | (exec_bits & 0o111)))
-        .map_err(|e| io_err("set the mode of", e))?;
     let (tmp_c, name_c) =
         (cname(&tmp).map_err(|e| io_err("name", e))?, cname(name).map_err(|e| io_err("name", e))?);
     let fd = parent.as_raw_fd();
@@ -198,11 +200,13 @@ impl Drop for TempName {
     }
 }
 
-fn copy_new(from: &Path, to: &Path) -> io::Result<()> {
+/// Copies into a new file (`O_EXCL`, never through a symlink), mode set on the handle.
+fn copy_new(from: &Path, to: &Path, mode: std::fs::Permissions) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut src = File::open(from)?;
     let mut dst = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(to)?;
     io::copy(&mut src, &mut dst)?;
+    dst.set_permissions(mode)?;
     dst.sync_all()
 }
 

@@ -567,15 +567,13 @@ impl Store {
     /// Makes every object published so far durable by name: fsyncs the blob directories
     /// that gained (or were relied on for) entries. Call before committing a ref.
     pub fn sync_pending(&self) -> Result<(), VersionError> {
+        // A directory leaves the set only once its fsync has returned: a concurrent caller
+        // that relies on it syncs it again rather than trusting a sync still in flight.
         let dirs: Vec<PathBuf> =
-            self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
-        for (i, dir) in dirs.iter().enumerate() {
-            if let Err(e) = fsync_dir(dir) {
-                // Keep what was not synced for the next attempt.
-                let mut pending = self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner());
-                pending.extend(dirs[i..].iter().cloned());
-                return Err(e);
-            }
+            self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
+        for dir in dirs {
+            fsync_dir(&dir)?;
+            self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
         }
         Ok(())
     }
