@@ -18,6 +18,7 @@ pub mod config;
 pub mod coordination;
 pub mod ctl;
 pub mod exec;
+pub mod fsat;
 pub mod http;
 pub mod launch;
 pub mod managed;

@@ -4,9 +4,10 @@
 
 use std::ffi::CString;
 use std::fs::{File, Metadata};
+
+use crate::fsat::{self, Stat};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 pub const ESCAPES: &str = "Workspace path escapes through a symbolic link";
@@ -46,16 +47,9 @@ fn cname(name: &str) -> io::Result<CString> {
     CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
-fn cvt_fd(fd: libc::c_int) -> io::Result<OwnedFd> {
-    let fd = common::sys::cvt(fd)?;
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn openat(dir: &OwnedFd, name: &str, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
-    let name = cname(name)?;
-    // SAFETY: openat relative to a directory descriptor we own, with a NUL-terminated name.
-    cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC, mode) })
+/// `openat` of a name given as text (the file routes' names are UTF-8).
+fn openat(dir: &OwnedFd, name: &str, flags: libc::c_int) -> io::Result<OwnedFd> {
+    fsat::open_at(dir, &cname(name)?, flags)
 }
 
 /// `lstat` of `name` in `dir` (never follows a final symlink).
@@ -82,7 +76,7 @@ pub fn open_file(root: &OwnedFd, root_path: &Path, segs: &[&str]) -> Result<(Fil
     let mut dir =
         root.try_clone().map_err(|e| RemoteError::Io { what: "open", path: full.clone(), source: e })?;
     for seg in parents {
-        dir = match openat(&dir, seg, DIR_FLAGS, 0) {
+        dir = match openat(&dir, seg, DIR_FLAGS) {
             Ok(d) => d,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(RemoteError::NotFound(full)),
             Err(e) if is_symlink_error(&e) => {
@@ -95,7 +89,7 @@ pub fn open_file(root: &OwnedFd, root_path: &Path, segs: &[&str]) -> Result<(Fil
             Err(e) => return Err(RemoteError::Io { what: "open", path: full, source: e }),
         };
     }
-    let fd = match openat(&dir, name, libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK, 0) {
+    let fd = match openat(&dir, name, libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK) {
         Ok(fd) => fd,
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(RemoteError::NotFound(full)),
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(RemoteError::Escapes),
@@ -127,7 +121,7 @@ pub fn parent_for_write(root: &OwnedFd, parents: &[&str]) -> Result<OwnedFd, Rem
                 });
             }
         }
-        dir = openat(&dir, seg, DIR_FLAGS, 0).map_err(|_| RemoteError::ParentNotDir)?;
+        dir = openat(&dir, seg, DIR_FLAGS).map_err(|_| RemoteError::ParentNotDir)?;
     }
     Ok(dir)
 }
@@ -218,60 +212,76 @@ pub struct Listed {
     pub mtime_ms: u64,
 }
 
-/// Regular files below `rel` (a directory under the root), symlinks skipped.
-fn walk(base: &Path, rel: &str, out: &mut Vec<Listed>) -> io::Result<()> {
-    let dir = if rel.is_empty() { base.to_owned() } else { base.join(rel) };
-    let mut names: Vec<_> = std::fs::read_dir(&dir)?.flatten().map(|e| e.file_name()).collect();
+/// Directory levels a listing descends at most (snapshots refuse deeper trees anyway).
+const MAX_LIST_DEPTH: usize = crate::versioning::snapshot::MAX_DEPTH;
+
+fn child_path(rel: &str, name: &str) -> String {
+    if rel.is_empty() { name.to_owned() } else { format!("{rel}/{name}") }
+}
+
+fn listed(path: String, st: &Stat) -> Listed {
+    Listed { path, size: st.size, mtime_ms: (st.mtime_ns.max(0) / 1_000_000) as u64 }
+}
+
+/// Regular files below the directory `dir` (named `rel`), by descriptor: symlinks are
+/// skipped and never followed, even one swapped in mid-walk.
+fn walk(dir: &OwnedFd, rel: &str, out: &mut Vec<Listed>, depth: usize) -> io::Result<()> {
+    if depth >= MAX_LIST_DEPTH {
+        return Ok(());
+    }
+    let mut names = fsat::names(dir)?;
     names.sort();
-    for name in names {
-        let Some(name) = name.to_str().map(str::to_owned) else { continue };
-        let child = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
-        let Ok(meta) = std::fs::symlink_metadata(base.join(&child)) else { continue };
-        if meta.file_type().is_dir() {
-            walk(base, &child, out)?;
-        } else if meta.file_type().is_file() {
-            out.push(listed(child, &meta));
+    for (name, cname) in names {
+        let Some(name) = name.to_str() else { continue };
+        let Ok(st) = Stat::at(dir, &cname) else { continue };
+        match st.kind() {
+            libc::S_IFDIR => {
+                if let Ok(sub) = fsat::open_dir_at(dir, &cname) {
+                    walk(&sub, &child_path(rel, name), out, depth + 1)?;
+                }
+            }
+            libc::S_IFREG => out.push(listed(child_path(rel, name), &st)),
+            _ => {}
         }
     }
     Ok(())
 }
 
-fn listed(path: String, meta: &Metadata) -> Listed {
-    let mtime_ms = (meta.mtime().max(0) as u64) * 1000 + (meta.mtime_nsec().max(0) as u64) / 1_000_000;
-    Listed { path, size: meta.len(), mtime_ms }
-}
-
 /// Lists the workspace (`selection: None`) or only the selected paths: directories
 /// expanded, missing paths ignored, symlinks skipped, a symlink on the way refused.
 pub fn list(root: &OwnedFd, selection: Option<&[Vec<&str>]>) -> Result<Vec<Listed>, RemoteError> {
-    let base = dir_path(root);
-    let io_err = |e| RemoteError::Io { what: "list", path: base.clone(), source: e };
+    let io_err = |e| RemoteError::Io { what: "list", path: dir_path(root), source: e };
     let mut out = Vec::new();
     match selection {
-        None => walk(&base, "", &mut out).map_err(io_err)?,
+        None => walk(root, "", &mut out, 0).map_err(io_err)?,
         Some(paths) => {
-            for segs in paths {
+            'paths: for segs in paths {
                 let Some((last, parents)) = segs.split_last() else { continue };
+                let mut dir = root.try_clone().map_err(io_err)?;
                 let mut rel = String::new();
-                let mut missing = false;
                 for seg in parents {
-                    rel = if rel.is_empty() { (*seg).to_owned() } else { format!("{rel}/{seg}") };
-                    match std::fs::symlink_metadata(base.join(&rel)) {
-                        Ok(m) if m.file_type().is_symlink() => return Err(RemoteError::Escapes),
-                        Ok(m) if m.file_type().is_dir() => {}
-                        _ => {
-                            missing = true;
-                            break;
+                    let c = cname(seg).map_err(io_err)?;
+                    match Stat::at(&dir, &c) {
+                        Ok(st) if st.kind() == libc::S_IFLNK => return Err(RemoteError::Escapes),
+                        Ok(st) if st.kind() == libc::S_IFDIR => {}
+                        _ => continue 'paths,
+                    }
+                    dir = match fsat::open_dir_at(&dir, &c) {
+                        Ok(d) => d,
+                        Err(e) if is_symlink_error(&e) => return Err(RemoteError::Escapes),
+                        Err(_) => continue 'paths,
+                    };
+                    rel = child_path(&rel, seg);
+                }
+                let c = cname(last).map_err(io_err)?;
+                let path = child_path(&rel, last);
+                match Stat::at(&dir, &c) {
+                    Ok(st) if st.kind() == libc::S_IFDIR => {
+                        if let Ok(sub) = fsat::open_dir_at(&dir, &c) {
+                            walk(&sub, &path, &mut out, segs.len()).map_err(io_err)?;
                         }
                     }
-                }
-                if missing {
-                    continue;
-                }
-                rel = if rel.is_empty() { (*last).to_owned() } else { format!("{rel}/{last}") };
-                match std::fs::symlink_metadata(base.join(&rel)) {
-                    Ok(m) if m.file_type().is_dir() => walk(&base, &rel, &mut out).map_err(io_err)?,
-                    Ok(m) if m.file_type().is_file() => out.push(listed(rel, &m)),
+                    Ok(st) if st.kind() == libc::S_IFREG => out.push(listed(path, &st)),
                     _ => {}
                 }
             }
@@ -308,7 +318,10 @@ mod tests {
     fn root(dir: &Path) -> OwnedFd {
         let c = CString::new(dir.as_os_str().as_bytes()).unwrap();
         // SAFETY: open(2) of a test directory; the result is checked.
-        cvt_fd(unsafe { libc::open(c.as_ptr(), DIR_FLAGS | libc::O_CLOEXEC) }).unwrap()
+        let fd = unsafe { libc::open(c.as_ptr(), DIR_FLAGS | libc::O_CLOEXEC) };
+        assert!(fd >= 0, "open {}", dir.display());
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }
     }
 
     #[test]

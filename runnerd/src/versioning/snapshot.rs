@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsString};
 use std::fs::{self, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
@@ -25,71 +25,13 @@ use sha2::{Digest, Sha256};
 use super::names::b64url_encode;
 use super::store::Store;
 use super::{Pool, Ref, VersionError, io_err};
+use crate::fsat::{Stat, open_at, readlink_at};
 
 /// Beyond this many files the cache is dropped wholesale (about 200 MB at most).
 const CACHE_LIMIT: usize = 1_000_000;
 /// A file is cached only if its ctime is this much older than the start of its hashing: more
 /// than the timestamp granularity of any filesystem a workspace lives on (FAT: 2 s).
 const RACY_MARGIN_NS: i128 = 2_000_000_000;
-
-/// The `lstat` fields a snapshot looks at, read relative to a directory descriptor
-/// (`fstatat`), so no path is resolved again below the root.
-#[derive(Debug, Clone, Copy)]
-struct Stat {
-    dev: u64,
-    ino: u64,
-    mode: u32,
-    size: u64,
-    mtime_ns: i128,
-    ctime_ns: i128,
-}
-
-impl Stat {
-    fn from_raw(st: &libc::stat) -> Stat {
-        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
-        Stat {
-            dev: st.st_dev,
-            ino: st.st_ino,
-            mode: st.st_mode,
-            size: st.st_size as u64,
-            mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
-            ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
-        }
-    }
-
-    /// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`.
-    fn at(dir: &OwnedFd, name: &CStr) -> io::Result<Stat> {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: fstatat writes a full `stat` into the buffer on success (checked); the
-        // name is NUL-terminated and the descriptor is ours.
-        let rc = unsafe {
-            libc::fstatat(dir.as_raw_fd(), name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW)
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: initialised by the successful call above.
-        let st = unsafe { st.assume_init() };
-        Ok(Stat::from_raw(&st))
-    }
-
-    /// `fstat(fd)`.
-    fn of_fd(fd: &impl AsRawFd) -> io::Result<Stat> {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: as above, for fstat on a descriptor we own.
-        let rc = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: initialised by the successful call above.
-        let st = unsafe { st.assume_init() };
-        Ok(Stat::from_raw(&st))
-    }
-
-    fn kind(&self) -> u32 {
-        self.mode & libc::S_IFMT
-    }
-}
 
 /// The stat fields a cached content ref is valid for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -440,35 +382,6 @@ fn fingerprint_entry(h: &mut Sha256, kind: u8, name: &[u8], payload: &[u8], exec
     h.update((payload.len() as u64).to_le_bytes());
     h.update(payload);
     h.update(exec.to_le_bytes());
-}
-
-fn open_at(dir: &OwnedFd, name: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
-    // SAFETY: openat relative to a directory descriptor we own, NUL-terminated name.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `readlinkat`, growing the buffer until the target fits.
-fn readlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        // SAFETY: readlinkat writes at most `buf.len()` bytes into `buf`.
-        let n =
-            unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let n = n as usize;
-        if n < buf.len() {
-            buf.truncate(n);
-            return Ok(buf);
-        }
-        buf.resize(buf.len() * 2, 0);
-    }
 }
 
 /// Node's `path.resolve`: absolute, with `.` and `..` removed textually (symlinks untouched).
