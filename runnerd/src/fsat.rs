@@ -96,9 +96,16 @@ pub fn readlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<Vec<u8>> {
     }
 }
 
-/// `/proc/self/fd/N`: a path naming the directory itself (for `read_dir`).
+/// `/proc/self/fd/N`: a path naming the directory itself (for `read_dir`, and joined with
+/// names below it).
 pub fn fd_dir_path(dir: &OwnedFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+}
+
+/// `/proc/self/fd/N/`: the trailing slash makes `lstat` see the directory itself rather than
+/// the magic link (what a snapshot's root check needs).
+pub fn pinned_dir(dir: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}/", dir.as_raw_fd()))
 }
 
 /// The names in a directory, unsorted, as C strings ready for the `*at` calls.

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use serde_json::Value;
 use tokio::sync::watch;
@@ -71,13 +71,8 @@ impl Writer {
 
     /// The directory to snapshot: the one the caller opened, whatever its path names now.
     fn snapshot_dir(&self) -> PathBuf {
-        pinned_path(&self.pinned)
+        crate::fsat::pinned_dir(&self.pinned)
     }
-}
-
-/// `/proc/self/fd/N/`: the trailing slash makes `lstat` see the directory itself.
-fn pinned_path(fd: &OwnedFd) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}/", fd.as_raw_fd()))
 }
 
 /// What a commit compares the head with.
@@ -303,7 +298,7 @@ impl Versions {
         let Some(admitted) = self.lifecycle.try_admit(canonical).await? else { return busy().await };
         let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy().await };
         let me = self.clone();
-        let (root, dir) = (canonical.to_owned(), pinned_path(pinned));
+        let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(pinned));
         let observed = blocking_retry(self.clone(), move || {
             let name = workspace_head_name(&root);
             let tree = me.snapshot_live(&dir)?;

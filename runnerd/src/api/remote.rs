@@ -246,7 +246,8 @@ pub async fn put_file(
             return Err(ApiError::with_status(409, "file_exists", files::EXISTS));
         }
         if max > 0 {
-            let used = crate::exec::files::usage(&crate::exec::files::fingerprints(&files::dir_path(&fd)));
+            let used =
+                crate::exec::files::usage(&crate::exec::files::fingerprints(&crate::fsat::fd_dir_path(&fd)));
             if used.saturating_sub(replaced).saturating_add(staged.size) > max {
                 return Err(remote_err(RemoteError::Quota));
             }

@@ -405,7 +405,7 @@ pub async fn run_sandbox(
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
     };
-    let pinned_root = workspace::fd_path(root_fd);
+    let pinned_root = crate::fsat::fd_dir_path(root_fd);
     let before = fingerprints(&pinned_root).await;
     if p.max_workspace > 0 && files::usage(&before) > p.max_workspace {
         tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "workspace_quota_exceeded_before_run");

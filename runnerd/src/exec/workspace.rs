@@ -194,12 +194,6 @@ fn cvt_fd(fd: libc::c_int) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// A path that names the opened directory itself (the `/proc/self/fd` magic link), for
-/// walking exactly what the sandbox was given.
-pub fn fd_path(fd: &OwnedFd) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,7 +296,7 @@ mod tests {
         let child = validated_workspace(&data, &child).unwrap();
         let fd = open_beneath(&data, &child).unwrap();
         fs::write(child.join("mine.txt"), "x").unwrap();
-        assert!(fd_path(&fd).join("mine.txt").exists());
+        assert!(crate::fsat::fd_dir_path(&fd).join("mine.txt").exists());
         // The parent's sandbox swaps the child for a symlink to somewhere else.
         let outside = dir.path().join("outside");
         fs::create_dir(&outside).unwrap();
@@ -311,7 +305,7 @@ mod tests {
         symlink(&outside, &child).unwrap();
         assert!(open_beneath(&data, &child).is_err());
         // A descriptor opened before the swap still names the original directory.
-        assert!(fd_path(&fd).join("mine.txt").exists());
+        assert!(crate::fsat::fd_dir_path(&fd).join("mine.txt").exists());
         assert!(!outside.join("mine.txt").exists());
     }
 

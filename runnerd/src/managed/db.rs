@@ -39,6 +39,23 @@ pub struct ManagedExecution {
 }
 
 impl ManagedExecution {
+    /// A record as first saved: `queued`, nothing else set.
+    pub fn queued(agent_id: String, session_id: String, id: String, queued_at: String) -> ManagedExecution {
+        ManagedExecution {
+            agent_id,
+            session_id,
+            id,
+            state: "queued".into(),
+            queued_at,
+            started_at: None,
+            finished_at: None,
+            log_truncated: None,
+            result: None,
+            error: None,
+            version: None,
+        }
+    }
+
     pub fn is_terminal(&self) -> bool {
         is_terminal(&self.state)
     }
@@ -309,18 +326,10 @@ mod tests {
     use super::*;
 
     fn record(id: &str, state: &str) -> ManagedExecution {
+        let queued = "2026-01-01T00:00:00.000Z".into();
         ManagedExecution {
-            agent_id: "main".into(),
-            session_id: "s".into(),
-            id: id.into(),
             state: state.into(),
-            queued_at: "2026-01-01T00:00:00.000Z".into(),
-            started_at: None,
-            finished_at: None,
-            log_truncated: None,
-            result: None,
-            error: None,
-            version: None,
+            ..ManagedExecution::queued("main".into(), "s".into(), id.into(), queued)
         }
     }
 

@@ -139,19 +139,7 @@ impl Manager {
             .unwrap_or("")
             .to_owned();
         let agent_id = request::string(&obj, "agentId").unwrap_or("").to_owned();
-        let rec = ManagedExecution {
-            agent_id,
-            session_id,
-            id: id.clone(),
-            state: "queued".into(),
-            queued_at: timefmt::now_iso(),
-            started_at: None,
-            finished_at: None,
-            log_truncated: None,
-            result: None,
-            error: None,
-            version: None,
-        };
+        let rec = ManagedExecution::queued(agent_id, session_id, id.clone(), timefmt::now_iso());
         let stored = rec.clone();
         if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
             return Err(ApiError::bad_request("execution_id_used", USED_ID));

@@ -54,12 +54,7 @@ fn openat(dir: &OwnedFd, name: &str, flags: libc::c_int) -> io::Result<OwnedFd> 
 
 /// `lstat` of `name` in `dir` (never follows a final symlink).
 fn lstat_at(dir: &OwnedFd, name: &str) -> io::Result<Metadata> {
-    std::fs::symlink_metadata(dir_path(dir).join(name))
-}
-
-/// `/proc/self/fd/N/`: a path that names the directory itself.
-pub fn dir_path(dir: &OwnedFd) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}/", dir.as_raw_fd()))
+    std::fs::symlink_metadata(fsat::fd_dir_path(dir).join(name))
 }
 
 const DIR_FLAGS: libc::c_int = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW;
@@ -105,8 +100,11 @@ pub fn open_file(root: &OwnedFd, root_path: &Path, segs: &[&str]) -> Result<(Fil
 
 /// The directory an upload lands in, created segment by segment (mode 0777 less umask).
 pub fn parent_for_write(root: &OwnedFd, parents: &[&str]) -> Result<OwnedFd, RemoteError> {
-    let mut dir =
-        root.try_clone().map_err(|e| RemoteError::Io { what: "open", path: dir_path(root), source: e })?;
+    let mut dir = root.try_clone().map_err(|e| RemoteError::Io {
+        what: "open",
+        path: fsat::fd_dir_path(root),
+        source: e,
+    })?;
     for seg in parents {
         let name = cname(seg).map_err(|_| RemoteError::ParentNotDir)?;
         // SAFETY: mkdirat relative to a directory descriptor we own.
@@ -116,7 +114,7 @@ pub fn parent_for_write(root: &OwnedFd, parents: &[&str]) -> Result<OwnedFd, Rem
             if e.kind() != io::ErrorKind::AlreadyExists {
                 return Err(RemoteError::Io {
                     what: "create the directory",
-                    path: dir_path(&dir).join(seg),
+                    path: fsat::fd_dir_path(&dir).join(seg),
                     source: e,
                 });
             }
@@ -134,7 +132,9 @@ pub fn replaced_size(parent: &OwnedFd, name: &str) -> Result<u64, RemoteError> {
         Ok(m) if m.file_type().is_file() => Ok(m.len()),
         Ok(_) => Err(RemoteError::NotRegular),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
-        Err(e) => Err(RemoteError::Io { what: "inspect", path: dir_path(parent).join(name), source: e }),
+        Err(e) => {
+            Err(RemoteError::Io { what: "inspect", path: fsat::fd_dir_path(parent).join(name), source: e })
+        }
     }
 }
 
@@ -148,8 +148,8 @@ pub fn publish(
     exec_bits: u32,
 ) -> Result<(), RemoteError> {
     let tmp = format!(".{name}.{}.tmp", crate::versioning::new_uuid_v4());
-    let io_err = |what, source| RemoteError::Io { what, path: dir_path(parent).join(name), source };
-    let tmp_path = dir_path(parent).join(&tmp);
+    let io_err = |what, source| RemoteError::Io { what, path: fsat::fd_dir_path(parent).join(name), source };
+    let tmp_path = fsat::fd_dir_path(parent).join(&tmp);
     // The mode is set while the file is still in the private staging directory: once inside
     // the workspace, its name could be swapped for a symlink by a sandbox.
     use std::os::unix::fs::PermissionsExt;
@@ -250,7 +250,7 @@ fn walk(dir: &OwnedFd, rel: &str, out: &mut Vec<Listed>, depth: usize) -> io::Re
 /// Lists the workspace (`selection: None`) or only the selected paths: directories
 /// expanded, missing paths ignored, symlinks skipped, a symlink on the way refused.
 pub fn list(root: &OwnedFd, selection: Option<&[Vec<&str>]>) -> Result<Vec<Listed>, RemoteError> {
-    let io_err = |e| RemoteError::Io { what: "list", path: dir_path(root), source: e };
+    let io_err = |e| RemoteError::Io { what: "list", path: fsat::fd_dir_path(root), source: e };
     let mut out = Vec::new();
     match selection {
         None => walk(root, "", &mut out, 0).map_err(io_err)?,
@@ -296,7 +296,7 @@ pub fn list(root: &OwnedFd, selection: Option<&[Vec<&str>]>) -> Result<Vec<Liste
 /// Empties the workspace directory (the directory itself stays). Never follows a symlink:
 /// links are removed, not their targets.
 pub fn clear(root: &OwnedFd) -> Result<(), RemoteError> {
-    let base = dir_path(root);
+    let base = fsat::fd_dir_path(root);
     let io_err = |e| RemoteError::Io { what: "clear", path: base.clone(), source: e };
     for entry in std::fs::read_dir(&base).map_err(io_err)?.flatten() {
         let path = base.join(entry.file_name());
