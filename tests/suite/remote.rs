@@ -395,3 +395,55 @@ async fn runnerctl_manages_detached_runs_and_workspace_files() {
     let out = ctl(&["show", "no-such-id"]);
     assert!(text(&out.stderr).contains("Execution not found for this Agent"));
 }
+
+/// An upload is received before the writer lease is taken: while a client is still sending
+/// one, an execution in the same workspace runs and answers; the upload then publishes.
+#[tokio::test]
+async fn a_slow_upload_does_not_hold_the_workspace() {
+    if !runner_tests::sandbox_or_skip("a_slow_upload_does_not_hold_the_workspace") {
+        return;
+    }
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = Server::start();
+    let client = server.client();
+    let mut upload = tokio::net::TcpStream::connect(server.address()).await.unwrap();
+    let head = format!(
+        "PUT /remote-workspace/file?workspace=slow/s&path=late.txt HTTP/1.1\r\nhost: runnerd\r\nauthorization: Bearer {}\r\ncontent-length: 10\r\nconnection: close\r\n\r\nfirst",
+        runner_tests::server::TEST_TOKEN
+    );
+    upload.write_all(head.as_bytes()).await.unwrap();
+    // Half the body is in; the rest is withheld while an execution uses the workspace.
+    let body =
+        runner_tests::server::keyed_shell_request("main", "s", "slow/s", "echo ran > ran.txt; echo ok");
+    let run =
+        tokio::time::timeout(std::time::Duration::from_secs(30), client.post_signed("/execute-shell", &body))
+            .await
+            .expect("the execution was held up by the pending upload")
+            .unwrap();
+    assert_eq!((run.status, run.json()["stdout"].as_str()), (200, Some("ok\n")), "{}", run.json());
+    upload.write_all(b"-half").await.unwrap();
+    let mut answer = String::new();
+    upload.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    let root = server.path("remote-workspaces/slow/s");
+    assert_eq!(std::fs::read_to_string(root.join("late.txt")).unwrap(), "first-half");
+    assert_eq!(std::fs::read_to_string(root.join("ran.txt")).unwrap(), "ran\n");
+}
+
+/// Uploads a previous runnerd left half-received are removed at start.
+#[tokio::test]
+async fn half_received_uploads_are_swept_at_start() {
+    let mut first = Server::start();
+    let data = first.data_dir.clone();
+    first.stop();
+    let staging = data.join(".runner-uploads");
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::write(staging.join("0000.upload"), "partial").unwrap();
+    std::fs::write(staging.join("keep.txt"), "not an upload").unwrap();
+    let _second = runner_tests::server::Server::start_with(runner_tests::server::ServerOptions {
+        env: vec![("SCIENCE_AGENT_DATA_DIR".into(), data.to_str().unwrap().into())],
+        ..Default::default()
+    });
+    assert!(!staging.join("0000.upload").exists());
+    assert!(staging.join("keep.txt").exists(), "only uploads are swept");
+}

@@ -526,6 +526,13 @@ mod tests {
     }
 
     #[test]
+    fn a_results_output_is_bounded_whatever_the_budget() {
+        for (budget, want) in [(0, RESULT_OUTPUT_CAP), (1000, 1000), (u64::MAX, RESULT_OUTPUT_CAP)] {
+            assert_eq!(result_budget(budget), want, "{budget}");
+        }
+    }
+
+    #[test]
     fn cursors_parse_like_javascript_number() {
         for (text, want) in [
             (None, Some(0)),
