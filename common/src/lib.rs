@@ -8,6 +8,7 @@
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
 
 pub mod channel;
+pub mod egress;
 pub mod plan;
 pub mod seccomp;
 pub mod sys;

@@ -1,0 +1,1 @@
+//! Egress policy: pure functions shared by egressd and runnerd (R-NET-*).

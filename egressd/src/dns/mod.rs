@@ -1,0 +1,1 @@
+//! A stub DNS resolver with timeouts.
