@@ -7,7 +7,11 @@
 //!   as pure rule tables compiled to classic BPF.
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
 
+#[cfg(feature = "daemon")]
+pub mod audit;
 pub mod channel;
+#[cfg(feature = "daemon")]
+pub mod channel_async;
 pub mod egress;
 pub mod plan;
 pub mod seccomp;

@@ -8,7 +8,7 @@
 
 pub mod api;
 pub mod app;
-pub mod audit;
+pub use common::audit;
 pub mod auth;
 pub mod bench;
 pub mod bench_versions;

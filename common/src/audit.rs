@@ -1,5 +1,5 @@
-//! Where runnerd's structured events go (R-OPS-2): journald under the identifier `runnerd`
-//! when runnerd runs under systemd (or `SCIENCE_AGENT_LOG_TARGET=journald`), else stderr.
+//! Where a daemon's structured events go (R-OPS-2): journald under its own identifier
+//! (`runnerd`, `egressd`) when it runs under systemd (or `SCIENCE_AGENT_LOG_TARGET=journald`), else stderr.
 //! Every decision that matters is one `tracing` event with fields (`event`, ids, outcome),
 //! never the token.
 
