@@ -1,1 +1,3 @@
 //! A stub DNS resolver with timeouts.
+
+pub mod wire;
