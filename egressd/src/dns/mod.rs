@@ -1,3 +1,4 @@
 //! A stub DNS resolver with timeouts.
 
+pub mod conf;
 pub mod wire;
