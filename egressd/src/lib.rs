@@ -1,10 +1,215 @@
-//! egressd: the egress gateway daemon (R-NET-3).
+//! egressd: the egress gateway daemon (R-NET-3). Sandboxes have no network interface; the
+//! only way out is a Unix socket bound into them, served here by a domain-allowlisting HTTP
+//! proxy, one per policy revision. It runs as its own unprivileged user, so a proxy bug
+//! cannot reach runnerd's token or workspaces, and confines itself once its sockets exist.
+//!
+//! * [`config`]: flags and variables.
+//! * [`control`]: the control socket runnerd uses (SO_PEERCRED-checked).
+//! * [`registry`]: gateways per revision, their sockets, leases and reaping.
+//! * [`proxy`]: the HTTP proxy on each gateway (decision, forwarding, tunnels).
+//! * [`dns`]: the stub resolver (no getaddrinfo).
+//! * [`own`]: this host's addresses, refused as destinations.
+//! * [`confine`]: no_new_privs, landlock, seccomp.
+//! * [`bridge`]: the in-sandbox end (`egress-bridge` binary).
 
 pub mod bridge;
+pub mod config;
+pub mod confine;
+pub mod control;
 pub mod dns;
+pub mod own;
+pub mod proxy;
+pub mod registry;
 
-/// Entry point of the `egressd` binary.
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use config::{Command, Config, UserSpec};
+use dns::{ResolverConfig, StubResolver};
+use registry::{Registry, SocketAccess};
+
+/// `<crate version> (<commit>)`.
+pub fn version() -> String {
+    env!("CARGO_PKG_VERSION").to_owned()
+}
+
+/// Entry point of the `egressd` binary; returns the exit status.
 pub fn run() -> i32 {
-    eprintln!("egressd: not assembled yet");
-    2
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let command = match config::parse(&args, |k| std::env::var(k).ok()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("egressd: {e}");
+            return 2;
+        }
+    };
+    let cfg = match command {
+        Command::Help => {
+            print!("{}", config::USAGE);
+            return 0;
+        }
+        Command::Version => {
+            println!("egressd {}", version());
+            return 0;
+        }
+        Command::CheckConfig(cfg) => {
+            return match check(&cfg) {
+                Ok(text) => {
+                    print!("{text}");
+                    0
+                }
+                Err(e) => {
+                    eprintln!("egressd: {e:#}");
+                    1
+                }
+            };
+        }
+        Command::Serve(cfg) => cfg,
+    };
+    common::audit::init("egressd");
+    match serve(cfg) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!(event = "egressd_failed", error = %format!("{e:#}"));
+            eprintln!("egressd: {e:#}");
+            1
+        }
+    }
+}
+
+fn uid_of(spec: &Option<UserSpec>) -> anyhow::Result<u32> {
+    match spec {
+        None => Ok(nix::unistd::getuid().as_raw()),
+        Some(UserSpec::Uid(uid)) => Ok(*uid),
+        Some(UserSpec::Name(name)) => nix::unistd::User::from_name(name)
+            .ok()
+            .flatten()
+            .map(|u| u.uid.as_raw())
+            .with_context(|| format!("--runner-uid: there is no user named {name:?}")),
+    }
+}
+
+fn gid_of(group: &Option<String>) -> anyhow::Result<Option<u32>> {
+    let Some(name) = group else { return Ok(None) };
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(Some(gid));
+    }
+    nix::unistd::Group::from_name(name)
+        .ok()
+        .flatten()
+        .map(|g| Some(g.gid.as_raw()))
+        .with_context(|| format!("--socket-group: there is no group named {name:?}"))
+}
+
+fn resolver_config(cfg: &Config) -> anyhow::Result<ResolverConfig> {
+    if !cfg.nameservers.is_empty() {
+        return Ok(ResolverConfig::with_nameservers(cfg.nameservers.clone()));
+    }
+    ResolverConfig::from_resolv_conf(&cfg.resolv_conf)
+        .with_context(|| format!("could not read the DNS servers from {}", cfg.resolv_conf.display()))
+}
+
+/// `--check-config`: everything `serve` validates before it touches the filesystem.
+fn check(cfg: &Config) -> anyhow::Result<String> {
+    let uid = uid_of(&cfg.runner_uid)?;
+    let gid = gid_of(&cfg.socket_group)?;
+    registry::check_path_length(&cfg.runtime_dir)?;
+    let dns = resolver_config(cfg)?;
+    Ok(format!(
+        "egressd configuration is valid:\n  control socket  {}\n  gateway sockets {}/eg/<16 hex>\n  runner uid      {uid}\n  socket group    {}\n  nameservers     {:?}\n  max tunnels     {} per gateway\n  confinement     {}\n",
+        cfg.control_socket.display(),
+        cfg.runtime_dir.display(),
+        gid.map_or("none (sockets 0600)".to_owned(), |g| format!("gid {g} (sockets 0660)")),
+        dns.nameservers,
+        cfg.max_tunnels,
+        if cfg.confine { "landlock + seccomp + no_new_privs" } else { "off (--no-confine)" },
+    ))
+}
+
+fn bind_control(path: &Path, access: SocketAccess) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("could not create {}", parent.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => std::fs::remove_file(path)?,
+        Ok(_) => anyhow::bail!("{} exists and is not a socket; refusing to replace it", path.display()),
+        Err(_) => {}
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path)
+        .with_context(|| format!("could not listen on the control socket {}", path.display()))?;
+    access.apply(path, false)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+fn serve(cfg: Config) -> anyhow::Result<()> {
+    let runner_uid = uid_of(&cfg.runner_uid)?;
+    let access = SocketAccess { group: gid_of(&cfg.socket_group)? };
+    let resolver = StubResolver::new(resolver_config(&cfg)?);
+    let shared = Arc::new(proxy::Shared {
+        resolver: Arc::new(resolver),
+        own: own::OwnAddresses::default(),
+        header_timeout: cfg.header_timeout,
+        connect_timeout: cfg.connect_timeout,
+        dns_timeout: Duration::from_secs(5),
+        tunnel_idle: cfg.tunnel_idle,
+    });
+    let registry = Arc::new(Registry::new(cfg.runtime_dir.clone(), access, cfg.max_tunnels, shared)?);
+    let listener = bind_control(&cfg.control_socket, access)?;
+
+    // Landlock binds the calling thread and its future children: confine before the
+    // runtime starts its workers.
+    let control_dir = cfg.control_socket.parent().unwrap_or(Path::new("/")).to_owned();
+    let confinement = if cfg.confine {
+        confine::apply(&registry.gateway_dir(), &control_dir).context("egressd could not confine itself")?
+    } else {
+        confine::skipped()
+    };
+    tracing::info!(
+        event = "confinement_applied",
+        landlock = %confinement.landlock,
+        seccomp = confinement.seccomp,
+        no_new_privs = confinement.no_new_privs,
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("could not start the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::UnixListener::from_std(listener)?;
+        let control = Arc::new(control::Control { registry: registry.clone(), runner_uid, confinement });
+        tracing::info!(
+            event = "egressd_started",
+            version = %version(),
+            control_socket = %cfg.control_socket.display(),
+            gateway_dir = %registry.gateway_dir().display(),
+            runner_uid,
+        );
+        let reaper = {
+            let registry = registry.clone();
+            let idle = cfg.gateway_idle;
+            tokio::spawn(async move {
+                let tick = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(30));
+                loop {
+                    tokio::time::sleep(tick).await;
+                    registry.reap(idle);
+                }
+            })
+        };
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = control::serve(listener, control) => {}
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        reaper.abort();
+        registry.close_all();
+        let _ = std::fs::remove_file(&cfg.control_socket);
+        tracing::info!(event = "egressd_stopped");
+        anyhow::Ok(())
+    })
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use crate::auth::ReplayCache;
 use crate::config::RunnerConfig;
+use crate::egress::EgressClient;
 use crate::exec::admission::Admission;
 use crate::exec::dedupe::RecentIds;
 use crate::exec::registry::Registry;
@@ -30,6 +31,8 @@ pub struct App {
     pub versions: std::sync::Arc<Versions>,
     /// Managed (background) shell executions.
     pub managed: std::sync::Arc<Manager>,
+    /// egressd and the bridge, for domain-allowlist sandboxes.
+    pub egress: EgressClient,
 }
 
 impl App {
@@ -42,6 +45,10 @@ impl App {
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
+        let egress = EgressClient {
+            control_socket: config.egress_socket.clone(),
+            bridge: crate::egress::locate_bridge(config.egress_bridge.clone()),
+        };
         App {
             config,
             token,
@@ -55,6 +62,7 @@ impl App {
             shutdown: tokio::sync::watch::Sender::new(false),
             versions,
             managed,
+            egress,
         }
     }
 }

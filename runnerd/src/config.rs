@@ -42,6 +42,10 @@ pub struct RunnerConfig {
     pub max_concurrent: usize,
     /// Ours: a client must send its request head within this time.
     pub header_read_timeout: Duration,
+    /// `SCIENCE_AGENT_EGRESS_SOCKET`: egressd's control socket.
+    pub egress_socket: PathBuf,
+    /// `SCIENCE_AGENT_EGRESS_BRIDGE_PATH`: the bridge bound into network sandboxes.
+    pub egress_bridge: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -126,6 +130,10 @@ impl RunnerConfig {
                 "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS",
                 10_000,
             )? as u64),
+            egress_socket: get("SCIENCE_AGENT_EGRESS_SOCKET")
+                .unwrap_or_else(|| crate::egress::DEFAULT_CONTROL_SOCKET.to_owned())
+                .into(),
+            egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
         })
     }
 

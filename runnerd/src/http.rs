@@ -163,7 +163,7 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     let method = req.method().as_str().to_owned();
     let path = req.uri().path().to_owned();
     if api::is_health(&method, &path) {
-        let h = api::health(&app);
+        let h = api::health(&app).await;
         return respond(h.status, h.body, None);
     }
     let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes().to_vec());

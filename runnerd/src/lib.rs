@@ -4,6 +4,7 @@
 //!   timeouts and clean kills.
 //! * [`sandbox`]: what a sandbox looks like — preflight probes and the bwrap argv.
 //! * [`startup`]: the start-up sequence that decides and prepares all of it.
+//! * [`egress`]: asking egressd for a policy's gateway (network sandboxes).
 //! * [`cli`]: the `runnerd` command line; [`bench`]: the launch benchmark.
 
 pub mod api;
@@ -17,6 +18,7 @@ pub mod client;
 pub mod config;
 pub mod coordination;
 pub mod ctl;
+pub mod egress;
 pub mod exec;
 pub mod fsat;
 pub mod http;

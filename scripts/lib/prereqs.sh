@@ -5,6 +5,8 @@ ensure_prereqs() {
     command -v bwrap >/dev/null || missing+=(bubblewrap)
     [ -x /usr/bin/python3 ] || missing+=(python3)
     command -v runuser >/dev/null || missing+=(util-linux)
+    # curl: what the network tests run inside sandboxes, through the egress bridge.
+    [ -x /usr/bin/curl ] || missing+=(curl)
     if [ "${#missing[@]}" -gt 0 ]; then
         local sudo=()
         [ "$(id -u)" = 0 ] || sudo=(sudo)

@@ -72,7 +72,14 @@ async fn health_needs_no_token_and_has_every_original_key() {
     assert_eq!(h["enforced"]["memory"], false);
     assert!(h["reasons"]["memory"].as_str().unwrap().contains("not enforced"));
     assert!(h["sandboxProfile"]["procMode"].is_string());
+    // No egressd in this test: network is unavailable, and health says why.
     assert_eq!(h["sandboxNetwork"]["available"], false);
+    assert_eq!(h["sandboxNetwork"]["modes"], json!(["none"]));
+    assert!(
+        h["sandboxNetwork"]["unavailableReason"].as_str().unwrap().contains("egressd is not reachable at"),
+        "{h}"
+    );
+    assert_eq!(h["egressd"]["reachable"], false);
     // Health is GET only: POST goes through auth, then 404.
     let post = server.client().post_json("/health", &json!({})).await.unwrap();
     assert_eq!((post.status, post.json()["error"].as_str()), (404, Some("Not found")));

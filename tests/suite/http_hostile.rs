@@ -1037,11 +1037,19 @@ async fn a_network_allowlist_fails_closed_without_the_egress_gateway() {
         body["permissionEpoch"]["networkPolicy"] = json!("domain-allowlist");
         body["permissionEpoch"]["networkAccess"] = access.clone();
         let reply = post(&server, path, &body).await;
-        expect_error(
-            &reply,
-            400,
-            "Sandbox network access is unavailable: policy \"domain-allowlist\" needs the egress gateway (egressd), which this runner does not have yet; nothing was run",
-            "network_unavailable",
+        assert_eq!(
+            (reply.status, reply.json()["code"].as_str()),
+            (400, Some("network_unavailable")),
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        let error = reply.json()["error"].as_str().unwrap().to_owned();
+        assert!(
+            error.starts_with(
+                "Sandbox network access (domain-allowlist) is unavailable: egressd is not reachable at "
+            ) && error.contains("no-egressd/control.sock")
+                && error.ends_with("nothing was run"),
+            "{error}"
         );
         assert_nothing_ran(&ws);
     }

@@ -1,6 +1,7 @@
 //! Test support: where the built binaries are, whether this host can run sandboxes (and
 //! what to do when it cannot), and a fixture that runs scripts in real sandboxes.
 
+pub mod egress;
 pub mod server;
 
 use std::path::{Path, PathBuf};

@@ -21,4 +21,3 @@ pub use address::{Class, classify, permitted};
 pub use allowlist::{Allowlist, AllowlistError, Entry, Pattern};
 pub use route::{ProxyEndpoint, ProxySetting, Route, RouteError, route_for};
 pub use target::{Host, Target, TargetError, normalize_host, parse_absolute_url, parse_connect_authority};
-

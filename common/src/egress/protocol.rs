@@ -52,9 +52,13 @@ pub struct EgressStatus {
 pub enum ControlResponse {
     Status(EgressStatus),
     /// The gateway socket to bind into the sandbox at [`SANDBOX_SOCKET`].
-    Gateway { socket_path: PathBuf },
+    Gateway {
+        socket_path: PathBuf,
+    },
     /// Refused, with a sentence an operator (and the API caller) can act on.
-    Refused { reason: String },
+    Refused {
+        reason: String,
+    },
 }
 
 /// Where the gateway socket appears inside a sandbox (internals §3.8).

@@ -1,17 +1,55 @@
 //! `GET /health` (contract §4): every key of the original, with honest values, plus what
 //! api.md improvement 5 adds — per-limit `enforced` with `reasons`, the preflight's
 //! `sandboxProfile`, and the reachability of the helper daemons. No disk access, no
-//! subprocess: everything was decided at start-up.
+//! subprocess: everything was decided at start-up, except egressd's reachability, which
+//! the caller asked egressd a moment ago (R-NET-3: health says when network is unavailable).
 
 use serde_json::{Value, json};
 
 use crate::app::{App, runner_version};
+use crate::egress::EgressError;
+use common::egress::protocol::EgressStatus;
 use common::seccomp::Profile;
 
 const NOT_YET_LIMITS: &str =
     "not enforced: this runner has no cgroup limits yet (cgroupMode none); only rlimits apply";
 
-pub fn health(app: &App) -> Value {
+/// `sandboxNetwork` and the `egressd` block from egressd's answer (or why there is none).
+fn network(app: &App, egress: &Result<EgressStatus, EgressError>) -> (Value, Value) {
+    let bridge = app.egress.bridge_ready().map_err(|e| e.to_string());
+    match (egress, bridge) {
+        (Ok(status), Ok(_)) => (
+            json!({"available": true, "modes": ["none", "domain-allowlist"]}),
+            json!({
+                "reachable": true,
+                "controlSocket": app.egress.control_socket,
+                "bridge": app.egress.bridge,
+                "version": status.version,
+                "gateways": status.gateways,
+                "openConnections": status.open_connections,
+                "confinement": {
+                    "landlock": status.confinement.landlock,
+                    "seccomp": status.confinement.seccomp,
+                    "noNewPrivileges": status.confinement.no_new_privs,
+                },
+            }),
+        ),
+        (Ok(_), Err(bridge)) => (
+            json!({"available": false, "modes": ["none"], "unavailableReason": format!("Sandbox network access (domain-allowlist) is unavailable: {bridge}")}),
+            json!({"reachable": true, "controlSocket": app.egress.control_socket, "bridge": app.egress.bridge}),
+        ),
+        (Err(e), _) => {
+            let reason = crate::error_chain(e);
+            (
+                json!({"available": false, "modes": ["none"], "unavailableReason": format!("Sandbox network access (domain-allowlist) is unavailable: {reason}; start egressd or set SCIENCE_AGENT_EGRESS_SOCKET")}),
+                json!({"reachable": false, "controlSocket": app.egress.control_socket, "reason": reason}),
+            )
+        }
+    }
+}
+
+pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
+    let (sandbox_network, egressd) = network(app, egress);
     let cfg = &app.config;
     let cap = &app.sandbox.capability;
     let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
@@ -31,11 +69,7 @@ pub fn health(app: &App) -> Value {
         "platform": "linux",
         "runnerVersion": runner_version(),
         "sandbox": "bubblewrap",
-        "sandboxNetwork": {
-            "available": false,
-            "modes": ["none"],
-            "unavailableReason": "the egress gateway (egressd) is not part of this runner yet; sandboxes have no network",
-        },
+        "sandboxNetwork": sandbox_network,
         "scientificEnvs": {
             "available": false,
             "enabled": false,
@@ -64,7 +98,7 @@ pub fn health(app: &App) -> Value {
             } else {
                 "maxWorkspaceBytes is 0 (unlimited)"
             },
-            "seccomp": if cap.sandbox_usable { "baseline profile on every execution" } else { "no sandbox can be built on this host" },
+            "seccomp": if cap.sandbox_usable { "the baseline profile on every execution (the network profile for domain-allowlist runs)" } else { "no sandbox can be built on this host" },
             "nestedUserNamespaces": match cap.reason {
                 crate::sandbox::preflight::CapabilityReason::Supported => "--disable-userns, and clone(CLONE_NEWUSER)/unshare denied by seccomp",
                 _ => "--disable-userns unavailable; clone(CLONE_NEWUSER)/unshare still denied by seccomp",
@@ -78,7 +112,7 @@ pub fn health(app: &App) -> Value {
             "reason": cap.reason,
             "warnings": warnings,
         },
-        "egressd": {"reachable": false, "reason": "not part of this runner yet"},
+        "egressd": egressd,
         "npuBrokerd": {"reachable": false, "reason": "not part of this runner yet"},
         "queue": {"admitted": app.admission.admitted(), "capacity": cfg.queue_capacity, "maxConcurrent": cfg.max_concurrent},
     })

@@ -72,9 +72,10 @@ pub fn is_health(method: &str, path: &str) -> bool {
     method == "GET" && path == "/health"
 }
 
-/// Answers `GET /health` (no auth, no disk, no subprocess).
-pub fn health(app: &App) -> ApiResponse {
-    ApiResponse::json(200, health::health(app).to_string())
+/// Answers `GET /health` (no auth, no disk, no subprocess; one bounded question to egressd).
+pub async fn health(app: &App) -> ApiResponse {
+    let egress = app.egress.status().await;
+    ApiResponse::json(200, health::health(app, &egress).to_string())
 }
 
 /// The bearer check, made before the body is read (contract §1.3).

@@ -22,9 +22,11 @@ use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
 use crate::coordination::CoordError;
 use crate::launch::{Launch, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
-use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
+use crate::sandbox::{EgressMount, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
 use crate::timefmt;
 use crate::writer::WriteError;
+use common::egress::protocol::GatewayPolicy;
+use common::egress::route::ProxySetting;
 use common::plan::FIRST_EXTRA_FD;
 use registry::ActiveExecution;
 use request::{Object, Route};
@@ -168,7 +170,8 @@ pub async fn execute(
         .ok_or_else(|| ApiError::bad_request("agent_id_required", "Agent ID is required"))?
         .to_owned();
 
-    let prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
+    let mut prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
+    attach_egress(&app, &mut prepared).await?;
 
     let _ticket = ticket;
     let registration = app.registry.register(ActiveExecution {
@@ -254,6 +257,10 @@ pub struct Prepared {
     pub code: String,
     pub environment_revision_id: String,
     pub network: request::NetworkAccess,
+    /// How allowed egress leaves this host (`sandboxEgressProxy`).
+    pub egress_route: ProxySetting,
+    /// The gateway held for this run ([`attach_egress`]); `None` without network.
+    pub egress: Option<crate::egress::EgressLease>,
     pub timeout_ms: u64,
     pub max_output: u64,
     pub max_workspace: u64,
@@ -308,15 +315,27 @@ pub fn prepare(
         }
     };
     let network = request::network_access(obj);
-    if network.mode != "none" {
-        return Err(unavailable(
-            "network_unavailable",
-            format!(
-                "Sandbox network access is unavailable: policy {:?} needs the egress gateway (egressd), which this runner does not have yet; nothing was run",
-                network.mode
-            ),
-        ));
-    }
+    let egress_route = match network.mode.as_str() {
+        "none" => ProxySetting::Direct,
+        "domain-allowlist" => {
+            if network.revision.trim().is_empty() || network.revision == "none" {
+                return Err(ApiError::bad_request(
+                    "invalid_network_access",
+                    "permissionEpoch.networkAccess.revision is required for a domain-allowlist policy",
+                ));
+            }
+            crate::egress::proxy_setting(obj.get("sandboxEgressProxy"))
+                .map_err(|m| ApiError::bad_request("invalid_egress_proxy", m))?
+        }
+        other => {
+            return Err(unavailable(
+                "network_unavailable",
+                format!(
+                    "Sandbox network access is unavailable: policy {other:?} is not supported (only \"none\" and \"domain-allowlist\"); nothing was run"
+                ),
+            ));
+        }
+    };
     if obj.get("npuDevices").and_then(Value::as_array).is_some_and(|d| !d.is_empty()) {
         return Err(unavailable(
             "npu_unavailable",
@@ -351,11 +370,43 @@ pub fn prepare(
         code,
         environment_revision_id,
         network,
+        egress_route,
+        egress: None,
         timeout_ms,
         max_output,
         max_workspace,
         cwd,
     })
+}
+
+/// For a domain-allowlist request: the policy's gateway from egressd, held until the
+/// prepared run is dropped. Fails closed (400 `network_unavailable`) when egressd or the
+/// bridge is missing, so an unfiltered run never happens.
+pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), ApiError> {
+    if p.network.mode != "domain-allowlist" || p.egress.is_some() {
+        return Ok(());
+    }
+    let policy = GatewayPolicy {
+        revision: p.network.revision.clone(),
+        allowed_domains: p.network.allowed_domains.clone(),
+        allow_private_network: p.network.allow_private_network,
+    };
+    match app.egress.acquire(policy, p.egress_route.clone()).await {
+        Ok(lease) => {
+            p.egress = Some(lease);
+            Ok(())
+        }
+        Err(e) => {
+            tracing::warn!(event = "egress_unavailable", execution_id = %p.execution_id, revision = %p.network.revision, error = %crate::error_chain(&e));
+            Err(unavailable(
+                "network_unavailable",
+                format!(
+                    "Sandbox network access (domain-allowlist) is unavailable: {}; nothing was run",
+                    crate::error_chain(&e)
+                ),
+            ))
+        }
+    }
 }
 
 fn sandbox_shape(app: &App) -> Result<crate::sandbox::SandboxShape, ApiError> {
@@ -416,6 +467,18 @@ pub async fn run_sandbox(
     }
 
     let layout = WorkspaceLayout::new(root.clone(), p.read_only.clone());
+    let egress_mount = match (&p.egress, p.network.mode.as_str()) {
+        (Some(lease), _) => {
+            Some(EgressMount { bridge: app.egress.bridge.clone(), gateway_socket: lease.socket.clone() })
+        }
+        (None, "none") => None,
+        (None, _) => {
+            return Err(unavailable(
+                "network_unavailable",
+                "Sandbox network access (domain-allowlist) is unavailable: no egress gateway was acquired; nothing was run",
+            ));
+        }
+    };
     let cmd = argv::build(&SandboxSpec {
         shape,
         host: &app.sandbox.host,
@@ -429,6 +492,7 @@ pub async fn run_sandbox(
             root: FIRST_EXTRA_FD,
             read_only: parent_fd.as_ref().map(|_| FIRST_EXTRA_FD + 1),
         }),
+        egress: egress_mount.as_ref(),
     });
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();

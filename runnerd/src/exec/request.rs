@@ -107,10 +107,20 @@ pub fn bytes_error(label: &str) -> String {
 
 /// The network access a request's permission epoch grants (contract §2A "Network policy"):
 /// `networkAccess` only if its mode equals `networkPolicy`, else none.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NetworkAccess {
     pub mode: String,
     pub revision: String,
+    /// Strings only; anything else in the array is dropped (egressd skips entries that do
+    /// not parse, as the original's matcher does).
+    pub allowed_domains: Vec<String>,
+    pub allow_private_network: bool,
+}
+
+impl NetworkAccess {
+    fn none() -> NetworkAccess {
+        NetworkAccess { mode: "none".into(), revision: "none".into(), ..NetworkAccess::default() }
+    }
 }
 
 pub fn network_access(obj: &Object) -> NetworkAccess {
@@ -122,9 +132,18 @@ pub fn network_access(obj: &Object) -> NetworkAccess {
             NetworkAccess {
                 mode: policy.to_owned(),
                 revision: access.get("revision").and_then(Value::as_str).unwrap_or("none").to_owned(),
+                allowed_domains: access
+                    .get("allowedDomains")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
+                    .unwrap_or_default(),
+                allow_private_network: access
+                    .get("allowPrivateNetwork")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
             }
         }
-        _ => NetworkAccess { mode: "none".into(), revision: "none".into() },
+        _ => NetworkAccess::none(),
     }
 }
 
@@ -220,14 +239,21 @@ mod tests {
 
     #[test]
     fn network_access_follows_the_epoch_only_when_modes_agree() {
-        let none = NetworkAccess { mode: "none".into(), revision: "none".into() };
+        let none = NetworkAccess::none();
         assert_eq!(network_access(&obj(json!({}))), none);
         let mismatch = json!({"permissionEpoch": {"networkPolicy": "none", "networkAccess": {"mode": "domain-allowlist", "revision": "r1"}}});
         assert_eq!(network_access(&obj(mismatch)), none);
-        let allow = json!({"permissionEpoch": {"networkPolicy": "domain-allowlist", "networkAccess": {"mode": "domain-allowlist", "revision": "r1"}}});
+        let allow = json!({"permissionEpoch": {"networkPolicy": "domain-allowlist", "networkAccess": {
+            "mode": "domain-allowlist", "revision": "r1", "allowedDomains": ["pypi.org", 7, "*.example.com"],
+            "allowPrivateNetwork": true}}});
         assert_eq!(
             network_access(&obj(allow)),
-            NetworkAccess { mode: "domain-allowlist".into(), revision: "r1".into() }
+            NetworkAccess {
+                mode: "domain-allowlist".into(),
+                revision: "r1".into(),
+                allowed_domains: vec!["pypi.org".into(), "*.example.com".into()],
+                allow_private_network: true,
+            }
         );
     }
 }

@@ -248,6 +248,7 @@ impl Manager {
             // The full retained output is in the logs (and the version's blobs); the copy in
             // `result` is bounded so that a huge or unlimited budget cannot exhaust memory.
             p.max_output = result_budget(p.max_output);
+            exec::attach_egress(&app, &mut p).await?;
             exec::run_sandbox(&app, &p, started_at, Some(&mut sink), cancel.clone(), writer.pinned()).await
         }
         .await;

@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
+use common::egress::protocol;
 use common::seccomp::Profile;
 use serde::Serialize;
 
@@ -145,6 +146,17 @@ pub struct SandboxSpec<'a> {
     pub science_env: Option<&'a Path>,
     /// Bind the workspace from these descriptors instead of by path.
     pub workspace_fds: Option<WorkspaceFds>,
+    /// A domain-allowlist sandbox: the bridge and the gateway socket to bind (R-NET-2).
+    pub egress: Option<&'a EgressMount>,
+}
+
+/// What a network sandbox gets: still no interface (`--unshare-all`, never `--share-net`);
+/// the bridge, read-only, and the policy's gateway socket; the proxy variables; the bridge
+/// as command prefix; and the `network` seccomp profile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressMount {
+    pub bridge: PathBuf,
+    pub gateway_socket: PathBuf,
 }
 
 impl<'a> SandboxSpec<'a> {
@@ -166,6 +178,7 @@ impl<'a> SandboxSpec<'a> {
             python: "/usr/bin/python3",
             science_env: None,
             workspace_fds: None,
+            egress: None,
         }
     }
 }
@@ -228,6 +241,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         let prefix = lossy(prefix);
         push(&mut args, &["--ro-bind", &prefix, SCIENCE_ENV_MOUNT, "--ro-bind", &prefix, &prefix]);
     }
+    if let Some(egress) = spec.egress {
+        push(&mut args, &["--ro-bind", &lossy(&egress.bridge), protocol::SANDBOX_BRIDGE]);
+        push(&mut args, &["--bind", &lossy(&egress.gateway_socket), protocol::SANDBOX_SOCKET]);
+    }
     spec.workspace.bind_args(&mut args, spec.workspace_fds);
 
     let cwd = match spec.cwd {
@@ -248,6 +265,11 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         Language::Shell => {}
     }
     env.extend(spec.host.env());
+    if spec.egress.is_some() {
+        env.extend(
+            protocol::PROXY_VARIABLES.iter().map(|k| ((*k).to_owned(), protocol::PROXY_URL.to_owned())),
+        );
+    }
     for (k, v) in &env {
         push(&mut args, &["--setenv", k, v]);
     }
@@ -258,8 +280,18 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         Language::Python => &[python, "-I", "-"],
         Language::R => &["/opt/science-env/bin/R", "--vanilla", "--slave"],
     };
-    let command = command.iter().map(|s| (*s).to_owned()).collect();
-    SandboxCommand { options: args, command, env, cwd, seccomp: Profile::Baseline }
+    let mut argv: Vec<String> = Vec::with_capacity(command.len() + 6);
+    let mut seccomp = Profile::Baseline;
+    if spec.egress.is_some() {
+        let port = protocol::BRIDGE_PORT.to_string();
+        argv.extend(
+            [protocol::SANDBOX_BRIDGE, "--socket", protocol::SANDBOX_SOCKET, "--port", &port, "--"]
+                .map(str::to_owned),
+        );
+        seccomp = Profile::Network;
+    }
+    argv.extend(command.iter().map(|s| (*s).to_owned()));
+    SandboxCommand { options: args, command: argv, env, cwd, seccomp }
 }
 
 #[cfg(test)]
@@ -573,5 +605,53 @@ mod tests {
         );
         assert!(position(&cmd.args(), &["--ro-bind", "/etc/ssl/certs", "/etc/ssl/certs"]).is_some());
         assert_eq!(cmd.env[2].0, "SSL_CERT_FILE");
+    }
+
+    #[test]
+    fn a_network_sandbox_still_has_no_network_and_reaches_out_only_through_the_bridge() {
+        let h = host();
+        let ws = plain();
+        let mount = EgressMount {
+            bridge: "/usr/libexec/x/egress-bridge".into(),
+            gateway_socket: "/run/egressd/eg/0123456789abcdef".into(),
+        };
+        let mut s = spec(&h, &ws, FULL);
+        let none = build(&s);
+        assert!(none.options.iter().all(|a| a != "--share-net" && !a.contains("egress")));
+        assert_eq!(none.seccomp, Profile::Baseline);
+        assert_eq!(none.command[0], "/usr/bin/bash");
+        s.egress = Some(&mount);
+        let cmd = build(&s);
+        assert!(cmd.options.contains(&"--unshare-all".to_owned()));
+        assert!(!cmd.options.contains(&"--share-net".to_owned()));
+        let socket_bind = position(
+            &cmd.options,
+            &["--bind", "/run/egressd/eg/0123456789abcdef", "/run/sciencediscovery/egress.sock"],
+        );
+        let bridge_bind = position(
+            &cmd.options,
+            &["--ro-bind", "/usr/libexec/x/egress-bridge", "/opt/sciencediscovery-net/egress-bridge"],
+        );
+        let workspace = position(&cmd.options, &["--bind", "/data/projects/p/ws", "/workspace"]).unwrap();
+        assert!(
+            bridge_bind.unwrap() < socket_bind.unwrap() && socket_bind.unwrap() < workspace,
+            "egress binds come before the workspace (original §2.2 item 18)"
+        );
+        let keys: Vec<&str> = cmd.env.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["HOME", "PATH", "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"]);
+        assert!(cmd.env[2..].iter().all(|(_, v)| v == "http://127.0.0.1:18118"));
+        assert_eq!(
+            cmd.command[..6],
+            [
+                "/opt/sciencediscovery-net/egress-bridge",
+                "--socket",
+                "/run/sciencediscovery/egress.sock",
+                "--port",
+                "18118",
+                "--"
+            ]
+        );
+        assert_eq!(cmd.command[6], "/usr/bin/bash");
+        assert_eq!(cmd.seccomp, Profile::Network);
     }
 }

@@ -6,6 +6,6 @@ pub mod host;
 pub mod preflight;
 
 pub use argv::{
-    Language, ProcMode, SandboxCommand, SandboxShape, SandboxSpec, WorkspaceFds, WorkspaceLayout,
+    EgressMount, Language, ProcMode, SandboxCommand, SandboxShape, SandboxSpec, WorkspaceFds, WorkspaceLayout,
 };
 pub use host::HostRuntime;

@@ -1,0 +1,232 @@
+//! Self-confinement after start-up (R-OPS-3): egressd parses untrusted bytes from every
+//! sandbox, so once its sockets exist it gives up what a proxy never needs.
+//!
+//! * `no_new_privs`: nothing it could exec would gain privileges.
+//! * landlock (best effort; the outcome is reported, never assumed): the only filesystem
+//!   access left is creating and removing gateway sockets in `<runtime>/eg` and removing the
+//!   control socket at shutdown.
+//! * a seccomp filter of its own: no exec, no namespaces or mounts, no ptrace or
+//!   cross-process memory access, no kernel-module, BPF, keyring, io_uring or clock calls —
+//!   each answered with EPERM. A deny list rather than an allow list: tokio and glibc pick
+//!   their syscalls by kernel version, and a proxy killed by a missing entry would take
+//!   every sandbox's network with it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::egress::protocol::Confinement;
+use landlock::{
+    ABI, Access, AccessFs, CompatLevel, Compatible, RestrictionStatus, Ruleset, RulesetAttr,
+    RulesetCreatedAttr, RulesetStatus, path_beneath_rules,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    #[error("could not set no_new_privs")]
+    NoNewPrivs(#[source] std::io::Error),
+    #[error("could not build egressd's seccomp filter")]
+    Seccomp(#[source] seccompiler::Error),
+    #[error("could not install egressd's seccomp filter")]
+    SeccompInstall(#[source] seccompiler::Error),
+}
+
+/// The calls egressd never makes (numbers for the build architecture).
+pub fn denied_syscalls() -> Vec<i64> {
+    let mut calls = vec![
+        libc::SYS_execve,
+        libc::SYS_execveat,
+        libc::SYS_ptrace,
+        libc::SYS_process_vm_readv,
+        libc::SYS_process_vm_writev,
+        libc::SYS_mount,
+        libc::SYS_umount2,
+        libc::SYS_pivot_root,
+        libc::SYS_chroot,
+        libc::SYS_unshare,
+        libc::SYS_setns,
+        libc::SYS_bpf,
+        libc::SYS_perf_event_open,
+        libc::SYS_keyctl,
+        libc::SYS_add_key,
+        libc::SYS_request_key,
+        libc::SYS_init_module,
+        libc::SYS_finit_module,
+        libc::SYS_delete_module,
+        libc::SYS_kexec_load,
+        libc::SYS_reboot,
+        libc::SYS_swapon,
+        libc::SYS_swapoff,
+        libc::SYS_userfaultfd,
+        libc::SYS_io_uring_setup,
+        libc::SYS_io_uring_enter,
+        libc::SYS_io_uring_register,
+        libc::SYS_open_by_handle_at,
+        libc::SYS_name_to_handle_at,
+        libc::SYS_acct,
+        libc::SYS_quotactl,
+        libc::SYS_syslog,
+        libc::SYS_fanotify_init,
+        libc::SYS_move_mount,
+        libc::SYS_open_tree,
+        libc::SYS_fsopen,
+        libc::SYS_fsconfig,
+        libc::SYS_fsmount,
+        libc::SYS_fspick,
+        libc::SYS_mount_setattr,
+        libc::SYS_settimeofday,
+        libc::SYS_clock_settime,
+        libc::SYS_clock_adjtime,
+        libc::SYS_adjtimex,
+        libc::SYS_pidfd_getfd,
+    ];
+    #[cfg(target_arch = "x86_64")]
+    calls.extend([
+        libc::SYS_fork,
+        libc::SYS_vfork,
+        libc::SYS_kexec_file_load,
+        libc::SYS_iopl,
+        libc::SYS_ioperm,
+    ]);
+    calls
+}
+
+fn arch() -> Result<seccompiler::TargetArch, ConfineError> {
+    std::env::consts::ARCH
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| ConfineError::Seccomp(seccompiler::Error::Backend(e)))
+}
+
+/// Installs the deny-list filter on every thread of the process.
+pub fn install_seccomp() -> Result<(), ConfineError> {
+    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
+        denied_syscalls().into_iter().map(|n| (n, Vec::new())).collect();
+    let filter = seccompiler::SeccompFilter::new(
+        rules,
+        seccompiler::SeccompAction::Allow,
+        seccompiler::SeccompAction::Errno(libc::EPERM as u32),
+        arch()?,
+    )
+    .map_err(|e| ConfineError::Seccomp(seccompiler::Error::Backend(e)))?;
+    let program: seccompiler::BpfProgram =
+        filter.try_into().map_err(|e| ConfineError::Seccomp(seccompiler::Error::Backend(e)))?;
+    seccompiler::apply_filter_all_threads(&program).map_err(ConfineError::SeccompInstall)
+}
+
+fn set_no_new_privs() -> Result<(), ConfineError> {
+    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) takes no pointers and only sets a
+    // process flag.
+    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    if rc != 0 {
+        return Err(ConfineError::NoNewPrivs(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Landlock, best effort: `enforced`, `partial`, or `unsupported: <why>`.
+pub fn landlock(gateway_dir: &Path, control_dir: &Path) -> String {
+    let abi = ABI::V5;
+    let sockets = AccessFs::MakeSock | AccessFs::RemoveFile | AccessFs::ReadDir;
+    let attempt = || -> Result<RestrictionStatus, landlock::RulesetError> {
+        Ruleset::default()
+            .set_compatibility(CompatLevel::BestEffort)
+            .handle_access(AccessFs::from_all(abi))?
+            .create()?
+            .add_rules(path_beneath_rules([gateway_dir], sockets))?
+            .add_rules(path_beneath_rules([control_dir], AccessFs::RemoveFile))?
+            .restrict_self()
+    };
+    match attempt() {
+        Ok(status) => match status.ruleset {
+            RulesetStatus::FullyEnforced => "enforced".into(),
+            RulesetStatus::PartiallyEnforced => "partial".into(),
+            RulesetStatus::NotEnforced => {
+                "unsupported: this kernel has no landlock (or it is disabled)".into()
+            }
+        },
+        Err(e) => format!("unsupported: {e}"),
+    }
+}
+
+/// Everything, in order; what could not be applied is reported, and a failure of the
+/// mandatory parts (no_new_privs, seccomp) is an error.
+pub fn apply(gateway_dir: &Path, control_dir: &Path) -> Result<Confinement, ConfineError> {
+    set_no_new_privs()?;
+    let landlock = landlock(gateway_dir, control_dir);
+    install_seccomp()?;
+    Ok(Confinement { landlock, seccomp: true, no_new_privs: true })
+}
+
+/// What `--no-confine` reports.
+pub fn skipped() -> Confinement {
+    Confinement {
+        landlock: "unsupported: disabled by --no-confine".into(),
+        seccomp: false,
+        no_new_privs: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHILD: &str = "EGRESSD_CONFINE_TEST_CHILD";
+
+    /// Runs `test` in a fresh copy of this test binary, so the confinement stays there.
+    fn in_child(test: &str) -> std::process::Output {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_confined_egressd_cannot_exec_unshare_or_write_outside_its_directory() {
+        if std::env::var_os(CHILD).is_none() {
+            let out = in_child(
+                "confine::tests::a_confined_egressd_cannot_exec_unshare_or_write_outside_its_directory",
+            );
+            let text =
+                String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{text}");
+            assert!(text.contains("CONFINED-OK"), "{text}");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (eg, control, other) = (dir.path().join("eg"), dir.path().join("ctl"), dir.path().join("other"));
+        for d in [&eg, &control, &other] {
+            std::fs::create_dir(d).unwrap();
+        }
+        let report = apply(&eg, &control).unwrap();
+        assert!(report.seccomp && report.no_new_privs);
+        let exec = std::process::Command::new("/bin/true").status();
+        assert_eq!(exec.unwrap_err().raw_os_error(), Some(libc::EPERM));
+        // SAFETY: unshare takes a flag word only.
+        let rc = unsafe { libc::unshare(libc::CLONE_NEWUSER) };
+        assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+        std::os::unix::net::UnixListener::bind(eg.join("sock")).unwrap();
+        if report.landlock == "enforced" || report.landlock == "partial" {
+            assert!(std::fs::write(other.join("f"), b"x").is_err(), "landlock let a file be written outside");
+            assert!(std::os::unix::net::UnixListener::bind(other.join("sock")).is_err());
+        } else {
+            eprintln!("NOTE: landlock is not available here ({}); only seccomp was checked", report.landlock);
+        }
+        println!("CONFINED-OK landlock={}", report.landlock);
+    }
+
+    #[test]
+    fn the_deny_list_compiles_for_this_architecture() {
+        assert!(denied_syscalls().contains(&libc::SYS_execve));
+        let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
+            denied_syscalls().into_iter().map(|n| (n, Vec::new())).collect();
+        let filter = seccompiler::SeccompFilter::new(
+            rules,
+            seccompiler::SeccompAction::Allow,
+            seccompiler::SeccompAction::Errno(libc::EPERM as u32),
+            arch().unwrap(),
+        )
+        .unwrap();
+        let program: seccompiler::BpfProgram = filter.try_into().unwrap();
+        assert!(program.len() > denied_syscalls().len());
+    }
+}

@@ -1,0 +1,182 @@
+//! runnerd's side of egressd (R-NET-2, R-NET-3): asks for the gateway of a request's
+//! policy revision over egressd's control socket and holds the lease while the sandbox
+//! runs. runnerd never proxies a byte itself; a domain-allowlist run without a reachable
+//! egressd or bridge fails closed before anything starts.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::channel::ChannelError;
+use common::channel_async::{read_message, write_message};
+use common::egress::protocol::{ControlRequest, ControlResponse, EgressStatus, GatewayPolicy};
+use common::egress::route::ProxySetting;
+use tokio::net::UnixStream;
+
+/// `/health` waits this long for egressd.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(1);
+/// An acquire (which may create the gateway) waits this long.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default control socket, the same as egressd's own default.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/egressd/control.sock";
+
+#[derive(Debug, thiserror::Error)]
+pub enum EgressError {
+    #[error("egressd is not reachable at {path}")]
+    Unreachable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("egressd at {path} did not answer within {after:?}")]
+    Timeout { path: PathBuf, after: Duration },
+    #[error("egressd at {path} answered with something else than the protocol")]
+    Protocol {
+        path: PathBuf,
+        #[source]
+        source: ChannelError,
+    },
+    #[error("egressd refused: {0}")]
+    Refused(String),
+    #[error("egressd answered an unexpected message")]
+    Unexpected,
+    #[error(
+        "the egress bridge was not found at {0}; install it next to runnerd or set SCIENCE_AGENT_EGRESS_BRIDGE_PATH"
+    )]
+    BridgeMissing(PathBuf),
+}
+
+/// Where egressd and the bridge are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressClient {
+    pub control_socket: PathBuf,
+    pub bridge: PathBuf,
+}
+
+/// A gateway held for one sandbox: bind `socket` into it; dropping this releases it.
+#[derive(Debug)]
+pub struct EgressLease {
+    pub socket: PathBuf,
+    _connection: UnixStream,
+}
+
+/// The bridge next to the running executable (a cargo build, or the package's libexec
+/// directory), unless configured.
+pub fn locate_bridge(configured: Option<PathBuf>) -> PathBuf {
+    if let Some(path) = configured {
+        return path;
+    }
+    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("egress-bridge")));
+    match beside {
+        Some(path) if path.exists() => path,
+        _ => PathBuf::from("/usr/libexec/sciencediscovery/egress-bridge"),
+    }
+}
+
+impl EgressClient {
+    async fn ask(
+        &self,
+        request: &ControlRequest,
+        timeout: Duration,
+    ) -> Result<(ControlResponse, UnixStream), EgressError> {
+        let path = &self.control_socket;
+        let exchange = async {
+            let mut stream = UnixStream::connect(path)
+                .await
+                .map_err(|source| EgressError::Unreachable { path: path.clone(), source })?;
+            let protocol = |source| EgressError::Protocol { path: path.clone(), source };
+            write_message(&mut stream, request).await.map_err(protocol)?;
+            let answer: ControlResponse = read_message(&mut stream).await.map_err(protocol)?;
+            Ok((answer, stream))
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| EgressError::Timeout { path: path.clone(), after: timeout })?
+    }
+
+    /// egressd's self-description, or why it cannot be reached.
+    pub async fn status(&self) -> Result<EgressStatus, EgressError> {
+        match self.ask(&ControlRequest::Status, STATUS_TIMEOUT).await?.0 {
+            ControlResponse::Status(s) => Ok(s),
+            ControlResponse::Refused { reason } => Err(EgressError::Refused(reason)),
+            ControlResponse::Gateway { .. } => Err(EgressError::Unexpected),
+        }
+    }
+
+    /// The bridge exists and is a file.
+    pub fn bridge_ready(&self) -> Result<&Path, EgressError> {
+        match std::fs::metadata(&self.bridge) {
+            Ok(m) if m.is_file() => Ok(&self.bridge),
+            _ => Err(EgressError::BridgeMissing(self.bridge.clone())),
+        }
+    }
+
+    /// The gateway of `policy`, held until the lease is dropped.
+    pub async fn acquire(
+        &self,
+        policy: GatewayPolicy,
+        route: ProxySetting,
+    ) -> Result<EgressLease, EgressError> {
+        self.bridge_ready()?;
+        let (answer, stream) = self.ask(&ControlRequest::Acquire { policy, route }, ACQUIRE_TIMEOUT).await?;
+        match answer {
+            ControlResponse::Gateway { socket_path } => {
+                Ok(EgressLease { socket: socket_path, _connection: stream })
+            }
+            ControlResponse::Refused { reason } => Err(EgressError::Refused(reason)),
+            ControlResponse::Status(_) => Err(EgressError::Unexpected),
+        }
+    }
+}
+
+/// The request's `sandboxEgressProxy` (`{mode:"direct"|"environment"|"url", url?}`); absent
+/// means direct. `environment` means the runner's own proxy variables, as in the original:
+/// they are captured here and sent along, since egressd runs with an environment of its own.
+pub fn proxy_setting(value: Option<&serde_json::Value>) -> Result<ProxySetting, String> {
+    let Some(v) = value.filter(|v| !v.is_null()) else { return Ok(ProxySetting::Direct) };
+    match v.get("mode").and_then(serde_json::Value::as_str) {
+        Some("direct") => Ok(ProxySetting::Direct),
+        Some("environment") => Ok(ProxySetting::capture_environment(|k| std::env::var(k).ok())),
+        Some("url") => match v.get("url").and_then(serde_json::Value::as_str) {
+            Some(url) if !url.trim().is_empty() => Ok(ProxySetting::Url(url.to_owned())),
+            _ => Err("sandboxEgressProxy mode \"url\" needs a url".into()),
+        },
+        _ => Err("sandboxEgressProxy.mode must be \"direct\", \"environment\" or \"url\"".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn proxy_settings_from_requests() {
+        assert_eq!(proxy_setting(None), Ok(ProxySetting::Direct));
+        assert_eq!(proxy_setting(Some(&json!(null))), Ok(ProxySetting::Direct));
+        assert_eq!(proxy_setting(Some(&json!({"mode": "direct"}))), Ok(ProxySetting::Direct));
+        assert_eq!(
+            proxy_setting(Some(&json!({"mode": "url", "url": "http://proxy:3128"}))),
+            Ok(ProxySetting::Url("http://proxy:3128".into()))
+        );
+        assert!(matches!(
+            proxy_setting(Some(&json!({"mode": "environment"}))),
+            Ok(ProxySetting::Environment(_))
+        ));
+        assert!(proxy_setting(Some(&json!({"mode": "url"}))).is_err());
+        assert!(proxy_setting(Some(&json!({"mode": "socks"}))).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_absent_egressd_is_reported_with_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let client =
+            EgressClient { control_socket: dir.path().join("none.sock"), bridge: dir.path().join("bridge") };
+        let err = client.status().await.unwrap_err().to_string();
+        assert!(err.contains("egressd is not reachable at") && err.contains("none.sock"), "{err}");
+        let policy =
+            GatewayPolicy { revision: "r".into(), allowed_domains: vec![], allow_private_network: false };
+        let err = client.acquire(policy, ProxySetting::Direct).await.unwrap_err().to_string();
+        assert!(err.contains("egress bridge was not found"), "{err}");
+    }
+}
