@@ -425,4 +425,94 @@ mod tests {
         assert!(err.contains("107-byte Unix socket path limit"), "{err}");
         assert!(err.contains("shorten that directory by at least 1 byte"), "{err}");
     }
+
+    fn shared() -> Arc<Shared> {
+        #[derive(Debug)]
+        struct Nowhere;
+        impl crate::dns::Resolve for Nowhere {
+            fn lookup<'a>(&'a self, name: &'a str) -> crate::dns::LookupFuture<'a> {
+                Box::pin(async move { Err(crate::dns::ResolveError::NoSuchName(name.to_owned())) })
+            }
+        }
+        Arc::new(Shared {
+            resolver: Arc::new(Nowhere),
+            own: crate::own::OwnAddresses::fixed(Vec::new()),
+            header_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(1),
+            dns_timeout: Duration::from_secs(1),
+            tunnel_idle: Duration::from_secs(5),
+        })
+    }
+
+    fn policy(revision: &str, domains: &[&str]) -> GatewayPolicy {
+        GatewayPolicy {
+            revision: revision.into(),
+            allowed_domains: domains.iter().map(|d| d.to_string()).collect(),
+            allow_private_network: false,
+        }
+    }
+
+    async fn answer(path: &Path, request: &[u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::UnixStream::connect(path).await.unwrap();
+        let _ = s.write_all(request).await;
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test]
+    async fn gateways_are_reused_per_revision_private_to_their_users_capped_and_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 1, shared()).unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let a = reg.acquire(&policy("r1", &["a.example"]), ProxySetting::Direct, me).unwrap();
+        let b = reg.acquire(&policy("r1", &["A.example."]), ProxySetting::Direct, me).unwrap();
+        assert_eq!(a.socket_path(), b.socket_path(), "same revision, same normalised policy: one gateway");
+        let mode = std::fs::metadata(a.socket_path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let err = reg.acquire(&policy("r1", &["b.example"]), ProxySetting::Direct, me).unwrap_err();
+        assert!(err.to_string().contains("already served with a different policy"), "{err}");
+        assert!(matches!(reg.acquire(&policy("", &[]), ProxySetting::Direct, me), Err(RegistryError::EmptyRevision)));
+
+        // The gateway answers its users.
+        let text = answer(a.socket_path(), b"CONNECT other.example:443 HTTP/1.1\r\n\r\n").await;
+        assert!(text.starts_with("HTTP/1.1 403 Forbidden"), "{text}");
+
+        // One connection at a time (cap 1): a second gets 429 while the first is open.
+        let held = tokio::net::UnixStream::connect(a.socket_path()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = answer(a.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
+        assert!(text.starts_with("HTTP/1.1 429 Too Many Requests") && text.contains("Retry-After: 1"), "{text}");
+        drop(held);
+
+        // Leased: not reaped, however idle.
+        assert_eq!(reg.reap(Duration::ZERO), 0);
+        drop((a, b));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(reg.reap(Duration::from_secs(3600)), 0, "not idle long enough");
+        assert_eq!(reg.reap(Duration::ZERO), 1);
+        assert_eq!(std::fs::read_dir(reg.gateway_dir()).unwrap().count(), 0, "the socket is removed");
+        assert_eq!(reg.counts(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_gateway_refuses_uids_that_did_not_acquire_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 8, shared()).unwrap();
+        let stranger = nix::unistd::getuid().as_raw().wrapping_add(1);
+        let lease = reg.acquire(&policy("r2", &["a.example"]), ProxySetting::Direct, stranger).unwrap();
+        let text = answer(lease.socket_path(), b"CONNECT other.example:443 HTTP/1.1\r\n\r\n").await;
+        assert_eq!(text, "", "a peer of another uid is closed without an answer");
+    }
+
+    #[tokio::test]
+    async fn stale_sockets_of_a_previous_run_are_removed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("eg")).unwrap();
+        let stale = dir.path().join("eg/0123456789abcdef");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        let _reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 8, shared()).unwrap();
+        assert!(!stale.exists());
+    }
 }

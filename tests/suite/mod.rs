@@ -3,5 +3,6 @@ mod http_hostile;
 mod isolation;
 mod lifecycle;
 mod managed;
+mod network;
 mod preflight;
 mod remote;

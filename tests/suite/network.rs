@@ -73,16 +73,19 @@ echo "env=$HTTP_PROXY|$HTTPS_PROXY|$http_proxy|$https_proxy|${{NO_PROXY:-}}|${{A
 echo "plain=$(curl -sS http://mirror.test:{port}/hello)"
 echo "tunnel=$(curl -sS --proxytunnel http://mirror.test:{port}/through)"
 echo "blocked=$(curl -s -o /dev/null -w '%{{http_code}}' http://blocked.test:{port}/)"
-curl -s -D - -o /dev/null http://blocked.test:{port}/ | tr -d '\r' | grep -i '^x-sandbox-network' | sed 's/^/blockedheader=/'
+curl -s -D - -o /dev/null http://blocked.test:{port}/ | tr -d '\r' | grep -i '^x-sandbox-network' | sed 's/^/blockedheader=/' || true
 echo "literal=$(curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/)"
-curl -s -D - -o /dev/null --proxytunnel http://127.0.0.1:{port}/ 2>/dev/null | tr -d '\r' | grep -i '^x-sandbox-network' | sed 's/^/literalheader=/'
+curl -s -D - -o /dev/null --proxytunnel http://127.0.0.1:{port}/ 2>/dev/null | tr -d '\r' | grep -i '^x-sandbox-network' | sed 's/^/literalheader=/' || true
 echo "direct=$(curl -s --noproxy '*' -o /dev/null -w '%{{http_code}}' --max-time 5 http://127.0.0.1:{port}/ ; echo " rc=$?")"
 "#
     );
     let result = run_shell(&w, &code, &["mirror.test"], true, "rev-allow").await;
     let out = result["stdout"].as_str().unwrap();
     let line = |key: &str| {
-        out.lines().find_map(|l| l.strip_prefix(&format!("{key}="))).unwrap_or_else(|| panic!("no {key} in {result}")).to_owned()
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("no {key} in {result}"))
+            .to_owned()
     };
     assert_eq!(
         line("env"),
@@ -91,24 +94,46 @@ echo "direct=$(curl -s --noproxy '*' -o /dev/null -w '%{{http_code}}' --max-time
     assert_eq!(line("plain"), "ok /hello");
     assert_eq!(line("tunnel"), "ok /through");
     assert_eq!(line("blocked"), "403");
-    assert!(line("blockedheader").contains("blocked.test:") && line("blockedheader").contains("is not in the sandbox network allowed domains"), "{out}");
+    assert!(
+        line("blockedheader").contains("blocked.test:")
+            && line("blockedheader").contains("is not in the sandbox network allowed domains"),
+        "{out}"
+    );
     assert_eq!(line("literal"), "403");
-    assert!(line("literalheader").contains("127.0.0.1 is an IP address; sandbox network access allows domain names only"), "{out}");
+    assert!(
+        line("literalheader")
+            .contains("127.0.0.1 is an IP address; sandbox network access allows domain names only"),
+        "{out}"
+    );
     // Without the proxy: nothing listens on the sandbox's own loopback at that port.
     assert_eq!(line("direct"), "000 rc=7", "{out}");
-    assert_eq!((&result["networkPolicy"], &result["networkAccessRevision"]), (&json!("domain-allowlist"), &json!("rev-allow")));
+    assert_eq!(
+        (&result["networkPolicy"], &result["networkAccessRevision"]),
+        (&json!("domain-allowlist"), &json!("rev-allow"))
+    );
     assert_eq!(result["exitCode"], 0, "{result}");
 
     // The upstream saw origin-form requests with Host rewritten from the target and no
     // proxy headers; the blocked name never reached it.
     let seen = w.upstream.requests.lock().unwrap().clone();
-    assert!(seen.iter().any(|h| h.starts_with("GET /hello HTTP/1.1\r\n") && h.contains(&format!("Host: mirror.test:{port}"))), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|h| h.starts_with("GET /hello HTTP/1.1\r\n")
+                && h.contains(&format!("Host: mirror.test:{port}"))),
+        "{seen:?}"
+    );
     assert!(seen.iter().all(|h| !h.to_ascii_lowercase().contains("proxy-")), "{seen:?}");
     assert_eq!(seen.len(), 2, "only the two allowed requests reached the upstream: {seen:?}");
 
     // egressd audited each decision with its fields.
     let log = w.egressd.log();
-    for needle in ["egress_decision", "decision=\"allowed\"", "decision=\"denied\"", "revision=rev-allow", "bytes_down="] {
+    for needle in [
+        "egress_decision",
+        "decision=\"allowed\"",
+        "decision=\"denied\"",
+        "revision=rev-allow",
+        "bytes_down=",
+    ] {
         assert!(log.contains(needle), "{needle} missing from egressd's log:\n{log}");
     }
 }
@@ -176,12 +201,17 @@ except OSError as e:
 "#;
     let result = ok(&post(&w.server, SHELL, &shell_request("main", "session", &w.ws, code)).await);
     assert_eq!(result["stdout"], "env=unset|unset\nsocket=absent\nbridge=absent\ninet EPERM\n", "{result}");
-    assert_eq!((&result["networkPolicy"], &result["networkAccessRevision"]), (&json!("none"), &json!("none")));
+    assert_eq!(
+        (&result["networkPolicy"], &result["networkAccessRevision"]),
+        (&json!("none"), &json!("none"))
+    );
 }
 
 #[tokio::test]
 async fn one_gateway_per_revision_reused_and_a_changed_policy_under_the_same_revision_refused() {
-    if !sandbox_or_skip("one_gateway_per_revision_reused_and_a_changed_policy_under_the_same_revision_refused") {
+    if !sandbox_or_skip(
+        "one_gateway_per_revision_reused_and_a_changed_policy_under_the_same_revision_refused",
+    ) {
         return;
     }
     let w = world();
@@ -196,10 +226,15 @@ async fn one_gateway_per_revision_reused_and_a_changed_policy_under_the_same_rev
     assert_eq!(r["stdout"], "ok /a", "{r}");
     assert_eq!(w.egressd.gateway_sockets().len(), 2);
     // A revision names one policy: a different allowlist under the same revision is refused.
-    let body = with_network(shell_request("main", "session", &w.ws, &code), &["blocked.test"], true, "rev-same");
+    let body =
+        with_network(shell_request("main", "session", &w.ws, &code), &["blocked.test"], true, "rev-same");
     let reply = post(&w.server, SHELL, &body).await;
     assert_eq!(reply.status, 400, "{}", String::from_utf8_lossy(&reply.body));
-    assert!(reply.json()["error"].as_str().unwrap().contains("already served with a different policy"), "{}", reply.json());
+    assert!(
+        reply.json()["error"].as_str().unwrap().contains("already served with a different policy"),
+        "{}",
+        reply.json()
+    );
 }
 
 #[tokio::test]
@@ -243,7 +278,8 @@ for i in $(seq 1 300); do test -e go && break; sleep 0.05; done
 echo "second=$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 http://mirror.test:{port}/two)"
 "#
     );
-    let body = with_network(shell_request("main", "session", &w.ws, &code), &["mirror.test"], true, "rev-kill");
+    let body =
+        with_network(shell_request("main", "session", &w.ws, &code), &["mirror.test"], true, "rev-kill");
     let client = w.server.client();
     let run = tokio::spawn(async move { client.post_signed(SHELL, &body).await.unwrap() });
     let marker = w.ws.join("first-done");
@@ -264,8 +300,16 @@ echo "second=$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 http://mir
 
     let h = w.server.client().get("/health").await.unwrap().json();
     assert_eq!(health(h.clone()), (json!(false), json!(false)), "{h}");
-    assert!(h["sandboxNetwork"]["unavailableReason"].as_str().unwrap().contains("egressd is not reachable"), "{h}");
-    let body = with_network(shell_request("main", "session", &w.ws, "touch ran-without-egressd"), &["mirror.test"], true, "rev-kill");
+    assert!(
+        h["sandboxNetwork"]["unavailableReason"].as_str().unwrap().contains("egressd is not reachable"),
+        "{h}"
+    );
+    let body = with_network(
+        shell_request("main", "session", &w.ws, "touch ran-without-egressd"),
+        &["mirror.test"],
+        true,
+        "rev-kill",
+    );
     let reply = post(&w.server, SHELL, &body).await;
     assert_eq!((reply.status, reply.json()["code"].as_str()), (400, Some("network_unavailable")));
     assert!(!w.ws.join("ran-without-egressd").exists(), "fails closed: nothing ran");
@@ -273,6 +317,13 @@ echo "second=$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 http://mir
     w.egressd.restart();
     let h = w.server.client().get("/health").await.unwrap().json();
     assert_eq!(health(h.clone()), (json!(true), json!(true)), "{h}");
-    let r = run_shell(&w, &format!("curl -sS http://mirror.test:{port}/three"), &["mirror.test"], true, "rev-kill").await;
+    let r = run_shell(
+        &w,
+        &format!("curl -sS http://mirror.test:{port}/three"),
+        &["mirror.test"],
+        true,
+        "rev-kill",
+    )
+    .await;
     assert_eq!(r["stdout"], "ok /three", "{r}");
 }

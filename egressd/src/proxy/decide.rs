@@ -53,7 +53,10 @@ pub async fn decide(
         Ok(Ok(answers)) => answers,
         Ok(Err(e)) => return deny(format!("{name} could not be resolved: {e}")),
         Err(_) => {
-            return deny(format!("{name} could not be resolved: no answer within {} ms", timeout.as_millis()));
+            return deny(format!(
+                "{name} could not be resolved: no answer within {} ms",
+                timeout.as_millis()
+            ));
         }
     };
     let mut never: Option<&'static str> = None;
