@@ -12,6 +12,7 @@
 //! * [`confine`]: no_new_privs, landlock, seccomp.
 //! * [`bridge`]: the in-sandbox end (`egress-bridge` binary).
 
+pub mod bench;
 pub mod bridge;
 pub mod config;
 pub mod confine;

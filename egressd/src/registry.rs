@@ -473,7 +473,10 @@ mod tests {
         assert_eq!(mode, 0o600);
         let err = reg.acquire(&policy("r1", &["b.example"]), ProxySetting::Direct, me).unwrap_err();
         assert!(err.to_string().contains("already served with a different policy"), "{err}");
-        assert!(matches!(reg.acquire(&policy("", &[]), ProxySetting::Direct, me), Err(RegistryError::EmptyRevision)));
+        assert!(matches!(
+            reg.acquire(&policy("", &[]), ProxySetting::Direct, me),
+            Err(RegistryError::EmptyRevision)
+        ));
 
         // The gateway answers its users.
         let text = answer(a.socket_path(), b"CONNECT other.example:443 HTTP/1.1\r\n\r\n").await;
@@ -483,7 +486,10 @@ mod tests {
         let held = tokio::net::UnixStream::connect(a.socket_path()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         let text = answer(a.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
-        assert!(text.starts_with("HTTP/1.1 429 Too Many Requests") && text.contains("Retry-After: 1"), "{text}");
+        assert!(
+            text.starts_with("HTTP/1.1 429 Too Many Requests") && text.contains("Retry-After: 1"),
+            "{text}"
+        );
         drop(held);
 
         // Leased: not reaped, however idle.

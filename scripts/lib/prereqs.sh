@@ -24,3 +24,32 @@ ensure_prereqs() {
         command -v cargo >/dev/null || { echo "cargo is missing: install Rust (https://rustup.rs)" >&2; return 1; }
     fi
 }
+
+# For the benchmarks: installs tinyproxy through apt-get when it is missing (as root, or
+# through sudo that needs no password), preferring Debian's tinyproxy-bin (the executable
+# alone: no service is started). Returns 1, saying why, when it cannot.
+ensure_tinyproxy() {
+    if command -v tinyproxy >/dev/null || [ -x /usr/sbin/tinyproxy ]; then
+        return 0
+    fi
+    local sudo=()
+    if [ "$(id -u)" != 0 ]; then
+        if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+            sudo=(sudo -n)
+        else
+            echo "tinyproxy is missing, and installing it needs root or sudo without a password" >&2
+            return 1
+        fi
+    fi
+    if ! command -v apt-get >/dev/null; then
+        echo "tinyproxy is missing and there is no apt-get here: please install it" >&2
+        return 1
+    fi
+    local package=tinyproxy
+    apt-cache show tinyproxy-bin >/dev/null 2>&1 && package=tinyproxy-bin
+    echo "installing $package ..." >&2
+    if ! "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >&2; then
+        echo "apt-get install $package failed" >&2
+        return 1
+    fi
+}
