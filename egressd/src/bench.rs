@@ -495,8 +495,8 @@ impl Report<'_> {
             println!("p50 b/c: {:.3}   (target < 1, egressd ahead of tinyproxy: {})", b / c, verdict(b < c));
         }
         println!(
-            "context: one DNS round trip to the bench's responder (egressd makes one per CONNECT, A and \
-             AAAA in parallel; tinyproxy reads /etc/hosts): p50 {:.3} ms",
+            "context: one DNS round trip to the bench's responder (egressd asks A and AAAA in parallel, \
+             then keeps the answer for its TTL, 60 s here; tinyproxy reads /etc/hosts): p50 {:.3} ms",
             self.dns_rtt.p50
         );
 

@@ -88,11 +88,40 @@ impl ResolverConfig {
 #[derive(Debug)]
 pub struct StubResolver {
     cfg: ResolverConfig,
+    cache: std::sync::Mutex<std::collections::HashMap<String, (Instant, Vec<IpAddr>)>>,
 }
+
+/// Positive answers are kept for their TTL (the smallest in the reply), at most this long.
+/// A TTL of 0 is never cached, so a rebinding name is asked again on every connection;
+/// every answer, cached or not, is classified again by the caller.
+pub const MAX_CACHE_TTL: Duration = Duration::from_secs(300);
+/// Names kept at most; beyond it expired entries go, then everything.
+const MAX_CACHE_ENTRIES: usize = 4096;
 
 impl StubResolver {
     pub fn new(cfg: ResolverConfig) -> StubResolver {
-        StubResolver { cfg }
+        StubResolver { cfg, cache: std::sync::Mutex::default() }
+    }
+
+    fn cached(&self, name: &str) -> Option<Vec<IpAddr>> {
+        let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        cache.get(name).filter(|(expires, _)| Instant::now() < *expires).map(|(_, ips)| ips.clone())
+    }
+
+    fn remember(&self, name: &str, ips: &[IpAddr], ttl: u32) {
+        if ttl == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= MAX_CACHE_ENTRIES {
+            cache.retain(|_, (expires, _)| now < *expires);
+            if cache.len() >= MAX_CACHE_ENTRIES {
+                cache.clear();
+            }
+        }
+        let keep = Duration::from_secs(u64::from(ttl)).min(MAX_CACHE_TTL);
+        cache.insert(name.to_owned(), (now + keep, ips.to_vec()));
     }
 
     pub fn config(&self) -> &ResolverConfig {
@@ -106,24 +135,37 @@ impl StubResolver {
         if self.cfg.nameservers.is_empty() {
             return Err(ResolveError::NoNameservers);
         }
+        if let Some(ips) = self.cached(name) {
+            return Ok(ips);
+        }
         let started = Instant::now();
         let deadline = started + self.cfg.overall_timeout;
         let (v4, v6) = tokio::join!(
             self.query(name, RecordType::A, started, deadline),
             self.query(name, RecordType::Aaaa, started, deadline),
         );
-        combine(name, v4, v6)
+        // Cached only when both families answered: a family that failed is asked again.
+        let ttl = match (&v4, &v6) {
+            (Ok((_, a)), Ok((_, b))) => (*a).min(*b),
+            _ => 0,
+        };
+        let result = combine(name, v4.map(|(ips, _)| ips), v6.map(|(ips, _)| ips));
+        if let Ok(ips) = &result {
+            self.remember(name, ips, ttl);
+        }
+        result
     }
 
     /// One address family: attempts round-robin over the nameservers until one gives a
-    /// definite answer. `Ok` with no addresses means the name exists without this type.
+    /// definite answer. `Ok` with no addresses means the name exists without this type; the
+    /// number is the answer's smallest TTL (`u32::MAX` when there are no addresses).
     async fn query(
         &self,
         name: &str,
         qtype: RecordType,
         started: Instant,
         deadline: Instant,
-    ) -> Result<Vec<IpAddr>, ResolveError> {
+    ) -> Result<(Vec<IpAddr>, u32), ResolveError> {
         let timeout = || ResolveError::Timeout { name: name.to_owned(), after: started.elapsed() };
         let mut last = None;
         for _round in 0..self.cfg.attempts.max(1) {
@@ -135,7 +177,7 @@ impl StubResolver {
                 let budget = self.cfg.attempt_timeout.min(left);
                 let outcome = tokio::time::timeout(budget, exchange(server, name, qtype)).await;
                 let error = match outcome {
-                    Ok(Ok(Outcome::Addresses(addresses))) => return Ok(addresses),
+                    Ok(Ok(Outcome::Addresses(addresses, ttl))) => return Ok((addresses, ttl)),
                     Ok(Ok(Outcome::NoSuchName)) => return Err(ResolveError::NoSuchName(name.to_owned())),
                     Ok(Ok(Outcome::Failure(rcode))) => {
                         ResolveError::ServerFailure { name: name.to_owned(), server, rcode }
@@ -160,8 +202,9 @@ impl Resolve for StubResolver {
 /// What one nameserver said about one question.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Outcome {
-    /// NOERROR: the addresses (possibly none) for the name and its CNAME chain.
-    Addresses(Vec<IpAddr>),
+    /// NOERROR: the addresses (possibly none) for the name and its CNAME chain, and the
+    /// smallest TTL among the answer's records.
+    Addresses(Vec<IpAddr>, u32),
     /// NXDOMAIN: definite, no other nameserver is asked.
     NoSuchName,
     /// Any other code (SERVFAIL, REFUSED, FORMERR, ...): ask the next nameserver.
@@ -171,7 +214,16 @@ enum Outcome {
 /// Reads a reply that was already matched to our question.
 fn interpret(response: &Response) -> Result<Outcome, wire::WireError> {
     match response.rcode {
-        wire::RCODE_NOERROR => Ok(Outcome::Addresses(response.addresses()?)),
+        wire::RCODE_NOERROR => {
+            let addresses = response.addresses()?;
+            // No address of this type says nothing about how long the other type's last.
+            let ttl = if addresses.is_empty() {
+                u32::MAX
+            } else {
+                response.answers.iter().map(|r| r.ttl).min().unwrap_or(0)
+            };
+            Ok(Outcome::Addresses(addresses, ttl))
+        }
         wire::RCODE_NXDOMAIN => Ok(Outcome::NoSuchName),
         other => Ok(Outcome::Failure(other)),
     }

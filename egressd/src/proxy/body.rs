@@ -9,8 +9,11 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWri
 
 use super::head::Framing;
 
-/// Read buffer of the relays: large enough that a bulk transfer costs few syscalls.
-pub const RELAY_BUFFER: usize = 128 * 1024;
+/// Read buffer of the connections' buffered readers: room for a request or response head;
+/// larger reads (bodies) bypass it.
+pub const RELAY_BUFFER: usize = 16 * 1024;
+/// What body copies move per read.
+const COPY_BUFFER: usize = 64 * 1024;
 /// A chunk-size or trailer line longer than this is malformed.
 const MAX_LINE: usize = 4096;
 
@@ -25,7 +28,7 @@ async fn copy_exact(
     mut n: u64,
 ) -> std::io::Result<u64> {
     let total = n;
-    let mut buf = vec![0u8; RELAY_BUFFER];
+    let mut buf = vec![0u8; COPY_BUFFER];
     while n > 0 {
         let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
         let got = r.read(&mut buf[..want]).await?;
@@ -125,7 +128,7 @@ async fn pump(
     activity: &AtomicU64,
     start: Instant,
 ) -> std::io::Result<()> {
-    let mut buf = vec![0u8; RELAY_BUFFER];
+    let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = r.read(&mut buf).await?;
         if n == 0 {
@@ -139,9 +142,33 @@ async fn pump(
     }
 }
 
+/// Runs `work` until it finishes (`false`) or nothing moved for `idle` (`true`); the pumps
+/// store the time of their last transfer (ms since `start`) in `activity`.
+pub async fn until_idle(
+    work: impl std::future::Future<Output = ()>,
+    activity: &AtomicU64,
+    start: Instant,
+    idle: Duration,
+) -> bool {
+    let watchdog = async {
+        let tick = (idle / 4).clamp(Duration::from_millis(10), Duration::from_secs(5));
+        loop {
+            tokio::time::sleep(tick).await;
+            let last = Duration::from_millis(activity.load(Ordering::Relaxed));
+            if start.elapsed().saturating_sub(last) >= idle {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = work => false,
+        _ = watchdog => true,
+    }
+}
+
 /// Relays both ways until both sides finish, either side fails, or nothing moved for `idle`.
-/// Readers may be buffered: bytes they already hold (pipelined after a CONNECT, or sent by
-/// an upstream proxy right after its 200) go first.
+/// Readers may be buffered: bytes they already hold go first. (Tunnels between real sockets
+/// use [`super::splice::tunnel`]; this generic form serves tests and other streams.)
 pub async fn relay(
     client_read: impl AsyncRead + Unpin,
     client_write: impl AsyncWrite + Unpin,
@@ -157,20 +184,7 @@ pub async fn relay(
             pump(upstream_read, client_write, &down, &activity, start)
         );
     };
-    let watchdog = async {
-        let tick = (idle / 4).clamp(Duration::from_millis(10), Duration::from_secs(5));
-        loop {
-            tokio::time::sleep(tick).await;
-            let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-            if start.elapsed().saturating_sub(last) >= idle {
-                return;
-            }
-        }
-    };
-    let idle_timeout = tokio::select! {
-        _ = both => false,
-        _ = watchdog => true,
-    };
+    let idle_timeout = until_idle(both, &activity, start, idle).await;
     Moved { up: up.load(Ordering::Relaxed), down: down.load(Ordering::Relaxed), idle_timeout }
 }
 

@@ -11,6 +11,7 @@ pub mod body;
 pub mod decide;
 pub mod head;
 pub mod reply;
+pub mod splice;
 pub mod upstream;
 
 use std::net::{IpAddr, SocketAddr};
@@ -198,7 +199,7 @@ async fn connect(
         return;
     }
     (rec.decision, rec.status) = ("allowed", 200);
-    let moved = body::relay(r, w, up.read, up.write, shared.tunnel_idle).await;
+    let moved = splice::tunnel(r, w, up.read, up.write, shared.tunnel_idle).await;
     (rec.up, rec.down) = (moved.up, moved.down);
     if moved.idle_timeout {
         rec.reason = format!("closed after {} ms without traffic", shared.tunnel_idle.as_millis());

@@ -513,7 +513,7 @@ fn dns_interpret_table() {
     let looping =
         Response { answers: vec![record("q.example", RData::Cname("q.example".into()))], ..base.clone() };
     let cases = vec![
-        (base.clone(), Ok(Outcome::Addresses(ips(&["192.0.2.1"])))),
+        (base.clone(), Ok(Outcome::Addresses(ips(&["192.0.2.1"]), 60))),
         (with_rcode(wire::RCODE_NXDOMAIN), Ok(Outcome::NoSuchName)),
         (with_rcode(wire::RCODE_SERVFAIL), Ok(Outcome::Failure(2))),
         (with_rcode(wire::RCODE_REFUSED), Ok(Outcome::Failure(5))),
@@ -597,4 +597,28 @@ fn dns_with_nameservers_uses_the_defaults() {
             overall_timeout: Duration::from_secs(5),
         }
     );
+}
+
+/// A server answering A with `ttl`.
+async fn answering_with_ttl(answer: &str, ttl: u32) -> FakeServer {
+    let answers = ips(&[answer]);
+    serve(move |q, _| vec![(From::Server, wire::encode_answer(q, &answers, ttl, 0))], None).await
+}
+
+#[tokio::test]
+async fn answers_are_cached_for_their_ttl_and_ttl_zero_is_asked_every_time() {
+    let cached = answering_with_ttl("192.0.2.7", 60).await;
+    let r = resolver(&[&cached], 500, 1);
+    for _ in 0..3 {
+        assert_eq!(r.lookup("cached.example").await.unwrap(), ips(&["192.0.2.7"]));
+    }
+    // One A and one AAAA query, then the cache.
+    assert_eq!(cached.datagram_count(), 2);
+
+    let rebinding = answering_with_ttl("192.0.2.8", 0).await;
+    let r = resolver(&[&rebinding], 500, 1);
+    for _ in 0..3 {
+        r.lookup("rebinding.example").await.unwrap();
+    }
+    assert_eq!(rebinding.datagram_count(), 6, "TTL 0: asked on every lookup");
 }
