@@ -63,14 +63,7 @@ pub struct EgressLease {
 /// The bridge next to the running executable (a cargo build, or the package's libexec
 /// directory), unless configured.
 pub fn locate_bridge(configured: Option<PathBuf>) -> PathBuf {
-    if let Some(path) = configured {
-        return path;
-    }
-    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("egress-bridge")));
-    match beside {
-        Some(path) if path.exists() => path,
-        _ => PathBuf::from("/usr/libexec/sciencediscovery/egress-bridge"),
-    }
+    crate::startup::locate_helper(configured, "egress-bridge")
 }
 
 impl EgressClient {

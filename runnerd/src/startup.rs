@@ -65,13 +65,19 @@ pub enum StartupError {
 /// `sandbox-init` next to the running executable (a cargo build, or /usr/libexec in a
 /// package where runnerd is linked there too), unless configured.
 pub fn locate_sandbox_init(configured: Option<PathBuf>) -> PathBuf {
+    locate_helper(configured, "sandbox-init")
+}
+
+/// A helper binary: as configured, else next to the running executable (a cargo build, or
+/// a package that links runnerd into libexec), else the package's libexec directory.
+pub fn locate_helper(configured: Option<PathBuf>, name: &str) -> PathBuf {
     if let Some(path) = configured {
         return path;
     }
-    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("sandbox-init")));
+    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join(name)));
     match beside {
         Some(path) if path.exists() => path,
-        _ => PathBuf::from("/usr/libexec/sciencediscovery/sandbox-init"),
+        _ => PathBuf::from("/usr/libexec/sciencediscovery").join(name),
     }
 }
 
