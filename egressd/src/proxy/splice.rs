@@ -67,10 +67,18 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((r, w))
 }
 
-fn recv(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the duration of the call.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-    if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+/// Receives into `buf`'s spare capacity (no zeroing) and extends it by what arrived.
+fn recv(fd: BorrowedFd<'_>, buf: &mut Vec<u8>) -> io::Result<usize> {
+    let spare = buf.spare_capacity_mut();
+    // SAFETY: `spare` is valid for writes of `spare.len()` bytes for the duration of the call.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len(), libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = n as usize;
+    // SAFETY: the kernel initialised the first `n` bytes of the spare capacity.
+    unsafe { buf.set_len(buf.len() + n) };
+    Ok(n)
 }
 
 fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
@@ -95,9 +103,11 @@ fn shutdown_both(a: BorrowedFd<'_>, b: BorrowedFd<'_>) {
     }
 }
 
-/// Why a spliced direction stopped.
+/// Why a direction's pump stopped.
 enum Stop {
     Done,
+    /// Copying found a bulk transfer: switch to splicing.
+    Upgrade,
     /// The first splice was refused: nothing moved, the caller copies instead.
     Unsupported,
     Failed,
@@ -148,19 +158,24 @@ async fn splice_pump<S: Spliceable, D: Spliceable>(
     }
 }
 
-/// The copying fallback for one direction, on the same shared references.
+/// Copies one direction in reads of up to `chunk` bytes, on the same shared references.
+/// The buffer exists only while a chunk is in flight, so an idle tunnel holds none. With
+/// `upgrade`, it returns [`Stop::Upgrade`] after the first read that fills a chunk: a bulk
+/// transfer is under way and worth a pipe; small exchanges never create one.
 async fn copy_pump<S: Spliceable, D: Spliceable>(
     src: &S,
     dst: &D,
+    chunk: usize,
+    upgrade: bool,
     count: &AtomicU64,
     activity: &AtomicU64,
     start: Instant,
 ) -> Stop {
-    let mut buf = vec![0u8; 64 * 1024];
     loop {
         if src.ready(Interest::READABLE).await.is_err() {
             return Stop::Failed;
         }
+        let mut buf = Vec::with_capacity(chunk);
         let n = match src.attempt(Interest::READABLE, || recv(src.as_fd(), &mut buf)) {
             Ok(0) => {
                 shutdown_write(dst.as_fd());
@@ -183,10 +198,14 @@ async fn copy_pump<S: Spliceable, D: Spliceable>(
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
         activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        if upgrade && n == chunk {
+            return Stop::Upgrade;
+        }
     }
 }
 
-/// One direction: spliced, or copied where the kernel refuses to splice these sockets.
+/// One direction: copied while the exchange is small, spliced once it is not, and copied
+/// again where the kernel refuses to splice these sockets.
 async fn direction<S: Spliceable, D: Spliceable>(
     src: &S,
     dst: &D,
@@ -194,9 +213,12 @@ async fn direction<S: Spliceable, D: Spliceable>(
     activity: &AtomicU64,
     start: Instant,
 ) {
-    let mut stop = splice_pump(src, dst, count, activity, start).await;
+    let mut stop = copy_pump(src, dst, 16 * 1024, true, count, activity, start).await;
+    if let Stop::Upgrade = stop {
+        stop = splice_pump(src, dst, count, activity, start).await;
+    }
     if let Stop::Unsupported = stop {
-        stop = copy_pump(src, dst, count, activity, start).await;
+        stop = copy_pump(src, dst, 64 * 1024, false, count, activity, start).await;
     }
     if let Stop::Failed = stop {
         shutdown_both(src.as_fd(), dst.as_fd());
