@@ -327,3 +327,52 @@ echo "second=$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 http://mir
     .await;
     assert_eq!(r["stdout"], "ok /three", "{r}");
 }
+
+#[tokio::test]
+async fn egressd_serves_only_the_configured_uid_on_its_control_socket() {
+    let dns = FakeDns::start(&[]);
+    let other_uid = own_uid().wrapping_add(4242).to_string();
+    let egressd = Egressd::start(dns.addr, &["--runner-uid", &other_uid]);
+    let server = Server::start_with(ServerOptions { env: egressd.runner_env(), ..ServerOptions::default() });
+    let h = server.client().get("/health").await.unwrap().json();
+    assert_eq!(h["sandboxNetwork"]["available"], false, "{h}");
+    let reason = h["sandboxNetwork"]["unavailableReason"].as_str().unwrap();
+    assert!(reason.contains(&format!("egressd serves only uid {other_uid}")), "{reason}");
+    assert!(egressd.log().contains("control_peer_refused"), "{}", egressd.log());
+}
+
+/// This process's uid (a different one is then certainly not ours).
+fn own_uid() -> u32 {
+    std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap_or(0)
+}
+
+#[test]
+fn egressd_command_line_help_version_check_and_errors() {
+    let run = |args: &[&str]| {
+        let out =
+            std::process::Command::new(runner_tests::bin("egressd")).args(args).env_clear().output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, _) = run(&["--help"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("--control-socket") && out.contains("SCIENCE_AGENT_EGRESS_SOCKET"), "{out}");
+    let (code, out, _) = run(&["--version"]);
+    assert_eq!((code, out.starts_with("egressd ")), (Some(0), true), "{out}");
+    let (code, out, _) = run(&["--check-config", "--nameserver", "127.0.0.1:53", "--runtime-dir", "/run/x"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("egressd configuration is valid") && out.contains("/run/x/eg/<16 hex>"), "{out}");
+    let (code, _, err) = run(&["--max-tunnels", "0"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--max-tunnels must be a positive integer"), "{err}");
+    let long = format!("/{}", "d".repeat(100));
+    let (code, _, err) = run(&["--check-config", "--nameserver", "127.0.0.1", "--runtime-dir", &long]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("107-byte Unix socket path limit") && err.contains("shorten that directory"),
+        "{err}"
+    );
+}
