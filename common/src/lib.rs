@@ -16,6 +16,8 @@ pub mod egress;
 pub mod plan;
 pub mod seccomp;
 pub mod sys;
+#[cfg(feature = "daemon")]
+pub mod systemd;
 
 /// The full chain of an error, `outer: inner: root`, for reports and logs.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -190,6 +190,9 @@ fn serve(cfg: Config) -> anyhow::Result<()> {
             gateway_dir = %registry.gateway_dir().display(),
             runner_uid,
         );
+        if let Err(e) = common::systemd::notify("READY=1\nSTATUS=serving gateways") {
+            tracing::warn!(event = "notify_failed", error = %e);
+        }
         let reaper = {
             let registry = registry.clone();
             let idle = cfg.gateway_idle;

@@ -1,22 +1,19 @@
 //! The `runnerd` command line.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 
 use crate::app::{App, runner_version};
+use crate::audit;
 use crate::config::RunnerConfig;
 use crate::http::{self, Listener};
-use crate::launch::{Launch, OutputBudget, Termination};
 use crate::managed::Manager;
-use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
 use crate::startup::{self, SandboxConfig, SandboxRuntime};
 use crate::token::{self, Fallback};
 use crate::writer::Versions;
-use crate::{audit, error_chain};
 
 const USAGE: &str = "\
 runnerd: the ScienceDiscovery code runner (bubblewrap + seccomp sandboxes for agents).
@@ -147,9 +144,10 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         eprintln!("runnerd: development token in {} (clients read it from there)", path.display());
     }
     let sandbox = prepare(&sandbox_config(&config)).await?;
-    let listener = match &config.socket_path {
-        Some(path) => Listener::unix(path)?,
-        None => Listener::tcp(&config.host, config.port).await?,
+    let listener = match (Listener::from_activation()?, &config.socket_path) {
+        (Some(activated), _) => activated,
+        (None, Some(path)) => Listener::unix(path)?,
+        (None, None) => Listener::tcp(&config.host, config.port).await?,
     };
     tracing::info!(
         event = "config_loaded",
@@ -197,6 +195,10 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         out.flush()?;
     }
     tracing::info!(event = "listening", address = %address);
+    // Type=notify: systemd starts dependants (and counts the start as done) only now.
+    if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
+        tracing::warn!(event = "notify_failed", error = %e);
+    }
     let stopping = app.clone();
     let shutdown = async move {
         shutdown_signal().await;
@@ -244,41 +246,5 @@ async fn preflight() -> anyhow::Result<i32> {
 
 async fn selftest() -> anyhow::Result<i32> {
     let runtime = prepare(&sandbox_config_from_env()?).await?;
-    let Some(shape) = runtime.capability.shape() else {
-        eprintln!("selftest: FAILED: no sandbox can be built on this host (see the warning above)");
-        return Ok(1);
-    };
-    let scratch = scratch_dir()?;
-    let layout = WorkspaceLayout::new(scratch.clone(), None);
-    let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
-    let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
-    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd);
-    launch.stdin = script.as_bytes().to_vec();
-    launch.timeout = Some(Duration::from_secs(30));
-    let mut output = OutputBudget::new(64 * 1024);
-    let outcome = runtime.launcher.run(launch, &mut output).await;
-    let _ = std::fs::remove_dir_all(&scratch);
-    let outcome =
-        outcome.map_err(|e| anyhow::anyhow!(error_chain(&e))).context("launching the selftest sandbox")?;
-    let out = output.finish();
-    let ok = outcome.termination == Termination::Exited(0)
-        && out.stdout.starts_with("selftest-ok\n")
-        && out.stdout.contains("Seccomp:\t2")
-        && out.stdout.contains("NoNewPrivs:\t1");
-    if ok {
-        println!("selftest: ok ({} ms, {:?})", outcome.elapsed.as_millis(), runtime.capability.reason);
-        Ok(0)
-    } else {
-        eprintln!(
-            "selftest: FAILED: {:?}\nstdout: {}\nstderr: {}",
-            outcome.termination, out.stdout, out.stderr
-        );
-        Ok(1)
-    }
-}
-
-fn scratch_dir() -> anyhow::Result<PathBuf> {
-    let base = std::env::temp_dir().join(format!("runnerd-selftest-{}", std::process::id()));
-    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
-    Ok(base.canonicalize()?)
+    crate::selftest::run(&runtime).await
 }

@@ -39,7 +39,12 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 pub enum Listener {
     Tcp(TcpListener),
-    Unix { listener: UnixListener, path: PathBuf },
+    /// `owned`: we bound it and remove the path at stop (not so for one systemd passed).
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+        owned: bool,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +91,38 @@ impl Listener {
         }
         let listener = UnixListener::bind(path).map_err(bind_err)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
-        Ok(Listener::Unix { listener, path: path.to_owned() })
+        Ok(Listener::Unix { listener, path: path.to_owned(), owned: true })
+    }
+
+    /// The listener systemd passed (socket activation), if any: a stream socket, TCP or
+    /// Unix. Activation wins over the configured address, as the unit says where to listen.
+    pub fn from_activation() -> Result<Option<Listener>, ListenError> {
+        let mut fds = common::systemd::take_listen_fds();
+        if fds.is_empty() {
+            return Ok(None);
+        }
+        let fd = fds.swap_remove(0);
+        let err =
+            |source| ListenError::Bind { address: "the socket systemd passed (LISTEN_FDS)".into(), source };
+        use nix::sys::socket::{AddressFamily, SockaddrLike, SockaddrStorage, getsockname};
+        let family = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+            .ok()
+            .and_then(|a| a.family());
+        let is_unix = family == Some(AddressFamily::Unix);
+        if is_unix {
+            let std = std::os::unix::net::UnixListener::from(fd);
+            std.set_nonblocking(true).map_err(err)?;
+            let path =
+                std.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_owned)).unwrap_or_default();
+            return Ok(Some(Listener::Unix {
+                listener: UnixListener::from_std(std).map_err(err)?,
+                path,
+                owned: false,
+            }));
+        }
+        let std = std::net::TcpListener::from(fd);
+        std.set_nonblocking(true).map_err(err)?;
+        Ok(Some(Listener::Tcp(TcpListener::from_std(std).map_err(err)?)))
     }
 
     /// What the start-up line prints: `http://HOST:PORT` or `unix:PATH`.
@@ -260,8 +296,8 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
         });
     }
     let socket = match &listener {
-        Listener::Unix { path, .. } => Some(path.clone()),
-        Listener::Tcp(_) => None,
+        Listener::Unix { path, owned: true, .. } => Some(path.clone()),
+        Listener::Unix { .. } | Listener::Tcp(_) => None,
     };
     drop(listener);
     if let Some(path) = socket {

@@ -26,6 +26,7 @@ pub mod launch;
 pub mod managed;
 pub mod remote;
 pub mod sandbox;
+pub mod selftest;
 pub mod startup;
 pub mod timefmt;
 pub mod token;

@@ -669,3 +669,66 @@ async fn a_workspace_swapped_for_a_symlink_while_queued_is_refused() {
         outside_path.display()
     );
 }
+
+/// systemd's socket activation and `Type=notify`, emulated by systemd's own
+/// `systemd-socket-activate`: runnerd serves the listener it was passed (not the configured
+/// port) and reports READY=1 once it listens.
+#[tokio::test]
+async fn socket_activation_and_readiness_notification() {
+    let Some(activate) = ["/usr/bin/systemd-socket-activate", "/bin/systemd-socket-activate"]
+        .into_iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists())
+    else {
+        assert!(!runner_tests::in_ci(), "systemd-socket-activate is missing (package systemd)");
+        eprintln!(
+            "SKIPPED socket_activation_and_readiness_notification: systemd-socket-activate is not installed"
+        );
+        return;
+    };
+    let dir = runner_tests::scratch_dir();
+    let notify_path = dir.path().join("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let data = dir.path().join("data");
+    let mut child = std::process::Command::new(activate)
+        .arg(format!("--listen=127.0.0.1:{port}"))
+        .args(["-E", &format!("NOTIFY_SOCKET={}", notify_path.display())])
+        .args(["-E", &format!("SCIENCE_AGENT_DATA_DIR={}", data.display())])
+        .args(["-E", "SCIENCE_AGENT_RUNNER_TOKEN=activation-test-token"])
+        .args(["-E", "SCIENCE_AGENT_RUNNER_PORT=1"]) // would fail to bind: the passed socket must win
+        .args(["-E", &format!("SCIENCE_AGENT_EGRESS_SOCKET={}", dir.path().join("none.sock").display())])
+        .args(["-E", "SCIENCE_AGENT_LOG_TARGET=stderr"])
+        .arg(runner_tests::bin("runnerd"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The first connection starts runnerd, which then answers it on the passed socket.
+    let client = runnerd::client::RunnerClient::new(
+        runnerd::client::Endpoint::Tcp(format!("127.0.0.1:{port}")),
+        "activation-test-token",
+    );
+    let mut health = None;
+    for _ in 0..100 {
+        if let Ok(r) = client.get("/health").await {
+            health = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let health = health.expect("runnerd answered on the activated socket");
+    assert_eq!((health.status, health.json()["status"].as_str()), (200, Some("ok")));
+    let mut buf = [0u8; 256];
+    let n = notify.recv(&mut buf).expect("a readiness notification");
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(
+        text.starts_with("READY=1\n")
+            && text.contains(&format!("STATUS=listening on http://127.0.0.1:{port}")),
+        "{text}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    // systemd-socket-activate exec()s runnerd in place: killing it killed runnerd.
+}

@@ -376,3 +376,42 @@ fn egressd_command_line_help_version_check_and_errors() {
         "{err}"
     );
 }
+
+#[test]
+fn runnerd_selftest_checks_a_sandbox_and_a_request_through_egressd() {
+    if !sandbox_or_skip("runnerd_selftest_checks_a_sandbox_and_a_request_through_egressd") {
+        return;
+    }
+    let dns = FakeDns::start(&[]);
+    let mut egressd = Egressd::start(dns.addr, &[]);
+    let data = runner_tests::scratch_dir();
+    let selftest = |egress_socket: &std::path::Path| {
+        let out = std::process::Command::new(runner_tests::bin("runnerd"))
+            .arg("selftest")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("SCIENCE_AGENT_DATA_DIR", data.path())
+            .env("SCIENCE_AGENT_EGRESS_SOCKET", egress_socket)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (code, text) = selftest(&egressd.control_socket);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("selftest: sandbox: ok") && text.contains("selftest: network: ok"), "{text}");
+    assert!(text.contains("an unlisted name got 403"), "{text}");
+    // The request really went through egressd: it audited both decisions.
+    let log = egressd.log();
+    assert!(log.contains("host=selftest.localhost") && log.contains("decision=\"allowed\""), "{log}");
+    assert!(log.contains("host=refused.localhost") && log.contains("decision=\"denied\""), "{log}");
+    // No DNS server was asked: localhost names are loopback by definition (RFC 6761).
+    assert!(dns.queries.lock().unwrap().is_empty());
+
+    egressd.kill();
+    let (code, text) = selftest(&egressd.control_socket);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("selftest: network: FAILED: egressd is not reachable at"), "{text}");
+}

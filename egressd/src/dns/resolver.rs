@@ -135,6 +135,9 @@ impl StubResolver {
         if self.cfg.nameservers.is_empty() {
             return Err(ResolveError::NoNameservers);
         }
+        if let Some(ips) = localhost(name) {
+            return Ok(ips);
+        }
         if let Some(ips) = self.cached(name) {
             return Ok(ips);
         }
@@ -197,6 +200,17 @@ impl Resolve for StubResolver {
     fn lookup<'a>(&'a self, name: &'a str) -> LookupFuture<'a> {
         Box::pin(self.resolve(name))
     }
+}
+
+/// RFC 6761 §6.3: `localhost` and names under it are loopback, answered without asking any
+/// server (which might say otherwise). They are classified loopback like any other answer,
+/// so only a policy with private network access reaches them (runnerd's selftest does).
+pub fn localhost(name: &str) -> Option<Vec<IpAddr>> {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    let is_local = name.eq_ignore_ascii_case("localhost")
+        || name.len() > ".localhost".len()
+            && name[name.len() - ".localhost".len()..].eq_ignore_ascii_case(".localhost");
+    is_local.then(|| vec![IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)])
 }
 
 /// What one nameserver said about one question.

@@ -622,3 +622,14 @@ async fn answers_are_cached_for_their_ttl_and_ttl_zero_is_asked_every_time() {
     }
     assert_eq!(rebinding.datagram_count(), 6, "TTL 0: asked on every lookup");
 }
+
+#[tokio::test]
+async fn localhost_names_are_loopback_without_a_query() {
+    let server = silent().await;
+    let r = resolver(&[&server], 100, 1);
+    for name in ["localhost", "selftest.localhost", "a.b.LOCALHOST"] {
+        assert_eq!(r.lookup(name).await.unwrap(), ips(&["127.0.0.1", "::1"]), "{name}");
+    }
+    assert!(r.lookup("notlocalhost").await.is_err());
+    assert_eq!(server.datagram_count(), 2, "only notlocalhost was asked (A and AAAA)");
+}
