@@ -96,18 +96,65 @@ fn arch() -> Result<seccompiler::TargetArch, ConfineError> {
         .map_err(|e: seccompiler::BackendError| ConfineError::Seccomp(seccompiler::Error::Backend(e)))
 }
 
-/// The deny list compiled for this architecture: EPERM for the listed calls, allow the rest.
+/// Namespace flags `clone` may not carry (threads and plain forks stay possible).
+const NAMESPACE_FLAGS: [u64; 7] = [
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWCGROUP as u64,
+];
+
+/// `clone` with any namespace flag: one rule per flag (rules of a call are alternatives).
+fn clone_rules() -> Result<Vec<seccompiler::SeccompRule>, seccompiler::BackendError> {
+    use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
+    NAMESPACE_FLAGS
+        .iter()
+        .map(|&flag| {
+            SeccompRule::new(vec![SeccompCondition::new(
+                0,
+                SeccompCmpArgLen::Qword,
+                SeccompCmpOp::MaskedEq(flag),
+                flag,
+            )?])
+        })
+        .collect()
+}
+
+/// Instructions placed before seccompiler's program, for what its rule tables cannot say:
+/// x32-ABI numbers (bit 30) would slip past every per-number rule, so they are refused; and
+/// `clone3`, whose flags live in memory a filter cannot read, answers ENOSYS, which makes
+/// glibc fall back to `clone` (where the flags are checked) — EPERM would break threads.
+fn prelude() -> Vec<seccompiler::sock_filter> {
+    const RET_ERRNO: u32 = 0x0005_0000;
+    let insn = |code: u16, jt: u8, jf: u8, k: u32| seccompiler::sock_filter { code, jt, jf, k };
+    vec![
+        insn(0x20, 0, 0, 0),                               // ld [0]: the syscall number
+        insn(0x35, 0, 1, 0x4000_0000),                     // jge x32 bit
+        insn(0x06, 0, 0, RET_ERRNO | libc::EPERM as u32),  // ret ERRNO(EPERM)
+        insn(0x15, 0, 1, libc::SYS_clone3 as u32),         // jeq clone3
+        insn(0x06, 0, 0, RET_ERRNO | libc::ENOSYS as u32), // ret ERRNO(ENOSYS)
+    ]
+}
+
+/// The deny list compiled for this architecture: EPERM for the listed calls and for
+/// namespace-creating `clone`, allow the rest; after [`prelude`].
 pub fn program() -> Result<seccompiler::BpfProgram, ConfineError> {
-    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
+    let backend = |e| ConfineError::Seccomp(seccompiler::Error::Backend(e));
+    let mut rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
         denied_syscalls().into_iter().map(|n| (n, Vec::new())).collect();
+    rules.insert(libc::SYS_clone, clone_rules().map_err(backend)?);
     let filter = seccompiler::SeccompFilter::new(
         rules,
         seccompiler::SeccompAction::Allow,
         seccompiler::SeccompAction::Errno(libc::EPERM as u32),
         arch()?,
     )
-    .map_err(|e| ConfineError::Seccomp(seccompiler::Error::Backend(e)))?;
-    filter.try_into().map_err(|e| ConfineError::Seccomp(seccompiler::Error::Backend(e)))
+    .map_err(backend)?;
+    let compiled: seccompiler::BpfProgram = filter.try_into().map_err(backend)?;
+    Ok(prelude().into_iter().chain(compiled).collect())
 }
 
 /// Installs the deny-list filter on every thread of the process.
@@ -207,6 +254,25 @@ mod tests {
         // SAFETY: unshare takes a flag word only.
         let rc = unsafe { libc::unshare(libc::CLONE_NEWUSER) };
         assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+        // The x32 spelling of the same call is refused by the filter, not by the kernel.
+        // SAFETY: a raw syscall with an integer argument.
+        let rc = unsafe { libc::syscall(0x4000_0000 | libc::SYS_unshare, libc::CLONE_NEWUSER) };
+        assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+        // clone with a namespace flag: EPERM; clone3: ENOSYS (glibc then uses clone).
+        // SAFETY: clone with SIGCHLD and a namespace flag, no stack: a successful child
+        // would _exit at once; the filter refuses it before that.
+        let rc = unsafe { libc::syscall(libc::SYS_clone, libc::CLONE_NEWUSER | libc::SIGCHLD, 0, 0, 0, 0) };
+        if rc == 0 {
+            // SAFETY: we are the child of a clone that should not have happened; leave now.
+            unsafe { libc::_exit(0) };
+        }
+        assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+        let mut args = [0u64; 11];
+        // SAFETY: clone3 with a zeroed argument block of the right size.
+        let rc = unsafe { libc::syscall(libc::SYS_clone3, args.as_mut_ptr(), std::mem::size_of_val(&args)) };
+        assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::ENOSYS)));
+        // Threads still start.
+        assert_eq!(std::thread::spawn(|| 7).join().unwrap(), 7);
         std::os::unix::net::UnixListener::bind(eg.join("sock")).unwrap();
         if report.landlock == "enforced" || report.landlock == "partial" {
             assert!(std::fs::write(other.join("f"), b"x").is_err(), "landlock let a file be written outside");

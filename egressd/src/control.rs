@@ -54,6 +54,9 @@ async fn connection(mut stream: UnixStream, control: Arc<Control>) {
         Ok(c) => (c.uid(), c.pid().unwrap_or(0)),
         Err(_) => (u32::MAX, 0),
     };
+    // The request is read before a refusal is written: a peer still writing would
+    // otherwise see a broken pipe instead of the reason.
+    let request = tokio::time::timeout(REQUEST_TIMEOUT, read_message::<ControlRequest>(&mut stream)).await;
     if uid != control.runner_uid {
         tracing::warn!(
             event = "control_peer_refused",
@@ -71,8 +74,7 @@ async fn connection(mut stream: UnixStream, control: Arc<Control>) {
         let _ = write_message(&mut stream, &refusal).await;
         return;
     }
-    let request: ControlRequest = match tokio::time::timeout(REQUEST_TIMEOUT, read_message(&mut stream)).await
-    {
+    let request: ControlRequest = match request {
         Ok(Ok(r)) => r,
         Ok(Err(ChannelError::Closed)) => return,
         Ok(Err(e)) => {

@@ -43,6 +43,10 @@ pub enum RegistryError {
         "revision {revision:?} is already served with a different policy (allowed domains or private network access differ); a revision must identify one policy"
     )]
     PolicyMismatch { revision: String },
+    #[error(
+        "revision {revision:?} would use the same socket name as the live revision {other:?} (their sha256 share 64 bits); retry once that gateway is reaped"
+    )]
+    NameCollision { revision: String, other: String },
     #[error("could not create the gateway directory {path}")]
     Directory {
         path: PathBuf,
@@ -83,6 +87,10 @@ pub fn check_path_length(runtime_dir: &Path) -> Result<(), RegistryError> {
     }
     Ok(())
 }
+
+/// The most connections a gateway admits at once, whatever is configured (tokio's
+/// semaphore has a hard ceiling far above; this is a sane one).
+pub const MAX_TUNNELS: usize = 65_536;
 
 /// How gateway sockets are made reachable by the sandbox user and nobody else.
 #[derive(Debug, Clone, Copy)]
@@ -176,6 +184,7 @@ impl Registry {
         shared: Arc<Shared>,
     ) -> Result<Registry, RegistryError> {
         check_path_length(&runtime_dir)?;
+        let max_tunnels = max_tunnels.clamp(1, MAX_TUNNELS);
         let dir = runtime_dir.join("eg");
         std::fs::create_dir_all(&dir)
             .map_err(|source| RegistryError::Directory { path: dir.clone(), source })?;
@@ -220,6 +229,15 @@ impl Registry {
             }
             Some(g) => g.clone(),
             None => {
+                // Two revisions whose names share the 64-bit prefix: never hand one's
+                // sandboxes the other's socket (and policy).
+                let path = socket_path(&self.runtime_dir, &policy.revision);
+                if let Some(other) = map.values().find(|g| g.path == path) {
+                    return Err(RegistryError::NameCollision {
+                        revision: policy.revision.clone(),
+                        other: other.revision.clone(),
+                    });
+                }
                 let g = self.create(policy, allowlist, normalized, route.clone())?;
                 map.insert(policy.revision.clone(), g.clone());
                 g
@@ -355,6 +373,9 @@ async fn connection(
     let permitted = gateway.allowed_uids.read().unwrap_or_else(|p| p.into_inner()).contains(&uid);
     if !permitted {
         tracing::warn!(event = "egress_peer_refused", revision = %gateway.revision, client_uid = uid, client_pid = pid);
+        let reason =
+            format!("this egress gateway serves only the sandboxes it was acquired for, not uid {uid}");
+        let _ = stream.write_all(&reply::connect(403, Some(&reason))).await;
         return;
     }
     let Ok(_permit) = gateway.tunnels.clone().try_acquire_owned() else {
@@ -508,8 +529,12 @@ mod tests {
         let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 8, shared()).unwrap();
         let stranger = nix::unistd::getuid().as_raw().wrapping_add(1);
         let lease = reg.acquire(&policy("r2", &["a.example"]), ProxySetting::Direct, stranger).unwrap();
-        let text = answer(lease.socket_path(), b"CONNECT other.example:443 HTTP/1.1\r\n\r\n").await;
-        assert_eq!(text, "", "a peer of another uid is closed without an answer");
+        let text = answer(lease.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
+        assert!(
+            text.starts_with("HTTP/1.1 403")
+                && text.contains("serves only the sandboxes it was acquired for"),
+            "a peer of another uid is refused, even for an allowed name: {text}"
+        );
     }
 
     #[tokio::test]

@@ -19,7 +19,7 @@ const DEADLINE: Duration = Duration::from_secs(30);
 
 const BAD_GATEWAY: &str = "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\
     X-Sandbox-Network: the sandbox egress gateway is unreachable (egressd is not running or has restarted); \
-    try again later\r\n\r\n";
+    if egressd restarted, this sandbox's gateway is gone for good: run the execution again\r\n\r\n";
 
 /// A port that was free a moment ago (the kernel's pick, so parallel tests do not collide).
 fn free_port() -> u16 {

@@ -40,6 +40,8 @@ pub enum EgressError {
     Refused(String),
     #[error("egressd answered an unexpected message")]
     Unexpected,
+    #[error("egressd named {path} as the gateway, which runnerd refuses to mount: {why}")]
+    BadGateway { path: PathBuf, why: String },
     #[error(
         "the egress bridge was not found at {0}; install it next to runnerd or set SCIENCE_AGENT_EGRESS_BRIDGE_PATH"
     )]
@@ -53,11 +55,40 @@ pub struct EgressClient {
     pub bridge: PathBuf,
 }
 
-/// A gateway held for one sandbox: bind `socket` into it; dropping this releases it.
+/// A gateway held for one sandbox: bind `socket_fd` (the socket at `socket`, opened and
+/// checked by runnerd) into it; dropping this releases it.
 #[derive(Debug)]
 pub struct EgressLease {
     pub socket: PathBuf,
+    pub socket_fd: std::os::fd::OwnedFd,
     _connection: UnixStream,
+}
+
+/// egressd's name for a revision's socket: 16 hex of sha256(revision) (internals §3.2).
+pub fn gateway_name(revision: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(revision.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Opens what egressd named, without following a symlink, and checks it is the socket of
+/// this revision. egressd runs as another user; if it were compromised, an unchecked path
+/// would let it choose what runnerd mounts into a sandbox (its data directory, say).
+pub fn open_gateway(path: &Path, revision: &str) -> Result<std::os::fd::OwnedFd, EgressError> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let bad = |why: &str| EgressError::BadGateway { path: path.to_owned(), why: why.to_owned() };
+    if path.file_name().and_then(|n| n.to_str()) != Some(gateway_name(revision).as_str()) {
+        return Err(bad("its name is not the revision's socket name"));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| bad(&format!("it cannot be opened ({e})")))?;
+    let meta = file.metadata().map_err(|e| bad(&format!("it cannot be inspected ({e})")))?;
+    if !meta.file_type().is_socket() {
+        return Err(bad("it is not a socket"));
+    }
+    Ok(file.into())
 }
 
 /// The bridge next to the running executable (a cargo build, or the package's libexec
@@ -111,10 +142,12 @@ impl EgressClient {
         route: ProxySetting,
     ) -> Result<EgressLease, EgressError> {
         self.bridge_ready()?;
+        let revision = policy.revision.clone();
         let (answer, stream) = self.ask(&ControlRequest::Acquire { policy, route }, ACQUIRE_TIMEOUT).await?;
         match answer {
             ControlResponse::Gateway { socket_path } => {
-                Ok(EgressLease { socket: socket_path, _connection: stream })
+                let socket_fd = open_gateway(&socket_path, &revision)?;
+                Ok(EgressLease { socket: socket_path, socket_fd, _connection: stream })
             }
             ControlResponse::Refused { reason } => Err(EgressError::Refused(reason)),
             ControlResponse::Status(_) => Err(EgressError::Unexpected),
@@ -158,6 +191,41 @@ mod tests {
         ));
         assert!(proxy_setting(Some(&json!({"mode": "url"}))).is_err());
         assert!(proxy_setting(Some(&json!({"mode": "socks"}))).is_err());
+    }
+
+    #[test]
+    fn only_the_revisions_socket_is_accepted_as_a_gateway() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = gateway_name("rev-1");
+        assert_eq!(name.len(), 16);
+        let socket = dir.path().join(&name);
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        assert!(open_gateway(&socket, "rev-1").is_ok());
+        // Another revision's name, a directory, a symlink to a socket, a regular file.
+        assert!(
+            open_gateway(&socket, "rev-2")
+                .unwrap_err()
+                .to_string()
+                .contains("not the revision's socket name")
+        );
+        let dir_named = dir.path().join("d");
+        std::fs::create_dir(&dir_named).unwrap();
+        let as_dir = dir_named.join(&name);
+        std::fs::create_dir(&as_dir).unwrap();
+        assert!(open_gateway(&as_dir, "rev-1").unwrap_err().to_string().contains("not a socket"));
+        let link_dir = dir.path().join("l");
+        std::fs::create_dir(&link_dir).unwrap();
+        std::os::unix::fs::symlink(&socket, link_dir.join(&name)).unwrap();
+        // O_PATH|O_NOFOLLOW opens the link itself, which is not a socket.
+        assert!(
+            open_gateway(&link_dir.join(&name), "rev-1").unwrap_err().to_string().contains("not a socket")
+        );
+        let file_dir = dir.path().join("f");
+        std::fs::create_dir(&file_dir).unwrap();
+        std::fs::write(file_dir.join(&name), b"x").unwrap();
+        assert!(
+            open_gateway(&file_dir.join(&name), "rev-1").unwrap_err().to_string().contains("not a socket")
+        );
     }
 
     #[tokio::test]

@@ -140,7 +140,8 @@ async fn network(
     };
     let scratch = scratch_dir()?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
-    let mount = EgressMount { bridge: client.bridge.clone(), gateway_socket: lease.socket.clone() };
+    let mount =
+        EgressMount { bridge: client.bridge.clone(), gateway_socket: lease.socket.clone(), gateway_fd: None };
     let mut spec = SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell);
     spec.egress = Some(&mount);
     let cmd = argv::build(&spec);

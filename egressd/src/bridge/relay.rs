@@ -33,7 +33,7 @@ pub(crate) const BAD_GATEWAY: &str = "HTTP/1.1 502 Bad Gateway\r\n\
     Content-Length: 0\r\n\
     Connection: close\r\n\
     X-Sandbox-Network: the sandbox egress gateway is unreachable (egressd is not running or has restarted); \
-    try again later\r\n\
+    if egressd restarted, this sandbox's gateway is gone for good: run the execution again\r\n\
     \r\n";
 
 /// The answer to a client beyond the connection cap.
@@ -334,7 +334,7 @@ mod tests {
                 BAD_GATEWAY,
                 502,
                 "the sandbox egress gateway is unreachable (egressd is not running or has restarted); \
-                 try again later",
+                 if egressd restarted, this sandbox's gateway is gone for good: run the execution again",
             ),
             (
                 &too_many,
@@ -358,8 +358,8 @@ mod tests {
         assert_eq!(
             BAD_GATEWAY,
             "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\nX-Sandbox-Network: the \
-             sandbox egress gateway is unreachable (egressd is not running or has restarted); try again \
-             later\r\n\r\n"
+             sandbox egress gateway is unreachable (egressd is not running or has restarted); if egressd \
+             restarted, this sandbox's gateway is gone for good: run the execution again\r\n\r\n"
         );
     }
 

@@ -63,7 +63,9 @@ pub fn chunk_size(line: &[u8]) -> Option<u64> {
     u64::from_str_radix(size, 16).ok()
 }
 
-/// Copies one chunked body verbatim, up to and including its last trailer line.
+/// Copies one chunked body, re-encoded canonically: `<hex size>\r\n<data>\r\n` per chunk and
+/// a final `0\r\n\r\n`. Extensions and trailers are dropped, so odd spellings (bare CR,
+/// padded sizes, extensions) that another parser might read differently never travel on.
 async fn copy_chunked(
     r: &mut (impl AsyncBufRead + Unpin),
     w: &mut (impl AsyncWrite + Unpin),
@@ -73,25 +75,26 @@ async fn copy_chunked(
     loop {
         read_line(r, &mut line).await?;
         let size = chunk_size(&line).ok_or_else(|| invalid("a chunk size is not hexadecimal"))?;
-        w.write_all(&line).await?;
-        total += line.len() as u64;
         if size == 0 {
+            // Trailers end at the first empty line; none is forwarded.
             loop {
                 read_line(r, &mut line).await?;
-                w.write_all(&line).await?;
-                total += line.len() as u64;
                 if line == b"\r\n" || line == b"\n" {
-                    return Ok(total);
+                    break;
                 }
             }
+            w.write_all(b"0\r\n\r\n").await?;
+            return Ok(total + 5);
         }
-        total += copy_exact(r, w, size).await?;
+        let head = format!("{size:x}\r\n");
+        w.write_all(head.as_bytes()).await?;
+        total += head.len() as u64 + copy_exact(r, w, size).await?;
         read_line(r, &mut line).await?;
         if line != b"\r\n" && line != b"\n" {
             return Err(invalid("a chunk is longer than its size says"));
         }
-        w.write_all(&line).await?;
-        total += line.len() as u64;
+        w.write_all(b"\r\n").await?;
+        total += 2;
     }
 }
 
@@ -206,11 +209,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_chunked_body_stops_at_its_end_and_leaves_what_follows() {
-        let raw = b"5\r\nhello\r\n0\r\nX-T: 1\r\n\r\nGET http://evil.example/ HTTP/1.1\r\n\r\n";
+        let raw = b"005;ext=1\r\nhello\r\n0\r\nX-T: 1\r\n\r\nGET http://evil.example/ HTTP/1.1\r\n\r\n";
         let mut r = BufReader::new(&raw[..]);
         let mut out = Vec::new();
         let n = copy_body(&mut r, &mut out, Framing::Chunked).await.unwrap();
-        assert_eq!(out, b"5\r\nhello\r\n0\r\nX-T: 1\r\n\r\n");
+        assert_eq!(out, b"5\r\nhello\r\n0\r\n\r\n", "re-encoded: no extension, no trailer");
         assert_eq!(n as usize, out.len());
         let mut rest = Vec::new();
         r.read_to_end(&mut rest).await.unwrap();

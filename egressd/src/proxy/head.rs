@@ -101,7 +101,12 @@ pub async fn read_head<T>(
         let before = acc.len();
         let take = avail.len().min(MAX_HEAD - before);
         acc.extend_from_slice(&avail[..take]);
-        match parse(&acc)? {
+        // Parse only when the new bytes (with the three before them) may end a head: a head
+        // trickled in byte by byte must not cost one full parse per byte.
+        let window = &acc[before.saturating_sub(3)..];
+        let may_end = window.windows(2).any(|w| w == b"\n\n") || window.windows(3).any(|w| w == b"\n\r\n");
+        let parsed = if may_end || acc.len() >= MAX_HEAD { parse(&acc)? } else { None };
+        match parsed {
             Some((head, len)) => {
                 r.consume(len - before);
                 return Ok(head);
@@ -126,8 +131,13 @@ const HOP_BY_HOP: [&str; 9] = [
     "host",
 ];
 
+/// Headers that decide where a message ends: never dropped because `Connection` names them
+/// (that would let a body the proxy framed one way be read another way upstream — a second,
+/// unvetted request smuggled inside the first).
+const FRAMING: [&str; 2] = ["content-length", "transfer-encoding"];
+
 /// The headers that cross the proxy: hop-by-hop ones, `Proxy-*` ones, `Host`, and every
-/// header named in `Connection` are dropped.
+/// header named in `Connection` except the framing ones are dropped.
 pub fn end_to_end(headers: &[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)> {
     let named: Vec<String> = headers
         .iter()
@@ -141,10 +151,25 @@ pub fn end_to_end(headers: &[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)> {
         .iter()
         .filter(|(n, _)| {
             let lower = n.to_ascii_lowercase();
-            !HOP_BY_HOP.contains(&lower.as_str()) && !lower.starts_with("proxy-") && !named.contains(&lower)
+            !HOP_BY_HOP.contains(&lower.as_str())
+                && !lower.starts_with("proxy-")
+                && (FRAMING.contains(&lower.as_str()) || !named.contains(&lower))
         })
         .cloned()
         .collect()
+}
+
+/// A request's headers with its framing written by the proxy: whatever framing headers the
+/// client sent are replaced by the one matching the framing the proxy enforces.
+pub fn with_framing(headers: Vec<(String, Vec<u8>)>, framing: Framing) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> =
+        headers.into_iter().filter(|(n, _)| !FRAMING.iter().any(|f| n.eq_ignore_ascii_case(f))).collect();
+    match framing {
+        Framing::Length(n) => out.push(("Content-Length".into(), n.to_string().into_bytes())),
+        Framing::Chunked => out.push(("Transfer-Encoding".into(), b"chunked".to_vec())),
+        Framing::None | Framing::UntilClose => {}
+    }
+    out
 }
 
 /// How a message body is delimited.
@@ -280,6 +305,18 @@ mod tests {
         ]);
         let kept: Vec<String> = end_to_end(&headers).into_iter().map(|(n, _)| n).collect();
         assert_eq!(kept, vec!["Accept", "Transfer-Encoding"]);
+    }
+
+    #[test]
+    fn connection_cannot_remove_the_framing_and_requests_carry_the_proxys_framing() {
+        let headers = h(&[("Connection", "Content-Length, Transfer-Encoding"), ("Content-Length", "63")]);
+        let kept = end_to_end(&headers);
+        assert_eq!(kept, h(&[("Content-Length", "63")]));
+        let framed = with_framing(h(&[("content-length", "63"), ("Accept", "*/*")]), Framing::Length(63));
+        assert_eq!(framed, h(&[("Accept", "*/*"), ("Content-Length", "63")]));
+        let framed = with_framing(h(&[("Transfer-Encoding", "gzip, chunked")]), Framing::Chunked);
+        assert_eq!(framed, h(&[("Transfer-Encoding", "chunked")]));
+        assert!(with_framing(h(&[("Content-Length", "0")]), Framing::None).is_empty());
     }
 
     #[test]

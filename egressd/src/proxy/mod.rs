@@ -268,7 +268,7 @@ async fn plain(
         format!("{} {origin} HTTP/1.1", head.method)
     };
     let mut headers = vec![("Host".to_owned(), host.clone().into_bytes())];
-    headers.extend(head::end_to_end(&head.headers));
+    headers.extend(head::with_framing(head::end_to_end(&head.headers), framing));
     if via_proxy
         && let Ok(Route::Proxy(ep)) = route::route_for(setting, name_of(&t), t.port, false)
         && let Some(auth) = ep.authorization
@@ -285,26 +285,42 @@ async fn plain(
     (rec.decision, rec.status) = ("allowed", 0);
 
     let method = head.method.clone();
-    let outcome = {
-        let request_body = body::copy_body(&mut r, &mut up.write, framing);
-        let response = forward_response(&mut up.read, &mut w, &method);
-        tokio::pin!(request_body, response);
-        let mut body_done = false;
-        let idle = tokio::time::sleep(shared.tunnel_idle);
-        tokio::pin!(idle);
-        loop {
-            tokio::select! {
-                sent = &mut request_body, if !body_done => {
-                    body_done = true;
-                    match sent {
-                        Ok(n) => rec.up = n,
-                        Err(e) => rec.reason = format!("the request body could not be forwarded: {e}"),
+    // Idle means no byte moved either way for `tunnel_idle` — not a deadline for the whole
+    // exchange: a long download that keeps flowing is never cut.
+    let start = std::time::Instant::now();
+    let activity = std::sync::atomic::AtomicU64::new(0);
+    let head_sent = std::sync::atomic::AtomicBool::new(false);
+    let mut outcome: Option<Result<(u16, u64), ResponseError>> = None;
+    let idle = {
+        let mut up_write = Watched { inner: &mut up.write, activity: &activity, start };
+        let mut client_write = Watched { inner: &mut w, activity: &activity, start };
+        let exchange = async {
+            let request_body = body::copy_body(&mut r, &mut up_write, framing);
+            let response = forward_response(&mut up.read, &mut client_write, &method, &head_sent);
+            tokio::pin!(request_body, response);
+            let mut body_done = false;
+            loop {
+                tokio::select! {
+                    sent = &mut request_body, if !body_done => {
+                        body_done = true;
+                        match sent {
+                            Ok(n) => rec.up = n,
+                            Err(e) => rec.reason = format!("the request body could not be forwarded: {e}"),
+                        }
+                    }
+                    got = &mut response => {
+                        outcome = Some(got);
+                        break;
                     }
                 }
-                got = &mut response => break got,
-                _ = &mut idle => break Err(ResponseError::Idle),
             }
-        }
+        };
+        body::until_idle(exchange, &activity, start, shared.tunnel_idle).await
+    };
+    let outcome = match (idle, outcome) {
+        (false, Some(got)) => got,
+        _ if !head_sent.load(std::sync::atomic::Ordering::Relaxed) => Err(ResponseError::IdleBeforeHead),
+        _ => Err(ResponseError::Idle),
     };
     match outcome {
         Ok((status, n)) => (rec.status, rec.down) = (status, n),
@@ -313,7 +329,18 @@ async fn plain(
             let _ = w.write_all(&reply::plain(502, &safe)).await;
             rec.refuse("failed", 502, safe);
         }
-        Err(ResponseError::Idle) => rec.reason = "the upstream response stalled; connection closed".into(),
+        Err(ResponseError::IdleBeforeHead) => {
+            let safe = format!(
+                "Sandbox network access: {} did not answer within {} ms",
+                name_of(&t),
+                shared.tunnel_idle.as_millis()
+            );
+            let _ = w.write_all(&reply::plain(504, &safe)).await;
+            rec.refuse("failed", 504, safe);
+        }
+        Err(ResponseError::Idle) => {
+            rec.reason = format!("nothing moved for {} ms; connection closed", shared.tunnel_idle.as_millis())
+        }
         Err(ResponseError::AfterHead(status, e)) => {
             rec.status = status;
             rec.reason = format!("the response body was cut short: {e}");
@@ -326,7 +353,46 @@ async fn plain(
 enum ResponseError {
     BeforeHead(HeadError),
     AfterHead(u16, std::io::Error),
+    IdleBeforeHead,
     Idle,
+}
+
+/// A writer that records when it last wrote (ms since `start`), for the idle timeout.
+struct Watched<'a, W> {
+    inner: W,
+    activity: &'a std::sync::atomic::AtomicU64,
+    start: std::time::Instant,
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for Watched<'_, W> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let std::task::Poll::Ready(Ok(n)) = &polled
+            && *n > 0
+        {
+            self.activity
+                .store(self.start.elapsed().as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Forwards the upstream's response (1xx interim heads included) with hop-by-hop headers
@@ -335,6 +401,7 @@ async fn forward_response(
     up: &mut (impl AsyncBufRead + Unpin),
     w: &mut (impl AsyncWrite + Unpin),
     method: &str,
+    head_sent: &std::sync::atomic::AtomicBool,
 ) -> Result<(u16, u64), ResponseError> {
     loop {
         let resp = head::read_head(up, head::parse_response).await.map_err(ResponseError::BeforeHead)?;
@@ -346,6 +413,7 @@ async fn forward_response(
         let line = format!("HTTP/1.1 {} {}", resp.status, resp.reason);
         let bytes = head::write_head(&line, &headers);
         w.write_all(&bytes).await.map_err(|e| ResponseError::AfterHead(resp.status, e))?;
+        head_sent.store(true, std::sync::atomic::Ordering::Relaxed);
         if interim {
             continue;
         }

@@ -431,3 +431,83 @@ async fn an_unusable_proxy_is_502_without_revealing_it() {
         }
     }
 }
+
+#[tokio::test]
+async fn connection_cannot_strip_the_length_that_framed_a_body() {
+    let up = Upstream::start().await;
+    let h = Harness::new(&["allowed.example.com"], true, &[("allowed.example.com", &["127.0.0.1"])]);
+    let inner = "GET http://internal.corp/admin HTTP/1.1\r\nHost: internal.corp\r\n\r\n";
+    let request = format!(
+        "POST http://allowed.example.com:{}/x HTTP/1.1\r\nConnection: Content-Length\r\nContent-Length: {}\r\n\r\n{inner}",
+        up.port,
+        inner.len()
+    );
+    let (answer, _) = h.exchange(request.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let seen = up.seen().await;
+    assert_eq!(seen.len(), 1);
+    // The upstream learns the body's length, so the inner bytes stay a body.
+    assert!(seen[0].contains(&format!("Content-Length: {}\r\n", inner.len())), "{}", seen[0]);
+}
+
+/// An upstream that answers a head at once and then trickles `n` bytes, one per `gap`
+/// (or, with `head` false, never answers at all).
+async fn trickling(head: bool, n: usize, gap: Duration) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                if !head {
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    return;
+                }
+                let _ =
+                    s.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {n}\r\n\r\n").as_bytes()).await;
+                for _ in 0..n {
+                    tokio::time::sleep(gap).await;
+                    if s.write_all(b"x").await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_plain_download_that_keeps_moving_is_never_cut_and_a_silent_one_gets_504() {
+    let mut h = Harness::new(&["allowed.example.com"], true, &[("allowed.example.com", &["127.0.0.1"])]);
+    Arc::get_mut(&mut h.shared).unwrap().tunnel_idle = Duration::from_millis(300);
+    // 12 bytes, one every 100 ms: 1.2 s in all, four times the idle timeout.
+    let port = trickling(true, 12, Duration::from_millis(100)).await;
+    let (answer, rec) =
+        h.exchange(format!("GET http://allowed.example.com:{port}/slow HTTP/1.1\r\n\r\n").as_bytes()).await;
+    assert!(answer.ends_with("xxxxxxxxxxxx"), "{answer}");
+    assert_eq!((rec.decision, rec.status), ("allowed", 200));
+
+    let port = trickling(false, 0, Duration::ZERO).await;
+    let (answer, rec) =
+        h.exchange(format!("GET http://allowed.example.com:{port}/silent HTTP/1.1\r\n\r\n").as_bytes()).await;
+    assert_eq!(status(&answer), 504, "{answer}");
+    assert!(answer.contains("did not answer within 300 ms"), "{answer}");
+    assert_eq!(rec.decision, "failed");
+}
+
+#[tokio::test]
+async fn a_head_trickled_byte_by_byte_is_parsed_once_it_ends() {
+    let h = Harness::new(&["allowed.example.com"], true, &[]);
+    let (mut client, server) = UnixStream::pair().unwrap();
+    let (shared, policy, setting) = (h.shared.clone(), h.policy.clone(), h.setting.clone());
+    let task = tokio::spawn(async move { serve(server, &policy, &setting, &shared).await });
+    for b in b"CONNECT evil.example:443 HTTP/1.1\r\nX-Pad: aaaaaaaaaaaaaaaa\r\n\r\n" {
+        client.write_all(&[*b]).await.unwrap();
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut out)).await;
+    assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 403"));
+    assert_eq!(task.await.unwrap().decision, "denied");
+}

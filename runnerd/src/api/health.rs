@@ -38,6 +38,10 @@ fn network(app: &App, egress: &Result<EgressStatus, EgressError>) -> (Value, Val
             json!({"available": false, "modes": ["none"], "unavailableReason": format!("Sandbox network access (domain-allowlist) is unavailable: {bridge}")}),
             json!({"reachable": true, "controlSocket": app.egress.control_socket, "bridge": app.egress.bridge}),
         ),
+        (Err(EgressError::Refused(why)), _) => (
+            json!({"available": false, "modes": ["none"], "unavailableReason": format!("Sandbox network access (domain-allowlist) is unavailable: egressd refused runnerd: {why}")}),
+            json!({"reachable": true, "controlSocket": app.egress.control_socket, "refused": why}),
+        ),
         (Err(e), _) => {
             let reason = crate::error_chain(e);
             (

@@ -467,10 +467,15 @@ pub async fn run_sandbox(
     }
 
     let layout = WorkspaceLayout::new(root.clone(), p.read_only.clone());
+    let bind_fd = app.sandbox.features.bind_fd;
+    // Descriptors after the workspace's: the gateway socket, opened and checked by runnerd.
+    let gateway_fd_index = FIRST_EXTRA_FD + 1 + i32::from(parent_fd.is_some());
     let egress_mount = match (&p.egress, p.network.mode.as_str()) {
-        (Some(lease), _) => {
-            Some(EgressMount { bridge: app.egress.bridge.clone(), gateway_socket: lease.socket.clone() })
-        }
+        (Some(lease), _) => Some(EgressMount {
+            bridge: app.egress.bridge.clone(),
+            gateway_socket: lease.socket.clone(),
+            gateway_fd: bind_fd.then_some(gateway_fd_index),
+        }),
         (None, "none") => None,
         (None, _) => {
             return Err(unavailable(
@@ -509,6 +514,9 @@ pub async fn run_sandbox(
         launch.extra_fds.push(root_fd.try_clone().map_err(internal)?);
         if let Some(fd) = &parent_fd {
             launch.extra_fds.push(fd.try_clone().map_err(internal)?);
+        }
+        if let Some(lease) = &p.egress {
+            launch.extra_fds.push(lease.socket_fd.try_clone().map_err(internal)?);
         }
     }
     let watchdog = tokio::spawn(watch_for_stop(

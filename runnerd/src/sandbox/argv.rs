@@ -157,6 +157,9 @@ pub struct SandboxSpec<'a> {
 pub struct EgressMount {
     pub bridge: PathBuf,
     pub gateway_socket: PathBuf,
+    /// Bind the socket runnerd opened and checked (`--bind-fd`) instead of the path egressd
+    /// named: a compromised egressd cannot swap the path for a directory it wants mounted.
+    pub gateway_fd: Option<i32>,
 }
 
 impl<'a> SandboxSpec<'a> {
@@ -243,7 +246,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     }
     if let Some(egress) = spec.egress {
         push(&mut args, &["--ro-bind", &lossy(&egress.bridge), protocol::SANDBOX_BRIDGE]);
-        push(&mut args, &["--bind", &lossy(&egress.gateway_socket), protocol::SANDBOX_SOCKET]);
+        match egress.gateway_fd {
+            Some(fd) => push(&mut args, &["--bind-fd", &fd.to_string(), protocol::SANDBOX_SOCKET]),
+            None => push(&mut args, &["--bind", &lossy(&egress.gateway_socket), protocol::SANDBOX_SOCKET]),
+        }
     }
     spec.workspace.bind_args(&mut args, spec.workspace_fds);
 
@@ -614,6 +620,7 @@ mod tests {
         let mount = EgressMount {
             bridge: "/usr/libexec/x/egress-bridge".into(),
             gateway_socket: "/run/egressd/eg/0123456789abcdef".into(),
+            gateway_fd: None,
         };
         let mut s = spec(&h, &ws, FULL);
         let none = build(&s);
@@ -653,5 +660,10 @@ mod tests {
         );
         assert_eq!(cmd.command[6], "/usr/bin/bash");
         assert_eq!(cmd.seccomp, Profile::Network);
+        let by_fd = EgressMount { gateway_fd: Some(7), ..mount.clone() };
+        s.egress = Some(&by_fd);
+        let cmd = build(&s);
+        assert!(position(&cmd.options, &["--bind-fd", "7", "/run/sciencediscovery/egress.sock"]).is_some());
+        assert!(!cmd.options.iter().any(|a| a.contains("0123456789abcdef")));
     }
 }
