@@ -130,6 +130,9 @@ pub struct Gateway {
     last_used: Mutex<Instant>,
     tunnels: Arc<Semaphore>,
     max_tunnels: usize,
+    /// Open connections per client process (a sandbox's bridge): one sandbox may hold at
+    /// most half the gateway's connections, so it cannot lock the others of its revision out.
+    per_peer: Mutex<HashMap<i32, usize>>,
     stop: watch::Sender<bool>,
 }
 
@@ -282,6 +285,7 @@ impl Registry {
             last_used: Mutex::new(Instant::now()),
             tunnels: Arc::new(Semaphore::new(self.max_tunnels)),
             max_tunnels: self.max_tunnels,
+            per_peer: Mutex::default(),
             stop,
         });
         tracing::info!(
@@ -346,6 +350,40 @@ async fn accept_loop(
     }
 }
 
+/// One connection of one client process, counted while it lives.
+struct PeerSlot<'a> {
+    gateway: &'a Gateway,
+    pid: i32,
+}
+
+impl<'a> PeerSlot<'a> {
+    fn limit(gateway: &Gateway) -> usize {
+        (gateway.max_tunnels / 2).max(1)
+    }
+
+    fn take(gateway: &'a Gateway, pid: i32) -> Option<PeerSlot<'a>> {
+        let mut map = gateway.per_peer.lock().unwrap_or_else(|p| p.into_inner());
+        let count = map.entry(pid).or_insert(0);
+        if *count >= Self::limit(gateway) {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot { gateway, pid })
+    }
+}
+
+impl Drop for PeerSlot<'_> {
+    fn drop(&mut self) {
+        let mut map = self.gateway.per_peer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = map.get_mut(&self.pid) {
+            *count -= 1;
+            if *count == 0 {
+                map.remove(&self.pid);
+            }
+        }
+    }
+}
+
 /// Counts a connection for the reaper while it lives.
 struct Open<'a>(&'a Gateway);
 
@@ -378,6 +416,15 @@ async fn connection(
         let _ = stream.write_all(&reply::connect(403, Some(&reason))).await;
         return;
     }
+    let Some(_peer_slot) = PeerSlot::take(&gateway, pid) else {
+        let reason = format!(
+            "too many open connections from this sandbox through its egress gateway (limit {} per sandbox)",
+            PeerSlot::limit(&gateway)
+        );
+        let _ = stream.write_all(&reply::connect(429, Some(&reason))).await;
+        tracing::warn!(event = "egress_decision", revision = %gateway.revision, client_pid = pid, decision = "limited", status = 429u16, reason = %reason);
+        return;
+    };
     let Ok(_permit) = gateway.tunnels.clone().try_acquire_owned() else {
         let reason = format!(
             "too many open connections through this sandbox's egress gateway (limit {})",
@@ -485,7 +532,7 @@ mod tests {
     #[tokio::test]
     async fn gateways_are_reused_per_revision_private_to_their_users_capped_and_reaped() {
         let dir = tempfile::tempdir().unwrap();
-        let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 1, shared()).unwrap();
+        let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 2, shared()).unwrap();
         let me = nix::unistd::getuid().as_raw();
         let a = reg.acquire(&policy("r1", &["a.example"]), ProxySetting::Direct, me).unwrap();
         let b = reg.acquire(&policy("r1", &["A.example."]), ProxySetting::Direct, me).unwrap();
@@ -503,7 +550,8 @@ mod tests {
         let text = answer(a.socket_path(), b"CONNECT other.example:443 HTTP/1.1\r\n\r\n").await;
         assert!(text.starts_with("HTTP/1.1 403 Forbidden"), "{text}");
 
-        // One connection at a time (cap 1): a second gets 429 while the first is open.
+        // Cap 2, so 1 per sandbox: our second connection gets 429 while the first is open,
+        // and another process (another sandbox's bridge) still gets through.
         let held = tokio::net::UnixStream::connect(a.socket_path()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         let text = answer(a.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
@@ -511,6 +559,14 @@ mod tests {
             text.starts_with("HTTP/1.1 429 Too Many Requests") && text.contains("Retry-After: 1"),
             "{text}"
         );
+        assert!(text.contains("limit 1 per sandbox"), "{text}");
+        let other = tokio::process::Command::new("python3")
+            .args(["-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(b'CONNECT other.example:443 HTTP/1.1\\r\\n\\r\\n'); print(s.recv(200).decode().splitlines()[0])"])
+            .arg(a.socket_path())
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&other.stdout).trim(), "HTTP/1.1 403 Forbidden", "{other:?}");
         drop(held);
 
         // Leased: not reaped, however idle.
