@@ -5,6 +5,7 @@
 //!   descriptors passed as `SCM_RIGHTS`.
 //! * [`seccomp`]: the seccomp profiles (`baseline`, `network`, `npu`) for x86_64 and aarch64,
 //!   as pure rule tables compiled to classic BPF.
+//! * [`settings`]: a daemon's TOML configuration file layered under its variables.
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
 
 #[cfg(feature = "daemon")]
@@ -15,6 +16,8 @@ pub mod channel_async;
 pub mod egress;
 pub mod plan;
 pub mod seccomp;
+#[cfg(feature = "daemon")]
+pub mod settings;
 pub mod sys;
 #[cfg(feature = "daemon")]
 pub mod systemd;

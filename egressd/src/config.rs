@@ -1,18 +1,31 @@
-//! egressd's settings: command-line flags over `SCIENCE_AGENT_EGRESS_*` variables over
-//! defaults. Parsing is a pure function of the arguments and a variable lookup, so every
-//! rule is table-tested.
+//! egressd's settings: command-line flags over `SCIENCE_AGENT_EGRESS_*` variables over the
+//! configuration file (`/etc/sciencediscovery/egressd.toml`, or `--config`, or
+//! `SCIENCE_AGENT_EGRESS_CONFIG`) over defaults. Parsing is a pure function of the arguments
+//! and a variable lookup (the environment layered over the file by `common::settings`), so
+//! every rule is table-tested.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+
+use common::audit::{LogError, LogSettings};
+use common::settings::{FileChoice, Key, Kind, Layered, Origin, Row, Schema, SettingsError};
 
 pub const USAGE: &str = "\
 egressd: the sandbox egress gateway (a domain-allowlisting HTTP proxy per policy revision).
 
 Usage:
   egressd [options]            serve the control socket and the gateways
-  egressd --check-config       validate the settings, print them, and exit
+  egressd --check-config [options]
+                               validate the settings (and the users, the socket paths, the
+                               DNS servers), print each with where it came from, exit 0 or 1
   egressd --help | --version
+
+Configuration: flags override variables, variables override the file, the file overrides
+the defaults. The file's keys are the long flags' names with - as _ (max_tunnels = 256;
+nameservers = [\"10.0.0.2\"]), plus log_level and log_target.
+  --config PATH           the configuration file (TOML) [SCIENCE_AGENT_EGRESS_CONFIG, default
+                          /etc/sciencediscovery/egressd.toml; that one may be absent]
 
 Options (each also read from the variable in brackets; a flag wins):
   --control-socket PATH   where runnerd asks for gateways
@@ -37,7 +50,8 @@ Options (each also read from the variable in brackets; a flag wins):
                                                                      [_GATEWAY_IDLE_MS, 300000]
   --no-confine            skip landlock and the seccomp filter (debugging only; health says so)
 
-Logs: journald (identifier egressd) under systemd, else stderr; SCIENCE_AGENT_LOG_LEVEL.
+Logs: journald (identifier egressd) under systemd, else stderr [SCIENCE_AGENT_LOG_TARGET:
+journald, stderr]; SCIENCE_AGENT_LOG_LEVEL (error, warn, info, debug, trace, off).
 ";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,8 +129,86 @@ fn user_spec(value: &str) -> UserSpec {
     }
 }
 
-/// Parses the arguments (without the program name) over the variables read through `var`.
-pub fn parse(args: &[String], var: impl Fn(&str) -> Option<String>) -> Result<Command, ConfigError> {
+/// What the command line asks for, before any variable or file is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Serve,
+    CheckConfig,
+    Help,
+    Version,
+}
+
+/// The command line, parsed: the mode, `--config`, and each setting flag with its value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Args {
+    pub mode: Mode,
+    /// `--config PATH`.
+    pub config: Option<PathBuf>,
+    pub confine: bool,
+    /// Setting flags in the order given (`--nameserver` may repeat).
+    pub flags: Vec<(&'static str, String)>,
+}
+
+impl Args {
+    /// Whether `flag` was given.
+    pub fn has(&self, flag: &str) -> bool {
+        self.flags.iter().any(|(f, _)| *f == flag)
+    }
+}
+
+/// Each setting: its key in the configuration file, its flag, its variable. The keys are
+/// the flags' names with `-` as `_`, the list of nameservers in the plural.
+pub const SETTINGS: &[(&str, &str, &str)] = &[
+    ("control_socket", "--control-socket", "SCIENCE_AGENT_EGRESS_SOCKET"),
+    ("runtime_dir", "--runtime-dir", "SCIENCE_AGENT_EGRESS_RUNTIME_DIR"),
+    ("runner_uid", "--runner-uid", "SCIENCE_AGENT_EGRESS_RUNNER_UID"),
+    ("socket_group", "--socket-group", "SCIENCE_AGENT_EGRESS_SOCKET_GROUP"),
+    ("nameservers", "--nameserver", "SCIENCE_AGENT_EGRESS_NAMESERVERS"),
+    ("resolv_conf", "--resolv-conf", "SCIENCE_AGENT_EGRESS_RESOLV_CONF"),
+    ("max_tunnels", "--max-tunnels", "SCIENCE_AGENT_EGRESS_MAX_TUNNELS"),
+    ("tunnel_idle_ms", "--tunnel-idle-ms", "SCIENCE_AGENT_EGRESS_TUNNEL_IDLE_MS"),
+    ("header_timeout_ms", "--header-timeout-ms", "SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS"),
+    ("connect_timeout_ms", "--connect-timeout-ms", "SCIENCE_AGENT_EGRESS_CONNECT_TIMEOUT_MS"),
+    ("gateway_idle_ms", "--gateway-idle-ms", "SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS"),
+];
+
+/// Parses the arguments (without the program name); values are checked by [`resolve`].
+pub fn parse_args(args: &[String]) -> Result<Args, ConfigError> {
+    let mut parsed = Args { mode: Mode::Serve, config: None, confine: true, flags: Vec::new() };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || -> Result<String, ConfigError> {
+            let v = match inline.clone() {
+                Some(v) => v,
+                None => it.next().cloned().ok_or_else(|| ConfigError::MissingValue(flag.to_owned()))?,
+            };
+            if v.trim().is_empty() {
+                return Err(ConfigError::Empty { name: flag.to_owned() });
+            }
+            Ok(v)
+        };
+        match flag {
+            "--help" | "-h" => return Ok(Args { mode: Mode::Help, ..parsed }),
+            "--version" | "-V" => return Ok(Args { mode: Mode::Version, ..parsed }),
+            "--check-config" => parsed.mode = Mode::CheckConfig,
+            "--no-confine" => parsed.confine = false,
+            "--config" => parsed.config = Some(value()?.into()),
+            _ => match SETTINGS.iter().find(|(_, f, _)| *f == flag) {
+                Some((_, f, _)) => parsed.flags.push((f, value()?)),
+                None => return Err(ConfigError::Unknown(flag.to_owned())),
+            },
+        }
+    }
+    Ok(parsed)
+}
+
+/// The settings: flags over the variables read through `var` (in production the environment
+/// over the configuration file) over the defaults.
+pub fn resolve(args: &Args, var: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
     let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
     let ms = |name: &str, default: u64| -> Result<Duration, ConfigError> {
         get(name).map_or(Ok(default), |v| positive(name, &v)).map(Duration::from_millis)
@@ -147,49 +239,202 @@ pub fn parse(args: &[String], var: impl Fn(&str) -> Option<String>) -> Result<Co
         header_timeout: ms("SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS", 10_000)?,
         connect_timeout: ms("SCIENCE_AGENT_EGRESS_CONNECT_TIMEOUT_MS", 10_000)?,
         gateway_idle: ms("SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS", 300_000)?,
-        confine: true,
+        confine: args.confine,
     };
-    let mut check = false;
     let mut nameservers_from_flags = Vec::new();
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || -> Result<String, ConfigError> {
-            let v = match inline.clone() {
-                Some(v) => v,
-                None => it.next().cloned().ok_or_else(|| ConfigError::MissingValue(flag.to_owned()))?,
-            };
-            if v.trim().is_empty() {
-                return Err(ConfigError::Empty { name: flag.to_owned() });
-            }
-            Ok(v)
-        };
+    for (flag, value) in &args.flags {
+        let flag = *flag;
+        let value = value.clone();
         match flag {
-            "--help" | "-h" => return Ok(Command::Help),
-            "--version" | "-V" => return Ok(Command::Version),
-            "--check-config" => check = true,
-            "--no-confine" => cfg.confine = false,
-            "--control-socket" => cfg.control_socket = value()?.into(),
-            "--runtime-dir" => cfg.runtime_dir = value()?.into(),
-            "--runner-uid" => cfg.runner_uid = Some(user_spec(&value()?)),
-            "--socket-group" => cfg.socket_group = Some(value()?),
-            "--nameserver" => nameservers_from_flags.push(parse_nameserver(flag, &value()?)?),
-            "--resolv-conf" => cfg.resolv_conf = value()?.into(),
-            "--max-tunnels" => cfg.max_tunnels = positive(flag, &value()?)? as usize,
-            "--tunnel-idle-ms" => cfg.tunnel_idle = Duration::from_millis(positive(flag, &value()?)?),
-            "--header-timeout-ms" => cfg.header_timeout = Duration::from_millis(positive(flag, &value()?)?),
-            "--connect-timeout-ms" => cfg.connect_timeout = Duration::from_millis(positive(flag, &value()?)?),
-            "--gateway-idle-ms" => cfg.gateway_idle = Duration::from_millis(positive(flag, &value()?)?),
+            "--control-socket" => cfg.control_socket = value.into(),
+            "--runtime-dir" => cfg.runtime_dir = value.into(),
+            "--runner-uid" => cfg.runner_uid = Some(user_spec(&value)),
+            "--socket-group" => cfg.socket_group = Some(value),
+            "--nameserver" => nameservers_from_flags.push(parse_nameserver(flag, &value)?),
+            "--resolv-conf" => cfg.resolv_conf = value.into(),
+            "--max-tunnels" => cfg.max_tunnels = positive(flag, &value)? as usize,
+            "--tunnel-idle-ms" => cfg.tunnel_idle = Duration::from_millis(positive(flag, &value)?),
+            "--header-timeout-ms" => cfg.header_timeout = Duration::from_millis(positive(flag, &value)?),
+            "--connect-timeout-ms" => cfg.connect_timeout = Duration::from_millis(positive(flag, &value)?),
+            "--gateway-idle-ms" => cfg.gateway_idle = Duration::from_millis(positive(flag, &value)?),
             other => return Err(ConfigError::Unknown(other.to_owned())),
         }
     }
     if !nameservers_from_flags.is_empty() {
         cfg.nameservers = nameservers_from_flags;
     }
-    Ok(if check { Command::CheckConfig(cfg) } else { Command::Serve(cfg) })
+    Ok(cfg)
+}
+
+/// Parses the arguments (without the program name) over the variables read through `var`.
+pub fn parse(args: &[String], var: impl Fn(&str) -> Option<String>) -> Result<Command, ConfigError> {
+    let parsed = parse_args(args)?;
+    Ok(match parsed.mode {
+        Mode::Help => Command::Help,
+        Mode::Version => Command::Version,
+        Mode::CheckConfig => Command::CheckConfig(resolve(&parsed, var)?),
+        Mode::Serve => Command::Serve(resolve(&parsed, var)?),
+    })
+}
+
+/// The file egressd reads when neither `--config` nor `SCIENCE_AGENT_EGRESS_CONFIG` names
+/// one; when it does not exist, the defaults apply.
+pub const DEFAULT_CONFIG_FILE: &str = "/etc/sciencediscovery/egressd.toml";
+/// Names the configuration file (a file named so must exist).
+pub const CONFIG_VAR: &str = "SCIENCE_AGENT_EGRESS_CONFIG";
+
+const fn key(name: &'static str, var: &'static str, kind: Kind) -> Key {
+    Key { name, var, kind }
+}
+
+/// Every key of egressd's configuration file (the same settings as [`SETTINGS`], plus the
+/// log settings, which have no flag).
+pub static SCHEMA: Schema = Schema {
+    daemon: "egressd",
+    keys: &[
+        key("control_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
+        key("runtime_dir", "SCIENCE_AGENT_EGRESS_RUNTIME_DIR", Kind::Text),
+        key("runner_uid", "SCIENCE_AGENT_EGRESS_RUNNER_UID", Kind::Name),
+        key("socket_group", "SCIENCE_AGENT_EGRESS_SOCKET_GROUP", Kind::Name),
+        key("nameservers", "SCIENCE_AGENT_EGRESS_NAMESERVERS", Kind::List),
+        key("resolv_conf", "SCIENCE_AGENT_EGRESS_RESOLV_CONF", Kind::Text),
+        key("max_tunnels", "SCIENCE_AGENT_EGRESS_MAX_TUNNELS", Kind::Integer),
+        key("tunnel_idle_ms", "SCIENCE_AGENT_EGRESS_TUNNEL_IDLE_MS", Kind::Integer),
+        key("header_timeout_ms", "SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS", Kind::Integer),
+        key("connect_timeout_ms", "SCIENCE_AGENT_EGRESS_CONNECT_TIMEOUT_MS", Kind::Integer),
+        key("gateway_idle_ms", "SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS", Kind::Integer),
+        key("log_level", common::audit::LEVEL_VAR, Kind::Text),
+        key("log_target", common::audit::TARGET_VAR, Kind::Text),
+    ],
+    refused: &[],
+};
+
+impl ConfigError {
+    /// The same error with a variable named by `describe(variable)` (flags stay as they are).
+    pub fn renamed(self, describe: impl Fn(&str) -> String) -> ConfigError {
+        match self {
+            ConfigError::Positive { name, value } => ConfigError::Positive { name: describe(&name), value },
+            ConfigError::Nameserver { name, value } => {
+                ConfigError::Nameserver { name: describe(&name), value }
+            }
+            ConfigError::Empty { name } => ConfigError::Empty { name: describe(&name) },
+            other => other,
+        }
+    }
+}
+
+/// A configuration that start-up validated, and where each value came from.
+#[derive(Debug)]
+pub struct Loaded {
+    pub args: Args,
+    pub config: Config,
+    pub log: LogSettings,
+    pub settings: Layered,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    File(#[from] SettingsError),
+    #[error(transparent)]
+    Value(#[from] ConfigError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+impl LoadError {
+    /// Whether the command line is at fault (rather than a variable or the file).
+    pub fn is_usage(&self) -> bool {
+        match self {
+            LoadError::Value(ConfigError::Unknown(_) | ConfigError::MissingValue(_)) => true,
+            LoadError::Value(
+                ConfigError::Positive { name, .. }
+                | ConfigError::Nameserver { name, .. }
+                | ConfigError::Empty { name },
+            ) => name.starts_with("--"),
+            _ => false,
+        }
+    }
+}
+
+/// Flags over the environment `env` over the chosen file over the defaults.
+pub fn load(
+    args: Args,
+    env: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+) -> Result<Loaded, LoadError> {
+    let choice = FileChoice::choose(args.config.as_deref(), CONFIG_VAR, &env, DEFAULT_CONFIG_FILE);
+    let settings = Layered::load(&SCHEMA, choice, env)?;
+    layer(args, settings)
+}
+
+/// Validates flags over a layered lookup; errors name the key and the file when the value
+/// came from it.
+pub fn layer(args: Args, settings: Layered) -> Result<Loaded, LoadError> {
+    let describe = |var: &str| settings.describe(var);
+    let config = resolve(&args, |k| settings.var(k)).map_err(|e| e.renamed(describe))?;
+    let log =
+        LogSettings::from_vars(|k| settings.var(k)).map_err(|e| LogError { name: describe(&e.name), ..e })?;
+    Ok(Loaded { args, config, log, settings })
+}
+
+impl Loaded {
+    /// Where the setting `key` came from.
+    pub fn origin(&self, key: &str) -> Origin {
+        let Some((_, flag, var)) = SETTINGS.iter().find(|(k, _, _)| *k == key) else {
+            return SCHEMA.key(key).map_or(Origin::Default, |k| self.settings.origin(k.var));
+        };
+        if self.args.has(flag) {
+            return Origin::Flag((*flag).to_owned());
+        }
+        match self.settings.origin(var) {
+            Origin::Default if key == "runtime_dir" && self.settings.var("RUNTIME_DIRECTORY").is_some() => {
+                Origin::Environment("RUNTIME_DIRECTORY".to_owned())
+            }
+            origin => origin,
+        }
+    }
+
+    /// Every setting with its effective value and origin.
+    pub fn rows(&self) -> Vec<Row> {
+        let c = &self.config;
+        let ms = |d: Duration| d.as_millis().to_string();
+        let mut rows: Vec<Row> = SCHEMA
+            .keys
+            .iter()
+            .map(|k| {
+                let value = match k.name {
+                    "control_socket" => c.control_socket.display().to_string(),
+                    "runtime_dir" => c.runtime_dir.display().to_string(),
+                    "runner_uid" => match &c.runner_uid {
+                        None => "unset (egressd's own uid)".to_owned(),
+                        Some(UserSpec::Uid(uid)) => uid.to_string(),
+                        Some(UserSpec::Name(name)) => name.clone(),
+                    },
+                    "socket_group" => {
+                        c.socket_group.clone().unwrap_or_else(|| "unset (sockets 0600)".to_owned())
+                    }
+                    "nameservers" if c.nameservers.is_empty() => "unset (read resolv_conf)".to_owned(),
+                    "nameservers" => {
+                        c.nameservers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
+                    }
+                    "resolv_conf" => c.resolv_conf.display().to_string(),
+                    "max_tunnels" => c.max_tunnels.to_string(),
+                    "tunnel_idle_ms" => ms(c.tunnel_idle),
+                    "header_timeout_ms" => ms(c.header_timeout),
+                    "connect_timeout_ms" => ms(c.connect_timeout),
+                    "gateway_idle_ms" => ms(c.gateway_idle),
+                    "log_level" => self.log.level_name().to_owned(),
+                    "log_target" => self.log.target_name().to_owned(),
+                    other => format!("<{other}>"),
+                };
+                Row::new(k.name, value, self.origin(k.name))
+            })
+            .collect();
+        let confine_origin =
+            if c.confine { Origin::Default } else { Origin::Flag("--no-confine".to_owned()) };
+        rows.push(Row::new("confine", c.confine.to_string(), confine_origin));
+        rows
+    }
 }
 
 #[cfg(test)]
@@ -276,5 +521,156 @@ mod tests {
         assert_eq!(run(&["--help"], &[]).unwrap(), Command::Help);
         assert_eq!(run(&["-V"], &[]).unwrap(), Command::Version);
         assert!(matches!(run(&["--check-config"], &[]).unwrap(), Command::CheckConfig(_)));
+    }
+
+    fn loaded(args: &[&str], file: &str, vars: &[(&str, &str)]) -> Result<Loaded, LoadError> {
+        let path = std::path::Path::new(DEFAULT_CONFIG_FILE);
+        let parsed = common::settings::ConfigFile::parse(&SCHEMA, path, file)?;
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let settings = Layered::new(&SCHEMA, FileChoice::Default(path.into()), Some(parsed), move |k| {
+            map.get(k).cloned()
+        });
+        layer(parse_args(&args)?, settings)
+    }
+
+    const FILE: &str = "# egressd\ncontrol_socket = \"/run/f.sock\"\nnameservers = [\"10.0.0.2\", \"10.0.0.3:5353\"]\n\
+                        max_tunnels = 64\nrunner_uid = 998\nlog_level = \"debug\"\n";
+
+    #[test]
+    fn flags_over_variables_over_the_file_over_defaults() {
+        let l = loaded(&[], FILE, &[]).unwrap();
+        assert_eq!(l.config.control_socket, PathBuf::from("/run/f.sock"));
+        assert_eq!(
+            l.config.nameservers,
+            vec!["10.0.0.2:53".parse().unwrap(), "10.0.0.3:5353".parse().unwrap()]
+        );
+        assert_eq!((l.config.max_tunnels, l.config.runner_uid.clone()), (64, Some(UserSpec::Uid(998))));
+        assert_eq!(l.log.level_name(), "debug");
+        assert_eq!(l.origin("max_tunnels"), Origin::File { path: DEFAULT_CONFIG_FILE.into(), line: 4 });
+        assert_eq!(l.origin("resolv_conf"), Origin::Default);
+
+        let vars = [("SCIENCE_AGENT_EGRESS_MAX_TUNNELS", "32"), ("RUNTIME_DIRECTORY", "/run/egressd")];
+        let l = loaded(&[], FILE, &vars).unwrap();
+        assert_eq!(l.config.max_tunnels, 32);
+        assert_eq!(l.origin("max_tunnels"), Origin::Environment("SCIENCE_AGENT_EGRESS_MAX_TUNNELS".into()));
+        assert_eq!(l.origin("runtime_dir"), Origin::Environment("RUNTIME_DIRECTORY".into()));
+
+        let l = loaded(&["--max-tunnels", "8", "--nameserver", "127.0.0.1"], FILE, &vars).unwrap();
+        assert_eq!(l.config.max_tunnels, 8);
+        assert_eq!(l.config.nameservers, vec!["127.0.0.1:53".parse().unwrap()]);
+        assert_eq!(l.origin("max_tunnels"), Origin::Flag("--max-tunnels".into()));
+        assert_eq!(l.origin("nameservers"), Origin::Flag("--nameserver".into()));
+        assert_eq!(l.origin("control_socket"), Origin::File { path: DEFAULT_CONFIG_FILE.into(), line: 2 });
+        let rows = l.rows();
+        let row = |key: &str| rows.iter().find(|r| r.key == key).unwrap().clone();
+        assert_eq!(
+            (row("max_tunnels").value, row("max_tunnels").origin),
+            ("8".into(), "flag --max-tunnels".into())
+        );
+        assert_eq!(row("confine").value, "true");
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_file_when_the_value_came_from_it() {
+        type Case<'a> = (&'a [&'a str], &'a str, &'a [(&'a str, &'a str)], &'a str, bool);
+        let cases: &[Case] = &[
+            (
+                &[],
+                "max_tunnels = 0",
+                &[],
+                "max_tunnels in /etc/sciencediscovery/egressd.toml:1 must be a positive integer, not \"0\"",
+                false,
+            ),
+            (
+                &[],
+                "\nnameservers = [\"dns.google\"]",
+                &[],
+                "nameservers in /etc/sciencediscovery/egressd.toml:2: \"dns.google\" is not an IP address or IP:port",
+                false,
+            ),
+            (
+                &[],
+                "tunnel_idle_ms = -5",
+                &[],
+                "tunnel_idle_ms in /etc/sciencediscovery/egressd.toml:1 must be",
+                false,
+            ),
+            (
+                &[],
+                "log_target = \"syslog\"",
+                &[],
+                "log_target in /etc/sciencediscovery/egressd.toml:1 must be one of journald, stderr, auto",
+                false,
+            ),
+            (
+                &[],
+                "max_tunnels = 0",
+                &[("SCIENCE_AGENT_EGRESS_MAX_TUNNELS", "x")],
+                "SCIENCE_AGENT_EGRESS_MAX_TUNNELS must be a positive integer, not \"x\"",
+                false,
+            ),
+            (
+                &["--max-tunnels", "0"],
+                "max_tunnels = 5",
+                &[],
+                "--max-tunnels must be a positive integer",
+                true,
+            ),
+            (&["--bogus"], "", &[], "unknown argument \"--bogus\"", true),
+            (&["--config"], "", &[], "--config needs a value", true),
+        ];
+        for (args, file, vars, want, usage) in cases {
+            let err = loaded(args, file, vars).unwrap_err();
+            assert!(err.to_string().contains(want), "{args:?} {file}:\n  got  {err}\n  want {want}");
+            assert_eq!(err.is_usage(), *usage, "{err}");
+        }
+        let err = loaded(&[], "max_tunnel = 1", &[]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "unknown key max_tunnel in /etc/sciencediscovery/egressd.toml:1 (did you mean max_tunnels?)"
+        );
+        let err = loaded(&[], "[egressd]\nmax_tunnels = 1", &[]).unwrap_err().to_string();
+        assert!(err.contains("egressd's settings are top-level keys, without [sections]"), "{err}");
+    }
+
+    #[test]
+    fn config_flag() {
+        let args: Vec<String> =
+            ["--config", "/srv/e.toml", "--check-config"].iter().map(|s| s.to_string()).collect();
+        let a = parse_args(&args).unwrap();
+        assert_eq!((a.mode, a.config), (Mode::CheckConfig, Some(PathBuf::from("/srv/e.toml"))));
+        let a = parse_args(&["--config=/x.toml".to_owned()]).unwrap();
+        assert_eq!(a.config, Some(PathBuf::from("/x.toml")));
+    }
+
+    /// The file's keys, the flags, the variables `resolve` reads, and the README stay in step.
+    #[test]
+    fn keys_flags_variables_and_readme_agree() {
+        let read = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let record = |k: &str| {
+            read.borrow_mut().insert(k.to_owned());
+            None
+        };
+        resolve(&parse_args(&[]).unwrap(), record).unwrap();
+        LogSettings::from_vars(record).unwrap();
+        let mut keys: std::collections::BTreeSet<String> =
+            SCHEMA.keys.iter().map(|k| k.var.to_owned()).collect();
+        keys.insert("RUNTIME_DIRECTORY".to_owned());
+        assert_eq!(read.into_inner(), keys);
+        for (key, flag, var) in SETTINGS {
+            let k = SCHEMA.key(key).unwrap_or_else(|| panic!("{key} is no key of the file"));
+            assert_eq!(k.var, *var);
+            assert_eq!(
+                flag.trim_start_matches("--").replace('-', "_").trim_end_matches('s'),
+                key.trim_end_matches('s')
+            );
+            assert!(USAGE.contains(flag), "USAGE lacks {flag}");
+        }
+        assert_eq!(SETTINGS.len() + 2, SCHEMA.keys.len(), "only log_level and log_target have no flag");
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        for k in SCHEMA.keys {
+            assert!(readme.contains(&format!("`{}`", k.name)), "README lacks the key {}", k.name);
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! proxy, one per policy revision. It runs as its own unprivileged user, so a proxy bug
 //! cannot reach runnerd's token or workspaces, and confines itself once its sockets exist.
 //!
-//! * [`config`]: flags and variables.
+//! * [`config`]: flags, variables and the configuration file.
 //! * [`control`]: the control socket runnerd uses (SO_PEERCRED-checked).
 //! * [`registry`]: gateways per revision, their sockets, leases and reaping.
 //! * [`proxy`]: the HTTP proxy on each gateway (decision, forwarding, tunnels).
@@ -28,7 +28,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use config::{Command, Config, UserSpec};
+use common::settings::{Origin, Row, render};
+use config::{Config, Loaded, Mode, UserSpec};
 use dns::{ResolverConfig, StubResolver};
 use registry::{Registry, SocketAccess};
 
@@ -39,38 +40,57 @@ pub fn version() -> String {
 
 /// Entry point of the `egressd` binary; returns the exit status.
 pub fn run() -> i32 {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let command = match config::parse(&args, |k| std::env::var(k).ok()) {
-        Ok(c) => c,
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args = match config::parse_args(&argv) {
+        Ok(a) => a,
         Err(e) => {
             eprintln!("egressd: {e}");
             return 2;
         }
     };
-    let cfg = match command {
-        Command::Help => {
+    match args.mode {
+        Mode::Help => {
             print!("{}", config::USAGE);
             return 0;
         }
-        Command::Version => {
+        Mode::Version => {
             println!("egressd {}", version());
             return 0;
         }
-        Command::CheckConfig(cfg) => {
-            return match check(&cfg) {
-                Ok(text) => {
-                    print!("{text}");
-                    0
-                }
-                Err(e) => {
-                    eprintln!("egressd: {e:#}");
-                    1
-                }
-            };
+        Mode::CheckConfig | Mode::Serve => {}
+    }
+    // Flags over variables over the configuration file; errors name the key and the file.
+    // A bad command line exits 2 (usage), a bad configuration 1.
+    let loaded = match config::load(args, |k| std::env::var(k).ok()) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("egressd: {}", common::error_chain(&e));
+            return if e.is_usage() { 2 } else { 1 };
         }
-        Command::Serve(cfg) => cfg,
     };
-    common::audit::init("egressd");
+    if let Err(e) = check_names(&loaded) {
+        eprintln!("egressd: {e:#}");
+        return 1;
+    }
+    if loaded.args.mode == Mode::CheckConfig {
+        return match check(&loaded) {
+            Ok(text) => {
+                print!("{text}");
+                0
+            }
+            Err(e) => {
+                eprintln!("egressd: {e:#}");
+                1
+            }
+        };
+    }
+    common::audit::init_with("egressd", &loaded.log);
+    tracing::info!(
+        event = "config_loaded",
+        config_file = %loaded.settings.file_status(),
+        control_socket = %loaded.config.control_socket.display(),
+    );
+    let cfg = loaded.config;
     match serve(cfg) {
         Ok(()) => 0,
         Err(e) => {
@@ -81,6 +101,21 @@ pub fn run() -> i32 {
     }
 }
 
+/// The runner user and the socket group exist, with the setting named where it was set.
+fn check_names(loaded: &Loaded) -> anyhow::Result<(u32, Option<u32>)> {
+    let named = |key: &str| match loaded.origin(key) {
+        Origin::File { path, line } => format!("{key} in {}:{line}", path.display()),
+        Origin::Environment(var) => var,
+        Origin::Flag(flag) => flag,
+        Origin::Default => key.to_owned(),
+    };
+    let uid =
+        uid_of(&loaded.config.runner_uid).with_context(|| format!("checking {}", named("runner_uid")))?;
+    let gid =
+        gid_of(&loaded.config.socket_group).with_context(|| format!("checking {}", named("socket_group")))?;
+    Ok((uid, gid))
+}
+
 fn uid_of(spec: &Option<UserSpec>) -> anyhow::Result<u32> {
     match spec {
         None => Ok(nix::unistd::getuid().as_raw()),
@@ -89,7 +124,7 @@ fn uid_of(spec: &Option<UserSpec>) -> anyhow::Result<u32> {
             .ok()
             .flatten()
             .map(|u| u.uid.as_raw())
-            .with_context(|| format!("--runner-uid: there is no user named {name:?}")),
+            .with_context(|| format!("there is no user named {name:?}")),
     }
 }
 
@@ -102,7 +137,7 @@ fn gid_of(group: &Option<String>) -> anyhow::Result<Option<u32>> {
         .ok()
         .flatten()
         .map(|g| Some(g.gid.as_raw()))
-        .with_context(|| format!("--socket-group: there is no group named {name:?}"))
+        .with_context(|| format!("there is no group named {name:?}"))
 }
 
 fn resolver_config(cfg: &Config) -> anyhow::Result<ResolverConfig> {
@@ -113,20 +148,33 @@ fn resolver_config(cfg: &Config) -> anyhow::Result<ResolverConfig> {
         .with_context(|| format!("could not read the DNS servers from {}", cfg.resolv_conf.display()))
 }
 
-/// `--check-config`: everything `serve` validates before it touches the filesystem.
-fn check(cfg: &Config) -> anyhow::Result<String> {
-    let uid = uid_of(&cfg.runner_uid)?;
-    let gid = gid_of(&cfg.socket_group)?;
+/// `--check-config`: everything `serve` validates before it touches the filesystem, and
+/// each setting with where it came from.
+fn check(loaded: &Loaded) -> anyhow::Result<String> {
+    let cfg = &loaded.config;
+    let (uid, gid) = check_names(loaded)?;
     registry::check_path_length(&cfg.runtime_dir)?;
     let dns = resolver_config(cfg)?;
+    let checks = [
+        Row::new("runner uid", uid.to_string(), ""),
+        Row::new("sockets", gid.map_or("0600".to_owned(), |g| format!("0660, gid {g}")), ""),
+        Row::new("gateway sockets", format!("{}/eg/<16 hex>", cfg.runtime_dir.display()), ""),
+        Row::new(
+            "nameservers",
+            dns.nameservers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "),
+            "",
+        ),
+        Row::new(
+            "confinement",
+            if cfg.confine { "landlock + seccomp + no_new_privs" } else { "off (--no-confine)" },
+            "",
+        ),
+    ];
     Ok(format!(
-        "egressd configuration is valid:\n  control socket  {}\n  gateway sockets {}/eg/<16 hex>\n  runner uid      {uid}\n  socket group    {}\n  nameservers     {:?}\n  max tunnels     {} per gateway\n  confinement     {}\n",
-        cfg.control_socket.display(),
-        cfg.runtime_dir.display(),
-        gid.map_or("none (sockets 0600)".to_owned(), |g| format!("gid {g} (sockets 0660)")),
-        dns.nameservers,
-        cfg.max_tunnels,
-        if cfg.confine { "landlock + seccomp + no_new_privs" } else { "off (--no-confine)" },
+        "egressd configuration is valid.\nconfiguration file: {}\nsettings (value, origin):\n{}checks:\n{}",
+        loaded.settings.file_status(),
+        render(&loaded.rows()),
+        render(&checks),
     ))
 }
 

@@ -1,14 +1,15 @@
 //! The `runnerd` command line.
 
 use std::io::Write;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
 
 use crate::app::{App, runner_version};
 use crate::audit;
-use crate::config::RunnerConfig;
+use crate::config::{self, Loaded, RunnerConfig};
 use crate::http::{self, Listener};
 use crate::managed::Manager;
 use crate::startup::{self, SandboxConfig, SandboxRuntime};
@@ -19,25 +20,42 @@ const USAGE: &str = "\
 runnerd: the ScienceDiscovery code runner (bubblewrap + seccomp sandboxes for agents).
 
 Usage:
-  runnerd [serve] [--dev] [--insecure-default-token]
+  runnerd [serve] [--dev] [--insecure-default-token] [--config PATH]
                        serve the HTTP API (127.0.0.1:4311 unless configured)
       --dev            development start: generate a random token into
                        <data dir>/runner-token (0600) when none is configured
       --insecure-default-token
                        accept the original's well-known token when none is
                        configured (local compatibility tests only)
+  runnerd --check-config [--config PATH] [--dev | --insecure-default-token]
+                       validate everything start-up validates (settings, token, listen
+                       address, bubblewrap, sandbox-init, seccomp) without binding or
+                       writing; print each setting and where it came from; exit 0 or 1
   runnerd preflight    check bubblewrap, probe the sandbox form this host allows, publish
                        the seccomp programs, and print the conclusions as JSON
   runnerd selftest     preflight, then run one real sandbox and check what it printed
                        (for deploy scripts: exit status 0 means executions will work)
   runnerd --help | --version
 
-Configuration (environment; the README lists every variable):
+Configuration: variables override the file, the file overrides the defaults.
+  --config PATH        the configuration file (TOML) [SCIENCE_AGENT_CONFIG, default
+                       /etc/sciencediscovery/runnerd.toml; that one may be absent]
+  Its keys are the variables' names, lower-cased, without SCIENCE_AGENT_ (runner_port =
+  4311); the README lists every one. The token never goes in the file.
   SCIENCE_AGENT_RUNNER_HOST / _PORT / _SOCKET   where to listen (default 127.0.0.1:4311)
   SCIENCE_AGENT_RUNNER_TOKEN / _TOKEN_FILE      the token (or $CREDENTIALS_DIRECTORY/runner-token)
   SCIENCE_AGENT_DATA_DIR                        data directory (default .sciencediscovery-data)
   SCIENCE_AGENT_BWRAP_PATH                      bubblewrap (default: bwrap in PATH)
 ";
+
+/// `--config PATH`, for every sub-command (the selftest and the benchmark load through
+/// [`sandbox_config_from_env`]). Unset: `SCIENCE_AGENT_CONFIG`, else the default file.
+static CONFIG_FILE: OnceLock<PathBuf> = OnceLock::new();
+
+/// The settings from the environment over the configuration file.
+pub fn load_config() -> Result<Loaded, config::LoadError> {
+    config::load(CONFIG_FILE.get().map(PathBuf::as_path), |k| std::env::var(k).ok())
+}
 
 /// Entry point of the `runnerd` binary; returns the process exit status.
 pub fn run() -> i32 {
@@ -45,7 +63,23 @@ pub fn run() -> i32 {
     let mut command = "serve";
     let mut dev = false;
     let mut default_token = false;
-    for arg in &args {
+    let mut check_config = false;
+    let mut config_file = None;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let config_path = match arg.strip_prefix("--config=") {
+            Some(path) => Some(path),
+            None if arg == "--config" => Some(it.next().map_or("", String::as_str)),
+            None => None,
+        };
+        if let Some(path) = config_path {
+            if path.is_empty() {
+                eprintln!("runnerd: --config needs a path\n\n{USAGE}");
+                return 2;
+            }
+            config_file = Some(PathBuf::from(path));
+            continue;
+        }
         match arg.as_str() {
             "--help" | "-h" | "help" => {
                 print!("{USAGE}");
@@ -58,11 +92,15 @@ pub fn run() -> i32 {
             "serve" | "preflight" | "selftest" => command = arg.as_str(),
             "--dev" => dev = true,
             "--insecure-default-token" => default_token = true,
+            "--check-config" => check_config = true,
             other => {
                 eprintln!("runnerd: unknown argument {other:?}\n\n{USAGE}");
                 return 2;
             }
         }
+    }
+    if let Some(path) = config_file {
+        let _ = CONFIG_FILE.set(path);
     }
     // 8 MiB stacks: a snapshot recurses once per directory level (up to MAX_DEPTH).
     let runtime =
@@ -79,6 +117,9 @@ pub fn run() -> i32 {
         (false, false) => Fallback::None,
     };
     let result = runtime.block_on(async {
+        if check_config {
+            return check_config_command(fallback).await;
+        }
         match command {
             "preflight" => preflight().await,
             "selftest" => selftest().await,
@@ -102,9 +143,16 @@ fn sandbox_config(config: &RunnerConfig) -> SandboxConfig {
     }
 }
 
-/// The sandbox configuration from `SCIENCE_AGENT_*` variables.
+/// `--check-config`: the report on stdout and 0, or the error (printed by `run`) and 1.
+async fn check_config_command(fallback: Fallback) -> anyhow::Result<i32> {
+    let loaded = load_config()?;
+    print!("{}", crate::check::check(&loaded, fallback).await?);
+    Ok(0)
+}
+
+/// The sandbox configuration from the `SCIENCE_AGENT_*` variables over the configuration file.
 pub fn sandbox_config_from_env() -> anyhow::Result<SandboxConfig> {
-    Ok(sandbox_config(&RunnerConfig::from_env()?))
+    Ok(sandbox_config(&load_config()?.config))
 }
 
 async fn prepare(config: &SandboxConfig) -> anyhow::Result<SandboxRuntime> {
@@ -133,9 +181,10 @@ fn raise_nofile() {
 const MANAGED_GRACE: Duration = Duration::from_secs(20);
 
 async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
-    let sink = audit::init("runnerd");
+    let loaded = load_config()?;
+    let sink = audit::init_with("runnerd", &loaded.log);
     raise_nofile();
-    let config = RunnerConfig::from_env()?;
+    let config = loaded.config;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating the data directory {}", config.data_dir.display()))?;
     let (token, source) =
@@ -158,6 +207,7 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         proc_mode = ?sandbox.capability.proc_mode,
         disable_userns = sandbox.capability.disable_userns,
         log_sink = ?sink,
+        config_file = %loaded.settings.file_status(),
     );
     let address = listener.describe();
     let usable = sandbox.capability.sandbox_usable;

@@ -1,9 +1,16 @@
 //! runnerd's configuration from the original's `SCIENCE_AGENT_*` variables (contract §5.5),
 //! with the original's defaults and start-up errors, plus our additive settings. Parsing is
 //! a pure function of a variable lookup, so every rule is table-tested.
+//!
+//! The same settings may come from a TOML file ([`DEFAULT_CONFIG_FILE`], or `--config`, or
+//! `SCIENCE_AGENT_CONFIG`): one key per variable ([`SCHEMA`]), variables overriding the file.
+//! [`load`] layers the two (`common::settings`) and feeds the result to [`RunnerConfig::from_vars`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use common::audit::{LogError, LogSettings};
+use common::settings::{FileChoice, Key, Kind, Layered, Origin, Row, Schema, SettingsError};
 
 /// Defaults from the original runner (internals §2.1, contract §5.5).
 pub const DEFAULT_PORT: u16 = 4311;
@@ -48,16 +55,32 @@ pub struct RunnerConfig {
     pub egress_bridge: Option<PathBuf>,
 }
 
+/// A setting's value that start-up refuses. `name` is the variable; when the value came from
+/// the configuration file, [`load`] rewrites it to `key in FILE:LINE`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("SCIENCE_AGENT_RUNNER_PORT must be an integer between 0 and 65535, not {0:?}")]
-    Port(String),
+    #[error("{name} must be an integer between 0 and 65535, not {value:?}")]
+    Port { name: String, value: String },
     #[error("{name} must be a non-negative integer, not {value:?}")]
-    NonNegative { name: &'static str, value: String },
-    #[error("SCIENCE_AGENT_EXECUTION_SIGNATURE_MAX_AGE_MS must be a positive integer number of milliseconds")]
-    SignatureMaxAge,
+    NonNegative { name: String, value: String },
+    #[error("{name} must be a positive integer number of milliseconds")]
+    SignatureMaxAge { name: String },
     #[error("{name} must be a positive integer, not {value:?}")]
-    Positive { name: &'static str, value: String },
+    Positive { name: String, value: String },
+}
+
+impl ConfigError {
+    /// The same error with the setting named by `describe(variable)`.
+    pub fn renamed(self, describe: impl Fn(&str) -> String) -> ConfigError {
+        match self {
+            ConfigError::Port { name, value } => ConfigError::Port { name: describe(&name), value },
+            ConfigError::NonNegative { name, value } => {
+                ConfigError::NonNegative { name: describe(&name), value }
+            }
+            ConfigError::SignatureMaxAge { name } => ConfigError::SignatureMaxAge { name: describe(&name) },
+            ConfigError::Positive { name, value } => ConfigError::Positive { name: describe(&name), value },
+        }
+    }
 }
 
 /// A non-negative safe integer in decimal, like the original's parser accepts.
@@ -73,6 +96,9 @@ fn truthy(text: &str) -> bool {
     matches!(text.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes")
 }
 
+const PORT: &str = "SCIENCE_AGENT_RUNNER_PORT";
+const SIGNATURE_MAX_AGE: &str = "SCIENCE_AGENT_EXECUTION_SIGNATURE_MAX_AGE_MS";
+
 impl RunnerConfig {
     /// Reads the configuration through `var` (the process environment in production).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RunnerConfig, ConfigError> {
@@ -80,7 +106,9 @@ impl RunnerConfig {
         let non_negative = |name: &'static str, default: u64| -> Result<u64, ConfigError> {
             match get(name) {
                 None => Ok(default),
-                Some(v) => parse_non_negative(&v).ok_or(ConfigError::NonNegative { name, value: v }),
+                Some(v) => {
+                    parse_non_negative(&v).ok_or(ConfigError::NonNegative { name: name.to_owned(), value: v })
+                }
             }
         };
         let positive = |name: &'static str, default: usize| -> Result<usize, ConfigError> {
@@ -89,18 +117,20 @@ impl RunnerConfig {
                 Some(v) => parse_non_negative(&v)
                     .filter(|n| *n > 0)
                     .and_then(|n| usize::try_from(n).ok())
-                    .ok_or(ConfigError::Positive { name, value: v }),
+                    .ok_or(ConfigError::Positive { name: name.to_owned(), value: v }),
             }
         };
-        let port = match get("SCIENCE_AGENT_RUNNER_PORT") {
+        let port = match get(PORT) {
             None => DEFAULT_PORT,
-            Some(v) => {
-                parse_non_negative(&v).and_then(|p| u16::try_from(p).ok()).ok_or(ConfigError::Port(v))?
-            }
+            Some(v) => parse_non_negative(&v)
+                .and_then(|p| u16::try_from(p).ok())
+                .ok_or(ConfigError::Port { name: PORT.to_owned(), value: v })?,
         };
-        let signature_max_age_ms = match get("SCIENCE_AGENT_EXECUTION_SIGNATURE_MAX_AGE_MS") {
+        let signature_max_age_ms = match get(SIGNATURE_MAX_AGE) {
             None => DEFAULT_SIGNATURE_MAX_AGE_MS,
-            Some(v) => parse_non_negative(&v).filter(|n| *n > 0).ok_or(ConfigError::SignatureMaxAge)?,
+            Some(v) => parse_non_negative(&v)
+                .filter(|n| *n > 0)
+                .ok_or(ConfigError::SignatureMaxAge { name: SIGNATURE_MAX_AGE.to_owned() })?,
         };
         let kernel_idle_ms = non_negative("SCIENCE_AGENT_KERNEL_IDLE_MS", 0)?;
         let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
@@ -137,8 +167,137 @@ impl RunnerConfig {
         })
     }
 
+    /// From the process environment alone (no configuration file).
     pub fn from_env() -> Result<RunnerConfig, ConfigError> {
         RunnerConfig::from_vars(|k| std::env::var(k).ok())
+    }
+}
+
+/// The file runnerd reads when neither `--config` nor `SCIENCE_AGENT_CONFIG` names one;
+/// when it does not exist, the defaults apply.
+pub const DEFAULT_CONFIG_FILE: &str = "/etc/sciencediscovery/runnerd.toml";
+/// Names the configuration file (a file named so must exist).
+pub const CONFIG_VAR: &str = "SCIENCE_AGENT_CONFIG";
+
+const fn key(name: &'static str, var: &'static str, kind: Kind) -> Key {
+    Key { name, var, kind }
+}
+
+/// Every key of runnerd's configuration file: the variable's name, lower-cased, without
+/// `SCIENCE_AGENT_`. The token is not among them: it never goes in the file.
+pub static SCHEMA: Schema = Schema {
+    daemon: "runnerd",
+    keys: &[
+        key("runner_host", "SCIENCE_AGENT_RUNNER_HOST", Kind::Text),
+        key("runner_port", PORT, Kind::Integer),
+        key("runner_socket", "SCIENCE_AGENT_RUNNER_SOCKET", Kind::Text),
+        key("runner_token_file", "SCIENCE_AGENT_RUNNER_TOKEN_FILE", Kind::Text),
+        key("data_dir", "SCIENCE_AGENT_DATA_DIR", Kind::Text),
+        key("bwrap_path", "SCIENCE_AGENT_BWRAP_PATH", Kind::Text),
+        key("sandbox_init_path", "SCIENCE_AGENT_SANDBOX_INIT_PATH", Kind::Text),
+        key("python_path", "SCIENCE_AGENT_PYTHON_PATH", Kind::Text),
+        key("exec_timeout_ms", "SCIENCE_AGENT_EXEC_TIMEOUT_MS", Kind::Integer),
+        key("max_output_bytes", "SCIENCE_AGENT_MAX_OUTPUT_BYTES", Kind::Integer),
+        key("max_workspace_bytes", "SCIENCE_AGENT_MAX_WORKSPACE_BYTES", Kind::Integer),
+        key("execution_signature_max_age_ms", SIGNATURE_MAX_AGE, Kind::Integer),
+        key("kernel_idle_ms", "SCIENCE_AGENT_KERNEL_IDLE_MS", Kind::Integer),
+        key("npu_broker", "SCIENCE_AGENT_NPU_BROKER", Kind::Bool),
+        key("queue_capacity", "SCIENCE_AGENT_QUEUE_CAPACITY", Kind::Integer),
+        key("max_concurrent_executions", "SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", Kind::Integer),
+        key("header_read_timeout_ms", "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", Kind::Integer),
+        key("egress_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
+        key("egress_bridge_path", "SCIENCE_AGENT_EGRESS_BRIDGE_PATH", Kind::Text),
+        key("log_level", common::audit::LEVEL_VAR, Kind::Text),
+        key("log_target", common::audit::TARGET_VAR, Kind::Text),
+    ],
+    refused: &[(
+        "runner_token",
+        "the token never goes in the configuration file; put it in a file only runnerd can read and \
+         name that file with runner_token_file, or provide the systemd credential runner-token",
+    )],
+};
+
+/// The configuration start-up validated, and where each value came from.
+#[derive(Debug)]
+pub struct Loaded {
+    pub config: RunnerConfig,
+    pub log: LogSettings,
+    pub settings: Layered,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    File(#[from] SettingsError),
+    #[error(transparent)]
+    Value(#[from] ConfigError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+/// The settings from the environment `env` over the chosen file (`--config` is `flag`).
+pub fn load(
+    flag: Option<&Path>,
+    env: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+) -> Result<Loaded, LoadError> {
+    let choice = FileChoice::choose(flag, CONFIG_VAR, &env, DEFAULT_CONFIG_FILE);
+    let settings = Layered::load(&SCHEMA, choice, env)?;
+    layer(settings)
+}
+
+/// Validates a layered lookup; errors name the key and the file when the value came from it.
+pub fn layer(settings: Layered) -> Result<Loaded, LoadError> {
+    let describe = |var: &str| settings.describe(var);
+    let config = RunnerConfig::from_vars(|k| settings.var(k)).map_err(|e| e.renamed(describe))?;
+    let log =
+        LogSettings::from_vars(|k| settings.var(k)).map_err(|e| LogError { name: describe(&e.name), ..e })?;
+    Ok(Loaded { config, log, settings })
+}
+
+fn show_path(path: &Option<PathBuf>, unset: &str) -> String {
+    path.as_ref().map_or_else(|| unset.to_owned(), |p| p.display().to_string())
+}
+
+impl Loaded {
+    /// Every key with its effective value and origin, in [`SCHEMA`]'s order.
+    pub fn rows(&self) -> Vec<Row> {
+        let c = &self.config;
+        SCHEMA
+            .keys
+            .iter()
+            .map(|k| {
+                let value = match k.name {
+                    "runner_host" => c.host.clone(),
+                    "runner_port" => c.port.to_string(),
+                    "runner_socket" => show_path(&c.socket_path, "unset (TCP)"),
+                    "runner_token_file" => show_path(&c.token_file, "unset"),
+                    "data_dir" => c.data_dir.display().to_string(),
+                    "bwrap_path" => c.bwrap_path.clone(),
+                    "sandbox_init_path" => show_path(&c.sandbox_init, "unset (next to runnerd)"),
+                    "python_path" => c.python_path.clone(),
+                    "exec_timeout_ms" => c.exec_timeout_ms.to_string(),
+                    "max_output_bytes" => c.max_output_bytes.to_string(),
+                    "max_workspace_bytes" => c.max_workspace_bytes.to_string(),
+                    "execution_signature_max_age_ms" => c.signature_max_age_ms.to_string(),
+                    "kernel_idle_ms" => c.kernel_idle_ms.to_string(),
+                    "npu_broker" => c.npu_broker_enabled.to_string(),
+                    "queue_capacity" => c.queue_capacity.to_string(),
+                    "max_concurrent_executions" => c.max_concurrent.to_string(),
+                    "header_read_timeout_ms" => c.header_read_timeout.as_millis().to_string(),
+                    "egress_socket" => c.egress_socket.display().to_string(),
+                    "egress_bridge_path" => show_path(&c.egress_bridge, "unset (next to runnerd)"),
+                    "log_level" => self.log.level_name().to_owned(),
+                    "log_target" => self.log.target_name().to_owned(),
+                    other => format!("<{other}>"),
+                };
+                Row::new(k.name, value, self.settings.origin(k.var))
+            })
+            .collect()
+    }
+
+    /// Where the value of `var` came from.
+    pub fn origin(&self, var: &str) -> Origin {
+        self.settings.origin(var)
     }
 }
 
@@ -222,6 +381,122 @@ mod tests {
         assert_eq!(parse_non_negative("9007199254740991"), Some(MAX_SAFE_INTEGER));
         for bad in ["", "-0", "+1", "1e3", "0x10", "1.0", "9007199254740992"] {
             assert_eq!(parse_non_negative(bad), None, "{bad}");
+        }
+    }
+
+    fn loaded(file: &str, vars: &[(&str, &str)]) -> Result<Loaded, LoadError> {
+        let path = Path::new(DEFAULT_CONFIG_FILE);
+        let parsed = common::settings::ConfigFile::parse(&SCHEMA, path, file)?;
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let choice = FileChoice::Default(path.into());
+        layer(Layered::new(&SCHEMA, choice, Some(parsed), move |k| map.get(k).cloned()))
+    }
+
+    #[test]
+    fn the_file_sets_what_the_variables_set() {
+        let file = "# runnerd\nrunner_port = 4400\ndata_dir = \"/var/lib/runnerd\"\nnpu_broker = true\n\
+                    max_workspace_bytes = 0\nlog_level = \"debug\"\nlog_target = \"journald\"\n";
+        let l = loaded(file, &[]).unwrap();
+        assert_eq!((l.config.port, l.config.data_dir.as_path()), (4400, Path::new("/var/lib/runnerd")));
+        assert!(l.config.npu_broker_enabled);
+        assert_eq!(l.config.max_workspace_bytes, 0);
+        assert_eq!(l.log.level_name(), "debug");
+        assert_eq!(l.log.target, common::audit::LogTarget::Journald);
+        assert_eq!(
+            l.origin("SCIENCE_AGENT_RUNNER_PORT"),
+            Origin::File { path: DEFAULT_CONFIG_FILE.into(), line: 2 }
+        );
+        assert_eq!(l.origin("SCIENCE_AGENT_RUNNER_HOST"), Origin::Default);
+        // Variables override the file.
+        let l = loaded(file, &[("SCIENCE_AGENT_RUNNER_PORT", "4500"), ("SCIENCE_AGENT_LOG_LEVEL", "warn")])
+            .unwrap();
+        assert_eq!((l.config.port, l.log.level_name()), (4500, "warn"));
+        assert_eq!(
+            l.origin("SCIENCE_AGENT_RUNNER_PORT"),
+            Origin::Environment("SCIENCE_AGENT_RUNNER_PORT".into())
+        );
+        let row = l.rows().into_iter().find(|r| r.key == "runner_port").unwrap();
+        assert_eq!(
+            (row.value.as_str(), row.origin.as_str()),
+            ("4500", "environment SCIENCE_AGENT_RUNNER_PORT")
+        );
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_file_when_the_value_came_from_it() {
+        type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+        let cases: &[Case] = &[
+            (
+                "\nmax_workspace_bytes = -1\n",
+                &[],
+                "max_workspace_bytes in /etc/sciencediscovery/runnerd.toml:2 must be a non-negative integer, not \"-1\"",
+            ),
+            (
+                "runner_port = 70000",
+                &[],
+                "runner_port in /etc/sciencediscovery/runnerd.toml:1 must be an integer between 0 and 65535, not \"70000\"",
+            ),
+            (
+                "execution_signature_max_age_ms = 0",
+                &[],
+                "execution_signature_max_age_ms in /etc/sciencediscovery/runnerd.toml:1 must be a positive integer number of milliseconds",
+            ),
+            (
+                "queue_capacity = \"many\"",
+                &[],
+                "queue_capacity in /etc/sciencediscovery/runnerd.toml:1 must be a positive integer, not \"many\"",
+            ),
+            (
+                "log_level = \"chatty\"",
+                &[],
+                "log_level in /etc/sciencediscovery/runnerd.toml:1 must be one of error, warn, info, debug, trace, off, not \"chatty\"",
+            ),
+            // The variable wins, so its name is the one in the message.
+            (
+                "max_workspace_bytes = 5",
+                &[("SCIENCE_AGENT_MAX_WORKSPACE_BYTES", "-1")],
+                "SCIENCE_AGENT_MAX_WORKSPACE_BYTES must be",
+            ),
+            (
+                "runner_token = \"hunter2\"",
+                &[],
+                "runner_token in /etc/sciencediscovery/runnerd.toml:1 is not accepted: the token never goes in the configuration file",
+            ),
+            (
+                "runner_url = \"http://x\"",
+                &[],
+                "unknown key runner_url in /etc/sciencediscovery/runnerd.toml:1",
+            ),
+            ("egress_bridge = \"/x\"", &[], "(did you mean egress_bridge_path?)"),
+        ];
+        for (file, vars, want) in cases {
+            let err = loaded(file, vars).unwrap_err().to_string();
+            assert!(err.contains(want), "{file}:\n  got  {err}\n  want {want}");
+            assert!(!err.contains("hunter2"));
+        }
+    }
+
+    /// The file's keys, the variables `from_vars` reads, and the README's table stay in step.
+    #[test]
+    fn keys_variables_and_readme_agree() {
+        let read = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        RunnerConfig::from_vars(|k| {
+            read.borrow_mut().insert(k.to_owned());
+            None
+        })
+        .unwrap();
+        LogSettings::from_vars(|k| {
+            read.borrow_mut().insert(k.to_owned());
+            None
+        })
+        .unwrap();
+        let keys: std::collections::BTreeSet<String> = SCHEMA.keys.iter().map(|k| k.var.to_owned()).collect();
+        assert_eq!(read.into_inner(), keys);
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        for k in SCHEMA.keys {
+            assert_eq!(k.var.strip_prefix("SCIENCE_AGENT_").unwrap().to_ascii_lowercase(), k.name);
+            assert!(readme.contains(&format!("`{}`", k.var)), "README lacks {}", k.var);
+            assert!(readme.contains(&format!("`{}`", k.name)), "README lacks the key {}", k.name);
         }
     }
 }

@@ -6,7 +6,6 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use crate::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
-use crate::config::RunnerConfig;
 use crate::token::{self, Fallback};
 
 const USAGE: &str = "\
@@ -155,7 +154,8 @@ pub fn run() -> i32 {
 }
 
 async fn execute(o: Options) -> anyhow::Result<i32> {
-    let config = RunnerConfig::from_env()?;
+    // Where runnerd listens and where its token is: the same settings it reads.
+    let config = crate::config::load(None, |k| std::env::var(k).ok())?.config;
     let endpoint = match (&o.socket, &o.url) {
         (Some(path), _) => Endpoint::Unix(path.clone()),
         (None, Some(url)) => Endpoint::parse(url),

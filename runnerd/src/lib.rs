@@ -13,6 +13,7 @@ pub use common::audit;
 pub mod auth;
 pub mod bench;
 pub mod bench_versions;
+pub mod check;
 pub mod cli;
 pub mod client;
 pub mod config;

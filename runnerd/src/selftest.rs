@@ -99,24 +99,26 @@ async fn loopback_server() -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)>
     Ok((port, task))
 }
 
-/// Whether the operator configured egressd (variable set) or only the default path exists.
-fn egress_configured(config: &RunnerConfig) -> bool {
-    std::env::var_os("SCIENCE_AGENT_EGRESS_SOCKET").is_some() || config.egress_socket.exists()
+/// Whether the operator configured egressd (variable or file key set), or the default
+/// socket exists (a package installs egressd there).
+fn egress_configured(config: &RunnerConfig, explicit: bool) -> bool {
+    explicit || config.egress_socket.exists()
 }
 
 async fn network(
     runtime: &SandboxRuntime,
     shape: SandboxShape,
     config: &RunnerConfig,
+    explicit: bool,
 ) -> anyhow::Result<Check> {
     let name = "network";
     let client = EgressClient {
         control_socket: config.egress_socket.clone(),
         bridge: locate_bridge(config.egress_bridge.clone()),
     };
-    if !egress_configured(config) {
+    if !egress_configured(config, explicit) {
         let detail = format!(
-            "egressd is not configured (no SCIENCE_AGENT_EGRESS_SOCKET, nothing at {}); domain-allowlist runs will be refused",
+            "egressd is not configured (no SCIENCE_AGENT_EGRESS_SOCKET or egress_socket, nothing at {}); domain-allowlist runs will be refused",
             config.egress_socket.display()
         );
         return Ok(Check { name, passed: None, detail });
@@ -189,12 +191,15 @@ fn full_body(port: u16) -> String {
 
 /// Runs every check; 0 when all that ran passed.
 pub async fn run(runtime: &SandboxRuntime) -> anyhow::Result<i32> {
-    let config = RunnerConfig::from_env()?;
+    let loaded = crate::cli::load_config()?;
+    let explicit =
+        !matches!(loaded.settings.origin("SCIENCE_AGENT_EGRESS_SOCKET"), common::settings::Origin::Default);
+    let config = loaded.config;
     let Some(shape) = runtime.capability.shape() else {
         eprintln!("selftest: sandbox: FAILED: no sandbox can be built on this host (see the warning above)");
         return Ok(1);
     };
-    let checks = [sandbox(runtime, shape).await?, network(runtime, shape, &config).await?];
+    let checks = [sandbox(runtime, shape).await?, network(runtime, shape, &config, explicit).await?];
     for c in &checks {
         c.print();
     }

@@ -88,7 +88,8 @@ pub enum TokenError {
     },
     #[error(
         "no runner token is configured: provide the systemd credential 'runner-token', \
-         SCIENCE_AGENT_RUNNER_TOKEN_FILE or SCIENCE_AGENT_RUNNER_TOKEN; or start with --dev to \
+         SCIENCE_AGENT_RUNNER_TOKEN_FILE (runner_token_file in the configuration file) or \
+         SCIENCE_AGENT_RUNNER_TOKEN; or start with --dev to \
          generate one, or --insecure-default-token for local compatibility tests"
     )]
     Missing,

@@ -1,3 +1,4 @@
+mod config;
 mod http_api;
 mod http_hostile;
 mod isolation;

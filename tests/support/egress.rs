@@ -196,6 +196,8 @@ fn spawn(args: &[String], log: &Path) -> Child {
         .args(args)
         .env_clear()
         .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
+        // An empty configuration file: never the host's /etc/sciencediscovery/egressd.toml.
+        .env("SCIENCE_AGENT_EGRESS_CONFIG", "/dev/null")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr)

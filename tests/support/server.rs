@@ -52,6 +52,8 @@ impl Server {
             .env("SCIENCE_AGENT_DATA_DIR", &data_dir)
             .env("SCIENCE_AGENT_RUNNER_PORT", "0")
             .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
+            // An empty configuration file: never the host's /etc/sciencediscovery/runnerd.toml.
+            .env("SCIENCE_AGENT_CONFIG", "/dev/null")
             // No egressd unless a test starts one (never a system egressd by accident).
             .env("SCIENCE_AGENT_EGRESS_SOCKET", dir.path().join("no-egressd/control.sock"))
             .stdin(Stdio::null())

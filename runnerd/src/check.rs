@@ -1,0 +1,109 @@
+//! `runnerd --check-config`: everything start-up validates (the settings from the file and
+//! the environment, the token, the listen address, bubblewrap, sandbox-init, the seccomp
+//! programs), without binding a port or writing anything: the data directory and the token
+//! file are only read. The report shows each effective setting and where it came from.
+
+use std::path::Path;
+
+use anyhow::Context;
+use common::seccomp::{self, Arch, Profile};
+use common::settings::{Row, render};
+
+use crate::config::Loaded;
+use crate::sandbox::preflight;
+use crate::startup::{self, StartupError};
+use crate::token::{self, Fallback, TokenError};
+
+/// The report printed on success; an error names what to fix.
+pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String> {
+    let config = &loaded.config;
+    let describe = |var: &str| loaded.settings.describe(var);
+    let mut checks = Vec::new();
+
+    // The token: read where start-up reads it; a development token is not generated here.
+    let env = |k: &str| std::env::var(k).ok();
+    let token_file = config.token_file.as_deref();
+    let token = match fallback {
+        Fallback::Generate => {
+            match token::resolve(env, token_file, &config.data_dir, Fallback::ReadGenerated) {
+                Err(TokenError::Missing) => format!(
+                    "a development token will be generated in {} (--dev)",
+                    token::generated_path(&config.data_dir).display()
+                ),
+                other => other?.1.to_string(),
+            }
+        }
+        _ => token::resolve(env, token_file, &config.data_dir, fallback)?.1.to_string(),
+    };
+    checks.push(Row::new("token", format!("{token} (the value is never printed)"), ""));
+
+    // Where it will listen: resolved, not bound.
+    let listen = match &config.socket_path {
+        Some(path) => format!("unix:{}", path.display()),
+        None => {
+            let host = config.host.trim_start_matches('[').trim_end_matches(']');
+            let address = tokio::net::lookup_host((host, config.port))
+                .await
+                .ok()
+                .and_then(|mut a| a.next())
+                .with_context(|| {
+                    format!(
+                        "{} {:?} is not an address or a host name this machine resolves",
+                        describe("SCIENCE_AGENT_RUNNER_HOST"),
+                        config.host
+                    )
+                })?;
+            format!("http://{address}")
+        }
+    };
+    checks.push(Row::new("listen", format!("{listen} (not bound by --check-config)"), ""));
+
+    // The sandbox side of start-up, less what writes (seccomp files, identity files).
+    let bwrap = preflight::resolve_bwrap(&config.bwrap_path, std::env::var_os("PATH").as_deref())
+        .with_context(|| format!("checking {}", describe("SCIENCE_AGENT_BWRAP_PATH")))?;
+    let features = preflight::check_bwrap_options(&bwrap).await?;
+    checks.push(Row::new(
+        "bwrap",
+        format!("{} (--bind-fd: {})", bwrap.display(), if features.bind_fd { "yes" } else { "no" }),
+        "",
+    ));
+    let init = startup::locate_sandbox_init(config.sandbox_init.clone());
+    if !init.exists() {
+        return Err(StartupError::SandboxInitMissing(init).into());
+    }
+    checks.push(Row::new("sandbox-init", init.display().to_string(), ""));
+    let arch = Arch::host()?;
+    for profile in Profile::ALL {
+        seccomp::compile(profile, arch)
+            .with_context(|| format!("compiling the {} seccomp profile", profile.name()))?;
+    }
+    let names: Vec<_> = Profile::ALL.iter().map(|p| p.name()).collect();
+    checks.push(Row::new("seccomp", format!("{} for {}", names.join(", "), arch.name()), ""));
+
+    checks.push(Row::new("data directory", data_dir_state(&config.data_dir)?, ""));
+    let bridge = startup::locate_helper(config.egress_bridge.clone(), "egress-bridge");
+    let bridge_state = if bridge.exists() { "present" } else { "MISSING: network executions will fail" };
+    checks.push(Row::new("egress bridge", format!("{} ({bridge_state})", bridge.display()), ""));
+    let python = Path::new(&config.python_path);
+    let python_state = if python.exists() { "present" } else { "MISSING: /execute will fail" };
+    checks.push(Row::new("python", format!("{} ({python_state})", python.display()), ""));
+
+    Ok(format!(
+        "runnerd configuration is valid.\nconfiguration file: {}\nsettings (value, origin):\n{}checks:\n{}",
+        loaded.settings.file_status(),
+        render(&loaded.rows()),
+        render(&checks),
+    ))
+}
+
+/// Start-up creates the data directory when missing; something else in its place is fatal.
+fn data_dir_state(dir: &Path) -> anyhow::Result<String> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(format!("{} (exists)", dir.display())),
+        Ok(_) => anyhow::bail!("the data directory {} exists and is not a directory", dir.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(format!("{} (absent: start-up creates it)", dir.display()))
+        }
+        Err(e) => Err(e).with_context(|| format!("reading the data directory {}", dir.display())),
+    }
+}
