@@ -161,6 +161,7 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         disable_userns = sandbox.capability.disable_userns,
         log_sink = ?sink,
     );
+    startup::log_confinement();
     let address = listener.describe();
     let usable = sandbox.capability.sandbox_usable;
     let versions = Arc::new(Versions::open(&config.data_dir).with_context(|| {
