@@ -1,3 +1,4 @@
+mod audit;
 mod http_api;
 mod http_hostile;
 mod isolation;
