@@ -125,7 +125,10 @@ pub fn init_with(identifier: &str, settings: &LogSettings) -> Sink {
         LogTarget::Auto => under_systemd,
     };
     if want_journald && let Ok(layer) = tracing_journald::layer() {
-        let layer = layer.with_syslog_identifier(identifier.to_owned()).with_filter(level);
+        // No field prefix: `event` is `EVENT`, not `F_EVENT`, so `journalctl EVENT=auth_failed`
+        // and `-o json` read the fields by the names the README lists.
+        let layer =
+            layer.with_syslog_identifier(identifier.to_owned()).with_field_prefix(None).with_filter(level);
         if tracing_subscriber::registry().with(layer).try_init().is_ok() {
             return Sink::Journald;
         }

@@ -84,14 +84,10 @@ pub fn run() -> i32 {
             }
         };
     }
-    common::audit::init_with("egressd", &loaded.log);
-    tracing::info!(
-        event = "config_loaded",
-        config_file = %loaded.settings.file_status(),
-        control_socket = %loaded.config.control_socket.display(),
-    );
+    let sink = common::audit::init_with("egressd", &loaded.log);
+    let config_file = loaded.settings.file_status();
     let cfg = loaded.config;
-    match serve(cfg) {
+    match serve(cfg, sink, config_file) {
         Ok(()) => 0,
         Err(e) => {
             tracing::error!(event = "egressd_failed", error = %format!("{e:#}"));
@@ -194,10 +190,30 @@ fn bind_control(path: &Path, access: SocketAccess) -> anyhow::Result<std::os::un
     Ok(listener)
 }
 
-fn serve(cfg: Config) -> anyhow::Result<()> {
+fn serve(cfg: Config, sink: common::audit::Sink, config_file: String) -> anyhow::Result<()> {
     let runner_uid = uid_of(&cfg.runner_uid)?;
     let access = SocketAccess { group: gid_of(&cfg.socket_group)? };
-    let resolver = StubResolver::new(resolver_config(&cfg)?);
+    let dns = resolver_config(&cfg)?;
+    // The effective settings (egressd holds no secret), once resolved.
+    let ms = |d: Duration| d.as_millis() as u64;
+    tracing::info!(
+        event = "config_loaded",
+        version = %version(),
+        config_file = %config_file,
+        control_socket = %cfg.control_socket.display(),
+        runtime_dir = %cfg.runtime_dir.display(),
+        runner_uid,
+        socket_group = %access.group.map_or("none (sockets 0600)".to_owned(), |g| format!("gid {g} (sockets 0660)")),
+        nameservers = %dns.nameservers.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+        max_tunnels = cfg.max_tunnels,
+        tunnel_idle_ms = ms(cfg.tunnel_idle),
+        header_timeout_ms = ms(cfg.header_timeout),
+        connect_timeout_ms = ms(cfg.connect_timeout),
+        gateway_idle_ms = ms(cfg.gateway_idle),
+        confine = cfg.confine,
+        log_sink = ?sink,
+    );
+    let resolver = StubResolver::new(dns);
     let shared = Arc::new(proxy::Shared {
         resolver: Arc::new(resolver),
         own: own::OwnAddresses::default(),

@@ -209,6 +209,7 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         log_sink = ?sink,
         config_file = %loaded.settings.file_status(),
     );
+    startup::log_confinement();
     let address = listener.describe();
     let usable = sandbox.capability.sandbox_usable;
     let versions = Arc::new(Versions::open(&config.data_dir).with_context(|| {

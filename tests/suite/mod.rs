@@ -1,3 +1,4 @@
+mod audit;
 mod config;
 mod http_api;
 mod http_hostile;

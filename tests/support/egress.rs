@@ -127,11 +127,27 @@ pub struct Egressd {
     pub runtime_dir: PathBuf,
     pub stderr_log: PathBuf,
     args: Vec<String>,
+    how: Spawn,
+}
+
+/// How egressd is started besides its arguments.
+#[derive(Debug, Clone, Default)]
+pub struct Spawn {
+    /// A command prefix (e.g. [`crate::journal::Journal::wrapper`]; it must end the daemon
+    /// when it is killed, as `bwrap --die-with-parent` does).
+    pub wrapper: Vec<String>,
+    /// Variables over the defaults (`SCIENCE_AGENT_LOG_TARGET=stderr`).
+    pub env: Vec<(String, String)>,
 }
 
 impl Egressd {
     /// Starts egressd with its sockets in a fresh scratch directory, resolving through `dns`.
     pub fn start(dns: SocketAddr, extra: &[&str]) -> Egressd {
+        Egressd::start_with(dns, extra, Spawn::default())
+    }
+
+    /// [`Egressd::start`], under a wrapper or with other variables.
+    pub fn start_with(dns: SocketAddr, extra: &[&str], how: Spawn) -> Egressd {
         let dir = scratch_dir();
         let control_socket = dir.path().join("control.sock");
         let runtime_dir = dir.path().join("rt");
@@ -145,8 +161,8 @@ impl Egressd {
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let stderr_log = dir.path().join("egressd.stderr");
-        let child = spawn(&args, &stderr_log);
-        let e = Egressd { child, dir, control_socket, runtime_dir, stderr_log, args };
+        let child = spawn(&args, &stderr_log, &how);
+        let e = Egressd { child, dir, control_socket, runtime_dir, stderr_log, args, how };
         e.wait_ready();
         e
     }
@@ -175,7 +191,7 @@ impl Egressd {
     /// Starts it again with the same settings (appending to the same log).
     pub fn restart(&mut self) {
         self.kill();
-        self.child = spawn(&self.args, &self.stderr_log);
+        self.child = spawn(&self.args, &self.stderr_log, &self.how);
         self.wait_ready();
     }
 
@@ -188,16 +204,46 @@ impl Egressd {
         let dir: &Path = &self.runtime_dir.join("eg");
         std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
     }
+
+    /// SIGTERM to egressd itself (not its wrapper), then its exit status.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let pid = if self.how.wrapper.is_empty() {
+            Some(self.child.id())
+        } else {
+            crate::wrapped_pid(self.child.id())
+        };
+        if let Some(pid) = pid {
+            // SAFETY: kill(2) on our own child (or its wrapper's child).
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        None
+    }
 }
 
-fn spawn(args: &[String], log: &Path) -> Child {
+fn spawn(args: &[String], log: &Path, how: &Spawn) -> Child {
     let stderr = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
-    Command::new(bin("egressd"))
-        .args(args)
+    let mut cmd = match how.wrapper.split_first() {
+        Some((program, prefix)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(prefix).arg(bin("egressd"));
+            cmd
+        }
+        None => Command::new(bin("egressd")),
+    };
+    cmd.args(args)
         .env_clear()
         .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
         // An empty configuration file: never the host's /etc/sciencediscovery/egressd.toml.
         .env("SCIENCE_AGENT_EGRESS_CONFIG", "/dev/null")
+        .envs(how.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr)

@@ -2,6 +2,7 @@
 //! what to do when it cannot), and a fixture that runs scripts in real sandboxes.
 
 pub mod egress;
+pub mod journal;
 pub mod server;
 
 use std::path::{Path, PathBuf};
@@ -188,4 +189,34 @@ pub fn processes_matching(needle: &str) -> Vec<(u32, String)> {
             cmd.contains(needle).then_some((pid, cmd))
         })
         .collect()
+}
+
+/// The processes whose parent is `pid` (from `/proc/<pid>/stat`).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+            // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                .is_some_and(|ppid| ppid == pid)
+        })
+        .collect()
+}
+
+/// The pid of the program a wrapper (bwrap without a pid namespace) runs: its only child.
+/// Waits briefly for it to appear; `None` when the wrapper has exited.
+pub fn wrapped_pid(wrapper: u32) -> Option<u32> {
+    for _ in 0..200 {
+        if let Some(child) = children_of(wrapper).first() {
+            return Some(*child);
+        }
+        if !Path::new(&format!("/proc/{wrapper}")).exists() {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
 }

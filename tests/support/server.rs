@@ -22,6 +22,8 @@ pub struct Server {
     pub stderr_log: PathBuf,
     /// The second line runnerd printed (sandbox and quotas).
     pub banner: String,
+    /// Started under a wrapper: signals go to the wrapper's child.
+    wrapped: bool,
 }
 
 /// How to start it.
@@ -33,6 +35,8 @@ pub struct ServerOptions {
     pub unix_socket: bool,
     /// Leave `SCIENCE_AGENT_RUNNER_TOKEN` unset.
     pub no_token: bool,
+    /// A command prefix runnerd runs under (e.g. [`crate::journal::Journal::wrapper`]).
+    pub wrapper: Vec<String>,
 }
 
 impl Server {
@@ -45,7 +49,14 @@ impl Server {
         let data_dir = dir.path().join("data");
         std::fs::create_dir_all(&data_dir).unwrap();
         let stderr_log = dir.path().join("runnerd.stderr");
-        let mut cmd = Command::new(bin("runnerd"));
+        let mut cmd = match options.wrapper.split_first() {
+            Some((program, prefix)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(prefix).arg(bin("runnerd"));
+                cmd
+            }
+            None => Command::new(bin("runnerd")),
+        };
         cmd.args(&options.args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()))
@@ -88,7 +99,13 @@ impl Server {
         let banner = lines.next().and_then(Result::ok).unwrap_or_default();
         // Keep draining stdout so runnerd never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Server { child, dir, data_dir, endpoint: Endpoint::parse(&address), stderr_log, banner }
+        let wrapped = !options.wrapper.is_empty();
+        Server { child, dir, data_dir, endpoint: Endpoint::parse(&address), stderr_log, banner, wrapped }
+    }
+
+    /// runnerd's pid (not its wrapper's).
+    pub fn pid(&self) -> Option<u32> {
+        if self.wrapped { crate::wrapped_pid(self.child.id()) } else { Some(self.child.id()) }
     }
 
     pub fn client(&self) -> RunnerClient {
@@ -124,8 +141,10 @@ impl Server {
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        if let Some(pid) = self.pid() {
+            // SAFETY: kill(2) on our own child's pid (or its wrapper's child).
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
         for _ in 0..600 {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return status;

@@ -10,7 +10,8 @@ pub mod registry;
 pub mod request;
 pub mod workspace;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,7 @@ use crate::writer::WriteError;
 use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;
 use common::plan::FIRST_EXTRA_FD;
+use common::seccomp::Profile;
 use registry::ActiveExecution;
 use request::{Object, Route};
 
@@ -95,6 +97,116 @@ fn language_name(l: Language) -> &'static str {
         Language::Shell => "shell",
         Language::Python => "python",
         Language::R => "r",
+    }
+}
+
+/// The seccomp profile a request's sandbox runs under: `network` for a domain-allowlist
+/// policy (the bridge needs its sockets), else `baseline`. The same rule as `argv::build`
+/// (a domain-allowlist run without a gateway never starts), known before the sandbox is.
+pub fn profile_for(network_mode: &str) -> Profile {
+    if network_mode == "domain-allowlist" { Profile::Network } else { Profile::Baseline }
+}
+
+/// The `execution_finished` audit record of one admitted execution: written once, by
+/// whichever path ends it (the sandbox's own outcome, or the error that stopped it before
+/// or instead of the sandbox), always with the same fields, so `journalctl
+/// EVENT=execution_finished` sees every admitted execution end.
+#[derive(Debug)]
+pub struct FinishAudit {
+    execution_id: String,
+    session_id: String,
+    agent_id: String,
+    workspace: PathBuf,
+    profile: Profile,
+    admitted: Instant,
+    written: AtomicBool,
+}
+
+impl FinishAudit {
+    pub fn new(
+        execution_id: &str,
+        session_id: &str,
+        agent_id: &str,
+        workspace: &Path,
+        profile: Profile,
+    ) -> Self {
+        FinishAudit {
+            execution_id: execution_id.to_owned(),
+            session_id: session_id.to_owned(),
+            agent_id: agent_id.to_owned(),
+            workspace: workspace.to_owned(),
+            profile,
+            admitted: Instant::now(),
+            written: AtomicBool::new(false),
+        }
+    }
+
+    /// `execution_started`, with the same ids.
+    pub fn started(&self) {
+        tracing::info!(
+            event = "execution_started",
+            execution_id = %self.execution_id,
+            session_id = %self.session_id,
+            agent_id = %self.agent_id,
+            workspace = %self.workspace.display(),
+            profile = %self.profile,
+        );
+    }
+
+    /// Writes the record unless one was written. `duration_ms` counts from admission (queue
+    /// included); `run_ms` is the sandbox's own time when one ran; `exit_code` is present
+    /// only when the sandboxed command exited by itself.
+    pub fn finished(
+        &self,
+        outcome: &str,
+        exit_code: Option<i32>,
+        run: Option<Duration>,
+        error: Option<&str>,
+    ) {
+        if self.written.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let duration_ms = self.admitted.elapsed().as_millis() as u64;
+        let run_ms = run.map(|d| d.as_millis() as u64);
+        macro_rules! record {
+            ($level:ident) => {
+                tracing::$level!(
+                    event = "execution_finished",
+                    execution_id = %self.execution_id,
+                    session_id = %self.session_id,
+                    agent_id = %self.agent_id,
+                    workspace = %self.workspace.display(),
+                    profile = %self.profile,
+                    outcome,
+                    exit_code,
+                    duration_ms,
+                    run_ms,
+                    error,
+                )
+            };
+        }
+        if outcome == "sandbox_launch_failed" || outcome == UNRESPONSIVE {
+            record!(error);
+        } else {
+            record!(info);
+        }
+    }
+
+    /// The record for an execution that an error ended: the error's code is the outcome.
+    pub fn failed(&self, e: &ApiError) {
+        self.finished(e.code, None, None, Some(&e.message));
+    }
+}
+
+impl Drop for FinishAudit {
+    /// The last resort: a task dropped before any path recorded the end still leaves one.
+    fn drop(&mut self) {
+        self.finished(
+            "dropped",
+            None,
+            None,
+            Some("the task running the execution ended before it recorded an outcome"),
+        );
     }
 }
 
@@ -184,18 +296,31 @@ pub async fn execute(
         started_at: None,
         status: "queued",
     });
+    let profile = profile_for(&prepared.network.mode);
     tracing::info!(
         event = "execution_admitted",
         execution_id = %prepared.execution_id,
         session_id = %prepared.session_id,
         agent_id = %prepared.agent_id,
         workspace = %prepared.root.display(),
+        profile = %profile,
         language = language_name(language),
+    );
+    let audit = FinishAudit::new(
+        &prepared.execution_id,
+        &prepared.session_id,
+        &prepared.agent_id,
+        &prepared.root,
+        profile,
     );
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
-        tracing::info!(event = "execution_finished", execution_id = %prepared.execution_id, outcome = "abandoned_in_queue");
+        audit.finished("abandoned_in_queue", None, None, None);
         ApiError::bad_request("execution_aborted", format!("{} aborted", language.label()))
+    };
+    let ended = |e: ApiError| {
+        audit.failed(&e);
+        e
     };
     let running = tokio::select! {
         held = app.admission.acquire(&prepared.session_id, &key, &prepared.root) => held,
@@ -203,15 +328,15 @@ pub async fn execute(
     };
     // The cross-process writer lease (shared with the API process), inside our own queues;
     // `running` only once both are held.
-    let pinned = workspace::open_beneath(&app.data_dir, &prepared.root)?;
+    let pinned = workspace::open_beneath(&app.data_dir, &prepared.root).map_err(ended)?;
     let writer = match app.versions.begin(&prepared.root, pinned, Some(&client_gone)).await {
         Ok(w) => w,
         Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
-        Err(e) => return Err(ApiError::bad_request(e_code(&e), e.to_string())),
+        Err(e) => return Err(ended(ApiError::bad_request(e_code(&e), e.to_string()))),
     };
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
-    let ran = run_sandbox(&app, &prepared, started_at, None, client_gone, writer.pinned()).await;
+    let ran = run_sandbox(&app, &prepared, &audit, started_at, None, client_gone, writer.pinned()).await;
     if ran.as_ref().is_err_and(|e| e.code == UNRESPONSIVE) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
@@ -442,9 +567,28 @@ impl OutputSink for Tee<'_, '_> {
 /// writer pinned: the sandbox runs in exactly the directory the version will snapshot,
 /// whatever its path names by now (another workspace's sandbox may rename directories
 /// around it while this one queued).
+/// Writes `audit`'s `execution_finished` record on every path (its outcome, or the error).
 pub async fn run_sandbox(
     app: &App,
     p: &Prepared,
+    audit: &FinishAudit,
+    started_at: String,
+    logs: Option<&mut dyn OutputSink>,
+    cancel: watch::Receiver<bool>,
+    root_fd: &std::os::fd::OwnedFd,
+) -> Result<ExecutionResult, ApiError> {
+    let ran = sandbox_run(app, p, audit, started_at, logs, cancel, root_fd).await;
+    if let Err(e) = &ran {
+        // A no-op when the run recorded its own outcome.
+        audit.failed(e);
+    }
+    ran
+}
+
+async fn sandbox_run(
+    app: &App,
+    p: &Prepared,
+    audit: &FinishAudit,
     started_at: String,
     logs: Option<&mut dyn OutputSink>,
     cancel: watch::Receiver<bool>,
@@ -459,7 +603,7 @@ pub async fn run_sandbox(
     let pinned_root = crate::fsat::fd_dir_path(root_fd);
     let before = fingerprints(&pinned_root).await;
     if p.max_workspace > 0 && files::usage(&before) > p.max_workspace {
-        tracing::info!(event = "execution_finished", execution_id = %execution_id, outcome = "workspace_quota_exceeded_before_run");
+        audit.finished("workspace_quota_exceeded_before_run", None, None, None);
         return Err(ApiError::bad_request(
             "workspace_quota_exceeded",
             files::quota_exceeds_message(p.max_workspace),
@@ -526,7 +670,9 @@ pub async fn run_sandbox(
         stop_tx,
         stop_reason.clone(),
     ));
-    tracing::info!(event = "execution_started", execution_id = %execution_id, profile = %profile);
+    debug_assert_eq!(profile, audit.profile, "profile_for agrees with argv::build");
+    audit.started();
+    let launched = Instant::now();
 
     let mut output = OutputBudget::new(p.max_output);
     let outcome = app.sandbox.launcher.run(launch, &mut Tee { budget: &mut output, extra: logs }).await;
@@ -534,7 +680,13 @@ pub async fn run_sandbox(
     let outcome = match outcome {
         Ok(o) => o,
         Err(e) => {
-            tracing::error!(event = "execution_finished", execution_id = %execution_id, outcome = "launch_failed", error = %crate::error_chain(&e));
+            let error = crate::error_chain(&e);
+            let outcome = if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
+                UNRESPONSIVE
+            } else {
+                "sandbox_launch_failed"
+            };
+            audit.finished(outcome, None, Some(launched.elapsed()), Some(&error));
             if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
                 tracing::error!(event = "workspace_locked", workspace = %root.display(), reason = "a sandbox did not die");
                 return Err(ApiError::bad_request(UNRESPONSIVE, crate::error_chain(&e)));
@@ -544,19 +696,8 @@ pub async fn run_sandbox(
     };
 
     let after = fingerprints(&pinned_root).await;
-    let duration_ms = outcome.elapsed.as_millis() as u64;
     let finish = |outcome_name: &str, exit: Option<i32>| {
-        tracing::info!(
-            event = "execution_finished",
-            execution_id = %execution_id,
-            session_id = %p.session_id,
-            agent_id = %p.agent_id,
-            workspace = %root.display(),
-            profile = %profile,
-            outcome = outcome_name,
-            exit_code = exit,
-            duration_ms,
-        );
+        audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
     let exit_code = match outcome.termination {
         Termination::Exited(code) => code,

@@ -149,6 +149,7 @@ impl Manager {
         let (tx, rx) = watch::channel(false);
         self.controllers().insert(id.clone(), tx);
         self.active.fetch_add(1, Ordering::SeqCst);
+        let profile = exec::profile_for(&request::network_access(&obj).mode);
         tracing::info!(
             event = "execution_admitted",
             managed = true,
@@ -156,12 +157,14 @@ impl Manager {
             session_id = %rec.session_id,
             agent_id = %rec.agent_id,
             workspace = %root.display(),
+            profile = %profile,
             language = "shell",
         );
+        let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &root, profile);
         let me = self.clone();
         let queued = rec.clone();
         tokio::spawn(async move {
-            me.run(app, queued, obj, root, read_only, rx).await;
+            me.run(app, queued, obj, root, read_only, rx, &audit).await;
             me.controllers().remove(&id);
             if me.active.fetch_sub(1, Ordering::SeqCst) == 1 {
                 me.idle.notify_waiters();
@@ -177,7 +180,16 @@ impl Manager {
         }
     }
 
-    async fn finish(&self, rec: &mut ManagedExecution, state: &str, error: Option<String>) {
+    /// Records the end; `audit`'s `execution_finished` is written here when the run ended
+    /// before its sandbox could write it (the state is its outcome).
+    async fn finish(
+        &self,
+        rec: &mut ManagedExecution,
+        audit: &exec::FinishAudit,
+        state: &str,
+        error: Option<String>,
+    ) {
+        audit.finished(state, None, None, error.as_deref());
         rec.state = state.into();
         if error.is_some() {
             rec.error = error;
@@ -195,6 +207,7 @@ impl Manager {
         );
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run(
         self: &Arc<Self>,
         app: Arc<App>,
@@ -203,25 +216,26 @@ impl Manager {
         root: PathBuf,
         read_only: Option<PathBuf>,
         cancel: watch::Receiver<bool>,
+        audit: &exec::FinishAudit,
     ) {
         let mut waiting = cancel.clone();
         let queue = tokio::select! {
             held = app.admission.acquire_workspace(&root) => held,
-            _ = exec::gone(&mut waiting) => return self.finish(&mut rec, "cancelled", Some(ABORTED.into())).await,
+            _ = exec::gone(&mut waiting) => return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await,
         };
         let pinned = match crate::exec::workspace::open_beneath(&app.data_dir, &root) {
             Ok(fd) => fd,
-            Err(e) => return self.finish(&mut rec, "failed", Some(e.message)).await,
+            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.message)).await,
         };
         let writer = match app.versions.begin(&root, pinned, Some(&cancel)).await {
             Ok(w) => w,
             Err(WriteError::Coordination(CoordError::Aborted)) => {
-                return self.finish(&mut rec, "cancelled", Some(ABORTED.into())).await;
+                return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await;
             }
-            Err(e) => return self.finish(&mut rec, "failed", Some(e.to_string())).await,
+            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
         };
         if *cancel.borrow() {
-            return self.finish(&mut rec, "cancelled", Some(CANCELLED_BEFORE_START.into())).await;
+            return self.finish(&mut rec, audit, "cancelled", Some(CANCELLED_BEFORE_START.into())).await;
         }
         let started_at = timefmt::now_iso();
         rec.state = "running".into();
@@ -249,7 +263,8 @@ impl Manager {
             // `result` is bounded so that a huge or unlimited budget cannot exhaust memory.
             p.max_output = result_budget(p.max_output);
             exec::attach_egress(&app, &mut p).await?;
-            exec::run_sandbox(&app, &p, started_at, Some(&mut sink), cancel.clone(), writer.pinned()).await
+            exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), cancel.clone(), writer.pinned())
+                .await
         }
         .await;
         live.close();
@@ -264,7 +279,7 @@ impl Manager {
                 // The sandbox may still write: keep the workspace locked until a restart.
                 std::mem::forget(writer);
                 std::mem::forget(queue);
-                return self.finish(&mut rec, "failed", Some(e.message)).await;
+                return self.finish(&mut rec, audit, "failed", Some(e.message)).await;
             }
             Err(e) if *cancel.borrow() => ("cancelled", Some(e.message), None),
             Err(e) => ("failed", Some(e.message), None),
@@ -308,7 +323,7 @@ impl Manager {
             }
         };
         rec.result = result.and_then(|r| serde_json::to_value(r).ok());
-        self.finish(&mut rec, state, error).await;
+        self.finish(&mut rec, audit, state, error).await;
         drop(writer);
         drop(queue);
     }
