@@ -231,6 +231,8 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
             .with_context(|| format!("opening the execution records under {}", config.data_dir.display()))?,
     );
     let app = Arc::new(App::new(config, token, sandbox, versions, managed));
+    // Before anyone can learn that runnerd listens: a stop from then on is graceful.
+    let mut signals = StopSignals::register();
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "ScienceDiscovery runner listening on {address}")?;
@@ -252,11 +254,11 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     }
     let stopping = app.clone();
     let shutdown = async move {
-        shutdown_signal().await;
+        signals.recv().await;
         tracing::info!(event = "stopping", detail = "aborting executions; a second signal exits at once");
         let _ = stopping.shutdown.send(true);
-        tokio::spawn(async {
-            shutdown_signal().await;
+        tokio::spawn(async move {
+            signals.recv().await;
             eprintln!("runnerd: second signal, exiting now");
             std::process::exit(130);
         });
@@ -267,18 +269,31 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// SIGTERM, SIGINT or SIGHUP.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-    else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-        _ = hup.recv() => {}
+/// SIGTERM, SIGINT and SIGHUP, caught from the moment this exists: registered before
+/// runnerd says it listens, so a stop right after start-up is graceful, not a kill.
+struct StopSignals(Option<[tokio::signal::unix::Signal; 3]>);
+
+impl StopSignals {
+    fn register() -> StopSignals {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup())) {
+            (Ok(term), Ok(int), Ok(hup)) => StopSignals(Some([term, int, hup])),
+            _ => StopSignals(None),
+        }
+    }
+
+    /// The next of the three; never, if they could not be registered.
+    async fn recv(&mut self) {
+        match &mut self.0 {
+            Some([term, int, hup]) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                    _ = hup.recv() => {}
+                }
+            }
+            None => std::future::pending().await,
+        }
     }
 }
 
