@@ -67,6 +67,8 @@ FailureAction=poweroff-force
 [Service]
 Type=oneshot
 ExecStart=/usr/local/sbin/ci-probe /ci-out
+# The journal, also when the probe fails or times out: what a failure needs to be read.
+ExecStopPost=/bin/sh -c 'journalctl --flush; journalctl -o json --no-pager > /ci-out/journal.json'
 TimeoutStartSec=300
 UNIT
 mkdir -p "$merged/etc/systemd/system/multi-user.target.wants"
