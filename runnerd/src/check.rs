@@ -15,6 +15,9 @@ use crate::startup::{self, StartupError};
 use crate::token::{self, Fallback, TokenError};
 
 /// The report printed on success; an error names what to fix.
+/// Where the packages put the token that runnerd.service loads as its credential.
+pub const PACKAGED_TOKEN: &str = "/etc/sciencediscovery/runner-token";
+
 pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String> {
     let config = &loaded.config;
     let describe = |var: &str| loaded.settings.describe(var);
@@ -33,7 +36,14 @@ pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String
                 other => other?.1.to_string(),
             }
         }
-        _ => token::resolve(env, token_file, &config.data_dir, fallback)?.1.to_string(),
+        _ => match token::resolve(env, token_file, &config.data_dir, fallback) {
+            // Outside the unit the systemd credential is invisible; the packaged file it is
+            // loaded from is what tells whether the service will have a token.
+            Err(TokenError::Missing) if Path::new(PACKAGED_TOKEN).exists() => format!(
+                "none visible to this process; runnerd.service gets it as the systemd credential runner-token (LoadCredential from {PACKAGED_TOKEN}, present)"
+            ),
+            other => other?.1.to_string(),
+        },
     };
     checks.push(Row::new("token", format!("{token} (the value is never printed)"), ""));
 

@@ -276,7 +276,8 @@ struct StopSignals(Option<[tokio::signal::unix::Signal; 3]>);
 impl StopSignals {
     fn register() -> StopSignals {
         use tokio::signal::unix::{SignalKind, signal};
-        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup())) {
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
+        {
             (Ok(term), Ok(int), Ok(hup)) => StopSignals(Some([term, int, hup])),
             _ => StopSignals(None),
         }
