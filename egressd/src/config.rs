@@ -668,7 +668,9 @@ mod tests {
             assert!(USAGE.contains(flag), "USAGE lacks {flag}");
         }
         assert_eq!(SETTINGS.len() + 2, SCHEMA.keys.len(), "only log_level and log_target have no flag");
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        // Embedded at build time: the tests also run as an unprivileged user who may not be
+        // able to enter the checkout.
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"));
         for k in SCHEMA.keys {
             assert!(readme.contains(&format!("`{}`", k.name)), "README lacks the key {}", k.name);
         }
