@@ -184,7 +184,7 @@ fn open_registry(path: &Path) -> Result<Connection, CoordError> {
     let sqlite = |source| CoordError::Sqlite { path: path.to_owned(), source };
     let conn = Connection::open(path).map_err(sqlite)?;
     conn.busy_timeout(Duration::from_millis(5000)).map_err(sqlite)?;
-    conn.pragma_update(None, "journal_mode", "WAL").map_err(sqlite)?;
+    crate::coordination::enable_wal(&conn).map_err(sqlite)?;
     Ok(conn)
 }
 

@@ -9,6 +9,7 @@
 pub mod lease;
 pub mod lifecycle;
 mod sqlite_lock;
+pub use sqlite_lock::enable_wal;
 
 use std::path::{Path, PathBuf};
 

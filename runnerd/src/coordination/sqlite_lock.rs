@@ -85,6 +85,24 @@ impl Drop for SqliteLock {
     }
 }
 
+/// `PRAGMA journal_mode=WAL`, retried for up to 5 s. Switching a new database to WAL takes
+/// its exclusive lock, and SQLite answers BUSY at once (not after the busy timeout) when
+/// another connection is opening it at the same moment, to avoid a lock cycle.
+pub fn enable_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match conn.query_row("PRAGMA journal_mode=WAL", [], |row| row.get::<_, String>(0)) {
+            Ok(_) => return Ok(()),
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::DatabaseBusy && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -112,7 +112,7 @@ impl ExecutionsDb {
         let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
         let conn = Connection::open(path).map_err(sqlite)?;
         conn.busy_timeout(std::time::Duration::from_millis(5000)).map_err(sqlite)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(sqlite)?;
+        crate::coordination::enable_wal(&conn).map_err(sqlite)?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(sqlite)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS executions(id TEXT PRIMARY KEY, session TEXT NOT NULL, agent TEXT NOT NULL, record TEXT NOT NULL);

@@ -31,13 +31,11 @@ impl Refs {
         let path = store.root().join("refs.sqlite");
         let conn = Connection::open(&path).map_err(sql("open", &path))?;
         let refs = Refs { conn, path };
-        refs.conn
-            .query_row("PRAGMA journal_mode=WAL", [], |row| row.get::<_, String>(0))
-            .map_err(sql("enable WAL", &refs.path))?;
+        refs.conn.busy_timeout(Duration::from_millis(5000)).map_err(sql("set busy_timeout", &refs.path))?;
+        crate::coordination::enable_wal(&refs.conn).map_err(sql("enable WAL", &refs.path))?;
         refs.conn
             .pragma_update(None, "synchronous", "FULL")
             .map_err(sql("set synchronous=FULL", &refs.path))?;
-        refs.conn.busy_timeout(Duration::from_millis(5000)).map_err(sql("set busy_timeout", &refs.path))?;
         refs.conn.execute_batch(SCHEMA).map_err(sql("create the schema", &refs.path))?;
         Ok(refs)
     }
