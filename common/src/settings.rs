@@ -53,6 +53,13 @@ pub struct Key {
     pub kind: Kind,
 }
 
+impl Key {
+    /// For the daemons' static key tables.
+    pub const fn new(name: &'static str, var: &'static str, kind: Kind) -> Key {
+        Key { name, var, kind }
+    }
+}
+
 /// A daemon's settings.
 #[derive(Debug)]
 pub struct Schema {

@@ -283,28 +283,24 @@ pub const DEFAULT_CONFIG_FILE: &str = "/etc/sciencediscovery/egressd.toml";
 /// Names the configuration file (a file named so must exist).
 pub const CONFIG_VAR: &str = "SCIENCE_AGENT_EGRESS_CONFIG";
 
-const fn key(name: &'static str, var: &'static str, kind: Kind) -> Key {
-    Key { name, var, kind }
-}
-
 /// Every key of egressd's configuration file (the same settings as [`SETTINGS`], plus the
 /// log settings, which have no flag).
 pub static SCHEMA: Schema = Schema {
     daemon: "egressd",
     keys: &[
-        key("control_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
-        key("runtime_dir", "SCIENCE_AGENT_EGRESS_RUNTIME_DIR", Kind::Text),
-        key("runner_uid", "SCIENCE_AGENT_EGRESS_RUNNER_UID", Kind::Name),
-        key("socket_group", "SCIENCE_AGENT_EGRESS_SOCKET_GROUP", Kind::Name),
-        key("nameservers", "SCIENCE_AGENT_EGRESS_NAMESERVERS", Kind::List),
-        key("resolv_conf", "SCIENCE_AGENT_EGRESS_RESOLV_CONF", Kind::Text),
-        key("max_tunnels", "SCIENCE_AGENT_EGRESS_MAX_TUNNELS", Kind::Integer),
-        key("tunnel_idle_ms", "SCIENCE_AGENT_EGRESS_TUNNEL_IDLE_MS", Kind::Integer),
-        key("header_timeout_ms", "SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS", Kind::Integer),
-        key("connect_timeout_ms", "SCIENCE_AGENT_EGRESS_CONNECT_TIMEOUT_MS", Kind::Integer),
-        key("gateway_idle_ms", "SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS", Kind::Integer),
-        key("log_level", common::audit::LEVEL_VAR, Kind::Text),
-        key("log_target", common::audit::TARGET_VAR, Kind::Text),
+        Key::new("control_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
+        Key::new("runtime_dir", "SCIENCE_AGENT_EGRESS_RUNTIME_DIR", Kind::Text),
+        Key::new("runner_uid", "SCIENCE_AGENT_EGRESS_RUNNER_UID", Kind::Name),
+        Key::new("socket_group", "SCIENCE_AGENT_EGRESS_SOCKET_GROUP", Kind::Name),
+        Key::new("nameservers", "SCIENCE_AGENT_EGRESS_NAMESERVERS", Kind::List),
+        Key::new("resolv_conf", "SCIENCE_AGENT_EGRESS_RESOLV_CONF", Kind::Text),
+        Key::new("max_tunnels", "SCIENCE_AGENT_EGRESS_MAX_TUNNELS", Kind::Integer),
+        Key::new("tunnel_idle_ms", "SCIENCE_AGENT_EGRESS_TUNNEL_IDLE_MS", Kind::Integer),
+        Key::new("header_timeout_ms", "SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS", Kind::Integer),
+        Key::new("connect_timeout_ms", "SCIENCE_AGENT_EGRESS_CONNECT_TIMEOUT_MS", Kind::Integer),
+        Key::new("gateway_idle_ms", "SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS", Kind::Integer),
+        Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
+        Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
     refused: &[],
 };

@@ -179,36 +179,32 @@ pub const DEFAULT_CONFIG_FILE: &str = "/etc/sciencediscovery/runnerd.toml";
 /// Names the configuration file (a file named so must exist).
 pub const CONFIG_VAR: &str = "SCIENCE_AGENT_CONFIG";
 
-const fn key(name: &'static str, var: &'static str, kind: Kind) -> Key {
-    Key { name, var, kind }
-}
-
 /// Every key of runnerd's configuration file: the variable's name, lower-cased, without
 /// `SCIENCE_AGENT_`. The token is not among them: it never goes in the file.
 pub static SCHEMA: Schema = Schema {
     daemon: "runnerd",
     keys: &[
-        key("runner_host", "SCIENCE_AGENT_RUNNER_HOST", Kind::Text),
-        key("runner_port", PORT, Kind::Integer),
-        key("runner_socket", "SCIENCE_AGENT_RUNNER_SOCKET", Kind::Text),
-        key("runner_token_file", "SCIENCE_AGENT_RUNNER_TOKEN_FILE", Kind::Text),
-        key("data_dir", "SCIENCE_AGENT_DATA_DIR", Kind::Text),
-        key("bwrap_path", "SCIENCE_AGENT_BWRAP_PATH", Kind::Text),
-        key("sandbox_init_path", "SCIENCE_AGENT_SANDBOX_INIT_PATH", Kind::Text),
-        key("python_path", "SCIENCE_AGENT_PYTHON_PATH", Kind::Text),
-        key("exec_timeout_ms", "SCIENCE_AGENT_EXEC_TIMEOUT_MS", Kind::Integer),
-        key("max_output_bytes", "SCIENCE_AGENT_MAX_OUTPUT_BYTES", Kind::Integer),
-        key("max_workspace_bytes", "SCIENCE_AGENT_MAX_WORKSPACE_BYTES", Kind::Integer),
-        key("execution_signature_max_age_ms", SIGNATURE_MAX_AGE, Kind::Integer),
-        key("kernel_idle_ms", "SCIENCE_AGENT_KERNEL_IDLE_MS", Kind::Integer),
-        key("npu_broker", "SCIENCE_AGENT_NPU_BROKER", Kind::Bool),
-        key("queue_capacity", "SCIENCE_AGENT_QUEUE_CAPACITY", Kind::Integer),
-        key("max_concurrent_executions", "SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", Kind::Integer),
-        key("header_read_timeout_ms", "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", Kind::Integer),
-        key("egress_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
-        key("egress_bridge_path", "SCIENCE_AGENT_EGRESS_BRIDGE_PATH", Kind::Text),
-        key("log_level", common::audit::LEVEL_VAR, Kind::Text),
-        key("log_target", common::audit::TARGET_VAR, Kind::Text),
+        Key::new("runner_host", "SCIENCE_AGENT_RUNNER_HOST", Kind::Text),
+        Key::new("runner_port", PORT, Kind::Integer),
+        Key::new("runner_socket", "SCIENCE_AGENT_RUNNER_SOCKET", Kind::Text),
+        Key::new("runner_token_file", "SCIENCE_AGENT_RUNNER_TOKEN_FILE", Kind::Text),
+        Key::new("data_dir", "SCIENCE_AGENT_DATA_DIR", Kind::Text),
+        Key::new("bwrap_path", "SCIENCE_AGENT_BWRAP_PATH", Kind::Text),
+        Key::new("sandbox_init_path", "SCIENCE_AGENT_SANDBOX_INIT_PATH", Kind::Text),
+        Key::new("python_path", "SCIENCE_AGENT_PYTHON_PATH", Kind::Text),
+        Key::new("exec_timeout_ms", "SCIENCE_AGENT_EXEC_TIMEOUT_MS", Kind::Integer),
+        Key::new("max_output_bytes", "SCIENCE_AGENT_MAX_OUTPUT_BYTES", Kind::Integer),
+        Key::new("max_workspace_bytes", "SCIENCE_AGENT_MAX_WORKSPACE_BYTES", Kind::Integer),
+        Key::new("execution_signature_max_age_ms", SIGNATURE_MAX_AGE, Kind::Integer),
+        Key::new("kernel_idle_ms", "SCIENCE_AGENT_KERNEL_IDLE_MS", Kind::Integer),
+        Key::new("npu_broker", "SCIENCE_AGENT_NPU_BROKER", Kind::Bool),
+        Key::new("queue_capacity", "SCIENCE_AGENT_QUEUE_CAPACITY", Kind::Integer),
+        Key::new("max_concurrent_executions", "SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", Kind::Integer),
+        Key::new("header_read_timeout_ms", "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", Kind::Integer),
+        Key::new("egress_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
+        Key::new("egress_bridge_path", "SCIENCE_AGENT_EGRESS_BRIDGE_PATH", Kind::Text),
+        Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
+        Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
     refused: &[(
         "runner_token",

@@ -141,6 +141,20 @@ impl FinishAudit {
         }
     }
 
+    /// `execution_admitted`: the ids, the language, and whether it is a managed run.
+    pub fn admitted(&self, language: &str, managed: bool) {
+        tracing::info!(
+            event = "execution_admitted",
+            managed,
+            execution_id = %self.execution_id,
+            session_id = %self.session_id,
+            agent_id = %self.agent_id,
+            workspace = %self.workspace.display(),
+            profile = %self.profile,
+            language,
+        );
+    }
+
     /// `execution_started`, with the same ids.
     pub fn started(&self) {
         tracing::info!(
@@ -297,15 +311,6 @@ pub async fn execute(
         status: "queued",
     });
     let profile = profile_for(&prepared.network.mode);
-    tracing::info!(
-        event = "execution_admitted",
-        execution_id = %prepared.execution_id,
-        session_id = %prepared.session_id,
-        agent_id = %prepared.agent_id,
-        workspace = %prepared.root.display(),
-        profile = %profile,
-        language = language_name(language),
-    );
     let audit = FinishAudit::new(
         &prepared.execution_id,
         &prepared.session_id,
@@ -313,6 +318,7 @@ pub async fn execute(
         &prepared.root,
         profile,
     );
+    audit.admitted(language_name(language), false);
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
         audit.finished("abandoned_in_queue", None, None, None);

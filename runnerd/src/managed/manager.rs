@@ -150,17 +150,8 @@ impl Manager {
         self.controllers().insert(id.clone(), tx);
         self.active.fetch_add(1, Ordering::SeqCst);
         let profile = exec::profile_for(&request::network_access(&obj).mode);
-        tracing::info!(
-            event = "execution_admitted",
-            managed = true,
-            execution_id = %id,
-            session_id = %rec.session_id,
-            agent_id = %rec.agent_id,
-            workspace = %root.display(),
-            profile = %profile,
-            language = "shell",
-        );
         let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &root, profile);
+        audit.admitted("shell", true);
         let me = self.clone();
         let queued = rec.clone();
         tokio::spawn(async move {
