@@ -33,6 +33,8 @@ pub struct App {
     pub managed: std::sync::Arc<Manager>,
     /// egressd and the bridge, for domain-allowlist sandboxes.
     pub egress: EgressClient,
+    /// Ascend NPUs and NVIDIA GPUs: configuration and the status views' caches.
+    pub accel: crate::accel::select::Accelerators,
 }
 
 impl App {
@@ -45,6 +47,7 @@ impl App {
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
+        let accel = crate::accel::select::Accelerators::new(config.accel.clone());
         let egress = EgressClient {
             control_socket: config.egress_socket.clone(),
             bridge: crate::egress::locate_bridge(config.egress_bridge.clone()),
@@ -63,6 +66,7 @@ impl App {
             versions,
             managed,
             egress,
+            accel,
         }
     }
 }

@@ -53,6 +53,8 @@ pub struct RunnerConfig {
     pub egress_socket: PathBuf,
     /// `SCIENCE_AGENT_EGRESS_BRIDGE_PATH`: the bridge bound into network sandboxes.
     pub egress_bridge: Option<PathBuf>,
+    /// NPU/GPU tools, toolkit, device directories (`crate::accel`).
+    pub accel: crate::accel::AccelConfig,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -164,6 +166,7 @@ impl RunnerConfig {
                 .unwrap_or_else(|| crate::egress::DEFAULT_CONTROL_SOCKET.to_owned())
                 .into(),
             egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
+            accel: crate::accel::AccelConfig::from_vars(&get),
         })
     }
 
@@ -203,6 +206,12 @@ pub static SCHEMA: Schema = Schema {
         Key::new("header_read_timeout_ms", "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", Kind::Integer),
         Key::new("egress_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
         Key::new("egress_bridge_path", "SCIENCE_AGENT_EGRESS_BRIDGE_PATH", Kind::Text),
+        Key::new("npu_smi_path", crate::accel::NPU_SMI_VAR, Kind::Text),
+        Key::new("ascend_toolkit", crate::accel::TOOLKIT_VAR, Kind::Text),
+        Key::new("npu_device_dir", crate::accel::NPU_DEVICE_DIR_VAR, Kind::Text),
+        Key::new("npu_dcmi_library", crate::accel::DCMI_VAR, Kind::Text),
+        Key::new("nvidia_smi_path", crate::accel::NVIDIA_SMI_VAR, Kind::Text),
+        Key::new("gpu_device_dir", crate::accel::GPU_DEVICE_DIR_VAR, Kind::Text),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -282,6 +291,17 @@ impl Loaded {
                     "header_read_timeout_ms" => c.header_read_timeout.as_millis().to_string(),
                     "egress_socket" => c.egress_socket.display().to_string(),
                     "egress_bridge_path" => show_path(&c.egress_bridge, "unset (next to runnerd)"),
+                    "npu_smi_path" => show_path(
+                        &c.accel.npu_smi_path,
+                        "unset (searched in /usr/local/bin, /usr/local/sbin, /usr/bin)",
+                    ),
+                    "ascend_toolkit" => c.accel.ascend_toolkit.display().to_string(),
+                    "npu_device_dir" => c.accel.npu_device_dir.display().to_string(),
+                    "npu_dcmi_library" => c.accel.dcmi_library.display().to_string(),
+                    "nvidia_smi_path" => {
+                        show_path(&c.accel.nvidia_smi_path, "unset (searched in /usr/bin, /usr/local/bin)")
+                    }
+                    "gpu_device_dir" => c.accel.gpu_device_dir.display().to_string(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => format!("<{other}>"),

@@ -7,6 +7,7 @@
 //! * [`egress`]: asking egressd for a policy's gateway (network sandboxes).
 //! * [`cli`]: the `runnerd` command line; [`bench`]: the launch benchmark.
 
+pub mod accel;
 pub mod api;
 pub mod app;
 pub use common::audit;

@@ -1070,16 +1070,23 @@ async fn npu_devices_fail_closed_without_npu_support() {
     if !sandbox_or_skip("npu_devices_fail_closed_without_npu_support") {
         return;
     }
-    let (server, ws) = server_with_workspace();
+    // No npu-smi: this host has no NPU support (the fakes are in tests/suite/accel.rs).
+    let server = Server::start_with(runner_tests::server::ServerOptions {
+        env: vec![("SCIENCE_AGENT_NPU_SMI_PATH".into(), "/nonexistent/npu-smi".into())],
+        ..Default::default()
+    });
+    let ws = server.project_workspace("session");
+    let none = |h: u32| format!("This machine reports no Ascend NPU cards, so NPU {h} cannot be selected.");
     for (path, code) in [(SHELL, "touch ran.txt"), (PYTHON, "open('ran.txt', 'w').write('ran')")] {
-        for devices in [json!([0]), json!([0, 1])] {
+        for (devices, reasons) in [(json!([0]), none(0)), (json!([1, 0]), format!("{} {}", none(0), none(1)))]
+        {
             let mut body = shell_request("main", "session", &ws, code);
             body["npuDevices"] = devices;
             let reply = post(&server, path, &body).await;
             expect_error(
                 &reply,
                 400,
-                "Requested NPU cards are not usable on this machine: this runner has no NPU support yet",
+                &format!("Requested NPU cards are not usable on this machine: {reasons}"),
                 "npu_unavailable",
             );
             assert_nothing_ran(&ws);

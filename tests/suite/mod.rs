@@ -1,3 +1,4 @@
+mod accel;
 mod audit;
 mod config;
 mod http_api;

@@ -112,6 +112,14 @@ pub async fn handle(
     match (req.method.as_str(), segments.as_slice()) {
         ("GET", ["status"]) => ok(status(&app)),
         ("GET", ["resources"]) => ok(resources::resources(&app).await),
+        ("GET", ["npu", "devices"]) => {
+            let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
+            ok(serde_json::to_value(crate::accel::select::npu_view(&app, refresh).await).unwrap_or_default())
+        }
+        ("GET", ["gpu", "devices"]) => {
+            let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
+            ok(serde_json::to_value(crate::accel::select::gpu_view(&app, refresh).await).unwrap_or_default())
+        }
         ("GET", ["kernels"]) => ok(json!([])),
         ("POST", ["kernels", "teardown"]) => teardown_session(&app, &req.body).await,
         ("POST", ["kernels", id, "teardown"]) => teardown_kernel(id, &req.body),

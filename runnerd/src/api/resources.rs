@@ -62,6 +62,11 @@ pub async fn resources(app: &App) -> Value {
             "Workspace filesystem metrics unavailable; check the Runner workspace directory and permissions."
         );
     }
+    // The cached NPU inventory, only where this host has the Ascend tooling (contract §5.4).
+    let npu = crate::accel::select::npu_view(app, false).await;
+    if npu.supported {
+        out["npu"] = serde_json::to_value(npu).unwrap_or_default();
+    }
     out
 }
 

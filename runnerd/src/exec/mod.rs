@@ -103,8 +103,13 @@ fn language_name(l: Language) -> &'static str {
 /// The seccomp profile a request's sandbox runs under: `network` for a domain-allowlist
 /// policy (the bridge needs its sockets), else `baseline`. The same rule as `argv::build`
 /// (a domain-allowlist run without a gateway never starts), known before the sandbox is.
-pub fn profile_for(network_mode: &str) -> Profile {
-    if network_mode == "domain-allowlist" { Profile::Network } else { Profile::Baseline }
+/// With Ascend chips and no network, `npu` (internals §4.4).
+pub fn profile_for(network_mode: &str, ascend: bool) -> Profile {
+    match (network_mode == "domain-allowlist", ascend) {
+        (true, _) => Profile::Network,
+        (false, true) => Profile::Npu,
+        (false, false) => Profile::Baseline,
+    }
 }
 
 /// The `execution_finished` audit record of one admitted execution: written once, by
@@ -310,7 +315,7 @@ pub async fn execute(
         started_at: None,
         status: "queued",
     });
-    let profile = profile_for(&prepared.network.mode);
+    let profile = profile_for(&prepared.network.mode, !prepared.npu_devices.is_empty());
     let audit = FinishAudit::new(
         &prepared.execution_id,
         &prepared.session_id,
@@ -396,6 +401,9 @@ pub struct Prepared {
     pub max_output: u64,
     pub max_workspace: u64,
     pub cwd: Option<String>,
+    /// `npuDevices` / `gpuDevices`, validated; probed right before the launch (R-NPU-2).
+    pub npu_devices: Vec<u32>,
+    pub gpu_devices: Vec<u32>,
 }
 
 /// What the executor checks before it starts anything (after the workspace and the id).
@@ -467,12 +475,8 @@ pub fn prepare(
             ));
         }
     };
-    if obj.get("npuDevices").and_then(Value::as_array).is_some_and(|d| !d.is_empty()) {
-        return Err(unavailable(
-            "npu_unavailable",
-            "Requested NPU cards are not usable on this machine: this runner has no NPU support yet",
-        ));
-    }
+    let npu_devices = crate::accel::select::requested(obj, "npuDevices")?;
+    let gpu_devices = crate::accel::select::requested(obj, "gpuDevices")?;
     if obj.get("skillPackagesRoot").is_some_and(is_truthy) {
         return Err(unavailable("skills_unavailable", "Skill packages are not supported by this runner yet"));
     }
@@ -507,6 +511,8 @@ pub fn prepare(
         max_output,
         max_workspace,
         cwd,
+        npu_devices,
+        gpu_devices,
     })
 }
 
@@ -616,6 +622,15 @@ async fn sandbox_run(
         ));
     }
 
+    // A fresh probe of exactly the named chips, as close to the launch as possible; one
+    // refused chip refuses the run (never a run on fewer chips).
+    let accel = crate::accel::select::resolve(
+        &app.accel.config,
+        &p.npu_devices,
+        &p.gpu_devices,
+        &crate::accel::probe::SandboxProber { app },
+    )
+    .await?;
     let layout = WorkspaceLayout::new(root.clone(), p.read_only.clone());
     let bind_fd = app.sandbox.features.bind_fd;
     // Descriptors after the workspace's: the gateway socket, opened and checked by runnerd.
@@ -648,6 +663,8 @@ async fn sandbox_run(
             read_only: parent_fd.as_ref().map(|_| FIRST_EXTRA_FD + 1),
         }),
         egress: egress_mount.as_ref(),
+        accel: accel.as_ref(),
+        command: None,
     });
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();

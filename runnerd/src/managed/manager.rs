@@ -149,7 +149,8 @@ impl Manager {
         let (tx, rx) = watch::channel(false);
         self.controllers().insert(id.clone(), tx);
         self.active.fetch_add(1, Ordering::SeqCst);
-        let profile = exec::profile_for(&request::network_access(&obj).mode);
+        let profile =
+            exec::profile_for(&request::network_access(&obj).mode, crate::accel::select::names_ascend(&obj));
         let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &root, profile);
         audit.admitted("shell", true);
         let me = self.clone();

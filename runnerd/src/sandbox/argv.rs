@@ -16,6 +16,7 @@ use common::seccomp::Profile;
 use serde::Serialize;
 
 use super::host::HostRuntime;
+use crate::accel::mount::AccelMount;
 
 /// How the sandbox gets its `/proc` (R-SBX-2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -148,6 +149,10 @@ pub struct SandboxSpec<'a> {
     pub workspace_fds: Option<WorkspaceFds>,
     /// A domain-allowlist sandbox: the bridge and the gateway socket to bind (R-NET-2).
     pub egress: Option<&'a EgressMount>,
+    /// Accelerator chips, their nodes and environment (R-NPU-1, `crate::accel`).
+    pub accel: Option<&'a AccelMount>,
+    /// Runs this instead of the language's interpreter (the accelerator probes).
+    pub command: Option<&'a [String]>,
 }
 
 /// What a network sandbox gets: still no interface (`--unshare-all`, never `--share-net`);
@@ -182,6 +187,8 @@ impl<'a> SandboxSpec<'a> {
             science_env: None,
             workspace_fds: None,
             egress: None,
+            accel: None,
+            command: None,
         }
     }
 }
@@ -236,10 +243,19 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         ProcMode::Bind => push(&mut args, &["--ro-bind", "/proc", "/proc"]),
     }
     push(&mut args, &["--dev", "/dev"]);
+    // Chips after the fresh /dev, never the host's /dev (internals §4.4).
+    let accel_binds = spec.accel.map(|a| a.binds.as_slice()).unwrap_or_default();
+    for bind in accel_binds.iter().filter(|b| b.device) {
+        push(&mut args, &["--dev-bind", &lossy(&bind.source), &bind.target]);
+    }
     for target in spec.interpreter_masks {
         push(&mut args, &["--ro-bind", "/dev/null", &lossy(target)]);
     }
     push(&mut args, &["--tmpfs", "/tmp"]);
+    // Accelerator files and tools after /tmp, which would otherwise cover one placed there.
+    for bind in accel_binds.iter().filter(|b| !b.device) {
+        push(&mut args, &["--ro-bind", &lossy(&bind.source), &bind.target]);
+    }
     if let Some(prefix) = spec.science_env {
         let prefix = lossy(prefix);
         push(&mut args, &["--ro-bind", &prefix, SCIENCE_ENV_MOUNT, "--ro-bind", &prefix, &prefix]);
@@ -264,13 +280,24 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         (true, Language::Shell) => "/opt/science-env/bin:/usr/bin:/bin",
         (true, Language::Python | Language::R) => "/opt/science-env/bin:/usr/bin",
     };
-    let mut env: Vec<(String, String)> = vec![("HOME".into(), "/tmp".into()), ("PATH".into(), path.into())];
+    let accel = spec.accel.filter(|a| !a.is_empty());
+    let path = match accel {
+        Some(a) if a.path_prefix => format!("/usr/local/bin:{path}"),
+        _ => path.to_owned(),
+    };
+    let mut env: Vec<(String, String)> = vec![("HOME".into(), "/tmp".into()), ("PATH".into(), path)];
+    if let Some(a) = accel.filter(|a| !a.python_path.is_empty()) {
+        env.push(("PYTHONPATH".into(), a.python_path.join(":")));
+    }
     match spec.language {
         Language::Python => env.push(("PYTHONNOUSERSITE".into(), "1".into())),
         Language::R => env.push(("R_ENVIRON_USER".into(), "/dev/null".into())),
         Language::Shell => {}
     }
     env.extend(spec.host.env());
+    if let Some(a) = accel {
+        env.extend(a.env.iter().cloned());
+    }
     if spec.egress.is_some() {
         env.extend(
             protocol::PROXY_VARIABLES.iter().map(|k| ((*k).to_owned(), protocol::PROXY_URL.to_owned())),
@@ -286,8 +313,14 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         Language::Python => &[python, "-I", "-"],
         Language::R => &["/opt/science-env/bin/R", "--vanilla", "--slave"],
     };
+    let command: Vec<&str> = match spec.command {
+        Some(c) => c.iter().map(String::as_str).collect(),
+        None => command.to_vec(),
+    };
     let mut argv: Vec<String> = Vec::with_capacity(command.len() + 6);
-    let mut seccomp = Profile::Baseline;
+    // Ascend chips need the `npu` profile (the driver talks netlink); network wins.
+    let mut seccomp =
+        if accel.is_some_and(|a| !a.ascend.is_empty()) { Profile::Npu } else { Profile::Baseline };
     if spec.egress.is_some() {
         let port = protocol::BRIDGE_PORT.to_string();
         argv.extend(

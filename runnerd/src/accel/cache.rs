@@ -1,0 +1,102 @@
+//! The status view's inventory cache (internals §4.5): a value lives for its TTL, callers
+//! arriving during a load wait for that one load, a failed load is not kept, and
+//! `refresh` (or [`Cache::invalidate`]) forces a new one. Executions never read it.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct Cache<T> {
+    slot: tokio::sync::Mutex<Option<(Instant, T)>>,
+}
+
+impl<T> Default for Cache<T> {
+    fn default() -> Self {
+        Cache { slot: tokio::sync::Mutex::new(None) }
+    }
+}
+
+impl<T: Clone> Cache<T> {
+    /// The cached value if younger than `ttl` (and not `refresh`), else `load`'s, kept only
+    /// when `keep` says the load succeeded.
+    pub async fn get<Fut: Future<Output = T>>(
+        &self,
+        refresh: bool,
+        ttl: Duration,
+        load: impl FnOnce() -> Fut,
+        keep: impl Fn(&T) -> bool,
+    ) -> T {
+        // Held across the load: concurrent callers share it.
+        let mut slot = self.slot.lock().await;
+        if !refresh
+            && let Some((at, value)) = slot.as_ref()
+            && at.elapsed() < ttl
+        {
+            return value.clone();
+        }
+        let value = load().await;
+        *slot = keep(&value).then(|| (Instant::now(), value.clone()));
+        value
+    }
+
+    pub async fn invalidate(&self) {
+        *self.slot.lock().await = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    async fn get(
+        cache: &Cache<Result<u32, u32>>,
+        loads: &AtomicU32,
+        refresh: bool,
+        ttl: Duration,
+        fail: bool,
+    ) -> Result<u32, u32> {
+        cache
+            .get(
+                refresh,
+                ttl,
+                || async {
+                    let n = loads.fetch_add(1, Ordering::SeqCst) + 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if fail { Err(n) } else { Ok(n) }
+                },
+                |v| v.is_ok(),
+            )
+            .await
+    }
+
+    #[tokio::test]
+    async fn ttl_refresh_invalidate_and_failures() {
+        let cache = Cache::default();
+        let loads = AtomicU32::new(0);
+        let long = Duration::from_secs(60);
+        assert_eq!(get(&cache, &loads, false, long, false).await, Ok(1));
+        assert_eq!(get(&cache, &loads, false, long, false).await, Ok(1), "within the TTL");
+        assert_eq!(get(&cache, &loads, true, long, false).await, Ok(2), "refresh drops it");
+        cache.invalidate().await;
+        assert_eq!(get(&cache, &loads, false, long, false).await, Ok(3));
+        assert_eq!(get(&cache, &loads, false, Duration::ZERO, false).await, Ok(4), "expired");
+        assert_eq!(get(&cache, &loads, true, long, true).await, Err(5));
+        assert_eq!(get(&cache, &loads, false, long, false).await, Ok(6), "a failure is not cached");
+    }
+
+    #[tokio::test]
+    async fn concurrent_callers_share_one_load() {
+        let cache = Arc::new(Cache::default());
+        let loads = Arc::new(AtomicU32::new(0));
+        let long = Duration::from_secs(60);
+        let (a, b, c) = tokio::join!(
+            get(&cache, &loads, false, long, false),
+            get(&cache, &loads, false, long, false),
+            get(&cache, &loads, false, long, false)
+        );
+        assert_eq!((a, b, c), (Ok(1), Ok(1), Ok(1)));
+        assert_eq!(loads.load(Ordering::SeqCst), 1);
+    }
+}

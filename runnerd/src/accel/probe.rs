@@ -1,0 +1,208 @@
+//! The per-chip probe (R-NPU-2): one throwaway sandbox per chip, of the executions' form —
+//! the same argv builder, launcher, seccomp profile and fresh `/dev` — binding only that
+//! chip (an Ascend chip renumbered to `/dev/davinci0`), running `npu-smi info` or
+//! `nvidia-smi -L`. Exit 0 means usable. Also the host-side tool runner for discovery.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{MAX_TOOL_OUTPUT, PROBE_TIMEOUT, mount};
+use crate::app::App;
+use crate::launch::{Launch, OutputBudget, Termination};
+use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
+
+/// Which kind of chip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Ascend,
+    Nvidia,
+}
+
+impl Family {
+    pub fn label(self) -> &'static str {
+        match self {
+            Family::Ascend => "NPU",
+            Family::Nvidia => "GPU",
+        }
+    }
+}
+
+/// What one probe saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeOutcome {
+    pub usable: bool,
+    /// The tool's standard output (NVIDIA: the `-L` line names the chip).
+    pub stdout: String,
+    /// Why it failed: the tool's first telling line, or what went wrong around it.
+    pub detail: String,
+}
+
+pub type ProbeFuture<'a> = Pin<Box<dyn Future<Output = ProbeOutcome> + Send + 'a>>;
+
+/// Probes one chip. The real one launches a sandbox; tests count and script calls.
+pub trait Prober: Send + Sync {
+    fn probe(&self, family: Family, host_index: u32) -> ProbeFuture<'_>;
+}
+
+/// The first line that says something: not blank, not table art (`+`, `|`), not the
+/// driver's log-level chatter (internals §4.3).
+pub fn telling_line(stderr: &str, stdout: &str) -> Option<String> {
+    stderr
+        .lines()
+        .chain(stdout.lines())
+        .map(str::trim)
+        .find(|l| {
+            !l.is_empty()
+                && !l.starts_with('+')
+                && !l.starts_with('|')
+                && !l.starts_with("DrvMngGetConsoleLogLevel")
+        })
+        .map(str::to_owned)
+}
+
+/// `NPU 4 cannot be opened inside the sandbox: <detail>`.
+pub fn unusable_reason(family: Family, host_index: u32, detail: &str) -> String {
+    format!("{} {host_index} cannot be opened inside the sandbox: {detail}", family.label())
+}
+
+/// Probes through real sandboxes of the executions' form.
+#[derive(Debug)]
+pub struct SandboxProber<'a> {
+    pub app: &'a App,
+}
+
+static SCRATCH: AtomicU64 = AtomicU64::new(0);
+
+impl SandboxProber<'_> {
+    async fn run(&self, family: Family, host_index: u32) -> ProbeOutcome {
+        let fail = |detail: String| ProbeOutcome { usable: false, stdout: String::new(), detail };
+        let app = self.app;
+        let cfg = &app.accel.config;
+        let Some(shape) = app.sandbox.capability.shape() else {
+            return fail("no sandbox can be built on this host (see /health sandboxProfile)".into());
+        };
+        let exists = |p: &Path| p.exists();
+        let (one, command) = match family {
+            Family::Ascend => {
+                let Some(smi) = cfg.npu_smi() else {
+                    return fail("npu-smi is not installed on this machine.".into());
+                };
+                let m = mount::ascend(
+                    &[host_index],
+                    &cfg.npu_device_dir,
+                    &cfg.ascend_toolkit,
+                    Some(&smi),
+                    &exists,
+                );
+                (m, vec![smi.to_string_lossy().into_owned(), "info".to_owned()])
+            }
+            Family::Nvidia => {
+                let Some(smi) = cfg.nvidia_smi() else {
+                    return fail("nvidia-smi is not installed on this machine.".into());
+                };
+                let m = mount::nvidia(&[host_index], &cfg.gpu_device_dir, Some(&smi), &exists);
+                (m, vec![smi.to_string_lossy().into_owned(), "-L".to_owned()])
+            }
+        };
+        // A throwaway, empty workspace: the probe's sandbox has the executions' layout.
+        let scratch = scratch_dir(&app.data_dir);
+        if let Err(e) = std::fs::create_dir_all(&scratch) {
+            return fail(format!(
+                "could not create the probe's scratch directory {}: {e}",
+                scratch.display()
+            ));
+        }
+        let layout = WorkspaceLayout::new(scratch.clone(), None);
+        let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
+        spec.accel = Some(&one);
+        spec.command = Some(&command);
+        let cmd = argv::build(&spec);
+        let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
+        launch.timeout = Some(PROBE_TIMEOUT);
+        let mut output = OutputBudget::new(MAX_TOOL_OUTPUT);
+        let ran = app.sandbox.launcher.run(launch, &mut output).await;
+        let _ = std::fs::remove_dir_all(&scratch);
+        let out = output.finish();
+        let (stdout, stderr) = (out.stdout, out.stderr);
+        let usable = matches!(ran, Ok(ref o) if o.termination == Termination::Exited(0));
+        let detail = match &ran {
+            Ok(_) if usable => String::new(),
+            Ok(o) => telling_line(&stderr, &stdout).unwrap_or_else(|| match o.termination {
+                Termination::Exited(c) => format!("the probe exited with code {c}"),
+                Termination::TimedOut => {
+                    format!("the probe did not finish within {} s", PROBE_TIMEOUT.as_secs())
+                }
+                Termination::Signaled(s) => format!("the probe was killed by signal {s}"),
+                Termination::Cancelled => "the probe was cancelled".to_owned(),
+            }),
+            Err(e) => crate::error_chain(e),
+        };
+        tracing::info!(event = "accel_probe", family = family.label(), chip = host_index, usable, detail = %detail);
+        ProbeOutcome { usable, stdout, detail }
+    }
+}
+
+impl Prober for SandboxProber<'_> {
+    fn probe(&self, family: Family, host_index: u32) -> ProbeFuture<'_> {
+        Box::pin(self.run(family, host_index))
+    }
+}
+
+fn scratch_dir(data_dir: &Path) -> PathBuf {
+    let n = SCRATCH.fetch_add(1, Ordering::Relaxed);
+    data_dir.join("runner-runtime").join("accel-probe").join(format!("{}-{n}", std::process::id()))
+}
+
+/// Runs a host tool (discovery: `npu-smi info`, `npu-smi info -m`) with the probe timeout;
+/// its standard output, or why it failed.
+pub async fn host_tool(program: &Path, args: &[&str]) -> Result<String, String> {
+    let child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let shown = format!("{} {}", program.display(), args.join(" "));
+    let out = match tokio::time::timeout(PROBE_TIMEOUT, child).await {
+        Err(_) => return Err(format!("{shown} did not finish within {} s", PROBE_TIMEOUT.as_secs())),
+        Ok(Err(e)) => return Err(format!("{shown} could not be run: {e}")),
+        Ok(Ok(out)) => out,
+    };
+    let cap = |b: &[u8]| String::from_utf8_lossy(&b[..b.len().min(MAX_TOOL_OUTPUT as usize)]).into_owned();
+    let (stdout, stderr) = (cap(&out.stdout), cap(&out.stderr));
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        let why = telling_line(&stderr, &stdout).unwrap_or_else(|| out.status.to_string());
+        Err(format!("{shown} failed: {why}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_telling_line_skips_table_art_and_driver_chatter() {
+        let cases = [
+            ("", "", None),
+            ("\n  \n", "+---+\n| x |\n", None),
+            (
+                "DrvMngGetConsoleLogLevel failed. (g_conLogLevel=3)\n\ndcmi model initialized failed, because the device is used. ret is -8020\n",
+                "",
+                Some("dcmi model initialized failed, because the device is used. ret is -8020"),
+            ),
+            ("", "+----+\n| npu-smi |\n  Error: no device\n", Some("Error: no device")),
+            ("stderr first\n", "stdout second\n", Some("stderr first")),
+        ];
+        for (stderr, stdout, want) in cases {
+            assert_eq!(telling_line(stderr, stdout).as_deref(), want, "{stderr:?} {stdout:?}");
+        }
+        assert_eq!(unusable_reason(Family::Ascend, 4, "x"), "NPU 4 cannot be opened inside the sandbox: x");
+        assert_eq!(unusable_reason(Family::Nvidia, 1, "y"), "GPU 1 cannot be opened inside the sandbox: y");
+    }
+}
