@@ -65,6 +65,8 @@ pub enum DcmiError {
     Load { path: String, reason: String },
     #[error("the DCMI library has no symbol {0}")]
     Symbol(&'static str),
+    #[error("another DCMI read is still running")]
+    Busy,
     #[error("DCMI call {call} failed with code {code}")]
     Call { call: &'static str, code: i32 },
 }
@@ -158,7 +160,13 @@ fn c_name(bytes: &[u8]) -> String {
 
 /// Reads every chip through the library at `path`. Blocking: call it off the runtime.
 pub fn read(path: &Path) -> Result<Vec<DcmiChip>, DcmiError> {
-    let _one = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+    // A read still running (a wedged driver call past its caller's timeout) is not queued
+    // behind: this caller falls back to npu-smi instead.
+    let _one = match CALLS.try_lock() {
+        Ok(guard) => guard,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return Err(DcmiError::Busy),
+    };
     let lib = Library::open(path)?;
     let (init, card_list, dev_num, logic_id, chip_info, health, util, temp, power, hbm) =
     // SAFETY: each type is the DCMI API's documented C signature of its symbol.

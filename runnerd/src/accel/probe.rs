@@ -108,13 +108,10 @@ impl SandboxProber<'_> {
             }
         };
         // A throwaway, empty workspace: the probe's sandbox has the executions' layout.
-        let scratch = scratch_dir(&app.data_dir);
-        if let Err(e) = std::fs::create_dir_all(&scratch) {
-            return fail(format!(
-                "could not create the probe's scratch directory {}: {e}",
-                scratch.display()
-            ));
-        }
+        let scratch = match make_scratch(&app.data_dir) {
+            Ok(dir) => dir,
+            Err(e) => return fail(format!("could not create the probe's scratch directory: {e}")),
+        };
         let layout = WorkspaceLayout::new(scratch.clone(), None);
         let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
         spec.accel = Some(&one);
@@ -151,9 +148,13 @@ impl Prober for SandboxProber<'_> {
     }
 }
 
-fn scratch_dir(data_dir: &Path) -> PathBuf {
+/// A fresh, empty, absolute directory for one probe's workspace.
+fn make_scratch(data_dir: &Path) -> std::io::Result<PathBuf> {
     let n = SCRATCH.fetch_add(1, Ordering::Relaxed);
-    data_dir.join("runner-runtime").join("accel-probe").join(format!("{}-{n}", std::process::id()))
+    let dir = data_dir.join("runner-runtime").join("accel-probe").join(format!("{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::canonicalize(&dir)
 }
 
 /// Runs a host tool (discovery: `npu-smi info`, `npu-smi info -m`) with the probe timeout;
