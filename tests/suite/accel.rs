@@ -332,3 +332,52 @@ async fn character_device_nodes_made_with_mknod_are_probed_and_bound_the_same_wa
     assert_eq!(reply.json()["code"], "npu_unavailable");
     assert!(!ws.join("ran.txt").exists());
 }
+
+/// Managed runs (`/shell-executions`) take the same path: probed right before their sandbox.
+#[tokio::test]
+async fn managed_runs_get_their_chips_or_fail_naming_the_taken_one() {
+    if !sandbox_or_skip("managed_runs_get_their_chips_or_fail_naming_the_taken_one") {
+        return;
+    }
+    let host = runner_tests::scratch_dir();
+    let env = fake_npu_host(host.path());
+    occupy(&host.path().join("dev"), "davinci2");
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    let ws = server.project_workspace("session");
+    let client = server.client();
+    let mut finals = Vec::new();
+    for (id, chips, code) in
+        [("npu-ok", json!([4]), "cat /dev/davinci0"), ("npu-taken", json!([2]), "touch ran.txt")]
+    {
+        let mut body = shell_request("main", "session", &ws, code);
+        body["executionId"] = json!(id);
+        body["npuDevices"] = chips;
+        let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+        assert!(reply.status < 300, "{}", reply.json());
+        let path = format!("/shell-executions/{id}?sessionId=session&agentId=main");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let rec = loop {
+            let rec = client.get(&path).await.unwrap().json();
+            if matches!(rec["state"].as_str(), Some("completed" | "failed" | "cancelled")) {
+                break rec;
+            }
+            assert!(std::time::Instant::now() < deadline, "{id} never finished: {rec}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        };
+        finals.push(rec);
+    }
+    assert_eq!(
+        (finals[0]["state"].as_str(), finals[0]["result"]["stdout"].as_str()),
+        (Some("completed"), Some("chip 4\n")),
+        "{}",
+        finals[0]
+    );
+    assert_eq!(finals[1]["state"], "failed", "{}", finals[1]);
+    assert_eq!(
+        finals[1]["error"],
+        format!(
+            "Requested NPU cards are not usable on this machine: NPU 2 cannot be opened inside the sandbox: {OCCUPIED}"
+        )
+    );
+    assert!(!ws.join("ran.txt").exists());
+}
