@@ -33,6 +33,8 @@ pub struct App {
     pub managed: std::sync::Arc<Manager>,
     /// egressd and the bridge, for domain-allowlist sandboxes.
     pub egress: EgressClient,
+    /// How resource limits are enforced (decided at start-up).
+    pub limits: crate::limits::Enforcement,
 }
 
 impl App {
@@ -42,6 +44,7 @@ impl App {
         sandbox: SandboxRuntime,
         versions: std::sync::Arc<Versions>,
         managed: std::sync::Arc<Manager>,
+        limits: crate::limits::Enforcement,
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
@@ -63,6 +66,7 @@ impl App {
             versions,
             managed,
             egress,
+            limits,
         }
     }
 }

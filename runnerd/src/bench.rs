@@ -228,6 +228,7 @@ async fn init_once(setup: &Setup) -> anyhow::Result<Duration> {
         timeout: Some(Duration::from_secs(30)),
         cancel: None,
         extra_fds: Vec::new(),
+        cgroup_procs: Vec::new(),
     };
     let outcome = setup.launcher.run(launch, &mut Discard).await?;
     if outcome.termination != Termination::Exited(0) {
@@ -522,6 +523,7 @@ fn sandbox_init_peak_rss_kib(init: &Path, args: &[String]) -> anyhow::Result<u64
             args: args.to_vec(),
             fds: vec![0, 1, 2, 3, 4],
             rlimits: default_rlimits(Some(1 << 30)),
+            join_cgroups: 0,
         };
         std::io::Write::write_all(&mut &ours, &encode_frame(PROTOCOL_VERSION, &plan)?)?;
         let null = std::fs::File::open("/dev/null")?;

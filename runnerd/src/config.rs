@@ -53,6 +53,8 @@ pub struct RunnerConfig {
     pub egress_socket: PathBuf,
     /// `SCIENCE_AGENT_EGRESS_BRIDGE_PATH`: the bridge bound into network sandboxes.
     pub egress_bridge: Option<PathBuf>,
+    /// Ours: per-execution resource limits and their enforcement (`crate::limits`).
+    pub limits: crate::limits::LimitSettings,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -67,6 +69,8 @@ pub enum ConfigError {
     SignatureMaxAge { name: String },
     #[error("{name} must be a positive integer, not {value:?}")]
     Positive { name: String, value: String },
+    #[error("{name} must be one of {allowed}, not {value:?}")]
+    Choice { name: String, value: String, allowed: &'static str },
 }
 
 impl ConfigError {
@@ -79,6 +83,9 @@ impl ConfigError {
             }
             ConfigError::SignatureMaxAge { name } => ConfigError::SignatureMaxAge { name: describe(&name) },
             ConfigError::Positive { name, value } => ConfigError::Positive { name: describe(&name), value },
+            ConfigError::Choice { name, value, allowed } => {
+                ConfigError::Choice { name: describe(&name), value, allowed }
+            }
         }
     }
 }
@@ -164,6 +171,7 @@ impl RunnerConfig {
                 .unwrap_or_else(|| crate::egress::DEFAULT_CONTROL_SOCKET.to_owned())
                 .into(),
             egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
+            limits: crate::limits::LimitSettings::from_vars(get)?,
         })
     }
 
@@ -203,6 +211,16 @@ pub static SCHEMA: Schema = Schema {
         Key::new("header_read_timeout_ms", "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", Kind::Integer),
         Key::new("egress_socket", "SCIENCE_AGENT_EGRESS_SOCKET", Kind::Text),
         Key::new("egress_bridge_path", "SCIENCE_AGENT_EGRESS_BRIDGE_PATH", Kind::Text),
+        Key::new("limit_memory_bytes", "SCIENCE_AGENT_LIMIT_MEMORY_BYTES", Kind::Integer),
+        Key::new("limit_pids", "SCIENCE_AGENT_LIMIT_PIDS", Kind::Integer),
+        Key::new("limit_cpu_millicores", "SCIENCE_AGENT_LIMIT_CPU_MILLICORES", Kind::Integer),
+        Key::new("limit_tmp_bytes", "SCIENCE_AGENT_LIMIT_TMP_BYTES", Kind::Integer),
+        Key::new("limit_max_memory_bytes", "SCIENCE_AGENT_LIMIT_MAX_MEMORY_BYTES", Kind::Integer),
+        Key::new("limit_max_pids", "SCIENCE_AGENT_LIMIT_MAX_PIDS", Kind::Integer),
+        Key::new("limit_max_cpu_millicores", "SCIENCE_AGENT_LIMIT_MAX_CPU_MILLICORES", Kind::Integer),
+        Key::new("limit_max_tmp_bytes", "SCIENCE_AGENT_LIMIT_MAX_TMP_BYTES", Kind::Integer),
+        Key::new("cgroup_mode", crate::limits::MODE_VAR, Kind::Text),
+        Key::new("cgroup_root", crate::limits::ROOT_VAR, Kind::Text),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -284,7 +302,7 @@ impl Loaded {
                     "egress_bridge_path" => show_path(&c.egress_bridge, "unset (next to runnerd)"),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
-                    other => format!("<{other}>"),
+                    other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),
                 };
                 Row::new(k.name, value, self.settings.origin(k.var))
             })

@@ -24,6 +24,7 @@ pub mod exec;
 pub mod fsat;
 pub mod http;
 pub mod launch;
+pub mod limits;
 pub mod managed;
 pub mod remote;
 pub mod sandbox;
