@@ -12,6 +12,7 @@ pub mod app;
 pub use common::audit;
 pub mod auth;
 pub mod bench;
+pub mod bench_limits;
 pub mod bench_versions;
 pub mod check;
 pub mod cli;
