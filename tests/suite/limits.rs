@@ -340,7 +340,10 @@ async fn auto_mode_health_matches_the_host() {
     let h = health(&server).await;
     let mode = h["cgroupMode"].as_str().unwrap();
     let reasons = h["resourceLimits"]["fallbackReasons"].as_array().unwrap().clone();
-    let v2_refused = reasons.iter().any(|r| r.as_str().unwrap().starts_with("cgroup v2:"));
+    let v2_refused = reasons.iter().any(|r| {
+        let r = r.as_str().unwrap();
+        r.starts_with("cgroup v2: controllers missing") || r.starts_with("cgroup v2: no cgroup2")
+    });
     if is_root() && has_v1() {
         assert_eq!(mode, "cgroup-v1", "{h}");
         // This kind of host: cgroup2 without controllers.
@@ -468,4 +471,127 @@ async fn v1_handed_to_the_unprivileged_user() {
     for d in &handed.dirs {
         assert!(exec_cgroups(d).is_empty(), "{}: {:?}", d.display(), exec_cgroups(d));
     }
+}
+
+/// cgroup v2's mechanics on this host's own cgroup2 (which has no controllers here, so no
+/// limits): the supervisor/ self-move, a real sandbox joining an execution cgroup through
+/// sandbox-init, and `cgroup.kill` ending the whole sandbox, then removal. Root only: the
+/// cgroup2 tree is root's.
+#[tokio::test]
+async fn v2_supervisor_move_join_and_cgroup_kill_on_this_hosts_cgroup2() {
+    use runnerd::limits::cgroup::{ExecCgroup, Flavor, Hierarchy, move_into_supervisor};
+    let test = "v2_supervisor_move_join_and_cgroup_kill_on_this_hosts_cgroup2";
+    if !sandbox_or_skip(test) {
+        return;
+    }
+    let mounts =
+        runnerd::limits::detect::parse_mounts(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+    let own = runnerd::limits::detect::parse_own(&std::fs::read_to_string("/proc/self/cgroup").unwrap());
+    let v2 = mounts.iter().find(|(_, t, _)| t == "cgroup2").map(|(m, _, _)| m.clone());
+    let own_v2 = own.iter().find(|(c, _)| c.is_empty()).map(|(_, p)| p.clone());
+    let (Some(mount), Some(own_v2), true) = (v2, own_v2, is_root()) else {
+        assert!(!(in_ci() && is_root()), "{test}: CI as root must have a cgroup2 mount");
+        eprintln!("\n!!! SKIPPING {test}: needs root and a cgroup2 mount !!!\n");
+        return;
+    };
+    let base = Path::new(&mount)
+        .join(own_v2.trim_start_matches('/'))
+        .join(format!("limits-v2-{}", std::process::id()));
+    if !Path::new(&mount).join("cgroup.kill").exists() && !base.parent().unwrap().join("cgroup.kill").exists()
+    {
+        assert!(!in_ci(), "{test}: the CI kernel must have cgroup.kill (5.14+)");
+        eprintln!("\n!!! SKIPPING {test}: no cgroup.kill on this kernel !!!\n");
+        return;
+    }
+    std::fs::create_dir(&base).unwrap();
+
+    // The self-move, applied to a stand-in process (moving the test binary itself would
+    // move every other test's threads with it).
+    let mut stand_in = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    move_into_supervisor(&base.join("supervisor"), stand_in.id()).unwrap();
+    let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", stand_in.id())).unwrap();
+    assert!(membership.lines().any(|l| l.starts_with("0::") && l.ends_with("/supervisor")), "{membership}");
+
+    // An execution cgroup without controllers (none exist in v2 here): nothing to limit,
+    // but joining, listing and cgroup.kill are v2's own.
+    let hierarchy = Hierarchy { dir: base.clone(), controllers: Vec::new() };
+    let unlimited = runnerd::limits::Limits { memory_bytes: 0, pids: 0, cpu_millicores: 0, tmp_bytes: 0 };
+    let group = ExecCgroup::create(Flavor::V2, &[hierarchy], "exec-1-1", &unlimited).unwrap();
+    let dir = group.dirs().next().unwrap().to_path_buf();
+    let fixture = runner_tests::Fixture::new().await;
+    let mut launch = fixture.launch(
+        runnerd::sandbox::Language::Shell,
+        "sleep 60 & sleep 60",
+        Some(Duration::from_secs(30)),
+    );
+    launch.cgroup_procs = group.procs_fds().unwrap();
+    let run = fixture.run(launch, 1 << 16);
+    let killer = async {
+        let mut seen = 0;
+        for _ in 0..400 {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+            seen = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap().lines().count();
+            // bwrap's monitor, the namespace init, bash and two sleeps.
+            if seen >= 5 {
+                break;
+            }
+        }
+        group.kill();
+        (seen, group)
+    };
+    let ((outcome, _), (seen, group)) = tokio::join!(run, killer);
+    assert!(seen >= 5, "the sandbox did not join the cgroup (saw {seen} processes)");
+    assert!(
+        matches!(
+            outcome.termination,
+            runnerd::launch::Termination::Signaled(9) | runnerd::launch::Termination::Exited(137)
+        ),
+        "cgroup.kill ends the sandbox: {:?}",
+        outcome.termination
+    );
+    assert!(outcome.elapsed < Duration::from_secs(30), "ended by the kill, not the timeout");
+    group.remove_blocking().unwrap();
+    assert!(!dir.exists());
+
+    let _ = stand_in.kill();
+    let _ = stand_in.wait();
+    std::fs::remove_dir(base.join("supervisor")).unwrap();
+    std::fs::remove_dir(&base).unwrap();
+}
+
+/// A forced v2 on a host whose cgroup2 has no controllers: start-up refuses, naming why.
+#[tokio::test]
+async fn forced_v2_without_controllers_refuses_to_start_and_says_why() {
+    let mounts =
+        runnerd::limits::detect::parse_mounts(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+    let controllers_here = mounts
+        .iter()
+        .find(|(_, t, _)| t == "cgroup2")
+        .and_then(|(m, _, _)| std::fs::read_to_string(Path::new(m).join("cgroup.controllers")).ok())
+        .unwrap_or_default();
+    if controllers_here.contains("memory") {
+        eprintln!("\n!!! SKIPPING forced_v2_without_controllers: this host's cgroup2 has controllers !!!\n");
+        return;
+    }
+    let scratch = runner_tests::scratch_dir();
+    let out = tokio::process::Command::new(runner_tests::bin("runnerd"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()))
+        .env("SCIENCE_AGENT_DATA_DIR", scratch.path())
+        .env("SCIENCE_AGENT_RUNNER_PORT", "0")
+        .env("SCIENCE_AGENT_CONFIG", "/dev/null")
+        .env("SCIENCE_AGENT_RUNNER_TOKEN", "limits-test-token")
+        .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
+        .env("SCIENCE_AGENT_EGRESS_SOCKET", scratch.path().join("none.sock"))
+        .env("SCIENCE_AGENT_CGROUP_MODE", "cgroup-v2")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("SCIENCE_AGENT_CGROUP_MODE is cgroup-v2, but that mode is not available here")
+            && (stderr.contains("controllers missing") || stderr.contains("no cgroup2 filesystem")),
+        "{stderr}"
+    );
 }

@@ -97,15 +97,16 @@ pub fn keyed(text: &str, key: &str) -> Option<u64> {
     })
 }
 
-/// Moves runnerd into the `supervisor` leaf of its delegated v2 cgroup ("no internal
-/// processes": a cgroup with controllers enabled for its children may hold no process).
-pub fn move_self(supervisor: &Path) -> Result<(), CgroupError> {
+/// Moves process `pid` (runnerd: itself) into the `supervisor` leaf of its delegated v2
+/// cgroup ("no internal processes": a cgroup with controllers enabled for its children may
+/// hold no process), creating the leaf if needed.
+pub fn move_into_supervisor(supervisor: &Path, pid: u32) -> Result<(), CgroupError> {
     match std::fs::create_dir(supervisor) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(source) => return Err(CgroupError::Create { path: supervisor.to_owned(), source }),
     }
-    write(&supervisor.join("cgroup.procs"), &std::process::id().to_string())
+    write(&supervisor.join("cgroup.procs"), &pid.to_string())
 }
 
 /// One execution's cgroup directories (one per hierarchy).
@@ -278,6 +279,11 @@ impl ExecCgroup {
     pub fn remove_blocking(mut self) -> Result<(), CgroupError> {
         self.removed = true;
         kill_and_remove(self.flavor, &self.dirs.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>())
+    }
+
+    /// The execution's directories, in the order sandbox-init joins them.
+    pub fn dirs(&self) -> impl Iterator<Item = &Path> {
+        self.dirs.iter().map(|(d, _)| d.as_path())
     }
 
     /// Ends the processes in the cgroup now (the sandbox's end, whatever its state).

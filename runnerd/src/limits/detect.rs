@@ -222,7 +222,7 @@ fn try_v2(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
         }
     }
     let supervisor = delegated_dir.join("supervisor");
-    cgroup::move_self(&supervisor).map_err(|e| crate::error_chain(&e))?;
+    cgroup::move_into_supervisor(&supervisor, std::process::id()).map_err(|e| crate::error_chain(&e))?;
     cgroup::write(&delegated_dir.join("cgroup.subtree_control"), "+memory +pids +cpu")
         .map_err(|e| crate::error_chain(&e))?;
     let parent = parent_dir(&delegated_dir.to_string_lossy(), "", root)?;
