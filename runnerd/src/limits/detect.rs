@@ -206,7 +206,7 @@ fn try_v2(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
     if !missing.is_empty() {
         let v1 = mounts.iter().any(|(_, t, o)| t == "cgroup" && o.split(',').any(|x| missing.contains(&x)));
         return Err(format!(
-            "controllers missing: {} offers {} but not {}{}",
+            "controllers missing: {} offers {}; limits need {}{}",
             delegated_dir.display(),
             if offered.trim().is_empty() { "no controllers".to_owned() } else { offered.trim().to_owned() },
             missing.join(", "),
@@ -369,7 +369,7 @@ mod tests {
         );
         let err = try_v2(&mounts, "0::/\n", None).unwrap_err();
         assert!(err.starts_with("controllers missing:"), "{err}");
-        assert!(err.contains("no controllers but not memory, pids, cpu"), "{err}");
+        assert!(err.contains("offers no controllers; limits need memory, pids, cpu"), "{err}");
         assert!(err.contains("held by cgroup v1"), "{err}");
         let err = try_v2("", "0::/\n", None).unwrap_err();
         assert_eq!(err, "no cgroup2 filesystem is mounted");
