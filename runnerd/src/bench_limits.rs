@@ -5,7 +5,9 @@
 //! * (r) rlimits only (`RLIMIT_AS` and friends in the plan, no cgroup);
 //! * (c) the cgroup path as runnerd runs it: create `exec-…` in every hierarchy, write and
 //!   read back the limits, open each `cgroup.procs`, launch (sandbox-init joins), then kill
-//!   what is left, read the counters and remove the directories.
+//!   what is left, read the counters and remove the directories;
+//! * (k) the same cgroup work without the join (the sandbox runs outside it): what the
+//!   files cost, as against the kernel's moving of a process between cgroups.
 //!
 //! Prints p50/p95 of each and the difference (target: ≤ 1 ms added per launch). Figures,
 //! never pass/fail.
@@ -45,12 +47,20 @@ async fn rlimits_once(setup: &Setup, limits: &Limits) -> anyhow::Result<Duration
     Ok(start.elapsed())
 }
 
-async fn cgroup_once(setup: &Setup, e: &Enforcement, limits: &Limits) -> anyhow::Result<Duration> {
+async fn cgroup_once(
+    setup: &Setup,
+    e: &Enforcement,
+    limits: &Limits,
+    join: bool,
+) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let group = e.create(limits)?;
     let mut l = launch(setup, e.mode, limits);
     if let Some(g) = &group {
-        l.cgroup_procs = g.procs_fds()?;
+        let fds = g.procs_fds()?;
+        if join {
+            l.cgroup_procs = fds;
+        }
     }
     let outcome = setup.launcher.run(l, &mut Discard).await?;
     let usage = limits::finish(group).await;
@@ -85,25 +95,39 @@ pub async fn bench(n: usize) -> anyhow::Result<()> {
     );
     for _ in 0..5 {
         rlimits_once(&setup, &limits).await?;
-        cgroup_once(&setup, &enforcement, &limits).await?;
+        cgroup_once(&setup, &enforcement, &limits, true).await?;
+        cgroup_once(&setup, &enforcement, &limits, false).await?;
     }
-    let (mut r, mut c) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut r_wall, mut c_wall) = (Duration::ZERO, Duration::ZERO);
+    let mut samples = [Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n)];
+    let mut walls = [Duration::ZERO; 3];
     for _ in 0..n {
-        let d = rlimits_once(&setup, &limits).await?;
-        r_wall += d;
-        r.push(d);
-        let d = cgroup_once(&setup, &enforcement, &limits).await?;
-        c_wall += d;
-        c.push(d);
+        for (i, s) in samples.iter_mut().enumerate() {
+            let d = match i {
+                0 => rlimits_once(&setup, &limits).await?,
+                1 => cgroup_once(&setup, &enforcement, &limits, true).await?,
+                _ => cgroup_once(&setup, &enforcement, &limits, false).await?,
+            };
+            walls[i] += d;
+            s.push(d);
+        }
     }
-    let (r, c) = (stats(r, r_wall), stats(c, c_wall));
+    let [r, c, k] = samples;
+    let (r, c, k) = (stats(r, walls[0]), stats(c, walls[1]), stats(k, walls[2]));
     println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "launches/s");
-    for (name, s) in [("(r) rlimits only", &r), ("(c) per-execution cgroup", &c)] {
+    for (name, s) in [
+        ("(r) rlimits only", &r),
+        ("(c) per-execution cgroup", &c),
+        ("(k) cgroup files only, not joined", &k),
+    ] {
         println!("{name:<44} {:>9.2} {:>9.2} {:>11.1}", s.p50, s.p95, s.per_sec);
     }
     println!();
     println!("added by the cgroup path at p50: {:+.3} ms  (target <= 1 ms)", c.p50 - r.p50);
     println!("added by the cgroup path at p95: {:+.3} ms", c.p95 - r.p95);
+    println!(
+        "of which the cgroup files (mkdir, limits, read-back, counters, rmdir) at p50: {:+.3} ms; \
+         the rest is the kernel moving sandbox-init into the cgroups",
+        k.p50 - r.p50
+    );
     Ok(())
 }
