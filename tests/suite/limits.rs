@@ -595,3 +595,41 @@ async fn forced_v2_without_controllers_refuses_to_start_and_says_why() {
         "{stderr}"
     );
 }
+
+/// A crashed runnerd's execution cgroups (named for a pid that no longer runs) are removed
+/// at the next start-up; those of a live process are left alone.
+#[tokio::test]
+async fn v1_stale_execution_cgroups_are_removed_at_start_up() {
+    if !root_v1_or_skip("v1_stale_execution_cgroups_are_removed_at_start_up") {
+        return;
+    }
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let alive = std::process::id();
+    let name = format!("limits-stale-{alive}");
+    // A subtree of our own (as the handed-over test makes one), so that no other test's
+    // runnerd sweeps it.
+    let handed = HandedOver::new(&name, 0, 0);
+    let mut made = Vec::new();
+    for d in &handed.dirs {
+        for owner in [dead, alive] {
+            let dir = d.join(format!("exec-{owner}-0"));
+            std::fs::create_dir(&dir).unwrap();
+            made.push((owner, dir));
+        }
+    }
+    {
+        let server =
+            start(&[("SCIENCE_AGENT_CGROUP_MODE", "cgroup-v1"), ("SCIENCE_AGENT_CGROUP_ROOT", &name)]);
+        assert_eq!(health(&server).await["cgroupMode"], "cgroup-v1");
+        for (owner, dir) in &made {
+            assert_eq!(dir.exists(), *owner == alive, "{}", dir.display());
+        }
+    }
+    for (owner, dir) in made {
+        if owner == alive {
+            std::fs::remove_dir(dir).unwrap();
+        }
+    }
+}
