@@ -179,7 +179,8 @@ async fn v1_fork_bomb_is_stopped_while_other_executions_run() {
     assert!(out.trim_end().ends_with("errno 11"), "EAGAIN: {bomb}");
     assert_eq!(bomb["pidsLimitReached"], true, "{bomb}");
     assert!(bomb["explanation"].as_str().unwrap().contains("process limit of 32"), "{bomb}");
-    assert!(bomb["resourceUsage"].is_object(), "{bomb}");
+    // The process high-water mark is the limit itself (pids.peak).
+    assert_eq!(bomb["resourceUsage"]["pidsPeak"], 32, "{bomb}");
 }
 
 /// `pids.current` of every execution cgroup named `<prefix>…` in the hierarchy below `dir`.
