@@ -69,9 +69,10 @@ pub struct LaunchPlan {
     pub fds: Vec<i32>,
     /// Limits applied before exec.
     pub rlimits: Vec<Rlimit>,
-    /// How many descriptors follow the placed ones: each a `cgroup.procs` file opened for
-    /// writing by runnerd. sandbox-init writes `0` (itself) into each before it execs bwrap,
-    /// so the whole sandbox starts inside the execution's cgroups; they are never placed.
+    /// How many descriptors follow the placed ones: each a cgroup's join file (`cgroup.procs`,
+    /// or `tasks` on cgroup v1) opened for writing by runnerd. sandbox-init — single-threaded,
+    /// so moving its thread moves the process — writes `0` (itself) into each before it execs
+    /// bwrap, so the whole sandbox starts inside the execution's cgroups; they are never placed.
     pub join_cgroups: usize,
 }
 

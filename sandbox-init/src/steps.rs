@@ -122,7 +122,11 @@ fn join_cgroups(procs: Vec<OwnedFd>) -> Result<(), InitFailure> {
     for (i, fd) in procs.into_iter().enumerate() {
         let mut file = std::fs::File::from(fd);
         io::Write::write_all(&mut file, b"0").map_err(|e| {
-            os_failure(InitStep::JoinCgroups, &e, format!("writing to cgroup.procs number {}", i + 1))
+            os_failure(
+                InitStep::JoinCgroups,
+                &e,
+                format!("writing to the join file (cgroup.procs or tasks) number {}", i + 1),
+            )
         })?;
     }
     Ok(())

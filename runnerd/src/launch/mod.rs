@@ -67,8 +67,9 @@ pub struct Launch {
     pub cancel: Option<watch::Receiver<bool>>,
     /// Descriptors placed at 5, 6, … in order (the workspace directories for `--bind-fd`).
     pub extra_fds: Vec<OwnedFd>,
-    /// `cgroup.procs` of the execution's cgroups, opened for writing: sandbox-init joins
-    /// each before it execs bwrap (`crate::limits::ExecCgroup::procs_fds`).
+    /// The join files of the execution's cgroups (`cgroup.procs`, or v1's `tasks`), opened
+    /// for writing: sandbox-init joins each before it execs bwrap
+    /// (`crate::limits::ExecCgroup::procs_fds`).
     pub cgroup_procs: Vec<OwnedFd>,
 }
 

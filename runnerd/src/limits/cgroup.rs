@@ -1,5 +1,6 @@
 //! The cgroup(s) of one execution: made and limited by runnerd, verified by reading every
-//! limit back, joined by sandbox-init (through the `cgroup.procs` descriptors runnerd opens),
+//! limit back, joined by sandbox-init (through the descriptors of the join files runnerd
+//! opens: see [`join_file`]),
 //! measured after the run, ended with `cgroup.kill` (v2) or by killing what is left (v1), and
 //! removed. The cgroup filesystem itself is never bound into a sandbox: a sandbox runs as
 //! the uid that owns these files and would otherwise raise its own limits.
@@ -142,6 +143,19 @@ pub fn cpu_quota(flavor: Flavor, millicores: u64) -> String {
     }
 }
 
+/// The file sandbox-init writes `0` (itself) into. On v1 that is `tasks`, which moves the
+/// writing *thread*: sandbox-init is single-threaded, so that is the whole process, and a
+/// thread move by `current` skips the global `cgroup_threadgroup_rwsem` that a
+/// `cgroup.procs` write takes for writing — which waits for an RCU grace period (about
+/// 14 ms per launch measured here, against none for `tasks`). v2 moves processes only
+/// through `cgroup.procs` (`cgroup.threads` is for threaded subtrees).
+pub fn join_file(flavor: Flavor) -> &'static str {
+    match flavor {
+        Flavor::V1 => "tasks",
+        Flavor::V2 => "cgroup.procs",
+    }
+}
+
 /// What the kernel shows after `value` was written to a memory limit: a page multiple,
 /// rounded down; "max" (v2) or a huge number (v1) when unlimited.
 fn memory_holds(flavor: Flavor, wanted: u64, found: &str) -> bool {
@@ -224,13 +238,13 @@ impl ExecCgroup {
         Ok(())
     }
 
-    /// `cgroup.procs` of each directory, opened for writing and close-on-exec, for
-    /// sandbox-init to write itself into.
+    /// The join file of each directory ([`join_file`]), opened for writing and
+    /// close-on-exec, for sandbox-init to write itself into.
     pub fn procs_fds(&self) -> Result<Vec<OwnedFd>, CgroupError> {
         self.dirs
             .iter()
             .map(|(dir, _)| {
-                let path = dir.join("cgroup.procs");
+                let path = dir.join(join_file(self.flavor));
                 std::fs::OpenOptions::new()
                     .write(true)
                     .open(&path)
