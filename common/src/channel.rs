@@ -145,6 +145,7 @@ mod tests {
             args: vec!["--die-with-parent".into(), "/usr/bin/true".into()],
             fds: vec![0, 1, 2, 3],
             rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
+            join_cgroups: 0,
         }
     }
 

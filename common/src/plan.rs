@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a message layout on the runnerd ↔ sandbox-init channel changes.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// bwrap reads the seccomp program from this descriptor (`--seccomp 3`).
 pub const SECCOMP_FD: i32 = 3;
@@ -20,6 +20,9 @@ pub const FIRST_EXTRA_FD: i32 = 5;
 pub const MAX_FDS: usize = 16;
 /// Target descriptor numbers must stay below this.
 pub const MAX_TARGET_FD: i32 = 64;
+/// The most cgroups a launch joins: one per cgroup v1 hierarchy (memory, pids, cpu), or one
+/// on cgroup v2.
+pub const MAX_CGROUPS: usize = 4;
 
 /// A process resource limit for the sandbox (inherited through bwrap by the command).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +69,11 @@ pub struct LaunchPlan {
     pub fds: Vec<i32>,
     /// Limits applied before exec.
     pub rlimits: Vec<Rlimit>,
+    /// How many descriptors follow the placed ones: each a cgroup's join file (`cgroup.procs`,
+    /// or `tasks` on cgroup v1) opened for writing by runnerd. sandbox-init — single-threaded,
+    /// so moving its thread moves the process — writes `0` (itself) into each before it execs
+    /// bwrap, so the whole sandbox starts inside the execution's cgroups; they are never placed.
+    pub join_cgroups: usize,
 }
 
 /// A plan `sandbox-init` refuses to apply.
@@ -85,6 +93,8 @@ pub enum PlanError {
     DuplicateRlimit(Resource),
     #[error("the soft limit of {0:?} exceeds its hard limit")]
     SoftAboveHard(Resource),
+    #[error("the plan joins {0} cgroups; at most {MAX_CGROUPS} are allowed")]
+    TooManyCgroups(usize),
 }
 
 impl LaunchPlan {
@@ -106,6 +116,9 @@ impl LaunchPlan {
             if self.fds[..i].contains(target) {
                 return Err(PlanError::DuplicateTarget(*target));
             }
+        }
+        if self.join_cgroups > MAX_CGROUPS {
+            return Err(PlanError::TooManyCgroups(self.join_cgroups));
         }
         for (i, limit) in self.rlimits.iter().enumerate() {
             if self.rlimits[..i].iter().any(|l| l.resource == limit.resource) {
@@ -139,6 +152,7 @@ pub enum InitStep {
     ReceiveFds,
     ArrangeFds,
     CloseFds,
+    JoinCgroups,
     Rlimits,
     Signals,
     Exec,
@@ -152,6 +166,7 @@ impl InitStep {
             InitStep::ReceiveFds => "receiving the sandbox's file descriptors",
             InitStep::ArrangeFds => "placing the file descriptors",
             InitStep::CloseFds => "closing inherited file descriptors",
+            InitStep::JoinCgroups => "joining the execution's cgroups",
             InitStep::Rlimits => "applying resource limits",
             InitStep::Signals => "resetting signal dispositions",
             InitStep::Exec => "executing bubblewrap",
@@ -183,6 +198,7 @@ mod tests {
             args: vec!["--unshare-all".into()],
             fds: vec![0, 1, 2, SECCOMP_FD, INFO_FD],
             rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
+            join_cgroups: 0,
         }
     }
 
@@ -197,6 +213,11 @@ mod tests {
             (Box::new(|p| p.fds = vec![0, 64]), Some(PlanError::TargetOutOfRange(64))),
             (Box::new(|p| p.fds = vec![-1]), Some(PlanError::TargetOutOfRange(-1))),
             (Box::new(|p| p.fds = vec![3, 3]), Some(PlanError::DuplicateTarget(3))),
+            (Box::new(|p| p.join_cgroups = MAX_CGROUPS), None),
+            (
+                Box::new(|p| p.join_cgroups = MAX_CGROUPS + 1),
+                Some(PlanError::TooManyCgroups(MAX_CGROUPS + 1)),
+            ),
             (
                 Box::new(|p| p.rlimits.push(Rlimit::fixed(Resource::Core, 1))),
                 Some(PlanError::DuplicateRlimit(Resource::Core)),

@@ -35,6 +35,8 @@ pub struct App {
     pub egress: EgressClient,
     /// Ascend NPUs and NVIDIA GPUs: configuration and the status views' caches.
     pub accel: crate::accel::select::Accelerators,
+    /// How resource limits are enforced (decided at start-up).
+    pub limits: crate::limits::Enforcement,
 }
 
 impl App {
@@ -44,6 +46,7 @@ impl App {
         sandbox: SandboxRuntime,
         versions: std::sync::Arc<Versions>,
         managed: std::sync::Arc<Manager>,
+        limits: crate::limits::Enforcement,
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
@@ -67,6 +70,7 @@ impl App {
             managed,
             egress,
             accel,
+            limits,
         }
     }
 }

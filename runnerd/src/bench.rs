@@ -40,11 +40,14 @@ Usage:
                                         workspace commit cost against a stat walk and
                                         sha256sum of the same tree (default 10000 files,
                                         1024 MiB), and managed-run log throughput (100 MB)
+  runnerd-bench limits [--iterations N]  launch time with a per-execution cgroup against
+                                        rlimits only, interleaved (default 200)
 ";
 
 pub fn run() -> i32 {
     let mut iterations = 200usize;
     let mut versions = None;
+    let mut limits = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -56,6 +59,7 @@ pub fn run() -> i32 {
         };
         match arg.as_str() {
             "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
+            "limits" => limits = true,
             "--files" | "--mib" | "--log-mb" if versions.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
                 let v = versions.as_mut().expect("checked");
@@ -91,6 +95,7 @@ pub fn run() -> i32 {
     };
     let result = match versions {
         Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
+        None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
         None => rt.block_on(bench(iterations)),
     };
     match result {
@@ -102,19 +107,19 @@ pub fn run() -> i32 {
     }
 }
 
-struct Discard;
+pub(crate) struct Discard;
 impl OutputSink for Discard {
     fn write(&mut self, _: Stream, _: &[u8]) {}
 }
 
-struct Setup {
+pub(crate) struct Setup {
     /// bwrap's argv for the API's shell (`bash … -s`), for the baseline of (c).
     shell_args: Vec<String>,
-    launcher: Arc<Launcher>,
-    bwrap: PathBuf,
+    pub(crate) launcher: Arc<Launcher>,
+    pub(crate) bwrap: PathBuf,
     /// What the launcher gets; `args` is what bare bwrap gets: the same argv.
-    options: Vec<String>,
-    command: Vec<String>,
+    pub(crate) options: Vec<String>,
+    pub(crate) command: Vec<String>,
     args: Vec<String>,
     program: Vec<u8>,
     _scratch: Scratch,
@@ -127,7 +132,7 @@ impl Drop for Scratch {
     }
 }
 
-async fn setup() -> anyhow::Result<Setup> {
+pub(crate) async fn setup() -> anyhow::Result<Setup> {
     let scratch = std::env::temp_dir().join(format!("runnerd-bench-{}", std::process::id()));
     let workspace = scratch.join("projects/bench");
     std::fs::create_dir_all(&workspace).with_context(|| format!("creating {}", workspace.display()))?;
@@ -228,6 +233,7 @@ async fn init_once(setup: &Setup) -> anyhow::Result<Duration> {
         timeout: Some(Duration::from_secs(30)),
         cancel: None,
         extra_fds: Vec::new(),
+        cgroup_procs: Vec::new(),
     };
     let outcome = setup.launcher.run(launch, &mut Discard).await?;
     if outcome.termination != Termination::Exited(0) {
@@ -236,13 +242,13 @@ async fn init_once(setup: &Setup) -> anyhow::Result<Duration> {
     Ok(start.elapsed())
 }
 
-struct Stats {
-    p50: f64,
-    p95: f64,
-    per_sec: f64,
+pub(crate) struct Stats {
+    pub(crate) p50: f64,
+    pub(crate) p95: f64,
+    pub(crate) per_sec: f64,
 }
 
-fn stats(mut samples: Vec<Duration>, wall: Duration) -> Stats {
+pub(crate) fn stats(mut samples: Vec<Duration>, wall: Duration) -> Stats {
     samples.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let at = |q: f64| ms(samples[((samples.len() - 1) as f64 * q).round() as usize]);
@@ -522,6 +528,7 @@ fn sandbox_init_peak_rss_kib(init: &Path, args: &[String]) -> anyhow::Result<u64
             args: args.to_vec(),
             fds: vec![0, 1, 2, 3, 4],
             rlimits: default_rlimits(Some(1 << 30)),
+            join_cgroups: 0,
         };
         std::io::Write::write_all(&mut &ours, &encode_frame(PROTOCOL_VERSION, &plan)?)?;
         let null = std::fs::File::open("/dev/null")?;

@@ -230,7 +230,15 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         Manager::open(&config.data_dir)
             .with_context(|| format!("opening the execution records under {}", config.data_dir.display()))?,
     );
-    let app = Arc::new(App::new(config, token, sandbox, versions, managed));
+    let limits = crate::limits::Enforcement::detect(&config.limits)?;
+    tracing::info!(
+        event = "limits_enforcement",
+        cgroup_mode = limits.mode.label(),
+        cgroup_root = %limits.root.display(),
+        delegated = limits.delegated,
+        reasons = %limits.reasons.join("; "),
+    );
+    let app = Arc::new(App::new(config, token, sandbox, versions, managed, limits));
     // Before anyone can learn that runnerd listens: a stop from then on is graceful.
     let mut signals = StopSignals::register();
     {

@@ -55,6 +55,8 @@ pub struct RunnerConfig {
     pub egress_bridge: Option<PathBuf>,
     /// NPU/GPU tools, toolkit, device directories (`crate::accel`).
     pub accel: crate::accel::AccelConfig,
+    /// Ours: per-execution resource limits and their enforcement (`crate::limits`).
+    pub limits: crate::limits::LimitSettings,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -69,6 +71,8 @@ pub enum ConfigError {
     SignatureMaxAge { name: String },
     #[error("{name} must be a positive integer, not {value:?}")]
     Positive { name: String, value: String },
+    #[error("{name} must be one of {allowed}, not {value:?}")]
+    Choice { name: String, value: String, allowed: &'static str },
 }
 
 impl ConfigError {
@@ -81,6 +85,9 @@ impl ConfigError {
             }
             ConfigError::SignatureMaxAge { name } => ConfigError::SignatureMaxAge { name: describe(&name) },
             ConfigError::Positive { name, value } => ConfigError::Positive { name: describe(&name), value },
+            ConfigError::Choice { name, value, allowed } => {
+                ConfigError::Choice { name: describe(&name), value, allowed }
+            }
         }
     }
 }
@@ -167,6 +174,7 @@ impl RunnerConfig {
                 .into(),
             egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
             accel: crate::accel::AccelConfig::from_vars(&get),
+            limits: crate::limits::LimitSettings::from_vars(get)?,
         })
     }
 
@@ -212,6 +220,16 @@ pub static SCHEMA: Schema = Schema {
         Key::new("npu_dcmi_library", crate::accel::DCMI_VAR, Kind::Text),
         Key::new("nvidia_smi_path", crate::accel::NVIDIA_SMI_VAR, Kind::Text),
         Key::new("gpu_device_dir", crate::accel::GPU_DEVICE_DIR_VAR, Kind::Text),
+        Key::new("limit_memory_bytes", "SCIENCE_AGENT_LIMIT_MEMORY_BYTES", Kind::Integer),
+        Key::new("limit_pids", "SCIENCE_AGENT_LIMIT_PIDS", Kind::Integer),
+        Key::new("limit_cpu_millicores", "SCIENCE_AGENT_LIMIT_CPU_MILLICORES", Kind::Integer),
+        Key::new("limit_tmp_bytes", "SCIENCE_AGENT_LIMIT_TMP_BYTES", Kind::Integer),
+        Key::new("limit_max_memory_bytes", "SCIENCE_AGENT_LIMIT_MAX_MEMORY_BYTES", Kind::Integer),
+        Key::new("limit_max_pids", "SCIENCE_AGENT_LIMIT_MAX_PIDS", Kind::Integer),
+        Key::new("limit_max_cpu_millicores", "SCIENCE_AGENT_LIMIT_MAX_CPU_MILLICORES", Kind::Integer),
+        Key::new("limit_max_tmp_bytes", "SCIENCE_AGENT_LIMIT_MAX_TMP_BYTES", Kind::Integer),
+        Key::new("cgroup_mode", crate::limits::MODE_VAR, Kind::Text),
+        Key::new("cgroup_root", crate::limits::ROOT_VAR, Kind::Text),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -304,7 +322,7 @@ impl Loaded {
                     "gpu_device_dir" => c.accel.gpu_device_dir.display().to_string(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
-                    other => format!("<{other}>"),
+                    other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),
                 };
                 Row::new(k.name, value, self.settings.origin(k.var))
             })

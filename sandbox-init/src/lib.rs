@@ -13,7 +13,9 @@
 //!    target number.
 //! 2. Read the plan; a protocol version mismatch is reported as such.
 //! 3. Validate the plan (absolute bwrap path, distinct targets in range, sane limits).
-//! 4. Receive the descriptors (each close-on-exec on arrival).
+//! 4. Receive the descriptors (each close-on-exec on arrival); join the execution's cgroups
+//!    by writing `0` into each passed join file (`cgroup.procs`, or v1's `tasks`: this
+//!    program is single-threaded, so its thread is the process), and close those.
 //! 5. Place them at their target numbers (0–2 stdio, 3 seccomp program, 4 bwrap info);
 //!    `dup2` leaves the targets inheritable.
 //! 6. Close every other descriptor, whatever runnerd's environment leaked into us.

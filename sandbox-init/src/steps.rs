@@ -101,15 +101,35 @@ fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
     })?;
     plan.validate().map_err(|e| failure(InitStep::ValidatePlan, 0, e.to_string()))?;
 
-    let fds = channel::recv_fds(channel.as_fd(), plan.fds.len()).map_err(|e| match &e {
-        ChannelError::RecvFd { source, .. } => os_failure(InitStep::ReceiveFds, source, e.to_string()),
-        _ => failure(InitStep::ReceiveFds, 0, e.to_string()),
-    })?;
+    let mut fds =
+        channel::recv_fds(channel.as_fd(), plan.fds.len() + plan.join_cgroups).map_err(|e| match &e {
+            ChannelError::RecvFd { source, .. } => os_failure(InitStep::ReceiveFds, source, e.to_string()),
+            _ => failure(InitStep::ReceiveFds, 0, e.to_string()),
+        })?;
+    let cgroups = fds.split_off(plan.fds.len());
+    join_cgroups(cgroups)?;
     place_fds(fds, &plan.fds)?;
     close_other_fds(&plan.fds, channel.as_fd())?;
     apply_rlimits(&plan.rlimits)?;
     reset_signals()?;
     Err(exec(&plan, channel))
+}
+
+/// Step 4b: move ourselves into each execution cgroup (every process bwrap starts inherits
+/// it), then close the files. A refused write is a typed failure: runnerd never runs a
+/// sandbox outside the cgroups it planned.
+fn join_cgroups(procs: Vec<OwnedFd>) -> Result<(), InitFailure> {
+    for (i, fd) in procs.into_iter().enumerate() {
+        let mut file = std::fs::File::from(fd);
+        io::Write::write_all(&mut file, b"0").map_err(|e| {
+            os_failure(
+                InitStep::JoinCgroups,
+                &e,
+                format!("writing to the join file (cgroup.procs or tasks) number {}", i + 1),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Step 5: move every received descriptor to a staging number first (so no target can

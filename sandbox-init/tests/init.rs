@@ -33,6 +33,15 @@ fn launch_with_frame(frame: Vec<u8>, send_fds: bool) -> Run {
 }
 
 fn launch_with(frame: Vec<u8>, send_fds: bool, customize: impl FnOnce(&mut Command)) -> Run {
+    launch_sending(frame, send_fds.then(|| tempfile::tempfile().unwrap()), customize)
+}
+
+/// Like [`launch_with`]; `fourth` is the descriptor sent after stdio (`None`: send nothing).
+fn launch_sending(
+    frame: Vec<u8>,
+    fourth: Option<std::fs::File>,
+    customize: impl FnOnce(&mut Command),
+) -> Run {
     let (ours, theirs) = UnixStream::pair().unwrap();
     let mut command = Command::new(INIT);
     command.stdin(Stdio::from(OwnedFd::from(theirs))).stdout(Stdio::null()).stderr(Stdio::inherit());
@@ -41,9 +50,8 @@ fn launch_with(frame: Vec<u8>, send_fds: bool, customize: impl FnOnce(&mut Comma
     drop(command); // it still holds our copy of sandbox-init's end of the channel
     std::io::Write::write_all(&mut &ours, &frame).unwrap();
     let (out_r, out_w) = pipe();
-    if send_fds {
+    if let Some(extra) = fourth {
         let null = std::fs::File::open("/dev/null").unwrap();
-        let extra = tempfile::tempfile().unwrap();
         let sent = [null.as_fd(), out_w.as_fd(), out_w.as_fd(), extra.as_fd()];
         let _ = channel::send_fds(ours.as_fd(), &sent);
     } else {
@@ -76,6 +84,7 @@ fn plan(script: &str) -> LaunchPlan {
             Rlimit::fixed(Resource::NoFile, 512),
             Rlimit { resource: Resource::FSize, soft: Some(1 << 20), hard: None },
         ],
+        join_cgroups: 0,
     }
 }
 
@@ -274,4 +283,40 @@ impl SpawnWithFd3 for Command {
         drop(fd);
         out
     }
+}
+
+#[test]
+fn a_cgroup_descriptor_is_written_then_closed_never_placed() {
+    // The fourth descriptor stands for a cgroup.procs file: sandbox-init writes "0" (itself)
+    // into it and closes it, so the program inherits only 0–2.
+    let mut p = plan("exec ls -l /proc/self/fd");
+    p.fds = vec![0, 1, 2];
+    p.join_cgroups = 1;
+    let procs = tempfile::NamedTempFile::new().unwrap();
+    let run =
+        launch_sending(encode_frame(PROTOCOL_VERSION, &p).unwrap(), Some(procs.reopen().unwrap()), |_| {});
+    assert!(run.report.is_none(), "{:?}", run.report);
+    assert_eq!(std::fs::read_to_string(procs.path()).unwrap(), "0");
+    let fds: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.split_once(" -> "))
+        .filter(|(_, target)| !target.starts_with("/proc/"))
+        .filter_map(|(left, _)| left.split_whitespace().last())
+        .collect();
+    assert_eq!(fds, ["0", "1", "2"], "{}", run.stdout);
+}
+
+#[test]
+fn a_refused_cgroup_join_is_a_typed_failure_and_nothing_runs() {
+    let mut p = plan("echo ran");
+    p.fds = vec![0, 1, 2];
+    p.join_cgroups = 1;
+    // /dev/full refuses every write (ENOSPC), as a cgroup would refuse a move.
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let run = launch_sending(encode_frame(PROTOCOL_VERSION, &p).unwrap(), Some(full), |_| {});
+    let Some(InitReport::Failed(f)) = &run.report else { panic!("expected a failure: {:?}", run.report) };
+    assert_eq!((f.step, f.errno), (InitStep::JoinCgroups, libc::ENOSPC));
+    assert!(f.to_string().contains("joining the execution's cgroups"), "{f}");
+    assert_eq!(run.stdout, "");
 }

@@ -15,7 +15,12 @@ fn marker(base: u32) -> String {
 #[tokio::test]
 async fn health_needs_no_token_and_has_every_original_key() {
     let server = Server::start_with(ServerOptions {
-        env: vec![("SCIENCE_AGENT_EXEC_TIMEOUT_MS".into(), "60000".into())],
+        // rlimits-only: the original's values (no cgroup limits); the cgroup modes are
+        // checked in limits.rs.
+        env: vec![
+            ("SCIENCE_AGENT_EXEC_TIMEOUT_MS".into(), "60000".into()),
+            ("SCIENCE_AGENT_CGROUP_MODE".into(), "rlimits-only".into()),
+        ],
         ..Default::default()
     });
     let client = server.client_with_token("wrong");
@@ -69,8 +74,9 @@ async fn health_needs_no_token_and_has_every_original_key() {
         "{version}"
     );
     // Our additions: honest limits and the preflight's conclusions.
-    assert_eq!(h["enforced"]["memory"], false);
-    assert!(h["reasons"]["memory"].as_str().unwrap().contains("not enforced"));
+    assert_eq!(h["enforced"]["memory"], "partial");
+    assert!(h["reasons"]["memory"].as_str().unwrap().contains("RLIMIT_AS"), "{h}");
+    assert_eq!(h["enforced"]["pids"], false);
     assert!(h["sandboxProfile"]["procMode"].is_string());
     // No egressd in this test: network is unavailable, and health says why.
     assert_eq!(h["sandboxNetwork"]["available"], false);
@@ -114,7 +120,10 @@ async fn shell_and_python_results_carry_the_original_fields() {
     if !sandbox_or_skip("shell_and_python_results_carry_the_original_fields") {
         return;
     }
-    let server = Server::start();
+    let server = Server::start_with(ServerOptions {
+        env: vec![("SCIENCE_AGENT_CGROUP_MODE".into(), "rlimits-only".into())],
+        ..Default::default()
+    });
     let client = server.client();
     let ws = server.project_workspace("s1");
     std::fs::write(ws.join("existing.txt"), "old").unwrap();

@@ -146,6 +146,7 @@ fn plain_launch(bwrap: &str, rlimits: Vec<common::plan::Rlimit>) -> Launch {
         timeout: None,
         cancel: None,
         extra_fds: Vec::new(),
+        cgroup_procs: Vec::new(),
     }
 }
 

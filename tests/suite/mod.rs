@@ -5,6 +5,7 @@ mod http_api;
 mod http_hostile;
 mod isolation;
 mod lifecycle;
+mod limits;
 mod managed;
 mod network;
 mod preflight;

@@ -37,6 +37,9 @@ pub struct ServerOptions {
     pub no_token: bool,
     /// A command prefix runnerd runs under (e.g. [`crate::journal::Journal::wrapper`]).
     pub wrapper: Vec<String>,
+    /// (uid, gid) to run runnerd as (a root test starting it as the unprivileged test
+    /// user); the scratch directory is handed to that user first.
+    pub run_as: Option<(u32, u32)>,
 }
 
 impl Server {
@@ -49,6 +52,11 @@ impl Server {
         let data_dir = dir.path().join("data");
         std::fs::create_dir_all(&data_dir).unwrap();
         let stderr_log = dir.path().join("runnerd.stderr");
+        if let Some((uid, gid)) = options.run_as {
+            for path in [dir.path(), data_dir.as_path()] {
+                std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap();
+            }
+        }
         let mut cmd = match options.wrapper.split_first() {
             Some((program, prefix)) => {
                 let mut cmd = Command::new(program);
@@ -79,6 +87,11 @@ impl Server {
         }
         for (k, v) in &options.env {
             cmd.env(k, v);
+        }
+        if let Some((uid, gid)) = options.run_as {
+            use std::os::unix::process::CommandExt;
+            // std also clears root's supplementary groups (setgroups(0)) before the switch.
+            cmd.uid(uid).gid(gid);
         }
         let mut child = cmd.spawn().expect("start runnerd");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();

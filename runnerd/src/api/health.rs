@@ -11,9 +11,6 @@ use crate::egress::EgressError;
 use common::egress::protocol::EgressStatus;
 use common::seccomp::Profile;
 
-const NOT_YET_LIMITS: &str =
-    "not enforced: this runner has no cgroup limits yet (cgroupMode none); only rlimits apply";
-
 /// `sandboxNetwork` and the `egressd` block from egressd's answer (or why there is none).
 fn network(app: &App, egress: &Result<EgressStatus, EgressError>) -> (Value, Value) {
     let bridge = app.egress.bridge_ready().map_err(|e| e.to_string());
@@ -57,10 +54,11 @@ pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
     let cfg = &app.config;
     let cap = &app.sandbox.capability;
     let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
-    json!({
-        "cgroupDelegated": false,
-        "cgroupMode": "none",
-        "cgroupRoot": "",
+    let [memory, pids, cpu] = crate::limits::health_entries(&app.limits, cfg.exec_timeout_ms);
+    let mut health = json!({
+        "cgroupDelegated": app.limits.delegated,
+        "cgroupMode": app.limits.mode.label(),
+        "cgroupRoot": app.limits.root.display().to_string(),
         "executionAuth": "bearer+hmac-sha256",
         "executionUser": app.execution_user,
         "executionTimeoutMs": cfg.exec_timeout_ms,
@@ -86,17 +84,17 @@ pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
         "status": "ok",
         "workerConcurrency": null,
         "enforced": {
-            "memory": false,
-            "pids": false,
-            "cpu": false,
+            "memory": memory.1,
+            "pids": pids.1,
+            "cpu": cpu.1,
             "fsize": if cfg.max_workspace_bytes > 0 { json!("partial") } else { json!(false) },
             "seccomp": cap.sandbox_usable,
             "nestedUserNamespaces": cap.disable_userns,
         },
         "reasons": {
-            "memory": NOT_YET_LIMITS,
-            "pids": NOT_YET_LIMITS,
-            "cpu": NOT_YET_LIMITS,
+            "memory": memory.2,
+            "pids": pids.2,
+            "cpu": cpu.2,
             "fsize": if cfg.max_workspace_bytes > 0 {
                 "RLIMIT_FSIZE caps each file at maxWorkspaceBytes; the workspace total is polled every 100 ms"
             } else {
@@ -119,5 +117,7 @@ pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
         "egressd": egressd,
         "npuBrokerd": {"reachable": false, "reason": "not part of this runner yet"},
         "queue": {"admitted": app.admission.admitted(), "capacity": cfg.queue_capacity, "maxConcurrent": cfg.max_concurrent},
-    })
+    });
+    health["resourceLimits"] = crate::limits::health_block(&app.limits, &cfg.limits);
+    health
 }

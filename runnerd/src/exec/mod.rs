@@ -87,6 +87,9 @@ pub struct ExecutionResult {
     pub sandbox: &'static str,
     pub started_at: String,
     pub working_directory: String,
+    /// Ours (issue #8): how the run ended and what it used; see `crate::limits::outcome_fields`.
+    #[serde(flatten)]
+    pub limits: crate::limits::ResultFields,
     /// The committed WorkspaceTree ref after the run (appended last, like the original).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workspace_snapshot: Option<Value>,
@@ -404,6 +407,8 @@ pub struct Prepared {
     /// `npuDevices` / `gpuDevices`, validated; probed right before the launch (R-NPU-2).
     pub npu_devices: Vec<u32>,
     pub gpu_devices: Vec<u32>,
+    /// Memory, processes, CPU and `/tmp` size for this run (`resourceLimits`, issue #8).
+    pub limits: crate::limits::Limits,
 }
 
 /// What the executor checks before it starts anything (after the workspace and the id).
@@ -494,6 +499,8 @@ pub fn prepare(
         (Language::Shell, Some(cwd)) => Some(workspace::resolve_cwd(&root, cwd)?),
         _ => None,
     };
+    let limits = crate::limits::requested(obj.get(crate::limits::REQUEST_FIELD), &cfg.limits)
+        .map_err(|m| ApiError::bad_request("invalid_resource_limits", m))?;
     sandbox_shape(app)?;
     Ok(Prepared {
         language,
@@ -513,6 +520,7 @@ pub fn prepare(
         cwd,
         npu_devices,
         gpu_devices,
+        limits,
     })
 }
 
@@ -673,6 +681,26 @@ async fn sandbox_run(
     let stop_reason: Arc<Mutex<Option<StopReason>>> = Arc::default();
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
     launch.rlimits = default_rlimits((p.max_workspace > 0).then_some(p.max_workspace));
+    launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, &p.limits, p.timeout_ms));
+    crate::limits::size_tmp(&mut launch.options, p.limits.tmp_bytes);
+    let rlimits = launch.rlimits.clone();
+    let cgroup = match app.limits.create(&p.limits).and_then(|c| {
+        let fds = c.as_ref().map(|c| c.procs_fds()).transpose()?;
+        Ok((c, fds.unwrap_or_default()))
+    }) {
+        Ok((cgroup, fds)) => {
+            launch.cgroup_procs = fds;
+            cgroup
+        }
+        Err(e) => {
+            let error = crate::error_chain(&e);
+            audit.finished("sandbox_launch_failed", None, None, Some(&error));
+            return Err(ApiError::bad_request(
+                "sandbox_launch_failed",
+                format!("the execution's cgroup could not be prepared, nothing was run: {error}"),
+            ));
+        }
+    };
     launch.stdin = p.code.clone().into_bytes();
     launch.timeout = (p.timeout_ms > 0).then(|| Duration::from_millis(p.timeout_ms));
     launch.cancel = Some(stop_rx);
@@ -700,6 +728,7 @@ async fn sandbox_run(
     let mut output = OutputBudget::new(p.max_output);
     let outcome = app.sandbox.launcher.run(launch, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
+    let usage = crate::limits::finish(cgroup).await;
     let outcome = match outcome {
         Ok(o) => o,
         Err(e) => {
@@ -759,11 +788,18 @@ async fn sandbox_run(
     let (created_files, modified_files) = files::changes(&before, &after);
     let collected = output.finish();
     finish("completed", Some(exit_code));
+    let limits = crate::limits::outcome_fields(
+        outcome.termination,
+        collected.stderr.is_empty(),
+        usage.as_ref(),
+        &p.limits,
+        &rlimits,
+    );
     Ok(ExecutionResult {
         exit_code,
         stdout: collected.stdout,
         stderr: collected.stderr,
-        cgroup_mode: "none",
+        cgroup_mode: app.limits.mode.label(),
         created_files,
         modified_files,
         environment_revision_id: p.environment_revision_id.clone(),
@@ -779,6 +815,7 @@ async fn sandbox_run(
         sandbox: "bubblewrap",
         started_at,
         working_directory,
+        limits,
         workspace_snapshot: None,
     })
 }

@@ -67,6 +67,10 @@ pub struct Launch {
     pub cancel: Option<watch::Receiver<bool>>,
     /// Descriptors placed at 5, 6, … in order (the workspace directories for `--bind-fd`).
     pub extra_fds: Vec<OwnedFd>,
+    /// The join files of the execution's cgroups (`cgroup.procs`, or v1's `tasks`), opened
+    /// for writing: sandbox-init joins each before it execs bwrap
+    /// (`crate::limits::ExecCgroup::procs_fds`).
+    pub cgroup_procs: Vec<OwnedFd>,
 }
 
 impl Launch {
@@ -83,6 +87,7 @@ impl Launch {
             timeout: None,
             cancel: None,
             extra_fds: Vec::new(),
+            cgroup_procs: Vec::new(),
         }
     }
 }
@@ -217,12 +222,15 @@ impl Launcher {
             fds.push(fd);
             targets.push(FIRST_EXTRA_FD + i as i32);
         }
+        let join_cgroups = launch.cgroup_procs.len();
+        fds.extend(launch.cgroup_procs);
         let args = bwrap_args(&launch.options, launch.filter.is_some(), &launch.command);
         let plan = LaunchPlan {
             program: launch.bwrap.to_string_lossy().into_owned(),
             args,
             fds: targets,
             rlimits: launch.rlimits,
+            join_cgroups,
         };
         let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;

@@ -256,6 +256,7 @@ impl Prober for LaunchProber<'_> {
             timeout: Some(PROBE_TIMEOUT),
             cancel: None,
             extra_fds: Vec::new(),
+            cgroup_procs: Vec::new(),
         };
         let mut output = OutputBudget::new(PROBE_OUTPUT_BYTES);
         match self.launcher.run(launch, &mut output).await {
