@@ -308,6 +308,7 @@ impl Broker {
                 }
                 State::Running => {
                     let Some(running) = inner.running.as_mut().filter(|r| r.id == id) else {
+                        drop(inner);
                         return self.get(id, session);
                     };
                     running.cancel_requested = true;
@@ -325,7 +326,10 @@ impl Broker {
                         }
                     });
                 }
-                _ => return self.get(id, session),
+                _ => {
+                    drop(inner);
+                    return self.get(id, session);
+                }
             }
         }
         let deadline = tokio::time::Instant::now() + KILL_GRACE + Duration::from_secs(3);
@@ -499,6 +503,15 @@ impl Broker {
                 }
             }
         });
+    }
+
+    /// At shutdown, after the worker stopped: the running job's process group ends with the
+    /// broker. Its record stays `running` on disk, so the next start marks it interrupted.
+    pub fn kill_running(&self) {
+        if let Some(r) = self.lock().running.as_ref() {
+            tracing::info!(event = "npu_job_killed", job_id = %r.id, signal = "SIGKILL", reason = "npu-brokerd is stopping");
+            signal_group(r.pgid, libc::SIGKILL);
+        }
     }
 
     /// Queued → running, unless it was cancelled meanwhile.

@@ -199,15 +199,20 @@ fn serve(loaded: Loaded, p: Prepared) -> anyhow::Result<()> {
     // Landlock binds the calling thread and its future children: confine before the
     // runtime starts its workers.
     let confinement = if cfg.confine {
+        // runnerd makes its workspace roots lazily: until one exists, the data directory
+        // stands in for it (a rule needs an existing directory).
+        let workspace_root = |name: &str| {
+            let dir = cfg.data_dir.join(name);
+            if dir.is_dir() { dir } else { cfg.data_dir.clone() }
+        };
         let writable = [
-            cfg.state_dir.as_path(),
-            &cfg.data_dir.join("projects"),
-            &cfg.data_dir.join("remote-workspaces"),
-            control_dir.as_path(),
-            Path::new("/dev"),
-            Path::new("/tmp"),
-        ]
-        .map(Path::to_owned);
+            cfg.state_dir.clone(),
+            workspace_root("projects"),
+            workspace_root("remote-workspaces"),
+            control_dir.clone(),
+            "/dev".into(),
+            "/tmp".into(),
+        ];
         let refs: Vec<&Path> = writable.iter().map(|p| p.as_path()).collect();
         confine::apply(&refs).context("npu-brokerd could not confine itself")?
     } else {
@@ -244,6 +249,8 @@ fn serve(loaded: Loaded, p: Prepared) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {}
         }
         worker.abort();
+        let _ = worker.await;
+        broker.kill_running();
         let _ = std::fs::remove_file(&cfg.control_socket);
         tracing::info!(event = "npu_brokerd_stopped");
         anyhow::Ok(())

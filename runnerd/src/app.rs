@@ -33,6 +33,8 @@ pub struct App {
     pub managed: std::sync::Arc<Manager>,
     /// egressd and the bridge, for domain-allowlist sandboxes.
     pub egress: EgressClient,
+    /// npu-brokerd, for the `/npu/workloads` and `/npu/jobs…` routes.
+    pub npu_broker: crate::npu_broker::BrokerClient,
 }
 
 impl App {
@@ -50,7 +52,6 @@ impl App {
             bridge: crate::egress::locate_bridge(config.egress_bridge.clone()),
         };
         App {
-            config,
             token,
             sandbox,
             admission,
@@ -62,6 +63,11 @@ impl App {
             shutdown: tokio::sync::watch::Sender::new(false),
             versions,
             managed,
+            npu_broker: crate::npu_broker::BrokerClient {
+                enabled: config.npu_broker_enabled,
+                socket: config.npu_broker_socket.clone(),
+            },
+            config,
             egress,
         }
     }

@@ -25,6 +25,7 @@ pub mod fsat;
 pub mod http;
 pub mod launch;
 pub mod managed;
+pub mod npu_broker;
 pub mod remote;
 pub mod sandbox;
 pub mod selftest;

@@ -6,5 +6,6 @@ mod isolation;
 mod lifecycle;
 mod managed;
 mod network;
+mod npu_broker;
 mod preflight;
 mod remote;
