@@ -238,7 +238,7 @@ impl Loaded {
                     "python" => show(&c.python, "unset (python3)"),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
-                    other => self.settings.var(k.var).unwrap_or_else(|| format!("unset ({other})")),
+                    _ => self.settings.var(k.var).unwrap_or_else(|| "unset".to_owned()),
                 };
                 Row::new(k.name, value, self.origin(k.name))
             })
@@ -287,6 +287,29 @@ mod tests {
         assert_eq!(err(&["--state-dir="]), ConfigError::MissingValue("--state-dir".into()));
         assert_eq!(args(&["--check-config"]).mode, Mode::CheckConfig);
         assert_eq!(args(&["--help", "--bogus"]).mode, Mode::Help);
+    }
+
+    #[test]
+    fn the_packaged_file_names_only_known_keys_each_once() {
+        // Embedded at build time (the unprivileged test user may not enter the checkout).
+        let packaged =
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/config/npu-brokerd.toml"));
+        let settings: Vec<&str> = packaged
+            .lines()
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| {
+                l.split_once(" = ")
+                    .is_some_and(|(k, _)| k.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            })
+            .collect();
+        assert!(settings.len() >= 10, "{settings:?}");
+        let uncommented = settings.join("\n");
+        let file = common::settings::ConfigFile::parse(
+            &SCHEMA,
+            std::path::Path::new("npu-brokerd.toml"),
+            &uncommented,
+        );
+        assert!(file.is_ok(), "{:?}", file.err());
     }
 
     #[test]
