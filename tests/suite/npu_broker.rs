@@ -5,13 +5,20 @@
 //! the filtered environment, queued and running cancel (with the SIGKILL escalation and the
 //! process group gone), restart → interrupted, a corrupt state file, the broker off, down,
 //! or refusing runnerd's uid.
+//!
+//! Signed bodies carry a `nonce` (runnerd ignores unknown fields): the signature covers the
+//! timestamp and the body, not the path, and the client's clock offset (the original's
+//! algorithm, from a second-granular `Date`) puts the timestamps of quick successive requests
+//! near the same second boundary, so two identical bodies (the original's NPU submit and
+//! cancel bodies carry no unique id) can be refused as a replay by runnerd's replay cache.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use runner_tests::journal::Journal;
 use runner_tests::npu::{Broker, fake_managed_env};
-use runner_tests::processes_matching;
 use runner_tests::server::{Server, ServerOptions};
+use runner_tests::{processes_matching, sandbox_or_skip};
 use runnerd::client::RunnerClient;
 use serde_json::{Value, json};
 
@@ -87,7 +94,8 @@ async fn submit(client: &RunnerClient, body: Value) -> (u16, Value) {
 }
 
 fn job_body(workload: &str, ws: &Path, extra: Value) -> Value {
-    let mut body = json!({"sessionId": SESSION, "workloadId": workload, "workspaceRoot": ws});
+    let mut body =
+        json!({"sessionId": SESSION, "workloadId": workload, "workspaceRoot": ws, "nonce": nonce()});
     if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
         b.extend(e.clone());
     }
@@ -455,9 +463,52 @@ async fn broker_off_down_or_refusing_runnerd_answers_clearly() {
     );
 }
 
-fn cancel_body(session: &str) -> Value {
+#[tokio::test]
+async fn every_job_is_audited_to_journald_under_its_own_identifier() {
+    // The journal wrapper is a bwrap (no root needed), as in tests/suite/audit.rs.
+    if !sandbox_or_skip("every_job_is_audited_to_journald_under_its_own_identifier") {
+        return;
+    }
+    let wl = whitelist();
+    let (server, mut broker, _sockets) =
+        start_pair(Some(&wl), &[("NPU_SECRET_TOKEN", "leak-npu-token")], &[]);
+    let journal = Journal::start();
+    broker.rewrap(journal.wrapper(), &[("SCIENCE_AGENT_LOG_TARGET", "journald")]);
+    let client = server.client();
+    let ws = server.project_workspace("audit");
+    std::fs::create_dir_all(ws.join("cfg")).unwrap();
+    std::fs::write(ws.join("cfg/run.json"), "{}").unwrap();
+    let (status, job) =
+        submit(&client, job_body("project.custom.v1", &ws, json!({"configPath": "cfg/run.json"}))).await;
+    assert_eq!(status, 201, "{job}");
+    let id = job["id"].as_str().unwrap().to_owned();
+    let wait = Duration::from_secs(30);
+    let this = |r: &runner_tests::journal::Record| r.get("JOB_ID").as_deref() == Some(id.as_str());
+    let submitted = journal.wait_for("npu_job_submitted", this, wait);
+    assert_eq!(submitted.get("SESSION_ID").as_deref(), Some(SESSION));
+    assert_eq!(submitted.get("WORKLOAD_ID").as_deref(), Some("project.custom.v1"));
+    let started = journal.wait_for("npu_job_started", this, wait);
+    assert!(started.get("ARGS").unwrap_or_default().contains("echo.py"), "{}", started.text());
+    let finished = journal.wait_for("npu_job_finished", this, wait);
+    assert_eq!(finished.get("STATE").as_deref(), Some("Succeeded"), "{}", finished.text());
+    assert_eq!(finished.get("EXIT_CODE").as_deref(), Some("0"));
+    for r in journal.records() {
+        assert_eq!(r.get("SYSLOG_IDENTIFIER").as_deref(), Some("npu-brokerd"), "{}", r.text());
+    }
+    let confined = journal.wait_for("confinement_applied", |_| true, wait);
+    assert_eq!(confined.get("NO_NEW_PRIVS").as_deref(), Some("true"));
+    for payload in journal.payloads() {
+        assert!(!String::from_utf8_lossy(&payload).contains("leak-npu-token"), "a secret was logged");
+    }
+}
+
+fn nonce() -> u64 {
     static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    json!({"sessionId": session, "nonce": NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)})
+    NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+fn cancel_body(session: &str) -> Value {
+    json!({"sessionId": session, "nonce": nonce()})
 }
 
 fn nix_uid() -> u32 {

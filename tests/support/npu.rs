@@ -18,6 +18,8 @@ pub struct Broker {
     pub log: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// A command prefix it runs under ([`crate::journal::Journal::wrapper`]).
+    pub wrapper: Vec<String>,
 }
 
 impl Broker {
@@ -59,8 +61,9 @@ impl Broker {
         args.extend(extra_args.iter().map(|s| s.to_string()));
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let log = dir.path().join("npu-brokerd.stderr");
-        let child = spawn(&args, &env, &log);
-        let mut b = Broker { child, dir, socket, repo, log, args, env };
+        let wrapper: Vec<String> = Vec::new();
+        let child = spawn(&args, &env, &log, &wrapper);
+        let mut b = Broker { child, dir, socket, repo, log, args, env, wrapper };
         b.wait_ready();
         b
     }
@@ -91,10 +94,23 @@ impl Broker {
         ]
     }
 
-    /// SIGTERM and wait.
+    /// Stops it and starts it again under `wrapper` (a journal, say).
+    pub fn rewrap(&mut self, wrapper: Vec<String>, env: &[(&str, &str)]) {
+        self.stop();
+        self.wrapper = wrapper;
+        self.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        self.child = spawn(&self.args, &self.env, &self.log, &self.wrapper);
+        self.wait_ready();
+    }
+
+    /// SIGTERM (to the broker, not its wrapper) and wait.
     pub fn stop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let pid =
+            if self.wrapper.is_empty() { Some(self.child.id()) } else { crate::wrapped_pid(self.child.id()) };
+        if let Some(pid) = pid {
+            // SAFETY: kill(2) on our own child's pid (or its wrapper's child).
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
@@ -109,15 +125,22 @@ impl Broker {
     /// Stops it and starts it again with the same settings (the log is appended to).
     pub fn restart(&mut self) {
         self.stop();
-        self.child = spawn(&self.args, &self.env, &self.log);
+        self.child = spawn(&self.args, &self.env, &self.log, &self.wrapper);
         self.wait_ready();
     }
 }
 
-fn spawn(args: &[String], env: &[(String, String)], log: &Path) -> Child {
+fn spawn(args: &[String], env: &[(String, String)], log: &Path, wrapper: &[String]) -> Child {
     let stderr = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
-    Command::new(bin("npu-brokerd"))
-        .args(args)
+    let mut cmd = match wrapper.split_first() {
+        Some((program, prefix)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(prefix).arg(bin("npu-brokerd"));
+            cmd
+        }
+        None => Command::new(bin("npu-brokerd")),
+    };
+    cmd.args(args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()))
         .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
