@@ -20,8 +20,9 @@ use crate::template::{self, Context};
 use crate::workloads::{self, Workload};
 use crate::{af3, environ, timefmt};
 
-/// Each stream keeps this much of its beginning; the rest is counted as truncated.
-pub const LOG_LIMIT: usize = 128 * 1024;
+/// Each stream keeps this much of its end (a job's result is usually printed last); what
+/// falls off sets `truncated`. Two streams escaped as JSON stay under the channel's 1 MiB frame.
+pub const LOG_LIMIT: usize = 64 * 1024;
 /// SIGTERM, then SIGKILL this much later (internals §4.7).
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
 /// A configuration file larger than this is not read for the AF3 check.
@@ -531,14 +532,26 @@ impl Broker {
         let mut inner = self.lock();
         if let Some(j) = inner.jobs.iter_mut().find(|j| j.id == id) {
             let text = if stderr { &mut j.logs.stderr } else { &mut j.logs.stdout };
-            let room = LOG_LIMIT.saturating_sub(text.len());
-            if chunk.len() > room {
+            if append_tail(text, &String::from_utf8_lossy(chunk), LOG_LIMIT) {
                 j.logs.truncated = true;
             }
-            let take = &chunk[..chunk.len().min(room)];
-            text.push_str(&String::from_utf8_lossy(take));
         }
     }
+}
+
+/// Appends `chunk`, keeping the last `limit` bytes (cut at a character boundary); whether
+/// anything was dropped.
+pub fn append_tail(text: &mut String, chunk: &str, limit: usize) -> bool {
+    text.push_str(chunk);
+    if text.len() <= limit {
+        return false;
+    }
+    let mut cut = text.len() - limit;
+    while !text.is_char_boundary(cut) {
+        cut += 1;
+    }
+    text.drain(..cut);
+    true
 }
 
 async fn capture(
@@ -676,6 +689,25 @@ mod tests {
         .unwrap();
         std::fs::write(ws.join("cfg/artifact_manifest.txt"), "out.pdb\n").unwrap();
         assert_eq!(created_files(&ws, Some("cfg/run.json")), ["out.pdb", "cfg/b.txt"]);
+    }
+
+    #[test]
+    fn logs_keep_their_tail() {
+        let cases: &[(&str, &str, usize, &str, bool)] = &[
+            ("", "abc", 5, "abc", false),
+            ("abc", "de", 5, "abcde", false),
+            ("abc", "def", 5, "bcdef", true),
+            ("", "0123456789", 4, "6789", true),
+            ("", "aé€z", 4, "€z", true),
+            // A cut inside a multi-byte character moves past it: never more than the limit.
+            ("", "aé€z", 3, "z", true),
+        ];
+        for (before, chunk, limit, after, dropped) in cases {
+            let mut text = (*before).to_owned();
+            assert_eq!(append_tail(&mut text, chunk, *limit), *dropped, "{before:?}+{chunk:?}");
+            assert_eq!(text, *after);
+            assert!(text.len() <= *limit);
+        }
     }
 
     #[test]
