@@ -691,6 +691,57 @@ mod tests {
         assert_eq!(created_files(&ws, Some("cfg/run.json")), ["out.pdb", "cfg/b.txt"]);
     }
 
+    fn broker(data: &Path) -> Arc<Broker> {
+        let settings = Settings {
+            workloads: workloads::defaults(),
+            workload_config: "built-in defaults".into(),
+            data_dir: data.to_owned(),
+            repo_root: data.to_owned(),
+            python: None,
+            template_env: Box::new(|_| None),
+            host_env: Vec::new(),
+        };
+        let confinement = Confinement { landlock: "test".into(), seccomp: false, no_new_privs: false };
+        Broker::new(settings, Store::new(&data.join("state")), Vec::new(), confinement)
+    }
+
+    #[test]
+    fn the_broker_checks_the_workspace_itself_whatever_runnerd_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = std::fs::canonicalize(dir.path()).unwrap();
+        let ws = data.join("projects/p/sessions/s/workspace");
+        std::fs::create_dir_all(&ws).unwrap();
+        std::fs::create_dir_all(data.join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(data.join("elsewhere"), data.join("projects/p/link")).unwrap();
+        let rev = data.join("scientific-envs/revisions/starter-python/rev-1/bin");
+        std::fs::create_dir_all(&rev).unwrap();
+        std::os::unix::fs::symlink("/bin/sh", rev.join("python")).unwrap();
+        let b = broker(&data);
+        let sub = |root: PathBuf| Submission {
+            session_id: Some("s".into()),
+            workload_id: Some("npu.smoke_test".into()),
+            config_path: None,
+            environment_revision_id: Some("rev-1".into()),
+            workspace_root: root,
+        };
+        for bad in
+            [data.join("elsewhere"), data.join("projects"), data.join("projects/p/link"), "/etc".into()]
+        {
+            let (failure, message) = b.submit(sub(bad.clone())).unwrap_err();
+            assert_eq!(failure, Failure::Invalid, "{bad:?}");
+            assert!(message.contains("workspaceRoot"), "{bad:?}: {message}");
+        }
+        let job: serde_json::Value = serde_json::from_str(&b.submit(sub(ws.clone())).unwrap()).unwrap();
+        assert_eq!((job["state"].as_str(), job["workspaceRoot"].as_str()), (Some("queued"), ws.to_str()));
+        // Persisted at once.
+        let on_disk = Store::new(&data.join("state")).load("t").unwrap();
+        assert_eq!(on_disk.interrupted.len(), 1, "a queued job left by a stop becomes interrupted");
+        let (failure, message) =
+            b.submit(Submission { environment_revision_id: Some("rev-9".into()), ..sub(ws) }).unwrap_err();
+        assert_eq!(failure, Failure::Invalid);
+        assert!(message.contains("environment revision rev-9 has no Python interpreter"), "{message}");
+    }
+
     #[test]
     fn logs_keep_their_tail() {
         let cases: &[(&str, &str, usize, &str, bool)] = &[

@@ -162,6 +162,10 @@ impl Store {
         let err = |source| StoreError::Write { path: self.path.clone(), source };
         let text = serde_json::to_vec(&File { version: 1, jobs: jobs.to_vec() })
             .map_err(|e| err(std::io::Error::other(e)))?;
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|source| StoreError::Dir { path: dir.to_owned(), source })?;
+        }
         let tmp = self.path.with_extension(format!("json.{}.tmp", std::process::id()));
         let mut f = std::fs::OpenOptions::new()
             .write(true)
