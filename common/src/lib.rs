@@ -6,6 +6,7 @@
 //! * [`seccomp`]: the seccomp profiles (`baseline`, `network`, `npu`) for x86_64 and aarch64,
 //!   as pure rule tables compiled to classic BPF.
 //! * [`settings`]: a daemon's TOML configuration file layered under its variables.
+//! * [`npu`]: the runnerd ↔ npu-brokerd protocol.
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
 
 #[cfg(feature = "daemon")]
@@ -14,6 +15,7 @@ pub mod channel;
 #[cfg(feature = "daemon")]
 pub mod channel_async;
 pub mod egress;
+pub mod npu;
 pub mod plan;
 pub mod seccomp;
 #[cfg(feature = "daemon")]

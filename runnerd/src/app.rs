@@ -37,6 +37,8 @@ pub struct App {
     pub accel: crate::accel::select::Accelerators,
     /// How resource limits are enforced (decided at start-up).
     pub limits: crate::limits::Enforcement,
+    /// npu-brokerd, for the `/npu/workloads` and `/npu/jobs…` routes.
+    pub npu_broker: crate::npu_broker::BrokerClient,
 }
 
 impl App {
@@ -56,7 +58,6 @@ impl App {
             bridge: crate::egress::locate_bridge(config.egress_bridge.clone()),
         };
         App {
-            config,
             token,
             sandbox,
             admission,
@@ -68,6 +69,11 @@ impl App {
             shutdown: tokio::sync::watch::Sender::new(false),
             versions,
             managed,
+            npu_broker: crate::npu_broker::BrokerClient {
+                enabled: config.npu_broker_enabled,
+                socket: config.npu_broker_socket.clone(),
+            },
+            config,
             egress,
             accel,
             limits,

@@ -41,6 +41,8 @@ pub struct RunnerConfig {
     /// `SCIENCE_AGENT_PYTHON_PATH`: the host Python for `/execute`.
     pub python_path: String,
     pub npu_broker_enabled: bool,
+    /// `SCIENCE_AGENT_NPU_BROKER_SOCKET`: npu-brokerd's control socket.
+    pub npu_broker_socket: PathBuf,
     /// `SCIENCE_AGENT_RUNNER_TOKEN_FILE`: a file holding the token.
     pub token_file: Option<PathBuf>,
     /// Ours: executions admitted (queued + running) before 503 `queue_full`.
@@ -162,6 +164,9 @@ impl RunnerConfig {
             kernel_idle_ms,
             python_path: get("SCIENCE_AGENT_PYTHON_PATH").unwrap_or_else(|| "/usr/bin/python3".to_owned()),
             npu_broker_enabled: get("SCIENCE_AGENT_NPU_BROKER").is_some_and(|v| truthy(&v)),
+            npu_broker_socket: get("SCIENCE_AGENT_NPU_BROKER_SOCKET")
+                .unwrap_or_else(|| common::npu::DEFAULT_SOCKET.to_owned())
+                .into(),
             token_file: get("SCIENCE_AGENT_RUNNER_TOKEN_FILE").map(PathBuf::from),
             queue_capacity: positive("SCIENCE_AGENT_QUEUE_CAPACITY", 256)?,
             max_concurrent: positive("SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", cpus.max(2) * 2)?,
@@ -209,6 +214,7 @@ pub static SCHEMA: Schema = Schema {
         Key::new("execution_signature_max_age_ms", SIGNATURE_MAX_AGE, Kind::Integer),
         Key::new("kernel_idle_ms", "SCIENCE_AGENT_KERNEL_IDLE_MS", Kind::Integer),
         Key::new("npu_broker", "SCIENCE_AGENT_NPU_BROKER", Kind::Bool),
+        Key::new("npu_broker_socket", "SCIENCE_AGENT_NPU_BROKER_SOCKET", Kind::Text),
         Key::new("queue_capacity", "SCIENCE_AGENT_QUEUE_CAPACITY", Kind::Integer),
         Key::new("max_concurrent_executions", "SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", Kind::Integer),
         Key::new("header_read_timeout_ms", "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", Kind::Integer),
@@ -304,6 +310,7 @@ impl Loaded {
                     "execution_signature_max_age_ms" => c.signature_max_age_ms.to_string(),
                     "kernel_idle_ms" => c.kernel_idle_ms.to_string(),
                     "npu_broker" => c.npu_broker_enabled.to_string(),
+                    "npu_broker_socket" => c.npu_broker_socket.display().to_string(),
                     "queue_capacity" => c.queue_capacity.to_string(),
                     "max_concurrent_executions" => c.max_concurrent.to_string(),
                     "header_read_timeout_ms" => c.header_read_timeout.as_millis().to_string(),

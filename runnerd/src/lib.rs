@@ -28,6 +28,7 @@ pub mod http;
 pub mod launch;
 pub mod limits;
 pub mod managed;
+pub mod npu_broker;
 pub mod remote;
 pub mod sandbox;
 pub mod selftest;

@@ -19,9 +19,12 @@ mkdir -p "$artifacts_dir"
 pkg=sciencediscovery
 runner=sciencediscovery-runner
 egress=sciencediscovery-egress
+npu=sciencediscovery-npu
 # Exposure targets (issue #6), on systemd-analyze's 0-100 scale (3.5 and 2.0 as printed).
 runnerd_threshold=35
 egressd_threshold=20
+# npu-brokerd (issue #7): target 2.5; it runs host jobs, so it keeps devices and the network.
+npu_brokerd_threshold=25
 
 if dpkg-query -W -f '${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed'; then
     if [ "${CI:-}" = true ]; then
@@ -57,7 +60,8 @@ check "postinst says the units are enabled, not started" grep -q 'enabled, not s
 echo "==> users"
 check "$runner exists" sh -c "getent passwd $runner >/dev/null"
 check "$egress exists" sh -c "getent passwd $egress >/dev/null"
-for u in "$runner" "$egress"; do
+check "$npu exists" sh -c "getent passwd $npu >/dev/null"
+for u in "$runner" "$egress" "$npu"; do
     uid=$(id -u "$u" 2>/dev/null || echo 0)
     check "$u is a system user (uid $uid, not root)" test "$uid" -gt 0 -a "$uid" -lt 1000
     shell=$(getent passwd "$u" | cut -d: -f7)
@@ -65,6 +69,8 @@ for u in "$runner" "$egress"; do
 done
 check "$runner is a member of group $egress" sh -c "id -nG $runner | tr ' ' '\n' | grep -qx $egress"
 check "$egress is not a member of $runner's group" sh -c "! id -nG $egress | tr ' ' '\n' | grep -qx $runner"
+check "$runner is a member of group $npu (npu-brokerd's socket)" sh -c "id -nG $runner | tr ' ' '\n' | grep -qx $npu"
+check "$egress is not a member of $npu's group" sh -c "! id -nG $egress | tr ' ' '\n' | grep -qx $npu"
 
 echo "==> files and modes"
 # mode owner:group path
@@ -76,10 +82,13 @@ expect_file() {
 expect_file 755 root:root /usr/bin/runnerd
 expect_file 755 root:root /usr/bin/runnerctl
 expect_file 755 root:root /usr/bin/egressd
+expect_file 755 root:root /usr/bin/npu-brokerd
+expect_file 644 root:root /usr/share/sciencediscovery/npu/workloads/npu-smoke-test.py
 expect_file 755 root:root /usr/libexec/sciencediscovery/sandbox-init
 expect_file 755 root:root /usr/libexec/sciencediscovery/egress-bridge
 expect_file 644 root:root /etc/sciencediscovery/runnerd.toml
 expect_file 644 root:root /etc/sciencediscovery/egressd.toml
+expect_file 644 root:root /etc/sciencediscovery/npu-brokerd.toml
 expect_file 600 root:root /etc/sciencediscovery/runner-token
 check "nothing is installed next to /usr/bin/runnerd that runnerd would prefer to libexec" \
     test ! -e /usr/bin/sandbox-init -a ! -e /usr/bin/egress-bridge
@@ -94,7 +103,7 @@ types = [struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range
 sys.exit(1 if 3 in types else 0)  # PT_INTERP
 PY
 conffiles=$(dpkg-query -W -f '${Conffiles}' "$pkg")
-for f in /etc/sciencediscovery/runnerd.toml /etc/sciencediscovery/egressd.toml; do
+for f in /etc/sciencediscovery/runnerd.toml /etc/sciencediscovery/egressd.toml /etc/sciencediscovery/npu-brokerd.toml; do
     check "$f is a conffile" grep -q " $f " <<< "$conffiles"
     check "$f is valid TOML with every key commented out" python3 -c '
 import sys, tomllib
@@ -105,10 +114,13 @@ check "runnerd --version runs" /usr/bin/runnerd --version
 check "egressd --version runs" /usr/bin/egressd --version
 check "egressd --check-config as $egress with the unit's flags" runuser -u "$egress" -- \
     /usr/bin/egressd --runner-uid "$runner" --socket-group "$egress" --check-config
+check "npu-brokerd --version runs" /usr/bin/npu-brokerd --version
+check "npu-brokerd --check-config as $npu with the unit's flags (the built-in whitelist is valid)" \
+    runuser -u "$npu" -- /usr/bin/npu-brokerd --runner-uid "$runner" --socket-group "$npu" --check-config
 
 echo "==> units"
 unit_dir=$(dirname "$(dpkg -L "$pkg" | grep '/systemd/system/egressd.service$')")
-for u in runnerd.service runnerd.socket egressd.service; do
+for u in runnerd.service runnerd.socket egressd.service npu-brokerd.service; do
     check "$unit_dir/$u installed" test -f "$unit_dir/$u"
 done
 check "sysusers.d/$pkg.conf installed" sh -c "dpkg -L $pkg | grep -q '/sysusers.d/$pkg.conf$'"
@@ -118,17 +130,18 @@ check "egressd.service enabled (multi-user.target.wants link)" \
     test -L /etc/systemd/system/multi-user.target.wants/egressd.service
 check "runnerd.service itself is not wanted at boot (the socket starts it)" \
     test ! -e /etc/systemd/system/multi-user.target.wants/runnerd.service
-for u in runnerd.socket egressd.service; do
+for u in runnerd.socket egressd.service npu-brokerd.service; do
     state=$(systemctl is-enabled "$u" 2>&1 || true)
     check "systemctl is-enabled $u: $state" test "$state" = enabled
 done
 # (Zombies are allowed: the postinst's selftest may leave its exited bwraps to init.)
-live=$(ps -eo user:32=,stat= | awk -v a="$runner" -v b="$egress" '($1 == a || $1 == b) && $2 !~ /^Z/')
-check "nothing runs as $runner or $egress (nothing started on install)" test -z "$live"
+live=$(ps -eo user:32=,stat= | awk -v a="$runner" -v b="$egress" -v c="$npu" '($1 == a || $1 == b || $1 == c) && $2 !~ /^Z/')
+check "nothing runs as $runner, $egress or $npu (nothing started on install)" test -z "$live"
 
 echo "==> systemd-analyze verify"
 verify_out=$(systemd-analyze verify --man=no --recursive-errors=no \
-    "$unit_dir/runnerd.socket" "$unit_dir/runnerd.service" "$unit_dir/egressd.service" 2>&1) || true
+    "$unit_dir/runnerd.socket" "$unit_dir/runnerd.service" "$unit_dir/egressd.service" \
+    "$unit_dir/npu-brokerd.service" 2>&1) || true
 if [ -z "$verify_out" ]; then
     ok "systemd-analyze verify: no output"
 else
@@ -139,7 +152,8 @@ fi
 echo "==> systemd-analyze security --offline"
 scores="$artifacts_dir/exposure.txt"
 : > "$scores"
-for pair in "runnerd.service:$runnerd_threshold" "egressd.service:$egressd_threshold"; do
+for pair in "runnerd.service:$runnerd_threshold" "egressd.service:$egressd_threshold" \
+            "npu-brokerd.service:$npu_brokerd_threshold"; do
     unit=${pair%%:*} threshold=${pair#*:}
     out=$(systemd-analyze security --offline=true --threshold="$threshold" "$unit_dir/$unit" 2>&1) && rc=0 || rc=$?
     printf '%s\n' "$out" >> "$scores"
@@ -161,15 +175,16 @@ fi
 
 echo "==> rpm $(basename "$rpm")"
 rpm_files=$(rpm -qpl "$rpm" 2>/dev/null)
-for f in /usr/bin/runnerd /usr/bin/runnerctl /usr/bin/egressd \
+for f in /usr/bin/runnerd /usr/bin/runnerctl /usr/bin/egressd /usr/bin/npu-brokerd \
          /usr/libexec/sciencediscovery/sandbox-init /usr/libexec/sciencediscovery/egress-bridge \
          /usr/lib/systemd/system/runnerd.service /usr/lib/systemd/system/runnerd.socket \
-         /usr/lib/systemd/system/egressd.service /usr/lib/sysusers.d/sciencediscovery.conf \
-         /etc/sciencediscovery/runnerd.toml /etc/sciencediscovery/egressd.toml; do
+         /usr/lib/systemd/system/egressd.service /usr/lib/systemd/system/npu-brokerd.service \
+         /usr/lib/sysusers.d/sciencediscovery.conf /usr/share/sciencediscovery/npu/workloads/npu-smoke-test.py \
+         /etc/sciencediscovery/runnerd.toml /etc/sciencediscovery/egressd.toml /etc/sciencediscovery/npu-brokerd.toml; do
     check "rpm carries $f" grep -qx "$f" <<< "$rpm_files"
 done
 check "rpm: the configuration is %config(noreplace)" sh -c \
-    "[ \"\$(rpm -qp --qf '[%{FILENAMES} %{FILEFLAGS:fflags}\n]' '$rpm' 2>/dev/null | grep -c '^/etc/sciencediscovery/[a-z]*\.toml cn\$')\" = 2 ]"
+    "[ \"\$(rpm -qp --qf '[%{FILENAMES} %{FILEFLAGS:fflags}\n]' '$rpm' 2>/dev/null | grep -c '^/etc/sciencediscovery/[a-z-]*\.toml cn\$')\" = 3 ]"
 check "rpm: modes of binaries and configuration" sh -c \
     "rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME} %{FILENAMES}\n]' '$rpm' 2>/dev/null | grep -qx -- '-rwxr-xr-x root /usr/libexec/sciencediscovery/sandbox-init' &&
      rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME} %{FILENAMES}\n]' '$rpm' 2>/dev/null | grep -qx -- '-rw-r--r-- root /etc/sciencediscovery/runnerd.toml'"
@@ -177,7 +192,7 @@ rpm_scripts=$(rpm -qp --scripts "$rpm" 2>/dev/null)
 printf '%s\n' "$rpm_scripts" > "$artifacts_dir/rpm-scripts.txt"
 check "rpm %post runs systemd-sysusers" grep -q 'systemd-sysusers /usr/lib/sysusers.d/sciencediscovery.conf' <<< "$rpm_scripts"
 check "rpm %post creates the token" grep -q '^create_runner_token || :' <<< "$rpm_scripts"
-check "rpm %post enables by preset only" grep -q 'systemctl --no-reload preset egressd.service runnerd.service runnerd.socket' <<< "$rpm_scripts"
+check "rpm %post enables by preset only" grep -q 'systemctl --no-reload preset egressd.service npu-brokerd.service runnerd.service runnerd.socket' <<< "$rpm_scripts"
 check "rpm %preun disables and stops on erase" grep -q 'disable --now runnerd.socket' <<< "$rpm_scripts"
 check "rpm scripts never start a unit" lacks 'systemctl[^|;]* (start|enable --now|restart|reload-or-restart) ' "$rpm_scripts"
 shared() { sed -n '/^# --- shared with/,/^# --- end of the shared part ---/p' | sed 1d; }
@@ -186,11 +201,12 @@ check "the token and selftest code is identical in the .deb's postinst and the .
 
 echo "==> dpkg -P"
 dpkg -P "$pkg" > "$artifacts_dir/dpkg-purge.log" 2>&1 || { cat "$artifacts_dir/dpkg-purge.log" >&2; bad "dpkg -P failed"; }
-left=$( { ls "$unit_dir"/runnerd.* "$unit_dir"/egressd.* /usr/lib/sysusers.d/sciencediscovery.conf 2>/dev/null
-          find /etc/systemd/system -name 'runnerd.*' -o -name 'egressd.*' 2>/dev/null
+left=$( { ls "$unit_dir"/runnerd.* "$unit_dir"/egressd.* "$unit_dir"/npu-brokerd.* /usr/lib/sysusers.d/sciencediscovery.conf 2>/dev/null
+          find /etc/systemd/system -name 'runnerd.*' -o -name 'egressd.*' -o -name 'npu-brokerd.*' 2>/dev/null
           find /var/lib/systemd/deb-systemd-helper-enabled /var/lib/systemd/deb-systemd-helper-masked \
-               \( -name 'runnerd.*' -o -name 'egressd.*' \) 2>/dev/null
-          ls -d /etc/sciencediscovery /usr/libexec/sciencediscovery /usr/bin/runnerd /usr/bin/egressd 2>/dev/null; } || true)
+               \( -name 'runnerd.*' -o -name 'egressd.*' -o -name 'npu-brokerd.*' \) 2>/dev/null
+          ls -d /etc/sciencediscovery /usr/libexec/sciencediscovery /usr/share/sciencediscovery /usr/bin/runnerd /usr/bin/egressd \
+                /usr/bin/npu-brokerd 2>/dev/null; } || true)
 if [ -z "$left" ]; then
     ok "dpkg -P left no units, links, state, configuration or binaries"
 else

@@ -8,5 +8,6 @@ mod lifecycle;
 mod limits;
 mod managed;
 mod network;
+mod npu_broker;
 mod preflight;
 mod remote;

@@ -3,6 +3,7 @@
 
 pub mod egress;
 pub mod journal;
+pub mod npu;
 pub mod server;
 
 use std::path::{Path, PathBuf};

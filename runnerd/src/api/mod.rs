@@ -4,6 +4,7 @@
 pub mod error;
 mod health;
 mod managed;
+mod npu;
 pub mod query;
 pub mod remote;
 mod resources;
@@ -74,8 +75,10 @@ pub fn is_health(method: &str, path: &str) -> bool {
 
 /// Answers `GET /health` (no auth, no disk, no subprocess; one bounded question to egressd).
 pub async fn health(app: &App) -> ApiResponse {
-    let egress = app.egress.status().await;
-    ApiResponse::json(200, health::health(app, &egress).to_string())
+    let (egress, npu_broker) = tokio::join!(app.egress.status(), npu::status(app));
+    let mut body = health::health(app, &egress);
+    npu::fill_health(&mut body, app, &npu_broker);
+    ApiResponse::json(200, body.to_string())
 }
 
 /// The bearer check, made before the body is read (contract §1.3).
@@ -110,7 +113,7 @@ pub async fn handle(
         return Err(ApiError::not_found());
     }
     match (req.method.as_str(), segments.as_slice()) {
-        ("GET", ["status"]) => ok(status(&app)),
+        ("GET", ["status"]) => ok(status(&app, npu::active_jobs(&app).await)),
         ("GET", ["resources"]) => ok(resources::resources(&app).await),
         ("GET", ["npu", "devices"]) => {
             let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
@@ -165,6 +168,19 @@ pub async fn handle(
         ("POST", ["shell-executions", id, "cancel"]) => {
             managed::cancel(&app, &percent_decode(id), req.query.as_deref()).await
         }
+        ("GET", ["npu", "workloads"]) => npu::workloads(&app).await,
+        ("GET", ["npu", "jobs"]) => npu::list(&app, req.query.as_deref()).await,
+        ("POST", ["npu", "jobs"]) => npu::submit(&app, &req.body).await,
+        ("GET", ["npu", "jobs", id]) => {
+            npu::read(&app, percent_decode(id), req.query.as_deref(), npu::Read::Job).await
+        }
+        ("GET", ["npu", "jobs", id, "logs"]) => {
+            npu::read(&app, percent_decode(id), req.query.as_deref(), npu::Read::Logs).await
+        }
+        ("GET", ["npu", "jobs", id, "result"]) => {
+            npu::read(&app, percent_decode(id), req.query.as_deref(), npu::Read::Result).await
+        }
+        ("POST", ["npu", "jobs", id, "cancel"]) => npu::cancel(&app, percent_decode(id), &req.body).await,
         _ => Err(ApiError::not_found()),
     }
 }
@@ -207,12 +223,12 @@ fn verify_signature(app: &App, req: &ApiRequest) -> Result<(), ApiError> {
     }
 }
 
-fn status(app: &App) -> Value {
+fn status(app: &App, npu_jobs: Value) -> Value {
     json!({
         "activeExecutions": app.registry.snapshot(),
         "capturedAt": timefmt::now_iso(),
         "kernels": [],
-        "npuJobs": [],
+        "npuJobs": npu_jobs,
         "runnerVersion": runner_version(),
         "status": "ok",
     })
