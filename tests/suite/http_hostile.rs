@@ -415,6 +415,29 @@ async fn an_exact_replay_of_an_accepted_request_is_refused() {
     assert_eq!(std::fs::read_to_string(ws.join("runs.txt")).unwrap(), "run\n", "the replay ran");
 }
 
+/// The NPU job routes' bodies carry nothing unique (every cancel is `{sessionId}`) and the
+/// original client's timestamps cluster on second boundaries, so two distinct requests can
+/// share a signature there: runnerd must not call the second one a replay (drop-in).
+#[tokio::test]
+async fn identical_signed_npu_bodies_are_not_refused_as_replays() {
+    let server = Server::start();
+    let ts = now_ms().to_string();
+    let cancel = json!({"sessionId": "session"});
+    let submit = json!({"sessionId": "session", "workloadId": "npu.smoke-test.v1"});
+    for (path, body) in [
+        ("/npu/jobs/job-a/cancel", &cancel),
+        ("/npu/jobs/job-b/cancel", &cancel),
+        ("/npu/jobs/job-b/cancel", &cancel),
+        ("/npu/jobs", &submit),
+        ("/npu/jobs", &submit),
+    ] {
+        let r = post_at(&server, path, &ts, body).await;
+        let text = String::from_utf8_lossy(&r.body);
+        assert_ne!(r.status, 401, "{path}: {text}");
+        assert!(!text.contains("replayed_request"), "{path}: {text}");
+    }
+}
+
 #[tokio::test]
 async fn the_bearer_check_comes_before_the_signature_check() {
     if !sandbox_or_skip("the_bearer_check_comes_before_the_signature_check") {

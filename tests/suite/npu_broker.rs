@@ -6,11 +6,8 @@
 //! process group gone), restart → interrupted, a corrupt state file, the broker off, down,
 //! or refusing runnerd's uid.
 //!
-//! Signed bodies carry a `nonce` (runnerd ignores unknown fields): the signature covers the
-//! timestamp and the body, not the path, and the client's clock offset (the original's
-//! algorithm, from a second-granular `Date`) puts the timestamps of quick successive requests
-//! near the same second boundary, so two identical bodies (the original's NPU submit and
-//! cancel bodies carry no unique id) can be refused as a replay by runnerd's replay cache.
+//! Signed bodies are the original's, with nothing unique in them: runnerd's replay cache
+//! leaves the NPU routes alone (`api::replay_checked`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -94,8 +91,7 @@ async fn submit(client: &RunnerClient, body: Value) -> (u16, Value) {
 }
 
 fn job_body(workload: &str, ws: &Path, extra: Value) -> Value {
-    let mut body =
-        json!({"sessionId": SESSION, "workloadId": workload, "workspaceRoot": ws, "nonce": nonce()});
+    let mut body = json!({"sessionId": SESSION, "workloadId": workload, "workspaceRoot": ws});
     if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
         b.extend(e.clone());
     }
@@ -502,13 +498,8 @@ async fn every_job_is_audited_to_journald_under_its_own_identifier() {
     }
 }
 
-fn nonce() -> u64 {
-    static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
 fn cancel_body(session: &str) -> Value {
-    json!({"sessionId": session, "nonce": nonce()})
+    json!({"sessionId": session})
 }
 
 fn nix_uid() -> u32 {
