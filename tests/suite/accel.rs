@@ -108,6 +108,10 @@ async fn npu_chips_are_probed_one_by_one_bound_renumbered_and_refused_by_name() 
         assert_eq!(device(&inv, h)["sandboxUsable"], true, "chip {h}: {inv}");
     }
     assert_eq!(device(&inv, 0)["hbmUsedMb"], 3445);
+    // A chip that `info -m` lists but `info` has no readings for: still listed, `health`
+    // present and empty (the original's `?? ""`), no readings.
+    assert_eq!(device(&inv, 1)["health"], "", "{inv}");
+    assert!(device(&inv, 1).get("hbmUsedMb").is_none());
     assert_eq!(device(&inv, 2)["sandboxUsable"], false);
     assert_eq!(
         device(&inv, 2)["sandboxUnusableReason"],
@@ -226,8 +230,15 @@ async fn dcmi_is_read_first_through_dlopen() {
             )
         })
         .collect();
-    assert_eq!(got, [(4, "910C", 103.9, true), (5, "910C", 138.8, true)]);
+    // Card 1 does not answer and card 0's third chip has no logic id: skipped, not the
+    // whole read. Card 2's chip (logic 7) answers neither name nor health.
+    assert_eq!(got, [(4, "910C", 103.9, true), (5, "910C", 138.8, true), (7, "", 103.9, false)]);
     assert_eq!(device(&inv, 5)["health"], "Alarm");
+    assert_eq!(device(&inv, 7)["health"], "", "health is always present, empty when unknown");
+    assert_eq!(
+        device(&inv, 7)["sandboxUnusableReason"],
+        "Only Ascend 910 series chips are supported; this one reports \"\"."
+    );
 }
 
 #[tokio::test]

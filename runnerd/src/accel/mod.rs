@@ -70,14 +70,14 @@ pub struct NpuDevice {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chip_id: Option<u32>,
     pub chip_name: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health: Option<String>,
+    /// Always present, `""` when unknown (the original's `health: string`).
+    pub health: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hbm_percent: Option<Num>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub hbm_total_mb: Option<u64>,
+    pub hbm_total_mb: Option<Num>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub hbm_used_mb: Option<u64>,
+    pub hbm_used_mb: Option<Num>,
     /// The chip logic id: the N of `/dev/davinciN`.
     pub host_index: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -98,7 +98,7 @@ impl NpuDevice {
             card_id: None,
             chip_id: None,
             chip_name,
-            health: None,
+            health: String::new(),
             hbm_percent: None,
             hbm_total_mb: None,
             hbm_used_mb: None,

@@ -285,6 +285,7 @@ pub async fn resolve_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::accel::Num;
     use crate::accel::test_support::{ScriptedProber, fake_host};
 
     const OCCUPIED: &str = "dcmi model initialized failed, because the device is used. ret is -8020";
@@ -317,7 +318,10 @@ mod tests {
         let d = |h: u32| inv.devices.iter().find(|d| d.host_index == h).unwrap();
         assert!(d(0).sandbox_usable && d(0).sandbox_unusable_reason.is_none());
         // Readings joined on (card, chip): card 5 chip 0 is logic 5.
-        assert_eq!((d(0).hbm_used_mb, d(5).hbm_used_mb, d(1).hbm_used_mb), (Some(3445), Some(60156), None));
+        assert_eq!(
+            (d(0).hbm_used_mb, d(5).hbm_used_mb, d(1).hbm_used_mb),
+            (Some(Num(3445.0)), Some(Num(60156.0)), None)
+        );
         assert_eq!(
             d(4).sandbox_unusable_reason.as_deref(),
             Some(format!("NPU 4 cannot be opened inside the sandbox: {OCCUPIED}").as_str())
