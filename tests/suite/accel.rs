@@ -242,6 +242,41 @@ async fn dcmi_is_read_first_through_dlopen() {
 }
 
 #[tokio::test]
+async fn a_failed_npu_listing_names_the_tools_words_and_is_cached_until_refresh() {
+    if !sandbox_or_skip("a_failed_npu_listing_names_the_tools_words_and_is_cached_until_refresh") {
+        return;
+    }
+    let host = runner_tests::scratch_dir();
+    let mut env = fake_npu_host(host.path());
+    // Blanks around a setting are trimmed, as the original's `.trim()`.
+    for (k, v) in env.iter_mut() {
+        if k == "SCIENCE_AGENT_NPU_SMI_PATH" {
+            *v = format!("  {v} ");
+        }
+    }
+    let info = host.path().join("bin/info.txt");
+    std::fs::remove_file(&info).unwrap(); // `npu-smi info` fails as the driver's does
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    let smi = host.path().join("bin/npu-smi");
+    let first = get(&server, "/npu/devices").await;
+    assert_eq!(
+        first,
+        json!({
+            "capturedAt": first["capturedAt"],
+            "devices": [],
+            "error": format!("Could not read NPU status: Command failed: {} info\ndcmi model initialized failed\n", smi.display()),
+            "supported": true
+        })
+    );
+    std::fs::write(&info, INFO_910B3).unwrap();
+    let again = get(&server, "/npu/devices").await;
+    assert_eq!(again, first, "the answer is cached for the TTL like any other (as the original)");
+    let fresh = get(&server, "/npu/devices?refresh=1").await;
+    assert!(fresh.get("error").is_none(), "{fresh}");
+    assert_eq!(fresh["devices"].as_array().map(Vec::len), Some(9), "{fresh}");
+}
+
+#[tokio::test]
 async fn npu_selection_on_a_host_without_npu_support_is_refused() {
     if !sandbox_or_skip("npu_selection_on_a_host_without_npu_support_is_refused") {
         return;

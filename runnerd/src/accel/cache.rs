@@ -1,6 +1,8 @@
-//! The status view's inventory cache (internals §4.5): a value lives for its TTL, callers
-//! arriving during a load wait for that one load, a failed load is not kept, and
-//! `refresh` (or [`Cache::invalidate`]) forces a new one. Executions never read it.
+//! The status view's inventory cache (internals §4.5): a value lives for its TTL, counted
+//! from when its load began (the original checks the TTL against the inventory's
+//! `capturedAt`, taken before the probes), callers arriving during a load wait for that one
+//! load, a failed load is not kept, and `refresh` (or [`Cache::invalidate`]) forces a new
+//! one. Executions never read it.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -34,8 +36,9 @@ impl<T: Clone> Cache<T> {
         {
             return value.clone();
         }
+        let started = Instant::now();
         let value = load().await;
-        *slot = keep(&value).then(|| (Instant::now(), value.clone()));
+        *slot = keep(&value).then(|| (started, value.clone()));
         value
     }
 
@@ -84,6 +87,15 @@ mod tests {
         assert_eq!(get(&cache, &loads, false, Duration::ZERO, false).await, Ok(4), "expired");
         assert_eq!(get(&cache, &loads, true, long, true).await, Err(5));
         assert_eq!(get(&cache, &loads, false, long, false).await, Ok(6), "a failure is not cached");
+    }
+
+    #[tokio::test]
+    async fn the_ttl_counts_from_the_start_of_the_load() {
+        let cache = Cache::default();
+        let loads = AtomicU32::new(0);
+        // The load takes 20 ms; a 15 ms TTL counted from its start has run out when it ends.
+        assert_eq!(get(&cache, &loads, false, Duration::from_millis(15), false).await, Ok(1));
+        assert_eq!(get(&cache, &loads, false, Duration::from_millis(15), false).await, Ok(2));
     }
 
     #[tokio::test]

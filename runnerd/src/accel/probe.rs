@@ -175,12 +175,14 @@ pub async fn host_tool(program: &Path, args: &[&str]) -> Result<String, String> 
     };
     let cap = |b: &[u8]| String::from_utf8_lossy(&b[..b.len().min(MAX_TOOL_OUTPUT as usize)]).into_owned();
     let (stdout, stderr) = (cap(&out.stdout), cap(&out.stderr));
-    if out.status.success() {
-        Ok(stdout)
-    } else {
-        let why = telling_line(&stderr, &stdout).unwrap_or_else(|| out.status.to_string());
-        Err(format!("{shown} failed: {why}"))
-    }
+    if out.status.success() { Ok(stdout) } else { Err(command_failed(&shown, &stderr)) }
+}
+
+/// A host tool that exited non-zero, worded as the original's (Node's `execFile`) error
+/// message, which `Could not read NPU status: …` carries: `Command failed: <command>` and,
+/// on the next line, the tool's whole standard error.
+pub fn command_failed(shown: &str, stderr: &str) -> String {
+    format!("Command failed: {shown}\n{stderr}")
 }
 
 #[cfg(test)]
@@ -205,5 +207,22 @@ mod tests {
         }
         assert_eq!(unusable_reason(Family::Ascend, 4, "x"), "NPU 4 cannot be opened inside the sandbox: x");
         assert_eq!(unusable_reason(Family::Nvidia, 1, "y"), "GPU 1 cannot be opened inside the sandbox: y");
+    }
+
+    #[tokio::test]
+    async fn a_failing_host_tool_is_reported_as_node_words_it_with_its_whole_stderr() {
+        let dir = tempfile::tempdir().unwrap();
+        let tool = dir.path().join("npu-smi");
+        std::fs::write(
+            &tool,
+            "#!/bin/sh\necho '+---+' >&2\necho 'dcmi model initialized failed' >&2\nexit 3\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let err = host_tool(&tool, &["info"]).await.unwrap_err();
+        assert_eq!(
+            err,
+            format!("Command failed: {} info\n+---+\ndcmi model initialized failed\n", tool.display())
+        );
     }
 }

@@ -46,7 +46,14 @@ impl Accelerators {
 pub async fn npu_view(app: &App, refresh: bool) -> NpuInventory {
     let prober = SandboxProber { app };
     let cfg = &app.accel.config;
-    app.accel.npu.get(refresh, INVENTORY_TTL, || collect_npu(cfg, None, &prober), |i| i.error.is_none()).await
+    app.accel.npu.get(refresh, INVENTORY_TTL, || collect_npu(cfg, None, &prober), keep_npu).await
+}
+
+/// Which NPU inventories the status view keeps: all of them. An inventory whose listing
+/// failed (`error` set) is an answer, not a failed load, and the original caches it like
+/// any other for the TTL (`?refresh=1` reloads).
+pub fn keep_npu(_: &NpuInventory) -> bool {
+    true
 }
 
 /// `GET /gpu/devices[?refresh=1]`.
@@ -339,6 +346,28 @@ mod tests {
         let mut probed: Vec<u32> = prober.calls().iter().map(|(_, h)| *h).collect();
         probed.sort_unstable();
         assert_eq!(probed, [0, 1, 2, 3, 4, 5, 6], "unsupported and absent chips are not probed");
+    }
+
+    #[tokio::test]
+    async fn a_failed_listing_is_reported_with_the_tools_words_and_cached_like_any_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let accel = Accelerators::new(fake_host(dir.path()));
+        std::fs::remove_file(dir.path().join("bin/info.txt")).unwrap(); // `npu-smi info` now fails
+        let prober = ScriptedProber::with(&[0]);
+        let load = || collect_npu(&accel.config, None, &prober);
+        let first = accel.npu.get(false, INVENTORY_TTL, load, keep_npu).await;
+        let smi = accel.config.npu_smi_path.clone().unwrap();
+        assert_eq!(
+            first.error,
+            Some(format!(
+                "Could not read NPU status: Command failed: {} info\ndcmi model initialized failed\n",
+                smi.display()
+            ))
+        );
+        assert_eq!((first.supported, first.devices.len(), first.source), (true, 0, None));
+        let again = accel.npu.get(false, INVENTORY_TTL, || async { unreachable!() }, keep_npu).await;
+        assert_eq!(again, first, "within the TTL the same answer, as the original's cache");
+        assert!(prober.calls().is_empty());
     }
 
     #[tokio::test]
