@@ -210,10 +210,15 @@ pub fn requested(obj: &serde_json::Map<String, Value>, field: &str) -> Result<Ve
     match obj.get(field) {
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Array(items)) => {
-            let ids = items
-                .iter()
-                .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(bad))
-                .collect::<Result<Vec<u32>, _>>()?;
+            // `4.0` is the number 4 to the original (JavaScript has one number type).
+            let index = |v: &Value| {
+                v.as_u64().and_then(|n| u32::try_from(n).ok()).or_else(|| {
+                    v.as_f64()
+                        .filter(|f| f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(f))
+                        .map(|f| f as u32)
+                })
+            };
+            let ids = items.iter().map(|v| index(v).ok_or_else(bad)).collect::<Result<Vec<u32>, _>>()?;
             Ok(mount::normalize(&ids))
         }
         Some(_) => Err(bad()),
@@ -452,6 +457,10 @@ mod tests {
             (serde_json::json!({"npuDevices": ["1"]}), Err(())),
             (serde_json::json!({"npuDevices": 1}), Err(())),
             (serde_json::json!({"npuDevices": [4294967296u64]}), Err(())),
+            (serde_json::json!({"npuDevices": [4.0, 2]}), Ok(vec![2, 4])),
+            (serde_json::json!({"npuDevices": [-0.5]}), Err(())),
+            (serde_json::json!({"npuDevices": [true]}), Err(())),
+            (serde_json::json!({"npuDevices": [null]}), Err(())),
         ];
         for (v, want) in cases {
             assert_eq!(requested(&obj(v.clone()), "npuDevices").map_err(|_| ()), want, "{v}");
