@@ -162,14 +162,7 @@ fn make_scratch(data_dir: &Path) -> std::io::Result<PathBuf> {
 pub async fn host_tool(program: &Path, args: &[&str]) -> Result<String, String> {
     use tokio::io::AsyncReadExt;
     let shown = format!("{} {}", program.display(), args.join(" "));
-    let mut child = match tokio::process::Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-    {
+    let mut child = match spawn_tool(program, args).await {
         Ok(child) => child,
         Err(e) => return Err(format!("{shown} could not be run: {e}")),
     };
@@ -206,6 +199,30 @@ pub async fn host_tool(program: &Path, args: &[&str]) -> Result<String, String> 
         Ok(String::from_utf8_lossy(&stdout).into_owned())
     } else {
         Err(command_failed(&shown, &stderr))
+    }
+}
+
+/// Starts a host tool. "Text file busy" (ETXTBSY) means the file is still open for writing
+/// somewhere — a package upgrade replacing `npu-smi`, or a descriptor another thread's
+/// child inherited between its fork and exec — and passes within moments: it is retried a
+/// few times before it counts as the tool's failure.
+async fn spawn_tool(program: &Path, args: &[&str]) -> std::io::Result<tokio::process::Child> {
+    let mut tries = 0;
+    loop {
+        let spawned = tokio::process::Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn();
+        match spawned {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 10 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            other => return other,
+        }
     }
 }
 
