@@ -108,6 +108,10 @@ async fn npu_chips_are_probed_one_by_one_bound_renumbered_and_refused_by_name() 
         assert_eq!(device(&inv, h)["sandboxUsable"], true, "chip {h}: {inv}");
     }
     assert_eq!(device(&inv, 0)["hbmUsedMb"], 3445);
+    // A chip that `info -m` lists but `info` has no readings for: still listed, `health`
+    // present and empty (the original's `?? ""`), no readings.
+    assert_eq!(device(&inv, 1)["health"], "", "{inv}");
+    assert!(device(&inv, 1).get("hbmUsedMb").is_none());
     assert_eq!(device(&inv, 2)["sandboxUsable"], false);
     assert_eq!(
         device(&inv, 2)["sandboxUnusableReason"],
@@ -226,8 +230,50 @@ async fn dcmi_is_read_first_through_dlopen() {
             )
         })
         .collect();
-    assert_eq!(got, [(4, "910C", 103.9, true), (5, "910C", 138.8, true)]);
+    // Card 1 does not answer and card 0's third chip has no logic id: skipped, not the
+    // whole read. Card 2's chip (logic 7) answers neither name nor health.
+    assert_eq!(got, [(4, "910C", 103.9, true), (5, "910C", 138.8, true), (7, "", 103.9, false)]);
     assert_eq!(device(&inv, 5)["health"], "Alarm");
+    assert_eq!(device(&inv, 7)["health"], "", "health is always present, empty when unknown");
+    assert_eq!(
+        device(&inv, 7)["sandboxUnusableReason"],
+        "Only Ascend 910 series chips are supported; this one reports \"\"."
+    );
+}
+
+#[tokio::test]
+async fn a_failed_npu_listing_names_the_tools_words_and_is_cached_until_refresh() {
+    if !sandbox_or_skip("a_failed_npu_listing_names_the_tools_words_and_is_cached_until_refresh") {
+        return;
+    }
+    let host = runner_tests::scratch_dir();
+    let mut env = fake_npu_host(host.path());
+    // Blanks around a setting are trimmed, as the original's `.trim()`.
+    for (k, v) in env.iter_mut() {
+        if k == "SCIENCE_AGENT_NPU_SMI_PATH" {
+            *v = format!("  {v} ");
+        }
+    }
+    let info = host.path().join("bin/info.txt");
+    std::fs::remove_file(&info).unwrap(); // `npu-smi info` fails as the driver's does
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    let smi = host.path().join("bin/npu-smi");
+    let first = get(&server, "/npu/devices").await;
+    assert_eq!(
+        first,
+        json!({
+            "capturedAt": first["capturedAt"],
+            "devices": [],
+            "error": format!("Could not read NPU status: Command failed: {} info\ndcmi model initialized failed\n", smi.display()),
+            "supported": true
+        })
+    );
+    std::fs::write(&info, INFO_910B3).unwrap();
+    let again = get(&server, "/npu/devices").await;
+    assert_eq!(again, first, "the answer is cached for the TTL like any other (as the original)");
+    let fresh = get(&server, "/npu/devices?refresh=1").await;
+    assert!(fresh.get("error").is_none(), "{fresh}");
+    assert_eq!(fresh["devices"].as_array().map(Vec::len), Some(9), "{fresh}");
 }
 
 #[tokio::test]

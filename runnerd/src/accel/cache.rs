@@ -1,13 +1,24 @@
-//! The status view's inventory cache (internals §4.5): a value lives for its TTL, callers
-//! arriving during a load wait for that one load, a failed load is not kept, and
-//! `refresh` (or [`Cache::invalidate`]) forces a new one. Executions never read it.
+//! The status view's inventory cache (internals §4.5): a value lives for its TTL, counted
+//! from when its load began (the original checks the TTL against the inventory's
+//! `capturedAt`, taken before the probes), callers arriving during a load wait for that one
+//! load, a failed load is not kept, and `refresh` (or [`Cache::invalidate`]) forces a new
+//! one — unless a load was already running when the refresh was asked for: like the
+//! original (`invalidate()` then a `get` that joins the load in flight), it takes that
+//! load's answer rather than probing every chip a second time. Executions never read it.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
 pub struct Cache<T> {
-    slot: tokio::sync::Mutex<Option<(Instant, T)>>,
+    slot: tokio::sync::Mutex<Option<Entry<T>>>,
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    started: Instant,
+    finished: Instant,
+    value: T,
 }
 
 impl<T> Default for Cache<T> {
@@ -26,16 +37,18 @@ impl<T: Clone> Cache<T> {
         load: impl FnOnce() -> Fut,
         keep: impl Fn(&T) -> bool,
     ) -> T {
+        let asked = Instant::now();
         // Held across the load: concurrent callers share it.
         let mut slot = self.slot.lock().await;
-        if !refresh
-            && let Some((at, value)) = slot.as_ref()
-            && at.elapsed() < ttl
-        {
-            return value.clone();
+        if let Some(e) = slot.as_ref() {
+            let in_flight_when_asked = e.finished > asked;
+            if in_flight_when_asked || (!refresh && e.started.elapsed() < ttl) {
+                return e.value.clone();
+            }
         }
+        let started = Instant::now();
         let value = load().await;
-        *slot = keep(&value).then(|| (Instant::now(), value.clone()));
+        *slot = keep(&value).then(|| Entry { started, finished: Instant::now(), value: value.clone() });
         value
     }
 
@@ -84,6 +97,29 @@ mod tests {
         assert_eq!(get(&cache, &loads, false, Duration::ZERO, false).await, Ok(4), "expired");
         assert_eq!(get(&cache, &loads, true, long, true).await, Err(5));
         assert_eq!(get(&cache, &loads, false, long, false).await, Ok(6), "a failure is not cached");
+    }
+
+    #[tokio::test]
+    async fn the_ttl_counts_from_the_start_of_the_load() {
+        let cache = Cache::default();
+        let loads = AtomicU32::new(0);
+        // The load takes 20 ms; a 15 ms TTL counted from its start has run out when it ends.
+        assert_eq!(get(&cache, &loads, false, Duration::from_millis(15), false).await, Ok(1));
+        assert_eq!(get(&cache, &loads, false, Duration::from_millis(15), false).await, Ok(2));
+    }
+
+    #[tokio::test]
+    async fn a_refresh_asked_while_a_load_runs_takes_that_load_and_probes_nothing_more() {
+        let cache = Cache::default();
+        let loads = AtomicU32::new(0);
+        let long = Duration::from_secs(60);
+        let late_refresh = async {
+            tokio::time::sleep(Duration::from_millis(5)).await; // the first load is running
+            get(&cache, &loads, true, long, false).await
+        };
+        let (a, b) = tokio::join!(get(&cache, &loads, false, long, false), late_refresh);
+        assert_eq!((a, b), (Ok(1), Ok(1)));
+        assert_eq!(get(&cache, &loads, true, long, false).await, Ok(2), "a refresh with none running loads");
     }
 
     #[tokio::test]

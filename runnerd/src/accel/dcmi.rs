@@ -45,16 +45,21 @@ pub struct DcmiChip {
 impl DcmiChip {
     /// The inventory's form: health 0 → `OK`, else `Alarm`; power in watts.
     pub fn to_device(&self) -> NpuDevice {
-        let mut d = NpuDevice::bare(self.logic_id, super::npu_smi::strip_vendor(&self.chip_name));
+        // The name as the driver gives it (the original strips no prefix here).
+        let mut d = NpuDevice::bare(self.logic_id, self.chip_name.clone());
         d.card_id = Some(self.card_id);
         d.chip_id = Some(self.chip_id);
-        d.health = self.health.map(|h| if h == 0 { "OK".to_owned() } else { "Alarm".to_owned() });
+        d.health = match self.health {
+            Some(0) => "OK".to_owned(),
+            Some(_) => "Alarm".to_owned(),
+            None => String::new(),
+        };
         d.ai_core_percent = self.ai_core_percent.map(|v| Num(f64::from(v)));
         d.hbm_percent = self.hbm_percent.map(|v| Num(f64::from(v)));
         d.temperature_celsius = self.temperature.map(|v| Num(f64::from(v)));
         d.power_watts = self.power_deciwatts.map(|v| Num(f64::from(v) / 10.0));
-        d.hbm_total_mb = self.hbm_total_mb;
-        d.hbm_used_mb = self.hbm_used_mb;
+        d.hbm_total_mb = self.hbm_total_mb.map(|v| Num(v as f64));
+        d.hbm_used_mb = self.hbm_used_mb.map(|v| Num(v as f64));
         d
     }
 }
@@ -155,7 +160,7 @@ fn check(call: &'static str, code: c_int) -> Result<(), DcmiError> {
 
 fn c_name(bytes: &[u8]) -> String {
     let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
-    String::from_utf8_lossy(&bytes[..end]).trim().to_owned()
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
 }
 
 /// Reads every chip through the library at `path`. Blocking: call it off the runtime.
@@ -196,12 +201,18 @@ pub fn read(path: &Path) -> Result<Vec<DcmiChip>, DcmiError> {
     let mut chips = Vec::new();
     for &card in &cards[..count] {
         let mut n: c_int = 0;
+        // A card that does not answer is skipped, not the whole read (as the original).
         // SAFETY: one out-parameter we own.
-        check("dcmi_get_device_num_in_card", unsafe { dev_num(card, &mut n) })?;
+        if unsafe { dev_num(card, &mut n) } != 0 {
+            continue;
+        }
         for chip in 0..n.max(0) {
             let mut logic: c_int = -1;
+            // A chip without a logic id has no device node: skipped, not the whole read.
             // SAFETY: one out-parameter we own.
-            check("dcmi_get_device_logic_id", unsafe { logic_id(&mut logic, card, chip) })?;
+            if unsafe { logic_id(&mut logic, card, chip) } != 0 {
+                continue;
+            }
             let Ok(logic) = u32::try_from(logic) else { continue };
             // SAFETY: all-zero bytes are a valid ChipInfo (arrays and integers).
             let mut info: ChipInfo = unsafe { std::mem::zeroed() };
@@ -263,8 +274,8 @@ mod tests {
         let d: Vec<NpuDevice> = chips.iter().map(DcmiChip::to_device).collect();
         assert_eq!(d[0].power_watts, Some(Num(103.9)));
         assert_eq!(d[1].power_watts, Some(Num(138.8)));
-        assert_eq!(d.iter().map(|d| d.health.as_deref()).collect::<Vec<_>>(), [Some("OK"), Some("Alarm")]);
-        assert_eq!(d[1].chip_name, "910C");
+        assert_eq!(d.iter().map(|d| d.health.as_str()).collect::<Vec<_>>(), ["OK", "Alarm"]);
+        assert_eq!(d[1].chip_name, "Ascend 910C", "the driver's name as given, no prefix stripped");
         assert_eq!(d[1].hbm_percent, None);
         let v = serde_json::to_value(&d[0]).unwrap();
         assert_eq!(v["hostIndex"], 0);
@@ -285,23 +296,28 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let lib = super::super::test_support::build_fake_dcmi(dir.path());
         let chips = read(&lib).unwrap();
-        assert_eq!(chips.len(), 2);
+        // Card 1 (no chip count) and card 0's third chip (no logic id) are skipped, not
+        // the whole read; card 2's chip has no name or health: both read as "".
+        assert_eq!(chips.len(), 3);
         let d: Vec<NpuDevice> = chips.iter().map(DcmiChip::to_device).collect();
-        type Row<'a> = (u32, &'a str, Option<&'a str>, Option<Num>, Option<u64>);
+        type Row<'a> = (u32, &'a str, &'a str, Option<Num>, Option<Num>);
         let got: Vec<Row> = d
             .iter()
-            .map(|d| (d.host_index, d.chip_name.as_str(), d.health.as_deref(), d.power_watts, d.hbm_used_mb))
+            .map(|d| (d.host_index, d.chip_name.as_str(), d.health.as_str(), d.power_watts, d.hbm_used_mb))
             .collect();
         assert_eq!(
             got,
             [
-                (4, "910C", Some("OK"), Some(Num(103.9)), Some(1024)),
-                (5, "910C", Some("Alarm"), Some(Num(138.8)), Some(2048))
+                (4, "910C", "OK", Some(Num(103.9)), Some(Num(1024.0))),
+                (5, "910C", "Alarm", Some(Num(138.8)), Some(Num(2048.0))),
+                (7, "", "", Some(Num(103.9)), Some(Num(1024.0)))
             ]
         );
+        let v = serde_json::to_value(&d[2]).unwrap();
+        assert_eq!((&v["health"], &v["chipName"]), (&serde_json::json!(""), &serde_json::json!("")));
         assert_eq!(d[0].ai_core_percent, Some(Num(30.0)));
         assert_eq!(d[0].hbm_percent, Some(Num(50.0)));
-        assert_eq!(d[0].hbm_total_mb, Some(65536));
+        assert_eq!(d[0].hbm_total_mb, Some(Num(65536.0)));
         assert_eq!(d[0].temperature_celsius, Some(Num(52.0)));
     }
 }

@@ -70,14 +70,14 @@ pub struct NpuDevice {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chip_id: Option<u32>,
     pub chip_name: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub health: Option<String>,
+    /// Always present, `""` when unknown (the original's `health: string`).
+    pub health: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hbm_percent: Option<Num>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub hbm_total_mb: Option<u64>,
+    pub hbm_total_mb: Option<Num>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub hbm_used_mb: Option<u64>,
+    pub hbm_used_mb: Option<Num>,
     /// The chip logic id: the N of `/dev/davinciN`.
     pub host_index: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -98,7 +98,7 @@ impl NpuDevice {
             card_id: None,
             chip_id: None,
             chip_name,
-            health: None,
+            health: String::new(),
             hbm_percent: None,
             hbm_total_mb: None,
             hbm_used_mb: None,
@@ -185,8 +185,10 @@ impl Default for AccelConfig {
 }
 
 impl AccelConfig {
-    /// From a variable lookup in which empty values are already unset.
-    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> AccelConfig {
+    /// From a variable lookup. Values are trimmed, and a blank one counts as unset (the
+    /// original's `env.X?.trim() || default`).
+    pub fn from_vars(lookup: &dyn Fn(&str) -> Option<String>) -> AccelConfig {
+        let get = |name: &str| lookup(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
         AccelConfig {
             npu_smi_path: get(NPU_SMI_VAR).map(PathBuf::from),
             ascend_toolkit: get(TOOLKIT_VAR).unwrap_or_else(|| DEFAULT_ASCEND_TOOLKIT.to_owned()).into(),
@@ -238,4 +240,23 @@ pub async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output>
     })
     .await;
     out.into_iter().flatten().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_trimmed_and_blank_ones_fall_back_to_the_defaults() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| (*v).to_owned())
+        };
+        let cfg =
+            AccelConfig::from_vars(&vars(&[(TOOLKIT_VAR, "  /opt/cann  "), (NPU_SMI_VAR, " /x/npu-smi\n")]));
+        assert_eq!(cfg.ascend_toolkit, PathBuf::from("/opt/cann"));
+        assert_eq!(cfg.npu_smi_path, Some(PathBuf::from("/x/npu-smi")));
+        let cfg = AccelConfig::from_vars(&vars(&[(TOOLKIT_VAR, "   "), (NPU_SMI_VAR, "\t")]));
+        assert_eq!(cfg.ascend_toolkit, PathBuf::from(DEFAULT_ASCEND_TOOLKIT));
+        assert_eq!(cfg.npu_smi_path, None, "blank: the standard places are searched");
+    }
 }

@@ -160,27 +160,77 @@ fn make_scratch(data_dir: &Path) -> std::io::Result<PathBuf> {
 /// Runs a host tool (discovery: `npu-smi info`, `npu-smi info -m`) with the probe timeout;
 /// its standard output, or why it failed.
 pub async fn host_tool(program: &Path, args: &[&str]) -> Result<String, String> {
-    let child = tokio::process::Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .output();
+    use tokio::io::AsyncReadExt;
     let shown = format!("{} {}", program.display(), args.join(" "));
-    let out = match tokio::time::timeout(PROBE_TIMEOUT, child).await {
-        Err(_) => return Err(format!("{shown} did not finish within {} s", PROBE_TIMEOUT.as_secs())),
-        Ok(Err(e)) => return Err(format!("{shown} could not be run: {e}")),
-        Ok(Ok(out)) => out,
+    let mut child = match spawn_tool(program, args).await {
+        Ok(child) => child,
+        Err(e) => return Err(format!("{shown} could not be run: {e}")),
     };
-    let cap = |b: &[u8]| String::from_utf8_lossy(&b[..b.len().min(MAX_TOOL_OUTPUT as usize)]).into_owned();
-    let (stdout, stderr) = (cap(&out.stdout), cap(&out.stderr));
-    if out.status.success() {
-        Ok(stdout)
-    } else {
-        let why = telling_line(&stderr, &stdout).unwrap_or_else(|| out.status.to_string());
-        Err(format!("{shown} failed: {why}"))
+    // Each stream is read up to the limit and no further (the original's maxBuffer): a tool
+    // that floods its output cannot grow runnerd's memory. The reader is dropped at the
+    // limit, so the tool gets EPIPE instead of blocking on a full pipe.
+    let bounded = |stream: Option<tokio::process::ChildStdout>| async move {
+        let mut buf = Vec::new();
+        if let Some(s) = stream {
+            let _ = s.take(MAX_TOOL_OUTPUT + 1).read_to_end(&mut buf).await;
+        }
+        buf
+    };
+    let bounded_err = |stream: Option<tokio::process::ChildStderr>| async move {
+        let mut buf = Vec::new();
+        if let Some(s) = stream {
+            let _ = s.take(MAX_TOOL_OUTPUT + 1).read_to_end(&mut buf).await;
+        }
+        buf
+    };
+    let (out, err) = (child.stdout.take(), child.stderr.take());
+    let run = async { tokio::join!(bounded(out), bounded_err(err), child.wait()) };
+    let (stdout, stderr, status) = match tokio::time::timeout(PROBE_TIMEOUT, run).await {
+        Err(_) => return Err(format!("{shown} did not finish within {} s", PROBE_TIMEOUT.as_secs())),
+        Ok((_, _, Err(e))) => return Err(format!("{shown} could not be waited for: {e}")),
+        Ok((o, e, Ok(status))) => (o, e, status),
+    };
+    let limit = MAX_TOOL_OUTPUT as usize;
+    if stdout.len() > limit {
+        return Err(format!("{shown}: stdout maxBuffer length exceeded ({limit} bytes)"));
     }
+    let stderr = String::from_utf8_lossy(&stderr[..stderr.len().min(limit)]).into_owned();
+    if status.success() {
+        Ok(String::from_utf8_lossy(&stdout).into_owned())
+    } else {
+        Err(command_failed(&shown, &stderr))
+    }
+}
+
+/// Starts a host tool. "Text file busy" (ETXTBSY) means the file is still open for writing
+/// somewhere — a package upgrade replacing `npu-smi`, or a descriptor another thread's
+/// child inherited between its fork and exec — and passes within moments: it is retried a
+/// few times before it counts as the tool's failure.
+async fn spawn_tool(program: &Path, args: &[&str]) -> std::io::Result<tokio::process::Child> {
+    let mut tries = 0;
+    loop {
+        let spawned = tokio::process::Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn();
+        match spawned {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 10 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// A host tool that exited non-zero, worded as the original's (Node's `execFile`) error
+/// message, which `Could not read NPU status: …` carries: `Command failed: <command>` and,
+/// on the next line, the tool's whole standard error.
+pub fn command_failed(shown: &str, stderr: &str) -> String {
+    format!("Command failed: {shown}\n{stderr}")
 }
 
 #[cfg(test)]
@@ -205,5 +255,38 @@ mod tests {
         }
         assert_eq!(unusable_reason(Family::Ascend, 4, "x"), "NPU 4 cannot be opened inside the sandbox: x");
         assert_eq!(unusable_reason(Family::Nvidia, 1, "y"), "GPU 1 cannot be opened inside the sandbox: y");
+    }
+
+    #[tokio::test]
+    async fn a_failing_host_tool_is_reported_as_node_words_it_with_its_whole_stderr() {
+        let dir = tempfile::tempdir().unwrap();
+        let tool = dir.path().join("npu-smi");
+        std::fs::write(
+            &tool,
+            "#!/bin/sh\necho '+---+' >&2\necho 'dcmi model initialized failed' >&2\nexit 3\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let err = host_tool(&tool, &["info"]).await.unwrap_err();
+        assert_eq!(
+            err,
+            format!("Command failed: {} info\n+---+\ndcmi model initialized failed\n", tool.display())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_host_tool_that_floods_its_output_is_cut_off_at_the_limit_not_buffered() {
+        let dir = tempfile::tempdir().unwrap();
+        let tool = dir.path().join("npu-smi");
+        // Endless output: without the limit this would grow runnerd's memory until the
+        // timeout; with it the reader stops at 1 MiB and the tool dies of EPIPE.
+        std::fs::write(&tool, "#!/bin/sh\nexec yes 'npu-smi line'\n").unwrap();
+        std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let err = host_tool(&tool, &["info"]).await.unwrap_err();
+        assert_eq!(err, format!("{} info: stdout maxBuffer length exceeded (1048576 bytes)", tool.display()));
+        let ok = dir.path().join("ok");
+        std::fs::write(&ok, "#!/bin/sh\necho fine\n").unwrap();
+        std::fs::set_permissions(&ok, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        assert_eq!(host_tool(&ok, &[]).await.as_deref(), Ok("fine\n"));
     }
 }

@@ -46,7 +46,14 @@ impl Accelerators {
 pub async fn npu_view(app: &App, refresh: bool) -> NpuInventory {
     let prober = SandboxProber { app };
     let cfg = &app.accel.config;
-    app.accel.npu.get(refresh, INVENTORY_TTL, || collect_npu(cfg, None, &prober), |i| i.error.is_none()).await
+    app.accel.npu.get(refresh, INVENTORY_TTL, || collect_npu(cfg, None, &prober), keep_npu).await
+}
+
+/// Which NPU inventories the status view keeps: all of them. An inventory whose listing
+/// failed (`error` set) is an answer, not a failed load, and the original caches it like
+/// any other for the TTL (`?refresh=1` reloads).
+pub fn keep_npu(_: &NpuInventory) -> bool {
+    true
 }
 
 /// `GET /gpu/devices[?refresh=1]`.
@@ -203,10 +210,15 @@ pub fn requested(obj: &serde_json::Map<String, Value>, field: &str) -> Result<Ve
     match obj.get(field) {
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Array(items)) => {
-            let ids = items
-                .iter()
-                .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(bad))
-                .collect::<Result<Vec<u32>, _>>()?;
+            // `4.0` is the number 4 to the original (JavaScript has one number type).
+            let index = |v: &Value| {
+                v.as_u64().and_then(|n| u32::try_from(n).ok()).or_else(|| {
+                    v.as_f64()
+                        .filter(|f| f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(f))
+                        .map(|f| f as u32)
+                })
+            };
+            let ids = items.iter().map(|v| index(v).ok_or_else(bad)).collect::<Result<Vec<u32>, _>>()?;
             Ok(mount::normalize(&ids))
         }
         Some(_) => Err(bad()),
@@ -285,6 +297,7 @@ pub async fn resolve_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::accel::Num;
     use crate::accel::test_support::{ScriptedProber, fake_host};
 
     const OCCUPIED: &str = "dcmi model initialized failed, because the device is used. ret is -8020";
@@ -317,7 +330,10 @@ mod tests {
         let d = |h: u32| inv.devices.iter().find(|d| d.host_index == h).unwrap();
         assert!(d(0).sandbox_usable && d(0).sandbox_unusable_reason.is_none());
         // Readings joined on (card, chip): card 5 chip 0 is logic 5.
-        assert_eq!((d(0).hbm_used_mb, d(5).hbm_used_mb, d(1).hbm_used_mb), (Some(3445), Some(60156), None));
+        assert_eq!(
+            (d(0).hbm_used_mb, d(5).hbm_used_mb, d(1).hbm_used_mb),
+            (Some(Num(3445.0)), Some(Num(60156.0)), None)
+        );
         assert_eq!(
             d(4).sandbox_unusable_reason.as_deref(),
             Some(format!("NPU 4 cannot be opened inside the sandbox: {OCCUPIED}").as_str())
@@ -335,6 +351,28 @@ mod tests {
         let mut probed: Vec<u32> = prober.calls().iter().map(|(_, h)| *h).collect();
         probed.sort_unstable();
         assert_eq!(probed, [0, 1, 2, 3, 4, 5, 6], "unsupported and absent chips are not probed");
+    }
+
+    #[tokio::test]
+    async fn a_failed_listing_is_reported_with_the_tools_words_and_cached_like_any_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let accel = Accelerators::new(fake_host(dir.path()));
+        std::fs::remove_file(dir.path().join("bin/info.txt")).unwrap(); // `npu-smi info` now fails
+        let prober = ScriptedProber::with(&[0]);
+        let load = || collect_npu(&accel.config, None, &prober);
+        let first = accel.npu.get(false, INVENTORY_TTL, load, keep_npu).await;
+        let smi = accel.config.npu_smi_path.clone().unwrap();
+        assert_eq!(
+            first.error,
+            Some(format!(
+                "Could not read NPU status: Command failed: {} info\ndcmi model initialized failed\n",
+                smi.display()
+            ))
+        );
+        assert_eq!((first.supported, first.devices.len(), first.source), (true, 0, None));
+        let again = accel.npu.get(false, INVENTORY_TTL, || async { unreachable!() }, keep_npu).await;
+        assert_eq!(again, first, "within the TTL the same answer, as the original's cache");
+        assert!(prober.calls().is_empty());
     }
 
     #[tokio::test]
@@ -419,6 +457,10 @@ mod tests {
             (serde_json::json!({"npuDevices": ["1"]}), Err(())),
             (serde_json::json!({"npuDevices": 1}), Err(())),
             (serde_json::json!({"npuDevices": [4294967296u64]}), Err(())),
+            (serde_json::json!({"npuDevices": [4.0, 2]}), Ok(vec![2, 4])),
+            (serde_json::json!({"npuDevices": [-0.5]}), Err(())),
+            (serde_json::json!({"npuDevices": [true]}), Err(())),
+            (serde_json::json!({"npuDevices": [null]}), Err(())),
         ];
         for (v, want) in cases {
             assert_eq!(requested(&obj(v.clone()), "npuDevices").map_err(|_| ()), want, "{v}");
