@@ -100,6 +100,22 @@ fn assert_oom(r: &Value, limit: u64) {
     assert!(peak > limit / 2 && peak <= limit + (1 << 20), "peak {peak} against {limit}: {r}");
 }
 
+/// The execution cgroups under `root` named `<prefix>…`, once runnerd's removal (which
+/// follows the answer, in the background) has had up to 5 s.
+fn exec_cgroups_left(root: &Path, prefix: &str) -> Vec<PathBuf> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let left: Vec<_> = exec_cgroups(root)
+            .into_iter()
+            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
+            .collect();
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// The execution cgroups under `root` right now.
 fn exec_cgroups(root: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(root)
@@ -139,8 +155,7 @@ async fn v1_as_root_kills_a_memory_hog_and_says_so() {
     assert_eq!(ok["oomKilled"], false);
     assert!(ok["resourceUsage"]["cpuTimeMs"].is_u64(), "{ok}");
     let mine = format!("exec-{}-", server.pid().unwrap());
-    let left: Vec<_> =
-        exec_cgroups(&root).into_iter().filter(|p| p.to_string_lossy().contains(&mine)).collect();
+    let left = exec_cgroups_left(&root, &mine);
     assert!(left.is_empty(), "cgroups left behind: {left:?}");
 }
 
@@ -470,7 +485,8 @@ async fn v1_handed_to_the_unprivileged_user() {
     }
     // runnerd removed its execution cgroups; the subtree is empty again (Drop checks).
     for d in &handed.dirs {
-        assert!(exec_cgroups(d).is_empty(), "{}: {:?}", d.display(), exec_cgroups(d));
+        let left = exec_cgroups_left(d, "exec-");
+        assert!(left.is_empty(), "{}: {left:?}", d.display());
     }
 }
 

@@ -352,20 +352,25 @@ pub fn size_tmp(options: &mut Vec<String>, bytes: u64) {
     }
 }
 
-/// After a run: ends whatever is left in the execution's cgroup, reads its counters, and
-/// removes it (off the async runtime: removal may wait for the kernel to reap).
+/// After a run: ends whatever is left in the execution's cgroup and reads its counters; the
+/// result waits for those. Removing the directories (which may wait for the kernel to reap)
+/// happens afterwards in the blocking pool, off the answer's path; what a runnerd that dies
+/// meanwhile leaves is removed at its next start (`remove_stale`).
 pub async fn finish(cgroup: Option<ExecCgroup>) -> Option<Usage> {
     let cgroup = cgroup?;
-    let joined = tokio::task::spawn_blocking(move || {
+    let read = tokio::task::spawn_blocking(move || {
         cgroup.kill();
         let usage = cgroup.usage();
+        (usage, cgroup)
+    })
+    .await;
+    let (usage, cgroup) = read.ok()?;
+    tokio::task::spawn_blocking(move || {
         if let Err(e) = cgroup.remove_blocking() {
             tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
         }
-        usage
-    })
-    .await;
-    joined.ok()
+    });
+    Some(usage)
 }
 
 /// The additive result fields of issue #8, flattened into the execution result.
