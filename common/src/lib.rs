@@ -23,6 +23,7 @@ pub mod settings;
 pub mod sys;
 #[cfg(feature = "daemon")]
 pub mod systemd;
+pub mod timefmt;
 
 /// The full chain of an error, `outer: inner: root`, for reports and logs.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

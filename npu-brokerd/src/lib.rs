@@ -18,7 +18,7 @@ pub mod control;
 pub mod environ;
 pub mod jobs;
 pub mod template;
-mod timefmt;
+pub(crate) use common::timefmt;
 pub mod workloads;
 
 use std::os::unix::fs::PermissionsExt;

@@ -33,7 +33,7 @@ pub mod remote;
 pub mod sandbox;
 pub mod selftest;
 pub mod startup;
-pub mod timefmt;
+pub use common::timefmt;
 pub mod token;
 pub mod versioning;
 pub mod writer;
