@@ -14,6 +14,7 @@ pub mod audit;
 pub mod channel;
 #[cfg(feature = "daemon")]
 pub mod channel_async;
+pub mod confine;
 pub mod egress;
 pub mod npu;
 pub mod plan;

@@ -5,19 +5,17 @@
 //! * landlock (best effort; the outcome is reported, never assumed): the only filesystem
 //!   access left is creating and removing gateway sockets in `<runtime>/eg` and removing the
 //!   control socket at shutdown.
-//! * a seccomp filter of its own: no exec, no namespaces or mounts, no ptrace or
-//!   cross-process memory access, no kernel-module, BPF, keyring, io_uring or clock calls —
-//!   each answered with EPERM. A deny list rather than an allow list: tokio and glibc pick
-//!   their syscalls by kernel version, and a proxy killed by a missing entry would take
-//!   every sandbox's network with it.
+//! * a seccomp filter of its own: the helper daemons' shared deny list
+//!   ([`common::confine`]: no namespaces or mounts, no ptrace or cross-process memory
+//!   access, no kernel-module, BPF, keyring, io_uring or clock calls) plus no exec, no
+//!   fork, no perf events, no syslog — each answered with EPERM.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::egress::protocol::Confinement;
+use common::confine::{self, Confinement};
 use landlock::{
     ABI, Access, AccessFs, CompatLevel, Compatible, RestrictionStatus, Ruleset, RulesetAttr,
-    RulesetCreatedAttr, RulesetStatus, path_beneath_rules,
+    RulesetCreatedAttr, path_beneath_rules,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -30,146 +28,23 @@ pub enum ConfineError {
     SeccompInstall(#[source] seccompiler::Error),
 }
 
-/// The calls egressd never makes (numbers for the build architecture).
+/// The calls egressd never makes: the shared list plus exec, fork, perf events and syslog.
 pub fn denied_syscalls() -> Vec<i64> {
-    let mut calls = vec![
-        libc::SYS_execve,
-        libc::SYS_execveat,
-        libc::SYS_ptrace,
-        libc::SYS_process_vm_readv,
-        libc::SYS_process_vm_writev,
-        libc::SYS_mount,
-        libc::SYS_umount2,
-        libc::SYS_pivot_root,
-        libc::SYS_chroot,
-        libc::SYS_unshare,
-        libc::SYS_setns,
-        libc::SYS_bpf,
-        libc::SYS_perf_event_open,
-        libc::SYS_keyctl,
-        libc::SYS_add_key,
-        libc::SYS_request_key,
-        libc::SYS_init_module,
-        libc::SYS_finit_module,
-        libc::SYS_delete_module,
-        libc::SYS_kexec_load,
-        libc::SYS_reboot,
-        libc::SYS_swapon,
-        libc::SYS_swapoff,
-        libc::SYS_userfaultfd,
-        libc::SYS_io_uring_setup,
-        libc::SYS_io_uring_enter,
-        libc::SYS_io_uring_register,
-        libc::SYS_open_by_handle_at,
-        libc::SYS_name_to_handle_at,
-        libc::SYS_acct,
-        libc::SYS_quotactl,
-        libc::SYS_syslog,
-        libc::SYS_fanotify_init,
-        libc::SYS_move_mount,
-        libc::SYS_open_tree,
-        libc::SYS_fsopen,
-        libc::SYS_fsconfig,
-        libc::SYS_fsmount,
-        libc::SYS_fspick,
-        libc::SYS_mount_setattr,
-        libc::SYS_settimeofday,
-        libc::SYS_clock_settime,
-        libc::SYS_clock_adjtime,
-        libc::SYS_adjtimex,
-        libc::SYS_pidfd_getfd,
-    ];
+    let mut calls = confine::denied_to_every_daemon();
+    calls.extend([libc::SYS_execve, libc::SYS_execveat, libc::SYS_perf_event_open, libc::SYS_syslog]);
     #[cfg(target_arch = "x86_64")]
-    calls.extend([
-        libc::SYS_fork,
-        libc::SYS_vfork,
-        libc::SYS_kexec_file_load,
-        libc::SYS_iopl,
-        libc::SYS_ioperm,
-    ]);
+    calls.extend([libc::SYS_fork, libc::SYS_vfork]);
     calls
 }
 
-fn arch() -> Result<seccompiler::TargetArch, ConfineError> {
-    std::env::consts::ARCH
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| ConfineError::Seccomp(seccompiler::Error::Backend(e)))
-}
-
-/// Namespace flags `clone` may not carry (threads and plain forks stay possible).
-const NAMESPACE_FLAGS: [u64; 7] = [
-    libc::CLONE_NEWUSER as u64,
-    libc::CLONE_NEWNS as u64,
-    libc::CLONE_NEWPID as u64,
-    libc::CLONE_NEWNET as u64,
-    libc::CLONE_NEWIPC as u64,
-    libc::CLONE_NEWUTS as u64,
-    libc::CLONE_NEWCGROUP as u64,
-];
-
-/// `clone` with any namespace flag: one rule per flag (rules of a call are alternatives).
-fn clone_rules() -> Result<Vec<seccompiler::SeccompRule>, seccompiler::BackendError> {
-    use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
-    NAMESPACE_FLAGS
-        .iter()
-        .map(|&flag| {
-            SeccompRule::new(vec![SeccompCondition::new(
-                0,
-                SeccompCmpArgLen::Qword,
-                SeccompCmpOp::MaskedEq(flag),
-                flag,
-            )?])
-        })
-        .collect()
-}
-
-/// Instructions placed before seccompiler's program, for what its rule tables cannot say:
-/// x32-ABI numbers (bit 30) would slip past every per-number rule, so they are refused; and
-/// `clone3`, whose flags live in memory a filter cannot read, answers ENOSYS, which makes
-/// glibc fall back to `clone` (where the flags are checked) — EPERM would break threads.
-fn prelude() -> Vec<seccompiler::sock_filter> {
-    const RET_ERRNO: u32 = 0x0005_0000;
-    let insn = |code: u16, jt: u8, jf: u8, k: u32| seccompiler::sock_filter { code, jt, jf, k };
-    vec![
-        insn(0x20, 0, 0, 0),                               // ld [0]: the syscall number
-        insn(0x35, 0, 1, 0x4000_0000),                     // jge x32 bit
-        insn(0x06, 0, 0, RET_ERRNO | libc::EPERM as u32),  // ret ERRNO(EPERM)
-        insn(0x15, 0, 1, libc::SYS_clone3 as u32),         // jeq clone3
-        insn(0x06, 0, 0, RET_ERRNO | libc::ENOSYS as u32), // ret ERRNO(ENOSYS)
-    ]
-}
-
-/// The deny list compiled for this architecture: EPERM for the listed calls and for
-/// namespace-creating `clone`, allow the rest; after [`prelude`].
+/// egressd's deny list compiled for this architecture.
 pub fn program() -> Result<seccompiler::BpfProgram, ConfineError> {
-    let backend = |e| ConfineError::Seccomp(seccompiler::Error::Backend(e));
-    let mut rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
-        denied_syscalls().into_iter().map(|n| (n, Vec::new())).collect();
-    rules.insert(libc::SYS_clone, clone_rules().map_err(backend)?);
-    let filter = seccompiler::SeccompFilter::new(
-        rules,
-        seccompiler::SeccompAction::Allow,
-        seccompiler::SeccompAction::Errno(libc::EPERM as u32),
-        arch()?,
-    )
-    .map_err(backend)?;
-    let compiled: seccompiler::BpfProgram = filter.try_into().map_err(backend)?;
-    Ok(prelude().into_iter().chain(compiled).collect())
+    confine::deny_program(denied_syscalls()).map_err(ConfineError::Seccomp)
 }
 
 /// Installs the deny-list filter on every thread of the process.
 pub fn install_seccomp() -> Result<(), ConfineError> {
     seccompiler::apply_filter_all_threads(&program()?).map_err(ConfineError::SeccompInstall)
-}
-
-fn set_no_new_privs() -> Result<(), ConfineError> {
-    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) takes no pointers and only sets a
-    // process flag.
-    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-    if rc != 0 {
-        return Err(ConfineError::NoNewPrivs(std::io::Error::last_os_error()));
-    }
-    Ok(())
 }
 
 /// Landlock, best effort: `enforced`, `partial`, or `unsupported: <why>`.
@@ -185,34 +60,21 @@ pub fn landlock(gateway_dir: &Path, control_dir: &Path) -> String {
             .add_rules(path_beneath_rules([control_dir], AccessFs::RemoveFile))?
             .restrict_self()
     };
-    match attempt() {
-        Ok(status) => match status.ruleset {
-            RulesetStatus::FullyEnforced => "enforced".into(),
-            RulesetStatus::PartiallyEnforced => "partial".into(),
-            RulesetStatus::NotEnforced => {
-                "unsupported: this kernel has no landlock (or it is disabled)".into()
-            }
-        },
-        Err(e) => format!("unsupported: {e}"),
-    }
+    confine::landlock_outcome(attempt())
 }
 
 /// Everything, in order; what could not be applied is reported, and a failure of the
 /// mandatory parts (no_new_privs, seccomp) is an error.
 pub fn apply(gateway_dir: &Path, control_dir: &Path) -> Result<Confinement, ConfineError> {
-    set_no_new_privs()?;
+    confine::set_no_new_privs().map_err(ConfineError::NoNewPrivs)?;
     let landlock = landlock(gateway_dir, control_dir);
     install_seccomp()?;
-    Ok(Confinement { landlock, seccomp: true, no_new_privs: true })
+    Ok(Confinement::applied(landlock))
 }
 
 /// What `--no-confine` reports.
 pub fn skipped() -> Confinement {
-    Confinement {
-        landlock: "unsupported: disabled by --no-confine".into(),
-        seccomp: false,
-        no_new_privs: false,
-    }
+    Confinement::skipped()
 }
 
 #[cfg(test)]

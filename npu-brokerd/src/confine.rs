@@ -11,13 +11,11 @@
 //!
 //! Not confined: exec (jobs are programs), the network (workloads may fetch), and reads.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::npu::Confinement;
+use common::confine::{self, Confinement};
 use landlock::{
-    ABI, Access, AccessFs, CompatLevel, Compatible, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
-    path_beneath_rules,
+    ABI, Access, AccessFs, CompatLevel, Compatible, RulesetAttr, RulesetCreatedAttr, path_beneath_rules,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -30,120 +28,14 @@ pub enum ConfineError {
     SeccompInstall(#[source] seccompiler::Error),
 }
 
-/// The calls neither the broker nor a job needs (numbers for the build architecture).
+/// The calls neither the broker nor a job needs: the helper daemons' shared deny list
+/// (exec and fork stay: jobs are programs).
 pub fn denied_syscalls() -> Vec<i64> {
-    let mut calls = vec![
-        libc::SYS_ptrace,
-        libc::SYS_process_vm_readv,
-        libc::SYS_process_vm_writev,
-        libc::SYS_mount,
-        libc::SYS_umount2,
-        libc::SYS_pivot_root,
-        libc::SYS_chroot,
-        libc::SYS_unshare,
-        libc::SYS_setns,
-        libc::SYS_bpf,
-        libc::SYS_keyctl,
-        libc::SYS_add_key,
-        libc::SYS_request_key,
-        libc::SYS_init_module,
-        libc::SYS_finit_module,
-        libc::SYS_delete_module,
-        libc::SYS_kexec_load,
-        libc::SYS_reboot,
-        libc::SYS_swapon,
-        libc::SYS_swapoff,
-        libc::SYS_userfaultfd,
-        libc::SYS_io_uring_setup,
-        libc::SYS_io_uring_enter,
-        libc::SYS_io_uring_register,
-        libc::SYS_open_by_handle_at,
-        libc::SYS_name_to_handle_at,
-        libc::SYS_acct,
-        libc::SYS_quotactl,
-        libc::SYS_fanotify_init,
-        libc::SYS_move_mount,
-        libc::SYS_open_tree,
-        libc::SYS_fsopen,
-        libc::SYS_fsconfig,
-        libc::SYS_fsmount,
-        libc::SYS_fspick,
-        libc::SYS_mount_setattr,
-        libc::SYS_settimeofday,
-        libc::SYS_clock_settime,
-        libc::SYS_clock_adjtime,
-        libc::SYS_adjtimex,
-        libc::SYS_pidfd_getfd,
-    ];
-    #[cfg(target_arch = "x86_64")]
-    calls.extend([libc::SYS_kexec_file_load, libc::SYS_iopl, libc::SYS_ioperm]);
-    calls
-}
-
-const NAMESPACE_FLAGS: [u64; 7] = [
-    libc::CLONE_NEWUSER as u64,
-    libc::CLONE_NEWNS as u64,
-    libc::CLONE_NEWPID as u64,
-    libc::CLONE_NEWNET as u64,
-    libc::CLONE_NEWIPC as u64,
-    libc::CLONE_NEWUTS as u64,
-    libc::CLONE_NEWCGROUP as u64,
-];
-
-/// x32 numbers are refused; `clone3` answers ENOSYS so that libc falls back to `clone`,
-/// whose flags the filter can read (as egressd's filter does).
-fn prelude() -> Vec<seccompiler::sock_filter> {
-    const RET_ERRNO: u32 = 0x0005_0000;
-    let insn = |code: u16, jt: u8, jf: u8, k: u32| seccompiler::sock_filter { code, jt, jf, k };
-    vec![
-        insn(0x20, 0, 0, 0),
-        insn(0x35, 0, 1, 0x4000_0000),
-        insn(0x06, 0, 0, RET_ERRNO | libc::EPERM as u32),
-        insn(0x15, 0, 1, libc::SYS_clone3 as u32),
-        insn(0x06, 0, 0, RET_ERRNO | libc::ENOSYS as u32),
-    ]
+    confine::denied_to_every_daemon()
 }
 
 pub fn program() -> Result<seccompiler::BpfProgram, ConfineError> {
-    use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
-    let backend = |e| ConfineError::Seccomp(seccompiler::Error::Backend(e));
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        denied_syscalls().into_iter().map(|n| (n, Vec::new())).collect();
-    let clone_rules = NAMESPACE_FLAGS
-        .iter()
-        .map(|&flag| {
-            SeccompRule::new(vec![SeccompCondition::new(
-                0,
-                SeccompCmpArgLen::Qword,
-                SeccompCmpOp::MaskedEq(flag),
-                flag,
-            )?])
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(backend)?;
-    rules.insert(libc::SYS_clone, clone_rules);
-    let arch = std::env::consts::ARCH
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| ConfineError::Seccomp(seccompiler::Error::Backend(e)))?;
-    let filter = seccompiler::SeccompFilter::new(
-        rules,
-        seccompiler::SeccompAction::Allow,
-        seccompiler::SeccompAction::Errno(libc::EPERM as u32),
-        arch,
-    )
-    .map_err(backend)?;
-    let compiled: seccompiler::BpfProgram = filter.try_into().map_err(backend)?;
-    Ok(prelude().into_iter().chain(compiled).collect())
-}
-
-fn set_no_new_privs() -> Result<(), ConfineError> {
-    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) takes no pointers and only sets a
-    // process flag.
-    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-    if rc != 0 {
-        return Err(ConfineError::NoNewPrivs(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    confine::deny_program(denied_syscalls()).map_err(ConfineError::Seccomp)
 }
 
 /// Landlock, best effort: `enforced`, `partial`, or `unsupported: <why>`. Paths that do not
@@ -160,35 +52,19 @@ pub fn landlock(writable: &[&Path]) -> String {
             .add_rules(path_beneath_rules(writable, AccessFs::from_all(abi)))?
             .restrict_self()
     };
-    match attempt() {
-        Ok(status) => match status.ruleset {
-            RulesetStatus::FullyEnforced => "enforced".into(),
-            RulesetStatus::PartiallyEnforced => "partial".into(),
-            RulesetStatus::NotEnforced => {
-                "unsupported: this kernel has no landlock (or it is disabled)".into()
-            }
-        },
-        Err(e) => {
-            let e: landlock::RulesetError = e;
-            format!("unsupported: {e}")
-        }
-    }
+    confine::landlock_outcome(attempt())
 }
 
 /// Everything, in order; no_new_privs and seccomp are mandatory, landlock is reported.
 pub fn apply(writable: &[&Path]) -> Result<Confinement, ConfineError> {
-    set_no_new_privs()?;
+    confine::set_no_new_privs().map_err(ConfineError::NoNewPrivs)?;
     let landlock = landlock(writable);
     seccompiler::apply_filter_all_threads(&program()?).map_err(ConfineError::SeccompInstall)?;
-    Ok(Confinement { landlock, seccomp: true, no_new_privs: true })
+    Ok(Confinement::applied(landlock))
 }
 
 pub fn skipped() -> Confinement {
-    Confinement {
-        landlock: "unsupported: disabled by --no-confine".into(),
-        seccomp: false,
-        no_new_privs: false,
-    }
+    Confinement::skipped()
 }
 
 #[cfg(test)]

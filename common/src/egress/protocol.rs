@@ -31,14 +31,7 @@ pub enum ControlRequest {
 }
 
 /// How far egressd confined itself after start-up (R-OPS-3).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Confinement {
-    /// `enforced`, `partial`, or `unsupported: <why>`.
-    pub landlock: String,
-    /// Whether egressd's own seccomp filter is installed.
-    pub seccomp: bool,
-    pub no_new_privs: bool,
-}
+pub use crate::confine::Confinement;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EgressStatus {
