@@ -13,28 +13,14 @@ set -euo pipefail
 require_root
 require_cmd systemd-nspawn systemd-container
 require_cmd python3 python3
-grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || true
-grep -qw overlay /proc/filesystems || unavailable "the kernel has no overlay filesystem"
 user="${RUNNER_TEST_USER:-sbxtest}"
 id "$user" >/dev/null 2>&1 || unavailable "no test user $user (set RUNNER_TEST_USER)"
 bin_dir="${RUNNER_BIN_DIR:-$target_dir/debug}"
 [ -x "$bin_dir/runnerd" ] && [ -x "$bin_dir/sandbox-init" ] || die "build first: no runnerd in $bin_dir"
 mkdir -p "$artifacts_dir"
 
-work=$(mktemp -d /var/tmp/sciencediscovery-limits-v2.XXXXXX)
-merged="$work/merged"
-out="$work/out"
-cleanup() {
-    umount "$merged" 2>/dev/null || umount -l "$merged" 2>/dev/null || true
-    umount "$work/layers" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
-mkdir -p "$work/layers" "$merged" "$out" "$work/bin"
-mount -t tmpfs -o size=1g,mode=0755 limits-v2 "$work/layers"
-mkdir -p "$work/layers/upper" "$work/layers/work"
-mount -t overlay limits-v2 -o "lowerdir=/,upperdir=$work/layers/upper,workdir=$work/layers/work" "$merged"
-: > "$merged/etc/fstab"
+overlay_root sciencediscovery-limits-v2 1g
+mkdir -p "$work/bin"
 # The binaries under test, wherever the target directory is (a bind of it may be on
 # another filesystem than /).
 cp "$bin_dir/runnerd" "$bin_dir/sandbox-init" "$work/bin/"

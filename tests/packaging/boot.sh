@@ -12,27 +12,11 @@ set -euo pipefail
 require_root
 require_cmd systemd-nspawn systemd-container
 require_cmd python3 python3
-grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || true
-grep -qw overlay /proc/filesystems || unavailable "the kernel has no overlay filesystem"
 find_packages
 mkdir -p "$artifacts_dir"
 here="$(cd "$(dirname "$0")" && pwd)"
 
-work=$(mktemp -d /var/tmp/sciencediscovery-boot.XXXXXX)
-merged="$work/merged"
-out="$work/out"
-cleanup() {
-    umount "$merged" 2>/dev/null || umount -l "$merged" 2>/dev/null || true
-    umount "$work/layers" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
-mkdir -p "$work/layers" "$merged" "$out"
-# The upper layer on tmpfs: everything the container writes vanishes with it.
-mount -t tmpfs -o size=2g,mode=0755 sciencediscovery-boot "$work/layers"
-mkdir -p "$work/layers/upper" "$work/layers/work"
-mount -t overlay sciencediscovery-boot \
-    -o "lowerdir=/,upperdir=$work/layers/upper,workdir=$work/layers/work" "$merged"
+overlay_root sciencediscovery-boot 2g
 
 # --private-network: the container's 127.0.0.1:4311 is its own. Landlock's calls are allowed
 # through nspawn's own seccomp filter (systemd 252 refuses them with EPERM), so egressd's
@@ -40,10 +24,8 @@ mount -t overlay sciencediscovery-boot \
 nspawn=(systemd-nspawn -q -D "$merged" --register=no --keep-unit --private-network
         --system-call-filter='landlock_create_ruleset landlock_add_rule landlock_restrict_self')
 
-# The container is this machine's OS, minus what would tie it to this machine: no fstab
-# mounts (they would fail in the container and hold up the boot), no package of ours left
-# over from an earlier run.
-: > "$merged/etc/fstab"
+# The container is this machine's OS, minus what would tie it to this machine (no fstab
+# mounts: overlay_root empties it) and no package of ours left over from an earlier run.
 rm -rf "$merged/etc/sciencediscovery"
 cp "$deb" "$merged/var/tmp/sciencediscovery.deb"
 

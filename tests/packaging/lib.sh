@@ -37,6 +37,29 @@ require_root() {
 require_cmd() { # command package
     command -v "$1" >/dev/null 2>&1 || unavailable "$1 is missing (apt-get install $2)"
 }
+# An overlay of this machine's / with its upper layer on a tmpfs of size $2 (everything the
+# container writes vanishes with it), for booting a real systemd under nspawn. Sets $work
+# (scratch, removed at exit), $merged (the container's root) and $out (bound into the
+# container for its results); the unmounts are trapped on EXIT.
+overlay_root() { # name size
+    grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || true
+    grep -qw overlay /proc/filesystems || unavailable "the kernel has no overlay filesystem"
+    work=$(mktemp -d "/var/tmp/$1.XXXXXX")
+    merged="$work/merged"
+    out="$work/out"
+    trap overlay_cleanup EXIT
+    mkdir -p "$work/layers" "$merged" "$out"
+    mount -t tmpfs -o "size=$2,mode=0755" "$1" "$work/layers"
+    mkdir -p "$work/layers/upper" "$work/layers/work"
+    mount -t overlay "$1" -o "lowerdir=/,upperdir=$work/layers/upper,workdir=$work/layers/work" "$merged"
+    # No fstab mounts: they would fail in the container and hold up the boot.
+    : > "$merged/etc/fstab"
+}
+overlay_cleanup() {
+    umount "$merged" 2>/dev/null || umount -l "$merged" 2>/dev/null || true
+    umount "$work/layers" 2>/dev/null || true
+    rm -rf "$work"
+}
 # The .deb and .rpm that scripts/package built.
 find_packages() {
     deb=$(ls "$packages_dir"/sciencediscovery_*.deb 2>/dev/null | head -1 || true)
