@@ -111,6 +111,10 @@ mod tests {
         }
         let report = apply(&eg, &control).unwrap();
         assert!(report.seccomp && report.no_new_privs);
+        // (landlock leaves no read of /proc here: ask the kernel directly)
+        // SAFETY: prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) takes no pointers.
+        let nnp = unsafe { libc::prctl(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) };
+        assert_eq!(nnp, 1, "no_new_privs is not set");
         let exec = std::process::Command::new("/bin/true").status();
         assert_eq!(exec.unwrap_err().raw_os_error(), Some(libc::EPERM));
         // SAFETY: unshare takes a flag word only.

@@ -101,6 +101,12 @@ mod tests {
             .status()
             .unwrap();
         assert!(status.success());
+        // A job inherits no_new_privs: no setuid binary or file capability lifts it.
+        let status = std::process::Command::new("/bin/sh")
+            .args(["-c", "grep -Eq '^NoNewPrivs:[[:space:]]+1$' /proc/self/status"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "a job does not run with no_new_privs");
         // SAFETY: unshare takes a flag word only.
         let rc = unsafe { libc::unshare(libc::CLONE_NEWUSER) };
         assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
