@@ -673,6 +673,7 @@ async fn sandbox_run(
         egress: egress_mount.as_ref(),
         accel: accel.as_ref(),
         command: None,
+        tmp_bytes: p.limits.tmp_bytes,
     });
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();
@@ -682,7 +683,6 @@ async fn sandbox_run(
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
     launch.rlimits = default_rlimits((p.max_workspace > 0).then_some(p.max_workspace));
     launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, &p.limits, p.timeout_ms));
-    crate::limits::size_tmp(&mut launch.options, p.limits.tmp_bytes);
     let rlimits = launch.rlimits.clone();
     let cgroup = match app.limits.create(&p.limits).and_then(|c| {
         let fds = c.as_ref().map(|c| c.procs_fds()).transpose()?;

@@ -341,17 +341,6 @@ pub fn health_entries(e: &Enforcement, timeout_ms: u64) -> [(&'static str, Value
 #[cfg(test)]
 mod tests;
 
-/// Gives the sandbox's `/tmp` tmpfs its size: `--size N` right before `--tmpfs /tmp`
-/// (bwrap ≥ 0.7 applies `--size` to the next `--tmpfs`). 0 leaves the kernel's default.
-pub fn size_tmp(options: &mut Vec<String>, bytes: u64) {
-    if bytes == 0 {
-        return;
-    }
-    if let Some(i) = options.windows(2).position(|w| w[0] == "--tmpfs" && w[1] == "/tmp") {
-        options.splice(i..i, ["--size".to_owned(), bytes.to_string()]);
-    }
-}
-
 /// After a run: ends whatever is left in the execution's cgroup and reads its counters; the
 /// result waits for those. Removing the directories (which may wait for the kernel to reap)
 /// happens afterwards in the blocking pool, off the answer's path; what a runnerd that dies

@@ -153,6 +153,8 @@ pub struct SandboxSpec<'a> {
     pub accel: Option<&'a AccelMount>,
     /// Runs this instead of the language's interpreter (the accelerator probes).
     pub command: Option<&'a [String]>,
+    /// The size of the sandbox's `/tmp` tmpfs in bytes (issue #8); 0 = the kernel's default.
+    pub tmp_bytes: u64,
 }
 
 /// What a network sandbox gets: still no interface (`--unshare-all`, never `--share-net`);
@@ -189,6 +191,7 @@ impl<'a> SandboxSpec<'a> {
             egress: None,
             accel: None,
             command: None,
+            tmp_bytes: 0,
         }
     }
 }
@@ -250,6 +253,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     }
     for target in spec.interpreter_masks {
         push(&mut args, &["--ro-bind", "/dev/null", &lossy(target)]);
+    }
+    if spec.tmp_bytes > 0 {
+        // bwrap ≥ 0.7 applies `--size` to the next `--tmpfs`.
+        push(&mut args, &["--size", &spec.tmp_bytes.to_string()]);
     }
     push(&mut args, &["--tmpfs", "/tmp"]);
     // Accelerator files and tools after /tmp, which would otherwise cover one placed there.
@@ -604,6 +611,23 @@ mod tests {
             assert!(bind < position(&cmd.options, &["--bind"]).unwrap());
             assert_eq!(cmd.env[1], ("PATH".into(), path.into()), "{language:?}");
             assert_eq!(cmd.command[0], program);
+        }
+    }
+
+    #[test]
+    fn the_tmp_size_goes_right_before_the_tmp_tmpfs_and_0_leaves_it_out() {
+        let h = host();
+        let ws = plain();
+        let mut s = spec(&h, &ws, FULL);
+        for (bytes, want) in
+            [(0u64, vec!["--tmpfs", "/tmp"]), (8 << 20, vec!["--size", "8388608", "--tmpfs", "/tmp"])]
+        {
+            s.tmp_bytes = bytes;
+            let args = build(&s).args();
+            let at = position(&args, &["--tmpfs", "/tmp"]).unwrap();
+            let from = at + 2 - want.len();
+            assert_eq!(&args[from..at + 2], want.as_slice(), "{bytes}");
+            assert_eq!(args.iter().filter(|a| *a == "--size").count(), usize::from(bytes > 0));
         }
     }
 
