@@ -49,7 +49,11 @@ fn network(app: &App, egress: &Result<EgressStatus, EgressError>) -> (Value, Val
     }
 }
 
-pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
+pub fn health(
+    app: &App,
+    egress: &Result<EgressStatus, EgressError>,
+    (npu_broker, npu_brokerd): (Value, Value),
+) -> Value {
     let (sandbox_network, egressd) = network(app, egress);
     let cfg = &app.config;
     let cap = &app.sandbox.capability;
@@ -67,7 +71,7 @@ pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
         "maxWorkspaceBytes": cfg.max_workspace_bytes,
         "networkPolicy": "none",
         "noNewPrivileges": true,
-        "npuBroker": {"enabled": false, "queueConcurrency": 1, "workloads": []},
+        "npuBroker": npu_broker,
         "platform": "linux",
         "runnerVersion": runner_version(),
         "sandbox": "bubblewrap",
@@ -115,7 +119,7 @@ pub fn health(app: &App, egress: &Result<EgressStatus, EgressError>) -> Value {
             "warnings": warnings,
         },
         "egressd": egressd,
-        "npuBrokerd": {"reachable": false, "reason": "not part of this runner yet"},
+        "npuBrokerd": npu_brokerd,
         "queue": {"admitted": app.admission.admitted(), "capacity": cfg.queue_capacity, "maxConcurrent": cfg.max_concurrent},
     });
     health["resourceLimits"] = crate::limits::health_block(&app.limits, &cfg.limits);

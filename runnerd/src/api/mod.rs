@@ -73,11 +73,11 @@ pub fn is_health(method: &str, path: &str) -> bool {
     method == "GET" && path == "/health"
 }
 
-/// Answers `GET /health` (no auth, no disk, no subprocess; one bounded question to egressd).
+/// Answers `GET /health` (no auth, no disk, no subprocess; one bounded question each to
+/// egressd and npu-brokerd, asked together).
 pub async fn health(app: &App) -> ApiResponse {
     let (egress, npu_broker) = tokio::join!(app.egress.status(), npu::status(app));
-    let mut body = health::health(app, &egress);
-    npu::fill_health(&mut body, app, &npu_broker);
+    let body = health::health(app, &egress, npu::health_entries(app, &npu_broker));
     ApiResponse::json(200, body.to_string())
 }
 

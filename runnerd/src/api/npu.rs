@@ -138,9 +138,9 @@ pub async fn status(app: &App) -> Option<Result<BrokerStatus, BrokerError>> {
     if app.npu_broker.enabled { Some(app.npu_broker.status().await) } else { None }
 }
 
-/// Fills `npuBroker` (the original's block) and `npuBrokerd` (ours: reachability and
-/// confinement) of a `/health` body.
-pub fn fill_health(body: &mut Value, app: &App, status: &Option<Result<BrokerStatus, BrokerError>>) {
+/// `/health`'s `npuBroker` (the original's block) and `npuBrokerd` (ours: reachability and
+/// confinement).
+pub fn health_entries(app: &App, status: &Option<Result<BrokerStatus, BrokerError>>) -> (Value, Value) {
     let socket = app.npu_broker.socket.display().to_string();
     let (workloads, brokerd) = match status {
         None => (
@@ -171,11 +171,5 @@ pub fn fill_health(body: &mut Value, app: &App, status: &Option<Result<BrokerSta
                    "reason": crate::error_chain(e)}),
         ),
     };
-    if let Some(obj) = body.as_object_mut() {
-        obj.insert(
-            "npuBroker".into(),
-            json!({"enabled": app.npu_broker.enabled, "queueConcurrency": 1, "workloads": workloads}),
-        );
-        obj.insert("npuBrokerd".into(), brokerd);
-    }
+    (json!({"enabled": app.npu_broker.enabled, "queueConcurrency": 1, "workloads": workloads}), brokerd)
 }
