@@ -284,16 +284,6 @@ pub async fn resolve(
     Ok(Some(out))
 }
 
-/// For an execution request: its chips, probed through real sandboxes.
-pub async fn resolve_request(
-    app: &App,
-    obj: &serde_json::Map<String, Value>,
-) -> Result<Option<AccelMount>, ApiError> {
-    let npu = requested(obj, "npuDevices")?;
-    let gpu = requested(obj, "gpuDevices")?;
-    resolve(&app.accel.config, &npu, &gpu, &SandboxProber { app }).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
