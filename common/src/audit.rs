@@ -134,13 +134,54 @@ pub fn init_with(identifier: &str, settings: &LogSettings) -> Sink {
         }
     }
     use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal();
     let layer = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
+        .with_writer(move || EscapingStderr { keep_escape: ansi })
         .with_target(false)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(ansi)
         .with_filter(level);
     let _ = tracing_subscriber::registry().with(layer).try_init();
     Sink::Stderr
+}
+
+/// The stderr sink, one event per `write`: a field value holding a newline (an id a caller
+/// chose) must not start a line of its own that reads like another event (issue #14). Every
+/// control byte but the event's final newline is written escaped (`\n`, `\r`, `\t`,
+/// `\x1b`…); ESC is kept only when the sink colours a terminal itself.
+struct EscapingStderr {
+    keep_escape: bool,
+}
+
+impl std::io::Write for EscapingStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        std::io::stderr().lock().write_all(&escape_line(buf, self.keep_escape))?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// `buf` with its control bytes escaped, a final newline kept as it is.
+pub fn escape_line(buf: &[u8], keep_escape: bool) -> Vec<u8> {
+    let (body, end) = match buf.strip_suffix(b"\n") {
+        Some(body) => (body, &b"\n"[..]),
+        None => (buf, &b""[..]),
+    };
+    let mut out = Vec::with_capacity(buf.len() + 8);
+    for &b in body {
+        match b {
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            0x1b if keep_escape => out.push(b),
+            0..=0x1f | 0x7f => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
+            _ => out.push(b),
+        }
+    }
+    out.extend_from_slice(end);
+    out
 }
 
 #[cfg(test)]
@@ -151,6 +192,17 @@ mod tests {
     fn settings(pairs: &[(&str, &str)]) -> Result<LogSettings, LogError> {
         let map: HashMap<&str, &str> = pairs.iter().copied().collect();
         LogSettings::from_vars(|k| map.get(k).map(|v| v.to_string()))
+    }
+
+    #[test]
+    fn control_bytes_in_an_event_are_escaped_and_the_final_newline_kept() {
+        let forged = b"INFO execution_id=a\nWARN event=\"auth_failed\"\r\t\x1b[2J\x07\n";
+        let out = escape_line(forged, false);
+        assert_eq!(out, b"INFO execution_id=a\\nWARN event=\"auth_failed\"\\r\\t\\x1b[2J\\x07\n");
+        assert_eq!(out.iter().filter(|b| **b == b'\n').count(), 1);
+        assert_eq!(escape_line(b"\x1b[32mINFO\x1b[0m ok\n", true), b"\x1b[32mINFO\x1b[0m ok\n");
+        assert_eq!(escape_line(b"no newline", false), b"no newline");
+        assert_eq!(escape_line("é 漢字\n".as_bytes(), false), "é 漢字\n".as_bytes());
     }
 
     #[test]

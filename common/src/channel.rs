@@ -146,6 +146,7 @@ mod tests {
             fds: vec![0, 1, 2, 3],
             rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
             join_cgroups: 0,
+            user: None,
         }
     }
 

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a message layout on the runnerd ↔ sandbox-init channel changes.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// bwrap reads the seccomp program from this descriptor (`--seccomp 3`).
 pub const SECCOMP_FD: i32 = 3;
@@ -74,6 +74,17 @@ pub struct LaunchPlan {
     /// so moving its thread moves the process — writes `0` (itself) into each before it execs
     /// bwrap, so the whole sandbox starts inside the execution's cgroups; they are never placed.
     pub join_cgroups: usize,
+    /// The unprivileged host user bwrap (and so all sandbox code) runs as. sandbox-init, when
+    /// started as root, switches to it after joining the cgroups; `None` keeps the caller's
+    /// user, which must not be root: sandbox-init never execs bwrap as host uid 0.
+    pub user: Option<SandboxUser>,
+}
+
+/// A host user and primary group for the sandbox; never 0 (checked by [`LaunchPlan::validate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxUser {
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// A plan `sandbox-init` refuses to apply.
@@ -95,6 +106,8 @@ pub enum PlanError {
     SoftAboveHard(Resource),
     #[error("the plan joins {0} cgroups; at most {MAX_CGROUPS} are allowed")]
     TooManyCgroups(usize),
+    #[error("the plan names uid {uid} / gid {gid} for the sandbox; sandboxes never run as host root")]
+    RootSandboxUser { uid: u32, gid: u32 },
 }
 
 impl LaunchPlan {
@@ -119,6 +132,11 @@ impl LaunchPlan {
         }
         if self.join_cgroups > MAX_CGROUPS {
             return Err(PlanError::TooManyCgroups(self.join_cgroups));
+        }
+        if let Some(SandboxUser { uid, gid }) = self.user
+            && (uid == 0 || gid == 0)
+        {
+            return Err(PlanError::RootSandboxUser { uid, gid });
         }
         for (i, limit) in self.rlimits.iter().enumerate() {
             if self.rlimits[..i].iter().any(|l| l.resource == limit.resource) {
@@ -155,6 +173,7 @@ pub enum InitStep {
     JoinCgroups,
     Rlimits,
     Signals,
+    SwitchUser,
     Exec,
 }
 
@@ -169,6 +188,7 @@ impl InitStep {
             InitStep::JoinCgroups => "joining the execution's cgroups",
             InitStep::Rlimits => "applying resource limits",
             InitStep::Signals => "resetting signal dispositions",
+            InitStep::SwitchUser => "switching to the unprivileged sandbox user",
             InitStep::Exec => "executing bubblewrap",
         }
     }
@@ -199,6 +219,7 @@ mod tests {
             fds: vec![0, 1, 2, SECCOMP_FD, INFO_FD],
             rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
             join_cgroups: 0,
+            user: Some(SandboxUser { uid: 1000, gid: 1000 }),
         }
     }
 
@@ -217,6 +238,15 @@ mod tests {
             (
                 Box::new(|p| p.join_cgroups = MAX_CGROUPS + 1),
                 Some(PlanError::TooManyCgroups(MAX_CGROUPS + 1)),
+            ),
+            (Box::new(|p| p.user = None), None),
+            (
+                Box::new(|p| p.user = Some(SandboxUser { uid: 0, gid: 1000 })),
+                Some(PlanError::RootSandboxUser { uid: 0, gid: 1000 }),
+            ),
+            (
+                Box::new(|p| p.user = Some(SandboxUser { uid: 1000, gid: 0 })),
+                Some(PlanError::RootSandboxUser { uid: 1000, gid: 0 }),
             ),
             (
                 Box::new(|p| p.rlimits.push(Rlimit::fixed(Resource::Core, 1))),

@@ -24,6 +24,8 @@ pub struct App {
     pub replays: ReplayCache,
     /// The data directory as given (paths in answers use it, like the original).
     pub data_dir: PathBuf,
+    /// The user executions run as: the sandbox user's name (contract §4 `executionUser`; the
+    /// original runs code as its own user, which is the same thing when runnerd is not root).
     pub execution_user: String,
     /// Turns `true` when runnerd is stopping: queued and running executions are aborted.
     pub shutdown: tokio::sync::watch::Sender<bool>,
@@ -52,6 +54,7 @@ impl App {
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
+        let execution_user = sandbox.user.name.clone();
         let accel = crate::accel::select::Accelerators::new(config.accel.clone());
         let egress = EgressClient {
             control_socket: config.egress_socket.clone(),
@@ -65,7 +68,7 @@ impl App {
             registry: Registry::default(),
             replays: ReplayCache::default(),
             data_dir,
-            execution_user: execution_user(),
+            execution_user,
             shutdown: tokio::sync::watch::Sender::new(false),
             versions,
             managed,
@@ -79,16 +82,6 @@ impl App {
             limits,
         }
     }
-}
-
-/// `os.userInfo().username`, else `$USER`, else `unknown` (contract §4).
-fn execution_user() -> String {
-    nix::unistd::User::from_uid(nix::unistd::getuid())
-        .ok()
-        .flatten()
-        .map(|u| u.name)
-        .or_else(|| std::env::var("USER").ok())
-        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 /// The build's version: 8 hex of the commit (`-dirty` when built from a modified tree), or

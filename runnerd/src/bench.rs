@@ -137,7 +137,7 @@ pub(crate) async fn setup() -> anyhow::Result<Setup> {
     let workspace = scratch.join("projects/bench");
     std::fs::create_dir_all(&workspace).with_context(|| format!("creating {}", workspace.display()))?;
     let scratch = Scratch(scratch);
-    let mut config = crate::cli::sandbox_config_from_env()?;
+    let mut config = crate::cli::sandbox_config_from_env(true)?;
     config.data_dir = scratch.0.join("data");
     let runtime = startup::prepare(&config).await?;
     let Some(shape) = runtime.capability.shape() else {
@@ -529,6 +529,7 @@ fn sandbox_init_peak_rss_kib(init: &Path, args: &[String]) -> anyhow::Result<u64
             fds: vec![0, 1, 2, 3, 4],
             rlimits: default_rlimits(Some(1 << 30)),
             join_cgroups: 0,
+            user: None,
         };
         std::io::Write::write_all(&mut &ours, &encode_frame(PROTOCOL_VERSION, &plan)?)?;
         let null = std::fs::File::open("/dev/null")?;

@@ -23,7 +23,8 @@ Usage:
   runnerd [serve] [--dev] [--insecure-default-token] [--config PATH]
                        serve the HTTP API (127.0.0.1:4311 unless configured)
       --dev            development start: generate a random token into
-                       <data dir>/runner-token (0600) when none is configured
+                       <data dir>/runner-token (0600) when none is configured; as
+                       root, sandboxes run as nobody unless a user is configured
       --insecure-default-token
                        accept the original's well-known token when none is
                        configured (local compatibility tests only)
@@ -46,6 +47,8 @@ Configuration: variables override the file, the file overrides the defaults.
   SCIENCE_AGENT_RUNNER_TOKEN / _TOKEN_FILE      the token (or $CREDENTIALS_DIRECTORY/runner-token)
   SCIENCE_AGENT_DATA_DIR                        data directory (default .sciencediscovery-data)
   SCIENCE_AGENT_BWRAP_PATH                      bubblewrap (default: bwrap in PATH)
+  SCIENCE_AGENT_SANDBOX_USER                    user[:group] or uid[:gid] sandboxes run as when
+                                                runnerd is root (never root itself)
 ";
 
 /// `--config PATH`, for every sub-command (the selftest and the benchmark load through
@@ -121,9 +124,9 @@ pub fn run() -> i32 {
             return check_config_command(fallback).await;
         }
         match command {
-            "preflight" => preflight().await,
-            "selftest" => selftest().await,
-            _ => serve(fallback).await,
+            "preflight" => preflight(dev).await,
+            "selftest" => selftest(dev).await,
+            _ => serve(fallback, dev).await,
         }
     });
     match result {
@@ -135,11 +138,13 @@ pub fn run() -> i32 {
     }
 }
 
-fn sandbox_config(config: &RunnerConfig) -> SandboxConfig {
+fn sandbox_config(config: &RunnerConfig, dev: bool) -> SandboxConfig {
     SandboxConfig {
         bwrap: config.bwrap_path.clone(),
         data_dir: config.data_dir.clone(),
         sandbox_init: startup::locate_sandbox_init(config.sandbox_init.clone()),
+        sandbox_user: config.sandbox_user.clone(),
+        dev,
     }
 }
 
@@ -151,8 +156,8 @@ async fn check_config_command(fallback: Fallback) -> anyhow::Result<i32> {
 }
 
 /// The sandbox configuration from the `SCIENCE_AGENT_*` variables over the configuration file.
-pub fn sandbox_config_from_env() -> anyhow::Result<SandboxConfig> {
-    Ok(sandbox_config(&load_config()?.config))
+pub fn sandbox_config_from_env(dev: bool) -> anyhow::Result<SandboxConfig> {
+    Ok(sandbox_config(&load_config()?.config, dev))
 }
 
 async fn prepare(config: &SandboxConfig) -> anyhow::Result<SandboxRuntime> {
@@ -180,7 +185,7 @@ fn raise_nofile() {
 /// How long a stopping runnerd waits for managed executions to record their end.
 const MANAGED_GRACE: Duration = Duration::from_secs(20);
 
-async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
+async fn serve(fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
     let loaded = load_config()?;
     let sink = audit::init_with("runnerd", &loaded.log);
     raise_nofile();
@@ -192,7 +197,7 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
     if let token::TokenSource::Generated(path) = &source {
         eprintln!("runnerd: development token in {} (clients read it from there)", path.display());
     }
-    let sandbox = prepare(&sandbox_config(&config)).await?;
+    let sandbox = prepare(&sandbox_config(&config, dev)).await?;
     let listener = match (Listener::from_activation()?, &config.socket_path) {
         (Some(activated), _) => activated,
         (None, Some(path)) => Listener::unix(path)?,
@@ -203,6 +208,9 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         data_dir = %config.data_dir.display(),
         token_source = %source,
         bwrap = %sandbox.bwrap.display(),
+        sandbox_uid = sandbox.user.uid,
+        sandbox_gid = sandbox.user.gid,
+        sandbox_user = %sandbox.user.describe(),
         sandbox_usable = sandbox.capability.sandbox_usable,
         proc_mode = ?sandbox.capability.proc_mode,
         disable_userns = sandbox.capability.disable_userns,
@@ -246,8 +254,9 @@ async fn serve(fallback: Fallback) -> anyhow::Result<i32> {
         writeln!(out, "ScienceDiscovery runner listening on {address}")?;
         writeln!(
             out,
-            "sandbox: bubblewrap ({}), data dir {}, max workspace {} bytes, max output {} bytes, timeout {} ms",
+            "sandbox: bubblewrap ({}) as {}, data dir {}, max workspace {} bytes, max output {} bytes, timeout {} ms",
             if usable { "usable" } else { "UNUSABLE: executions will fail" },
+            app.sandbox.user.describe(),
             app.data_dir.display(),
             app.config.max_workspace_bytes,
             app.config.max_output_bytes,
@@ -306,8 +315,8 @@ impl StopSignals {
     }
 }
 
-async fn preflight() -> anyhow::Result<i32> {
-    let runtime = prepare(&sandbox_config_from_env()?).await?;
+async fn preflight(dev: bool) -> anyhow::Result<i32> {
+    let runtime = prepare(&sandbox_config_from_env(dev)?).await?;
     let report = serde_json::json!({
         "bwrap": runtime.bwrap,
         "sandboxInit": runtime.launcher.init_path(),
@@ -319,7 +328,7 @@ async fn preflight() -> anyhow::Result<i32> {
     Ok(if runtime.capability.sandbox_usable { 0 } else { 1 })
 }
 
-async fn selftest() -> anyhow::Result<i32> {
-    let runtime = prepare(&sandbox_config_from_env()?).await?;
+async fn selftest(dev: bool) -> anyhow::Result<i32> {
+    let runtime = prepare(&sandbox_config_from_env(dev)?).await?;
     crate::selftest::run(&runtime).await
 }

@@ -32,6 +32,9 @@ pub struct RunnerConfig {
     pub data_dir: PathBuf,
     pub bwrap_path: String,
     pub sandbox_init: Option<PathBuf>,
+    /// `SCIENCE_AGENT_SANDBOX_USER`: the unprivileged user sandboxes run as when runnerd
+    /// is root (`crate::sandbox::user`).
+    pub sandbox_user: Option<String>,
     pub exec_timeout_ms: u64,
     pub max_output_bytes: u64,
     pub max_workspace_bytes: u64,
@@ -154,6 +157,7 @@ impl RunnerConfig {
                 .unwrap_or(".sciencediscovery-data".into()),
             bwrap_path: get("SCIENCE_AGENT_BWRAP_PATH").unwrap_or_else(|| "bwrap".to_owned()),
             sandbox_init: get("SCIENCE_AGENT_SANDBOX_INIT_PATH").map(PathBuf::from),
+            sandbox_user: get(crate::sandbox::user::USER_VAR),
             exec_timeout_ms: non_negative("SCIENCE_AGENT_EXEC_TIMEOUT_MS", 0)?,
             max_output_bytes: non_negative("SCIENCE_AGENT_MAX_OUTPUT_BYTES", DEFAULT_MAX_OUTPUT_BYTES)?,
             max_workspace_bytes: non_negative(
@@ -207,6 +211,7 @@ pub static SCHEMA: Schema = Schema {
         Key::new("data_dir", "SCIENCE_AGENT_DATA_DIR", Kind::Text),
         Key::new("bwrap_path", "SCIENCE_AGENT_BWRAP_PATH", Kind::Text),
         Key::new("sandbox_init_path", "SCIENCE_AGENT_SANDBOX_INIT_PATH", Kind::Text),
+        Key::new("sandbox_user", crate::sandbox::user::USER_VAR, Kind::Text),
         Key::new("python_path", "SCIENCE_AGENT_PYTHON_PATH", Kind::Text),
         Key::new("exec_timeout_ms", "SCIENCE_AGENT_EXEC_TIMEOUT_MS", Kind::Integer),
         Key::new("max_output_bytes", "SCIENCE_AGENT_MAX_OUTPUT_BYTES", Kind::Integer),
@@ -303,6 +308,9 @@ impl Loaded {
                     "data_dir" => c.data_dir.display().to_string(),
                     "bwrap_path" => c.bwrap_path.clone(),
                     "sandbox_init_path" => show_path(&c.sandbox_init, "unset (next to runnerd)"),
+                    "sandbox_user" => c.sandbox_user.clone().unwrap_or_else(|| {
+                        "unset (runnerd's own user; as root the package's user, or nobody with --dev)".into()
+                    }),
                     "python_path" => c.python_path.clone(),
                     "exec_timeout_ms" => c.exec_timeout_ms.to_string(),
                     "max_output_bytes" => c.max_output_bytes.to_string(),

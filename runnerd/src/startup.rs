@@ -1,15 +1,16 @@
 //! Start-up of the sandbox side of runnerd (R-API-5): resolve and check bwrap, publish the
-//! seccomp programs, stage the sandbox identity, start the launcher, and run the probes.
+//! seccomp programs, choose the (never root) sandbox user, start the launcher, and run the probes.
 //! The HTTP server opens its port only after this returns.
 
 use std::path::{Path, PathBuf};
 
 use common::seccomp::{self, Arch, Profile, SeccompError};
 
-use crate::launch::{LaunchError, Launcher};
+use crate::launch::{LaunchError, LaunchIdentity, Launcher};
 use crate::sandbox::HostRuntime;
 use crate::sandbox::host;
 use crate::sandbox::preflight::{self, Capability, CapabilityCache, PreflightError, Warning};
+use crate::sandbox::user::{self, Identity, UserError};
 
 /// Where to find things; the daemon's configuration fills this in.
 #[derive(Debug, Clone)]
@@ -19,6 +20,10 @@ pub struct SandboxConfig {
     /// `SCIENCE_AGENT_DATA_DIR`.
     pub data_dir: PathBuf,
     pub sandbox_init: PathBuf,
+    /// `SCIENCE_AGENT_SANDBOX_USER`: who sandboxes run as when runnerd is root.
+    pub sandbox_user: Option<String>,
+    /// `--dev`: a root start may fall back to `nobody` for sandboxes.
+    pub dev: bool,
 }
 
 /// Everything executions need from start-up.
@@ -27,6 +32,8 @@ pub struct SandboxRuntime {
     pub launcher: Launcher,
     pub bwrap: PathBuf,
     pub host: HostRuntime,
+    /// The host user every sandbox runs as (never root).
+    pub user: Identity,
     pub capability: Capability,
     pub features: preflight::BwrapFeatures,
     pub warnings: Vec<Warning>,
@@ -44,12 +51,13 @@ pub enum StartupError {
         #[source]
         source: SeccompError,
     },
-    #[error("could not stage the sandbox identity files under {dir}")]
-    Identity {
-        dir: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    User(#[from] UserError),
+    #[error(
+        "sandboxes run as {user}, who cannot reach the data directory {data_dir}: {blocked} (mode {mode:o}) is not \
+         searchable for that user; allow it (chmod o+x, or a group the user has) or choose another data directory"
+    )]
+    DataDirUnreachable { user: String, data_dir: PathBuf, blocked: PathBuf, mode: u32 },
     #[error("could not start the sandbox launcher (sandbox-init at {path})")]
     Launcher {
         path: PathBuf,
@@ -87,12 +95,20 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
     let bwrap = preflight::resolve_bwrap(&config.bwrap, std::env::var_os("PATH").as_deref())?;
     let features = preflight::check_bwrap_options(&bwrap).await?;
     let seccomp_files = publish_seccomp(&config.data_dir)?;
-    let host = host::detect_host_runtime(&config.data_dir)
-        .map_err(|source| StartupError::Identity { dir: config.data_dir.join("runtime"), source })?;
+    let user = user::resolve(config.sandbox_user.as_deref(), config.dev)?;
+    if let Some((blocked, mode)) = user::unreachable_component(&user, &config.data_dir) {
+        return Err(StartupError::DataDirUnreachable {
+            user: user.describe(),
+            data_dir: config.data_dir.clone(),
+            blocked,
+            mode,
+        });
+    }
+    let host = host::detect_host_runtime();
     if !config.sandbox_init.exists() {
         return Err(StartupError::SandboxInitMissing(config.sandbox_init.clone()));
     }
-    let launcher = Launcher::new(config.sandbox_init.clone())
+    let launcher = Launcher::new(config.sandbox_init.clone(), LaunchIdentity::of(&user))
         .map_err(|source| StartupError::Launcher { path: config.sandbox_init.clone(), source })?;
     let probes = CapabilityCache::default();
     let capability = probes.get(&launcher, &bwrap).await;
@@ -108,7 +124,7 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
             ),
         });
     }
-    Ok(SandboxRuntime { launcher, bwrap, host, capability, features, warnings, seccomp_files, probes })
+    Ok(SandboxRuntime { launcher, bwrap, host, user, capability, features, warnings, seccomp_files, probes })
 }
 
 /// Publishes every profile for this machine's architecture.

@@ -22,8 +22,11 @@
 //! 7. Apply the resource limits (core 0, nofile, fsize; nproc/as when configured).
 //! 8. Reset every signal disposition to default and unblock all signals (Rust ignores
 //!    SIGPIPE in its runtime, and an ignored disposition survives exec).
-//! 9. Send `Executing`, then `execve` bwrap with an **empty environment** (R-SBX-7): bwrap
-//!    stays PID 1 of the sandbox and its environment is readable at `/proc/1/environ`.
+//! 9. Switch to the plan's unprivileged sandbox user (groups, gids, uids; the death signal
+//!    armed again), and refuse to go on as host uid 0 whatever the plan says: no sandbox
+//!    code ever runs as host root.
+//! 10. Send `Executing`, then `execve` bwrap with an **empty environment** (R-SBX-7): bwrap
+//!     stays PID 1 of the sandbox and its environment is readable at `/proc/1/environ`.
 //!
 //! Any failure, including the exec itself, is sent back as an [`InitFailure`] and the
 //! process exits with 127. Success is seen by runnerd as `Executing` followed by

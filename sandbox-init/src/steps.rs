@@ -6,7 +6,9 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 use common::channel::{self, ChannelError};
-use common::plan::{InitFailure, InitReport, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit};
+use common::plan::{
+    InitFailure, InitReport, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit, SandboxUser,
+};
 use common::sys::{self, cvt};
 
 /// Where received descriptors wait before they move to their targets: above every target
@@ -84,7 +86,7 @@ pub fn take_channel() -> Result<UnixStream, String> {
     Ok(UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
-/// Steps 2–9. Returns only on failure.
+/// Steps 2–10. Returns only on failure.
 pub fn launch(channel: &UnixStream) -> InitFailure {
     match prepare_and_exec(channel) {
         Ok(never) => match never {},
@@ -112,6 +114,7 @@ fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
     close_other_fds(&plan.fds, channel.as_fd())?;
     apply_rlimits(&plan.rlimits)?;
     reset_signals()?;
+    switch_user(plan.user)?;
     Err(exec(&plan, channel))
 }
 
@@ -258,7 +261,72 @@ fn reset_signals() -> Result<(), InitFailure> {
     Ok(())
 }
 
-/// Step 9: say `Executing`, then exec. The channel is close-on-exec, so runnerd sees
+/// Step 9: become the unprivileged sandbox user (all three uids and gids, supplementary
+/// groups only the primary one), so bwrap and everything it starts run without any of
+/// root's owner rights on the host (`/proc/sys`, root-owned files, setuid copies). The
+/// kernel clears the death signal on a credential change, so it is armed again, and the
+/// parent checked again (runnerd may have died in between). Whatever the plan says, this
+/// step refuses to continue as uid 0: no sandbox code ever runs as host root.
+fn switch_user(user: Option<SandboxUser>) -> Result<(), InitFailure> {
+    let step = InitStep::SwitchUser;
+    if let Some(SandboxUser { uid, gid }) = user
+        && (ids(Ids::User)? != [uid; 3] || ids(Ids::Group)? != [gid; 3])
+    {
+        // SAFETY: getppid cannot fail.
+        let parent = unsafe { libc::getppid() };
+        let groups = [gid as libc::gid_t];
+        // SAFETY: setgroups reads one gid from the array we own.
+        cvt(unsafe { libc::setgroups(1, groups.as_ptr()) })
+            .map_err(|e| os_failure(step, &e, format!("setgroups([{gid}])")))?;
+        // SAFETY: plain credential syscalls with integer arguments.
+        cvt(unsafe { libc::setresgid(gid, gid, gid) })
+            .map_err(|e| os_failure(step, &e, format!("setresgid({gid})")))?;
+        // SAFETY: as above; with every uid non-zero the kernel clears all capabilities.
+        cvt(unsafe { libc::setresuid(uid, uid, uid) })
+            .map_err(|e| os_failure(step, &e, format!("setresuid({uid})")))?;
+        if ids(Ids::User)? != [uid; 3] || ids(Ids::Group)? != [gid; 3] {
+            return Err(failure(step, 0, format!("the switch to {uid}:{gid} did not take effect")));
+        }
+        // SAFETY: as in step 0.
+        cvt(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) })
+            .map_err(|e| os_failure(step, &e, "re-arming PR_SET_PDEATHSIG after the switch"))?;
+        // SAFETY: getppid cannot fail.
+        if unsafe { libc::getppid() } != parent {
+            return Err(failure(step, 0, "runnerd exited during the user switch"));
+        }
+    }
+    let [ruid, euid, suid] = ids(Ids::User)?;
+    if ruid == 0 || euid == 0 || suid == 0 {
+        return Err(failure(
+            step,
+            libc::EPERM,
+            "refusing to execute bubblewrap as host root: the launch names no unprivileged sandbox user",
+        ));
+    }
+    Ok(())
+}
+
+/// Which ids [`ids`] reads.
+#[derive(Clone, Copy)]
+enum Ids {
+    User,
+    Group,
+}
+
+/// The real, effective and saved user or group ids.
+fn ids(which: Ids) -> Result<[u32; 3], InitFailure> {
+    let (mut r, mut e, mut s) = (0, 0, 0);
+    let ret = match which {
+        // SAFETY: the call writes three ids into the variables we own.
+        Ids::User => unsafe { libc::getresuid(&mut r, &mut e, &mut s) },
+        // SAFETY: as above.
+        Ids::Group => unsafe { libc::getresgid(&mut r, &mut e, &mut s) },
+    };
+    cvt(ret).map_err(|err| os_failure(InitStep::SwitchUser, &err, "reading the current ids"))?;
+    Ok([r, e, s])
+}
+
+/// Step 10: say `Executing`, then exec. The channel is close-on-exec, so runnerd sees
 /// end-of-file right after the marker when the exec succeeds.
 fn exec(plan: &LaunchPlan, channel: &UnixStream) -> InitFailure {
     let to_c = |s: &str| CString::new(s).map_err(|_| failure(InitStep::Exec, 0, "argument with a NUL byte"));

@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 
 use common::channel::{self, encode_frame};
-use common::plan::{InitReport, InitStep, LaunchPlan, PROTOCOL_VERSION, Resource, Rlimit};
+use common::plan::{InitReport, InitStep, LaunchPlan, PROTOCOL_VERSION, Resource, Rlimit, SandboxUser};
 
 const INIT: &str = env!("CARGO_BIN_EXE_sandbox-init");
 
@@ -85,7 +85,20 @@ fn plan(script: &str) -> LaunchPlan {
             Rlimit { resource: Resource::FSize, soft: Some(1 << 20), hard: None },
         ],
         join_cgroups: 0,
+        user: test_user(),
     }
+}
+
+/// Run as root, sandbox-init must be given an unprivileged user: `nobody`'s ids.
+const NOBODY: SandboxUser = SandboxUser { uid: 65534, gid: 65534 };
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn test_user() -> Option<SandboxUser> {
+    is_root().then_some(NOBODY)
 }
 
 fn launch(plan: &LaunchPlan) -> Run {
@@ -318,5 +331,68 @@ fn a_refused_cgroup_join_is_a_typed_failure_and_nothing_runs() {
     let Some(InitReport::Failed(f)) = &run.report else { panic!("expected a failure: {:?}", run.report) };
     assert_eq!((f.step, f.errno), (InitStep::JoinCgroups, libc::ENOSPC));
     assert!(f.to_string().contains("joining the execution's cgroups"), "{f}");
+    assert_eq!(run.stdout, "");
+}
+
+#[test]
+fn the_program_runs_as_the_plan_s_user_with_no_capabilities_and_never_as_root() {
+    let script =
+        "id -u; id -g; id -G; grep -E '^Cap(Eff|Prm|Inh|Bnd|Amb)' /proc/self/status | tr -s '\\t' ' '";
+    let run = launch(&plan(script));
+    assert!(run.report.is_none(), "{:?}", run.report);
+    let lines: Vec<&str> = run.stdout.lines().collect();
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let expected = match test_user() {
+        Some(u) => (u.uid, u.gid),
+        None => (uid, gid),
+    };
+    assert_eq!(lines[..2], [expected.0.to_string(), expected.1.to_string()], "{}", run.stdout);
+    assert_ne!(lines[0], "0");
+    if is_root() {
+        // Supplementary groups: only the primary one; root's are gone.
+        assert_eq!(lines[2], expected.1.to_string(), "{}", run.stdout);
+        for cap in ["CapEff: 0000000000000000", "CapPrm: 0000000000000000", "CapAmb: 0000000000000000"] {
+            assert!(lines.contains(&cap), "{cap}: {}", run.stdout);
+        }
+    }
+
+    // No user named: as root that is refused before anything runs; unprivileged, it runs
+    // as the caller.
+    let mut p = plan("id -u");
+    p.user = None;
+    let run = launch(&p);
+    if is_root() {
+        let Some(InitReport::Failed(f)) = &run.report else { panic!("expected a refusal: {:?}", run.report) };
+        assert_eq!((f.step, f.errno), (InitStep::SwitchUser, libc::EPERM), "{f}");
+        assert!(f.to_string().contains("refusing to execute bubblewrap as host root"), "{f}");
+        assert_eq!(run.stdout, "");
+    } else {
+        assert!(run.report.is_none(), "{:?}", run.report);
+        assert_eq!(run.stdout.trim(), uid.to_string());
+    }
+}
+
+#[test]
+fn an_unprivileged_caller_cannot_switch_and_says_so() {
+    if is_root() {
+        eprintln!("skipped: root can switch (the switch itself is tested above)");
+        return;
+    }
+    let mut p = plan("echo ran");
+    p.user = Some(NOBODY);
+    let run = launch(&p);
+    let Some(InitReport::Failed(f)) = &run.report else { panic!("expected a failure: {:?}", run.report) };
+    assert_eq!((f.step, f.errno), (InitStep::SwitchUser, libc::EPERM), "{f}");
+    assert!(f.to_string().contains("setgroups"), "{f}");
+    assert_eq!(run.stdout, "");
+}
+
+#[test]
+fn a_root_user_in_the_plan_is_refused_by_validation() {
+    let mut p = plan("echo ran");
+    p.user = Some(SandboxUser { uid: 0, gid: 0 });
+    let run = launch(&p);
+    assert_eq!(failed_step(&run), InitStep::ValidatePlan);
     assert_eq!(run.stdout, "");
 }

@@ -127,6 +127,7 @@ async fn shell_and_python_results_carry_the_original_fields() {
     let client = server.client();
     let ws = server.project_workspace("s1");
     std::fs::write(ws.join("existing.txt"), "old").unwrap();
+    runner_tests::hand_tree_to_sandbox(&ws);
     let body = shell_request(
         "main",
         "session-test",
@@ -177,6 +178,7 @@ async fn nothing_carries_over_between_calls() {
     let client = server.client();
     let ws = server.project_workspace("s2");
     std::fs::create_dir_all(ws.join("old")).unwrap();
+    runner_tests::hand_tree_to_sandbox(&ws);
     let first = client
         .post_signed("/execute-shell", &shell_request("main", "s", &ws, "export FOO=current; cd old"))
         .await
@@ -709,6 +711,10 @@ async fn socket_activation_and_readiness_notification() {
         .args(["-E", "SCIENCE_AGENT_RUNNER_PORT=1"]) // would fail to bind: the passed socket must win
         .args(["-E", &format!("SCIENCE_AGENT_EGRESS_SOCKET={}", dir.path().join("none.sock").display())])
         .args(["-E", "SCIENCE_AGENT_LOG_TARGET=stderr"])
+        .args([
+            "-E",
+            &format!("{}={}", runner_tests::sandbox_user_env().0, runner_tests::sandbox_user_env().1),
+        ])
         .arg(runner_tests::bin("runnerd"))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -1029,6 +1029,7 @@ async fn a_valid_cwd_is_where_the_shell_starts() {
     }
     let (server, ws) = server_with_workspace();
     std::fs::create_dir(ws.join("analysis")).unwrap();
+    runner_tests::hand_tree_to_sandbox(&ws);
     let mut body = shell_request("main", "session", &ws, "pwd; touch here.txt");
     body["cwd"] = json!("analysis");
     let result = expect_ok(&post(&server, SHELL, &body).await);

@@ -209,7 +209,7 @@ env | cut -d= -f1 | sort | tr '\\n' ' '",
             "/workspace"
         ]
     );
-    let me = nix_user_name();
+    let me = runner_tests::sandbox_user().name;
     assert!(lines[7] == me || lines[7] == "sciencediscovery", "{}", lines[7]);
     assert_eq!(lines[8], "1", "one passwd line");
     assert_eq!(lines[9], "/tmp /usr/bin:/bin");
@@ -233,17 +233,6 @@ env | cut -d= -f1 | sort | tr '\\n' ' '",
             "unexpected variable {var}"
         );
     }
-}
-
-fn nix_user_name() -> String {
-    // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    std::fs::read_to_string("/etc/passwd")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.split(':').nth(2) == Some(&uid.to_string()))
-        .and_then(|l| l.split(':').next().map(str::to_owned))
-        .unwrap_or_default()
 }
 
 #[tokio::test]
@@ -292,4 +281,54 @@ async fn no_network_in_the_baseline() {
         "expected the socket call to be refused: {}",
         out.stdout
     );
+}
+
+/// Issue #14 hole 1: started as root, sandbox code ran as host uid 0 — it changed a host-wide
+/// sysctl, read 0400 root files of /proc, and left a setuid-root binary in the workspace.
+/// Whoever runs the tests, the sandbox must be a non-root host user with nothing writable
+/// under /proc/sys, no writable /, /dev or unsized tmpfs, and no way to plant setuid root.
+#[tokio::test]
+async fn sandbox_code_is_never_host_root_and_proc_sys_is_read_only() {
+    if !sandbox_or_skip("sandbox_code_is_never_host_root_and_proc_sys_is_read_only") {
+        return;
+    }
+    let f = Fixture::new().await;
+    let before = std::fs::read_to_string("/proc/sys/fs/lease-break-time").unwrap();
+    let script = r#"
+echo start
+echo 7 > /proc/sys/fs/lease-break-time 2>/dev/null && echo sysctl-written || echo sysctl-refused
+echo '|/bin/false' > /proc/sys/kernel/core_pattern 2>/dev/null && echo core-written || echo core-refused
+head -c 8 /proc/kpageflags >/dev/null 2>&1 && echo kpageflags-read || echo kpageflags-refused
+cp /usr/bin/id /workspace/id-copy && chmod 4755 /workspace/id-copy && echo copied
+touch /planted 2>/dev/null && echo root-writable || echo root-readonly
+touch /dev/planted 2>/dev/null && echo dev-writable || echo dev-readonly
+grep -E ' /(tmp|dev/shm) ' /proc/self/mountinfo | grep -c 'size='
+grep -E ' /(tmp|dev/shm) ' /proc/self/mountinfo | wc -l
+"#;
+    let (outcome, out) = f.shell(script).await;
+    assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines[0], "start");
+    assert_eq!(
+        &lines[1..9],
+        [
+            "sysctl-refused",
+            "core-refused",
+            "kpageflags-refused",
+            "copied",
+            "root-readonly",
+            "dev-readonly",
+            "2",
+            "2"
+        ],
+        "{}",
+        out.stderr
+    );
+    assert_eq!(std::fs::read_to_string("/proc/sys/fs/lease-break-time").unwrap(), before);
+    // What the sandbox wrote belongs on the host to the sandbox user, never to root: the
+    // copy it marked setuid gives nobody root.
+    use std::os::unix::fs::MetadataExt;
+    let copy = std::fs::metadata(f.workspace.join("id-copy")).unwrap();
+    assert_ne!(copy.uid(), 0, "sandbox code runs as host root");
+    assert_eq!(copy.uid(), runner_tests::sandbox_user().uid);
 }

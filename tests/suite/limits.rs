@@ -602,6 +602,7 @@ async fn forced_v2_without_controllers_refuses_to_start_and_says_why() {
         .env("SCIENCE_AGENT_LOG_TARGET", "stderr")
         .env("SCIENCE_AGENT_EGRESS_SOCKET", scratch.path().join("none.sock"))
         .env("SCIENCE_AGENT_CGROUP_MODE", "cgroup-v2")
+        .env(runner_tests::sandbox_user_env().0, runner_tests::sandbox_user_env().1)
         .output()
         .await
         .unwrap();

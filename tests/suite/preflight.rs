@@ -40,6 +40,8 @@ fn stub(
     );
     std::fs::write(&path, script).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The stub runs as the sandbox user and records its calls next to itself.
+    runner_tests::hand_to_sandbox(dir);
     path
 }
 

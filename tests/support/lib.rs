@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 pub use runnerd::launch::Filter;
-use runnerd::launch::{CollectedOutput, Launch, Launcher, Outcome, OutputBudget};
+use runnerd::launch::{CollectedOutput, Launch, LaunchIdentity, Launcher, Outcome, OutputBudget};
 use runnerd::sandbox::preflight::{self, Capability};
 use runnerd::sandbox::{HostRuntime, Language, SandboxSpec, WorkspaceLayout, argv, host};
 
@@ -34,6 +34,55 @@ pub fn bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Whether the tests run as root (then runnerd hands every sandbox to [`sandbox_user`]).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The user a runnerd started by these tests runs sandboxes as: itself when unprivileged;
+/// as root, `$RUNNER_TEST_SANDBOX_USER`, else `nobody` (what `--dev` picks).
+pub fn sandbox_user() -> runnerd::sandbox::user::Identity {
+    let configured = std::env::var(SANDBOX_USER_VAR).ok();
+    runnerd::sandbox::user::resolve(
+        Some(configured.as_deref().unwrap_or("nobody")).filter(|_| is_root()),
+        true,
+    )
+    .expect("a sandbox user for the tests")
+}
+
+const SANDBOX_USER_VAR: &str = "RUNNER_TEST_SANDBOX_USER";
+
+/// Gives a directory a test made (as root) to the sandbox user, as runnerd does with the
+/// workspaces it creates; a no-op when unprivileged.
+pub fn hand_to_sandbox(path: &Path) {
+    let user = sandbox_user();
+    if user.switches() {
+        std::os::unix::fs::chown(path, Some(user.uid), Some(user.gid)).expect("chown to the sandbox user");
+    }
+}
+
+/// `SCIENCE_AGENT_SANDBOX_USER=<uid of sandbox_user()>`, for tests that start runnerd by hand.
+pub fn sandbox_user_env() -> (&'static str, String) {
+    (runnerd::sandbox::user::USER_VAR, sandbox_user().uid.to_string())
+}
+
+/// Gives a tree a test seeded (as root) to the sandbox user, every entry, as if the
+/// sandbox had written it; a no-op when unprivileged.
+pub fn hand_tree_to_sandbox(path: &Path) {
+    hand_to_sandbox(path);
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for entry in entries.flatten() {
+            let p = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                hand_tree_to_sandbox(&p);
+            } else if !entry.file_type().is_ok_and(|t| t.is_symlink()) {
+                hand_to_sandbox(&p);
+            }
+        }
+    }
 }
 
 pub fn in_ci() -> bool {
@@ -104,8 +153,10 @@ impl Fixture {
         let data_dir = dir.path().join("data");
         let workspace = data_dir.join("projects/p/sessions/s/workspace");
         std::fs::create_dir_all(&workspace).unwrap();
-        let launcher = Launcher::new(bin("sandbox-init")).expect("launcher");
-        let host = host::detect_host_runtime(&data_dir).expect("host runtime");
+        hand_to_sandbox(&workspace);
+        let launcher =
+            Launcher::new(bin("sandbox-init"), LaunchIdentity::of(&sandbox_user())).expect("launcher");
+        let host = host::detect_host_runtime();
         let bwrap = bwrap();
         let cache = preflight::CapabilityCache::default();
         let capability = cache.get(&launcher, &bwrap).await;
@@ -130,7 +181,9 @@ impl Fixture {
         let data_dir = dir.path().join("data");
         let workspace = data_dir.join("projects/p/sessions/s/workspace");
         std::fs::create_dir_all(&workspace).unwrap();
-        let launcher = Launcher::new(bin("sandbox-init")).expect("launcher");
+        hand_to_sandbox(&workspace);
+        let launcher =
+            Launcher::new(bin("sandbox-init"), LaunchIdentity::of(&sandbox_user())).expect("launcher");
         let capability = Capability {
             reason: preflight::CapabilityReason::SandboxUnusable,
             sandbox_usable: false,
@@ -174,7 +227,14 @@ impl Fixture {
 /// right. `RUNNER_TEST_TMPDIR` overrides; /var/tmp is writable for any test user.
 pub fn scratch_dir() -> tempfile::TempDir {
     let base = std::env::var_os("RUNNER_TEST_TMPDIR").map(PathBuf::from).unwrap_or_else(|| "/var/tmp".into());
-    tempfile::Builder::new().prefix("runner-test-").tempdir_in(base).expect("scratch directory")
+    let dir = tempfile::Builder::new().prefix("runner-test-").tempdir_in(base).expect("scratch directory");
+    if is_root() {
+        // A root runnerd's sandboxes run as another user, who must reach what the tests
+        // place here and bind by path (fake tools and device nodes).
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod scratch");
+    }
+    dir
 }
 
 /// Host processes whose command line contains `needle` (other than ourselves).

@@ -85,6 +85,11 @@ impl Server {
         if options.unix_socket {
             cmd.env("SCIENCE_AGENT_RUNNER_SOCKET", &socket);
         }
+        if crate::is_root() && options.run_as.is_none() {
+            // A root runnerd needs an unprivileged user for its sandboxes.
+            let (name, value) = crate::sandbox_user_env();
+            cmd.env(name, value);
+        }
         for (k, v) in &options.env {
             cmd.env(k, v);
         }
@@ -141,6 +146,7 @@ impl Server {
     pub fn project_workspace(&self, name: &str) -> PathBuf {
         let ws = self.data_dir.join("projects/project/sessions").join(name).join("workspace");
         std::fs::create_dir_all(&ws).unwrap();
+        crate::hand_to_sandbox(&ws);
         ws
     }
 

@@ -4,6 +4,7 @@
 //! `nvidia-smi -L`. Exit 0 means usable. Also the host-side tool runner for discovery.
 
 use std::future::Future;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
@@ -12,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::{MAX_TOOL_OUTPUT, PROBE_TIMEOUT, mount};
 use crate::app::App;
 use crate::launch::{Launch, OutputBudget, Termination};
-use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
+use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv};
 
 /// Which kind of chip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +109,7 @@ impl SandboxProber<'_> {
             }
         };
         // A throwaway, empty workspace: the probe's sandbox has the executions' layout.
-        let scratch = match make_scratch(&app.data_dir) {
+        let scratch = match make_scratch(&app.data_dir, &app.sandbox.user) {
             Ok(dir) => dir,
             Err(e) => return fail(format!("could not create the probe's scratch directory: {e}")),
         };
@@ -116,8 +117,21 @@ impl SandboxProber<'_> {
         let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
         spec.accel = Some(&one);
         spec.command = Some(&command);
+        // Bound from a descriptor where bwrap can: the sandbox user may not be able to reach
+        // the data directory by path (a root runnerd's data directory may be 0700).
+        let scratch_fd = match app.sandbox.features.bind_fd {
+            true => match open_dir(&scratch) {
+                Ok(fd) => Some(fd),
+                Err(e) => return fail(format!("could not open the probe's scratch directory: {e}")),
+            },
+            false => None,
+        };
+        if scratch_fd.is_some() {
+            spec.workspace_fds = Some(WorkspaceFds { root: common::plan::FIRST_EXTRA_FD, read_only: None });
+        }
         let cmd = argv::build(&spec);
         let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
+        launch.extra_fds.extend(scratch_fd);
         launch.timeout = Some(PROBE_TIMEOUT);
         let mut output = OutputBudget::new(MAX_TOOL_OUTPUT);
         let ran = app.sandbox.launcher.run(launch, &mut output).await;
@@ -148,12 +162,30 @@ impl Prober for SandboxProber<'_> {
     }
 }
 
-/// A fresh, empty, absolute directory for one probe's workspace.
-fn make_scratch(data_dir: &Path) -> std::io::Result<PathBuf> {
+/// `O_PATH` descriptor of a directory runnerd just made (not followed if it is a symlink).
+fn open_dir(dir: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)?;
+    Ok(file.into())
+}
+
+/// A fresh, empty, absolute directory for one probe's workspace, the sandbox user's. Its
+/// parents are searchable but not listable (0711): bwrap resolves the bind as that user.
+fn make_scratch(data_dir: &Path, owner: &crate::sandbox::user::Identity) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
     let n = SCRATCH.fetch_add(1, Ordering::Relaxed);
-    let dir = data_dir.join("runner-runtime").join("accel-probe").join(format!("{}-{n}", std::process::id()));
+    let runtime = data_dir.join("runner-runtime");
+    let probes = runtime.join("accel-probe");
+    let dir = probes.join(format!("{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
+    for parent in [&runtime, &probes] {
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o711))?;
+    }
+    owner.hand_over(open_dir(&dir)?.as_fd())?;
     std::fs::canonicalize(&dir)
 }
 

@@ -65,6 +65,7 @@ pub fn health(
         "cgroupRoot": app.limits.root.display().to_string(),
         "executionAuth": "bearer+hmac-sha256",
         "executionUser": app.execution_user,
+        "sandboxUser": app.sandbox.user,
         "executionTimeoutMs": cfg.exec_timeout_ms,
         "maxFileBytes": 0,
         "maxOutputBytes": cfg.max_output_bytes,
@@ -94,6 +95,7 @@ pub fn health(
             "fsize": if cfg.max_workspace_bytes > 0 { json!("partial") } else { json!(false) },
             "seccomp": cap.sandbox_usable,
             "nestedUserNamespaces": cap.disable_userns,
+            "unprivilegedSandboxUser": app.sandbox.user.uid != 0,
         },
         "reasons": {
             "memory": memory.2,
@@ -104,6 +106,11 @@ pub fn health(
             } else {
                 "maxWorkspaceBytes is 0 (unlimited)"
             },
+            "unprivilegedSandboxUser": format!(
+                "every sandbox runs as host uid {} ({}); sandbox-init refuses to start one as uid 0",
+                app.sandbox.user.uid,
+                app.sandbox.user.describe()
+            ),
             "seccomp": if cap.sandbox_usable { "the baseline profile on every execution (the network profile for domain-allowlist runs)" } else { "no sandbox can be built on this host" },
             "nestedUserNamespaces": match cap.reason {
                 crate::sandbox::preflight::CapabilityReason::Supported => "--disable-userns, and clone(CLONE_NEWUSER)/unshare denied by seccomp",

@@ -253,6 +253,7 @@ async fn teardown_session(app: &App, body: &[u8]) -> Result<ApiResponse, ApiErro
     let obj = request::parse_object(body)?;
     let session = request::non_blank(&obj, "sessionId")
         .ok_or_else(|| ApiError::bad_request("session_id_required", "sessionId is required"))?;
+    request::refuse_control("sessionId", session)?;
     let reason = request::non_blank(&obj, "reason").unwrap_or(DEFAULT_TEARDOWN_REASON).to_owned();
     // No persistent kernels exist; the teardown still waits for the session's executions.
     let _exclusive = app.admission.session_exclusive(session).await;

@@ -55,7 +55,7 @@ fn path_err(message: &'static str) -> ApiError {
 /// The workspace named by the `workspace` key (created segment by segment), its canonical
 /// path and a descriptor pinning it.
 fn workspace_root(app: &App, key: &str) -> Result<(PathBuf, OwnedFd), ApiError> {
-    let root = workspace::ensure_remote_workspace(&app.data_dir, key)?;
+    let root = workspace::ensure_remote_workspace(&app.data_dir, key, &app.sandbox.user)?;
     let root = workspace::validated_workspace(&app.data_dir, &root)?;
     let fd = workspace::open_beneath(&app.data_dir, &root)?;
     Ok((root, fd))
@@ -236,10 +236,11 @@ pub async fn put_file(
     let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
     let exec_bits = declared.map_or(0, |d| d.executable);
     let (size, sha) = (staged.size, staged.sha256.clone());
+    let owner = app.sandbox.user.clone();
     let op = blocking(move || {
         let refs: Vec<&str> = segs.iter().map(String::as_str).collect();
         let (name, parents) = refs.split_last().expect("segments are never empty");
-        let parent = files::parent_for_write(&fd, parents).map_err(remote_err)?;
+        let parent = files::parent_for_write(&fd, parents, &owner).map_err(remote_err)?;
         let replaced = files::replaced_size(&parent, name).map_err(remote_err)?;
         if replaced > 0 && !overwrite && !transfer {
             // Checked again by the no-clobber link; this answers before the quota does.
@@ -252,7 +253,7 @@ pub async fn put_file(
                 return Err(remote_err(RemoteError::Quota));
             }
         }
-        files::publish(&parent, name, &staged.path, overwrite, exec_bits).map_err(|e| match e {
+        files::publish(&parent, name, &staged.path, overwrite, exec_bits, &owner).map_err(|e| match e {
             RemoteError::Exists if !transfer => ApiError::with_status(409, "file_exists", files::EXISTS),
             other => remote_err(other),
         })

@@ -240,7 +240,7 @@ pub fn resolve_workspace(app: &App, obj: &Object) -> Result<(PathBuf, Option<Pat
         let key = key
             .as_str()
             .ok_or_else(|| ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key"))?;
-        let root = workspace::ensure_remote_workspace(data, key)?;
+        let root = workspace::ensure_remote_workspace(data, key, &app.sandbox.user)?;
         return Ok((workspace::validated_workspace(data, &root)?, None));
     }
     let root = request::string(obj, "workspaceRoot").ok_or_else(|| {
@@ -303,6 +303,9 @@ pub async fn execute(
     let agent_id = request::non_blank(&obj, "agentId")
         .ok_or_else(|| ApiError::bad_request("agent_id_required", "Agent ID is required"))?
         .to_owned();
+    request::refuse_control("executionId", &execution_id)?;
+    request::refuse_control("permissionEpoch.sessionId", &session_id)?;
+    request::refuse_control("agentId", &agent_id)?;
 
     let mut prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
     attach_egress(&app, &mut prepared).await?;
@@ -794,6 +797,7 @@ async fn sandbox_run(
         usage.as_ref(),
         &p.limits,
         &rlimits,
+        app.limits.mode,
     );
     Ok(ExecutionResult {
         exit_code,

@@ -25,6 +25,24 @@ pub fn string<'a>(obj: &'a Object, name: &str) -> Option<&'a str> {
 }
 
 /// A non-blank string field.
+/// Whether `text` holds a control character (C0, DEL, C1) or a Unicode line or paragraph
+/// separator: what could start a forged line in a text log.
+pub fn has_control(text: &str) -> bool {
+    text.chars().any(|c| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
+}
+
+/// Ours (issue #14): identifiers go into every audit event, so one holding a newline could
+/// forge a line in a text sink. No correct caller sends one; refuse it with a clear 400.
+pub fn refuse_control(field: &str, value: &str) -> Result<(), ApiError> {
+    if has_control(value) {
+        return Err(ApiError::bad_request(
+            "invalid_identifier",
+            format!("{field} must not contain control characters (newlines, tabs, escapes)"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn non_blank<'a>(obj: &'a Object, name: &str) -> Option<&'a str> {
     string(obj, name).filter(|s| !s.trim().is_empty())
 }
@@ -150,6 +168,26 @@ pub fn network_access(obj: &Object) -> NetworkAccess {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_table() {
+        for (text, bad) in [
+            ("plain-id_1.2:3", false),
+            ("unicode é ü 漢字", false),
+            ("line\nbreak", true),
+            ("cr\r", true),
+            ("tab\t", true),
+            ("esc\u{1b}[31m", true),
+            ("nul\0", true),
+            ("del\u{7f}", true),
+            ("c1\u{85}", true),
+            ("ls\u{2028}", true),
+        ] {
+            assert_eq!(has_control(text), bad, "{text:?}");
+        }
+        let e = refuse_control("executionId", "a\nWARN forged").unwrap_err();
+        assert_eq!(e.status, 400);
+    }
     use serde_json::json;
 
     fn obj(v: Value) -> Object {

@@ -5,11 +5,12 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use crate::api::error::ApiError;
+use crate::sandbox::user::Identity;
 
 pub const REMOTE_WORKSPACES: &str = "remote-workspaces";
 pub const PROJECTS: &str = "projects";
@@ -66,7 +67,8 @@ fn errno_name(errno: i32) -> &'static str {
 
 /// `<data>/remote-workspaces/<key>`, created one segment at a time; every segment must be a
 /// real directory (never a symlink), and the result must stay inside the data directory.
-pub fn ensure_remote_workspace(data_dir: &Path, key: &str) -> Result<PathBuf, ApiError> {
+/// The key's segments runnerd creates belong to the sandbox user (`owner`).
+pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, ApiError> {
     let segments = key_segments(key)?;
     fs::create_dir_all(data_dir).map_err(|e| {
         ApiError::bad_request(
@@ -102,6 +104,14 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str) -> Result<PathBuf, Ap
         // SAFETY: openat relative to a directory descriptor we own; O_NOFOLLOW refuses a symlink.
         dir = cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW) })
             .map_err(|_| symlinked())?;
+        if made == 0 && segment != REMOTE_WORKSPACES {
+            owner.hand_over(dir.as_fd()).map_err(|e| {
+                ApiError::bad_request(
+                    "workspace_create_failed",
+                    format!("Could not hand remote workspace directory {key:?} to the sandbox user: {e}"),
+                )
+            })?;
+        }
     }
     let real = fs::canonicalize(&path).map_err(|e| realpath_error(&path, &e))?;
     if !real.starts_with(&data_real) {
@@ -199,6 +209,11 @@ mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
 
+    /// runnerd's own user (`--dev` so that a root test run gets nobody).
+    fn me() -> Identity {
+        crate::sandbox::user::resolve(None, true).unwrap()
+    }
+
     #[test]
     fn key_table() {
         let ok = ["project/session", "project/session/agents/child", "a", "A.b-c_d", " padded "];
@@ -231,7 +246,7 @@ mod tests {
     fn remote_workspaces_are_created_segment_by_segment_without_symlinks() {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path();
-        let ws = ensure_remote_workspace(data, "project/session/agents/child").unwrap();
+        let ws = ensure_remote_workspace(data, "project/session/agents/child", &me()).unwrap();
         assert!(ws.is_dir());
         assert!(ws.ends_with("remote-workspaces/project/session/agents/child"));
 
@@ -239,7 +254,7 @@ mod tests {
         let outside = dir.path().join("outside");
         fs::create_dir(&outside).unwrap();
         symlink(&outside, data.join("remote-workspaces/escape")).unwrap();
-        let err = ensure_remote_workspace(data, "escape/child").unwrap_err();
+        let err = ensure_remote_workspace(data, "escape/child", &me()).unwrap_err();
         assert_eq!(err.message, "Remote workspace path must not contain symbolic links");
         assert!(!outside.join("child").exists());
     }
@@ -252,7 +267,7 @@ mod tests {
         fs::create_dir_all(&data).unwrap();
         fs::create_dir_all(&elsewhere).unwrap();
         symlink(&elsewhere, data.join("remote-workspaces")).unwrap();
-        assert!(ensure_remote_workspace(&data, "k").is_err());
+        assert!(ensure_remote_workspace(&data, "k", &me()).is_err());
         assert!(!elsewhere.join("k").exists());
         // And a path under it is not accepted as a root either.
         let err = validated_workspace(&data, &elsewhere).unwrap_err();
@@ -273,7 +288,7 @@ mod tests {
         assert_eq!(validated_workspace(&data, &project_ws).unwrap(), project_ws.canonicalize().unwrap());
         // Only remote-workspaces, no projects: fine.
         let data2 = dir.path().join("data2");
-        let remote_ws = ensure_remote_workspace(&data2, "k/s").unwrap();
+        let remote_ws = ensure_remote_workspace(&data2, "k/s", &me()).unwrap();
         assert!(validated_workspace(&data2, &remote_ws).is_ok());
         // Escapes and other subdirectories.
         for bad in [data.join("logs"), project_ws.join("link"), outside.clone(), data.clone()] {
@@ -292,7 +307,7 @@ mod tests {
     fn opening_beneath_refuses_a_swapped_in_symlink() {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
-        let child = ensure_remote_workspace(&data, "t/s/agents/c").unwrap();
+        let child = ensure_remote_workspace(&data, "t/s/agents/c", &me()).unwrap();
         let child = validated_workspace(&data, &child).unwrap();
         let fd = open_beneath(&data, &child).unwrap();
         fs::write(child.join("mine.txt"), "x").unwrap();

@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::channel::{self, ChannelError};
-use common::plan::{FIRST_EXTRA_FD, INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD};
+use common::plan::{
+    FIRST_EXTRA_FD, INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD, SandboxUser,
+};
 use common::seccomp::{self, Arch, Profile, Program, SeccompError};
 use common::sys;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -166,6 +168,25 @@ const RESERVED_OPTIONS: &[&str] = &[
     "--userns-block-fd",
 ];
 
+/// Who every sandbox of a launcher is (issue #14): the host user sandbox-init switches to
+/// (`None`: runnerd's own, unprivileged, user) and the one-line `/etc/passwd` and
+/// `/etc/group` the sandbox sees for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchIdentity {
+    pub user: Option<SandboxUser>,
+    pub passwd: Vec<u8>,
+    pub group: Vec<u8>,
+}
+
+impl LaunchIdentity {
+    /// The identity of sandboxes run as `who`.
+    pub fn of(who: &crate::sandbox::user::Identity) -> LaunchIdentity {
+        let name = crate::sandbox::host::sandbox_user_name(Some(&who.name));
+        let (passwd, group) = crate::sandbox::host::identity_lines(name, who.uid, who.gid);
+        LaunchIdentity { user: who.switch(), passwd: passwd.into_bytes(), group: group.into_bytes() }
+    }
+}
+
 /// Starts sandboxes through `sandbox-init`. Sandboxes die with their launcher (their
 /// parent is its spawner thread), so keep one for the life of the daemon.
 #[derive(Debug)]
@@ -173,12 +194,13 @@ pub struct Launcher {
     spawner: Spawner,
     programs: Vec<(Profile, Program)>,
     init_path: PathBuf,
+    identity: LaunchIdentity,
 }
 
 impl Launcher {
     /// Compiles the three seccomp programs for this machine and starts the spawner thread.
     /// Must be called inside a tokio runtime.
-    pub fn new(init_path: PathBuf) -> Result<Launcher, LaunchError> {
+    pub fn new(init_path: PathBuf, identity: LaunchIdentity) -> Result<Launcher, LaunchError> {
         let arch = Arch::host().map_err(LaunchError::Seccomp)?;
         let programs = Profile::ALL
             .iter()
@@ -186,11 +208,16 @@ impl Launcher {
             .collect::<Result<_, _>>()
             .map_err(LaunchError::Seccomp)?;
         let spawner = Spawner::start(init_path.clone()).map_err(io_err("start the spawner thread"))?;
-        Ok(Launcher { spawner, programs, init_path })
+        Ok(Launcher { spawner, programs, init_path, identity })
     }
 
     pub fn init_path(&self) -> &Path {
         &self.init_path
+    }
+
+    /// The host user sandboxes are switched to (`None`: runnerd's own).
+    pub fn sandbox_user(&self) -> Option<SandboxUser> {
+        self.identity.user
     }
 
     fn program<'a>(&'a self, filter: &'a Filter) -> &'a [u8] {
@@ -218,19 +245,34 @@ impl Launcher {
             fds.push(sealed_memfd(self.program(filter))?);
             targets.push(SECCOMP_FD);
         }
-        for (i, fd) in launch.extra_fds.into_iter().enumerate() {
+        let mut next_fd = FIRST_EXTRA_FD;
+        for fd in launch.extra_fds {
             fds.push(fd);
-            targets.push(FIRST_EXTRA_FD + i as i32);
+            targets.push(next_fd);
+            next_fd += 1;
         }
+        // The sandbox's passwd and group, copied by bwrap from sealed memfds (a bind of a
+        // file under the data directory would need the sandbox user to reach it); then `/`
+        // goes read-only, after every mount point exists.
+        let mut options = launch.options;
+        for (bytes, target) in [(&self.identity.passwd, "/etc/passwd"), (&self.identity.group, "/etc/group")]
+        {
+            fds.push(sealed_memfd(bytes)?);
+            targets.push(next_fd);
+            options.extend(["--ro-bind-data".to_owned(), next_fd.to_string(), target.to_owned()]);
+            next_fd += 1;
+        }
+        options.extend(["--remount-ro".to_owned(), "/".to_owned()]);
         let join_cgroups = launch.cgroup_procs.len();
         fds.extend(launch.cgroup_procs);
-        let args = bwrap_args(&launch.options, launch.filter.is_some(), &launch.command);
+        let args = bwrap_args(&options, launch.filter.is_some(), &launch.command);
         let plan = LaunchPlan {
             program: launch.bwrap.to_string_lossy().into_owned(),
             args,
             fds: targets,
             rlimits: launch.rlimits,
             join_cgroups,
+            user: self.identity.user,
         };
         let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;
@@ -357,11 +399,11 @@ fn pipe_pair() -> Result<(OwnedFd, OwnedFd), LaunchError> {
 fn sealed_memfd(bytes: &[u8]) -> Result<OwnedFd, LaunchError> {
     use nix::fcntl::{FcntlArg, SealFlag, fcntl};
     use nix::sys::memfd::{MFdFlags, memfd_create};
-    let fd = memfd_create("sciencediscovery-seccomp", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+    let fd = memfd_create("sciencediscovery-sandbox", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
         .map_err(|e| LaunchError::Io { what: "create the seccomp memfd", source: e.into() })?;
     let mut file = std::fs::File::from(fd);
-    io::Write::write_all(&mut file, bytes).map_err(io_err("write the seccomp memfd"))?;
-    io::Seek::rewind(&mut file).map_err(io_err("rewind the seccomp memfd"))?;
+    io::Write::write_all(&mut file, bytes).map_err(io_err("write a sandbox memfd"))?;
+    io::Seek::rewind(&mut file).map_err(io_err("rewind a sandbox memfd"))?;
     let seals =
         SealFlag::F_SEAL_SEAL | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE;
     fcntl(&file, FcntlArg::F_ADD_SEALS(seals))

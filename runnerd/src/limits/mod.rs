@@ -379,14 +379,47 @@ pub struct ResultFields {
     pub resource_usage: Option<UsageField>,
 }
 
-/// `resourceLimits` in a result: what this run was given (0 = unlimited).
+/// `resourceLimits` in a result: what this run was given (0 = unlimited), and for each
+/// limit whether this host's mode applied it (issue #14: a limit that is not enforced is
+/// never reported as if it were; the values mean what `/health.enforced` means).
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ResourceLimitsField {
     pub memory_bytes: u64,
     pub pids: u64,
     pub cpu: f64,
+    /// The size `/tmp` had (a 0 setting takes the fallback size: no tmpfs is unsized).
     pub tmp_bytes: u64,
+    pub enforced: EnforcedField,
+}
+
+/// `true`: applied; `"partial"`: applied by a weaker mechanism (see `/health.reasons`);
+/// `false`: not applied at all in this mode.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EnforcedField {
+    pub memory_bytes: Value,
+    pub pids: Value,
+    pub cpu: Value,
+    pub tmp_bytes: Value,
+}
+
+/// Whether each of `limits` is applied, given the mode and the rlimits the run got. An
+/// unlimited (0) setting promises nothing, so it is `true`.
+pub fn enforced(mode: Mode, limits: &Limits, rlimits: &[Rlimit]) -> EnforcedField {
+    let has = |r: Resource| rlimits.iter().any(|l| l.resource == r);
+    let cgroup = mode != Mode::RlimitsOnly;
+    let verdict = |limit: u64, full: bool, weaker: bool| match (limit, full, weaker) {
+        (0, _, _) | (_, true, _) => json!(true),
+        (_, false, true) => json!("partial"),
+        _ => json!(false),
+    };
+    EnforcedField {
+        memory_bytes: verdict(limits.memory_bytes, cgroup, has(Resource::As)),
+        pids: verdict(limits.pids, cgroup, false),
+        cpu: verdict(limits.cpu_millicores, cgroup, has(Resource::Cpu)),
+        tmp_bytes: json!(true),
+    }
 }
 
 /// `resourceUsage`: what the cgroup measured (absent in rlimits-only mode).
@@ -416,6 +449,7 @@ pub fn outcome_fields(
     usage: Option<&Usage>,
     limits: &Limits,
     rlimits: &[Rlimit],
+    mode: Mode,
 ) -> ResultFields {
     let v = verdict(termination_signal(termination), stderr_empty, usage, limits, rlimits);
     ResultFields {
@@ -427,7 +461,8 @@ pub fn outcome_fields(
             memory_bytes: limits.memory_bytes,
             pids: limits.pids,
             cpu: limits.cpu_millicores as f64 / 1000.0,
-            tmp_bytes: limits.tmp_bytes,
+            tmp_bytes: crate::sandbox::argv::tmpfs_sizes(limits.tmp_bytes).0,
+            enforced: enforced(mode, limits, rlimits),
         },
         resource_usage: usage.map(|u| UsageField {
             peak_memory_bytes: u.peak_memory_bytes,

@@ -124,3 +124,39 @@ fn health_entries_name_the_mode_and_reason() {
     assert!(mem.2.contains("controllers missing"), "{}", mem.2);
     assert_eq!(health_entries(&e, 1000)[2].1, json!("partial"));
 }
+
+#[test]
+fn results_mark_what_the_mode_does_not_enforce() {
+    let limits = Limits { memory_bytes: 256 << 20, pids: 256, cpu_millicores: 500, tmp_bytes: 16 << 20 };
+    let all = EnforcedField {
+        memory_bytes: json!(true),
+        pids: json!(true),
+        cpu: json!(true),
+        tmp_bytes: json!(true),
+    };
+    for mode in [Mode::CgroupV2, Mode::CgroupV1] {
+        assert_eq!(enforced(mode, &limits, &rlimits_for(mode, &limits, 10_000)), all, "{mode:?}");
+    }
+    // rlimits only: pids are never enforced; memory and CPU only partly (RLIMIT_AS, RLIMIT_CPU).
+    let r = rlimits_for(Mode::RlimitsOnly, &limits, 10_000);
+    let got = enforced(Mode::RlimitsOnly, &limits, &r);
+    assert_eq!(
+        got,
+        EnforcedField {
+            memory_bytes: json!("partial"),
+            pids: json!(false),
+            cpu: json!("partial"),
+            tmp_bytes: json!(true)
+        }
+    );
+    // Without a timeout there is no RLIMIT_CPU: the CPU share is not applied at all.
+    let got = enforced(Mode::RlimitsOnly, &limits, &rlimits_for(Mode::RlimitsOnly, &limits, 0));
+    assert_eq!(got.cpu, json!(false));
+    // An unlimited setting promises nothing.
+    let none = Limits { memory_bytes: 0, pids: 0, cpu_millicores: 0, tmp_bytes: 0 };
+    assert_eq!(enforced(Mode::RlimitsOnly, &none, &[]), all);
+    // And the reported /tmp size is the size it had.
+    let fields =
+        outcome_fields(crate::launch::Termination::Exited(0), true, None, &none, &[], Mode::RlimitsOnly);
+    assert_eq!(fields.resource_limits.tmp_bytes, crate::sandbox::argv::FALLBACK_TMP_BYTES);
+}

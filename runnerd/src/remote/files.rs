@@ -7,7 +7,9 @@ use std::fs::{File, Metadata};
 
 use crate::fsat::{self, Stat};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use crate::sandbox::user::Identity;
 use std::path::{Path, PathBuf};
 
 pub const ESCAPES: &str = "Workspace path escapes through a symbolic link";
@@ -98,8 +100,9 @@ pub fn open_file(root: &OwnedFd, root_path: &Path, segs: &[&str]) -> Result<(Fil
     Ok((file, meta.len()))
 }
 
-/// The directory an upload lands in, created segment by segment (mode 0777 less umask).
-pub fn parent_for_write(root: &OwnedFd, parents: &[&str]) -> Result<OwnedFd, RemoteError> {
+/// The directory an upload lands in, created segment by segment (mode 0777 less umask);
+/// what it creates belongs to the sandbox user (`owner`).
+pub fn parent_for_write(root: &OwnedFd, parents: &[&str], owner: &Identity) -> Result<OwnedFd, RemoteError> {
     let mut dir = root.try_clone().map_err(|e| RemoteError::Io {
         what: "open",
         path: fsat::fd_dir_path(root),
@@ -120,6 +123,13 @@ pub fn parent_for_write(root: &OwnedFd, parents: &[&str]) -> Result<OwnedFd, Rem
             }
         }
         dir = openat(&dir, seg, DIR_FLAGS).map_err(|_| RemoteError::ParentNotDir)?;
+        if made == 0 {
+            owner.hand_over(dir.as_fd()).map_err(|e| RemoteError::Io {
+                what: "hand to the sandbox user",
+                path: fsat::fd_dir_path(&dir),
+                source: e,
+            })?;
+        }
     }
     Ok(dir)
 }
@@ -138,14 +148,15 @@ pub fn replaced_size(parent: &OwnedFd, name: &str) -> Result<u64, RemoteError> {
     }
 }
 
-/// Moves the staged file next to its target (a temp name, mode `0600 | exec`), then
-/// publishes it: `rename` when overwriting, `link` (no clobber) otherwise.
+/// Moves the staged file next to its target (a temp name, mode `0600 | exec`, owned by the
+/// sandbox user), then publishes it: `rename` when overwriting, `link` (no clobber) otherwise.
 pub fn publish(
     parent: &OwnedFd,
     name: &str,
     staged: &Path,
     overwrite: bool,
     exec_bits: u32,
+    owner: &Identity,
 ) -> Result<(), RemoteError> {
     let tmp = format!(".{name}.{}.tmp", crate::versioning::new_uuid_v4());
     let io_err = |what, source| RemoteError::Io { what, path: fsat::fd_dir_path(parent).join(name), source };
@@ -155,11 +166,13 @@ pub fn publish(
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::Permissions::from_mode(0o600 | (exec_bits & 0o111));
     std::fs::set_permissions(staged, mode.clone()).map_err(|e| io_err("set the mode of", e))?;
+    let hand_over = |file: &File| owner.hand_over(file.as_fd());
+    File::open(staged).and_then(|f| hand_over(&f)).map_err(|e| io_err("hand to the sandbox user", e))?;
     if let Err(e) = std::fs::rename(staged, &tmp_path) {
         if e.raw_os_error() != Some(libc::EXDEV) {
             return Err(io_err("move the upload into", e));
         }
-        copy_new(staged, &tmp_path, mode).map_err(|e| io_err("copy the upload into", e))?;
+        copy_new(staged, &tmp_path, mode, &hand_over).map_err(|e| io_err("copy the upload into", e))?;
     }
     let cleanup = TempName(tmp_path.clone());
     let (tmp_c, name_c) =
@@ -195,10 +208,21 @@ impl Drop for TempName {
 }
 
 /// Copies into a new file (`O_EXCL`, never through a symlink), mode set on the handle.
-fn copy_new(from: &Path, to: &Path, mode: std::fs::Permissions) -> io::Result<()> {
+fn copy_new(
+    from: &Path,
+    to: &Path,
+    mode: std::fs::Permissions,
+    hand_over: &dyn Fn(&File) -> io::Result<()>,
+) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut src = File::open(from)?;
-    let mut dst = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(to)?;
+    let mut dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(to)?;
+    hand_over(&dst)?;
     io::copy(&mut src, &mut dst)?;
     dst.set_permissions(mode)?;
     dst.sync_all()
@@ -313,6 +337,11 @@ pub fn clear(root: &OwnedFd) -> Result<(), RemoteError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// runnerd's own user: nothing is handed over.
+    fn me() -> Identity {
+        crate::sandbox::user::resolve(None, true).unwrap()
+    }
     use std::os::unix::ffi::OsStrExt;
 
     fn root(dir: &Path) -> OwnedFd {
@@ -363,15 +392,15 @@ mod tests {
             std::fs::write(&p, text).unwrap();
             p
         };
-        let parent = parent_for_write(&fd, &["a", "b"]).unwrap();
-        publish(&parent, "f", &stage("one"), false, 0).unwrap();
+        let parent = parent_for_write(&fd, &["a", "b"], &me()).unwrap();
+        publish(&parent, "f", &stage("one"), false, 0, &me()).unwrap();
         assert_eq!(std::fs::read_to_string(ws.join("a/b/f")).unwrap(), "one");
-        assert!(matches!(publish(&parent, "f", &stage("two"), false, 0), Err(RemoteError::Exists)));
-        publish(&parent, "f", &stage("three"), true, 0o111).unwrap();
+        assert!(matches!(publish(&parent, "f", &stage("two"), false, 0, &me()), Err(RemoteError::Exists)));
+        publish(&parent, "f", &stage("three"), true, 0o111, &me()).unwrap();
         assert_eq!(std::fs::read_to_string(ws.join("a/b/f")).unwrap(), "three");
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(ws.join("a/b/f")).unwrap().permissions().mode() & 0o777, 0o711);
-        assert!(matches!(parent_for_write(&fd, &["esc", "x"]), Err(RemoteError::ParentNotDir)));
+        assert!(matches!(parent_for_write(&fd, &["esc", "x"], &me()), Err(RemoteError::ParentNotDir)));
         assert!(std::fs::read_dir(&outside).unwrap().next().is_none(), "nothing written outside");
         std::os::unix::fs::symlink(outside.join("t"), ws.join("a/b/ln")).unwrap();
         assert!(matches!(replaced_size(&parent, "ln"), Err(RemoteError::TargetSymlink)));

@@ -8,6 +8,10 @@
 //!   PID-namespace init instead, which bwrap reports on `--info-fd 4`.
 //! * The options end before the descriptor options: the launcher appends `--info-fd 4`
 //!   and `--seccomp 3` itself, the original's last option.
+//! * Nothing the sandbox can write is unsized or on bwrap's own filesystems (issue #14):
+//!   `/proc/sys` is bound read-only over the fresh procfs (bwrap leaves it writable, and a
+//!   sysctl is a host-wide setting), `/dev/shm` is its own sized tmpfs, `/tmp` is always
+//!   sized, `/dev` is remounted read-only, and the launcher remounts `/` read-only last.
 
 use std::path::{Path, PathBuf};
 
@@ -153,7 +157,8 @@ pub struct SandboxSpec<'a> {
     pub accel: Option<&'a AccelMount>,
     /// Runs this instead of the language's interpreter (the accelerator probes).
     pub command: Option<&'a [String]>,
-    /// The size of the sandbox's `/tmp` tmpfs in bytes (issue #8); 0 = the kernel's default.
+    /// The size of the sandbox's `/tmp` tmpfs in bytes (issue #8); 0 (unlimited) is taken
+    /// as [`FALLBACK_TMP_BYTES`]: a tmpfs is never unsized.
     pub tmp_bytes: u64,
 }
 
@@ -194,6 +199,18 @@ impl<'a> SandboxSpec<'a> {
             tmp_bytes: 0,
         }
     }
+}
+
+/// The `/tmp` size when no limit is set: a tmpfs without `--size` could take half the host's
+/// memory, outside every limit.
+pub const FALLBACK_TMP_BYTES: u64 = 1 << 30;
+/// `/dev/shm` gets the `/tmp` size, but at most this (POSIX shared memory and semaphores).
+pub const MAX_SHM_BYTES: u64 = 64 << 20;
+
+/// The sizes of the sandbox's two writable tmpfs mounts, `/tmp` and `/dev/shm`.
+pub fn tmpfs_sizes(tmp_bytes: u64) -> (u64, u64) {
+    let tmp = if tmp_bytes == 0 { FALLBACK_TMP_BYTES } else { tmp_bytes };
+    (tmp, tmp.min(MAX_SHM_BYTES))
 }
 
 /// Where a science environment appears inside the sandbox.
@@ -242,23 +259,23 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     push(&mut args, &["--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]);
     push(&mut args, &["--symlink", "usr/lib64", "/lib64"]);
     match spec.shape.proc_mode {
-        ProcMode::New => push(&mut args, &["--proc", "/proc"]),
+        // The host's /proc/sys seen from inside: sysctls resolve in the reader's namespaces.
+        ProcMode::New => push(&mut args, &["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]),
         ProcMode::Bind => push(&mut args, &["--ro-bind", "/proc", "/proc"]),
     }
-    push(&mut args, &["--dev", "/dev"]);
+    let (tmp_size, shm_size) = tmpfs_sizes(spec.tmp_bytes);
+    // bwrap ≥ 0.7 applies `--size` to the next `--tmpfs`.
+    push(&mut args, &["--dev", "/dev", "--size", &shm_size.to_string(), "--tmpfs", "/dev/shm"]);
     // Chips after the fresh /dev, never the host's /dev (internals §4.4).
     let accel_binds = spec.accel.map(|a| a.binds.as_slice()).unwrap_or_default();
     for bind in accel_binds.iter().filter(|b| b.device) {
         push(&mut args, &["--dev-bind", &lossy(&bind.source), &bind.target]);
     }
+    push(&mut args, &["--remount-ro", "/dev"]);
     for target in spec.interpreter_masks {
         push(&mut args, &["--ro-bind", "/dev/null", &lossy(target)]);
     }
-    if spec.tmp_bytes > 0 {
-        // bwrap ≥ 0.7 applies `--size` to the next `--tmpfs`.
-        push(&mut args, &["--size", &spec.tmp_bytes.to_string()]);
-    }
-    push(&mut args, &["--tmpfs", "/tmp"]);
+    push(&mut args, &["--size", &tmp_size.to_string(), "--tmpfs", "/tmp"]);
     // Accelerator files and tools after /tmp, which would otherwise cover one placed there.
     for bind in accel_binds.iter().filter(|b| !b.device) {
         push(&mut args, &["--ro-bind", &lossy(&bind.source), &bind.target]);
@@ -389,8 +406,19 @@ mod tests {
             "/lib64",
             "--proc",
             "/proc",
+            "--ro-bind",
+            "/proc/sys",
+            "/proc/sys",
             "--dev",
             "/dev",
+            "--size",
+            "67108864",
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+            "--size",
+            "1073741824",
             "--tmpfs",
             "/tmp",
             "--bind",
@@ -473,7 +501,8 @@ mod tests {
 
         let p = position(&full, &["--proc", "/proc"]).unwrap();
         let mut expected = full.clone();
-        expected.splice(p..p + 2, ["--ro-bind".to_owned(), "/proc".to_owned(), "/proc".to_owned()]);
+        // The fresh procfs and its read-only /proc/sys give way to one read-only bind.
+        expected.splice(p..p + 5, ["--ro-bind".to_owned(), "/proc".to_owned(), "/proc".to_owned()]);
         assert_eq!(bind, expected);
 
         let mut expected = full.clone();
@@ -615,20 +644,38 @@ mod tests {
     }
 
     #[test]
-    fn the_tmp_size_goes_right_before_the_tmp_tmpfs_and_0_leaves_it_out() {
+    fn every_tmpfs_is_sized_and_0_takes_the_fallback() {
         let h = host();
         let ws = plain();
         let mut s = spec(&h, &ws, FULL);
-        for (bytes, want) in
-            [(0u64, vec!["--tmpfs", "/tmp"]), (8 << 20, vec!["--size", "8388608", "--tmpfs", "/tmp"])]
-        {
+        let mib = |n: u64| (n << 20).to_string();
+        for (bytes, tmp, shm) in [
+            (0u64, FALLBACK_TMP_BYTES.to_string(), mib(64)),
+            (8 << 20, mib(8), mib(8)),
+            (512 << 20, mib(512), mib(64)),
+        ] {
             s.tmp_bytes = bytes;
             let args = build(&s).args();
-            let at = position(&args, &["--tmpfs", "/tmp"]).unwrap();
-            let from = at + 2 - want.len();
-            assert_eq!(&args[from..at + 2], want.as_slice(), "{bytes}");
-            assert_eq!(args.iter().filter(|a| *a == "--size").count(), usize::from(bytes > 0));
+            assert!(position(&args, &["--size", &tmp, "--tmpfs", "/tmp"]).is_some(), "{bytes}: {args:?}");
+            assert!(position(&args, &["--size", &shm, "--tmpfs", "/dev/shm"]).is_some(), "{bytes}: {args:?}");
+            // No other tmpfs, and every one right after its size.
+            let tmpfs: Vec<usize> =
+                args.iter().enumerate().filter(|(_, a)| *a == "--tmpfs").map(|(i, _)| i).collect();
+            assert_eq!(tmpfs.len(), 2);
+            assert!(tmpfs.iter().all(|i| args[i - 2] == "--size"), "{args:?}");
         }
+    }
+
+    #[test]
+    fn proc_sys_and_dev_are_read_only_and_device_binds_come_first() {
+        let h = host();
+        let ws = plain();
+        let args = build(&spec(&h, &ws, FULL)).args();
+        let proc = position(&args, &["--proc", "/proc"]).unwrap();
+        assert_eq!(position(&args, &["--ro-bind", "/proc/sys", "/proc/sys"]), Some(proc + 2));
+        let ro_dev = position(&args, &["--remount-ro", "/dev"]).unwrap();
+        assert!(ro_dev > position(&args, &["--tmpfs", "/dev/shm"]).unwrap());
+        assert!(ro_dev < position(&args, &["--tmpfs", "/tmp"]).unwrap());
     }
 
     #[test]
@@ -648,23 +695,15 @@ mod tests {
     #[test]
     fn host_runtime_flows_into_binds_and_env() {
         let h = HostRuntime {
-            identity: Some((
-                "/data/runtime/sandbox-identity/passwd".into(),
-                "/data/runtime/sandbox-identity/group".into(),
-            )),
             ro_binds: vec!["/etc/alternatives".into(), "/etc/ssl/certs".into()],
             env: vec![("SSL_CERT_FILE".into(), "/etc/ssl/certs/ca-certificates.crt".into())],
         };
         let ws = plain();
         let cmd = build(&spec(&h, &ws, FULL));
         let usr = position(&cmd.args(), &["--ro-bind", "/usr", "/usr"]).unwrap();
-        let passwd =
-            position(&cmd.args(), &["--ro-bind", "/data/runtime/sandbox-identity/passwd", "/etc/passwd"])
-                .unwrap();
-        assert_eq!(passwd, usr + 3);
         assert_eq!(
-            position(&cmd.args(), &["--ro-bind", "/data/runtime/sandbox-identity/group", "/etc/group"]),
-            Some(passwd + 3)
+            position(&cmd.args(), &["--ro-bind", "/etc/alternatives", "/etc/alternatives"]),
+            Some(usr + 3)
         );
         assert!(position(&cmd.args(), &["--ro-bind", "/etc/ssl/certs", "/etc/ssl/certs"]).is_some());
         assert_eq!(cmd.env[2].0, "SSL_CERT_FILE");

@@ -1,19 +1,17 @@
-//! Host facts a sandbox needs, detected once at start-up: the staged one-line
-//! `/etc/passwd` and `/etc/group` for the sandbox user, the read-only `/etc` pieces that
+//! Host facts a sandbox needs, detected once at start-up: the one-line `/etc/passwd` and
+//! `/etc/group` for the sandbox user (the launcher hands them to bwrap as data, see
+//! [`crate::launch::LaunchIdentity`]), the read-only `/etc` pieces that
 //! make TLS and fonts work (CA certificates, alternatives), and the host interpreters to
 //! mask when a science environment is mounted. Each decision is a pure function; the
 //! `detect_*` functions are the thin I/O around them.
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// Read-only binds and environment the sandbox gets from the host.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HostRuntime {
-    /// Staged `passwd` and `group` files, bound over `/etc/passwd` and `/etc/group`.
-    pub identity: Option<(PathBuf, PathBuf)>,
     /// Host paths bound read-only at the same place.
     pub ro_binds: Vec<PathBuf>,
     /// CA variables (`SSL_CERT_FILE`, `CURL_CA_BUNDLE`, `REQUESTS_CA_BUNDLE`, `SSL_CERT_DIR`).
@@ -23,11 +21,6 @@ pub struct HostRuntime {
 impl HostRuntime {
     pub fn bind_args(&self) -> Vec<String> {
         let mut args = Vec::new();
-        if let Some((passwd, group)) = &self.identity {
-            for (file, target) in [(passwd, "/etc/passwd"), (group, "/etc/group")] {
-                args.extend(["--ro-bind".to_owned(), file.to_string_lossy().into_owned(), target.to_owned()]);
-            }
-        }
         for path in &self.ro_binds {
             let p = path.to_string_lossy().into_owned();
             args.extend(["--ro-bind".to_owned(), p.clone(), p]);
@@ -87,29 +80,10 @@ pub fn identity_lines(name: &str, uid: u32, gid: u32) -> (String, String) {
     )
 }
 
-/// Writes the identity files under `<data_dir>/runtime/sandbox-identity/` (directory 0700,
-/// files replaced atomically) and detects the `/etc` binds.
-pub fn detect_host_runtime(data_dir: &Path) -> io::Result<HostRuntime> {
-    let uid = nix::unistd::getuid();
-    let gid = nix::unistd::getgid();
-    let user = nix::unistd::User::from_uid(uid).ok().flatten();
-    let name = sandbox_user_name(user.as_ref().map(|u| u.name.as_str()));
-    let (passwd, group) = identity_lines(name, uid.as_raw(), gid.as_raw());
-    let dir = data_dir.join("runtime").join("sandbox-identity");
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
-    let passwd_path = dir.join("passwd");
-    let group_path = dir.join("group");
-    write_atomically(&passwd_path, passwd.as_bytes())?;
-    write_atomically(&group_path, group.as_bytes())?;
+/// Detects the `/etc` binds and CA variables.
+pub fn detect_host_runtime() -> HostRuntime {
     let (ro_binds, env) = etc_runtime(|p| p.exists());
-    Ok(HostRuntime { identity: Some((passwd_path, group_path)), ro_binds, env })
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let staging = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o644).open(&staging)?;
-    io::Write::write_all(&mut f, bytes)?;
-    fs::rename(&staging, path)
+    HostRuntime { ro_binds, env }
 }
 
 /// Which interpreter binaries to mask, given `/usr/bin` entries and their resolved targets
@@ -218,19 +192,5 @@ mod tests {
         let masks = detect_interpreter_masks(dir.path()).unwrap();
         assert_eq!(masks, [fs::canonicalize(&real).unwrap()]);
         assert!(masks.iter().all(|m| !fs::symlink_metadata(m).unwrap().file_type().is_symlink()));
-    }
-
-    #[test]
-    fn identity_files_are_written() {
-        let dir = tempfile::tempdir().unwrap();
-        let host = detect_host_runtime(dir.path()).unwrap();
-        let (passwd, group) = host.identity.unwrap();
-        let line = fs::read_to_string(passwd).unwrap();
-        assert_eq!(line.lines().count(), 1);
-        assert!(line.contains(&format!(":x:{}:", nix::unistd::getuid())));
-        assert_eq!(fs::read_to_string(group).unwrap().lines().count(), 1);
-        use std::os::unix::fs::PermissionsExt;
-        let mode = fs::metadata(dir.path().join("runtime/sandbox-identity")).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o700);
     }
 }
