@@ -200,4 +200,28 @@ mod tests {
         let err = tokio::time::timeout(Duration::from_secs(2), waiter).await.unwrap().unwrap().unwrap_err();
         assert!(matches!(err, CoordError::Aborted));
     }
+
+    /// A lock database that is not a regular file of its own is refused without blocking
+    /// and without opening through it.
+    #[test]
+    fn a_planted_lock_database_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_owned();
+        let c = CString::new(path.join("fifo.sqlite").into_os_string().into_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        std::fs::write(path.join("real"), "").unwrap();
+        std::fs::hard_link(path.join("real"), path.join("linked.sqlite")).unwrap();
+        std::os::unix::fs::symlink(path.join("elsewhere.sqlite"), path.join("link.sqlite")).unwrap();
+        std::fs::create_dir(path.join("dir.sqlite")).unwrap();
+        for name in ["fifo.sqlite", "linked.sqlite", "link.sqlite", "dir.sqlite"] {
+            let err = SqliteLock::try_take(lock_file(&path, name)).unwrap_err();
+            assert!(matches!(err, CoordError::Planted { .. }), "{name}: {err}");
+            assert!(
+                err.to_string().starts_with(&format!("Refusing the workspace coordination entry {name}: ")),
+                "{err}"
+            );
+        }
+        assert!(!path.join("elsewhere.sqlite").exists());
+    }
 }
