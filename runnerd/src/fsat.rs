@@ -8,6 +8,8 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 
+use common::sys::cvt;
+
 /// The `lstat` fields a walk looks at, read relative to a directory descriptor
 /// (`fstatat`), so no path is resolved again below the root.
 #[derive(Debug, Clone, Copy)]
@@ -16,6 +18,7 @@ pub struct Stat {
     pub ino: u64,
     pub mode: u32,
     pub size: u64,
+    pub nlink: u64,
     pub mtime_ns: i128,
     pub ctime_ns: i128,
 }
@@ -28,22 +31,20 @@ impl Stat {
             ino: st.st_ino,
             mode: st.st_mode,
             size: st.st_size as u64,
+            nlink: st.st_nlink,
             mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
             ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
         }
     }
 
     /// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`.
-    pub fn at(dir: &OwnedFd, name: &CStr) -> io::Result<Stat> {
+    pub fn at(dir: &impl AsRawFd, name: &CStr) -> io::Result<Stat> {
         let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
         // SAFETY: fstatat writes a full `stat` into the buffer on success (checked); the
         // name is NUL-terminated and the descriptor is ours.
-        let rc = unsafe {
+        cvt(unsafe {
             libc::fstatat(dir.as_raw_fd(), name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW)
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        })?;
         // SAFETY: initialised by the successful call above.
         let st = unsafe { st.assume_init() };
         Ok(Stat::from_raw(&st))
@@ -53,10 +54,7 @@ impl Stat {
     pub fn of_fd(fd: &impl AsRawFd) -> io::Result<Stat> {
         let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
         // SAFETY: as above, for fstat on a descriptor we own.
-        let rc = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        cvt(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) })?;
         // SAFETY: initialised by the successful call above.
         let st = unsafe { st.assume_init() };
         Ok(Stat::from_raw(&st))
@@ -67,12 +65,64 @@ impl Stat {
     }
 }
 
-pub fn open_at(dir: &OwnedFd, name: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+pub fn open_at(dir: &impl AsRawFd, name: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: openat relative to a directory descriptor we own, NUL-terminated name.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = cvt(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) })?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Creates a file `O_CREAT | O_EXCL | O_NOFOLLOW` (never through a symlink, never an
+/// existing file) with `mode`, opened for writing.
+pub fn create_new_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<OwnedFd> {
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // SAFETY: openat relative to a directory descriptor we own, NUL-terminated name; the mode
+    // is passed as the variadic third argument openat expects with O_CREAT.
+    let fd = cvt(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, libc::c_uint::from(mode)) })?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Opens `name` for writing, creating it (`mode`) if it is absent, never through a symlink
+/// (`O_NOFOLLOW`) and never blocking on a FIFO (`O_NONBLOCK`). Nothing is truncated here:
+/// check what was opened first.
+pub fn open_or_create_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<OwnedFd> {
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    // SAFETY: as in `create_new_at`.
+    let fd = cvt(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, libc::c_uint::from(mode)) })?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `mkdirat(dir, name, mode)`; an existing entry (of any kind) is `AlreadyExists`.
+pub fn mkdir_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: mkdirat relative to a directory descriptor we own, NUL-terminated name.
+    cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) })?;
+    Ok(())
+}
+
+/// Creates an empty regular file without opening it (`mknodat(S_IFREG)`): no descriptor
+/// of it exists in this process afterwards, so none is closed later (closing any
+/// descriptor of a file drops every POSIX lock this process holds on it). Never follows
+/// a symlink: any existing entry is `AlreadyExists`.
+pub fn mknod_regular_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: mknodat relative to a directory descriptor we own, NUL-terminated name; a
+    // regular file needs no device number.
+    cvt(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), libc::S_IFREG | mode, 0) })?;
+    Ok(())
+}
+
+/// `unlinkat(dir, name, 0)`: removes the entry itself (a symlink, never its target).
+pub fn unlink_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
+    // SAFETY: unlinkat relative to a directory descriptor we own, NUL-terminated name.
+    cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) })?;
+    Ok(())
+}
+
+/// `dup` with close-on-exec.
+pub fn dup(fd: &impl AsRawFd) -> io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own returns a new one or -1.
+    let fd = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) })?;
     // SAFETY: the kernel just returned this descriptor; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -121,6 +171,93 @@ pub fn names(dir: &OwnedFd) -> io::Result<Vec<(OsString, CString)>> {
 }
 
 /// Opens a subdirectory without following a symlink (`O_DIRECTORY | O_NOFOLLOW`).
-pub fn open_dir_at(dir: &OwnedFd, name: &CStr) -> io::Result<OwnedFd> {
+pub fn open_dir_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<OwnedFd> {
     open_at(dir, name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+}
+
+/// Why [`walk_beneath`] stopped.
+#[derive(Debug)]
+pub enum Stopped {
+    /// A component does not exist (the `ENOENT`, or another error, of its open).
+    Missing(io::Error),
+    /// A component is a symbolic link (never followed).
+    Symlink,
+    /// A component is something other than a directory.
+    NotDirectory,
+    /// A `..` would leave the starting directory.
+    Escapes,
+}
+
+/// Walks `components` (`Normal` names and `..`; `.` and the root are skipped) from `start`,
+/// one `openat(O_PATH | O_DIRECTORY | O_NOFOLLOW)` at a time, so no symlink is ever
+/// followed and `..` never climbs above `start` (it pops what this walk opened). Returns the
+/// directory reached and its names relative to `start`, with the `..` applied.
+pub fn walk_beneath<'a>(
+    start: &impl AsRawFd,
+    components: impl IntoIterator<Item = std::path::Component<'a>>,
+) -> Result<(OwnedFd, Vec<OsString>), Stopped> {
+    use std::path::Component;
+    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+    let first = dup(start).map_err(Stopped::Missing)?;
+    let mut stack: Vec<(OsString, OwnedFd)> = Vec::new();
+    for component in components {
+        match component {
+            Component::Normal(name) => {
+                let c = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name))
+                    .map_err(|_| Stopped::Missing(io::Error::from_raw_os_error(libc::EINVAL)))?;
+                let here = stack.last().map_or(&first, |(_, fd)| fd);
+                match open_at(here, &c, flags) {
+                    Ok(fd) => stack.push((name.to_owned(), fd)),
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => {
+                        return Err(match Stat::at(here, &c) {
+                            Ok(st) if st.kind() == libc::S_IFLNK => Stopped::Symlink,
+                            Ok(_) => Stopped::NotDirectory,
+                            Err(e) => Stopped::Missing(e),
+                        });
+                    }
+                    Err(e) => return Err(Stopped::Missing(e)),
+                }
+            }
+            Component::ParentDir => {
+                if stack.pop().is_none() {
+                    return Err(Stopped::Escapes);
+                }
+            }
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+        }
+    }
+    let names = stack.iter().map(|(n, _)| n.clone()).collect();
+    let fd = match stack.pop() {
+        Some((_, fd)) => fd,
+        None => first,
+    };
+    Ok((fd, names))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+    use std::path::Path;
+
+    #[test]
+    fn walking_beneath_never_follows_a_symlink_nor_climbs_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::write(root.join("a/file"), "").unwrap();
+        symlink(root.join("a/b"), root.join("a/link")).unwrap();
+        let start =
+            open_at(&std::fs::File::open(&root).unwrap(), c".", libc::O_PATH | libc::O_DIRECTORY).unwrap();
+        let walk = |p: &str| walk_beneath(&start, Path::new(p).components());
+        let (_, names) = walk("a/b/../b").unwrap();
+        assert_eq!(names, vec![OsString::from("a"), OsString::from("b")]);
+        assert!(walk("..").is_err_and(|e| matches!(e, Stopped::Escapes)));
+        assert!(walk("a/../..").is_err_and(|e| matches!(e, Stopped::Escapes)));
+        assert!(walk("a/link").is_err_and(|e| matches!(e, Stopped::Symlink)));
+        assert!(walk("a/link/..").is_err_and(|e| matches!(e, Stopped::Symlink)));
+        assert!(walk("a/file").is_err_and(|e| matches!(e, Stopped::NotDirectory)));
+        assert!(walk("a/nope").is_err_and(|e| matches!(e, Stopped::Missing(_))));
+        assert_eq!(walk("").unwrap().1, Vec::<OsString>::new());
+    }
 }

@@ -342,7 +342,7 @@ impl Versions {
                     continue;
                 }
             };
-            if crate::coordination::LeasePaths::for_root(&root).failed.exists() {
+            if self.lifecycle.poison_marked(&root) {
                 // Poisoned before the crash: that needs a person, not a recovery commit.
                 tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = crate::coordination::POISONED);
                 continue;

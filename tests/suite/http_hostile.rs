@@ -673,8 +673,6 @@ async fn workspace_roots_outside_projects_and_remote_workspaces_are_refused() {
         PathBuf::from("/"),
         server.data_dir.clone(),
         outside.path().to_owned(),
-        server.path("projects/escape-link"),
-        ws.join("link-out"),
         server.path("projects/../logs"),
         ws.join("../../../../../logs"),
     ];
@@ -683,6 +681,18 @@ async fn workspace_roots_outside_projects_and_remote_workspaces_are_refused() {
             let reply = post(&server, path, &touching_request_on(path, root)).await;
             assert_eq!(reply.status, 400, "{} on {path}", root.display());
             expect_error(&reply, 400, OUTSIDE_ROOTS, "workspace_outside_roots");
+        }
+    }
+    // Symlinks below the data directory are never followed (issue #14 hole 3).
+    for root in [server.path("projects/escape-link"), ws.join("link-out")] {
+        for path in [SHELL, PYTHON] {
+            let reply = post(&server, path, &touching_request_on(path, &root)).await;
+            expect_error(
+                &reply,
+                400,
+                "Runner workspace path must not contain symbolic links",
+                "workspace_symlink",
+            );
         }
     }
     // readOnlyWorkspaceRoot passes the same check.
@@ -1003,7 +1013,7 @@ async fn cwd_must_be_an_existing_directory_inside_the_writable_workspace() {
         ("../../..", "cwd must remain inside the writable workspace"),
         ("..", "cwd must remain inside the writable workspace"),
         ("sub/../..", "cwd must remain inside the writable workspace"),
-        ("link-out", "cwd must remain inside the writable workspace"),
+        ("link-out", "cwd must not contain symbolic links"),
         ("file.txt", "cwd must be a directory"),
     ];
     for (cwd, message) in cases {
@@ -1017,7 +1027,7 @@ async fn cwd_must_be_an_existing_directory_inside_the_writable_workspace() {
     body["cwd"] = json!("missing");
     let error = error_400(&post(&server, SHELL, &body).await, "path_not_found");
     assert!(error.starts_with("ENOENT: no such file or directory, realpath '"), "{error}");
-    assert!(error.ends_with("/missing'"), "{error}");
+    assert!(error.ends_with(" 'missing'"), "{error}");
     assert_nothing_ran(&ws);
     assert!(!outside.path().join("ran.txt").exists());
 }

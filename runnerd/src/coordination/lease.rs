@@ -7,15 +7,22 @@
 //! marker, so after a crash of *our* process it can tell its own interrupted writes from
 //! someone else's and recover them (see `crate::writer::Versions::recover_interrupted`).
 
+use std::ffi::CString;
 use std::fs::OpenOptions;
 use std::io::Write;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::sqlite_lock::SqliteLock;
-use super::{ACTIVE_TEXT, CoordError, POISONED, path_hex, private_dir};
+use super::sqlite_lock::{LockFile, SqliteLock};
+use super::{ACTIVE_TEXT, CoordError, POISONED, cname, path_hex, require_regular};
+use crate::fsat::{self, Stat};
 
-/// Where a root's lease files live.
+/// The lease directory's name, in the parent of every workspace root.
+pub const COORDINATION_DIR: &str = ".workspace-coordination";
+
+/// Where a root's lease files live (host paths: for tests and operators' messages; runnerd
+/// itself reaches them only through [`LeaseNames`] and a directory descriptor).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasePaths {
     pub dir: PathBuf,
@@ -28,15 +35,92 @@ pub struct LeasePaths {
 impl LeasePaths {
     /// For a canonical (realpath'd) root.
     pub fn for_root(canonical: &Path) -> LeasePaths {
-        let hex = path_hex(canonical);
-        let dir = canonical.parent().unwrap_or(Path::new("/")).join(".workspace-coordination");
+        let names = LeaseNames::for_root(canonical);
+        let dir = canonical.parent().unwrap_or(Path::new("/")).join(COORDINATION_DIR);
         LeasePaths {
-            lock: dir.join(format!("{hex}.sqlite")),
-            active: dir.join(format!("{hex}.active")),
-            failed: dir.join(format!("{hex}.failed")),
+            lock: dir.join(&names.lock),
+            active: dir.join(&names.active),
+            failed: dir.join(&names.failed),
             dir,
+            hex: names.hex,
+        }
+    }
+}
+
+/// A root's lease file names inside its coordination directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseNames {
+    pub lock: String,
+    pub active: String,
+    pub failed: String,
+    pub hex: String,
+}
+
+impl LeaseNames {
+    pub fn for_root(canonical: &Path) -> LeaseNames {
+        let hex = path_hex(canonical);
+        LeaseNames {
+            lock: format!("{hex}.sqlite"),
+            active: format!("{hex}.active"),
+            failed: format!("{hex}.failed"),
             hex,
         }
+    }
+
+    /// How errors name a file: relative to the workspace's parent.
+    pub fn shown(name: &str) -> String {
+        format!("{COORDINATION_DIR}/{name}")
+    }
+}
+
+/// A root's opened coordination directory with its names.
+#[derive(Debug)]
+pub(super) struct LeaseDir {
+    pub(super) fd: OwnedFd,
+    pub(super) names: LeaseNames,
+}
+
+impl LeaseDir {
+    fn c(&self, name: &str) -> Result<CString, CoordError> {
+        cname(name, &LeaseNames::shown(name))
+    }
+
+    pub(super) fn lock_file(&self) -> Result<LockFile, CoordError> {
+        let shown = LeaseNames::shown(&self.names.lock);
+        let dir = fsat::dup(&self.fd).map_err(|e| CoordError::io("open", &shown, e))?;
+        Ok(LockFile { dir, name: self.c(&self.names.lock)?, shown })
+    }
+
+    /// Whether an entry named `name` exists (of any kind: a planted symlink counts, and
+    /// is never followed).
+    pub(super) fn present(&self, name: &str) -> Result<bool, CoordError> {
+        match Stat::at(&self.fd, &self.c(name)?) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(CoordError::io("inspect", &LeaseNames::shown(name), e)),
+        }
+    }
+
+    /// `poisonWorkspace`'s file: `<H>.failed`, created (0600) or truncated, with the poison
+    /// text, opened `O_NOFOLLOW | O_NONBLOCK` and checked to be a regular file of its own
+    /// before anything is truncated or written.
+    pub(super) fn write_poison(&self) -> Result<(), CoordError> {
+        let shown = LeaseNames::shown(&self.names.failed);
+        let failed = |e| CoordError::io("write the poison marker", &shown, e);
+        let fd = match fsat::open_or_create_at(&self.fd, &self.c(&self.names.failed)?, 0o600) {
+            Ok(fd) => fd,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO | libc::EISDIR)) => {
+                let found = Stat::at(&self.fd, &self.c(&self.names.failed)?)
+                    .map(|st| super::kind_name(&st.kind()))
+                    .unwrap_or("not a regular file");
+                return Err(CoordError::Planted { name: shown, found, expected: "a regular file" });
+            }
+            Err(e) => return Err(failed(e)),
+        };
+        require_regular(&Stat::of_fd(&fd).map_err(failed)?, &shown)?;
+        let mut file = std::fs::File::from(fd);
+        file.set_len(0).map_err(failed)?;
+        file.write_all(POISONED.as_bytes()).map_err(failed)
     }
 }
 
@@ -45,6 +129,7 @@ impl LeasePaths {
 #[derive(Debug)]
 pub struct Lease {
     paths: LeasePaths,
+    dir: LeaseDir,
     journal: Option<PathBuf>,
     created_active: bool,
     _lock: SqliteLock,
@@ -59,37 +144,51 @@ impl Lease {
     /// `journal_dir`, when given, records the lease for crash recovery.
     pub(super) fn establish(
         root: &Path,
+        dir: LeaseDir,
         lock: SqliteLock,
         poisoned_here: bool,
         journal_dir: Option<&Path>,
     ) -> Result<Lease, CoordError> {
         let paths = LeasePaths::for_root(root);
-        let mut lease = Lease { paths, journal: None, created_active: false, _lock: lock };
-        if poisoned_here || lease.paths.failed.exists() {
+        let mut lease = Lease { paths, dir, journal: None, created_active: false, _lock: lock };
+        if poisoned_here || lease.dir.present(&lease.dir.names.failed)? {
             return Err(CoordError::Poisoned);
         }
-        if let Some(dir) = journal_dir {
+        if let Some(journal) = journal_dir {
             // An entry that already exists belongs to an interrupted write of an earlier
             // process (its marker refuses us below): it is left for start-up recovery.
-            let entry = dir.join(&lease.paths.hex);
+            let entry = journal.join(&lease.paths.hex);
             match write_new_file(&entry, root.as_os_str().as_encoded_bytes()) {
                 Ok(()) => lease.journal = Some(entry),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(CoordError::io("record the lease in", &entry, e)),
+                Err(e) => return Err(CoordError::io("record the lease in", "the lease journal", e)),
             }
         }
-        match write_new_file(&lease.paths.active, ACTIVE_TEXT.as_bytes()) {
-            Ok(()) => lease.created_active = true,
+        let active = lease.dir.names.active.clone();
+        let shown = LeaseNames::shown(&active);
+        match fsat::create_new_at(&lease.dir.fd, &lease.dir.c(&active)?, 0o600) {
+            Ok(fd) => {
+                lease.created_active = true;
+                std::fs::File::from(fd)
+                    .write_all(ACTIVE_TEXT.as_bytes())
+                    .map_err(|e| CoordError::io("create the lease marker", &shown, e))?;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(CoordError::Interrupted),
-            Err(e) => return Err(CoordError::io("create the lease marker", &lease.paths.active, e)),
+            Err(e) => return Err(CoordError::io("create the lease marker", &shown, e)),
         }
         Ok(lease)
     }
 
     /// Takes over the marker a crashed holder left: the lock is held, so the marker's
     /// writer is gone; dropping this lease removes the marker.
-    pub(super) fn take_over(root: &Path, lock: SqliteLock, journal: PathBuf) -> Lease {
-        Lease { paths: LeasePaths::for_root(root), journal: Some(journal), created_active: true, _lock: lock }
+    pub(super) fn take_over(root: &Path, dir: LeaseDir, lock: SqliteLock, journal: PathBuf) -> Lease {
+        Lease {
+            paths: LeasePaths::for_root(root),
+            dir,
+            journal: Some(journal),
+            created_active: true,
+            _lock: lock,
+        }
     }
 
     /// Releases the lock but keeps the marker and the journal entry: the write stays
@@ -100,21 +199,13 @@ impl Lease {
     }
 }
 
-pub(super) fn write_poison(paths: &LeasePaths) -> Result<(), CoordError> {
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&paths.failed)
-        .map_err(|e| CoordError::io("write the poison marker", &paths.failed, e))?;
-    f.write_all(POISONED.as_bytes()).map_err(|e| CoordError::io("write the poison marker", &paths.failed, e))
-}
-
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.created_active {
-            let _ = std::fs::remove_file(&self.paths.active);
+        if self.created_active
+            && let Ok(name) = self.dir.c(&self.dir.names.active)
+        {
+            // unlinkat removes the entry itself, whatever it is now (never a target).
+            let _ = fsat::unlink_at(&self.dir.fd, &name);
         }
         if let Some(entry) = &self.journal {
             let _ = std::fs::remove_file(entry);
@@ -122,14 +213,10 @@ impl Drop for Lease {
     }
 }
 
-/// Creates the lease directory (0700) for a root.
-pub(super) fn prepare(paths: &LeasePaths) -> Result<(), CoordError> {
-    private_dir(&paths.dir)
-}
-
-/// Creates a small file exclusively (`O_EXCL`, 0600). Not fsynced: markers and journal
-/// entries describe a *process* that died mid-write, whose page cache survives it (the
-/// original does not sync `.active` either); each fsync costs a launch about a millisecond.
+/// Creates a small file exclusively (`O_EXCL`, 0600) in the lease journal (in the data
+/// directory, where no sandbox writes). Not fsynced: markers and journal entries describe a
+/// *process* that died mid-write, whose page cache survives it (the original does not sync
+/// `.active` either); each fsync costs a launch about a millisecond.
 fn write_new_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
     f.write_all(bytes)

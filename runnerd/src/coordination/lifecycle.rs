@@ -11,9 +11,14 @@ use std::time::Duration;
 use rusqlite::{Connection, params};
 use tokio::sync::watch;
 
-use super::lease::{self, Lease, LeasePaths};
-use super::sqlite_lock::SqliteLock;
-use super::{CoordError, path_hex, private_dir};
+use std::os::fd::OwnedFd;
+
+use super::lease::{COORDINATION_DIR, Lease, LeaseDir, LeaseNames};
+use super::sqlite_lock::{LockFile, SqliteLock};
+use super::{CoordError, DataDir, cname, path_hex, private_dir};
+
+/// The lifecycle directory's name in `realpath(dataDir)`.
+pub const LIFECYCLE_DIR: &str = ".workspace-lifecycle";
 
 /// A held admission: the per-root admission lock. Take the lease inside it.
 #[derive(Debug)]
@@ -23,7 +28,10 @@ pub struct Admitted {
 
 #[derive(Debug)]
 pub struct Lifecycle {
-    dir: PathBuf,
+    data: DataDir,
+    /// `.workspace-lifecycle`, opened `O_NOFOLLOW`: the admission locks are named through it.
+    dir_fd: OwnedFd,
+    #[cfg_attr(not(test), allow(dead_code))]
     registry: PathBuf,
     /// One connection for every registry transaction (opening one costs several files).
     registry_conn: std::sync::Arc<Mutex<Connection>>,
@@ -36,9 +44,11 @@ impl Lifecycle {
     /// and the lease journal under `<dataDir>/runner-executions/active-leases`.
     pub fn open(data_dir: &Path) -> Result<Lifecycle, CoordError> {
         private_dir(data_dir)?;
-        let real = std::fs::canonicalize(data_dir).map_err(|e| CoordError::io("resolve", data_dir, e))?;
-        let dir = real.join(".workspace-lifecycle");
-        private_dir(&dir)?;
+        let real = std::fs::canonicalize(data_dir)
+            .map_err(|e| CoordError::io("resolve", "the data directory", e))?;
+        let data = DataDir::open(real)?;
+        let dir_fd = data.own_dir(LIFECYCLE_DIR)?;
+        let dir = data.real.join(LIFECYCLE_DIR);
         let journal = data_dir.join("runner-executions").join("active-leases");
         private_dir(&journal)?;
         let registry = dir.join("registry.sqlite");
@@ -47,9 +57,9 @@ impl Lifecycle {
             "CREATE TABLE IF NOT EXISTS roots(path TEXT PRIMARY KEY);
              CREATE TABLE IF NOT EXISTS fences(scope TEXT PRIMARY KEY, owner TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'pending');",
         )
-        .map_err(|source| CoordError::Sqlite { path: registry.clone(), source })?;
+        .map_err(|source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source })?;
         let registry_conn = std::sync::Arc::new(Mutex::new(conn));
-        Ok(Lifecycle { dir, registry, registry_conn, journal, poisoned: Mutex::default() })
+        Ok(Lifecycle { data, dir_fd, registry, registry_conn, journal, poisoned: Mutex::default() })
     }
 
     /// `withWorkspaceAdmission`: fence check and root registration in one registry
@@ -60,7 +70,7 @@ impl Lifecycle {
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Admitted, CoordError> {
         self.register(canonical).await?;
-        let lock = SqliteLock::take(&self.admission_lock(canonical), cancel).await?;
+        let lock = SqliteLock::take(self.admission_lock(canonical)?, cancel).await?;
         self.check_fences(canonical).await?;
         Ok(Admitted { _lock: lock })
     }
@@ -69,7 +79,7 @@ impl Lifecycle {
     /// writer is admitted on this root.
     pub async fn try_admit(&self, canonical: &Path) -> Result<Option<Admitted>, CoordError> {
         self.register(canonical).await?;
-        let Some(lock) = SqliteLock::try_take(&self.admission_lock(canonical))? else {
+        let Some(lock) = SqliteLock::try_take(self.admission_lock(canonical)?)? else {
             return Ok(None);
         };
         self.check_fences(canonical).await?;
@@ -82,22 +92,33 @@ impl Lifecycle {
         canonical: &Path,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Lease, CoordError> {
-        let paths = LeasePaths::for_root(canonical);
-        lease::prepare(&paths)?;
-        let lock = SqliteLock::take(&paths.lock, cancel).await?;
+        let dir = self.lease_dir(canonical)?;
+        let lock = SqliteLock::take(dir.lock_file()?, cancel).await?;
         if cancel.is_some_and(|c| *c.borrow()) {
             return Err(CoordError::Aborted);
         }
-        Lease::establish(canonical, lock, self.is_poisoned(canonical), Some(&self.journal))
+        Lease::establish(canonical, dir, lock, self.is_poisoned(canonical), Some(&self.journal))
+    }
+
+    /// The root's coordination directory, opened without following anything (created 0700).
+    fn lease_dir(&self, canonical: &Path) -> Result<LeaseDir, CoordError> {
+        let fd = self.data.coordination_dir(canonical, COORDINATION_DIR)?;
+        Ok(LeaseDir { fd, names: LeaseNames::for_root(canonical) })
+    }
+
+    /// Whether `<H>.failed` stands in the root's coordination directory (any entry there,
+    /// a planted symlink included, counts; an error counts too: fail closed).
+    pub fn poison_marked(&self, canonical: &Path) -> bool {
+        self.lease_dir(canonical).and_then(|d| d.present(&d.names.failed)).unwrap_or(true)
     }
 
     /// One attempt at the lease: `None` when another writer holds it.
     pub fn try_lease(&self, canonical: &Path) -> Result<Option<Lease>, CoordError> {
-        let paths = LeasePaths::for_root(canonical);
-        lease::prepare(&paths)?;
-        match SqliteLock::try_take(&paths.lock)? {
+        let dir = self.lease_dir(canonical)?;
+        match SqliteLock::try_take(dir.lock_file()?)? {
             Some(lock) => {
-                Lease::establish(canonical, lock, self.is_poisoned(canonical), Some(&self.journal)).map(Some)
+                Lease::establish(canonical, dir, lock, self.is_poisoned(canonical), Some(&self.journal))
+                    .map(Some)
             }
             None => Ok(None),
         }
@@ -106,7 +127,7 @@ impl Lifecycle {
     /// `poisonWorkspace`: refuse this root in this process and write `.failed`.
     pub fn poison(&self, canonical: &Path) -> Result<(), CoordError> {
         self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).insert(canonical.to_owned());
-        lease::write_poison(&LeasePaths::for_root(canonical))
+        self.lease_dir(canonical)?.write_poison()
     }
 
     pub fn is_poisoned(&self, canonical: &Path) -> bool {
@@ -132,25 +153,28 @@ impl Lifecycle {
     /// the lock without waiting; `Ok(None)` when someone holds it (they are alive, so it is
     /// not ours to recover) or when there is no marker (then the entry is just removed).
     pub fn take_over_interrupted(&self, root: &Path, entry: &Path) -> Result<Option<Lease>, CoordError> {
-        let paths = LeasePaths::for_root(root);
-        if !paths.active.exists() {
+        let dir = self.lease_dir(root)?;
+        if !dir.present(&dir.names.active)? {
             let _ = std::fs::remove_file(entry);
             return Ok(None);
         }
-        let Some(lock) = SqliteLock::try_take(&paths.lock)? else { return Ok(None) };
-        Ok(Some(Lease::take_over(root, lock, entry.to_owned())))
+        let Some(lock) = SqliteLock::try_take(dir.lock_file()?)? else { return Ok(None) };
+        Ok(Some(Lease::take_over(root, dir, lock, entry.to_owned())))
     }
 
-    fn admission_lock(&self, canonical: &Path) -> PathBuf {
-        self.dir.join(format!("{}.sqlite", path_hex(canonical)))
+    /// `<realpath(dataDir)>/.workspace-lifecycle/<hex>.sqlite`, named through the directory.
+    fn admission_lock(&self, canonical: &Path) -> Result<LockFile, CoordError> {
+        let name = format!("{}.sqlite", path_hex(canonical));
+        let shown = format!("{LIFECYCLE_DIR}/{name}");
+        let dir = crate::fsat::dup(&self.dir_fd).map_err(|e| CoordError::io("open", &shown, e))?;
+        Ok(LockFile { dir, name: cname(&name, &shown)?, shown })
     }
 
     async fn register(&self, canonical: &Path) -> Result<(), CoordError> {
-        let registry = self.registry.clone();
         let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
         blocking(move || {
-            let sqlite = |source| CoordError::Sqlite { path: registry.clone(), source };
+            let sqlite = |source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source };
             let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
             let tx =
                 conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sqlite)?;
@@ -165,7 +189,6 @@ impl Lifecycle {
     }
 
     async fn check_fences(&self, canonical: &Path) -> Result<(), CoordError> {
-        let registry = self.registry.clone();
         let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
         blocking(move || {
@@ -173,15 +196,18 @@ impl Lifecycle {
             match fenced(&conn, &path) {
                 Ok(true) => Err(CoordError::Retired),
                 Ok(false) => Ok(()),
-                Err(source) => Err(CoordError::Sqlite { path: registry.clone(), source }),
+                Err(source) => Err(CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source }),
             }
         })
         .await
     }
 }
 
+/// How errors name the registry (never a host path).
+const REGISTRY_SHOWN: &str = ".workspace-lifecycle/registry.sqlite";
+
 fn open_registry(path: &Path) -> Result<Connection, CoordError> {
-    let sqlite = |source| CoordError::Sqlite { path: path.to_owned(), source };
+    let sqlite = |source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source };
     let conn = Connection::open(path).map_err(sqlite)?;
     conn.busy_timeout(Duration::from_millis(5000)).map_err(sqlite)?;
     crate::coordination::enable_wal(&conn).map_err(sqlite)?;
@@ -212,7 +238,7 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
         Err(CoordError::Io {
             what: "run",
-            path: PathBuf::new(),
+            name: "the coordination task".into(),
             source: std::io::Error::other(e.to_string()),
         })
     })
@@ -221,7 +247,9 @@ async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::coordination::LeasePaths;
     use crate::coordination::{ACTIVE_TEXT, INTERRUPTED, POISONED};
+    use std::os::unix::fs::OpenOptionsExt;
 
     #[test]
     fn fence_coverage_table() {
@@ -321,5 +349,110 @@ mod tests {
         drop(recovered);
         assert!(!paths.active.exists() && !entry.exists());
         assert!(life.lease(&root, None).await.is_ok());
+    }
+
+    /// Everything a sandbox of the enclosing workspace can plant in the coordination
+    /// directory is refused, and nothing outside is created, truncated or followed.
+    #[tokio::test]
+    async fn planted_coordination_entries_are_never_followed() {
+        use std::os::unix::fs::symlink;
+        let (d, life, root) = fixture();
+        let paths = LeasePaths::for_root(&root);
+        let outside = d.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let host_file = outside.join("host-file");
+        std::fs::write(&host_file, "precious").unwrap();
+        drop(life.lease(&root, None).await.unwrap());
+
+        // `.failed` -> a host path: poisoning refuses to write through it.
+        let target = outside.join("created-by-poison");
+        symlink(&target, &paths.failed).unwrap();
+        let err = life.poison(&root).unwrap_err();
+        assert!(matches!(err, CoordError::Planted { .. }), "{err}");
+        assert!(!target.exists(), "poison followed the symlink");
+        std::fs::remove_file(&paths.failed).unwrap();
+        symlink(&host_file, &paths.failed).unwrap();
+        assert!(life.poison(&root).is_err());
+        assert_eq!(std::fs::read_to_string(&host_file).unwrap(), "precious", "a host file was rewritten");
+        // A planted `.failed` of any kind refuses the lease (fail closed).
+        assert_eq!(life.lease(&root, None).await.unwrap_err().to_string(), crate::coordination::POISONED);
+        std::fs::remove_file(&paths.failed).unwrap();
+        life.poisoned.lock().unwrap().clear();
+
+        // A FIFO (with no reader, and with one) never blocks and is never written.
+        nix_mkfifo(&paths.failed);
+        assert!(matches!(life.poison(&root).unwrap_err(), CoordError::Planted { .. }));
+        let _reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&paths.failed)
+            .unwrap();
+        assert!(matches!(life.poison(&root).unwrap_err(), CoordError::Planted { .. }));
+        std::fs::remove_file(&paths.failed).unwrap();
+        // A hard link to another file is refused too.
+        let other = paths.dir.join("other");
+        std::fs::write(&other, "other").unwrap();
+        std::fs::hard_link(&other, &paths.failed).unwrap();
+        assert!(matches!(life.poison(&root).unwrap_err(), CoordError::Planted { .. }));
+        assert_eq!(std::fs::read_to_string(&other).unwrap(), "other");
+        std::fs::remove_file(&paths.failed).unwrap();
+        life.poisoned.lock().unwrap().clear();
+
+        // `.active` -> a host path: O_EXCL refuses it (interrupted), nothing is created,
+        // and the symlink is left for a person (someone else's marker).
+        let target = outside.join("created-by-active");
+        symlink(&target, &paths.active).unwrap();
+        assert_eq!(life.lease(&root, None).await.unwrap_err().to_string(), crate::coordination::INTERRUPTED);
+        assert!(!target.exists());
+        std::fs::remove_file(&paths.active).unwrap();
+
+        // `.sqlite` -> a host path: SQLite never opens (or creates) it.
+        std::fs::remove_file(&paths.lock).unwrap();
+        let target = outside.join("created-by-sqlite");
+        symlink(&target, &paths.lock).unwrap();
+        let err = life.lease(&root, None).await.unwrap_err();
+        assert!(matches!(err, CoordError::Planted { .. }), "{err}");
+        assert!(!err.to_string().contains(d.path().to_str().unwrap()), "a host path in {err}");
+        assert!(life.try_lease(&root).is_err());
+        assert!(!target.exists(), "SQLite created the symlink's target");
+        std::fs::remove_file(&paths.lock).unwrap();
+
+        // The coordination directory itself -> a host directory.
+        std::fs::remove_dir_all(&paths.dir).unwrap();
+        symlink(&outside, &paths.dir).unwrap();
+        let err = life.lease(&root, None).await.unwrap_err();
+        assert!(matches!(err, CoordError::Planted { .. }), "{err}");
+        assert!(life.poison(&root).is_err());
+        assert!(life.poison_marked(&root), "an unusable directory counts as poisoned");
+        let entries: Vec<_> = std::fs::read_dir(&outside).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(entries, vec![std::ffi::OsString::from("host-file")]);
+        assert_eq!(std::fs::read_to_string(&host_file).unwrap(), "precious");
+    }
+
+    fn nix_mkfifo(path: &Path) {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    }
+
+    /// SQLite's unix VFS refuses paths over 512 bytes; the lock databases are named through
+    /// their directory's descriptor instead, so a deep root (a 500-character key) works.
+    #[tokio::test]
+    async fn a_root_whose_path_is_longer_than_sqlite_allows_takes_its_lease() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let key: Vec<String> = (0..10).map(|i| format!("{i}{}", "k".repeat(48))).collect();
+        let root = data.join("remote-workspaces").join(key.join("/"));
+        std::fs::create_dir_all(&root).unwrap();
+        let life = Lifecycle::open(&data).unwrap();
+        let root = std::fs::canonicalize(root).unwrap();
+        let paths = LeasePaths::for_root(&root);
+        assert!(paths.lock.as_os_str().len() > 512, "{}", paths.lock.display());
+        drop(life.admit(&root, None).await.unwrap());
+        let lease = life.lease(&root, None).await.unwrap();
+        assert!(paths.active.exists());
+        assert!(!crate::coordination::tests::free_for_another_process(&paths.lock));
+        drop(lease);
+        assert!(crate::coordination::tests::free_for_another_process(&paths.lock));
     }
 }

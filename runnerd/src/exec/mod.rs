@@ -499,7 +499,7 @@ pub fn prepare(
         &request::bytes_error("maxWorkspaceBytes"),
     )?;
     let cwd = match (language, request::string(obj, "cwd").filter(|c| !c.is_empty())) {
-        (Language::Shell, Some(cwd)) => Some(workspace::resolve_cwd(&root, cwd)?),
+        (Language::Shell, Some(cwd)) => Some(workspace::resolve_cwd(&app.data_dir, &root, cwd)?),
         _ => None,
     };
     let limits = crate::limits::requested(obj.get(crate::limits::REQUEST_FIELD), &cfg.limits)

@@ -1,8 +1,14 @@
 //! Which directory a request may run in (contract §2A "Workspace identification", "cwd"):
-//! remote workspace keys, the projects/remote-workspaces roots by realpath, and `cwd`.
-//! Validation of names is pure; the rest is a thin layer over the filesystem that never
-//! follows a symlink it did not resolve first.
+//! remote workspace keys, the projects/remote-workspaces roots, and `cwd`.
+//!
+//! Everything is resolved beneath the data directory with no symbolic link in any
+//! component (a walk by descriptor, `O_NOFOLLOW` at every step), because a sandbox can plant
+//! links in its own workspace: the original's `realpath` would follow `proj -> <another
+//! tenant's workspace>`. The roots themselves (`projects`, `remote-workspaces`) and the
+//! coordination directories are refused, and no error names a host path the caller did
+//! not send. The policy on the resulting names is pure ([`workspace_names`]).
 
+use std::ffi::OsStr;
 use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -10,10 +16,21 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use crate::api::error::ApiError;
+use crate::fsat::{self, Stopped};
 use crate::sandbox::user::Identity;
 
 pub const REMOTE_WORKSPACES: &str = "remote-workspaces";
 pub const PROJECTS: &str = "projects";
+
+/// Names runnerd or the API keep in a workspace's parent (or the data directory): never a
+/// workspace, a key segment or a part of a workspace path.
+pub const RESERVED_NAMES: [&str; 2] =
+    [crate::coordination::lease::COORDINATION_DIR, crate::coordination::lifecycle::LIFECYCLE_DIR];
+
+pub const OUTSIDE_ROOTS: &str =
+    "Runner workspace must be inside the configured projects or remote-workspaces directory";
+pub const IS_A_ROOT: &str = "Runner workspace must be a workspace inside the projects or remote-workspaces directory, not that directory itself";
+pub const WORKSPACE_SYMLINK: &str = "Runner workspace path must not contain symbolic links";
 
 fn invalid_key() -> ApiError {
     ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key")
@@ -23,8 +40,22 @@ fn symlinked() -> ApiError {
     ApiError::bad_request("workspace_symlink", "Remote workspace path must not contain symbolic links")
 }
 
+fn reserved(name: &str) -> ApiError {
+    ApiError::bad_request(
+        "reserved_workspace_name",
+        format!(
+            "{name:?} is reserved for runner coordination files and cannot name a workspace or a part of one"
+        ),
+    )
+}
+
+fn is_reserved(name: &OsStr) -> Option<&'static str> {
+    RESERVED_NAMES.into_iter().find(|r| name.as_bytes() == r.as_bytes())
+}
+
 /// Splits a `runnerWorkspaceKey` into its segments: trimmed, 1–500 characters, no `\`,
-/// relative, each `/` segment non-empty, not `.` or `..`, and `[A-Za-z0-9._-]+`.
+/// relative, each `/` segment non-empty, not `.` or `..`, and `[A-Za-z0-9._-]+`; and none of
+/// the [`RESERVED_NAMES`] (stricter than the original, whose pattern allows them).
 pub fn key_segments(key: &str) -> Result<Vec<&str>, ApiError> {
     let key = key.trim();
     if key.is_empty() || key.chars().count() > 500 || key.contains('\\') || key.starts_with('/') {
@@ -37,12 +68,15 @@ pub fn key_segments(key: &str) -> Result<Vec<&str>, ApiError> {
             return Err(invalid_key());
         }
     }
+    if let Some(name) = segments.iter().find_map(|s| is_reserved(OsStr::new(s))) {
+        return Err(reserved(name));
+    }
     Ok(segments)
 }
 
 /// Node's message for a failed `realpath`, which the original passes through as the 400
-/// text (`ENOENT: no such file or directory, realpath '…'`).
-pub fn realpath_error(path: &Path, e: &io::Error) -> ApiError {
+/// text (`ENOENT: no such file or directory, realpath '…'`). `shown` is what the caller sent.
+pub fn realpath_error(shown: &Path, e: &io::Error) -> ApiError {
     let code = e.raw_os_error().map(errno_name).unwrap_or("EIO");
     let text = match e.raw_os_error() {
         Some(libc::ENOENT) => "no such file or directory".to_owned(),
@@ -51,7 +85,7 @@ pub fn realpath_error(path: &Path, e: &io::Error) -> ApiError {
         Some(libc::ELOOP) => "too many symbolic links encountered".to_owned(),
         _ => e.to_string(),
     };
-    ApiError::bad_request("path_not_found", format!("{code}: {text}, realpath '{}'", path.display()))
+    ApiError::bad_request("path_not_found", format!("{code}: {text}, realpath '{}'", shown.display()))
 }
 
 fn errno_name(errno: i32) -> &'static str {
@@ -65,106 +99,186 @@ fn errno_name(errno: i32) -> &'static str {
     }
 }
 
+fn data_unavailable(e: &io::Error) -> ApiError {
+    ApiError::bad_request("data_dir_unavailable", format!("The runner data directory is unavailable: {e}"))
+}
+
+/// `realpath(dataDir)` and an `O_PATH` descriptor of it.
+fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), ApiError> {
+    let real = fs::canonicalize(data_dir).map_err(|e| data_unavailable(&e))?;
+    let c = std::ffi::CString::new(real.as_os_str().as_bytes())
+        .map_err(|_| data_unavailable(&io::Error::from_raw_os_error(libc::EINVAL)))?;
+    // SAFETY: opens a path as a new descriptor; the result is checked.
+    let fd = cvt_fd(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })
+        .map_err(|e| data_unavailable(&e))?;
+    Ok((real, fd))
+}
+
 /// `<data>/remote-workspaces/<key>`, created one segment at a time; every segment must be a
-/// real directory (never a symlink), and the result must stay inside the data directory.
-/// The key's segments runnerd creates belong to the sandbox user (`owner`).
+/// real directory (never a symlink). The path returned is canonical (no symlink below the
+/// data directory's realpath, which the walk guarantees). The key's segments runnerd
+/// creates belong to the sandbox user (`owner`).
 pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, ApiError> {
     let segments = key_segments(key)?;
-    fs::create_dir_all(data_dir).map_err(|e| {
-        ApiError::bad_request(
-            "workspace_create_failed",
-            format!("Could not create the data directory {}: {e}", data_dir.display()),
-        )
-    })?;
+    fs::create_dir_all(data_dir).map_err(|e| data_unavailable(&e))?;
     // Walk by descriptor: each segment is created with mkdirat and opened with O_NOFOLLOW
     // relative to the previous one, so a segment swapped for a symlink mid-walk is refused
     // and nothing is ever created through it.
-    let data_real = fs::canonicalize(data_dir).map_err(|e| realpath_error(data_dir, &e))?;
+    let (data_real, mut dir) = open_data_dir(data_dir)?;
     let c = |s: &str| std::ffi::CString::new(s).map_err(|_| invalid_key());
-    let root = std::ffi::CString::new(data_real.as_os_str().as_bytes()).map_err(|_| invalid_key())?;
     let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
-    // SAFETY: opens a path as a new descriptor; the result is checked.
-    let mut dir =
-        cvt_fd(unsafe { libc::open(root.as_ptr(), flags) }).map_err(|e| realpath_error(data_dir, &e))?;
-    let mut path = data_dir.to_owned();
+    let mut path = data_real;
+    let mut shown = String::new();
     for segment in std::iter::once(REMOTE_WORKSPACES).chain(segments) {
         path.push(segment);
+        if segment != REMOTE_WORKSPACES {
+            shown.push_str(if shown.is_empty() { "" } else { "/" });
+            shown.push_str(segment);
+        }
         let name = c(segment)?;
-        // SAFETY: mkdirat relative to a directory descriptor we own.
-        let made = unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o755) };
-        if made == -1 {
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::AlreadyExists {
+        let made = match fsat::mkdir_at(&dir, &name, 0o755) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+            Err(e) => {
+                let what = if shown.is_empty() { REMOTE_WORKSPACES.to_owned() } else { format!("'{shown}'") };
                 return Err(ApiError::bad_request(
                     "workspace_create_failed",
-                    format!("Could not create remote workspace directory {}: {e}", path.display()),
+                    format!("Could not create remote workspace directory {what}: {e}"),
                 ));
             }
-        }
+        };
         // SAFETY: openat relative to a directory descriptor we own; O_NOFOLLOW refuses a symlink.
         dir = cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW) })
             .map_err(|_| symlinked())?;
-        if made == 0 && segment != REMOTE_WORKSPACES {
+        if made && segment != REMOTE_WORKSPACES {
             owner.hand_over(dir.as_fd()).map_err(|e| {
                 ApiError::bad_request(
                     "workspace_create_failed",
-                    format!("Could not hand remote workspace directory {key:?} to the sandbox user: {e}"),
+                    format!("Could not hand remote workspace directory '{shown}' to the sandbox user: {e}"),
                 )
             })?;
         }
     }
-    let real = fs::canonicalize(&path).map_err(|e| realpath_error(&path, &e))?;
-    if !real.starts_with(&data_real) {
-        return Err(ApiError::bad_request(
-            "workspace_escape",
-            "Remote workspace escapes the runner data directory",
-        ));
-    }
     Ok(path)
 }
 
-/// `realpath(path)`, which must equal or lie under `realpath(<data>/projects)` or
-/// `realpath(<data>/remote-workspaces)` (the latter only if it is not itself a symlink).
-pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, ApiError> {
-    let real = fs::canonicalize(path).map_err(|e| realpath_error(path, &e))?;
-    let projects = data_dir.join(PROJECTS);
-    let remote = data_dir.join(REMOTE_WORKSPACES);
-    let mut roots = Vec::new();
-    if let Ok(r) = fs::canonicalize(&projects) {
-        roots.push(r);
-    }
-    if fs::symlink_metadata(&remote).is_ok_and(|m| !m.file_type().is_symlink())
-        && let Ok(r) = fs::canonicalize(&remote)
-    {
-        roots.push(r);
-    }
-    if !roots.iter().any(|root| real.starts_with(root)) {
-        return Err(ApiError::bad_request(
-            "workspace_outside_roots",
-            "Runner workspace must be inside the configured projects or remote-workspaces directory",
-        ));
-    }
-    if !real.is_dir() {
-        return Err(ApiError::bad_request("workspace_not_directory", "Runner workspace must be a directory"));
-    }
-    Ok(real)
+/// Why a workspace path's names (relative to the data directory, `..` applied) are refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NamesRefused {
+    /// Not under `projects/` or `remote-workspaces/` (or climbs out of the data directory).
+    OutsideRoots,
+    /// `projects` or `remote-workspaces` itself: every tenant's files and lease directories.
+    IsARoot,
+    /// A coordination directory (or another reserved name) on the way.
+    Reserved(&'static str),
 }
 
-/// Resolves a shell request's `cwd` against the (canonical) writable root; returns the
-/// relative path to use below the mount point (`""` for the root itself).
-pub fn resolve_cwd(root: &Path, cwd: &str) -> Result<String, ApiError> {
+/// The pure policy: the names `rel` (relative to the data directory) lexically normalised,
+/// or why they are refused. With no symlink allowed on the way (the walk checks that), the
+/// lexical result is the physical one.
+pub fn workspace_names<'a>(
+    rel: impl IntoIterator<Item = Component<'a>>,
+) -> Result<Vec<&'a OsStr>, NamesRefused> {
+    let mut names: Vec<&OsStr> = Vec::new();
+    for component in rel {
+        match component {
+            Component::Normal(n) => names.push(n),
+            Component::ParentDir => {
+                names.pop().ok_or(NamesRefused::OutsideRoots)?;
+            }
+            Component::CurDir => {}
+            Component::RootDir | Component::Prefix(_) => return Err(NamesRefused::OutsideRoots),
+        }
+    }
+    match names.first() {
+        Some(first) if *first == OsStr::new(PROJECTS) || *first == OsStr::new(REMOTE_WORKSPACES) => {}
+        _ => return Err(NamesRefused::OutsideRoots),
+    }
+    if names.len() < 2 {
+        return Err(NamesRefused::IsARoot);
+    }
+    if let Some(name) = names.iter().find_map(|n| is_reserved(n)) {
+        return Err(NamesRefused::Reserved(name));
+    }
+    Ok(names)
+}
+
+/// Where the caller's absolute `path` enters the data directory: the number of its leading
+/// components that name `data_real`. A prefix that lands *below* the data directory without
+/// passing its top (only a symlink into the tree does that) is refused.
+fn data_prefix_len(data_dir: &Path, data_real: &Path, path: &Path) -> Option<usize> {
+    let components: Vec<Component> = path.components().collect();
+    for spelling in [data_real, data_dir] {
+        if path.starts_with(spelling) && spelling.is_absolute() {
+            return Some(spelling.components().count());
+        }
+    }
+    for i in 1..=components.len() {
+        let prefix: PathBuf = components[..i].iter().collect();
+        match fs::canonicalize(&prefix) {
+            Ok(real) if real == data_real => return Some(i),
+            Ok(real) if real.starts_with(data_real) => return None,
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// `validatedWorkspace`: the workspace `path` (absolute, as the caller sent it) must lie
+/// inside `<data>/projects/` or `<data>/remote-workspaces/`, reached with no symbolic link
+/// below the data directory, must not be either root itself nor pass a reserved name, and
+/// must be a directory. Returns its canonical path (`realpath(dataDir)` + the names).
+pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, ApiError> {
+    let outside = || ApiError::bad_request("workspace_outside_roots", OUTSIDE_ROOTS);
+    let (data_real, data_fd) = open_data_dir(data_dir)?;
+    if !path.is_absolute() {
+        return Err(outside());
+    }
+    let skip = data_prefix_len(data_dir, &data_real, path).ok_or_else(outside)?;
+    let rest = || path.components().skip(skip);
+    let names = workspace_names(rest()).map_err(|refused| match refused {
+        NamesRefused::OutsideRoots => outside(),
+        NamesRefused::IsARoot => ApiError::bad_request("workspace_is_root", IS_A_ROOT),
+        NamesRefused::Reserved(name) => reserved(name),
+    })?;
+    fsat::walk_beneath(&data_fd, rest()).map_err(|stopped| match stopped {
+        Stopped::Missing(e) => realpath_error(path, &e),
+        Stopped::Symlink => ApiError::bad_request("workspace_symlink", WORKSPACE_SYMLINK),
+        Stopped::NotDirectory => {
+            ApiError::bad_request("workspace_not_directory", "Runner workspace must be a directory")
+        }
+        Stopped::Escapes => outside(),
+    })?;
+    Ok(names.iter().fold(data_real, |p, n| p.join(n)))
+}
+
+/// Resolves a shell request's `cwd` beneath the (canonical) writable root, walking from the
+/// root's descriptor with no symlink followed; returns the relative path to use below the
+/// mount point (`""` for the root itself). Errors name `cwd` as sent, never a host path.
+pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, ApiError> {
+    let invalid = |m: &'static str| ApiError::bad_request("invalid_cwd", m);
+    let outside = || invalid("cwd must remain inside the writable workspace");
     if Path::new(cwd).is_absolute() {
-        return Err(ApiError::bad_request("invalid_cwd", "cwd must be workspace-relative"));
+        return Err(invalid("cwd must be workspace-relative"));
     }
-    let joined = root.join(cwd);
-    let real = fs::canonicalize(&joined).map_err(|e| realpath_error(&joined, &e))?;
-    let rel = real
-        .strip_prefix(root)
-        .map_err(|_| ApiError::bad_request("invalid_cwd", "cwd must remain inside the writable workspace"))?;
-    if !real.is_dir() {
-        return Err(ApiError::bad_request("invalid_cwd", "cwd must be a directory"));
+    let mut depth = 0usize;
+    for component in Path::new(cwd).components() {
+        match component {
+            Component::Normal(_) => depth += 1,
+            Component::ParentDir => depth = depth.checked_sub(1).ok_or_else(outside)?,
+            _ => {}
+        }
     }
-    debug_assert!(rel.components().all(|c| matches!(c, Component::Normal(_))));
+    let root_fd = open_beneath(data_dir, root)?;
+    let (_, names) =
+        fsat::walk_beneath(&root_fd, Path::new(cwd).components()).map_err(|stopped| match stopped {
+            Stopped::Missing(e) => realpath_error(Path::new(cwd), &e),
+            Stopped::Symlink => invalid("cwd must not contain symbolic links"),
+            Stopped::NotDirectory => invalid("cwd must be a directory"),
+            Stopped::Escapes => outside(),
+        })?;
+    let rel: PathBuf = names.iter().collect();
     Ok(rel.to_string_lossy().into_owned())
 }
 
@@ -180,22 +294,12 @@ pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, ApiError> {
             "Runner workspace changed under it: a path component is now a symbolic link or missing",
         )
     };
-    let data_real = fs::canonicalize(data_dir).map_err(|e| realpath_error(data_dir, &e))?;
+    let (data_real, data_fd) = open_data_dir(data_dir)?;
     let rel = path.strip_prefix(&data_real).map_err(|_| escaped())?;
-    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
-    let c = |p: &std::ffi::OsStr| std::ffi::CString::new(p.as_bytes()).map_err(|_| escaped());
-    let root = c(data_real.as_os_str())?;
-    // SAFETY: opens a path we own as a new descriptor; the result is checked.
-    let mut dir = cvt_fd(unsafe { libc::open(root.as_ptr(), flags) }).map_err(|_| escaped())?;
-    for component in rel.components() {
-        let Component::Normal(name) = component else { return Err(escaped()) };
-        let name = c(name)?;
-        // SAFETY: openat relative to a directory descriptor we own; O_NOFOLLOW with
-        // O_PATH|O_DIRECTORY refuses a symlink (ENOTDIR/ELOOP) instead of following it.
-        dir = cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW) })
-            .map_err(|_| escaped())?;
+    if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(escaped());
     }
-    Ok(dir)
+    fsat::walk_beneath(&data_fd, rel.components()).map(|(fd, _)| fd).map_err(|_| escaped())
 }
 
 fn cvt_fd(fd: libc::c_int) -> io::Result<OwnedFd> {
@@ -240,6 +344,41 @@ mod tests {
             assert_eq!(key_segments(key).unwrap_err().message, "Invalid remote workspace key", "{key:?}");
         }
         assert!(key_segments(&"a".repeat(500)).is_ok());
+        for key in [
+            ".workspace-coordination",
+            "p/.workspace-coordination",
+            ".workspace-coordination/x",
+            "a/.workspace-lifecycle/b",
+        ] {
+            let err = key_segments(key).unwrap_err();
+            assert_eq!(err.code, "reserved_workspace_name", "{key:?}");
+            assert!(err.message.contains("is reserved"), "{}", err.message);
+        }
+        assert!(key_segments(".workspace-coordinationx/a").is_ok());
+    }
+
+    #[test]
+    fn workspace_names_table() {
+        use NamesRefused::*;
+        let cases: [(&str, Result<Vec<&str>, NamesRefused>); 12] = [
+            ("projects/p/sessions/s/workspace", Ok(vec!["projects", "p", "sessions", "s", "workspace"])),
+            ("remote-workspaces/k", Ok(vec!["remote-workspaces", "k"])),
+            ("remote-workspaces/a/../b", Ok(vec!["remote-workspaces", "b"])),
+            ("projects", Err(IsARoot)),
+            ("remote-workspaces/", Err(IsARoot)),
+            ("remote-workspaces/k/..", Err(IsARoot)),
+            ("", Err(OutsideRoots)),
+            ("logs/x", Err(OutsideRoots)),
+            ("projects/../logs", Err(OutsideRoots)),
+            ("..", Err(OutsideRoots)),
+            ("remote-workspaces/p/.workspace-coordination", Err(Reserved(".workspace-coordination"))),
+            ("projects/p/.workspace-coordination/x", Err(Reserved(".workspace-coordination"))),
+        ];
+        for (rel, expected) in cases {
+            let got = workspace_names(Path::new(rel).components())
+                .map(|v| v.iter().map(|n| n.to_str().unwrap()).collect::<Vec<_>>());
+            assert_eq!(got, expected, "{rel:?}");
+        }
     }
 
     #[test]
@@ -291,10 +430,53 @@ mod tests {
         let remote_ws = ensure_remote_workspace(&data2, "k/s", &me()).unwrap();
         assert!(validated_workspace(&data2, &remote_ws).is_ok());
         // Escapes and other subdirectories.
-        for bad in [data.join("logs"), project_ws.join("link"), outside.clone(), data.clone()] {
+        for bad in [data.join("logs"), outside.clone(), data.clone(), PathBuf::from("relative/path")] {
             let err = validated_workspace(&data, &bad).unwrap_err();
             assert!(err.message.contains("workspace must be inside"), "{}: {}", bad.display(), err.message);
         }
+        // A symlink anywhere below the data directory is never followed, wherever it
+        // points: outside, or at another tenant's workspace inside the roots.
+        let other = data.join("projects/q/sessions/t/workspace");
+        fs::create_dir_all(&other).unwrap();
+        symlink(&other, project_ws.join("proj")).unwrap();
+        symlink(&other, data.join("projects/p/sessions/alias")).unwrap();
+        for bad in [project_ws.join("link"), project_ws.join("proj"), data.join("projects/p/sessions/alias")]
+        {
+            let err = validated_workspace(&data, &bad).unwrap_err();
+            assert_eq!(
+                (err.code, err.message.as_str()),
+                ("workspace_symlink", WORKSPACE_SYMLINK),
+                "{}",
+                bad.display()
+            );
+        }
+        // Entering the data tree through a symlink that does not name the data dir itself.
+        symlink(&other, dir.path().join("alias-into-data")).unwrap();
+        let err = validated_workspace(&data, &dir.path().join("alias-into-data")).unwrap_err();
+        assert_eq!(err.code, "workspace_outside_roots");
+        // Another spelling of the data directory itself is fine.
+        symlink(&data, dir.path().join("data-alias")).unwrap();
+        let via_alias = dir.path().join("data-alias/projects/p/sessions/s/workspace");
+        assert_eq!(validated_workspace(&data, &via_alias).unwrap(), project_ws.canonicalize().unwrap());
+        // The roots themselves and coordination directories.
+        for bad in [data.join("projects"), data.join("remote-workspaces"), data.join("projects/p/..")] {
+            let err = validated_workspace(&data, &bad).unwrap_err();
+            assert_eq!(
+                (err.code, err.message.as_str()),
+                ("workspace_is_root", IS_A_ROOT),
+                "{}",
+                bad.display()
+            );
+        }
+        fs::create_dir_all(data.join("projects/p/sessions/.workspace-coordination")).unwrap();
+        let err = validated_workspace(&data, &data.join("projects/p/sessions/.workspace-coordination"))
+            .unwrap_err();
+        assert_eq!(err.code, "reserved_workspace_name");
+        fs::write(project_ws.join("file"), "").unwrap();
+        assert_eq!(
+            validated_workspace(&data, &project_ws.join("file")).unwrap_err().code,
+            "workspace_not_directory"
+        );
         let missing = data.join("projects/nope");
         let err = validated_workspace(&data, &missing).unwrap_err();
         assert_eq!(
@@ -331,19 +513,30 @@ mod tests {
         fs::create_dir_all(root.join("analysis/run1")).unwrap();
         fs::write(root.join("file.txt"), "").unwrap();
         symlink(dir.path(), root.join("up")).unwrap();
+        symlink(root.join("analysis"), root.join("inside-link")).unwrap();
         let root = root.canonicalize().unwrap();
-        assert_eq!(resolve_cwd(&root, "analysis").unwrap(), "analysis");
-        assert_eq!(resolve_cwd(&root, "analysis/run1/..").unwrap(), "analysis");
-        assert_eq!(resolve_cwd(&root, ".").unwrap(), "");
+        let data = dir.path().canonicalize().unwrap();
+        let cwd = |c: &str| resolve_cwd(&data, &root, c);
+        assert_eq!(cwd("analysis").unwrap(), "analysis");
+        assert_eq!(cwd("analysis/run1/..").unwrap(), "analysis");
+        assert_eq!(cwd("analysis/run1").unwrap(), "analysis/run1");
+        assert_eq!(cwd(".").unwrap(), "");
         let cases = [
             ("/etc", "cwd must be workspace-relative"),
             ("../../..", "cwd must remain inside the writable workspace"),
-            ("up", "cwd must remain inside the writable workspace"),
+            ("analysis/../..", "cwd must remain inside the writable workspace"),
+            ("up", "cwd must not contain symbolic links"),
+            ("up/ws", "cwd must not contain symbolic links"),
+            ("inside-link", "cwd must not contain symbolic links"),
             ("file.txt", "cwd must be a directory"),
         ];
-        for (cwd, message) in cases {
-            assert_eq!(resolve_cwd(&root, cwd).unwrap_err().message, message, "{cwd}");
+        for (c, message) in cases {
+            assert_eq!(cwd(c).unwrap_err().message, message, "{c}");
         }
-        assert!(resolve_cwd(&root, "missing").unwrap_err().message.starts_with("ENOENT"));
+        // A missing directory names the cwd as sent, not the host path of the workspace.
+        assert_eq!(
+            cwd("missing/x").unwrap_err().message,
+            "ENOENT: no such file or directory, realpath 'missing/x'"
+        );
     }
 }
