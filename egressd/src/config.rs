@@ -42,7 +42,8 @@ Options (each also read from the variable in brackets; a flag wins):
   --nameserver ADDR       DNS server (IP or IP:port), repeatable; default: resolv.conf
                           [SCIENCE_AGENT_EGRESS_NAMESERVERS, comma-separated]
   --resolv-conf PATH      [SCIENCE_AGENT_EGRESS_RESOLV_CONF, default /etc/resolv.conf]
-  --max-tunnels N         open connections per gateway before 429   [_MAX_TUNNELS, 256]
+  --max-tunnels N         a gateway's shared connections (a sandbox  [_MAX_TUNNELS, 256]
+                          holds at most half; 429 beyond)
   --tunnel-idle-ms MS     close a connection idle this long          [_TUNNEL_IDLE_MS, 300000]
   --header-timeout-ms MS  a client must send its request head within [_HEADER_TIMEOUT_MS, 10000]
   --connect-timeout-ms MS dialling an upstream                       [_CONNECT_TIMEOUT_MS, 10000]

@@ -1,6 +1,9 @@
 //! The control socket: runnerd (and only runnerd's uid, checked with SO_PEERCRED) asks
-//! for status or for the gateway of a policy revision. An acquire's connection stays open
+//! for status or for a lease on the gateway of a policy. An acquire's connection stays open
 //! while the sandbox runs; its end releases the lease.
+//!
+//! Only that uid may name the `sandbox_uid` a lease's socket admits: every request of any
+//! other peer is refused, whatever it asks.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,11 +92,11 @@ async fn connection(mut stream: UnixStream, control: Arc<Control>) {
         ControlRequest::Status => {
             let _ = write_message(&mut stream, &ControlResponse::Status(control.status())).await;
         }
-        ControlRequest::Acquire { policy, route } => {
-            let lease = match control.registry.acquire(&policy, route, uid) {
+        ControlRequest::Acquire { policy, route, identity, sandbox_uid } => {
+            let lease = match control.registry.acquire(&policy, &identity, route, sandbox_uid) {
                 Ok(lease) => lease,
                 Err(e) => {
-                    tracing::warn!(event = "gateway_refused", revision = %policy.revision, reason = %common::error_chain(&e));
+                    tracing::warn!(event = "gateway_refused", gateway = %identity.short(), revision = %policy.revision, reason = %common::error_chain(&e));
                     let _ =
                         write_message(&mut stream, &ControlResponse::Refused { reason: e.to_string() }).await;
                     return;

@@ -1,11 +1,11 @@
 //! egressd: the egress gateway daemon (R-NET-3). Sandboxes have no network interface; the
 //! only way out is a Unix socket bound into them, served here by a domain-allowlisting HTTP
-//! proxy, one per policy revision. It runs as its own unprivileged user, so a proxy bug
+//! proxy: one gateway per policy (its content-derived identity), one socket per sandbox. It runs as its own unprivileged user, so a proxy bug
 //! cannot reach runnerd's token or workspaces, and confines itself once its sockets exist.
 //!
 //! * [`config`]: flags, variables and the configuration file.
 //! * [`control`]: the control socket runnerd uses (SO_PEERCRED-checked).
-//! * [`registry`]: gateways per revision, their sockets, leases and reaping.
+//! * [`registry`]: gateways per policy, a socket and connection slots per lease, reaping.
 //! * [`proxy`]: the HTTP proxy on each gateway (decision, forwarding, tunnels).
 //! * [`dns`]: the stub resolver (no getaddrinfo).
 //! * [`own`]: this host's addresses, refused as destinations.
@@ -153,8 +153,15 @@ fn check(loaded: &Loaded) -> anyhow::Result<String> {
     let dns = resolver_config(cfg)?;
     let checks = [
         Row::new("runner uid", uid.to_string(), ""),
-        Row::new("sockets", gid.map_or("0600".to_owned(), |g| format!("0660, gid {g}")), ""),
-        Row::new("gateway sockets", format!("{}/eg/<16 hex>", cfg.runtime_dir.display()), ""),
+        Row::new("control socket", gid.map_or("0600".to_owned(), |g| format!("0660, gid {g}")), ""),
+        Row::new(
+            "lease sockets",
+            format!(
+                "{}/eg/<16 hex>, one per sandbox, 0600 (0602 for another sandbox uid)",
+                cfg.runtime_dir.display()
+            ),
+            "",
+        ),
         Row::new(
             "nameservers",
             dns.nameservers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "),

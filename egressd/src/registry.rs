@@ -1,29 +1,39 @@
-//! One gateway per policy revision (R-NET-3, internals §3.2): a Unix socket named
-//! `<runtime dir>/eg/<16 hex of sha256(revision)>`, created on first acquire, reused by every
-//! sandbox with the same revision, and reaped when no lease and no connection has used it
-//! for a while.
+//! Gateways and their leases (R-NET-3, internals §3.2, issue #14 holes 7 and 8).
 //!
-//! The socket path is the policy's identity (a sandbox reaches exactly the gateway bound
-//! into it), so a revision that comes back with a *different* policy is refused rather than
-//! silently served by the old one. Only the uids that acquired a gateway may connect to it
-//! (SO_PEERCRED), on top of the socket's file mode.
+//! A *gateway* is one policy: keyed by its [`PolicyIdentity`] (the sha256 of the normalised
+//! allowlist and private-network flag, never the caller's revision, which is only logged),
+//! created on first acquire, shared by every sandbox with the same policy, and reaped when
+//! no lease and no connection has used it for a while. So no caller can occupy another's
+//! policy by naming its revision first.
+//!
+//! A *lease* is one sandbox: each acquire gets a Unix socket of its own,
+//! `<runtime dir>/eg/<16 hex>`, which runnerd binds into exactly that sandbox. Every
+//! connection on it is therefore that sandbox's, whatever process inside opened it, and the
+//! connection caps ([`slots`]) count per lease, not per process id; the lease's socket
+//! admits only the host uid the sandbox runs as (SO_PEERCRED), and its route (direct or the
+//! deployment's proxy) is the lease's own. Dropping the lease (runnerd closes the control
+//! connection, or dies) removes the socket and ends its connections.
 
-use std::collections::{HashMap, HashSet};
+mod slots;
+
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::egress::PolicyIdentity;
 use common::egress::allowlist::Allowlist;
 use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;
 use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 
 use crate::proxy::decide::Policy;
 use crate::proxy::{self, Shared, reply};
+pub use slots::{Caps, Held, Refusal, Slot};
 
 /// Linux's `sun_path` holds 108 bytes including the terminating NUL.
 pub const MAX_UNIX_SOCKET_PATH_BYTES: usize = 107;
@@ -37,23 +47,17 @@ pub enum RegistryError {
         "Sandbox network access (domain-allowlist) is unavailable: the egress socket path is {len} bytes, over this platform's {MAX_UNIX_SOCKET_PATH_BYTES}-byte Unix socket path limit — {path}. The socket has to stay inside egressd's runtime directory, so shorten that directory by at least {over} byte(s) (--runtime-dir / SCIENCE_AGENT_EGRESS_RUNTIME_DIR); it must leave {EGRESS_SOCKET_RELATIVE_BYTES} bytes for the socket itself."
     )]
     PathTooLong { len: usize, over: usize, path: String },
-    #[error("the revision is empty; a domain-allowlist policy needs its content-derived revision")]
-    EmptyRevision,
     #[error(
-        "revision {revision:?} is already served with a different policy (allowed domains or private network access differ); a revision must identify one policy"
+        "runnerd named the policy {sent} but egressd derives {derived} from it; install runnerd and egressd from the same release"
     )]
-    PolicyMismatch { revision: String },
-    #[error(
-        "revision {revision:?} would use the same socket name as the live revision {other:?} (their sha256 share 64 bits); retry once that gateway is reaped"
-    )]
-    NameCollision { revision: String, other: String },
+    IdentityMismatch { sent: String, derived: String },
     #[error("could not create the gateway directory {path}")]
     Directory {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("could not listen on the gateway socket {path}")]
+    #[error("could not listen on the lease socket {path}")]
     Listen {
         path: PathBuf,
         #[source]
@@ -67,14 +71,14 @@ pub enum RegistryError {
     },
 }
 
-/// `<runtime dir>/eg/<first 16 hex of sha256(revision)>`, whatever the revision contains.
-pub fn socket_path(runtime_dir: &Path, revision: &str) -> PathBuf {
-    let digest = Sha256::digest(revision.as_bytes());
+/// `<runtime dir>/eg/<first 16 hex of sha256(seed)>`, whatever the seed contains.
+pub fn socket_path(runtime_dir: &Path, seed: &str) -> PathBuf {
+    let digest = Sha256::digest(seed.as_bytes());
     let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
     runtime_dir.join("eg").join(hex)
 }
 
-/// Refuses a runtime directory whose gateway sockets could not be bound.
+/// Refuses a runtime directory whose lease sockets could not be bound.
 pub fn check_path_length(runtime_dir: &Path) -> Result<(), RegistryError> {
     let path = socket_path(runtime_dir, "");
     let len = path.as_os_str().len();
@@ -88,19 +92,28 @@ pub fn check_path_length(runtime_dir: &Path) -> Result<(), RegistryError> {
     Ok(())
 }
 
-/// The most connections a gateway admits at once, whatever is configured (tokio's
-/// semaphore has a hard ceiling far above; this is a sane one).
+/// The most connections a gateway's pool admits, whatever is configured (a sane ceiling).
 pub const MAX_TUNNELS: usize = 65_536;
 
-/// How gateway sockets are made reachable by the sandbox user and nobody else.
+/// The mode of a lease socket. connect(2) needs write permission on the socket and nothing
+/// else; when the sandbox runs as another uid than egressd's, "others" get exactly that. The
+/// path stays out of their reach (the `eg` directory is 0700/0750), a sandbox reaches the
+/// socket only through its bind mount, and SO_PEERCRED admits only the lease's uid.
+pub fn lease_socket_mode(sandbox_uid: u32, egressd_uid: u32) -> u32 {
+    if sandbox_uid == egressd_uid { 0o600 } else { 0o602 }
+}
+
+/// How the control socket and the gateway directory are made reachable by runnerd's user
+/// and nobody else.
 #[derive(Debug, Clone, Copy)]
 pub struct SocketAccess {
-    /// `Some(gid)`: mode 0660 and this group (runnerd's user is a member); `None`: 0600.
+    /// `Some(gid)`: mode 0660 (0750 for the directory) and this group (runnerd's user is a
+    /// member); `None`: 0600 (0700).
     pub group: Option<u32>,
 }
 
 impl SocketAccess {
-    /// Applies the mode (and group) to a socket or directory egressd created.
+    /// Applies the mode (and group) to the control socket or a directory egressd created.
     pub fn apply(&self, path: &Path, dir: bool) -> Result<(), RegistryError> {
         let err = |source| RegistryError::Permissions { path: path.to_owned(), source };
         if let Some(gid) = self.group {
@@ -112,28 +125,26 @@ impl SocketAccess {
             (false, true) => 0o660,
             (false, false) => 0o600,
         };
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)
+        set_mode(path, mode)
     }
 }
 
-/// One revision's gateway.
+fn set_mode(path: &Path, mode: u32) -> Result<(), RegistryError> {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|source| RegistryError::Permissions { path: path.to_owned(), source })
+}
+
+/// One policy's gateway: what it enforces and its shared pool of connection slots.
 #[derive(Debug)]
 pub struct Gateway {
-    pub revision: String,
-    pub path: PathBuf,
+    pub identity: PolicyIdentity,
     policy: Policy,
-    normalized: (Vec<String>, bool),
-    route: RwLock<ProxySetting>,
-    allowed_uids: RwLock<HashSet<u32>>,
+    caps: Caps,
     leases: AtomicUsize,
     connections: AtomicUsize,
     last_used: Mutex<Instant>,
-    tunnels: Arc<Semaphore>,
-    max_tunnels: usize,
-    /// Open connections per client process (a sandbox's bridge): one sandbox may hold at
-    /// most half the gateway's connections, so it cannot lock the others of its revision out.
-    per_peer: Mutex<HashMap<i32, usize>>,
-    stop: watch::Sender<bool>,
+    /// Pool slots taken, by the connections of all its leases together.
+    pool_in_use: Mutex<usize>,
 }
 
 impl Gateway {
@@ -149,32 +160,62 @@ impl Gateway {
     }
 }
 
+/// What a lease's connections share: its gateway, socket, uid, route and slot counts.
+#[derive(Debug)]
+struct LeaseState {
+    gateway: Arc<Gateway>,
+    path: PathBuf,
+    /// The caller's revision, for the audit events only.
+    revision: String,
+    uid: u32,
+    route: ProxySetting,
+    held: Mutex<Held>,
+}
+
 /// Held while a sandbox may use the gateway (the control connection stays open meanwhile).
 #[derive(Debug)]
 pub struct Lease {
-    gateway: Arc<Gateway>,
+    state: Arc<LeaseState>,
+    stop: watch::Sender<bool>,
 }
 
 impl Lease {
     pub fn socket_path(&self) -> &Path {
-        &self.gateway.path
+        &self.state.path
+    }
+
+    pub fn identity(&self) -> &PolicyIdentity {
+        &self.state.gateway.identity
+    }
+
+    /// The connections this lease holds now.
+    pub fn held(&self) -> Held {
+        *self.state.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.gateway.leases.fetch_sub(1, Ordering::SeqCst);
-        self.gateway.touch();
+        // Ends the accept loop and every connection of this lease: the sandbox is gone.
+        let _ = self.stop.send(true);
+        let _ = std::fs::remove_file(&self.state.path);
+        self.state.gateway.leases.fetch_sub(1, Ordering::SeqCst);
+        self.state.gateway.touch();
+        tracing::debug!(event = "lease_released", gateway = %self.state.gateway.identity.short(), socket = %self.state.path.display());
     }
 }
 
 #[derive(Debug)]
 pub struct Registry {
     runtime_dir: PathBuf,
-    access: SocketAccess,
-    max_tunnels: usize,
+    caps: Caps,
+    egressd_uid: u32,
     shared: Arc<Shared>,
-    gateways: Mutex<HashMap<String, Arc<Gateway>>>,
+    gateways: Mutex<HashMap<PolicyIdentity, Arc<Gateway>>>,
+    /// Lease socket names are sha256(seed, counter): unique in this run, and telling
+    /// nothing about other leases.
+    seed: String,
+    next_lease: AtomicU64,
 }
 
 impl Registry {
@@ -187,7 +228,7 @@ impl Registry {
         shared: Arc<Shared>,
     ) -> Result<Registry, RegistryError> {
         check_path_length(&runtime_dir)?;
-        let max_tunnels = max_tunnels.clamp(1, MAX_TUNNELS);
+        let caps = Caps::from_max_tunnels(max_tunnels.clamp(1, MAX_TUNNELS));
         let dir = runtime_dir.join("eg");
         std::fs::create_dir_all(&dir)
             .map_err(|source| RegistryError::Directory { path: dir.clone(), source })?;
@@ -197,11 +238,27 @@ impl Registry {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
-        Ok(Registry { runtime_dir, access, max_tunnels, shared, gateways: Mutex::default() })
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        Ok(Registry {
+            runtime_dir,
+            caps,
+            egressd_uid: nix::unistd::geteuid().as_raw(),
+            shared,
+            gateways: Mutex::default(),
+            seed: format!("{}:{started}", std::process::id()),
+            next_lease: AtomicU64::new(0),
+        })
     }
 
     pub fn gateway_dir(&self) -> PathBuf {
         self.runtime_dir.join("eg")
+    }
+
+    pub fn caps(&self) -> Caps {
+        self.caps
     }
 
     /// Counts for the status answer: gateways, open connections.
@@ -210,126 +267,134 @@ impl Registry {
         (map.len(), map.values().map(|g| g.connections.load(Ordering::SeqCst)).sum())
     }
 
-    /// The gateway of `policy.revision`, created on first use, for a sandbox of `uid`.
+    /// A lease on the gateway of `policy` (created on first use) for a sandbox running as
+    /// host uid `sandbox_uid`. `identity` is runnerd's derivation, checked against ours.
     pub fn acquire(
         &self,
         policy: &GatewayPolicy,
+        identity: &PolicyIdentity,
         route: ProxySetting,
-        uid: u32,
+        sandbox_uid: u32,
     ) -> Result<Lease, RegistryError> {
-        if policy.revision.is_empty() {
-            return Err(RegistryError::EmptyRevision);
-        }
         let (allowlist, rejected) = Allowlist::parse(&policy.allowed_domains);
-        for e in &rejected {
-            tracing::warn!(event = "allowlist_entry_skipped", revision = %policy.revision, reason = %e);
+        let derived = PolicyIdentity::of_allowlist(&allowlist, policy.allow_private_network);
+        if &derived != identity {
+            return Err(RegistryError::IdentityMismatch {
+                sent: identity.to_string(),
+                derived: derived.to_string(),
+            });
         }
-        let normalized = (allowlist.normalized(), policy.allow_private_network);
-        let mut map = self.gateways.lock().unwrap_or_else(|p| p.into_inner());
-        let gateway = match map.get(&policy.revision) {
-            Some(g) if g.normalized != normalized => {
-                return Err(RegistryError::PolicyMismatch { revision: policy.revision.clone() });
-            }
-            Some(g) => g.clone(),
-            None => {
-                // Two revisions whose names share the 64-bit prefix: never hand one's
-                // sandboxes the other's socket (and policy).
-                let path = socket_path(&self.runtime_dir, &policy.revision);
-                if let Some(other) = map.values().find(|g| g.path == path) {
-                    return Err(RegistryError::NameCollision {
-                        revision: policy.revision.clone(),
-                        other: other.revision.clone(),
+        let gateway = {
+            let mut map = self.gateways.lock().unwrap_or_else(|p| p.into_inner());
+            map.entry(derived)
+                .or_insert_with_key(|identity| {
+                    for e in &rejected {
+                        tracing::warn!(event = "allowlist_entry_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
+                    }
+                    let normalized = allowlist.normalized().join(",");
+                    let gateway = Arc::new(Gateway {
+                        identity: identity.clone(),
+                        policy: Policy { allowlist, allow_private_network: policy.allow_private_network },
+                        caps: self.caps,
+                        leases: AtomicUsize::new(0),
+                        connections: AtomicUsize::new(0),
+                        last_used: Mutex::new(Instant::now()),
+                        pool_in_use: Mutex::new(0),
                     });
-                }
-                let g = self.create(policy, allowlist, normalized, route.clone())?;
-                map.insert(policy.revision.clone(), g.clone());
-                g
-            }
+                    tracing::info!(
+                        event = "gateway_created",
+                        gateway = %identity,
+                        revision = %policy.revision,
+                        allowed_domains = %normalized,
+                        allow_private_network = policy.allow_private_network,
+                    );
+                    gateway
+                })
+                .clone()
         };
-        *gateway.route.write().unwrap_or_else(|p| p.into_inner()) = route;
-        gateway.allowed_uids.write().unwrap_or_else(|p| p.into_inner()).insert(uid);
+        // Counted before the socket exists, so the reaper never takes a gateway being leased.
         gateway.leases.fetch_add(1, Ordering::SeqCst);
         gateway.touch();
-        Ok(Lease { gateway })
-    }
-
-    fn create(
-        &self,
-        policy: &GatewayPolicy,
-        allowlist: Allowlist,
-        normalized: (Vec<String>, bool),
-        route: ProxySetting,
-    ) -> Result<Arc<Gateway>, RegistryError> {
-        let path = socket_path(&self.runtime_dir, &policy.revision);
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)
-            .map_err(|source| RegistryError::Listen { path: path.clone(), source })?;
-        if let Err(e) = self.access.apply(&path, false) {
-            let _ = std::fs::remove_file(&path);
-            return Err(e);
-        }
+        let release = |gateway: &Gateway| {
+            gateway.leases.fetch_sub(1, Ordering::SeqCst);
+            gateway.touch();
+        };
+        let (path, listener) = match self.listen(sandbox_uid) {
+            Ok(bound) => bound,
+            Err(e) => {
+                release(&gateway);
+                return Err(e);
+            }
+        };
         let (stop, stopped) = watch::channel(false);
-        let gateway = Arc::new(Gateway {
+        let state = Arc::new(LeaseState {
+            gateway,
+            path,
             revision: policy.revision.clone(),
-            path: path.clone(),
-            policy: Policy {
-                revision: policy.revision.clone(),
-                allowlist,
-                allow_private_network: policy.allow_private_network,
-            },
-            normalized,
-            route: RwLock::new(route),
-            allowed_uids: RwLock::default(),
-            leases: AtomicUsize::new(0),
-            connections: AtomicUsize::new(0),
-            last_used: Mutex::new(Instant::now()),
-            tunnels: Arc::new(Semaphore::new(self.max_tunnels)),
-            max_tunnels: self.max_tunnels,
-            per_peer: Mutex::default(),
-            stop,
+            uid: sandbox_uid,
+            route,
+            held: Mutex::default(),
         });
         tracing::info!(
-            event = "gateway_created",
-            revision = %policy.revision,
-            socket = %path.display(),
-            allowed_domains = %gateway.normalized.0.join(","),
-            allow_private_network = policy.allow_private_network,
+            event = "lease_opened",
+            gateway = %state.gateway.identity.short(),
+            revision = %state.revision,
+            socket = %state.path.display(),
+            sandbox_uid,
         );
-        tokio::spawn(accept_loop(listener, gateway.clone(), self.shared.clone(), stopped));
-        Ok(gateway)
+        tokio::spawn(accept_loop(listener, state.clone(), self.shared.clone(), stopped));
+        Ok(Lease { state, stop })
     }
 
-    /// Closes gateways idle (no lease, no connection) for at least `idle`.
-    pub fn reap(&self, idle: Duration) -> usize {
-        let mut map = self.gateways.lock().unwrap_or_else(|p| p.into_inner());
-        let stale: Vec<String> = map
-            .iter()
-            .filter(|(_, g)| g.idle_for().is_some_and(|d| d >= idle))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for revision in &stale {
-            if let Some(g) = map.remove(revision) {
-                let _ = g.stop.send(true);
-                let _ = std::fs::remove_file(&g.path);
-                tracing::info!(event = "gateway_reaped", revision = %revision, socket = %g.path.display());
+    /// Binds a fresh lease socket (never replacing one: a name in use is skipped).
+    fn listen(&self, sandbox_uid: u32) -> Result<(PathBuf, UnixListener), RegistryError> {
+        let mut tries = 0;
+        loop {
+            let n = self.next_lease.fetch_add(1, Ordering::SeqCst);
+            let path = socket_path(&self.runtime_dir, &format!("{}:{n}", self.seed));
+            match UnixListener::bind(&path) {
+                Ok(listener) => {
+                    if let Err(e) = set_mode(&path, lease_socket_mode(sandbox_uid, self.egressd_uid)) {
+                        let _ = std::fs::remove_file(&path);
+                        return Err(e);
+                    }
+                    return Ok((path, listener));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 8 => tries += 1,
+                Err(source) => return Err(RegistryError::Listen { path, source }),
             }
         }
-        stale.len()
     }
 
-    /// Closes every gateway (shutdown).
-    pub fn close_all(&self) {
+    /// Forgets gateways idle (no lease, no connection) for at least `idle`.
+    pub fn reap(&self, idle: Duration) -> usize {
         let mut map = self.gateways.lock().unwrap_or_else(|p| p.into_inner());
-        for (_, g) in map.drain() {
-            let _ = g.stop.send(true);
-            let _ = std::fs::remove_file(&g.path);
+        let before = map.len();
+        map.retain(|identity, g| {
+            let stale = g.idle_for().is_some_and(|d| d >= idle);
+            if stale {
+                tracing::info!(event = "gateway_reaped", gateway = %identity);
+            }
+            !stale
+        });
+        before - map.len()
+    }
+
+    /// Forgets every gateway (shutdown); the leases' sockets go with their control
+    /// connections.
+    pub fn close_all(&self) {
+        self.gateways.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        if let Ok(entries) = std::fs::read_dir(self.gateway_dir()) {
+            for entry in entries.flatten() {
+                let _ = std::fs::remove_file(entry.path());
+            }
         }
     }
 }
 
 async fn accept_loop(
     listener: UnixListener,
-    gateway: Arc<Gateway>,
+    lease: Arc<LeaseState>,
     shared: Arc<Shared>,
     mut stopped: watch::Receiver<bool>,
 ) {
@@ -341,46 +406,59 @@ async fn accept_loop(
         let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(e) => {
-                tracing::warn!(event = "gateway_accept_failed", revision = %gateway.revision, error = %e);
+                tracing::warn!(event = "gateway_accept_failed", gateway = %lease.gateway.identity.short(), error = %e);
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
-        tokio::spawn(connection(stream, gateway.clone(), shared.clone(), stopped.clone()));
+        tokio::spawn(connection(stream, lease.clone(), shared.clone(), stopped.clone()));
     }
 }
 
-/// One connection of one client process, counted while it lives.
-struct PeerSlot<'a> {
-    gateway: &'a Gateway,
-    pid: i32,
+/// One admitted connection's slot, given back when it ends.
+struct Taken<'a> {
+    lease: &'a LeaseState,
+    slot: Slot,
 }
 
-impl<'a> PeerSlot<'a> {
-    fn limit(gateway: &Gateway) -> usize {
-        (gateway.max_tunnels / 2).max(1)
-    }
-
-    fn take(gateway: &'a Gateway, pid: i32) -> Option<PeerSlot<'a>> {
-        let mut map = gateway.per_peer.lock().unwrap_or_else(|p| p.into_inner());
-        let count = map.entry(pid).or_insert(0);
-        if *count >= Self::limit(gateway) {
-            return None;
+impl<'a> Taken<'a> {
+    fn take(lease: &'a LeaseState) -> Result<Taken<'a>, Refusal> {
+        // Lock order: the lease's counts, then the gateway's pool.
+        let mut held = lease.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = lease.gateway.pool_in_use.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = slots::admit(&lease.gateway.caps, *held, *pool)?;
+        held.open += 1;
+        match slot {
+            Slot::Reserved => held.reserved += 1,
+            Slot::Pool => *pool += 1,
         }
-        *count += 1;
-        Some(PeerSlot { gateway, pid })
+        Ok(Taken { lease, slot })
     }
 }
 
-impl Drop for PeerSlot<'_> {
+impl Drop for Taken<'_> {
     fn drop(&mut self) {
-        let mut map = self.gateway.per_peer.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(count) = map.get_mut(&self.pid) {
-            *count -= 1;
-            if *count == 0 {
-                map.remove(&self.pid);
-            }
+        let mut held = self.lease.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = self.lease.gateway.pool_in_use.lock().unwrap_or_else(|p| p.into_inner());
+        held.open -= 1;
+        match self.slot {
+            Slot::Reserved => held.reserved -= 1,
+            Slot::Pool => *pool -= 1,
         }
+    }
+}
+
+/// The 429 reason for a refusal.
+fn refusal_reason(caps: &Caps, refusal: Refusal) -> String {
+    match refusal {
+        Refusal::LeaseFull => format!(
+            "too many open connections from this sandbox through its egress gateway (limit {} per sandbox)",
+            caps.per_lease
+        ),
+        Refusal::PoolFull => format!(
+            "too many open connections through this policy's egress gateway (its {} shared connections are taken, and this sandbox's {} reserved ones)",
+            caps.pool, caps.reserved
+        ),
     }
 }
 
@@ -396,56 +474,47 @@ impl Drop for Open<'_> {
 
 async fn connection(
     mut stream: tokio::net::UnixStream,
-    gateway: Arc<Gateway>,
+    lease: Arc<LeaseState>,
     shared: Arc<Shared>,
     mut stopped: watch::Receiver<bool>,
 ) {
     use tokio::io::AsyncWriteExt;
     let started = Instant::now();
+    let gateway = &lease.gateway;
     gateway.connections.fetch_add(1, Ordering::SeqCst);
-    let _open = Open(&gateway);
+    let _open = Open(gateway);
     let (uid, pid) = match stream.peer_cred() {
         Ok(c) => (c.uid(), c.pid().unwrap_or(0)),
         Err(_) => (u32::MAX, 0),
     };
-    let permitted = gateway.allowed_uids.read().unwrap_or_else(|p| p.into_inner()).contains(&uid);
-    if !permitted {
-        tracing::warn!(event = "egress_peer_refused", revision = %gateway.revision, client_uid = uid, client_pid = pid);
+    if uid != lease.uid {
+        tracing::warn!(event = "egress_peer_refused", gateway = %gateway.identity.short(), revision = %lease.revision, client_uid = uid, client_pid = pid, expected_uid = lease.uid);
         let reason =
-            format!("this egress gateway serves only the sandboxes it was acquired for, not uid {uid}");
+            format!("this egress gateway serves only the sandbox it was acquired for, not uid {uid}");
         let _ = stream.write_all(&reply::connect(403, Some(&reason))).await;
         return;
     }
-    let Some(_peer_slot) = PeerSlot::take(&gateway, pid) else {
-        let reason = format!(
-            "too many open connections from this sandbox through its egress gateway (limit {} per sandbox)",
-            PeerSlot::limit(&gateway)
-        );
-        let _ = stream.write_all(&reply::connect(429, Some(&reason))).await;
-        tracing::warn!(event = "egress_decision", revision = %gateway.revision, client_pid = pid, decision = "limited", status = 429u16, reason = %reason);
-        return;
+    let _slot = match Taken::take(&lease) {
+        Ok(slot) => slot,
+        Err(refusal) => {
+            let reason = refusal_reason(&gateway.caps, refusal);
+            let _ = stream.write_all(&reply::connect(429, Some(&reason))).await;
+            tracing::warn!(event = "egress_decision", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid, decision = "limited", status = 429u16, reason = %reason);
+            return;
+        }
     };
-    let Ok(_permit) = gateway.tunnels.clone().try_acquire_owned() else {
-        let reason = format!(
-            "too many open connections through this sandbox's egress gateway (limit {})",
-            gateway.max_tunnels
-        );
-        let _ = stream.write_all(&reply::connect(429, Some(&reason))).await;
-        tracing::warn!(event = "egress_decision", revision = %gateway.revision, client_pid = pid, decision = "limited", status = 429u16, reason = %reason);
-        return;
-    };
-    let setting = gateway.route.read().unwrap_or_else(|p| p.into_inner()).clone();
     let rec = tokio::select! {
-        rec = proxy::serve(stream, &gateway.policy, &setting, &shared) => rec,
-        _ = stopped.changed() => proxy::Record { decision: "failed", reason: "egressd closed the gateway".into(), ..Default::default() },
+        rec = proxy::serve(stream, &gateway.policy, &lease.route, &shared) => rec,
+        _ = stopped.changed() => proxy::Record { decision: "failed", reason: "the sandbox's lease on the gateway ended".into(), ..Default::default() },
     };
     if rec.decision == "no_request" && rec.status == 0 {
-        tracing::debug!(event = "egress_no_request", revision = %gateway.revision, client_pid = pid);
+        tracing::debug!(event = "egress_no_request", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid);
         return;
     }
     tracing::info!(
         event = "egress_decision",
-        revision = %gateway.revision,
+        gateway = %gateway.identity.short(),
+        revision = %lease.revision,
         client_pid = pid,
         client_uid = uid,
         method = %rec.method,
@@ -463,143 +532,4 @@ async fn connection(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn socket_names_are_16_hex_under_eg_whatever_the_revision() {
-        let dir = Path::new("/run/egressd");
-        for revision in ["test-revision", "../../escape", &"x".repeat(4000), ""] {
-            let p = socket_path(dir, revision);
-            assert_eq!(p.parent(), Some(Path::new("/run/egressd/eg")));
-            let name = p.file_name().unwrap().to_str().unwrap();
-            assert!(
-                name.len() == 16 && name.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()),
-                "{name}"
-            );
-        }
-        assert_ne!(socket_path(dir, "a"), socket_path(dir, "b"));
-    }
-
-    #[test]
-    fn the_longest_runtime_dir_fits_exactly_and_one_byte_more_is_refused() {
-        let fits = format!("/{}", "d".repeat(MAX_UNIX_SOCKET_PATH_BYTES - EGRESS_SOCKET_RELATIVE_BYTES - 1));
-        let fits = Path::new(&fits);
-        assert_eq!(socket_path(fits, "r").as_os_str().len(), MAX_UNIX_SOCKET_PATH_BYTES);
-        check_path_length(fits).unwrap();
-        let over = format!("{}d", fits.display());
-        let err = check_path_length(Path::new(&over)).unwrap_err().to_string();
-        assert!(err.contains("108 bytes"), "{err}");
-        assert!(err.contains("107-byte Unix socket path limit"), "{err}");
-        assert!(err.contains("shorten that directory by at least 1 byte"), "{err}");
-    }
-
-    fn shared() -> Arc<Shared> {
-        #[derive(Debug)]
-        struct Nowhere;
-        impl crate::dns::Resolve for Nowhere {
-            fn lookup<'a>(&'a self, name: &'a str) -> crate::dns::LookupFuture<'a> {
-                Box::pin(async move { Err(crate::dns::ResolveError::NoSuchName(name.to_owned())) })
-            }
-        }
-        Arc::new(Shared {
-            resolver: Arc::new(Nowhere),
-            own: crate::own::OwnAddresses::fixed(Vec::new()),
-            header_timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(1),
-            dns_timeout: Duration::from_secs(1),
-            tunnel_idle: Duration::from_secs(5),
-        })
-    }
-
-    fn policy(revision: &str, domains: &[&str]) -> GatewayPolicy {
-        GatewayPolicy {
-            revision: revision.into(),
-            allowed_domains: domains.iter().map(|d| d.to_string()).collect(),
-            allow_private_network: false,
-        }
-    }
-
-    async fn answer(path: &Path, request: &[u8]) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::UnixStream::connect(path).await.unwrap();
-        let _ = s.write_all(request).await;
-        let mut out = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
-        String::from_utf8_lossy(&out).into_owned()
-    }
-
-    #[tokio::test]
-    async fn gateways_are_reused_per_revision_private_to_their_users_capped_and_reaped() {
-        let dir = tempfile::tempdir().unwrap();
-        let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 2, shared()).unwrap();
-        let me = nix::unistd::getuid().as_raw();
-        let a = reg.acquire(&policy("r1", &["a.example"]), ProxySetting::Direct, me).unwrap();
-        let b = reg.acquire(&policy("r1", &["A.example."]), ProxySetting::Direct, me).unwrap();
-        assert_eq!(a.socket_path(), b.socket_path(), "same revision, same normalised policy: one gateway");
-        let mode = std::fs::metadata(a.socket_path()).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-        let err = reg.acquire(&policy("r1", &["b.example"]), ProxySetting::Direct, me).unwrap_err();
-        assert!(err.to_string().contains("already served with a different policy"), "{err}");
-        assert!(matches!(
-            reg.acquire(&policy("", &[]), ProxySetting::Direct, me),
-            Err(RegistryError::EmptyRevision)
-        ));
-
-        // The gateway answers its users.
-        let text = answer(a.socket_path(), b"CONNECT other.example:443 HTTP/1.1\r\n\r\n").await;
-        assert!(text.starts_with("HTTP/1.1 403 Forbidden"), "{text}");
-
-        // Cap 2, so 1 per sandbox: our second connection gets 429 while the first is open,
-        // and another process (another sandbox's bridge) still gets through.
-        let held = tokio::net::UnixStream::connect(a.socket_path()).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let text = answer(a.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
-        assert!(
-            text.starts_with("HTTP/1.1 429 Too Many Requests") && text.contains("Retry-After: 1"),
-            "{text}"
-        );
-        assert!(text.contains("limit 1 per sandbox"), "{text}");
-        let other = tokio::process::Command::new("python3")
-            .args(["-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(b'CONNECT other.example:443 HTTP/1.1\\r\\n\\r\\n'); print(s.recv(200).decode().splitlines()[0])"])
-            .arg(a.socket_path())
-            .output()
-            .await
-            .unwrap();
-        assert_eq!(String::from_utf8_lossy(&other.stdout).trim(), "HTTP/1.1 403 Forbidden", "{other:?}");
-        drop(held);
-
-        // Leased: not reaped, however idle.
-        assert_eq!(reg.reap(Duration::ZERO), 0);
-        drop((a, b));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(reg.reap(Duration::from_secs(3600)), 0, "not idle long enough");
-        assert_eq!(reg.reap(Duration::ZERO), 1);
-        assert_eq!(std::fs::read_dir(reg.gateway_dir()).unwrap().count(), 0, "the socket is removed");
-        assert_eq!(reg.counts(), (0, 0));
-    }
-
-    #[tokio::test]
-    async fn a_gateway_refuses_uids_that_did_not_acquire_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 8, shared()).unwrap();
-        let stranger = nix::unistd::getuid().as_raw().wrapping_add(1);
-        let lease = reg.acquire(&policy("r2", &["a.example"]), ProxySetting::Direct, stranger).unwrap();
-        let text = answer(lease.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
-        assert!(
-            text.starts_with("HTTP/1.1 403")
-                && text.contains("serves only the sandboxes it was acquired for"),
-            "a peer of another uid is refused, even for an allowed name: {text}"
-        );
-    }
-
-    #[tokio::test]
-    async fn stale_sockets_of_a_previous_run_are_removed_at_start() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("eg")).unwrap();
-        let stale = dir.path().join("eg/0123456789abcdef");
-        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
-        let _reg = Registry::new(dir.path().to_owned(), SocketAccess { group: None }, 8, shared()).unwrap();
-        assert!(!stale.exists());
-    }
-}
+mod tests;

@@ -1,13 +1,19 @@
-//! runnerd's side of egressd (R-NET-2, R-NET-3): asks for the gateway of a request's
-//! policy revision over egressd's control socket and holds the lease while the sandbox
-//! runs. runnerd never proxies a byte itself; a domain-allowlist run without a reachable
-//! egressd or bridge fails closed before anything starts.
+//! runnerd's side of egressd (R-NET-2, R-NET-3): asks for a lease on the gateway of a
+//! request's policy over egressd's control socket and holds it while the sandbox runs.
+//! runnerd never proxies a byte itself; a domain-allowlist run without a reachable egressd
+//! or bridge fails closed before anything starts.
+//!
+//! The gateway is named by the policy's content ([`PolicyIdentity`], R-NET-4), derived here
+//! from the normalised allowlist: the caller's `networkAccess.revision` is echoed in the
+//! result and logged, but selects nothing, so no tenant can occupy another's revision. The
+//! lease's socket is this sandbox's alone, and admits only the uid it runs as.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::channel::ChannelError;
 use common::channel_async::{read_message, write_message};
+use common::egress::PolicyIdentity;
 use common::egress::protocol::{ControlRequest, ControlResponse, EgressStatus, GatewayPolicy};
 use common::egress::route::ProxySetting;
 use tokio::net::UnixStream;
@@ -55,29 +61,30 @@ pub struct EgressClient {
     pub bridge: PathBuf,
 }
 
-/// A gateway held for one sandbox: bind `socket_fd` (the socket at `socket`, opened and
-/// checked by runnerd) into it; dropping this releases it.
+/// A gateway lease held for one sandbox: bind `socket_fd` (the socket at `socket`, opened
+/// and checked by runnerd) into it; dropping this releases it.
 #[derive(Debug)]
 pub struct EgressLease {
     pub socket: PathBuf,
     pub socket_fd: std::os::fd::OwnedFd,
+    /// The gateway's identity: the normalised policy's, whatever revision the caller named.
+    pub identity: PolicyIdentity,
     _connection: UnixStream,
 }
 
-/// egressd's name for a revision's socket: 16 hex of sha256(revision) (internals §3.2).
-pub fn gateway_name(revision: &str) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(revision.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect()
+/// A lease socket's name: 16 lowercase hex digits (internals §3.2's shape).
+fn is_lease_socket_name(name: &str) -> bool {
+    name.len() == 16 && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-/// Opens what egressd named, without following a symlink, and checks it is the socket of
-/// this revision. egressd runs as another user; if it were compromised, an unchecked path
-/// would let it choose what runnerd mounts into a sandbox (its data directory, say).
-pub fn open_gateway(path: &Path, revision: &str) -> Result<std::os::fd::OwnedFd, EgressError> {
+/// Opens what egressd named, without following a symlink, and checks it is a socket with a
+/// lease socket's name. egressd runs as another user; if it were compromised, an unchecked
+/// path would let it choose what runnerd mounts into a sandbox (its data directory, say).
+pub fn open_gateway(path: &Path) -> Result<std::os::fd::OwnedFd, EgressError> {
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let bad = |why: &str| EgressError::BadGateway { path: path.to_owned(), why: why.to_owned() };
-    if path.file_name().and_then(|n| n.to_str()) != Some(gateway_name(revision).as_str()) {
-        return Err(bad("its name is not the revision's socket name"));
+    if !path.file_name().and_then(|n| n.to_str()).is_some_and(is_lease_socket_name) {
+        return Err(bad("its name is not a lease socket's (16 lowercase hex digits)"));
     }
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -135,19 +142,22 @@ impl EgressClient {
         }
     }
 
-    /// The gateway of `policy`, held until the lease is dropped.
+    /// A lease on the gateway of `policy` for a sandbox that runs as host uid `sandbox_uid`
+    /// (the only uid its socket admits), held until the lease is dropped.
     pub async fn acquire(
         &self,
         policy: GatewayPolicy,
         route: ProxySetting,
+        sandbox_uid: u32,
     ) -> Result<EgressLease, EgressError> {
         self.bridge_ready()?;
-        let revision = policy.revision.clone();
-        let (answer, stream) = self.ask(&ControlRequest::Acquire { policy, route }, ACQUIRE_TIMEOUT).await?;
+        let identity = policy.identity();
+        let request = ControlRequest::Acquire { policy, route, identity: identity.clone(), sandbox_uid };
+        let (answer, stream) = self.ask(&request, ACQUIRE_TIMEOUT).await?;
         match answer {
             ControlResponse::Gateway { socket_path } => {
-                let socket_fd = open_gateway(&socket_path, &revision)?;
-                Ok(EgressLease { socket: socket_path, socket_fd, _connection: stream })
+                let socket_fd = open_gateway(&socket_path)?;
+                Ok(EgressLease { socket: socket_path, socket_fd, identity, _connection: stream })
             }
             ControlResponse::Refused { reason } => Err(EgressError::Refused(reason)),
             ControlResponse::Status(_) => Err(EgressError::Unexpected),
@@ -194,38 +204,46 @@ mod tests {
     }
 
     #[test]
-    fn only_the_revisions_socket_is_accepted_as_a_gateway() {
+    fn lease_socket_names() {
+        for (name, ok) in [
+            ("0123456789abcdef", true),
+            ("fedcba9876543210", true),
+            ("0123456789ABCDEF", false),
+            ("0123456789abcde", false),
+            ("0123456789abcdef0", false),
+            ("0123456789abcdeg", false),
+            ("..", false),
+            ("", false),
+        ] {
+            assert_eq!(is_lease_socket_name(name), ok, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_lease_socket_is_accepted_as_a_gateway() {
         let dir = tempfile::tempdir().unwrap();
-        let name = gateway_name("rev-1");
-        assert_eq!(name.len(), 16);
-        let socket = dir.path().join(&name);
+        let name = "0123456789abcdef";
+        let socket = dir.path().join(name);
         let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
-        assert!(open_gateway(&socket, "rev-1").is_ok());
-        // Another revision's name, a directory, a symlink to a socket, a regular file.
-        assert!(
-            open_gateway(&socket, "rev-2")
-                .unwrap_err()
-                .to_string()
-                .contains("not the revision's socket name")
-        );
+        assert!(open_gateway(&socket).is_ok());
+        // A socket under another name, a directory, a symlink to a socket, a regular file.
+        let other = dir.path().join("control.sock");
+        let _other = std::os::unix::net::UnixListener::bind(&other).unwrap();
+        assert!(open_gateway(&other).unwrap_err().to_string().contains("not a lease socket's"));
         let dir_named = dir.path().join("d");
         std::fs::create_dir(&dir_named).unwrap();
-        let as_dir = dir_named.join(&name);
+        let as_dir = dir_named.join(name);
         std::fs::create_dir(&as_dir).unwrap();
-        assert!(open_gateway(&as_dir, "rev-1").unwrap_err().to_string().contains("not a socket"));
+        assert!(open_gateway(&as_dir).unwrap_err().to_string().contains("not a socket"));
         let link_dir = dir.path().join("l");
         std::fs::create_dir(&link_dir).unwrap();
-        std::os::unix::fs::symlink(&socket, link_dir.join(&name)).unwrap();
+        std::os::unix::fs::symlink(&socket, link_dir.join(name)).unwrap();
         // O_PATH|O_NOFOLLOW opens the link itself, which is not a socket.
-        assert!(
-            open_gateway(&link_dir.join(&name), "rev-1").unwrap_err().to_string().contains("not a socket")
-        );
+        assert!(open_gateway(&link_dir.join(name)).unwrap_err().to_string().contains("not a socket"));
         let file_dir = dir.path().join("f");
         std::fs::create_dir(&file_dir).unwrap();
-        std::fs::write(file_dir.join(&name), b"x").unwrap();
-        assert!(
-            open_gateway(&file_dir.join(&name), "rev-1").unwrap_err().to_string().contains("not a socket")
-        );
+        std::fs::write(file_dir.join(name), b"x").unwrap();
+        assert!(open_gateway(&file_dir.join(name)).unwrap_err().to_string().contains("not a socket"));
     }
 
     #[tokio::test]
@@ -237,7 +255,7 @@ mod tests {
         assert!(err.contains("egressd is not reachable at") && err.contains("none.sock"), "{err}");
         let policy =
             GatewayPolicy { revision: "r".into(), allowed_domains: vec![], allow_private_network: false };
-        let err = client.acquire(policy, ProxySetting::Direct).await.unwrap_err().to_string();
+        let err = client.acquire(policy, ProxySetting::Direct, 1000).await.unwrap_err().to_string();
         assert!(err.contains("egress bridge was not found"), "{err}");
     }
 }

@@ -133,7 +133,7 @@ async fn network(
         allowed_domains: vec![ALLOWED_NAME.into()],
         allow_private_network: true,
     };
-    let lease = match client.acquire(policy, ProxySetting::Direct).await {
+    let lease = match client.acquire(policy, ProxySetting::Direct, nix::unistd::geteuid().as_raw()).await {
         Ok(lease) => lease,
         Err(e) => {
             server.abort();

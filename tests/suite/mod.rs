@@ -8,6 +8,7 @@ mod lifecycle;
 mod limits;
 mod managed;
 mod network;
+mod network_tenants;
 mod npu_broker;
 mod planted;
 mod preflight;

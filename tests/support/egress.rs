@@ -267,3 +267,26 @@ pub fn exchange(socket: &Path, request: &[u8], timeout: Duration) -> String {
     let _ = s.read_to_end(&mut out);
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// `body` with a domain-allowlist permission epoch: these domains, private network on or
+/// off, and the caller's `revision` (which runnerd echoes but never uses to pick a gateway).
+pub fn with_network(
+    mut body: serde_json::Value,
+    domains: &[&str],
+    private: bool,
+    revision: &str,
+) -> serde_json::Value {
+    body["permissionEpoch"]["networkPolicy"] = serde_json::json!("domain-allowlist");
+    body["permissionEpoch"]["networkAccess"] = serde_json::json!({
+        "mode": "domain-allowlist",
+        "allowedDomains": domains,
+        "allowPrivateNetwork": private,
+        "revision": revision,
+    });
+    body
+}
+
+/// How many gateways (policies) egressd has created so far, from its log.
+pub fn gateways_created(egressd: &Egressd) -> usize {
+    egressd.log().lines().filter(|l| l.contains("gateway_created")).count()
+}

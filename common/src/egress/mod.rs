@@ -9,15 +9,20 @@
 //! 4. resolve once, [`classify`] every answer, dial exactly one vetted address;
 //! 5. pick the upstream [`Route`]: direct, or through the deployment's own proxy.
 //!
+//! A gateway is identified by its normalised policy ([`identity`]), never by the caller's
+//! revision.
+//!
 //! I/O (sockets, DNS, interface addresses) stays in egressd; everything here is table-tested.
 
 pub mod address;
 pub mod allowlist;
+pub mod identity;
 pub mod protocol;
 pub mod route;
 pub mod target;
 
 pub use address::{Class, classify, permitted};
 pub use allowlist::{Allowlist, AllowlistError, Entry, Pattern};
+pub use identity::PolicyIdentity;
 pub use route::{ProxyEndpoint, ProxySetting, Route, RouteError, route_for};
 pub use target::{Host, Target, TargetError, normalize_host, parse_absolute_url, parse_connect_authority};

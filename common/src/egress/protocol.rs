@@ -5,29 +5,48 @@
 //! the connection stays open for as long as the sandbox runs: it is the *lease* that keeps
 //! the gateway alive (egressd reaps a gateway only when no lease and no connection remain),
 //! and it is released by closing it, which also happens when runnerd dies.
+//!
+//! Each acquire gets a socket of its own (one per sandbox): every connection on it is that
+//! sandbox's, whatever process inside opened it, so connection caps count per sandbox; the
+//! gateway behind it (the policy, its shared connection pool) is shared by every lease of
+//! the same [`PolicyIdentity`].
+//!
+//! Layout changes bump [`crate::plan::PROTOCOL_VERSION`] (the framing's version): 4 added
+//! `identity` and `sandbox_uid` to [`ControlRequest::Acquire`].
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::identity::PolicyIdentity;
 use super::route::ProxySetting;
 
 /// The policy a gateway enforces (the permission epoch's `networkAccess`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GatewayPolicy {
-    /// The caller's content-derived revision: the gateway's identity and socket name.
+    /// The caller's `networkAccess.revision`: recorded in egressd's audit events, selects
+    /// nothing (the gateway is chosen by [`PolicyIdentity`]).
     pub revision: String,
     pub allowed_domains: Vec<String>,
     pub allow_private_network: bool,
+}
+
+impl GatewayPolicy {
+    /// The gateway identity of this policy.
+    pub fn identity(&self) -> PolicyIdentity {
+        PolicyIdentity::of(&self.allowed_domains, self.allow_private_network)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlRequest {
     /// Liveness and self-description, for runnerd's `/health`.
     Status,
-    /// The gateway of a policy revision, created on first use; the route is re-applied on
-    /// every acquire, as the original does.
-    Acquire { policy: GatewayPolicy, route: ProxySetting },
+    /// A lease on the gateway of `identity`, created on first use. egressd derives the
+    /// identity itself and refuses a request whose `identity` differs. The route is this
+    /// lease's own (a tenant's upstream proxy never carries another tenant's traffic), and
+    /// only `sandbox_uid` (the host uid the sandbox runs as) may connect to the lease's socket.
+    Acquire { policy: GatewayPolicy, route: ProxySetting, identity: PolicyIdentity, sandbox_uid: u32 },
 }
 
 /// How far egressd confined itself after start-up (R-OPS-3).
@@ -44,7 +63,8 @@ pub struct EgressStatus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlResponse {
     Status(EgressStatus),
-    /// The gateway socket to bind into the sandbox at [`SANDBOX_SOCKET`].
+    /// The lease's socket, to bind into the sandbox at [`SANDBOX_SOCKET`]:
+    /// `<runtime dir>/eg/<16 lowercase hex>`.
     Gateway {
         socket_path: PathBuf,
     },
@@ -75,12 +95,14 @@ mod tests {
         let msgs = vec![
             ControlRequest::Status,
             ControlRequest::Acquire {
+                identity: PolicyIdentity::of(&["pypi.org", "*.example.com:8443"], true),
                 policy: GatewayPolicy {
                     revision: "r1".into(),
                     allowed_domains: vec!["pypi.org".into(), "*.example.com:8443".into()],
                     allow_private_network: true,
                 },
                 route: ProxySetting::Url("http://proxy:3128".into()),
+                sandbox_uid: 1234,
             },
         ];
         for msg in msgs {

@@ -140,13 +140,16 @@ impl Egressd {
         let rss_started_kib = memory(daemon.pid())?.rss_kib;
 
         let mut lease = UnixStream::connect(&control).context("connecting to egressd's control socket")?;
+        let policy = GatewayPolicy {
+            revision: "bench".into(),
+            allowed_domains: vec![super::BENCH_NAME.into()],
+            allow_private_network: true,
+        };
         let request = ControlRequest::Acquire {
-            policy: GatewayPolicy {
-                revision: "bench".into(),
-                allowed_domains: vec![super::BENCH_NAME.into()],
-                allow_private_network: true,
-            },
+            identity: policy.identity(),
+            policy,
             route: ProxySetting::Direct,
+            sandbox_uid: nix::unistd::geteuid().as_raw(),
         };
         write_message(&mut lease, &request).context("asking egressd for a gateway")?;
         let gateway = match read_message(&mut lease).context("reading egressd's answer")? {

@@ -12,10 +12,9 @@ use common::egress::target::{Host, Target};
 
 use crate::dns::Resolve;
 
-/// What a gateway enforces.
+/// What a gateway enforces (its identity is the hash of exactly this, normalised).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
-    pub revision: String,
     pub allowlist: Allowlist,
     pub allow_private_network: bool,
 }
@@ -112,11 +111,7 @@ mod tests {
     }
 
     fn policy(entries: &[&str], private: bool) -> Policy {
-        Policy {
-            revision: "r".into(),
-            allowlist: Allowlist::parse(entries).0,
-            allow_private_network: private,
-        }
+        Policy { allowlist: Allowlist::parse(entries).0, allow_private_network: private }
     }
 
     async fn verdict(p: &Policy, t: &Table, authority: &str) -> Verdict {

@@ -136,11 +136,7 @@ impl Harness {
             dns_timeout: Duration::from_secs(2),
             tunnel_idle: Duration::from_secs(2),
         });
-        let policy = Policy {
-            revision: "rev".into(),
-            allowlist: Allowlist::parse(entries).0,
-            allow_private_network: private,
-        };
+        let policy = Policy { allowlist: Allowlist::parse(entries).0, allow_private_network: private };
         Harness { shared, table, policy, setting: ProxySetting::Direct }
     }
 

@@ -539,7 +539,10 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), ApiError> 
         allowed_domains: p.network.allowed_domains.clone(),
         allow_private_network: p.network.allow_private_network,
     };
-    match app.egress.acquire(policy, p.egress_route.clone()).await {
+    // The host uid the sandbox runs as: runnerd's own until sandboxes get a user of their
+    // own (issue #14, deliverable 1), when this becomes that uid.
+    let sandbox_uid = nix::unistd::geteuid().as_raw();
+    match app.egress.acquire(policy, p.egress_route.clone(), sandbox_uid).await {
         Ok(lease) => {
             p.egress = Some(lease);
             Ok(())
