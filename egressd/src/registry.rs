@@ -97,8 +97,10 @@ pub const MAX_TUNNELS: usize = 65_536;
 
 /// The mode of a lease socket. connect(2) needs write permission on the socket and nothing
 /// else; when the sandbox runs as another uid than egressd's, "others" get exactly that. The
-/// path stays out of their reach (the `eg` directory is 0700/0750), a sandbox reaches the
-/// socket only through its bind mount, and SO_PEERCRED admits only the lease's uid.
+/// `eg` directory is searchable but not listable (0711): bwrap re-resolves even a socket
+/// bound from a descriptor by its path, as the sandbox user, who may be neither egressd's
+/// user nor in its group (a root runnerd's sandbox user). SO_PEERCRED admits only the
+/// lease's uid on each socket, so reaching a path gives nobody else a gateway.
 pub fn lease_socket_mode(sandbox_uid: u32, egressd_uid: u32) -> u32 {
     if sandbox_uid == egressd_uid { 0o600 } else { 0o602 }
 }
@@ -233,6 +235,8 @@ impl Registry {
         std::fs::create_dir_all(&dir)
             .map_err(|source| RegistryError::Directory { path: dir.clone(), source })?;
         access.apply(&dir, true)?;
+        // See `lease_socket_mode`: searchable by the sandbox user, listable by nobody else.
+        set_mode(&dir, 0o711)?;
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 let _ = std::fs::remove_file(entry.path());

@@ -42,14 +42,19 @@ impl Check {
     }
 }
 
-fn scratch_dir() -> anyhow::Result<PathBuf> {
+/// A fresh workspace for one check, the sandbox user's (as a workspace runnerd makes is).
+fn scratch_dir(runtime: &SandboxRuntime) -> anyhow::Result<PathBuf> {
     let base = std::env::temp_dir().join(format!("runnerd-selftest-{}", std::process::id()));
     std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    if runtime.user.switches() {
+        std::os::unix::fs::chown(&base, Some(runtime.user.uid), Some(runtime.user.gid))
+            .with_context(|| format!("handing {} to the sandbox user", base.display()))?;
+    }
     Ok(base.canonicalize()?)
 }
 
 async fn sandbox(runtime: &SandboxRuntime, shape: SandboxShape) -> anyhow::Result<Check> {
-    let scratch = scratch_dir()?;
+    let scratch = scratch_dir(runtime)?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
     let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
     let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
@@ -133,14 +138,14 @@ async fn network(
         allowed_domains: vec![ALLOWED_NAME.into()],
         allow_private_network: true,
     };
-    let lease = match client.acquire(policy, ProxySetting::Direct, nix::unistd::geteuid().as_raw()).await {
+    let lease = match client.acquire(policy, ProxySetting::Direct, runtime.user.uid).await {
         Ok(lease) => lease,
         Err(e) => {
             server.abort();
             return Ok(Check { name, passed: Some(false), detail: error_chain(&e) });
         }
     };
-    let scratch = scratch_dir()?;
+    let scratch = scratch_dir(runtime)?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
     let mount =
         EgressMount { bridge: client.bridge.clone(), gateway_socket: lease.socket.clone(), gateway_fd: None };

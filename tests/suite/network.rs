@@ -383,6 +383,7 @@ fn runnerd_selftest_checks_a_sandbox_and_a_request_through_egressd() {
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("SCIENCE_AGENT_DATA_DIR", data.path())
             .env("SCIENCE_AGENT_EGRESS_SOCKET", egress_socket)
+            .env(runner_tests::sandbox_user_env().0, runner_tests::sandbox_user_env().1)
             .output()
             .unwrap();
         (

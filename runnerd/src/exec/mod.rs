@@ -539,9 +539,9 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), ApiError> 
         allowed_domains: p.network.allowed_domains.clone(),
         allow_private_network: p.network.allow_private_network,
     };
-    // The host uid the sandbox runs as: runnerd's own until sandboxes get a user of their
-    // own (issue #14, deliverable 1), when this becomes that uid.
-    let sandbox_uid = nix::unistd::geteuid().as_raw();
+    // The host uid the sandbox runs as (runnerd's own, or the user a root runnerd hands
+    // sandboxes to): the only uid the lease's socket admits.
+    let sandbox_uid = app.sandbox.user.uid;
     match app.egress.acquire(policy, p.egress_route.clone(), sandbox_uid).await {
         Ok(lease) => {
             p.egress = Some(lease);
