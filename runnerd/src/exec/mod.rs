@@ -43,10 +43,10 @@ pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
 pub const QUOTA_POLL: Duration = Duration::from_millis(100);
 
 /// Why a run was cancelled from outside the launcher.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 enum StopReason {
     ClientGone,
-    Quota,
+    Quota(files::Breach),
 }
 
 /// An insertion-ordered string map (the env map is reported in injection order).
@@ -621,14 +621,16 @@ async fn sandbox_run(
         None => None,
     };
     let pinned_root = crate::fsat::fd_dir_path(root_fd);
-    let before = fingerprints(&pinned_root).await;
-    if p.max_workspace > 0 && files::usage(&before) > p.max_workspace {
-        audit.finished("workspace_quota_exceeded_before_run", None, None, None);
-        return Err(ApiError::bad_request(
-            "workspace_quota_exceeded",
-            files::quota_exceeds_message(p.max_workspace),
-        ));
-    }
+    let before = match files::check(measure(&pinned_root).await, p.max_workspace) {
+        Ok(m) => m.prints,
+        Err(breach) => {
+            audit.finished("workspace_quota_exceeded_before_run", None, None, None);
+            return Err(ApiError::bad_request(
+                "workspace_quota_exceeded",
+                files::breach_message(p.max_workspace, &breach, false),
+            ));
+        }
+    };
 
     // A fresh probe of exactly the named chips, as close to the launch as possible; one
     // refused chip refuses the run (never a run on fewer chips).
@@ -681,7 +683,7 @@ async fn sandbox_run(
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_reason: Arc<Mutex<Option<StopReason>>> = Arc::default();
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
-    launch.rlimits = default_rlimits((p.max_workspace > 0).then_some(p.max_workspace));
+    launch.rlimits = default_rlimits(files::file_size_cap(p.max_workspace));
     launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, &p.limits, p.timeout_ms));
     let rlimits = launch.rlimits.clone();
     let cgroup = match app.limits.create(&p.limits).and_then(|c| {
@@ -747,7 +749,7 @@ async fn sandbox_run(
         }
     };
 
-    let after = fingerprints(&pinned_root).await;
+    let after = measure(&pinned_root).await;
     let finish = |outcome_name: &str, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
@@ -762,13 +764,13 @@ async fn sandbox_run(
             ));
         }
         Termination::Cancelled => {
-            let reason = *stop_reason.lock().unwrap_or_else(|p| p.into_inner());
+            let reason = stop_reason.lock().unwrap_or_else(|p| p.into_inner()).take();
             return Err(match reason {
-                Some(StopReason::Quota) => {
+                Some(StopReason::Quota(breach)) => {
                     finish("workspace_quota_exceeded", None);
                     ApiError::bad_request(
                         "workspace_quota_exceeded",
-                        files::quota_exceeded_message(p.max_workspace),
+                        files::breach_message(p.max_workspace, &breach, true),
                     )
                 }
                 _ => {
@@ -778,13 +780,16 @@ async fn sandbox_run(
             });
         }
     };
-    if p.max_workspace > 0 && files::usage(&after) > p.max_workspace {
-        finish("workspace_quota_exceeded", Some(exit_code));
-        return Err(ApiError::bad_request(
-            "workspace_quota_exceeded",
-            files::quota_exceeds_message(p.max_workspace),
-        ));
-    }
+    let after = match files::check(after, p.max_workspace) {
+        Ok(m) => m.prints,
+        Err(breach) => {
+            finish("workspace_quota_exceeded", Some(exit_code));
+            return Err(ApiError::bad_request(
+                "workspace_quota_exceeded",
+                files::breach_message(p.max_workspace, &breach, false),
+            ));
+        }
+    };
     let (created_files, modified_files) = files::changes(&before, &after);
     let collected = output.finish();
     finish("completed", Some(exit_code));
@@ -827,9 +832,13 @@ pub async fn gone(client_gone: &mut watch::Receiver<bool>) {
     }
 }
 
-async fn fingerprints(root: &std::path::Path) -> files::Fingerprints {
+/// One quota walk on the blocking pool; a walk that could not run fails closed.
+async fn measure(root: &std::path::Path) -> files::Measured {
     let root = root.to_owned();
-    tokio::task::spawn_blocking(move || files::fingerprints(&root)).await.unwrap_or_default()
+    tokio::task::spawn_blocking(move || files::measure(&root)).await.unwrap_or_else(|e| files::Measured {
+        unreadable: Some(files::Unreadable { path: ".".into(), error: std::io::Error::other(e.to_string()) }),
+        ..Default::default()
+    })
 }
 
 /// Ends the run when the client goes away or the workspace outgrows its quota (measured
@@ -847,13 +856,13 @@ async fn watch_for_stop(
         }
         loop {
             tokio::time::sleep(QUOTA_POLL).await;
-            if files::usage(&fingerprints(&root).await) > max_workspace {
-                return;
+            if let Err(breach) = files::check(measure(&root).await, max_workspace) {
+                return breach;
             }
         }
     };
     let why = tokio::select! {
-        _ = quota => StopReason::Quota,
+        breach = quota => StopReason::Quota(breach),
         _ = gone(&mut client_gone) => StopReason::ClientGone,
     };
     *reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
