@@ -10,4 +10,5 @@ mod managed;
 mod network;
 mod npu_broker;
 mod preflight;
+mod quota;
 mod remote;

@@ -343,7 +343,7 @@ pub async fn execute(
     // The cross-process writer lease (shared with the API process), inside our own queues;
     // `running` only once both are held.
     let pinned = workspace::open_beneath(&app.data_dir, &prepared.root).map_err(ended)?;
-    let writer = match app.versions.begin(&prepared.root, pinned, Some(&client_gone)).await {
+    let mut writer = match app.versions.begin(&prepared.root, pinned, Some(&client_gone)).await {
         Ok(w) => w,
         Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
         Err(e) => return Err(ended(ApiError::bad_request(e_code(&e), e.to_string()))),
@@ -359,7 +359,9 @@ pub async fn execute(
         return Err(ran.err().unwrap_or_else(|| ApiError::bad_request(UNRESPONSIVE, "")));
     }
     // Whatever happened, the files as the run left them become the workspace's head
-    // (`legacy-execution`, failed when the run failed), before the lease is released.
+    // (`legacy-execution`, failed when the run failed), before the lease is released — but
+    // never more than the quota is stored.
+    writer.limit_snapshot_bytes(prepared.max_workspace);
     let committed = app
         .versions
         .commit_mutation(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
@@ -367,7 +369,17 @@ pub async fn execute(
     drop(writer);
     drop(running);
     drop(registration);
-    let tree = committed.map_err(|e| ApiError::bad_request("version_commit_failed", e.to_string()))?;
+    let tree = match committed {
+        Ok(tree) => tree,
+        Err(e) => {
+            // The run's own failure (its quota, say) answers when the commit only refused
+            // what that run left behind (the workspace is not poisoned then).
+            if e.is_content() {
+                ran?;
+            }
+            return Err(ApiError::bad_request("version_commit_failed", e.to_string()));
+        }
+    };
     let mut result = ran?;
     result.workspace_snapshot = Some(tree.to_value());
     serde_json::to_string(&result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
