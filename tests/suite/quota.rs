@@ -97,24 +97,39 @@ async fn sparse_files_count_their_apparent_size_and_stay_out_of_the_store() {
     assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("clean\n")), "{}", r.json());
 }
 
-/// Hole 5: blocks `fallocate`d past the end of a file (its size stays 0) count.
+/// Hole 5: blocks `fallocate`d past the end of a file (its size stays 0, RLIMIT_FSIZE does
+/// not look) and fallocate bursts (gigabytes per call, faster than any poll): the seccomp
+/// profiles refuse fallocate (EOPNOTSUPP), and what blocks a file does hold count.
 #[tokio::test]
-async fn blocks_allocated_past_the_end_count() {
-    if !sandbox_or_skip("blocks_allocated_past_the_end_count") {
+async fn preallocation_is_refused_and_allocated_blocks_count() {
+    if !sandbox_or_skip("preallocation_is_refused_and_allocated_blocks_count") {
         return;
     }
     let server = Server::start();
     let client = server.client();
     let quota = 20_000_000;
-    let code = "touch f && fallocate -n -l 64M f && echo allocated";
+    let code = "touch f; for i in $(seq 1 50); do fallocate -n -l 64M f 2>/dev/null || echo refused; fallocate -l 19M g$i 2>/dev/null || echo refused; done | sort -u";
     let r = run(&client, &in_key("t/prealloc", code, Some(quota))).await;
-    if r.status == 200 && r.json()["stdout"] != "allocated\n" {
-        // The filesystem (or the sandbox's tools) cannot preallocate: nothing to bypass.
-        assert!(!runner_tests::in_ci(), "fallocate -n failed in CI: {}", r.json());
-        eprintln!("SKIP blocks_allocated_past_the_end_count: {}", r.json());
+    assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("refused\n")), "{}", r.json());
+    let dir = server.path("remote-workspaces/t/prealloc");
+    let allocated: u64 = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| std::os::unix::fs::MetadataExt::blocks(&e.metadata().unwrap()) * 512)
+        .sum();
+    assert!(allocated < 1 << 20, "{allocated} bytes allocated");
+    // Blocks a file holds beyond its size (here reserved from the host) count before a run.
+    let f = std::fs::OpenOptions::new().write(true).open(dir.join("f")).unwrap();
+    // SAFETY: fallocate on a descriptor we own; the result is checked.
+    let rc = unsafe {
+        libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), libc::FALLOC_FL_KEEP_SIZE, 0, 64 << 20)
+    };
+    if rc != 0 {
+        assert!(!runner_tests::in_ci(), "fallocate failed in CI: {}", std::io::Error::last_os_error());
+        eprintln!("SKIP the preallocated half: {}", std::io::Error::last_os_error());
         return;
     }
-    assert_quota_error(&r, quota);
+    assert_eq!(f.metadata().unwrap().len(), 0);
     let r = run(&client, &in_key("t/prealloc", "echo never", Some(quota))).await;
     assert_quota_error(&r, quota);
 }
@@ -219,4 +234,18 @@ async fn a_tree_too_deep_to_snapshot_never_poisons() {
     let deleted =
         client.send_bytes("DELETE", "/remote-workspace?workspace=t/deep", &[], Vec::new()).await.unwrap();
     assert_eq!((deleted.status, deleted.json()), (200, json!({"deleted": true})));
+}
+
+/// `/health` states how the total is enforced, and the bound (R-PEER-1).
+#[tokio::test]
+async fn health_states_how_the_workspace_quota_holds() {
+    let server = Server::start();
+    let h = server.client().get("/health").await.unwrap().json();
+    assert_eq!(h["enforced"]["workspaceBytes"], "partial", "{h}");
+    let reason = h["reasons"]["workspaceBytes"].as_str().unwrap();
+    for part in
+        ["RLIMIT_FSIZE = quota + 1", "fallocate refused", "max(size, allocated blocks)", "every 25 ms"]
+    {
+        assert!(reason.contains(part), "{reason}");
+    }
 }

@@ -17,6 +17,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::rc::Rc;
 
+use serde_json::{Value, json};
+
 use crate::fsat::{self, Stat};
 
 /// Workspace-relative path (`/`-separated) → (size, mtime in ns).
@@ -63,6 +65,27 @@ pub fn charged(size: u64, blocks: u64) -> u64 {
 /// as the original's quota error, never as a silently truncated file.
 pub fn file_size_cap(limit: u64) -> Option<u64> {
     (limit > 0).then(|| limit.saturating_add(1))
+}
+
+/// `enforced.workspaceBytes` and its reason (R-PEER-1), for `/health` and any result that
+/// reports enforcement: `"partial"` with the bound (no host gets a kernel-enforced total yet:
+/// no project quota, no size-limited mount), `false` when unlimited.
+pub fn quota_enforcement(limit: u64) -> (Value, String) {
+    if limit == 0 {
+        return (json!(false), "maxWorkspaceBytes is 0 (unlimited)".to_owned());
+    }
+    let poll = super::QUOTA_POLL.as_millis();
+    (
+        json!("partial"),
+        format!(
+            "per file hard (RLIMIT_FSIZE = quota + 1 byte; fallocate refused by seccomp); the total, \
+             each file charged max(size, allocated blocks), is measured before, every {poll} ms during \
+             (or the last walk's duration, if longer) and after a run, failing closed on what it cannot \
+             read: a run can exceed it by what it writes between two measurements (about 1.5-3x a 20 MB \
+             quota at ~1 GB/s), which stays on disk and makes the next run's pre-check refuse; a commit \
+             never stores more than the quota"
+        ),
+    )
 }
 
 /// Why a workspace is over its quota.

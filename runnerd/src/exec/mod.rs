@@ -39,8 +39,11 @@ pub const MAX_EXECUTION_ID: usize = 1024;
 /// The error code of a sandbox that did not die: its caller keeps the workspace locked.
 pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
 
-/// How often the workspace quota is re-measured during a run (the original's 100 ms).
-pub const QUOTA_POLL: Duration = Duration::from_millis(100);
+/// How often the workspace quota is re-measured during a run, at the most: the original
+/// polls every 100 ms; ours waits 25 ms, or as long as the last walk took if that was longer
+/// (a large workspace is never walked more than half the time), so the overshoot between
+/// two measurements is a quarter of the original's on a small workspace.
+pub const QUOTA_POLL: Duration = Duration::from_millis(25);
 
 /// Why a run was cancelled from outside the launcher.
 #[derive(Debug)]
@@ -854,7 +857,7 @@ async fn measure(root: &std::path::Path) -> files::Measured {
 }
 
 /// Ends the run when the client goes away or the workspace outgrows its quota (measured
-/// every [`QUOTA_POLL`], one measurement at a time).
+/// every [`QUOTA_POLL`] or the last walk's duration, one measurement at a time).
 async fn watch_for_stop(
     root: PathBuf,
     max_workspace: u64,
@@ -866,11 +869,14 @@ async fn watch_for_stop(
         if max_workspace == 0 {
             return std::future::pending().await;
         }
+        let mut pause = QUOTA_POLL;
         loop {
-            tokio::time::sleep(QUOTA_POLL).await;
+            tokio::time::sleep(pause).await;
+            let walk = Instant::now();
             if let Err(breach) = files::check(measure(&root).await, max_workspace) {
                 return breach;
             }
+            pause = QUOTA_POLL.max(walk.elapsed());
         }
     };
     let why = tokio::select! {
