@@ -19,6 +19,8 @@ pub struct Stat {
     pub mode: u32,
     pub size: u64,
     pub nlink: u64,
+    /// 512-byte blocks allocated (`st_blocks`): what the file really takes on disk.
+    pub blocks: u64,
     pub mtime_ns: i128,
     pub ctime_ns: i128,
 }
@@ -32,6 +34,7 @@ impl Stat {
             mode: st.st_mode,
             size: st.st_size as u64,
             nlink: st.st_nlink,
+            blocks: st.st_blocks as u64,
             mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
             ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
         }

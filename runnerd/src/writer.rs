@@ -15,6 +15,7 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
+use crate::versioning::snapshot::SnapshotScope;
 use crate::versioning::{
     self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value, new_uuid_v4,
     workspace_head_name,
@@ -39,6 +40,14 @@ pub enum WriteError {
     Task(String),
 }
 
+impl WriteError {
+    /// The workspace's own content was refused ([`VersionError::is_content`]): that write
+    /// failed, but the workspace is not poisoned, so its next run or a DELETE can fix it.
+    pub fn is_content(&self) -> bool {
+        matches!(self, WriteError::Version(v) if v.is_content())
+    }
+}
+
 /// The version store, its refs and the coordination state of one data directory.
 pub struct Versions {
     store: Store,
@@ -59,6 +68,8 @@ pub struct Writer {
     root: PathBuf,
     head: String,
     pinned: OwnedFd,
+    /// The quota the commit's snapshot may store at most (0: none).
+    max_bytes: u64,
     _lease: Lease,
     _admitted: Admitted,
 }
@@ -72,6 +83,16 @@ impl Writer {
     /// The directory to snapshot: the one the caller opened, whatever its path names now.
     fn snapshot_dir(&self) -> PathBuf {
         crate::fsat::pinned_dir(&self.pinned)
+    }
+
+    /// Bounds what this writer's commit may store: a tree whose files add up to more than
+    /// `bytes` (the run's quota; 0: none) fails the commit before any of it is stored.
+    pub fn limit_snapshot_bytes(&mut self, bytes: u64) {
+        self.max_bytes = bytes;
+    }
+
+    fn scope(&self) -> SnapshotScope {
+        SnapshotScope { canonical: Some(self.root.clone()), max_bytes: self.max_bytes }
     }
 }
 
@@ -136,8 +157,10 @@ impl Versions {
     }
 
     /// Admission, then the lease (both waited for; `cancel` ends the wait), then a baseline
-    /// if the workspace has no head. A failed baseline poisons the workspace. `pinned` is
-    /// the workspace directory as the caller opened it (snapshots read it, not the path).
+    /// if the workspace has no head. A failed baseline poisons the workspace — unless what
+    /// failed it is the workspace's own content (a FIFO, say): then there is no baseline and
+    /// the write goes ahead (ours: so that the write, a DELETE say, can remove it). `pinned`
+    /// is the workspace directory as the caller opened it (snapshots read it, not the path).
     pub async fn begin(
         self: &Arc<Self>,
         canonical: &Path,
@@ -150,25 +173,37 @@ impl Versions {
             root: canonical.to_owned(),
             head: workspace_head_name(canonical),
             pinned,
+            max_bytes: 0,
             _lease: lease,
             _admitted: admitted,
         };
         let me = self.clone();
-        let (root, dir) = (writer.root.clone(), writer.snapshot_dir());
-        let baseline = blocking_retry(self.clone(), move || me.ensure_baseline(&root, &dir)).await;
-        if let Err(e) = baseline {
-            self.poison(&writer.root, &e);
-            return Err(e);
+        let (root, dir, scope) = (writer.root.clone(), writer.snapshot_dir(), writer.scope());
+        let baseline = blocking_retry(self.clone(), move || me.ensure_baseline(&root, &dir, &scope)).await;
+        match baseline {
+            Err(e) if e.is_content() => {
+                tracing::warn!(event = "workspace_baseline_skipped", workspace = %writer.root.display(), error = %crate::error_chain(&e));
+            }
+            Err(e) => {
+                self.poison(&writer.root, &e);
+                return Err(e);
+            }
+            Ok(_) => {}
         }
         Ok(writer)
     }
 
-    fn ensure_baseline(&self, root: &Path, dir: &Path) -> Result<Option<Ref>, WriteError> {
+    fn ensure_baseline(
+        &self,
+        root: &Path,
+        dir: &Path,
+        scope: &SnapshotScope,
+    ) -> Result<Option<Ref>, WriteError> {
         let name = workspace_head_name(root);
         if self.refs().head(&name)?.is_some() {
             return Ok(None);
         }
-        let tree = self.snapshot_live(dir)?;
+        let tree = self.snapshot_live(dir, scope)?;
         let record =
             self.commit_mutation_record(&name, &tree, (None, "baseline", true), Expected::Exactly(None))?;
         tracing::info!(event = "workspace_baseline", workspace = %root.display(), head = %record.digest);
@@ -176,7 +211,8 @@ impl Versions {
     }
 
     /// Snapshots the workspace and commits a `WorkspaceMutation` as its new head; returns the
-    /// tree. A failure poisons the workspace.
+    /// tree. A failure poisons the workspace, unless the workspace's content was refused
+    /// ([`WriteError::is_content`]).
     pub async fn commit_mutation(
         self: &Arc<Self>,
         writer: &Writer,
@@ -186,31 +222,32 @@ impl Versions {
     ) -> Result<Ref, WriteError> {
         let me = self.clone();
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
+        let scope = writer.scope();
         let id = id.unwrap_or_else(new_uuid_v4);
         let committed = blocking_retry(self.clone(), move || {
-            let tree = me.snapshot_live(&dir)?;
+            let tree = me.snapshot_live(&dir, &scope)?;
             me.commit_mutation_record(&head, &tree, (Some(&id), &kind_owned, completed), Expected::Current)?;
             Ok(tree)
         })
         .await;
         if let Err(e) = &committed {
-            self.poison(&writer.root, e);
+            self.fail_commit(&writer.root, e);
         }
         committed
     }
 
     /// Snapshots the workspace and commits a `WorkspaceExecution` as its head; returns the
     /// record (`version`) and the tree (`result.workspaceSnapshot`). The caller poisons on
-    /// failure (its message differs).
+    /// failure (its message differs), through [`Versions::fail_commit`].
     pub async fn commit_execution(
         self: &Arc<Self>,
         writer: &Writer,
         facts: ExecutionFacts,
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
-        let (dir, head) = (writer.snapshot_dir(), writer.head.clone());
+        let (dir, head, scope) = (writer.snapshot_dir(), writer.head.clone(), writer.scope());
         blocking_retry(self.clone(), move || {
-            let tree = me.snapshot_live(&dir)?;
+            let tree = me.snapshot_live(&dir, &scope)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
             let (code, stdout, stderr) = (put(&facts.code)?, stream(&facts.stdout)?, stream(&facts.stderr)?);
@@ -234,11 +271,11 @@ impl Versions {
 
     /// Snapshots a pinned workspace directory, refusing one that was deleted meanwhile (its
     /// descriptor would show an empty directory, which is not what the workspace holds).
-    fn snapshot_live(&self, dir: &Path) -> Result<Ref, WriteError> {
+    fn snapshot_live(&self, dir: &Path, scope: &SnapshotScope) -> Result<Ref, WriteError> {
         use std::os::unix::fs::MetadataExt;
         match std::fs::metadata(dir) {
             Ok(m) if m.nlink() == 0 => Err(WriteError::Deleted),
-            _ => Ok(self.store.snapshot(dir)?),
+            _ => Ok(self.store.snapshot_scoped(dir, scope)?),
         }
     }
 
@@ -275,6 +312,18 @@ impl Versions {
         Ok(record)
     }
 
+    /// A failed commit: poisons the workspace unless only its content was refused (then
+    /// the write failed, and the workspace stays writable so its next run or a DELETE can
+    /// remove what was refused; a nested workspace's content never gets this far, see
+    /// [`SnapshotScope::canonical`]).
+    pub fn fail_commit(&self, root: &Path, cause: &WriteError) {
+        if cause.is_content() {
+            tracing::warn!(event = "workspace_commit_refused", workspace = %root.display(), error = %crate::error_chain(cause));
+        } else {
+            self.poison(root, cause);
+        }
+    }
+
     /// Records the failure and refuses later writers (`.failed` plus this process's set).
     pub fn poison(&self, root: &Path, cause: &dyn std::fmt::Display) {
         tracing::error!(event = "workspace_poisoned", workspace = %root.display(), error = %cause);
@@ -301,7 +350,8 @@ impl Versions {
         let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(pinned));
         let observed = blocking_retry(self.clone(), move || {
             let name = workspace_head_name(&root);
-            let tree = me.snapshot_live(&dir)?;
+            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: 0 };
+            let tree = me.snapshot_live(&dir, &scope)?;
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
                 return Ok(tree);
             }
@@ -359,7 +409,9 @@ impl Versions {
             let r = root.clone();
             let committed = blocking_retry(self.clone(), move || {
                 let name = workspace_head_name(&r);
-                let tree = me.store.snapshot(&r)?;
+                let tree = me
+                    .store
+                    .snapshot_scoped(&r, &SnapshotScope { canonical: Some(r.clone()), max_bytes: 0 })?;
                 let head = me.refs().head(&name)?;
                 let (id, kind) = match head {
                     Some(_) => (Some(new_uuid_v4()), "runner-recovery"),

@@ -324,16 +324,18 @@ async fn output_and_workspace_quotas() {
     );
     assert!(processes_matching(&format!("sleep 4{m}")).is_empty());
 
-    // One file can never outgrow the quota: RLIMIT_FSIZE stops the write at the limit.
+    // One file can never outgrow the quota by more than a byte: RLIMIT_FSIZE (quota + 1)
+    // stops the write, and the file it leaves is over the quota, so the run answers the
+    // quota error (never a silently truncated file).
     for f in std::fs::read_dir(&ws).unwrap() {
         std::fs::remove_file(f.unwrap().path()).unwrap();
     }
     let mut one = shell_request("main", "s", &ws, "head -c 2000000 /dev/zero > one.bin; echo unreachable");
     one["maxWorkspaceBytes"] = json!(1_000_000);
-    let r = client.post_signed("/execute-shell", &one).await.unwrap().json();
-    assert_ne!(r["exitCode"], 0, "{r}");
-    assert_eq!(r["stdout"], "");
-    assert_eq!(std::fs::metadata(ws.join("one.bin")).unwrap().len(), 1_000_000);
+    let r = client.post_signed("/execute-shell", &one).await.unwrap();
+    assert_eq!(r.status, 400, "{}", r.json());
+    assert!(r.json()["error"].as_str().unwrap().contains("the 1000000 byte execution quota"), "{}", r.json());
+    assert_eq!(std::fs::metadata(ws.join("one.bin")).unwrap().len(), 1_000_001);
 }
 
 /// Polls /status until `pred` holds for the active executions (liveness guard only).

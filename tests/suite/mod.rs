@@ -12,4 +12,5 @@ mod network_tenants;
 mod npu_broker;
 mod planted;
 mod preflight;
+mod quota;
 mod remote;

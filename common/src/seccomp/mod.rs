@@ -2,7 +2,8 @@
 //!
 //! Three profiles, each for x86_64 and aarch64:
 //! * `baseline`: the original runner's deny list (every socket call included), plus what it
-//!   missed: an x32-ABI guard, `clone(CLONE_NEWUSER)`, `clone3` → ENOSYS, `ioctl`
+//!   missed: an x32-ABI guard, `clone(CLONE_NEWUSER)`, `clone3` → ENOSYS, `fallocate` →
+//!   EOPNOTSUPP (blocks reserved faster than the workspace quota's poll can see), `ioctl`
 //!   TIOCSTI/TIOCLINUX, the new mount API, `chroot`, `acct`, `quotactl`, `syslog`, `kcmp`,
 //!   `lookup_dcookie` and the ptrace-class calls.
 //! * `network`: the baseline with the socket calls allowed for the egress bridge, but only

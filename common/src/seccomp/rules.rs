@@ -200,6 +200,11 @@ pub fn rules(profile: Profile, arch: Arch) -> Vec<Rule> {
     // clone3 passes its flags in a struct that seccomp cannot read. ENOSYS (not EPERM) makes
     // glibc fall back to clone, where the flags are visible to the rule above.
     push(Rule { syscall: sc::CLONE3, when: When::Always, errno: libc::ENOSYS });
+    // fallocate reserves blocks without writing them, gigabytes per call (past the end of a
+    // file with FALLOC_FL_KEEP_SIZE, which RLIMIT_FSIZE does not check), far faster than
+    // the workspace quota's poll can see (issue #14). EOPNOTSUPP, what a filesystem without
+    // it answers: glibc's posix_fallocate then writes the blocks, which RLIMIT_FSIZE caps.
+    push(Rule { syscall: sc::FALLOCATE, when: When::Always, errno: libc::EOPNOTSUPP });
     // Terminal input injection.
     push(Rule::deny_when(sc::IOCTL, When::ArgEquals { arg: 1, value: TIOCSTI }));
     push(Rule::deny_when(sc::IOCTL, When::ArgEquals { arg: 1, value: TIOCLINUX }));
@@ -263,6 +268,7 @@ mod tests {
         let cases: &[(&str, When, i32)] = &[
             ("clone", When::ArgHasBits { arg: 0, mask: CLONE_NEWUSER }, libc::EPERM),
             ("clone3", When::Always, libc::ENOSYS),
+            ("fallocate", When::Always, libc::EOPNOTSUPP),
             ("ioctl", When::ArgEquals { arg: 1, value: TIOCSTI }, libc::EPERM),
             ("ioctl", When::ArgEquals { arg: 1, value: TIOCLINUX }, libc::EPERM),
             ("open_tree", When::Always, libc::EPERM),

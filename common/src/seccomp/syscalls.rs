@@ -71,6 +71,7 @@ syscalls! {
     // What we add: the holes the original leaves open.
     CLONE = "clone": Some(56), Some(220);
     CLONE3 = "clone3": Some(435), Some(435);
+    FALLOCATE = "fallocate": Some(285), Some(47);
     IOCTL = "ioctl": Some(16), Some(29);
     OPEN_TREE = "open_tree": Some(428), Some(428);
     MOVE_MOUNT = "move_mount": Some(429), Some(429);
@@ -164,6 +165,7 @@ mod tests {
             ("io_uring_register", libc::SYS_io_uring_register),
             ("clone", libc::SYS_clone),
             ("clone3", libc::SYS_clone3),
+            ("fallocate", libc::SYS_fallocate),
             ("ioctl", libc::SYS_ioctl),
             ("open_tree", libc::SYS_open_tree),
             ("move_mount", libc::SYS_move_mount),

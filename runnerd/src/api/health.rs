@@ -59,6 +59,7 @@ pub fn health(
     let cap = &app.sandbox.capability;
     let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
     let [memory, pids, cpu] = crate::limits::health_entries(&app.limits, cfg.exec_timeout_ms);
+    let workspace = crate::exec::files::quota_enforcement(cfg.max_workspace_bytes);
     let mut health = json!({
         "cgroupDelegated": app.limits.delegated,
         "cgroupMode": app.limits.mode.label(),
@@ -93,6 +94,7 @@ pub fn health(
             "pids": pids.1,
             "cpu": cpu.1,
             "fsize": if cfg.max_workspace_bytes > 0 { json!("partial") } else { json!(false) },
+            "workspaceBytes": workspace.0,
             "seccomp": cap.sandbox_usable,
             "nestedUserNamespaces": cap.disable_userns,
             "unprivilegedSandboxUser": app.sandbox.user.uid != 0,
@@ -102,7 +104,7 @@ pub fn health(
             "pids": pids.2,
             "cpu": cpu.2,
             "fsize": if cfg.max_workspace_bytes > 0 {
-                "RLIMIT_FSIZE caps each file at maxWorkspaceBytes; the workspace total is polled every 100 ms"
+                "RLIMIT_FSIZE caps each file at maxWorkspaceBytes + 1 byte (so a capped write fails the quota check)"
             } else {
                 "maxWorkspaceBytes is 0 (unlimited)"
             },
@@ -111,6 +113,7 @@ pub fn health(
                 app.sandbox.user.uid,
                 app.sandbox.user.describe()
             ),
+            "workspaceBytes": workspace.1,
             "seccomp": if cap.sandbox_usable { "the baseline profile on every execution (the network profile for domain-allowlist runs)" } else { "no sandbox can be built on this host" },
             "nestedUserNamespaces": match cap.reason {
                 crate::sandbox::preflight::CapabilityReason::Supported => "--disable-userns, and clone(CLONE_NEWUSER)/unshare denied by seccomp",

@@ -247,8 +247,9 @@ pub async fn put_file(
             return Err(ApiError::with_status(409, "file_exists", files::EXISTS));
         }
         if max > 0 {
-            let used =
-                crate::exec::files::usage(&crate::exec::files::fingerprints(&crate::fsat::fd_dir_path(&fd)));
+            // A directory the walk cannot read counts as over the quota (fail closed).
+            let m = crate::exec::files::measure(&crate::fsat::fd_dir_path(&fd));
+            let used = if m.unreadable.is_some() { u64::MAX } else { m.bytes };
             if used.saturating_sub(replaced).saturating_add(staged.size) > max {
                 return Err(remote_err(RemoteError::Quota));
             }

@@ -1,42 +1,188 @@
 //! What the workspace holds, by `size:mtime` fingerprint (internals §2.5): for the quota
 //! checks and for `createdFiles`/`modifiedFiles`. Regular files only; symlinks are never
 //! followed; nothing is hashed (the content-addressed receipt is the versioning store's job).
+//!
+//! Ours, beyond the original (issue #14, hole 5): the walk goes by descriptor
+//! (`openat(O_NOFOLLOW)`, `fstatat`), a file is charged what it really costs —
+//! `max(apparent size, allocated blocks)`, so neither a sparse file (which the version store
+//! would write out in full) nor blocks `fallocate`d past the end hide — and a directory the
+//! walk cannot read fails closed: its contents are unknown, so the quota check refuses rather
+//! than count them as nothing.
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::os::unix::fs::MetadataExt;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::rc::Rc;
+
+use serde_json::{Value, json};
+
+use crate::fsat::{self, Stat};
 
 /// Workspace-relative path (`/`-separated) → (size, mtime in ns).
 pub type Fingerprints = BTreeMap<String, (u64, i128)>;
 
-/// Walks `root` without following symlinks. Unreadable directories are skipped (a sandbox
-/// can make a directory unreadable; that must not fail the run).
-pub fn fingerprints(root: &Path) -> Fingerprints {
-    let mut out = Fingerprints::new();
-    let mut stack: Vec<(std::path::PathBuf, String)> = vec![(root.to_owned(), String::new())];
-    while let Some((dir, prefix)) = stack.pop() {
-        let Ok(entries) = fs::read_dir(&dir) else { continue };
-        for entry in entries.flatten() {
-            let Ok(kind) = entry.file_type() else { continue };
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let rel = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
-            if kind.is_dir() {
-                stack.push((entry.path(), rel));
-            } else if kind.is_file()
-                && let Ok(meta) = entry.metadata()
-            {
-                let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
-                out.insert(rel, (meta.len(), mtime));
-            }
-        }
-    }
-    out
+/// Directory levels the walk descends at most (it holds a descriptor per level). Deeper is
+/// reported as unreadable, so the quota fails closed; snapshots stop at 256 levels anyway.
+pub const MAX_WALK_DEPTH: usize = 1024;
+
+/// One walk over a workspace.
+#[derive(Debug, Default)]
+pub struct Measured {
+    pub prints: Fingerprints,
+    /// What the regular files cost, each `max(size, blocks × 512)` ([`charged`]).
+    pub bytes: u64,
+    /// The first thing the walk could not read; what it holds is unknown.
+    pub unreadable: Option<Unreadable>,
 }
 
-/// Bytes of all regular files.
-pub fn usage(prints: &Fingerprints) -> u64 {
-    prints.values().map(|(size, _)| size).sum()
+/// A path (workspace-relative) the walk could not read, and why.
+#[derive(Debug)]
+pub struct Unreadable {
+    pub path: String,
+    pub error: io::Error,
+}
+
+impl Measured {
+    fn fail(&mut self, path: &str, error: io::Error) {
+        if self.unreadable.is_none() {
+            let path = if path.is_empty() { ".".to_owned() } else { path.to_owned() };
+            self.unreadable = Some(Unreadable { path, error });
+        }
+    }
+}
+
+/// What one regular file costs against the quota: its apparent size (what a snapshot stores)
+/// or its allocated blocks (what the disk holds), whichever is more.
+pub fn charged(size: u64, blocks: u64) -> u64 {
+    size.max(blocks.saturating_mul(512))
+}
+
+/// `RLIMIT_FSIZE` for a run under `limit` (0: none). One byte above the quota, so a write the
+/// limit stops leaves a file that by itself is over the quota, which the post-check reports
+/// as the original's quota error, never as a silently truncated file.
+pub fn file_size_cap(limit: u64) -> Option<u64> {
+    (limit > 0).then(|| limit.saturating_add(1))
+}
+
+/// `enforced.workspaceBytes` and its reason (R-PEER-1), for `/health` and any result that
+/// reports enforcement: `"partial"` with the bound (no host gets a kernel-enforced total yet:
+/// no project quota, no size-limited mount), `false` when unlimited.
+pub fn quota_enforcement(limit: u64) -> (Value, String) {
+    if limit == 0 {
+        return (json!(false), "maxWorkspaceBytes is 0 (unlimited)".to_owned());
+    }
+    let poll = super::QUOTA_POLL.as_millis();
+    (
+        json!("partial"),
+        format!(
+            "per file hard (RLIMIT_FSIZE = quota + 1 byte; fallocate refused by seccomp); the total, \
+             each file charged max(size, allocated blocks), is measured before, every {poll} ms during \
+             (or the last walk's duration, if longer) and after a run, failing closed on what it cannot \
+             read: a run can exceed it by what it writes between two measurements (about 1.5-3x a 20 MB \
+             quota at ~1 GB/s), which stays on disk and makes the next run's pre-check refuse; a commit \
+             never stores more than the quota"
+        ),
+    )
+}
+
+/// Why a workspace is over its quota.
+#[derive(Debug)]
+pub enum Breach {
+    Over { bytes: u64 },
+    Unreadable(Unreadable),
+}
+
+/// The quota verdict on one walk (`limit` 0: unlimited, never a breach).
+pub fn check(m: Measured, limit: u64) -> Result<Measured, Breach> {
+    if limit == 0 {
+        return Ok(m);
+    }
+    if let Some(u) = m.unreadable {
+        return Err(Breach::Unreadable(u));
+    }
+    if m.bytes > limit {
+        return Err(Breach::Over { bytes: m.bytes });
+    }
+    Ok(m)
+}
+
+/// Walks `root` by descriptor without following symlinks; never fails (what it could not
+/// read is in [`Measured::unreadable`]). Entries that vanish mid-walk (a running sandbox
+/// deleting them) are simply not there.
+pub fn measure(root: &Path) -> Measured {
+    let mut m = Measured::default();
+    let root = match CString::new(root.as_os_str().as_bytes()) {
+        Ok(c) => c,
+        Err(_) => {
+            m.fail("", io::Error::from_raw_os_error(libc::EINVAL));
+            return m;
+        }
+    };
+    // SAFETY: open(2) of a NUL-terminated path; the result is checked.
+    let fd = unsafe { libc::open(root.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    let root = match common::sys::cvt(fd) {
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        Ok(fd) => unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+        Err(e) => {
+            m.fail("", e);
+            return m;
+        }
+    };
+    // Pending directories: the open parent, the name, the relative path, the depth. Parents
+    // are shared, so a depth-first walk holds about one descriptor per level.
+    let mut stack: Vec<(Rc<OwnedFd>, CString, String, usize)> = Vec::new();
+    list(&Rc::new(root), "", 0, &mut m, &mut stack);
+    while let Some((parent, name, rel, depth)) = stack.pop() {
+        if depth > MAX_WALK_DEPTH {
+            m.fail(&rel, io::Error::other(format!("nests directories deeper than {MAX_WALK_DEPTH} levels")));
+            continue;
+        }
+        match fsat::open_dir_at(&parent, &name) {
+            Ok(dir) => list(&Rc::new(dir), &rel, depth, &mut m, &mut stack),
+            // Gone, or swapped for a symlink or a file since it was listed: nothing to count.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)) => {}
+            Err(e) => m.fail(&rel, e),
+        }
+    }
+    m
+}
+
+fn list(
+    dir: &Rc<OwnedFd>,
+    rel: &str,
+    depth: usize,
+    m: &mut Measured,
+    stack: &mut Vec<(Rc<OwnedFd>, CString, String, usize)>,
+) {
+    let names = match fsat::names(dir) {
+        Ok(names) => names,
+        Err(e) => return m.fail(rel, e),
+    };
+    for (name, cname) in names {
+        let name = name.to_string_lossy();
+        let child = if rel.is_empty() { name.into_owned() } else { format!("{rel}/{name}") };
+        let st = match Stat::at(dir, &cname) {
+            Ok(st) => st,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) => {
+                m.fail(&child, e);
+                continue;
+            }
+        };
+        match st.kind() {
+            libc::S_IFDIR => stack.push((dir.clone(), cname, child, depth + 1)),
+            libc::S_IFREG => {
+                m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks));
+                m.prints.insert(child, (st.size, st.mtime_ns));
+            }
+            // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
+            // refuses them, without poisoning the workspace).
+            _ => {}
+        }
+    }
 }
 
 /// Sorted `(created, modified)`; deletions are not reported (as the original).
@@ -66,9 +212,28 @@ pub fn quota_exceeded_message(limit: u64) -> String {
     format!("Workspace exceeded the {limit} byte execution quota {QUOTA_SUFFIX}")
 }
 
+/// The quota error for a breach: the original's text (`during`: the poll's wording), and for
+/// a path the walk could not read, that path and what to do.
+pub fn breach_message(limit: u64, breach: &Breach, during: bool) -> String {
+    let base = if during { quota_exceeded_message(limit) } else { quota_exceeds_message(limit) };
+    match breach {
+        Breach::Over { .. } => base,
+        Breach::Unreadable(u) => format!(
+            "{base}: the runner cannot read {:?} ({}), so its contents are counted as over the quota; make it readable or remove it",
+            u.path, u.error
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn walk(root: &Path) -> Measured {
+        measure(root)
+    }
 
     #[test]
     fn walk_skips_symlinks_and_reports_changes() {
@@ -80,18 +245,102 @@ mod tests {
         fs::write(root.join("gone.txt"), "333").unwrap();
         std::os::unix::fs::symlink("/etc/passwd", root.join("link")).unwrap();
         std::os::unix::fs::symlink("/etc", root.join("dirlink")).unwrap();
-        let before = fingerprints(root);
-        assert_eq!(before.keys().collect::<Vec<_>>(), ["a/b/one.txt", "gone.txt", "keep.txt"]);
-        assert_eq!(usage(&before), 6);
+        let before = walk(root);
+        assert!(before.unreadable.is_none());
+        assert_eq!(before.prints.keys().collect::<Vec<_>>(), ["a/b/one.txt", "gone.txt", "keep.txt"]);
+        // Three small files, each at least what it allocates (a block, on most filesystems).
+        let blocks: u64 = ["a/b/one.txt", "gone.txt", "keep.txt"]
+            .iter()
+            .map(|p| {
+                let m = fs::metadata(root.join(p)).unwrap();
+                charged(std::os::unix::fs::MetadataExt::size(&m), std::os::unix::fs::MetadataExt::blocks(&m))
+            })
+            .sum();
+        assert_eq!(before.bytes, blocks);
+        assert!(before.bytes >= 6);
 
         std::thread::sleep(std::time::Duration::from_millis(5));
         fs::write(root.join("a/b/one.txt"), "1111").unwrap();
         fs::write(root.join("new.txt"), "").unwrap();
         fs::remove_file(root.join("gone.txt")).unwrap();
-        let after = fingerprints(root);
-        let (created, modified) = changes(&before, &after);
+        let after = walk(root);
+        let (created, modified) = changes(&before.prints, &after.prints);
         assert_eq!(created, ["new.txt"]);
         assert_eq!(modified, ["a/b/one.txt"]);
+    }
+
+    #[test]
+    fn charges_are_the_larger_of_size_and_blocks() {
+        for (size, blocks, want) in [
+            (0, 0, 0),
+            (5, 8, 4096),
+            (1 << 28, 16, 1 << 28),
+            (0, 2048, 1 << 20),
+            (u64::MAX, u64::MAX, u64::MAX),
+        ] {
+            assert_eq!(charged(size, blocks), want, "{size} {blocks}");
+        }
+        assert_eq!(file_size_cap(0), None);
+        assert_eq!(file_size_cap(1000), Some(1001));
+        assert_eq!(file_size_cap(u64::MAX), Some(u64::MAX));
+    }
+
+    #[test]
+    fn sparse_and_preallocated_files_count_what_they_can_become() {
+        let dir = tempfile::tempdir().unwrap();
+        let sparse = fs::File::create(dir.path().join("sparse")).unwrap();
+        sparse.set_len(256 << 20).unwrap();
+        assert!(walk(dir.path()).bytes >= 256 << 20, "a sparse file counts its apparent size");
+        fs::remove_file(dir.path().join("sparse")).unwrap();
+
+        let pre = fs::File::create(dir.path().join("pre")).unwrap();
+        // SAFETY: fallocate on a descriptor we own; the result is checked.
+        let rc = unsafe {
+            libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&pre), libc::FALLOC_FL_KEEP_SIZE, 0, 8 << 20)
+        };
+        if rc != 0 {
+            eprintln!("SKIP preallocation: fallocate is not supported here ({})", io::Error::last_os_error());
+            return;
+        }
+        assert_eq!(pre.metadata().unwrap().len(), 0);
+        assert!(walk(dir.path()).bytes >= 8 << 20, "blocks allocated past the end count");
+    }
+
+    #[test]
+    fn an_unreadable_directory_fails_closed_or_is_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let hidden = dir.path().join("x/hidden");
+        fs::create_dir_all(&hidden).unwrap();
+        fs::write(hidden.join("data"), vec![1u8; 100_000]).unwrap();
+        fs::set_permissions(&hidden, fs::Permissions::from_mode(0o000)).unwrap();
+        let m = walk(dir.path());
+        fs::set_permissions(&hidden, fs::Permissions::from_mode(0o755)).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            // Permission bits do not stop root: the contents are simply counted.
+            assert!(m.unreadable.is_none());
+            assert!(m.bytes >= 100_000);
+        } else {
+            let u = m.unreadable.as_ref().expect("reported, not skipped");
+            assert_eq!(u.path, "x/hidden");
+            let e = check(m, 1_000_000).unwrap_err();
+            let text = breach_message(1_000_000, &e, false);
+            assert!(text.starts_with(&quota_exceeds_message(1_000_000)), "{text}");
+            assert!(text.contains("\"x/hidden\""), "{text}");
+        }
+    }
+
+    #[test]
+    fn the_verdict_fails_closed_and_zero_is_unlimited() {
+        let unreadable = || Measured {
+            unreadable: Some(Unreadable { path: "d".into(), error: io::Error::other("x") }),
+            ..Default::default()
+        };
+        assert!(check(unreadable(), 0).is_ok());
+        assert!(matches!(check(unreadable(), u64::MAX), Err(Breach::Unreadable(_))));
+        let sized = |bytes| Measured { bytes, ..Default::default() };
+        assert!(check(sized(1000), 1000).is_ok());
+        assert!(matches!(check(sized(1001), 1000), Err(Breach::Over { bytes: 1001 })));
+        assert_eq!(breach_message(1000, &Breach::Over { bytes: 1001 }, true), quota_exceeded_message(1000));
     }
 
     #[test]

@@ -221,7 +221,7 @@ impl Manager {
             Ok(fd) => fd,
             Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.message)).await,
         };
-        let writer = match app.versions.begin(&root, pinned, Some(&cancel)).await {
+        let mut writer = match app.versions.begin(&root, pinned, Some(&cancel)).await {
             Ok(w) => w,
             Err(WriteError::Coordination(CoordError::Aborted)) => {
                 return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await;
@@ -267,6 +267,11 @@ impl Manager {
         if truncated {
             rec.log_truncated = Some(true);
         }
+        // The version stores no more than the quota (a run over it is failed already).
+        writer.limit_snapshot_bytes(
+            request::limit(&obj, "maxWorkspaceBytes", app.config.max_workspace_bytes, "")
+                .unwrap_or(app.config.max_workspace_bytes),
+        );
         let (state, error, mut result) = match ran {
             Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
             Err(e) if e.code == UNRESPONSIVE => {
@@ -312,7 +317,7 @@ impl Manager {
                 (state, error)
             }
             Err(e) => {
-                app.versions.poison(&root, &e);
+                app.versions.fail_commit(&root, &e);
                 ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
             }
         };

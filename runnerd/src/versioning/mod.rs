@@ -71,12 +71,23 @@ pub enum VersionError {
     Base64(String),
     #[error("Workspace root must be a directory, not a symlink")]
     RootNotDirectory,
-    #[error("Workspace snapshot rejects FIFO, socket and device files")]
-    SpecialFile,
+    /// The original's text, then (ours) the workspace-relative path.
+    #[error("Workspace snapshot rejects FIFO, socket and device files: {path:?} is one; remove it")]
+    SpecialFile { path: String },
     #[error("Workspace changed during snapshot")]
     Changed,
-    #[error("Workspace nests directories deeper than {0} levels; snapshots refuse it (flatten the tree)")]
-    TooDeep(usize),
+    #[error(
+        "Workspace nests directories deeper than {limit} levels at {path:?}; snapshots refuse it (flatten the tree)"
+    )]
+    TooDeep { limit: usize, path: String },
+    #[error("Workspace snapshot cannot read {path:?}; make it readable or remove it")]
+    Unreadable {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Workspace exceeds the {limit} byte execution quota; its snapshot stores nothing beyond it")]
+    OverQuota { limit: u64 },
     #[error("Invalid ref name")]
     InvalidRefName,
     #[error("Agent head changed")]
@@ -105,6 +116,21 @@ pub enum VersionError {
         #[source]
         source: rusqlite::Error,
     },
+}
+
+impl VersionError {
+    /// Whether the workspace's own content is what the snapshot refused (a special file, a
+    /// tree too deep or unreadable, more than the quota): the workspace can fix that itself
+    /// (its next run, or a DELETE, removes it), so such a failure never poisons it.
+    pub fn is_content(&self) -> bool {
+        matches!(
+            self,
+            VersionError::SpecialFile { .. }
+                | VersionError::TooDeep { .. }
+                | VersionError::Unreadable { .. }
+                | VersionError::OverQuota { .. }
+        )
+    }
 }
 
 /// `map_err` helper: an I/O failure with what was being done and to which path.
