@@ -318,3 +318,38 @@ async fn without_journald_the_same_events_are_readable_on_stderr() {
         assert!(!log.contains(SECRET) && !log.contains(WRONG), "a token was logged:\n{log}");
     }
 }
+
+/// Issue #14 hole 10: an id holding a newline wrote a raw `WARN event="auth_failed"` line into
+/// the stderr sink. Ids with control characters are refused, on the synchronous and the
+/// managed routes, and nothing the caller sent starts a line of the log.
+#[tokio::test]
+async fn a_newline_in_an_id_forges_no_audit_line() {
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("forge");
+    let forged = "x\nWARN event=\"auth_failed\" reason=\"forged-by-a-tenant\"";
+    let mut cases = Vec::new();
+    let mut by_id = shell_request("main", "s", &ws, "echo hi");
+    by_id["executionId"] = json!(forged);
+    cases.push(("/execute-shell", by_id));
+    cases.push(("/execute-shell", shell_request(forged, "s", &ws, "echo hi")));
+    let mut by_session = shell_request("main", "s", &ws, "echo hi");
+    by_session["permissionEpoch"]["sessionId"] = json!(forged);
+    cases.push(("/execute-shell", by_session));
+    let mut managed = shell_request("main", "s", &ws, "echo hi");
+    managed["permissionEpoch"]["sessionId"] = json!("s\r\u{1b}[2Kforged");
+    cases.push(("/shell-executions", managed));
+    for (route, body) in &cases {
+        let reply = client.post_signed(route, body).await.unwrap();
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        assert_eq!(reply.status, 400, "{route}: {text}");
+        assert_eq!(reply.json()["code"], "invalid_identifier", "{route}: {text}");
+        assert!(reply.json()["error"].as_str().unwrap_or_default().contains("control characters"), "{text}");
+    }
+    // And a run with honest ids still works.
+    let ok = client.post_signed("/execute-shell", &shell_request("main", "s", &ws, "echo hi")).await.unwrap();
+    assert_eq!(ok.status, 200);
+    let log = server.stderr();
+    assert!(!log.contains("forged-by-a-tenant"), "a refused id reached the log:\n{log}");
+    assert!(log.lines().all(|l| !l.starts_with("WARN event=")), "{log}");
+}

@@ -149,6 +149,8 @@ async fn v1_as_root_kills_a_memory_hog_and_says_so() {
     assert_oom(&r, limit);
     assert_eq!(r["cgroupMode"], "cgroup-v1");
     assert_eq!(r["resourceLimits"]["memoryBytes"], limit);
+    assert_eq!(r["resourceLimits"]["enforced"]["memoryBytes"], true, "{r}");
+    assert_eq!(r["resourceLimits"]["enforced"]["pids"], true, "{r}");
     // The runner goes on serving, and its cgroups are gone.
     let ok = run(&server, &ws, "echo fine", Value::Null).await;
     assert_eq!(ok["stdout"], "fine\n");
@@ -320,6 +322,13 @@ async fn rlimits_only_mode_is_honest_about_what_it_can_do() {
     assert!(r["stderr"].as_str().unwrap().contains("MemoryError"), "{r}");
     assert!(r.get("oomKilled").is_none() && r.get("resourceUsage").is_none(), "{r}");
     assert_eq!(r["cgroupMode"], "none");
+    // Issue #14 hole 12: the result must not present the pids limit as applied.
+    let limits = &r["resourceLimits"];
+    assert_eq!(limits["pids"], 256, "{r}");
+    assert_eq!(limits["enforced"]["pids"], false, "{r}");
+    assert_eq!(limits["enforced"]["memoryBytes"], "partial", "{r}");
+    assert_eq!(limits["enforced"]["cpu"], "partial", "{r}");
+    assert_eq!(limits["enforced"]["tmpBytes"], true, "{r}");
     tmp_fills_to_its_size(&server).await;
     sandbox_cannot_touch_cgroups(&server, None).await;
 }
