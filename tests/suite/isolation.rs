@@ -304,6 +304,7 @@ touch /planted 2>/dev/null && echo root-writable || echo root-readonly
 touch /dev/planted 2>/dev/null && echo dev-writable || echo dev-readonly
 grep -E ' /(tmp|dev/shm) ' /proc/self/mountinfo | grep -c 'size='
 grep -E ' /(tmp|dev/shm) ' /proc/self/mountinfo | wc -l
+head -c 80000000 /dev/zero > /dev/shm/fill 2>/dev/null && echo shm-unbounded || stat -c %s /dev/shm/fill
 "#;
     let (outcome, out) = f.shell(script).await;
     assert_eq!(outcome.termination, Termination::Exited(0), "{}", out.stderr);
@@ -324,6 +325,8 @@ grep -E ' /(tmp|dev/shm) ' /proc/self/mountinfo | wc -l
         "{}",
         out.stderr
     );
+    // /dev/shm fills to its size (64 MiB at the fallback /tmp size) and no further.
+    assert_eq!(lines[9], (64u64 << 20).to_string(), "{}", out.stdout);
     assert_eq!(std::fs::read_to_string("/proc/sys/fs/lease-break-time").unwrap(), before);
     // What the sandbox wrote belongs on the host to the sandbox user, never to root: the
     // copy it marked setuid gives nobody root.
