@@ -139,6 +139,8 @@ pub(crate) async fn setup() -> anyhow::Result<Setup> {
     let scratch = Scratch(scratch);
     let mut config = crate::cli::sandbox_config_from_env(true)?;
     config.data_dir = scratch.0.join("data");
+    // As runnerd does before start-up (and searchable by a root start's sandbox user).
+    std::fs::create_dir_all(&config.data_dir)?;
     let runtime = startup::prepare(&config).await?;
     let Some(shape) = runtime.capability.shape() else {
         bail!("no usable sandbox on this host: {:?}", runtime.capability)
@@ -395,7 +397,9 @@ fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
     let scratch = std::env::temp_dir().join(format!("runnerd-bench-http-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let scratch = Scratch(scratch);
+    // `--dev`: as root, sandboxes run as nobody (the token still comes from the variable).
     let mut child = Command::new(&runnerd)
+        .arg("--dev")
         .env("SCIENCE_AGENT_DATA_DIR", scratch.0.join("data"))
         .env("SCIENCE_AGENT_RUNNER_PORT", "0")
         .env("SCIENCE_AGENT_RUNNER_TOKEN", BENCH_TOKEN)
