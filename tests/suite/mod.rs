@@ -9,5 +9,6 @@ mod limits;
 mod managed;
 mod network;
 mod npu_broker;
+mod output_memory;
 mod preflight;
 mod remote;

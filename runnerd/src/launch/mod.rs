@@ -30,7 +30,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::watch;
 
-pub use output::{CollectedOutput, OutputBudget, OutputSink, Stream};
+pub use output::{
+    CollectedOutput, CollectedText, OutputBudget, OutputPool, OutputSink, OutputText, Piece, Stream,
+    Utf8Stream,
+};
 use sandbox::Sandbox;
 use spawner::{SpawnError, Spawner};
 

@@ -286,9 +286,17 @@ impl Manager {
         })
         .await
         .unwrap_or((false, false));
-        let fallback_out = result.as_ref().map(|r| r.stdout.clone()).unwrap_or_default();
-        let fallback_err =
-            result.as_ref().map(|r| r.stderr.clone()).or_else(|| error.clone()).unwrap_or_default();
+        // Copied only when needed (the result's text can be large).
+        let fallback_out = if retained.0 {
+            String::new()
+        } else {
+            result.as_ref().map(|r| r.stdout.to_string()).unwrap_or_default()
+        };
+        let fallback_err = if retained.1 {
+            String::new()
+        } else {
+            result.as_ref().map(|r| r.stderr.to_string()).or_else(|| error.clone()).unwrap_or_default()
+        };
         let stdout = content_source(&db, &rec.id, Stream::Stdout, retained.0, fallback_out);
         let stderr = content_source(&db, &rec.id, Stream::Stderr, retained.1, fallback_err);
         let facts = ExecutionFacts {

@@ -1,0 +1,105 @@
+//! Issue #14 hole 4: output cannot cost runnerd more memory than it promised. A sandbox
+//! floods stdout with 64 MiB of `\x01` (6 bytes each once JSON-escaped, `\u0001`) through the
+//! real HTTP API; runnerd's peak RSS (`VmHWM`, after a small warm-up run) may grow by at most
+//! the stated bound (README "Output memory": the answer's output counted as JSON per
+//! execution, the server-wide ceiling across all) plus a fixed allowance for the run itself
+//! (threads, pipe and task buffers). Memory figures only, never a clock.
+
+use runner_tests::sandbox_or_skip;
+use runner_tests::server::{Server, ServerOptions, keyed_shell_request};
+use runnerd::client::RunnerClient;
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// 64 MiB of `\x01` on stdout.
+const FLOOD: &str = "head -c 67108864 /dev/zero | tr '\\0' '\\1'";
+const FLOOD_BYTES: u64 = 64 * MIB;
+/// What a run may cost runnerd besides the output it holds (task and pipe buffers, the
+/// executor, allocator slack); generous against the amplification it guards (12x).
+const ALLOWANCE: u64 = 40 * MIB;
+
+fn hwm(server: &Server) -> u64 {
+    let pid = server.pid().expect("runnerd's pid");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap().to_owned();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// The JSON-escaped length of a string's content (serde_json's escaping).
+fn json_len(s: &str) -> u64 {
+    serde_json::to_string(s).unwrap().len() as u64 - 2
+}
+
+fn server(ceiling: Option<u64>) -> Server {
+    let mut env = Vec::new();
+    if let Some(c) = ceiling {
+        env.push(("SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES".to_owned(), c.to_string()));
+    }
+    Server::start_with(ServerOptions { env, ..Default::default() })
+}
+
+async fn shell(client: &RunnerClient, key: &str, code: &str) -> Value {
+    let reply =
+        client.post_signed("/execute-shell", &keyed_shell_request("a", "s", key, code)).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body[..reply.body.len().min(2000)]));
+    reply.json()
+}
+
+/// Warms runnerd up with a small run; its peak after that is the baseline.
+async fn baseline(server: &Server, client: &RunnerClient) -> u64 {
+    let small = shell(client, "out/warm", "head -c 100000 /dev/zero | tr '\\0' '\\1'").await;
+    assert_eq!(small["stdout"].as_str().unwrap().len(), 100_000);
+    hwm(server)
+}
+
+#[tokio::test]
+async fn a_control_byte_flood_costs_runnerd_at_most_its_json_size() {
+    if !sandbox_or_skip("a_control_byte_flood_costs_runnerd_at_most_its_json_size") {
+        return;
+    }
+    let server = server(None);
+    let client = server.client();
+    let before = baseline(&server, &client).await;
+    let answer = shell(&client, "out/flood", FLOOD).await;
+    let grown = hwm(&server).saturating_sub(before);
+    let stdout = answer["stdout"].as_str().unwrap();
+    // Within the default 1 GiB budget (counted as JSON: 384 MiB): nothing is cut.
+    assert_eq!(stdout.len() as u64, FLOOD_BYTES);
+    assert!(stdout.bytes().all(|b| b == 1));
+    let held = json_len(stdout);
+    assert_eq!(held, 6 * FLOOD_BYTES);
+    assert!(
+        grown <= held + ALLOWANCE,
+        "runnerd's peak memory grew by {} MiB for an answer holding {} MiB of output (bound {} MiB)",
+        grown / MIB,
+        held / MIB,
+        (held + ALLOWANCE) / MIB
+    );
+}
+
+#[tokio::test]
+async fn the_server_wide_ceiling_bounds_a_flood_and_cuts_it_with_the_marker() {
+    if !sandbox_or_skip("the_server_wide_ceiling_bounds_a_flood_and_cuts_it_with_the_marker") {
+        return;
+    }
+    let ceiling = 8 * MIB;
+    let server = server(Some(ceiling));
+    let client = server.client();
+    let before = baseline(&server, &client).await;
+    let answer = shell(&client, "out/flood", FLOOD).await;
+    let grown = hwm(&server).saturating_sub(before);
+    let stdout = answer["stdout"].as_str().unwrap();
+    assert_eq!(answer["exitCode"], 0, "output never fails a run");
+    assert!(stdout.contains("...[output truncated: exceeded "), "cut with the original's marker");
+    // The ceiling bounds the memory the kept text takes (decoded UTF-8; the answer escapes
+    // it as it streams, 6 bytes for each of these).
+    let held = (stdout.len() + answer["stderr"].as_str().unwrap().len()) as u64;
+    assert!(held <= ceiling, "runnerd kept {held} bytes of output, over the {ceiling}-byte ceiling");
+    assert!(held >= ceiling / 2, "the ceiling is used, not refused: {held} bytes");
+    assert!(
+        grown <= ceiling + ALLOWANCE,
+        "runnerd's peak memory grew by {} MiB under an {} MiB output ceiling",
+        grown / MIB,
+        ceiling / MIB
+    );
+}
