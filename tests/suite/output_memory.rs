@@ -5,6 +5,8 @@
 //! execution, the server-wide ceiling across all) plus a fixed allowance for the run itself
 //! (threads, pipe and task buffers). Memory figures only, never a clock.
 
+use std::time::{Duration, Instant};
+
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, keyed_shell_request};
 use runnerd::client::RunnerClient;
@@ -17,6 +19,11 @@ const FLOOD_BYTES: u64 = 64 * MIB;
 /// What a run may cost runnerd besides the output it holds (task and pipe buffers, the
 /// executor, allocator slack); generous against the amplification it guards (12x).
 const ALLOWANCE: u64 = 40 * MIB;
+/// A managed run's result holds at most this much output, counted as JSON.
+const RESULT_CAP: u64 = 4 * MIB;
+/// What a managed run's output may cost besides the allowance: the result's text, its copy
+/// in the record, the record's JSON and SQLite's two copies of it while it is written.
+const MANAGED_BOUND: u64 = 5 * RESULT_CAP;
 
 fn hwm(server: &Server) -> u64 {
     let pid = server.pid().expect("runnerd's pid");
@@ -101,5 +108,52 @@ async fn the_server_wide_ceiling_bounds_a_flood_and_cuts_it_with_the_marker() {
         "runnerd's peak memory grew by {} MiB under an {} MiB output ceiling",
         grown / MIB,
         ceiling / MIB
+    );
+}
+
+/// Managed runs keep output in their `result` (at most 4 MiB, counted as JSON) and in
+/// their logs (on disk): the flood, its record and its log pages stay within the bound.
+#[tokio::test]
+async fn a_managed_flood_stays_within_the_bound() {
+    if !sandbox_or_skip("a_managed_flood_stays_within_the_bound") {
+        return;
+    }
+    let server = server(None);
+    let client = server.client();
+    let before = baseline(&server, &client).await;
+    let mut body = keyed_shell_request("a", "s", "out/managed", FLOOD);
+    let id = body["executionId"].as_str().unwrap().to_owned();
+    body["maxOutputBytes"] = 0.into();
+    let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+    assert_eq!(reply.status, 202, "{}", reply.json());
+    let start = Instant::now();
+    let rec = loop {
+        let r = client.get(&format!("/shell-executions/{id}?sessionId=s&agentId=a")).await.unwrap();
+        let rec = r.json();
+        if matches!(rec["state"].as_str(), Some("completed" | "failed" | "cancelled")) {
+            break rec;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "the managed flood never ended: {}",
+            rec["state"]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(rec["state"], "completed", "{}", rec["error"]);
+    let stdout = rec["result"]["stdout"].as_str().unwrap();
+    let held = json_len(stdout);
+    assert!(held <= RESULT_CAP, "a managed result holds at most 4 MiB of output as JSON: {held}");
+    assert!(stdout.contains("output truncated"), "the result is cut with the marker");
+    // The first log page is served from disk.
+    let page =
+        client.get(&format!("/shell-executions/{id}/logs?sessionId=s&agentId=a&cursor=0")).await.unwrap();
+    assert_eq!(page.json()["chunks"][0]["text"].as_str().unwrap().len(), 4096);
+    let grown = hwm(&server).saturating_sub(before);
+    assert!(
+        grown <= MANAGED_BOUND + ALLOWANCE,
+        "runnerd's peak memory grew by {} MiB for a managed result holding {} MiB of output",
+        grown / MIB,
+        held / MIB
     );
 }

@@ -31,7 +31,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::watch;
 
 pub use output::{
-    CollectedOutput, CollectedText, OutputBudget, OutputPool, OutputSink, OutputText, Piece, Stream,
+    CollectedOutput, CollectedText, Held, OutputBudget, OutputPool, OutputSink, OutputText, Piece, Stream,
     Utf8Stream,
 };
 use sandbox::Sandbox;

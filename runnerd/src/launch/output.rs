@@ -170,11 +170,30 @@ impl Utf8Stream {
 pub struct OutputPool {
     ceiling: u64,
     used: AtomicU64,
+    freed: tokio::sync::Notify,
 }
 
 impl OutputPool {
     pub fn new(ceiling: u64) -> Arc<OutputPool> {
-        Arc::new(OutputPool { ceiling, used: AtomicU64::new(0) })
+        Arc::new(OutputPool { ceiling, used: AtomicU64::new(0), freed: tokio::sync::Notify::new() })
+    }
+
+    /// Holds `n` bytes (at most the whole ceiling) for output kept outside a budget (a
+    /// stored record being answered), waiting for them to be free; `None` after `wait`.
+    pub async fn acquire(self: &Arc<Self>, n: u64, wait: std::time::Duration) -> Option<Held> {
+        let n = n.min(self.ceiling);
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.take(n) {
+                return Some(Held { pool: self.clone(), bytes: n });
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
     }
 
     pub fn ceiling(&self) -> u64 {
@@ -196,7 +215,10 @@ impl OutputPool {
     }
 
     fn give(&self, n: u64) {
-        self.used.fetch_sub(n, Ordering::AcqRel);
+        if n > 0 {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+            self.freed.notify_waiters();
+        }
     }
 }
 
@@ -611,6 +633,11 @@ impl OutputText {
         self.pieces.iter().map(Piece::as_str)
     }
 
+    /// Takes what this text holds from the pool (to keep it counted while a copy is made).
+    pub fn take_held(&mut self) -> Option<Held> {
+        self._held.take()
+    }
+
     /// Takes the pieces (the memory stays held by this text until it is dropped).
     pub fn take_pieces(&mut self) -> Vec<Piece> {
         std::mem::take(&mut self.pieces)
@@ -823,6 +850,22 @@ mod tests {
             assert!(text.stdout.json_len() as u64 <= budget);
             assert!(text.stdout.to_string().ends_with(&String::from_utf8(vec![byte; 100]).unwrap()));
         }
+    }
+
+    #[tokio::test]
+    async fn acquire_waits_for_room_and_gives_up_after_its_wait() {
+        let pool = OutputPool::new(1000);
+        let first = pool.acquire(800, std::time::Duration::from_secs(5)).await.unwrap();
+        assert!(pool.acquire(300, std::time::Duration::ZERO).await.is_none());
+        let waiter = tokio::spawn({
+            let pool = pool.clone();
+            async move { pool.acquire(5000, std::time::Duration::from_secs(60)).await.map(|h| h.bytes()) }
+        });
+        tokio::task::yield_now().await;
+        drop(first);
+        // More than the ceiling holds the whole ceiling.
+        assert_eq!(waiter.await.unwrap(), Some(1000));
+        assert_eq!(pool.used(), 0);
     }
 
     #[test]

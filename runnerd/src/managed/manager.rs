@@ -14,13 +14,13 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
-use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RowReader};
+use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::api::error::ApiError;
 use crate::app::App;
 use crate::coordination::{ABORTED, CoordError};
 use crate::exec::{self, UNRESPONSIVE, request};
-use crate::launch::{OutputSink, Stream};
+use crate::launch::{Held, OutputPool, OutputSink, Stream};
 use crate::sandbox::Language;
 use crate::timefmt;
 use crate::writer::{ContentSource, ExecutionFacts, WriteError};
@@ -36,9 +36,23 @@ pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
 /// How often live log rows are written (one transaction per flush).
 pub const LOG_FLUSH: Duration = Duration::from_millis(100);
 
-/// The most output a managed run's `result.stdout`/`stderr` hold together (the logs keep
-/// everything the retention budget allows).
-pub const RESULT_OUTPUT_CAP: u64 = 64 << 20;
+/// Records larger than this are answered as a stream, their size held from the output pool.
+pub const LARGE_RECORD: u64 = 1 << 20;
+/// How long a status or cancel request waits for output memory before 503.
+pub const RECORD_WAIT: Duration = Duration::from_secs(30);
+
+/// A record's stored text and, for a large one, its memory held from the output pool.
+#[derive(Debug)]
+pub struct RecordText {
+    pub text: String,
+    pub held: Option<Held>,
+}
+
+/// The most output a managed run's `result.stdout`/`stderr` hold together, counted as JSON
+/// (the logs keep everything the retention budget allows). Small, because the record holding
+/// it is written whole into SQLite, which copies a bound text about twice, and read whole for
+/// every status request.
+pub const RESULT_OUTPUT_CAP: u64 = 4 << 20;
 
 /// The output budget of a managed run's result: its `maxOutputBytes`, at most the cap
 /// (`0`, unlimited, becomes the cap).
@@ -166,8 +180,16 @@ impl Manager {
     }
 
     async fn save(&self, rec: &ManagedExecution) {
-        let stored = rec.clone();
-        if let Err(e) = db_do(&self.db, move |db| db.save(&stored)).await {
+        // Serialized here, once: a clone of a record with a large result would copy it.
+        let json = match serde_json::to_string(rec) {
+            Ok(json) => json,
+            Err(e) => {
+                tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e);
+                return;
+            }
+        };
+        let (id, session, agent) = (rec.id.clone(), rec.session_id.clone(), rec.agent_id.clone());
+        if let Err(e) = db_do(&self.db, move |db| db.save_json(&id, &session, &agent, &json)).await {
             tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e.message);
         }
     }
@@ -322,23 +344,56 @@ impl Manager {
                 ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
             }
         };
+        // The output stays counted in the pool while the record holds its copy.
+        let held: Vec<Held> = result
+            .as_mut()
+            .map(|r| [r.stdout.take_held(), r.stderr.take_held()].into_iter().flatten().collect())
+            .unwrap_or_default();
         rec.result = result.and_then(|r| serde_json::to_value(r).ok());
         self.finish(&mut rec, audit, state, error).await;
+        drop(held);
         drop(writer);
         drop(queue);
     }
 
-    /// The record, if it belongs to this owner.
-    pub async fn get(
+    /// The record's owner, state and size, if it belongs to this owner (its text unread).
+    async fn meta(&self, id: &str, session_id: &str, agent_id: &str) -> Result<RecordMeta, ApiError> {
+        let key = id.to_owned();
+        let meta = db_do(&self.db, move |db| db.meta(&key)).await?;
+        meta.filter(|m| m.session_id == session_id && m.agent_id == agent_id)
+            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
+    }
+
+    /// The record as stored, if it belongs to this owner. A large one (its result holds up
+    /// to [`RESULT_OUTPUT_CAP`] of output) first holds its size from the output pool, waiting up to
+    /// [`RECORD_WAIT`] for room, so that concurrent status requests cannot multiply it.
+    pub async fn record(
         &self,
+        pool: &Arc<OutputPool>,
         id: &str,
         session_id: &str,
         agent_id: &str,
-    ) -> Result<ManagedExecution, ApiError> {
+    ) -> Result<RecordText, ApiError> {
+        let meta = self.meta(id, session_id, agent_id).await?;
+        let held = if meta.size > LARGE_RECORD {
+            let held = pool.acquire(meta.size, RECORD_WAIT).await.ok_or_else(|| ApiError {
+                retry_after: Some(1),
+                ..ApiError::with_status(
+                    503,
+                    "output_memory_busy",
+                    "The runner's output memory is in use; retry the status request",
+                )
+            })?;
+            Some(held)
+        } else {
+            None
+        };
         let key = id.to_owned();
-        let rec = db_do(&self.db, move |db| db.get(&key)).await?;
-        rec.filter(|r| r.session_id == session_id && r.agent_id == agent_id)
-            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
+        let row = db_do(&self.db, move |db| db.record_text(&key)).await?;
+        let (_, _, text) = row
+            .filter(|(s, a, _)| s == session_id && a == agent_id)
+            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
+        Ok(RecordText { text, held })
     }
 
     /// One `ExecutionLogPage`.
@@ -351,7 +406,7 @@ impl Manager {
     ) -> Result<Value, ApiError> {
         let after =
             parse_cursor(cursor).ok_or_else(|| ApiError::bad_request("invalid_cursor", INVALID_CURSOR))?;
-        let rec = self.get(id, session_id, agent_id).await?;
+        let rec = self.meta(id, session_id, agent_id).await?;
         let key = id.to_owned();
         let page = db_do(&self.db, move |db| db.page(&key, after, PAGE_ROWS)).await?;
         let next = page.rows.last().map_or(after, |r| r.0);
@@ -363,7 +418,7 @@ impl Manager {
         Ok(json!({
             "chunks": chunks,
             "nextCursor": next,
-            "retentionTruncated": rec.log_truncated.unwrap_or(false),
+            "retentionTruncated": rec.log_truncated,
             "truncated": page.more,
         }))
     }
@@ -371,18 +426,19 @@ impl Manager {
     /// Aborts a non-terminal execution; answers the record as it is now.
     pub async fn cancel(
         &self,
+        pool: &Arc<OutputPool>,
         id: &str,
         session_id: &str,
         agent_id: &str,
-    ) -> Result<ManagedExecution, ApiError> {
-        let rec = self.get(id, session_id, agent_id).await?;
-        if !rec.is_terminal()
+    ) -> Result<RecordText, ApiError> {
+        let rec = self.meta(id, session_id, agent_id).await?;
+        if !super::db::is_terminal(&rec.state)
             && let Some(tx) = self.controllers().get(id)
         {
             let _ = tx.send(true);
             tracing::info!(event = "execution_cancel_requested", execution_id = %id, state = %rec.state);
         }
-        Ok(rec)
+        self.record(pool, id, session_id, agent_id).await
     }
 
     /// Refuses new starts, aborts every execution and waits (bounded) for them to record
