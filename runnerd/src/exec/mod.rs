@@ -581,6 +581,10 @@ impl OutputSink for Tee<'_, '_> {
             extra.write(stream, bytes);
         }
     }
+
+    fn backlog(&self) -> Option<Arc<tokio::sync::Notify>> {
+        self.extra.as_ref().and_then(|e| e.backlog())
+    }
 }
 
 /// Runs a prepared request in a fresh sandbox: quota pre-check, launch with timeout and a

@@ -394,6 +394,16 @@ async fn pump_output(stdout: OwnedFd, stderr: OwnedFd, sink: &mut dyn OutputSink
                 Ok(n) => sink.write(Stream::Stderr, &err_buf[..n]),
             },
         }
+        // A sink with a backlog (rows not yet written) is let drain before the next read.
+        while let Some(drained) = sink.backlog() {
+            let notified = drained.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if sink.backlog().is_none() || tokio::time::timeout(output::BACKLOG_WAIT, notified).await.is_err()
+            {
+                break;
+            }
+        }
     }
     Ok(())
 }

@@ -32,7 +32,18 @@ pub enum Stream {
 /// Receives the sandbox's output as it arrives.
 pub trait OutputSink: Send {
     fn write(&mut self, stream: Stream, bytes: &[u8]);
+
+    /// `Some` while the sink holds more than it should (a managed run's log rows not yet
+    /// written): the launcher waits for that notification, at most [`BACKLOG_WAIT`] at a
+    /// time, before it reads on; meanwhile the sandbox waits on its full pipe.
+    fn backlog(&self) -> Option<Arc<tokio::sync::Notify>> {
+        None
+    }
 }
+
+/// The longest one wait for a sink's backlog (a sink that cannot drain, e.g. a failing
+/// database, slows the run down but never stops it).
+pub const BACKLOG_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The largest piece of kept text (one allocation, taken from the pool as a whole).
 pub const CHUNK: usize = 64 * 1024;

@@ -35,6 +35,8 @@ pub const INVALID_CURSOR: &str = "Invalid log cursor";
 pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
 /// How often live log rows are written (one transaction per flush).
 pub const LOG_FLUSH: Duration = Duration::from_millis(100);
+/// Unwritten log text past which the launcher waits for the flusher (see `LiveLogs`).
+pub const LOG_BACKLOG: usize = 8 << 20;
 
 /// Records larger than this are answered as a stream, their size held from the output pool.
 pub const LARGE_RECORD: u64 = 1 << 20;
@@ -259,7 +261,7 @@ impl Manager {
         let budget = request::limit(&obj, "maxOutputBytes", app.config.max_output_bytes, "")
             .unwrap_or(app.config.max_output_bytes);
         let live = LiveLogs::new(budget);
-        let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.state.clone()));
+        let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.clone()));
         let mut sink = live.clone();
         let code = request::string(&obj, "code").unwrap_or("").to_owned();
         let ran = async {
@@ -489,6 +491,8 @@ fn content_source(
 struct LogState {
     retention: Retention,
     pending: Vec<LogRow>,
+    /// Bytes of text in `pending`.
+    pending_bytes: usize,
     newly_truncated: bool,
     closed: bool,
 }
@@ -498,6 +502,10 @@ struct LogState {
 #[derive(Debug, Clone)]
 struct LiveLogs {
     state: Arc<(Mutex<LogState>, Notify)>,
+    /// Wakes the flusher before its next tick (a backlog).
+    wake: Arc<Notify>,
+    /// Notified when the flusher takes the pending rows.
+    drained: Arc<Notify>,
 }
 
 impl LiveLogs {
@@ -505,10 +513,15 @@ impl LiveLogs {
         let state = LogState {
             retention: Retention::new(budget),
             pending: Vec::new(),
+            pending_bytes: 0,
             newly_truncated: false,
             closed: false,
         };
-        LiveLogs { state: Arc::new((Mutex::new(state), Notify::new())) }
+        LiveLogs {
+            state: Arc::new((Mutex::new(state), Notify::new())),
+            wake: Arc::default(),
+            drained: Arc::default(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, LogState> {
@@ -529,26 +542,42 @@ impl OutputSink for LiveLogs {
     fn write(&mut self, stream: Stream, bytes: &[u8]) {
         let mut s = self.lock();
         let (rows, first) = s.retention.push(stream, bytes);
+        s.pending_bytes += rows.iter().map(|r| r.text.len()).sum::<usize>();
         s.pending.extend(rows);
         s.newly_truncated |= first;
+    }
+
+    /// Past [`LOG_BACKLOG`] unwritten bytes the launcher stops reading until the flusher
+    /// takes them (the sandbox waits on its full pipe): rows never pile up in memory faster
+    /// than SQLite writes them.
+    fn backlog(&self) -> Option<Arc<Notify>> {
+        if self.lock().pending_bytes <= LOG_BACKLOG {
+            return None;
+        }
+        self.wake.notify_one();
+        Some(self.drained.clone())
     }
 }
 
 /// Writes pending rows every [`LOG_FLUSH`] (one transaction each) until closed and drained;
 /// the first overflow is recorded on the execution at once.
-async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogState>, Notify)>) {
+async fn flush_logs(db: Arc<ExecutionsDb>, id: String, live: LiveLogs) {
+    let state = live.state.clone();
     let mut next_cursor = 1u64;
     loop {
         let closed = tokio::select! {
             _ = tokio::time::sleep(LOG_FLUSH) => false,
+            _ = live.wake.notified() => false,
             _ = state.1.notified() => true,
         };
         let (rows, truncated_now, done) = {
             let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
             let rows = std::mem::take(&mut s.pending);
+            s.pending_bytes = 0;
             let t = std::mem::take(&mut s.newly_truncated);
             (rows, t, closed || s.closed)
         };
+        live.drained.notify_waiters();
         let (first, key, db2) = (next_cursor, id.clone(), db.clone());
         let written = tokio::task::spawn_blocking(move || {
             let result = db2.append_logs(&key, first, &rows).and_then(|()| match db2.get(&key)? {
@@ -567,6 +596,7 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogStat
                 // Kept for the next flush, in order: cursors stay gapless.
                 tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e, rows = rows.len());
                 let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
+                s.pending_bytes += rows.iter().map(|r| r.text.len()).sum::<usize>();
                 s.pending.splice(0..0, rows);
                 s.newly_truncated |= truncated_now;
             }
@@ -581,6 +611,36 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogStat
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Past the backlog the launcher is held (`backlog` is `Some`) until the real flusher
+    /// takes the rows; then it reads on, and every row reaches the database.
+    #[tokio::test]
+    async fn a_log_backlog_holds_the_reader_until_the_flusher_takes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(ExecutionsDb::open(dir.path(), "t").unwrap().0);
+        let live = LiveLogs::new(0);
+        let mut sink = live.clone();
+        let chunk = vec![b'x'; 64 * 1024];
+        let mut written = 0;
+        let drained = loop {
+            if let Some(n) = sink.backlog() {
+                break n;
+            }
+            sink.write(Stream::Stdout, &chunk);
+            written += chunk.len();
+        };
+        assert!(written > LOG_BACKLOG);
+        let notified = drained.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let flusher = tokio::spawn(flush_logs(db.clone(), "e".into(), live.clone()));
+        tokio::time::timeout(Duration::from_secs(60), notified).await.expect("the flusher drains");
+        assert!(sink.backlog().is_none());
+        live.close();
+        flusher.await.unwrap();
+        let rows = db.page("e", 0, usize::MAX >> 1).unwrap().rows;
+        assert_eq!(rows.iter().map(|r| r.2.len()).sum::<usize>(), written);
+    }
 
     #[test]
     fn execution_ids_follow_the_original_pattern() {
