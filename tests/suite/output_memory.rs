@@ -157,3 +157,64 @@ async fn a_managed_flood_stays_within_the_bound() {
         held / MIB
     );
 }
+
+/// A ceiling filled by another tenant's output never empties a run's answer: two managed
+/// runs of tenant A hold their 4 MiB results (their floods done, the commands asleep) under
+/// an 8 MiB ceiling; tenant B's small output comes back whole, its flood cut with the marker.
+#[tokio::test]
+async fn a_full_ceiling_never_empties_another_runs_output() {
+    if !sandbox_or_skip("a_full_ceiling_never_empties_another_runs_output") {
+        return;
+    }
+    let server = server(Some(8 * MIB));
+    let client = server.client();
+    let mut ids = Vec::new();
+    for n in 0..2 {
+        let code = "head -c 16777216 /dev/zero | tr '\\0' 'x'; sleep 600";
+        let mut body = keyed_shell_request("a", "s", &format!("out/hold{n}"), code);
+        body["maxOutputBytes"] = 0.into();
+        let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+        assert_eq!(reply.status, 202, "{}", reply.json());
+        ids.push(body["executionId"].as_str().unwrap().to_owned());
+    }
+    // Each flood is past its 4 MiB result once its log has more than 1024 rows of 4096
+    // characters.
+    let start = Instant::now();
+    for id in &ids {
+        loop {
+            let page = client
+                .get(&format!("/shell-executions/{id}/logs?sessionId=s&agentId=a&cursor=1024"))
+                .await
+                .unwrap()
+                .json();
+            if !page["chunks"].as_array().unwrap().is_empty() {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(300), "the floods never got through");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let small = shell(&client, "out/b", "echo hello").await;
+    assert_eq!(small["stdout"], "hello\n");
+    let flood = shell(&client, "out/b", "head -c 1048576 /dev/zero | tr '\\0' 'y'; echo LAST").await;
+    let stdout = flood["stdout"].as_str().unwrap();
+    assert_eq!(flood["exitCode"], 0);
+    assert!(
+        stdout.contains("...[output truncated: exceeded "),
+        "cut with the marker: {} bytes",
+        stdout.len()
+    );
+    assert!(stdout.ends_with("LAST\n"), "the tail is the newest output");
+    for id in &ids {
+        let reply = client
+            .send_bytes(
+                "POST",
+                &format!("/shell-executions/{id}/cancel?sessionId=s&agentId=a"),
+                &[],
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 202);
+    }
+}

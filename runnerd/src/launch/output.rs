@@ -199,7 +199,7 @@ impl OutputPool {
             tokio::pin!(notified);
             notified.as_mut().enable();
             if self.take(n) {
-                return Some(Held { pool: self.clone(), bytes: n });
+                return Some(Held { pool: self.clone(), bytes: n, floor: false });
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return None;
@@ -225,6 +225,12 @@ impl OutputPool {
             .is_ok()
     }
 
+    /// Takes `n` bytes past the ceiling ([`FLOOR`]).
+    fn force(&self, n: u64) -> bool {
+        self.used.fetch_add(n, Ordering::AcqRel);
+        true
+    }
+
     fn give(&self, n: u64) {
         if n > 0 {
             self.used.fetch_sub(n, Ordering::AcqRel);
@@ -233,22 +239,33 @@ impl OutputPool {
     }
 }
 
+/// What every execution may keep whatever the pool holds (its first chunks, 256 bytes
+/// doubling: the marker always fits), so that a ceiling filled by others never empties a
+/// run's output. Beyond the ceiling by at most this much per execution in flight.
+pub const FLOOR: usize = 8 * 1024;
+
 /// Bytes held from a pool, given back when dropped.
 #[derive(Debug)]
 pub struct Held {
     pool: Arc<OutputPool>,
     bytes: u64,
+    /// Whether the first [`FLOOR`] bytes may be taken past the ceiling.
+    floor: bool,
 }
 
 impl Held {
+    /// An execution's output: its first [`FLOOR`] bytes are granted past the ceiling.
     fn new(pool: &Arc<OutputPool>) -> Held {
-        Held { pool: pool.clone(), bytes: 0 }
+        Held { pool: pool.clone(), bytes: 0, floor: true }
     }
 
+    /// Takes `n` more bytes if the pool has them, or (an execution's first
+    /// [`FLOOR`] bytes) even if it has not.
     fn take(&mut self, n: usize) -> bool {
-        let ok = self.pool.take(n as u64);
+        let n = n as u64;
+        let ok = self.pool.take(n) || (self.floor && self.bytes + n <= FLOOR as u64 && self.pool.force(n));
         if ok {
-            self.bytes += n as u64;
+            self.bytes += n;
         }
         ok
     }
@@ -263,7 +280,7 @@ impl Held {
     fn split(&mut self, n: usize) -> Held {
         let n = (n as u64).min(self.bytes);
         self.bytes -= n;
-        Held { pool: self.pool.clone(), bytes: n }
+        Held { pool: self.pool.clone(), bytes: n, floor: false }
     }
 
     pub fn bytes(&self) -> u64 {
@@ -305,8 +322,18 @@ impl Chunks {
             if end == 0 {
                 // The last chunk is full (or too full for the next character): a new one.
                 let last = self.chunks.back().map_or(0, |(c, _)| c.capacity());
-                let cap = text.len().clamp(FIRST_CHUNK, CHUNK).max((2 * last).min(CHUNK));
-                if held.take(cap) {
+                let mut cap = text.len().clamp(FIRST_CHUNK, CHUNK).max((2 * last).min(CHUNK));
+                // Near the ceiling (or within the floor) a smaller chunk may still be had.
+                let taken = loop {
+                    if held.take(cap) {
+                        break true;
+                    }
+                    if cap <= FIRST_CHUNK {
+                        break false;
+                    }
+                    cap = (cap / 2).max(FIRST_CHUNK);
+                };
+                if taken {
                     self.memory += cap;
                     self.chunks.push_back((String::with_capacity(cap), 0));
                 } else if recycle && !self.chunks.is_empty() {
@@ -898,13 +925,19 @@ mod tests {
         assert!(stdout.contains("...[output truncated: exceeded "), "the original's marker");
         assert!(stdout.ends_with("yyyTHE END"), "the tail is the newest output");
         assert!(pool.used() > 0);
-        // A second execution while the first answer is held: cut at once, never over.
-        let mut second = OutputBudget::pooled(0, &pool);
-        second.push(Stream::Stdout, &data);
-        assert!(pool.used() <= ceiling);
-        drop(second.finish_text());
+        // While the first answer holds the ceiling, another execution still keeps its
+        // first FLOOR bytes: small output whole, large output cut with the marker.
+        let mut small = OutputBudget::pooled(0, &pool);
+        small.push(Stream::Stdout, b"hello");
+        let mut large = OutputBudget::pooled(0, &pool);
+        large.push(Stream::Stdout, &data);
+        large.push(Stream::Stdout, b"LAST");
+        assert!(pool.used() <= ceiling + 2 * FLOOR as u64);
+        assert_eq!(small.finish().stdout, "hello");
+        let large = large.finish().stdout;
+        assert!(large.contains("output truncated: exceeded "), "{large}");
+        assert!(large.ends_with("LAST") && large.len() <= FLOOR, "{}", large.len());
         drop(text);
-        assert_eq!(pool.used(), 0, "every byte is given back");
         let mut third = OutputBudget::pooled(0, &pool);
         third.push(Stream::Stdout, b"ok");
         assert_eq!(third.finish().stdout, "ok");
