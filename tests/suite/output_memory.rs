@@ -82,6 +82,14 @@ async fn a_control_byte_flood_costs_runnerd_at_most_its_json_size() {
         held / MIB,
         (held + ALLOWANCE) / MIB
     );
+    // And what README promises beyond the bound: the answer streams, so the flood costs the
+    // text runnerd keeps, not its 6x escaped form.
+    assert!(
+        grown <= FLOOD_BYTES + ALLOWANCE,
+        "runnerd's peak memory grew by {} MiB for {} MiB of kept output",
+        grown / MIB,
+        FLOOD_BYTES / MIB
+    );
 }
 
 #[tokio::test]

@@ -13,7 +13,7 @@ use std::io::{self, Read};
 
 use super::ExecutionResult;
 use crate::api::stream::Download;
-use crate::launch::output::escaped;
+use crate::launch::output::{escaped, json_len};
 use crate::launch::{OutputText, Piece};
 
 #[derive(Debug)]
@@ -103,6 +103,17 @@ impl Read for Answer {
                 Part::Text(piece) => {
                     let text = piece.as_str().as_bytes();
                     while self.pos < text.len() && n < buf.len() {
+                        // A run of bytes that need no escape is copied as it is.
+                        let plain = text[self.pos..]
+                            .iter()
+                            .take(buf.len() - n)
+                            .take_while(|b| json_len(**b) == 1)
+                            .count();
+                        if plain > 0 {
+                            buf[n..n + plain].copy_from_slice(&text[self.pos..self.pos + plain]);
+                            (n, self.pos) = (n + plain, self.pos + plain);
+                            continue;
+                        }
                         let (e, len) = escaped(text[self.pos]);
                         self.pos += 1;
                         let k = len.min(buf.len() - n);
