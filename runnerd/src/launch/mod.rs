@@ -13,6 +13,7 @@
 
 mod handshake;
 pub mod output;
+pub mod pool;
 mod sandbox;
 pub mod spawner;
 
