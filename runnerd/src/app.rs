@@ -41,6 +41,8 @@ pub struct App {
     pub limits: crate::limits::Enforcement,
     /// npu-brokerd, for the `/npu/workloads` and `/npu/jobs…` routes.
     pub npu_broker: crate::npu_broker::BrokerClient,
+    /// The server-wide ceiling on output held in memory (`max_buffered_output_bytes`).
+    pub output_pool: std::sync::Arc<crate::launch::OutputPool>,
 }
 
 impl App {
@@ -61,6 +63,7 @@ impl App {
             bridge: crate::egress::locate_bridge(config.egress_bridge.clone()),
         };
         App {
+            output_pool: crate::launch::OutputPool::new(config.max_buffered_output_bytes),
             token,
             sandbox,
             admission,

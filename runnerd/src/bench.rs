@@ -42,12 +42,15 @@ Usage:
                                         1024 MiB), and managed-run log throughput (100 MB)
   runnerd-bench limits [--iterations N]  launch time with a per-execution cgroup against
                                         rlimits only, interleaved (default 200)
+  runnerd-bench output [--mib N]        runnerd's peak RSS during an N MiB output flood
+                                        (default 64) against the output and answer sizes
 ";
 
 pub fn run() -> i32 {
     let mut iterations = 200usize;
     let mut versions = None;
     let mut limits = false;
+    let mut output = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -60,6 +63,11 @@ pub fn run() -> i32 {
         match arg.as_str() {
             "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
             "limits" => limits = true,
+            "output" => output = Some(64u64),
+            "--mib" if output.is_some() => {
+                let Some(n) = number(&arg) else { return 2 };
+                output = Some(n.max(1));
+            }
             "--files" | "--mib" | "--log-mb" if versions.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
                 let v = versions.as_mut().expect("checked");
@@ -96,6 +104,7 @@ pub fn run() -> i32 {
     let result = match versions {
         Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
         None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
+        None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
     };
     match result {
@@ -375,10 +384,16 @@ async fn bench_versions(files: usize, mib: u64, log_mb: u64) -> anyhow::Result<(
     crate::bench_versions::log_throughput(&client, log_mb).await
 }
 
+/// runnerd's peak RSS during output floods (sandbox-init as for `versions`).
+async fn bench_output(mib: u64) -> anyhow::Result<()> {
+    let setup = setup().await?;
+    crate::bench_output::bench(setup.launcher.init_path(), mib).await
+}
+
 /// A runnerd started from the binary next to this one, on an ephemeral port.
-struct Daemon {
-    child: std::process::Child,
-    endpoint: Endpoint,
+pub(crate) struct Daemon {
+    pub(crate) child: std::process::Child,
+    pub(crate) endpoint: Endpoint,
     _scratch: Scratch,
 }
 
@@ -389,9 +404,14 @@ impl Drop for Daemon {
     }
 }
 
-const BENCH_TOKEN: &str = "bench-token";
+pub(crate) const BENCH_TOKEN: &str = "bench-token";
 
 fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
+    start_runnerd_with(init, &[])
+}
+
+/// The same, with extra environment variables.
+pub(crate) fn start_runnerd_with(init: &Path, env: &[(&str, &str)]) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe()?;
     let runnerd = exe.with_file_name("runnerd");
     let scratch = std::env::temp_dir().join(format!("runnerd-bench-http-{}", std::process::id()));
@@ -405,6 +425,7 @@ fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
         .env("SCIENCE_AGENT_RUNNER_TOKEN", BENCH_TOKEN)
         .env("SCIENCE_AGENT_SANDBOX_INIT_PATH", init)
         .env("SCIENCE_AGENT_LOG_LEVEL", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -418,7 +439,7 @@ fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
     Ok(Daemon { child, endpoint, _scratch: scratch })
 }
 
-fn rss_kib(pid: u32, field: &str) -> u64 {
+pub(crate) fn rss_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()

@@ -17,6 +17,8 @@ pub const DEFAULT_PORT: u16 = 4311;
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_MAX_WORKSPACE_BYTES: u64 = 10_737_418_240;
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1_073_741_824;
+/// Ours: output held in memory across all executions (issue #14 hole 4).
+pub const DEFAULT_MAX_BUFFERED_OUTPUT_BYTES: u64 = 1_073_741_824;
 pub const DEFAULT_SIGNATURE_MAX_AGE_MS: u64 = 30_000;
 /// The original's well-known token, accepted only with `--insecure-default-token`.
 pub const WELL_KNOWN_TOKEN: &str = "sciencediscovery-runner-local";
@@ -37,6 +39,8 @@ pub struct RunnerConfig {
     pub sandbox_user: Option<String>,
     pub exec_timeout_ms: u64,
     pub max_output_bytes: u64,
+    /// Ours: the server-wide ceiling on output held in memory (`crate::launch::OutputPool`).
+    pub max_buffered_output_bytes: u64,
     pub max_workspace_bytes: u64,
     pub signature_max_age_ms: u64,
     /// Legacy, validated like the original and otherwise unused.
@@ -160,6 +164,10 @@ impl RunnerConfig {
             sandbox_user: get(crate::sandbox::user::USER_VAR),
             exec_timeout_ms: non_negative("SCIENCE_AGENT_EXEC_TIMEOUT_MS", 0)?,
             max_output_bytes: non_negative("SCIENCE_AGENT_MAX_OUTPUT_BYTES", DEFAULT_MAX_OUTPUT_BYTES)?,
+            max_buffered_output_bytes: positive(
+                "SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES",
+                DEFAULT_MAX_BUFFERED_OUTPUT_BYTES as usize,
+            )? as u64,
             max_workspace_bytes: non_negative(
                 "SCIENCE_AGENT_MAX_WORKSPACE_BYTES",
                 DEFAULT_MAX_WORKSPACE_BYTES,
@@ -215,6 +223,7 @@ pub static SCHEMA: Schema = Schema {
         Key::new("python_path", "SCIENCE_AGENT_PYTHON_PATH", Kind::Text),
         Key::new("exec_timeout_ms", "SCIENCE_AGENT_EXEC_TIMEOUT_MS", Kind::Integer),
         Key::new("max_output_bytes", "SCIENCE_AGENT_MAX_OUTPUT_BYTES", Kind::Integer),
+        Key::new("max_buffered_output_bytes", "SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES", Kind::Integer),
         Key::new("max_workspace_bytes", "SCIENCE_AGENT_MAX_WORKSPACE_BYTES", Kind::Integer),
         Key::new("execution_signature_max_age_ms", SIGNATURE_MAX_AGE, Kind::Integer),
         Key::new("kernel_idle_ms", "SCIENCE_AGENT_KERNEL_IDLE_MS", Kind::Integer),
@@ -314,6 +323,7 @@ impl Loaded {
                     "python_path" => c.python_path.clone(),
                     "exec_timeout_ms" => c.exec_timeout_ms.to_string(),
                     "max_output_bytes" => c.max_output_bytes.to_string(),
+                    "max_buffered_output_bytes" => c.max_buffered_output_bytes.to_string(),
                     "max_workspace_bytes" => c.max_workspace_bytes.to_string(),
                     "execution_signature_max_age_ms" => c.signature_max_age_ms.to_string(),
                     "kernel_idle_ms" => c.kernel_idle_ms.to_string(),
@@ -369,6 +379,7 @@ mod tests {
         assert_eq!(c.exec_timeout_ms, 0);
         assert_eq!(c.max_workspace_bytes, 10_737_418_240);
         assert_eq!(c.max_output_bytes, 1_073_741_824);
+        assert_eq!(c.max_buffered_output_bytes, 1 << 30);
         assert_eq!(c.signature_max_age_ms, 30_000);
         assert!(!c.npu_broker_enabled);
         assert_eq!(c.socket_path, None);
@@ -416,6 +427,7 @@ mod tests {
                 "positive integer number of milliseconds",
             ),
             ("SCIENCE_AGENT_QUEUE_CAPACITY", "0", "positive integer"),
+            ("SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES", "0", "positive integer"),
         ];
         for (name, value, needle) in cases {
             let err = config(&[(name, value)]).unwrap_err().to_string();

@@ -152,13 +152,15 @@ fn respond(status: u16, body: String, retry_after: Option<u64>) -> Response<Repl
     response
 }
 
-/// A download: raw bytes, `no-store`, `nosniff`, and a length when it is known.
+/// A streamed answer (a download, or a large JSON result): `no-store`, `nosniff`, and a
+/// length when it is known.
 fn respond_download(status: u16, download: api::stream::Download) -> Response<ReplyBody> {
+    let content_type = download.content_type;
     let mut response = Response::new(ReplyBody::Stream(download.rx));
     *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
     headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     if let Some(len) = download.content_length {
         headers.insert(hyper::header::CONTENT_LENGTH, HeaderValue::from(len));

@@ -14,6 +14,7 @@ pub use common::audit;
 pub mod auth;
 pub mod bench;
 pub mod bench_limits;
+pub mod bench_output;
 pub mod bench_versions;
 pub mod check;
 pub mod cli;

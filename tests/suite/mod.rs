@@ -10,6 +10,7 @@ mod managed;
 mod network;
 mod network_tenants;
 mod npu_broker;
+mod output_memory;
 mod planted;
 mod preflight;
 mod quota;

@@ -1,16 +1,49 @@
 //! `/shell-executions` routes (contract §3): create (signed, 202), status, logs and cancel
-//! (202), each scoped to its owner `(sessionId, agentId)` from the query.
+//! (202), each scoped to its owner `(sessionId, agentId)` from the query. Status and cancel
+//! answer the stored record verbatim; a large one streams, its memory held from the output
+//! pool until it is sent.
 
+use std::io::Read;
 use std::sync::Arc;
 
 use super::error::ApiError;
+use super::stream::Download;
 use super::{ApiResponse, query};
 use crate::app::App;
 use crate::exec::{self, request};
+use crate::launch::Held;
+use crate::managed::manager::RecordText;
 
 fn answer(status: u16, value: impl serde::Serialize) -> Result<ApiResponse, ApiError> {
     let body = serde_json::to_string(&value).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
     Ok(ApiResponse::json(status, body))
+}
+
+/// A reader that keeps output memory counted until it is dropped.
+struct Holding<R> {
+    reader: R,
+    _held: Held,
+}
+
+impl<R: Read> Read for Holding<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.reader.read(buf)
+    }
+}
+
+fn record(status: u16, rec: RecordText) -> ApiResponse {
+    match rec.held {
+        None => ApiResponse::json(status, rec.text),
+        Some(held) => {
+            let len = rec.text.len() as u64 + 1;
+            let reader = Holding {
+                reader: std::io::Cursor::new(rec.text.into_bytes()).chain(&b"\n"[..]),
+                _held: held,
+            };
+            let download = Download::from_reader(reader, Some(len)).json();
+            ApiResponse { status, body: String::new(), download: Some(download) }
+        }
+    }
 }
 
 /// The owner named by the query; missing parameters mean `""`.
@@ -28,7 +61,7 @@ pub async fn start(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError>
 
 pub async fn get(app: &App, id: &str, q: Option<&str>) -> Result<ApiResponse, ApiError> {
     let (session, agent) = owner(q);
-    answer(200, app.managed.get(id, &session, &agent).await?)
+    Ok(record(200, app.managed.record(&app.output_pool, id, &session, &agent).await?))
 }
 
 pub async fn logs(app: &App, id: &str, q: Option<&str>) -> Result<ApiResponse, ApiError> {
@@ -39,5 +72,5 @@ pub async fn logs(app: &App, id: &str, q: Option<&str>) -> Result<ApiResponse, A
 
 pub async fn cancel(app: &App, id: &str, q: Option<&str>) -> Result<ApiResponse, ApiError> {
     let (session, agent) = owner(q);
-    answer(202, app.managed.cancel(id, &session, &agent).await?)
+    Ok(record(202, app.managed.cancel(&app.output_pool, id, &session, &agent).await?))
 }

@@ -291,8 +291,12 @@ async fn execute(
     });
     let task = tokio::spawn(exec::execute(app, route, obj, stop_rx));
     match task.await {
-        // Serialized once, straight from the result (output can be large).
-        Ok(result) => Ok(ApiResponse::json(200, result?)),
+        // Streamed straight from the kept output (it can be large): no copy of it is made.
+        Ok(result) => {
+            let answer = exec::answer::Answer::new(result?)
+                .map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+            Ok(ApiResponse { status: 200, body: String::new(), download: Some(answer.into_download()) })
+        }
         Err(e) => Err(ApiError::bad_request("internal", format!("the execution task failed: {e}"))),
     }
 }

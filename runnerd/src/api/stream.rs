@@ -19,10 +19,11 @@ const CHUNK: usize = 256 * 1024;
 /// The longest pause allowed between two frames of an upload.
 pub const UPLOAD_IDLE: Duration = Duration::from_secs(60);
 
-/// A streamed answer: `application/octet-stream`, with a length when known.
+/// A streamed answer: `application/octet-stream` (or JSON), with a length when known.
 #[derive(Debug)]
 pub struct Download {
     pub content_length: Option<u64>,
+    pub content_type: &'static str,
     pub rx: mpsc::Receiver<std::io::Result<Bytes>>,
 }
 
@@ -67,7 +68,12 @@ impl Download {
                 }
             }
         });
-        Download { content_length, rx }
+        Download { content_length, content_type: "application/octet-stream", rx }
+    }
+
+    /// The same stream, answered as JSON (a streamed execution result).
+    pub fn json(self) -> Download {
+        Download { content_type: "application/json; charset=utf-8", ..self }
     }
 }
 

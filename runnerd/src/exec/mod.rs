@@ -4,6 +4,7 @@
 //! client-disconnect cancellation) → quota post-check → result.
 
 pub mod admission;
+pub mod answer;
 pub mod dedupe;
 pub mod files;
 pub mod registry;
@@ -22,7 +23,7 @@ use tokio::sync::watch;
 use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
 use crate::coordination::CoordError;
-use crate::launch::{Launch, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
+use crate::launch::{Launch, OutputBudget, OutputSink, OutputText, Stream, Termination, default_rlimits};
 use crate::sandbox::{EgressMount, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
 use crate::timefmt;
 use crate::writer::WriteError;
@@ -72,8 +73,9 @@ impl Serialize for OrderedMap {
 #[serde(rename_all = "camelCase")]
 pub struct ExecutionResult {
     pub exit_code: i32,
-    pub stdout: String,
-    pub stderr: String,
+    /// The kept output, as the budget rendered it (no copy; see [`answer`]).
+    pub stdout: OutputText,
+    pub stderr: OutputText,
     pub cgroup_mode: &'static str,
     pub created_files: Vec<String>,
     pub modified_files: Vec<String>,
@@ -279,7 +281,7 @@ pub async fn execute(
     route: Route,
     obj: Object,
     mut client_gone: watch::Receiver<bool>,
-) -> Result<String, ApiError> {
+) -> Result<ExecutionResult, ApiError> {
     request::require_ephemeral(&obj)?;
     let language = request::language(route, &obj)?;
     let (root, read_only) = resolve_workspace(&app, &obj)?;
@@ -388,7 +390,7 @@ pub async fn execute(
     };
     let mut result = ran?;
     result.workspace_snapshot = Some(tree.to_value());
-    serde_json::to_string(&result).map_err(|e| ApiError::bad_request("internal", e.to_string()))
+    Ok(result)
 }
 
 /// The error code for a refused or failed workspace write.
@@ -600,6 +602,10 @@ impl OutputSink for Tee<'_, '_> {
             extra.write(stream, bytes);
         }
     }
+
+    fn backlog(&self) -> Option<Arc<tokio::sync::Notify>> {
+        self.extra.as_ref().and_then(|e| e.backlog())
+    }
 }
 
 /// Runs a prepared request in a fresh sandbox: quota pre-check, launch with timeout and a
@@ -748,7 +754,7 @@ async fn sandbox_run(
     audit.started();
     let launched = Instant::now();
 
-    let mut output = OutputBudget::new(p.max_output);
+    let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
     let outcome = app.sandbox.launcher.run(launch, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
     let usage = crate::limits::finish(cgroup).await;
@@ -812,7 +818,7 @@ async fn sandbox_run(
         }
     };
     let (created_files, modified_files) = files::changes(&before, &after);
-    let collected = output.finish();
+    let collected = output.finish_text();
     finish("completed", Some(exit_code));
     let limits = crate::limits::outcome_fields(
         outcome.termination,

@@ -13,6 +13,7 @@
 
 mod handshake;
 pub mod output;
+pub mod pool;
 mod sandbox;
 pub mod spawner;
 
@@ -32,7 +33,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::watch;
 
-pub use output::{CollectedOutput, OutputBudget, OutputSink, Stream};
+pub use output::{
+    CollectedOutput, CollectedText, Held, OutputBudget, OutputPool, OutputSink, OutputText, Piece, Stream,
+    Utf8Stream,
+};
 use sandbox::Sandbox;
 use spawner::{SpawnError, Spawner};
 
@@ -432,6 +436,16 @@ async fn pump_output(stdout: OwnedFd, stderr: OwnedFd, sink: &mut dyn OutputSink
                 Ok(0) | Err(_) => err_open = false,
                 Ok(n) => sink.write(Stream::Stderr, &err_buf[..n]),
             },
+        }
+        // A sink with a backlog (rows not yet written) is let drain before the next read.
+        while let Some(drained) = sink.backlog() {
+            let notified = drained.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if sink.backlog().is_none() || tokio::time::timeout(output::BACKLOG_WAIT, notified).await.is_err()
+            {
+                break;
+            }
         }
     }
     Ok(())

@@ -83,6 +83,17 @@ pub enum DbError {
     Record(#[source] serde_json::Error),
 }
 
+/// What the routes check before they read a record ([`ExecutionsDb::meta`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordMeta {
+    pub session_id: String,
+    pub agent_id: String,
+    pub state: String,
+    pub log_truncated: bool,
+    /// The record's text, in bytes.
+    pub size: u64,
+}
+
 /// One page of logs: rows after a cursor, and whether more exist.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogPage {
@@ -184,11 +195,17 @@ impl ExecutionsDb {
     /// Upserts the record (every state change).
     pub fn save(&self, rec: &ManagedExecution) -> Result<(), DbError> {
         let json = serde_json::to_string(rec).map_err(DbError::Record)?;
+        self.save_json(&rec.id, &rec.session_id, &rec.agent_id, &json)
+    }
+
+    /// Upserts the record as `json`, its text serialized by the caller (no second copy of a
+    /// large result).
+    pub fn save_json(&self, id: &str, session: &str, agent: &str, json: &str) -> Result<(), DbError> {
         self.conn()
             .execute(
                 "INSERT INTO executions(id, session, agent, record) VALUES(?1, ?2, ?3, ?4)
                  ON CONFLICT(id) DO UPDATE SET record=excluded.record",
-                params![rec.id, rec.session_id, rec.agent_id, json],
+                params![id, session, agent, json],
             )
             .map(|_| ())
             .map_err(|e| self.sqlite(e))
@@ -201,6 +218,40 @@ impl ExecutionsDb {
             .optional()
             .map_err(|e| self.sqlite(e))?;
         text.map(|t| serde_json::from_str(&t).map_err(DbError::Record)).transpose()
+    }
+
+    /// The owner, the state, `logTruncated` and the size of a record, read by SQLite without
+    /// loading its text here (a record holds megabytes of result output).
+    pub fn meta(&self, id: &str) -> Result<Option<RecordMeta>, DbError> {
+        self.conn()
+            .query_row(
+                "SELECT session, agent, json_extract(record, '$.state'), \
+                 coalesce(json_extract(record, '$.logTruncated'), 0), octet_length(record) \
+                 FROM executions WHERE id=?1",
+                params![id],
+                |row| {
+                    Ok(RecordMeta {
+                        session_id: row.get(0)?,
+                        agent_id: row.get(1)?,
+                        state: row.get::<_, Option<String>>(2)?.unwrap_or_default(),
+                        log_truncated: row.get::<_, i64>(3)? != 0,
+                        size: row.get::<_, i64>(4)?.max(0) as u64,
+                    })
+                },
+            )
+            .optional()
+            .map_err(|e| self.sqlite(e))
+    }
+
+    /// A record's stored text, which `GET` answers verbatim (it is what `save` wrote), with
+    /// its owner.
+    pub fn record_text(&self, id: &str) -> Result<Option<(String, String, String)>, DbError> {
+        self.conn()
+            .query_row("SELECT session, agent, record FROM executions WHERE id=?1", params![id], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+            })
+            .optional()
+            .map_err(|e| self.sqlite(e))
     }
 
     /// Appends rows with cursors `first, first+1, …` in one transaction.

@@ -25,45 +25,8 @@ pub fn stream_name(stream: Stream) -> &'static str {
     }
 }
 
-/// A streaming UTF-8 decoder for one stream.
-#[derive(Debug, Default)]
-pub struct Utf8Stream {
-    pending: Vec<u8>,
-}
-
-impl Utf8Stream {
-    /// Decodes what can be decoded; keeps an incomplete trailing sequence for later.
-    pub fn decode(&mut self, bytes: &[u8]) -> String {
-        let mut buf = std::mem::take(&mut self.pending);
-        buf.extend_from_slice(bytes);
-        let mut out = String::with_capacity(buf.len());
-        let mut rest = &buf[..];
-        loop {
-            match std::str::from_utf8(rest) {
-                Ok(s) => {
-                    out.push_str(s);
-                    break;
-                }
-                Err(e) => {
-                    let (valid, after) = rest.split_at(e.valid_up_to());
-                    // SAFETY-free: `valid` was just checked by from_utf8.
-                    out.push_str(std::str::from_utf8(valid).unwrap_or_default());
-                    match e.error_len() {
-                        Some(n) => {
-                            out.push('\u{FFFD}');
-                            rest = &after[n..];
-                        }
-                        None => {
-                            self.pending = after.to_vec();
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        out
-    }
-}
+/// The streaming UTF-8 decoder the result budget uses too.
+pub use crate::launch::Utf8Stream;
 
 /// Retention across both streams, in bytes (`0` = unlimited).
 #[derive(Debug)]

@@ -14,13 +14,13 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
-use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RowReader};
+use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::api::error::ApiError;
 use crate::app::App;
 use crate::coordination::{ABORTED, CoordError};
 use crate::exec::{self, UNRESPONSIVE, request};
-use crate::launch::{OutputSink, Stream};
+use crate::launch::{Held, OutputPool, OutputSink, Stream};
 use crate::sandbox::Language;
 use crate::timefmt;
 use crate::writer::{ContentSource, ExecutionFacts, WriteError};
@@ -35,10 +35,26 @@ pub const INVALID_CURSOR: &str = "Invalid log cursor";
 pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
 /// How often live log rows are written (one transaction per flush).
 pub const LOG_FLUSH: Duration = Duration::from_millis(100);
+/// Unwritten log text past which the launcher waits for the flusher (see `LiveLogs`).
+pub const LOG_BACKLOG: usize = 8 << 20;
 
-/// The most output a managed run's `result.stdout`/`stderr` hold together (the logs keep
-/// everything the retention budget allows).
-pub const RESULT_OUTPUT_CAP: u64 = 64 << 20;
+/// Records larger than this are answered as a stream, their size held from the output pool.
+pub const LARGE_RECORD: u64 = 1 << 20;
+/// How long a status or cancel request waits for output memory before 503.
+pub const RECORD_WAIT: Duration = Duration::from_secs(30);
+
+/// A record's stored text and, for a large one, its memory held from the output pool.
+#[derive(Debug)]
+pub struct RecordText {
+    pub text: String,
+    pub held: Option<Held>,
+}
+
+/// The most output a managed run's `result.stdout`/`stderr` hold together, counted as JSON
+/// (the logs keep everything the retention budget allows). Small, because the record holding
+/// it is written whole into SQLite, which copies a bound text about twice, and read whole for
+/// every status request.
+pub const RESULT_OUTPUT_CAP: u64 = 4 << 20;
 
 /// The output budget of a managed run's result: its `maxOutputBytes`, at most the cap
 /// (`0`, unlimited, becomes the cap).
@@ -168,8 +184,16 @@ impl Manager {
     }
 
     async fn save(&self, rec: &ManagedExecution) {
-        let stored = rec.clone();
-        if let Err(e) = db_do(&self.db, move |db| db.save(&stored)).await {
+        // Serialized here, once: a clone of a record with a large result would copy it.
+        let json = match serde_json::to_string(rec) {
+            Ok(json) => json,
+            Err(e) => {
+                tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e);
+                return;
+            }
+        };
+        let (id, session, agent) = (rec.id.clone(), rec.session_id.clone(), rec.agent_id.clone());
+        if let Err(e) = db_do(&self.db, move |db| db.save_json(&id, &session, &agent, &json)).await {
             tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e.message);
         }
     }
@@ -239,7 +263,7 @@ impl Manager {
         let budget = request::limit(&obj, "maxOutputBytes", app.config.max_output_bytes, "")
             .unwrap_or(app.config.max_output_bytes);
         let live = LiveLogs::new(budget);
-        let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.state.clone()));
+        let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.clone()));
         let mut sink = live.clone();
         let code = request::string(&obj, "code").unwrap_or("").to_owned();
         let ran = async {
@@ -293,9 +317,17 @@ impl Manager {
         })
         .await
         .unwrap_or((false, false));
-        let fallback_out = result.as_ref().map(|r| r.stdout.clone()).unwrap_or_default();
-        let fallback_err =
-            result.as_ref().map(|r| r.stderr.clone()).or_else(|| error.clone()).unwrap_or_default();
+        // Copied only when needed (the result's text can be large).
+        let fallback_out = if retained.0 {
+            String::new()
+        } else {
+            result.as_ref().map(|r| r.stdout.to_string()).unwrap_or_default()
+        };
+        let fallback_err = if retained.1 {
+            String::new()
+        } else {
+            result.as_ref().map(|r| r.stderr.to_string()).or_else(|| error.clone()).unwrap_or_default()
+        };
         let stdout = content_source(&db, &rec.id, Stream::Stdout, retained.0, fallback_out);
         let stderr = content_source(&db, &rec.id, Stream::Stderr, retained.1, fallback_err);
         let facts = ExecutionFacts {
@@ -321,23 +353,56 @@ impl Manager {
                 ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
             }
         };
+        // The output stays counted in the pool while the record holds its copy.
+        let held: Vec<Held> = result
+            .as_mut()
+            .map(|r| [r.stdout.take_held(), r.stderr.take_held()].into_iter().flatten().collect())
+            .unwrap_or_default();
         rec.result = result.and_then(|r| serde_json::to_value(r).ok());
         self.finish(&mut rec, audit, state, error).await;
+        drop(held);
         drop(writer);
         drop(queue);
     }
 
-    /// The record, if it belongs to this owner.
-    pub async fn get(
+    /// The record's owner, state and size, if it belongs to this owner (its text unread).
+    async fn meta(&self, id: &str, session_id: &str, agent_id: &str) -> Result<RecordMeta, ApiError> {
+        let key = id.to_owned();
+        let meta = db_do(&self.db, move |db| db.meta(&key)).await?;
+        meta.filter(|m| m.session_id == session_id && m.agent_id == agent_id)
+            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
+    }
+
+    /// The record as stored, if it belongs to this owner. A large one (its result holds up
+    /// to [`RESULT_OUTPUT_CAP`] of output) first holds its size from the output pool, waiting up to
+    /// [`RECORD_WAIT`] for room, so that concurrent status requests cannot multiply it.
+    pub async fn record(
         &self,
+        pool: &Arc<OutputPool>,
         id: &str,
         session_id: &str,
         agent_id: &str,
-    ) -> Result<ManagedExecution, ApiError> {
+    ) -> Result<RecordText, ApiError> {
+        let meta = self.meta(id, session_id, agent_id).await?;
+        let held = if meta.size > LARGE_RECORD {
+            let held = pool.acquire(meta.size, RECORD_WAIT).await.ok_or_else(|| ApiError {
+                retry_after: Some(1),
+                ..ApiError::with_status(
+                    503,
+                    "output_memory_busy",
+                    "The runner's output memory is in use; retry the status request",
+                )
+            })?;
+            Some(held)
+        } else {
+            None
+        };
         let key = id.to_owned();
-        let rec = db_do(&self.db, move |db| db.get(&key)).await?;
-        rec.filter(|r| r.session_id == session_id && r.agent_id == agent_id)
-            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
+        let row = db_do(&self.db, move |db| db.record_text(&key)).await?;
+        let (_, _, text) = row
+            .filter(|(s, a, _)| s == session_id && a == agent_id)
+            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
+        Ok(RecordText { text, held })
     }
 
     /// One `ExecutionLogPage`.
@@ -350,7 +415,7 @@ impl Manager {
     ) -> Result<Value, ApiError> {
         let after =
             parse_cursor(cursor).ok_or_else(|| ApiError::bad_request("invalid_cursor", INVALID_CURSOR))?;
-        let rec = self.get(id, session_id, agent_id).await?;
+        let rec = self.meta(id, session_id, agent_id).await?;
         let key = id.to_owned();
         let page = db_do(&self.db, move |db| db.page(&key, after, PAGE_ROWS)).await?;
         let next = page.rows.last().map_or(after, |r| r.0);
@@ -362,7 +427,7 @@ impl Manager {
         Ok(json!({
             "chunks": chunks,
             "nextCursor": next,
-            "retentionTruncated": rec.log_truncated.unwrap_or(false),
+            "retentionTruncated": rec.log_truncated,
             "truncated": page.more,
         }))
     }
@@ -370,18 +435,19 @@ impl Manager {
     /// Aborts a non-terminal execution; answers the record as it is now.
     pub async fn cancel(
         &self,
+        pool: &Arc<OutputPool>,
         id: &str,
         session_id: &str,
         agent_id: &str,
-    ) -> Result<ManagedExecution, ApiError> {
-        let rec = self.get(id, session_id, agent_id).await?;
-        if !rec.is_terminal()
+    ) -> Result<RecordText, ApiError> {
+        let rec = self.meta(id, session_id, agent_id).await?;
+        if !super::db::is_terminal(&rec.state)
             && let Some(tx) = self.controllers().get(id)
         {
             let _ = tx.send(true);
             tracing::info!(event = "execution_cancel_requested", execution_id = %id, state = %rec.state);
         }
-        Ok(rec)
+        self.record(pool, id, session_id, agent_id).await
     }
 
     /// Refuses new starts, aborts every execution and waits (bounded) for them to record
@@ -432,6 +498,8 @@ fn content_source(
 struct LogState {
     retention: Retention,
     pending: Vec<LogRow>,
+    /// Bytes of text in `pending`.
+    pending_bytes: usize,
     newly_truncated: bool,
     closed: bool,
 }
@@ -441,6 +509,10 @@ struct LogState {
 #[derive(Debug, Clone)]
 struct LiveLogs {
     state: Arc<(Mutex<LogState>, Notify)>,
+    /// Wakes the flusher before its next tick (a backlog).
+    wake: Arc<Notify>,
+    /// Notified when the flusher takes the pending rows.
+    drained: Arc<Notify>,
 }
 
 impl LiveLogs {
@@ -448,10 +520,15 @@ impl LiveLogs {
         let state = LogState {
             retention: Retention::new(budget),
             pending: Vec::new(),
+            pending_bytes: 0,
             newly_truncated: false,
             closed: false,
         };
-        LiveLogs { state: Arc::new((Mutex::new(state), Notify::new())) }
+        LiveLogs {
+            state: Arc::new((Mutex::new(state), Notify::new())),
+            wake: Arc::default(),
+            drained: Arc::default(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, LogState> {
@@ -472,26 +549,42 @@ impl OutputSink for LiveLogs {
     fn write(&mut self, stream: Stream, bytes: &[u8]) {
         let mut s = self.lock();
         let (rows, first) = s.retention.push(stream, bytes);
+        s.pending_bytes += rows.iter().map(|r| r.text.len()).sum::<usize>();
         s.pending.extend(rows);
         s.newly_truncated |= first;
+    }
+
+    /// Past [`LOG_BACKLOG`] unwritten bytes the launcher stops reading until the flusher
+    /// takes them (the sandbox waits on its full pipe): rows never pile up in memory faster
+    /// than SQLite writes them.
+    fn backlog(&self) -> Option<Arc<Notify>> {
+        if self.lock().pending_bytes <= LOG_BACKLOG {
+            return None;
+        }
+        self.wake.notify_one();
+        Some(self.drained.clone())
     }
 }
 
 /// Writes pending rows every [`LOG_FLUSH`] (one transaction each) until closed and drained;
 /// the first overflow is recorded on the execution at once.
-async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogState>, Notify)>) {
+async fn flush_logs(db: Arc<ExecutionsDb>, id: String, live: LiveLogs) {
+    let state = live.state.clone();
     let mut next_cursor = 1u64;
     loop {
         let closed = tokio::select! {
             _ = tokio::time::sleep(LOG_FLUSH) => false,
+            _ = live.wake.notified() => false,
             _ = state.1.notified() => true,
         };
         let (rows, truncated_now, done) = {
             let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
             let rows = std::mem::take(&mut s.pending);
+            s.pending_bytes = 0;
             let t = std::mem::take(&mut s.newly_truncated);
             (rows, t, closed || s.closed)
         };
+        live.drained.notify_waiters();
         let (first, key, db2) = (next_cursor, id.clone(), db.clone());
         let written = tokio::task::spawn_blocking(move || {
             let result = db2.append_logs(&key, first, &rows).and_then(|()| match db2.get(&key)? {
@@ -510,6 +603,7 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogStat
                 // Kept for the next flush, in order: cursors stay gapless.
                 tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e, rows = rows.len());
                 let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
+                s.pending_bytes += rows.iter().map(|r| r.text.len()).sum::<usize>();
                 s.pending.splice(0..0, rows);
                 s.newly_truncated |= truncated_now;
             }
@@ -524,6 +618,36 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, state: Arc<(Mutex<LogStat
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Past the backlog the launcher is held (`backlog` is `Some`) until the real flusher
+    /// takes the rows; then it reads on, and every row reaches the database.
+    #[tokio::test]
+    async fn a_log_backlog_holds_the_reader_until_the_flusher_takes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(ExecutionsDb::open(dir.path(), "t").unwrap().0);
+        let live = LiveLogs::new(0);
+        let mut sink = live.clone();
+        let chunk = vec![b'x'; 64 * 1024];
+        let mut written = 0;
+        let drained = loop {
+            if let Some(n) = sink.backlog() {
+                break n;
+            }
+            sink.write(Stream::Stdout, &chunk);
+            written += chunk.len();
+        };
+        assert!(written > LOG_BACKLOG);
+        let notified = drained.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let flusher = tokio::spawn(flush_logs(db.clone(), "e".into(), live.clone()));
+        tokio::time::timeout(Duration::from_secs(60), notified).await.expect("the flusher drains");
+        assert!(sink.backlog().is_none());
+        live.close();
+        flusher.await.unwrap();
+        let rows = db.page("e", 0, usize::MAX >> 1).unwrap().rows;
+        assert_eq!(rows.iter().map(|r| r.2.len()).sum::<usize>(), written);
+    }
 
     #[test]
     fn execution_ids_follow_the_original_pattern() {
