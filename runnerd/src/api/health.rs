@@ -70,6 +70,10 @@ pub fn health(
         "executionTimeoutMs": cfg.exec_timeout_ms,
         "maxFileBytes": 0,
         "maxOutputBytes": cfg.max_output_bytes,
+        "bufferedOutput": {
+            "ceilingBytes": app.output_pool.ceiling(),
+            "usedBytes": app.output_pool.used(),
+        },
         "maxWorkspaceBytes": cfg.max_workspace_bytes,
         "networkPolicy": "none",
         "noNewPrivileges": true,
