@@ -42,12 +42,18 @@ Usage:
                                         1024 MiB), and managed-run log throughput (100 MB)
   runnerd-bench limits [--iterations N]  launch time with a per-execution cgroup against
                                         rlimits only, interleaved (default 200)
+  runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
+                                        runnerd's RSS idle, at peak and S s after N
+                                        concurrent requests and after M sequential
+                                        executions, glibc defaults against runnerd's
+                                        tuning, both in this run (default 500, 3000, 60)
 ";
 
 pub fn run() -> i32 {
     let mut iterations = 200usize;
     let mut versions = None;
     let mut limits = false;
+    let mut memory = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -60,6 +66,16 @@ pub fn run() -> i32 {
         match arg.as_str() {
             "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
             "limits" => limits = true,
+            "memory" => memory = Some((500u64, 3000u64, 60u64)),
+            "--concurrent" | "--sequential" | "--settle" if memory.is_some() => {
+                let Some(n) = number(&arg) else { return 2 };
+                let m = memory.as_mut().expect("checked");
+                match arg.as_str() {
+                    "--concurrent" => m.0 = n.max(1),
+                    "--sequential" => m.1 = n.max(1),
+                    _ => m.2 = n,
+                }
+            }
             "--files" | "--mib" | "--log-mb" if versions.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
                 let v = versions.as_mut().expect("checked");
@@ -95,6 +111,10 @@ pub fn run() -> i32 {
     };
     let result = match versions {
         Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
+        None if memory.is_some() => {
+            let (c, s, settle) = memory.expect("checked");
+            rt.block_on(crate::bench_memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
+        }
         None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
         None => rt.block_on(bench(iterations)),
     };
@@ -374,9 +394,9 @@ async fn bench_versions(files: usize, mib: u64, log_mb: u64) -> anyhow::Result<(
 }
 
 /// A runnerd started from the binary next to this one, on an ephemeral port.
-struct Daemon {
-    child: std::process::Child,
-    endpoint: Endpoint,
+pub(crate) struct Daemon {
+    pub(crate) child: std::process::Child,
+    pub(crate) endpoint: Endpoint,
     _scratch: Scratch,
 }
 
@@ -387,12 +407,17 @@ impl Drop for Daemon {
     }
 }
 
-const BENCH_TOKEN: &str = "bench-token";
+pub(crate) const BENCH_TOKEN: &str = "bench-token";
 
 fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
+    start_runnerd_with(init, "http", &[])
+}
+
+/// A runnerd in a scratch directory named after `tag`, with `env` added.
+pub(crate) fn start_runnerd_with(init: &Path, tag: &str, env: &[(&str, &str)]) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe()?;
     let runnerd = exe.with_file_name("runnerd");
-    let scratch = std::env::temp_dir().join(format!("runnerd-bench-http-{}", std::process::id()));
+    let scratch = std::env::temp_dir().join(format!("runnerd-bench-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let scratch = Scratch(scratch);
     let mut child = Command::new(&runnerd)
@@ -401,6 +426,7 @@ fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
         .env("SCIENCE_AGENT_RUNNER_TOKEN", BENCH_TOKEN)
         .env("SCIENCE_AGENT_SANDBOX_INIT_PATH", init)
         .env("SCIENCE_AGENT_LOG_LEVEL", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -414,7 +440,7 @@ fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
     Ok(Daemon { child, endpoint, _scratch: scratch })
 }
 
-fn rss_kib(pid: u32, field: &str) -> u64 {
+pub(crate) fn rss_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
@@ -424,7 +450,7 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
 }
 
 /// One signed `POST /execute-shell` of `true` in the remote workspace `key`.
-async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Result<Duration> {
+pub(crate) async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Result<Duration> {
     let body = serde_json::json!({
         "agentId": "bench",
         "code": "true",

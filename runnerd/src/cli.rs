@@ -62,6 +62,8 @@ pub fn load_config() -> Result<Loaded, config::LoadError> {
 
 /// Entry point of the `runnerd` binary; returns the process exit status.
 pub fn run() -> i32 {
+    // Before any thread exists: glibc makes its arenas per thread.
+    crate::memory::configure();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut command = "serve";
     let mut dev = false;

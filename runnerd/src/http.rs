@@ -27,6 +27,7 @@ use crate::api::stream::ReplyBody;
 use crate::api::{self, ApiRequest, ApiResponse, error::ApiError};
 use crate::app::App;
 use crate::auth;
+use crate::memory::{self, Activity};
 
 mod bytes_compat {
     pub use hyper::body::Bytes;
@@ -295,8 +296,27 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
 /// Connections served at once; more wait in the kernel's accept queue.
 pub const MAX_CONNECTIONS: usize = 1024;
 
+/// Counts a request as in flight until dropped (hyper drops the future of a request whose
+/// client went away), for the trimmer that returns memory after load.
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn new(activity: &Arc<Activity>) -> InFlight {
+        activity.begin();
+        InFlight(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
 /// Serves until `shutdown` completes, then lets in-flight requests finish (bounded).
 pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Output = ()>) {
+    let activity = Arc::new(Activity::default());
+    let trimmer = tokio::spawn(memory::trimmer(activity.clone()));
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(app.config.header_read_timeout).keep_alive(true);
@@ -320,10 +340,16 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
             }
         };
         let app = app.clone();
+        let activity = activity.clone();
         let service = service_fn(move |req| {
             let app = app.clone();
             let peer = peer.clone();
-            async move { Ok::<_, Infallible>(handle(app, req, peer).await) }
+            let in_flight = InFlight::new(&activity);
+            async move {
+                let response = handle(app, req, peer).await;
+                drop(in_flight);
+                Ok::<_, Infallible>(response)
+            }
         });
         let conn = graceful.watch(builder.serve_connection(io, service));
         tokio::spawn(async move {
@@ -342,6 +368,7 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
     if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
         tracing::warn!(event = "shutdown", detail = "in-flight requests did not finish in time");
     }
+    trimmer.abort();
 }
 
 /// Either kind of connection, as one I/O type for hyper.
