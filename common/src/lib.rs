@@ -7,6 +7,7 @@
 //!   as pure rule tables compiled to classic BPF.
 //! * [`settings`]: a daemon's TOML configuration file layered under its variables.
 //! * [`npu`]: the runnerd ↔ npu-brokerd protocol.
+//! * [`out`]: command-line output that ends quietly when its reader has gone.
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
 
 #[cfg(feature = "daemon")]
@@ -17,6 +18,7 @@ pub mod channel_async;
 pub mod confine;
 pub mod egress;
 pub mod npu;
+pub mod out;
 pub mod plan;
 pub mod seccomp;
 #[cfg(feature = "daemon")]

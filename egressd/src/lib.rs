@@ -50,12 +50,10 @@ pub fn run() -> i32 {
     };
     match args.mode {
         Mode::Help => {
-            print!("{}", config::USAGE);
-            return 0;
+            return common::out::print_status(config::USAGE, 0);
         }
         Mode::Version => {
-            println!("egressd {}", version());
-            return 0;
+            return common::out::print_status(&format!("egressd {}\n", version()), 0);
         }
         Mode::CheckConfig | Mode::Serve => {}
     }
@@ -74,10 +72,7 @@ pub fn run() -> i32 {
     }
     if loaded.args.mode == Mode::CheckConfig {
         return match check(&loaded) {
-            Ok(text) => {
-                print!("{text}");
-                0
-            }
+            Ok(text) => common::out::print_status(&text, 0),
             Err(e) => {
                 eprintln!("egressd: {e:#}");
                 1

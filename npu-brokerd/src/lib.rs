@@ -45,12 +45,10 @@ pub fn run() -> i32 {
     };
     match args.mode {
         Mode::Help => {
-            print!("{}", config::USAGE);
-            return 0;
+            return common::out::print_status(config::USAGE, 0);
         }
         Mode::Version => {
-            println!("npu-brokerd {}", version());
-            return 0;
+            return common::out::print_status(&format!("npu-brokerd {}\n", version()), 0);
         }
         Mode::CheckConfig | Mode::Serve => {}
     }
@@ -69,8 +67,7 @@ pub fn run() -> i32 {
         }
     };
     if loaded.args.mode == Mode::CheckConfig {
-        print!("{}", check(&loaded, &prepared));
-        return 0;
+        return common::out::print_status(&check(&loaded, &prepared), 0);
     }
     let sink = common::audit::init_with("npu-brokerd", &loaded.log);
     tracing::info!(event = "config_loaded", version = %version(), config_file = %loaded.settings.file_status(), log_sink = ?sink);

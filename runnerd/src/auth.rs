@@ -23,6 +23,22 @@ pub fn bearer_ok(header: Option<&[u8]>, token: &str) -> bool {
     }
 }
 
+/// More than one `Authorization` header arrived (how many).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{0} Authorization headers; exactly one is accepted")]
+pub struct DuplicateAuthorization(pub usize);
+
+/// The one `Authorization` header of a request, if any. Ours (issue #15): two are refused,
+/// where the original's Node server kept the first. A proxy or client that appends a second
+/// token must not have either one silently chosen.
+pub fn single_authorization<'a>(presented: &[&'a [u8]]) -> Result<Option<&'a [u8]>, DuplicateAuthorization> {
+    match presented {
+        [] => Ok(None),
+        [one] => Ok(Some(one)),
+        many => Err(DuplicateAuthorization(many.len())),
+    }
+}
+
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -155,6 +171,24 @@ mod tests {
         ];
         for (header, ok) in cases {
             assert_eq!(bearer_ok(*header, TOKEN), *ok, "{:?}", header.map(String::from_utf8_lossy));
+        }
+    }
+
+    #[test]
+    fn authorization_header_count_table() {
+        let good: &[u8] = b"Bearer runner-test-token";
+        let other: &[u8] = b"Bearer x";
+        type Case<'a> = (&'a [&'a [u8]], Result<Option<&'a [u8]>, DuplicateAuthorization>);
+        let cases: &[Case] = &[
+            (&[], Ok(None)),
+            (&[good], Ok(Some(good))),
+            (&[good, other], Err(DuplicateAuthorization(2))),
+            (&[other, good], Err(DuplicateAuthorization(2))),
+            (&[good, good], Err(DuplicateAuthorization(2))),
+            (&[good, other, good], Err(DuplicateAuthorization(3))),
+        ];
+        for (presented, expected) in cases {
+            assert_eq!(single_authorization(presented), *expected, "{} headers", presented.len());
         }
     }
 

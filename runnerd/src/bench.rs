@@ -44,6 +44,11 @@ Usage:
                                         rlimits only, interleaved (default 200)
   runnerd-bench output [--mib N]        runnerd's peak RSS during an N MiB output flood
                                         (default 64) against the output and answer sizes
+  runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
+                                        runnerd's RSS idle, at peak and S s after N
+                                        concurrent requests and after M sequential
+                                        executions, glibc defaults against runnerd's
+                                        tuning, both in this run (default 500, 3000, 60)
 ";
 
 pub fn run() -> i32 {
@@ -51,6 +56,7 @@ pub fn run() -> i32 {
     let mut versions = None;
     let mut limits = false;
     let mut output = None;
+    let mut memory = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -67,6 +73,16 @@ pub fn run() -> i32 {
             "--mib" if output.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
                 output = Some(n.max(1));
+            }
+            "memory" => memory = Some((500u64, 3000u64, 60u64)),
+            "--concurrent" | "--sequential" | "--settle" if memory.is_some() => {
+                let Some(n) = number(&arg) else { return 2 };
+                let m = memory.as_mut().expect("checked");
+                match arg.as_str() {
+                    "--concurrent" => m.0 = n.max(1),
+                    "--sequential" => m.1 = n.max(1),
+                    _ => m.2 = n,
+                }
             }
             "--files" | "--mib" | "--log-mb" if versions.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
@@ -103,6 +119,10 @@ pub fn run() -> i32 {
     };
     let result = match versions {
         Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
+        None if memory.is_some() => {
+            let (c, s, settle) = memory.expect("checked");
+            rt.block_on(crate::bench_memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
+        }
         None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
         None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
@@ -407,14 +427,14 @@ impl Drop for Daemon {
 pub(crate) const BENCH_TOKEN: &str = "bench-token";
 
 fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
-    start_runnerd_with(init, &[])
+    start_runnerd_with(init, "http", &[])
 }
 
-/// The same, with extra environment variables.
-pub(crate) fn start_runnerd_with(init: &Path, env: &[(&str, &str)]) -> anyhow::Result<Daemon> {
+/// A runnerd in a scratch directory named after `tag`, with `env` added.
+pub(crate) fn start_runnerd_with(init: &Path, tag: &str, env: &[(&str, &str)]) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe()?;
     let runnerd = exe.with_file_name("runnerd");
-    let scratch = std::env::temp_dir().join(format!("runnerd-bench-http-{}", std::process::id()));
+    let scratch = std::env::temp_dir().join(format!("runnerd-bench-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let scratch = Scratch(scratch);
     // `--dev`: as root, sandboxes run as nobody (the token still comes from the variable).
@@ -449,7 +469,7 @@ pub(crate) fn rss_kib(pid: u32, field: &str) -> u64 {
 }
 
 /// One signed `POST /execute-shell` of `true` in the remote workspace `key`.
-async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Result<Duration> {
+pub(crate) async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Result<Duration> {
     let body = serde_json::json!({
         "agentId": "bench",
         "code": "true",

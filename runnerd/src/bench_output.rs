@@ -78,7 +78,7 @@ pub async fn bench(init: &Path, mib: u64) -> anyhow::Result<()> {
     for (name, code, ceiling, is_managed) in cases {
         let env: Vec<(&str, &str)> =
             ceiling.map(|c| vec![("SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES", c)]).unwrap_or_default();
-        let daemon = crate::bench::start_runnerd_with(init, &env)?;
+        let daemon = crate::bench::start_runnerd_with(init, "output", &env)?;
         let client = RunnerClient::new(daemon.endpoint.clone(), crate::bench::BENCH_TOKEN);
         sync(&client, "head -c 100000 /dev/zero | tr '\\0' '\\1'").await?;
         let pid = daemon.child.id();

@@ -62,6 +62,8 @@ pub fn load_config() -> Result<Loaded, config::LoadError> {
 
 /// Entry point of the `runnerd` binary; returns the process exit status.
 pub fn run() -> i32 {
+    // Before any thread exists: glibc makes its arenas per thread.
+    crate::memory::configure();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut command = "serve";
     let mut dev = false;
@@ -85,12 +87,11 @@ pub fn run() -> i32 {
         }
         match arg.as_str() {
             "--help" | "-h" | "help" => {
-                print!("{USAGE}");
-                return 0;
+                return common::out::print_status(USAGE, 0);
             }
             "--version" | "-V" => {
-                println!("runnerd {} ({})", env!("CARGO_PKG_VERSION"), runner_version());
-                return 0;
+                let version = format!("runnerd {} ({})\n", env!("CARGO_PKG_VERSION"), runner_version());
+                return common::out::print_status(&version, 0);
             }
             "serve" | "preflight" | "selftest" => command = arg.as_str(),
             "--dev" => dev = true,
@@ -151,8 +152,7 @@ fn sandbox_config(config: &RunnerConfig, dev: bool) -> SandboxConfig {
 /// `--check-config`: the report on stdout and 0, or the error (printed by `run`) and 1.
 async fn check_config_command(fallback: Fallback) -> anyhow::Result<i32> {
     let loaded = load_config()?;
-    print!("{}", crate::check::check(&loaded, fallback).await?);
-    Ok(0)
+    Ok(common::out::print_status(&crate::check::check(&loaded, fallback).await?, 0))
 }
 
 /// The sandbox configuration from the `SCIENCE_AGENT_*` variables over the configuration file.
@@ -324,8 +324,8 @@ async fn preflight(dev: bool) -> anyhow::Result<i32> {
         "seccompFiles": runtime.seccomp_files,
         "warnings": runtime.warnings.iter().map(|w| w.event).collect::<Vec<_>>(),
     });
-    println!("{}", serde_json::to_string_pretty(&report)?);
-    Ok(if runtime.capability.sandbox_usable { 0 } else { 1 })
+    let status = if runtime.capability.sandbox_usable { 0 } else { 1 };
+    Ok(common::out::print_status(&format!("{}\n", serde_json::to_string_pretty(&report)?), status))
 }
 
 async fn selftest(dev: bool) -> anyhow::Result<i32> {

@@ -40,6 +40,22 @@ The token: $CREDENTIALS_DIRECTORY/runner-token, SCIENCE_AGENT_RUNNER_TOKEN_FILE,
 SCIENCE_AGENT_RUNNER_TOKEN, or the development token in <SCIENCE_AGENT_DATA_DIR>/runner-token.
 ";
 
+/// Writes to stdout and flushes: a closed pipe comes back as an error, which [`run`] turns
+/// into a quiet exit 0 (the reader chose to stop), never a panic in `println!`.
+use common::out::print as out;
+
+/// `println!` through [`out`], `?` included.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        out(format!("{}\n", format_args!($($arg)*)).as_bytes())?
+    };
+}
+
+/// Whether an error is stdout's reader going away.
+fn reader_gone(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(common::out::is_broken_pipe))
+}
+
 struct Options {
     command: String,
     url: Option<String>,
@@ -127,8 +143,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
 pub fn run() -> i32 {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "--help" || a == "-h") || args.is_empty() {
-        print!("{USAGE}");
-        return if args.is_empty() { 2 } else { 0 };
+        return common::out::print_status(USAGE, if args.is_empty() { 2 } else { 0 });
     }
     let options = match parse(args) {
         Ok(o) => o,
@@ -146,8 +161,9 @@ pub fn run() -> i32 {
     };
     match runtime.block_on(execute(options)) {
         Ok(code) => code,
+        Err(e) if reader_gone(&e) => 0,
         Err(e) => {
-            eprintln!("runnerctl: {e:#}");
+            let _ = writeln!(std::io::stderr(), "runnerctl: {e:#}");
             1
         }
     }
@@ -186,12 +202,12 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             )
             .await
             .map_err(|_| anyhow::anyhow!("runnerd did not answer /health within 5 s"))??;
-            println!("{}", serde_json::to_string_pretty(&reply.json())?);
+            outln!("{}", serde_json::to_string_pretty(&reply.json())?);
             Ok(if reply.status == 200 { 0 } else { 1 })
         }
         "status" => {
             let reply = client.get("/status").await?;
-            println!("{}", serde_json::to_string_pretty(&reply.json())?);
+            outln!("{}", serde_json::to_string_pretty(&reply.json())?);
             Ok(if reply.status == 200 { 0 } else { 1 })
         }
         "logs" | "show" | "cancel" => managed(&client, &o).await,
@@ -221,7 +237,7 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             if o.detach {
                 return Ok(match reply.status {
                     202 => {
-                        println!("{}", reply.json()["id"].as_str().unwrap_or_default());
+                        outln!("{}", reply.json()["id"].as_str().unwrap_or_default());
                         0
                     }
                     status => failed(status, &reply.json()),
@@ -236,7 +252,7 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
                 );
                 return Ok(1);
             }
-            std::io::stdout().write_all(result["stdout"].as_str().unwrap_or("").as_bytes())?;
+            out(result["stdout"].as_str().unwrap_or("").as_bytes())?;
             std::io::stderr().write_all(result["stderr"].as_str().unwrap_or("").as_bytes())?;
             Ok(result["exitCode"].as_i64().map(|c| c as i32).unwrap_or(1))
         }
@@ -269,7 +285,7 @@ async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
             if reply.status != 200 {
                 return Ok(failed(reply.status, &reply.json()));
             }
-            println!("{}", serde_json::to_string_pretty(&reply.json())?);
+            outln!("{}", serde_json::to_string_pretty(&reply.json())?);
             Ok(0)
         }
         "cancel" => {
@@ -279,7 +295,7 @@ async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
             if reply.status != 202 {
                 return Ok(failed(reply.status, &reply.json()));
             }
-            println!("{}: {}", o.positional[0], reply.json()["state"].as_str().unwrap_or("?"));
+            outln!("{}: {}", o.positional[0], reply.json()["state"].as_str().unwrap_or("?"));
             Ok(0)
         }
         _ => {
@@ -304,10 +320,9 @@ async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                         if chunk["stream"] == "stderr" {
                             std::io::stderr().write_all(text.as_bytes())?;
                         } else {
-                            std::io::stdout().write_all(text.as_bytes())?;
+                            out(text.as_bytes())?;
                         }
                     }
-                    std::io::stdout().flush()?;
                     cursor = page["nextCursor"].as_u64().unwrap_or(cursor);
                     if page["truncated"] != true {
                         break;
@@ -343,7 +358,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                 return Ok(failed(reply.status, &reply.json()));
             }
             for f in reply.json().as_array().into_iter().flatten() {
-                println!(
+                outln!(
                     "{:>12}  {}  {}",
                     f["size"],
                     f["modifiedAt"].as_str().unwrap_or(""),
@@ -377,7 +392,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
             if receipt["sha256"] != sha.as_str() || receipt["size"].as_u64() != Some(size) {
                 anyhow::bail!("runnerd's receipt does not match what was sent: {receipt}");
             }
-            println!("{} ({} bytes, sha256 {sha})", receipt["path"].as_str().unwrap_or(""), receipt["size"]);
+            outln!("{} ({} bytes, sha256 {sha})", receipt["path"].as_str().unwrap_or(""), receipt["size"]);
             Ok(0)
         }
         _ => {
@@ -390,7 +405,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                 Some(local) => {
                     std::fs::write(local, &reply.body).map_err(|e| anyhow::anyhow!("writing {local}: {e}"))?
                 }
-                None => std::io::stdout().write_all(&reply.body)?,
+                None => out(&reply.body)?,
             }
             Ok(0)
         }

@@ -12,7 +12,9 @@ use std::time::Duration;
 use bytes_compat::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use hyper::header::{
+    AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, RETRY_AFTER,
+};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
@@ -24,6 +26,8 @@ use tokio::sync::watch;
 use crate::api::stream::ReplyBody;
 use crate::api::{self, ApiRequest, ApiResponse, error::ApiError};
 use crate::app::App;
+use crate::auth;
+use crate::memory::{self, Activity};
 
 mod bytes_compat {
     pub use hyper::body::Bytes;
@@ -163,7 +167,7 @@ fn respond_download(status: u16, download: api::stream::Download) -> Response<Re
     headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     if let Some(len) = download.content_length {
-        headers.insert(hyper::header::CONTENT_LENGTH, HeaderValue::from(len));
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(len));
     }
     response
 }
@@ -174,6 +178,20 @@ fn from_result(result: Result<ApiResponse, ApiError>) -> Response<ReplyBody> {
         Ok(ok) => respond(ok.status, ok.body, None),
         Err(e) => respond(e.status, e.body_json(), e.retry_after),
     }
+}
+
+fn too_large() -> ApiError {
+    ApiError::bad_request("body_too_large", format!("Request body exceeds the {BODY_LIMIT} byte limit"))
+}
+
+/// Whether `Content-Length` announces more than [`BODY_LIMIT`]. A length that does not parse
+/// is left to hyper, which refuses it while reading the head.
+fn announced_over_limit(headers: &hyper::HeaderMap) -> bool {
+    headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|len| len > BODY_LIMIT as u64)
 }
 
 /// Sends `true` when dropped before [`ClientWatch::done`]: hyper drops a request's future
@@ -205,7 +223,20 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
         return respond(h.status, h.body, None);
     }
     let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes().to_vec());
-    if let Err(e) = api::authorize(&app, header("authorization").as_deref(), &method, &path, &peer) {
+    // Ours (issue #15): two `Authorization` headers are refused, never "the first wins".
+    let presented: Vec<&[u8]> = req.headers().get_all(AUTHORIZATION).iter().map(|v| v.as_bytes()).collect();
+    let authorization = match auth::single_authorization(&presented) {
+        Ok(one) => one,
+        Err(auth::DuplicateAuthorization(count)) => {
+            tracing::warn!(event = "auth_failed", reason = "duplicate authorization headers", count, method = %method, path = %path, peer = %peer);
+            return from_result(Err(ApiError::with_status(
+                401,
+                "duplicate_authorization",
+                "Unauthorized: send exactly one Authorization header",
+            )));
+        }
+    };
+    if let Err(e) = api::authorize(&app, authorization, &method, &path, &peer) {
         return from_result(Err(e));
     }
     let text = |name: &str| header(name).and_then(|v| String::from_utf8(v).ok());
@@ -220,12 +251,18 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
         if api::streams_upload(&method, &path) { (Some(incoming), None) } else { (None, Some(incoming)) };
     let body = match incoming {
         None => Vec::new(),
+        // A body announced over the limit is refused before a byte of it is read (the
+        // connection closes: its body is never drained).
+        Some(_) if announced_over_limit(&headers) => {
+            let mut response = from_result(Err(too_large()));
+            response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+            return response;
+        }
         Some(incoming) => {
             match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, BODY_LIMIT).collect()).await {
                 Ok(Ok(collected)) => collected.to_bytes().to_vec(),
                 Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                    let message = format!("Request body exceeds the {BODY_LIMIT} byte limit");
-                    return from_result(Err(ApiError::bad_request("body_too_large", message)));
+                    return from_result(Err(too_large()));
                 }
                 Ok(Err(e)) => {
                     return from_result(Err(ApiError::bad_request(
@@ -261,8 +298,27 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
 /// Connections served at once; more wait in the kernel's accept queue.
 pub const MAX_CONNECTIONS: usize = 1024;
 
+/// Counts a request as in flight until dropped (hyper drops the future of a request whose
+/// client went away), for the trimmer that returns memory after load.
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn new(activity: &Arc<Activity>) -> InFlight {
+        activity.begin();
+        InFlight(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
 /// Serves until `shutdown` completes, then lets in-flight requests finish (bounded).
 pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Output = ()>) {
+    let activity = Arc::new(Activity::default());
+    let trimmer = tokio::spawn(memory::trimmer(activity.clone()));
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(app.config.header_read_timeout).keep_alive(true);
@@ -286,10 +342,16 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
             }
         };
         let app = app.clone();
+        let activity = activity.clone();
         let service = service_fn(move |req| {
             let app = app.clone();
             let peer = peer.clone();
-            async move { Ok::<_, Infallible>(handle(app, req, peer).await) }
+            let in_flight = InFlight::new(&activity);
+            async move {
+                let response = handle(app, req, peer).await;
+                drop(in_flight);
+                Ok::<_, Infallible>(response)
+            }
         });
         let conn = graceful.watch(builder.serve_connection(io, service));
         tokio::spawn(async move {
@@ -308,6 +370,7 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
     if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
         tracing::warn!(event = "shutdown", detail = "in-flight requests did not finish in time");
     }
+    trimmer.abort();
 }
 
 /// Either kind of connection, as one I/O type for hyper.

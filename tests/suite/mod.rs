@@ -1,6 +1,7 @@
 mod accel;
 mod audit;
 mod config;
+mod fail_well_http;
 mod http_api;
 mod http_hostile;
 mod isolation;

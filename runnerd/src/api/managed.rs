@@ -54,6 +54,7 @@ fn owner(q: Option<&str>) -> (String, String) {
 pub async fn start(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let obj = request::parse_object(body)?;
     request::require_ephemeral(&obj)?;
+    request::check_fields(request::Route::ShellExecutions, crate::sandbox::Language::Shell, &obj)?;
     let (root, read_only) = exec::resolve_workspace(app, &obj)?;
     let rec = app.managed.start(app.clone(), obj, root, read_only).await?;
     answer(202, rec)

@@ -52,6 +52,17 @@ fn path_err(message: &'static str) -> ApiError {
     ApiError::bad_request("invalid_workspace_path", message)
 }
 
+/// A query value that names a workspace or a file, decoded strictly (issue #15): a bad
+/// percent-escape is refused with that value's own contract text, never repaired into a
+/// name the caller did not send. Absent means `""`, as before.
+fn named(q: Option<&str>, name: &str) -> Result<String, ApiError> {
+    query::get_strict(q, name).map(Option::unwrap_or_default).map_err(|e| {
+        let message = if name == "workspace" { "Invalid remote workspace key" } else { paths::NOT_RELATIVE };
+        tracing::info!(event = "request_refused", reason = %e);
+        ApiError::bad_request("invalid_percent_escape", message)
+    })
+}
+
 /// The workspace named by the `workspace` key (created segment by segment), its canonical
 /// path and a descriptor pinning it.
 fn workspace_root(app: &App, key: &str) -> Result<(PathBuf, OwnedFd), ApiError> {
@@ -80,7 +91,7 @@ fn listing(files: Vec<files::Listed>) -> Value {
 
 /// `GET /remote-workspace/files?workspace=K`
 pub async fn list_all(app: &App, q: Option<&str>) -> Result<ApiResponse, ApiError> {
-    let (_, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let (_, fd) = workspace_root(app, &named(q, "workspace")?)?;
     let listed = blocking(move || files::list(&fd, None).map_err(remote_err)).await?;
     json_reply(200, listing(listed))
 }
@@ -90,7 +101,7 @@ pub async fn list_selected(app: &App, q: Option<&str>, body: &[u8]) -> Result<Ap
     let obj = request_parse(body)?;
     let key = match obj.get("workspace").and_then(Value::as_str) {
         Some(k) => k.to_owned(),
-        None => query::get(q, "workspace").unwrap_or_default(),
+        None => named(q, "workspace")?,
     };
     let (_, fd) = workspace_root(app, &key)?;
     let selection = match obj.get("paths") {
@@ -126,8 +137,8 @@ pub async fn list_selected(app: &App, q: Option<&str>, body: &[u8]) -> Result<Ap
 
 /// `GET /remote-workspace/file?workspace=K&path=P`: the raw bytes, streamed.
 pub async fn get_file(app: &App, q: Option<&str>) -> Result<ApiResponse, ApiError> {
-    let (root, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
-    let path = query::get(q, "path").unwrap_or_default();
+    let (root, fd) = workspace_root(app, &named(q, "workspace")?)?;
+    let path = named(q, "path")?;
     let (file, size) = blocking(move || {
         let segs = paths::segments(&path).map_err(path_err)?;
         files::open_file(&fd, &root, &segs).map_err(remote_err)
@@ -186,7 +197,7 @@ pub async fn put_file(
     upload: Option<hyper::body::Incoming>,
     transfer: bool,
 ) -> Result<ApiResponse, ApiError> {
-    let (root, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let (root, fd) = workspace_root(app, &named(q, "workspace")?)?;
     let overwrite = match query::get(q, "conflict").as_deref() {
         None | Some("reject") => false,
         Some("overwrite") => true,
@@ -196,7 +207,7 @@ pub async fn put_file(
         }
     };
     let declared = if transfer { Some(declared(headers)?) } else { None };
-    let path = query::get(q, "path").unwrap_or_default();
+    let path = named(q, "path")?;
     let segs: Vec<String> =
         paths::segments(&path).map_err(path_err)?.into_iter().map(str::to_owned).collect();
     let display_path = segs.join("/");
@@ -276,7 +287,7 @@ pub async fn put_file(
 
 /// `DELETE /remote-workspace?workspace=K`: empties the workspace, keeps its directory.
 pub async fn clear(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiError> {
-    let (root, fd) = workspace_root(app, &query::get(q, "workspace").unwrap_or_default())?;
+    let (root, fd) = workspace_root(app, &named(q, "workspace")?)?;
     let pinned = fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
     let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
     let op = blocking(move || files::clear(&fd).map_err(remote_err)).await;
@@ -330,8 +341,8 @@ pub fn is_export_id(id: &str) -> bool {
 
 /// `GET /remote-workspace/snapshots/:id/file?workspace=K&path=P`: the exported bytes.
 pub async fn snapshot_file(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<ApiResponse, ApiError> {
-    let key = query::get(q, "workspace").unwrap_or_default();
-    let path = query::get(q, "path").unwrap_or_default();
+    let key = named(q, "workspace")?;
+    let path = named(q, "path")?;
     let versions = app.versions.clone();
     let id = id.to_owned();
     let reader = blocking(move || {

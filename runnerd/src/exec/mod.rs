@@ -284,6 +284,7 @@ pub async fn execute(
 ) -> Result<ExecutionResult, ApiError> {
     request::require_ephemeral(&obj)?;
     let language = request::language(route, &obj)?;
+    request::check_fields(route, language, &obj)?;
     let (root, read_only) = resolve_workspace(&app, &obj)?;
     request::require_single_workspace_mount(&obj, language)?;
 
@@ -445,12 +446,7 @@ pub fn prepare(
 ) -> Result<Prepared, ApiError> {
     let code = request::string(obj, "code").unwrap_or("").to_owned();
     if code.trim().is_empty() {
-        let message = match language {
-            Language::Shell => "Shell code is required",
-            Language::Python => "Python code is required",
-            Language::R => "R code is required",
-        };
-        return Err(ApiError::bad_request("code_required", message));
+        return Err(ApiError::bad_request("code_required", request::code_required(language)));
     }
     let epoch = obj.get("permissionEpoch");
     let epoch_revision = epoch.and_then(|e| e.get("environmentRevisionId")).and_then(Value::as_str);

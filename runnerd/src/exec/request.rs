@@ -64,12 +64,14 @@ pub fn require_ephemeral(obj: &Object) -> Result<(), ApiError> {
 pub enum Route {
     ExecuteShell,
     Execute,
+    /// `POST /shell-executions`: an `/execute-shell` body, validated before it is queued.
+    ShellExecutions,
 }
 
 /// The language of a request on `route` (`/execute`: `language`, default python).
 pub fn language(route: Route, obj: &Object) -> Result<Language, ApiError> {
     match route {
-        Route::ExecuteShell => Ok(Language::Shell),
+        Route::ExecuteShell | Route::ShellExecutions => Ok(Language::Shell),
         Route::Execute => match obj.get("language") {
             None | Some(Value::Null) => Ok(Language::Python),
             Some(Value::String(s)) if s == "python" => Ok(Language::Python),
@@ -82,6 +84,295 @@ pub fn language(route: Route, obj: &Object) -> Result<Language, ApiError> {
     }
 }
 
+/// The JSON type a field must have when present (`null` reads as absent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    String,
+    Bool,
+    Object,
+    Array,
+    /// An array of strings.
+    Strings,
+    /// A non-negative safe integer ([`limit`]).
+    Limit,
+    /// An array of non-negative integer device indices.
+    Devices,
+}
+
+/// Which routes read a field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum On {
+    All,
+    /// `/execute-shell` and `/shell-executions`.
+    Shell,
+    /// `/execute` only.
+    Python,
+    /// The synchronous routes (`/shell-executions` forces `executionTimeoutMs` to 0).
+    Sync,
+}
+
+/// The answer to a field of the wrong type: the contract's text for that field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Text {
+    Fixed(&'static str),
+    /// `<the field's dotted path> <this>`, for fields whose type the contract names without
+    /// a text of its own.
+    Typed(&'static str),
+    /// `<Label> code is required`.
+    CodeRequired,
+    /// The mounts text of the route's language.
+    Mounts,
+    /// `Execution ID is required`, or `Invalid Execution ID` on `/shell-executions`.
+    ExecutionId,
+}
+
+/// One typed field of an execution request (contract §2A's field table, `PermissionEpoch`).
+#[derive(Debug, Clone, Copy)]
+pub struct Field {
+    pub path: &'static [&'static str],
+    pub kind: Kind,
+    pub on: On,
+    pub code: &'static str,
+    pub text: Text,
+}
+
+const OUTSIDE_ROOTS: &str =
+    "Runner workspace must be inside the configured projects or remote-workspaces directory";
+const NOT_A_STRING: &str = "must be a string";
+
+const fn field(path: &'static [&'static str], kind: Kind, on: On, code: &'static str, text: Text) -> Field {
+    Field { path, kind, on, code, text }
+}
+
+/// Ours (issue #15): every field the contract types is checked for its type before anything
+/// touches the disk. The original reads a number `cwd` as no `cwd` at all (and runs in
+/// `/workspace`); here it answers 400 with the field's own text. `kernelIdleTimeoutMs` is
+/// accepted and ignored, as in the original; `kernelMode` and `language` have their checks.
+pub const FIELDS: &[Field] = &[
+    field(&["agentId"], Kind::String, On::All, "agent_id_required", Text::Fixed("Agent ID is required")),
+    field(&["code"], Kind::String, On::All, "code_required", Text::CodeRequired),
+    field(&["executionId"], Kind::String, On::All, "execution_id_required", Text::ExecutionId),
+    field(&["permissionEpoch"], Kind::Object, On::All, "invalid_mounts", Text::Mounts),
+    field(&["permissionEpoch", "mounts"], Kind::Array, On::All, "invalid_mounts", Text::Mounts),
+    field(
+        &["permissionEpoch", "sessionId"],
+        Kind::String,
+        On::All,
+        "invalid_field_type",
+        Text::Typed(NOT_A_STRING),
+    ),
+    field(
+        &["permissionEpoch", "environmentRevisionId"],
+        Kind::String,
+        On::All,
+        "invalid_field_type",
+        Text::Typed(NOT_A_STRING),
+    ),
+    field(
+        &["permissionEpoch", "networkPolicy"],
+        Kind::String,
+        On::All,
+        "invalid_field_type",
+        Text::Typed(NOT_A_STRING),
+    ),
+    field(
+        &["permissionEpoch", "networkAccess"],
+        Kind::Object,
+        On::All,
+        "invalid_field_type",
+        Text::Typed("must be an object"),
+    ),
+    field(
+        &["permissionEpoch", "networkAccess", "mode"],
+        Kind::String,
+        On::All,
+        "invalid_field_type",
+        Text::Typed(NOT_A_STRING),
+    ),
+    field(
+        &["permissionEpoch", "networkAccess", "revision"],
+        Kind::String,
+        On::All,
+        "invalid_field_type",
+        Text::Typed(NOT_A_STRING),
+    ),
+    field(
+        &["permissionEpoch", "networkAccess", "allowedDomains"],
+        Kind::Strings,
+        On::All,
+        "invalid_field_type",
+        Text::Typed("must be an array of strings"),
+    ),
+    field(
+        &["permissionEpoch", "networkAccess", "allowPrivateNetwork"],
+        Kind::Bool,
+        On::All,
+        "invalid_field_type",
+        Text::Typed("must be a boolean"),
+    ),
+    field(&["workspaceRoot"], Kind::String, On::All, "workspace_outside_roots", Text::Fixed(OUTSIDE_ROOTS)),
+    field(
+        &["runnerWorkspaceKey"],
+        Kind::String,
+        On::All,
+        "invalid_workspace_key",
+        Text::Fixed("Invalid remote workspace key"),
+    ),
+    field(
+        &["readOnlyWorkspaceRoot"],
+        Kind::String,
+        On::All,
+        "workspace_outside_roots",
+        Text::Fixed(OUTSIDE_ROOTS),
+    ),
+    field(
+        &["skillPackagesRoot"],
+        Kind::String,
+        On::All,
+        "workspace_outside_roots",
+        Text::Fixed(OUTSIDE_ROOTS),
+    ),
+    field(&["cwd"], Kind::String, On::Shell, "invalid_cwd", Text::Fixed("cwd must be workspace-relative")),
+    field(
+        &["environmentId"],
+        Kind::String,
+        On::Shell,
+        "capability_unavailable",
+        Text::Fixed("Scientific environments are unavailable"),
+    ),
+    field(
+        &["environmentRevisionId"],
+        Kind::String,
+        On::Python,
+        "unknown_environment_revision",
+        Text::Fixed("Unknown environment revision; select a current environment"),
+    ),
+    field(&["executionTimeoutMs"], Kind::Limit, On::Sync, "invalid_limit", Text::Fixed(TIMEOUT_ERROR)),
+    field(
+        &["maxOutputBytes"],
+        Kind::Limit,
+        On::All,
+        "invalid_limit",
+        Text::Fixed("maxOutputBytes must be a non-negative integer number of bytes"),
+    ),
+    field(
+        &["maxWorkspaceBytes"],
+        Kind::Limit,
+        On::All,
+        "invalid_limit",
+        Text::Fixed("maxWorkspaceBytes must be a non-negative integer number of bytes"),
+    ),
+    field(
+        &["sandboxEgressProxy"],
+        Kind::Object,
+        On::All,
+        "invalid_egress_proxy",
+        Text::Fixed("sandboxEgressProxy.mode must be \"direct\", \"environment\" or \"url\""),
+    ),
+    field(
+        &["npuDevices"],
+        Kind::Devices,
+        On::All,
+        "invalid_accelerators",
+        Text::Fixed("npuDevices must be an array of non-negative integer device indices"),
+    ),
+    field(
+        &["gpuDevices"],
+        Kind::Devices,
+        On::All,
+        "invalid_accelerators",
+        Text::Fixed("gpuDevices must be an array of non-negative integer device indices"),
+    ),
+    field(
+        &["resourceLimits"],
+        Kind::Object,
+        On::All,
+        "invalid_resource_limits",
+        Text::Fixed("resourceLimits must be an object with memoryBytes, pids, cpu or tmpBytes"),
+    ),
+];
+
+impl On {
+    fn includes(self, route: Route) -> bool {
+        match self {
+            On::All => true,
+            On::Shell => route != Route::Execute,
+            On::Python => route == Route::Execute,
+            On::Sync => route != Route::ShellExecutions,
+        }
+    }
+}
+
+impl Kind {
+    /// Whether `v` (never `null` here) has this type.
+    fn admits(self, v: &Value) -> bool {
+        let index =
+            |v: &Value| v.as_u64().is_some() || v.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0);
+        match self {
+            Kind::String => v.is_string(),
+            Kind::Bool => v.is_boolean(),
+            Kind::Object => v.is_object(),
+            Kind::Array => v.is_array(),
+            Kind::Strings => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+            Kind::Limit => v.is_number(),
+            Kind::Devices => v.as_array().is_some_and(|a| a.iter().all(index)),
+        }
+    }
+}
+
+/// The first field of `obj` that `route` reads and that has the wrong type, answered with
+/// its text. Pure: the table test and the HTTP table test both drive it.
+pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<(), ApiError> {
+    for f in FIELDS.iter().filter(|f| f.on.includes(route)) {
+        let (first, rest) = f.path.split_first().expect("paths are never empty");
+        let mut value = obj.get(*first);
+        for name in rest {
+            // A parent of the wrong type has its own row; an absent one hides its children.
+            value = value.and_then(|v| v.as_object()).and_then(|o| o.get(*name));
+        }
+        let Some(value) = value.filter(|v| !v.is_null()) else { continue };
+        if let (Kind::Limit, Text::Fixed(text)) = (f.kind, f.text) {
+            // The range as well as the type (limits are top-level fields): one rule for the
+            // synchronous and the managed routes.
+            limit(obj, first, 0, text)?;
+            continue;
+        }
+        if f.kind.admits(value) {
+            continue;
+        }
+        let message = match f.text {
+            Text::Fixed(t) => t.to_owned(),
+            Text::Typed(t) => format!("{} {t}", f.path.join(".")),
+            Text::CodeRequired => code_required(language).to_owned(),
+            Text::Mounts => mounts_text(language).to_owned(),
+            Text::ExecutionId if route == Route::ShellExecutions => "Invalid Execution ID".to_owned(),
+            Text::ExecutionId => "Execution ID is required".to_owned(),
+        };
+        let code = match (f.text, route) {
+            (Text::ExecutionId, Route::ShellExecutions) => "invalid_execution_id",
+            _ => f.code,
+        };
+        return Err(ApiError::bad_request(code, message));
+    }
+    Ok(())
+}
+
+/// The text for blank (or, ours, non-string) code.
+pub fn code_required(language: Language) -> &'static str {
+    match language {
+        Language::Shell => "Shell code is required",
+        Language::Python => "Python code is required",
+        Language::R => "R code is required",
+    }
+}
+
+fn mounts_text(language: Language) -> &'static str {
+    match language {
+        Language::Shell => "Shell execution accepts exactly one read-write workspace mount",
+        Language::Python | Language::R => "M1 runner accepts exactly one read-write workspace mount",
+    }
+}
+
 /// `permissionEpoch.mounts` must be exactly `[{source:"workspace", mode:"read-write"}]`.
 pub fn require_single_workspace_mount(obj: &Object, language: Language) -> Result<(), ApiError> {
     let mounts = obj.get("permissionEpoch").and_then(|e| e.get("mounts")).and_then(Value::as_array);
@@ -91,11 +382,7 @@ pub fn require_single_workspace_mount(obj: &Object, language: Language) -> Resul
     if ok {
         return Ok(());
     }
-    let message = match language {
-        Language::Shell => "Shell execution accepts exactly one read-write workspace mount",
-        Language::Python | Language::R => "M1 runner accepts exactly one read-write workspace mount",
-    };
-    Err(ApiError::bad_request("invalid_mounts", message))
+    Err(ApiError::bad_request("invalid_mounts", mounts_text(language)))
 }
 
 /// A per-request limit: absent or null → the configured default; otherwise a non-negative
@@ -192,6 +479,166 @@ mod tests {
 
     fn obj(v: Value) -> Object {
         v.as_object().unwrap().clone()
+    }
+
+    fn valid_request() -> Object {
+        obj(json!({
+            "agentId": "main", "code": "true", "executionId": "id-1", "workspaceRoot": "/w",
+            "permissionEpoch": {"sessionId": "s", "mounts": [{"source": "workspace", "mode": "read-write"}],
+                "networkPolicy": "none"},
+        }))
+    }
+
+    /// Sets `path` in `o`, creating objects on the way.
+    fn set(o: &mut Object, path: &[&str], v: Value) {
+        let (last, parents) = path.split_last().unwrap();
+        let mut at = o;
+        for p in parents {
+            at = at.entry(p.to_string()).or_insert_with(|| json!({})).as_object_mut().unwrap();
+        }
+        at.insert(last.to_string(), v);
+    }
+
+    fn wrong_values(kind: Kind) -> Vec<Value> {
+        match kind {
+            Kind::String => vec![json!(5), json!(true), json!([]), json!({}), json!(["a"])],
+            Kind::Bool => vec![json!("true"), json!(1), json!([])],
+            Kind::Object => vec![json!(5), json!("x"), json!([]), json!(false)],
+            Kind::Array => vec![json!(5), json!("x"), json!({})],
+            Kind::Strings => vec![json!("a"), json!(["a", 1]), json!({})],
+            Kind::Limit => vec![json!("25"), json!(true), json!(-1), json!(1.5), json!([])],
+            Kind::Devices => vec![json!(0), json!("0"), json!([-1]), json!(["a"]), json!([0.5])],
+        }
+    }
+
+    fn right_value(kind: Kind) -> Value {
+        match kind {
+            Kind::String => json!("analysis"),
+            Kind::Bool => json!(false),
+            Kind::Object => json!({}),
+            Kind::Array => json!([]),
+            Kind::Strings => json!(["pypi.org"]),
+            Kind::Limit => json!(25),
+            Kind::Devices => json!([0, 1.0]),
+        }
+    }
+
+    #[test]
+    fn typed_field_table() {
+        let routes = [
+            (Route::ExecuteShell, Language::Shell),
+            (Route::Execute, Language::Python),
+            (Route::ShellExecutions, Language::Shell),
+        ];
+        for (route, language) in routes {
+            assert_eq!(check_fields(route, language, &valid_request()), Ok(()), "{route:?}");
+            for f in FIELDS {
+                let applies = f.on.includes(route);
+                for good in [right_value(f.kind), Value::Null] {
+                    let mut o = valid_request();
+                    set(&mut o, f.path, good.clone());
+                    // Replacing a parent with `{}` or null is fine for the type check.
+                    assert_eq!(check_fields(route, language, &o), Ok(()), "{route:?} {:?} = {good}", f.path);
+                }
+                for bad in wrong_values(f.kind) {
+                    let mut o = valid_request();
+                    set(&mut o, f.path, bad.clone());
+                    let r = check_fields(route, language, &o);
+                    if !applies {
+                        assert_eq!(r, Ok(()), "{route:?} does not read {:?}", f.path);
+                        continue;
+                    }
+                    let e = r.expect_err(&format!("{route:?} {:?} = {bad}", f.path));
+                    assert_eq!(e.status, 400);
+                    let expected_code = match (f.path, route) {
+                        (["executionId"], Route::ShellExecutions) => "invalid_execution_id",
+                        _ => f.code,
+                    };
+                    assert_eq!(e.code, expected_code, "{route:?} {:?} = {bad}", f.path);
+                }
+            }
+        }
+        // The contract's texts, spelled out for the fields it names.
+        let text = |route: Route, language: Language, path: &[&str], v: Value| {
+            let mut o = valid_request();
+            set(&mut o, path, v);
+            check_fields(route, language, &o).unwrap_err().message
+        };
+        use Language::{Python, Shell};
+        use Route::{Execute, ExecuteShell, ShellExecutions};
+        let cases: &[(Route, Language, &[&str], Value, &str)] = &[
+            (ExecuteShell, Shell, &["cwd"], json!(7), "cwd must be workspace-relative"),
+            (ShellExecutions, Shell, &["cwd"], json!(["a"]), "cwd must be workspace-relative"),
+            (ExecuteShell, Shell, &["code"], json!(1), "Shell code is required"),
+            (Execute, Python, &["code"], json!({}), "Python code is required"),
+            (ExecuteShell, Shell, &["agentId"], json!(1), "Agent ID is required"),
+            (ExecuteShell, Shell, &["executionId"], json!(1), "Execution ID is required"),
+            (ShellExecutions, Shell, &["executionId"], json!(1), "Invalid Execution ID"),
+            (ExecuteShell, Shell, &["runnerWorkspaceKey"], json!(1), "Invalid remote workspace key"),
+            (
+                Execute,
+                Python,
+                &["readOnlyWorkspaceRoot"],
+                json!(true),
+                "Runner workspace must be inside the configured projects or remote-workspaces directory",
+            ),
+            (
+                Execute,
+                Python,
+                &["permissionEpoch"],
+                json!("x"),
+                "M1 runner accepts exactly one read-write workspace mount",
+            ),
+            (
+                ShellExecutions,
+                Shell,
+                &["permissionEpoch", "mounts"],
+                json!({}),
+                "Shell execution accepts exactly one read-write workspace mount",
+            ),
+            (ExecuteShell, Shell, &["environmentId"], json!(3), "Scientific environments are unavailable"),
+            (
+                Execute,
+                Python,
+                &["environmentRevisionId"],
+                json!(3),
+                "Unknown environment revision; select a current environment",
+            ),
+            (ExecuteShell, Shell, &["executionTimeoutMs"], json!("1"), TIMEOUT_ERROR),
+            (
+                ShellExecutions,
+                Shell,
+                &["maxOutputBytes"],
+                json!(-1),
+                "maxOutputBytes must be a non-negative integer number of bytes",
+            ),
+            (
+                ExecuteShell,
+                Shell,
+                &["permissionEpoch", "sessionId"],
+                json!(9),
+                "permissionEpoch.sessionId must be a string",
+            ),
+            (
+                ExecuteShell,
+                Shell,
+                &["permissionEpoch", "networkAccess", "allowedDomains"],
+                json!(["a", 1]),
+                "permissionEpoch.networkAccess.allowedDomains must be an array of strings",
+            ),
+        ];
+        for (route, language, path, v, expected) in cases {
+            assert_eq!(text(*route, *language, path, v.clone()), *expected, "{route:?} {path:?} = {v}");
+        }
+        // The managed route forces executionTimeoutMs to 0: whatever is sent is not read.
+        assert_eq!(
+            check_fields(ShellExecutions, Shell, &{
+                let mut o = valid_request();
+                set(&mut o, &["executionTimeoutMs"], json!("soon"));
+                o
+            }),
+            Ok(())
+        );
     }
 
     #[test]
