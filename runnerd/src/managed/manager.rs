@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
-use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RowReader};
+use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::api::error::ApiError;
 use crate::app::App;
@@ -33,6 +33,10 @@ pub const USED_ID: &str = "Execution ID has already been used; query it instead 
 pub const NOT_FOUND: &str = "Execution not found for this Agent";
 pub const INVALID_CURSOR: &str = "Invalid log cursor";
 pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
+/// The error of a run whose final record could not be written when it ended.
+pub const RECORD_FAILED: &str = "Execution ended, but its record could not be written";
+/// How often records that could not be written are tried again.
+pub const RECORD_RETRY: Duration = Duration::from_millis(500);
 /// How often live log rows are written (one transaction per flush).
 pub const LOG_FLUSH: Duration = Duration::from_millis(100);
 
@@ -73,6 +77,12 @@ pub fn parse_cursor(param: Option<&str>) -> Option<u64> {
 #[derive(Debug)]
 pub struct Manager {
     db: Arc<ExecutionsDb>,
+    /// Records whose last write failed (disk full, say), by id: the truth until a retry
+    /// stores them. Every record write holds this lock, so a retry never stores an older
+    /// record over a newer one.
+    unsaved: Arc<Mutex<HashMap<String, ManagedExecution>>>,
+    /// What opening the database found (for the start-up line and `/health`).
+    opened: OpenReport,
     controllers: Mutex<HashMap<String, watch::Sender<bool>>>,
     closing: AtomicBool,
     active: AtomicUsize,
@@ -96,13 +106,28 @@ async fn db_do<T: Send + 'static>(
 
 impl Manager {
     /// Opens the records; unfinished ones from a previous process become `unknown`.
+    /// A damaged database is set aside and a new one started; unreadable rows answer
+    /// `unknown` (see [`ExecutionsDb::open`]). Must run inside a tokio runtime: a task
+    /// retries the records whose writes failed.
     pub fn open(data_dir: &std::path::Path) -> Result<Manager, DbError> {
-        let (db, turned) = ExecutionsDb::open(data_dir, &timefmt::now_iso())?;
-        for id in turned {
+        let (db, opened) = ExecutionsDb::open(data_dir, &timefmt::now_iso())?;
+        for id in &opened.turned {
             tracing::warn!(event = "execution_unknown", execution_id = %id, reason = RESTARTED);
         }
+        for (id, why) in &opened.unreadable {
+            tracing::error!(event = "execution_record_unreadable", execution_id = %id, reason = %why);
+        }
+        if let Some(aside) = &opened.set_aside {
+            let moved: Vec<String> = aside.moved.iter().map(|p| p.display().to_string()).collect();
+            tracing::error!(event = "execution_database_set_aside", moved = %moved.join(", "), reason = %aside.reason);
+        }
+        let db = Arc::new(db);
+        let unsaved: Arc<Mutex<HashMap<String, ManagedExecution>>> = Arc::default();
+        tokio::spawn(retry_unsaved(Arc::downgrade(&db), Arc::downgrade(&unsaved)));
         Ok(Manager {
-            db: Arc::new(db),
+            db,
+            unsaved,
+            opened,
             controllers: Mutex::default(),
             closing: AtomicBool::new(false),
             active: AtomicUsize::new(0),
@@ -167,10 +192,84 @@ impl Manager {
         Ok(rec)
     }
 
+    /// What opening the records found: a database set aside, unreadable rows.
+    pub fn opened(&self) -> &OpenReport {
+        &self.opened
+    }
+
+    /// `/health`'s `executionRecords`: whether the database was set aside at start-up,
+    /// which rows are unreadable, and how many records wait for the store to accept writes.
+    pub fn health_block(&self) -> Value {
+        let aside = self.opened.set_aside.as_ref().map(|a| {
+            json!({
+                "movedTo": a.moved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+                "reason": a.reason,
+            })
+        });
+        let unreadable: Vec<&str> = self.opened.unreadable.iter().map(|(id, _)| id.as_str()).collect();
+        json!({
+            "setAside": aside,
+            "unreadableRecords": unreadable,
+            "unsavedRecords": lock(&self.unsaved).len(),
+        })
+    }
+
+    /// The start-up line about damaged records, if any was found.
+    pub fn startup_note(&self) -> Option<String> {
+        let mut notes = Vec::new();
+        if let Some(a) = &self.opened.set_aside {
+            let moved: Vec<String> = a.moved.iter().map(|p| p.display().to_string()).collect();
+            notes.push(format!(
+                "the damaged execution database was moved aside to {} and a new one started ({})",
+                moved.join(", "),
+                a.reason
+            ));
+        }
+        if !self.opened.unreadable.is_empty() {
+            let ids: Vec<&str> = self.opened.unreadable.iter().map(|(id, _)| id.as_str()).collect();
+            notes.push(format!("unreadable execution records answer `unknown`: {}", ids.join(", ")));
+        }
+        (!notes.is_empty()).then(|| format!("execution records: {}", notes.join("; ")))
+    }
+
+    /// Stores a state change; see [`Manager::store`].
     async fn save(&self, rec: &ManagedExecution) {
-        let stored = rec.clone();
-        if let Err(e) = db_do(&self.db, move |db| db.save(&stored)).await {
-            tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e.message);
+        self.store(rec, ManagedExecution::clone).await;
+    }
+
+    /// Stores the record. When that fails, `kept(rec)` becomes the truth: reads answer it,
+    /// and a retry stores it once the database accepts writes again. Returns what is true now.
+    async fn store(
+        &self,
+        rec: &ManagedExecution,
+        kept: fn(&ManagedExecution) -> ManagedExecution,
+    ) -> ManagedExecution {
+        let (db, unsaved, stored) = (self.db.clone(), self.unsaved.clone(), rec.clone());
+        let written = tokio::task::spawn_blocking(move || {
+            let mut unsaved = lock(&unsaved);
+            match db.save(&stored) {
+                Ok(()) => {
+                    unsaved.remove(&stored.id);
+                    (stored, None)
+                }
+                Err(e) => {
+                    let truth = kept(&stored);
+                    unsaved.insert(truth.id.clone(), truth.clone());
+                    (truth, Some(e.to_string()))
+                }
+            }
+        })
+        .await;
+        match written {
+            Ok((truth, None)) => truth,
+            Ok((truth, Some(e))) => {
+                tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e, state = %truth.state, detail = "kept; stored once the database accepts writes");
+                truth
+            }
+            Err(e) => {
+                tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e);
+                rec.clone()
+            }
         }
     }
 
@@ -189,7 +288,9 @@ impl Manager {
             rec.error = error;
         }
         rec.finished_at = Some(timefmt::now_iso());
-        self.save(rec).await;
+        // An end that cannot be recorded is stored (and answered until then) as a failure
+        // that says so — never as the `queued`/`running` on disk.
+        *rec = self.store(rec, record_failed).await;
         tracing::info!(
             event = "managed_execution_finished",
             execution_id = %rec.id,
@@ -335,7 +436,11 @@ impl Manager {
         agent_id: &str,
     ) -> Result<ManagedExecution, ApiError> {
         let key = id.to_owned();
-        let rec = db_do(&self.db, move |db| db.get(&key)).await?;
+        let pending = lock(&self.unsaved).get(id).cloned();
+        let rec = match pending {
+            Some(rec) => Some(rec),
+            None => db_do(&self.db, move |db| db.get(&key)).await?,
+        };
         rec.filter(|r| r.session_id == session_id && r.agent_id == agent_id)
             .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
     }
@@ -406,6 +511,52 @@ impl Manager {
                 detail = "managed executions did not record their end in time"
             );
         }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The record a run's end becomes when it could not be written: `failed`, the error saying
+/// so and how the run ended (result and version are kept).
+fn record_failed(rec: &ManagedExecution) -> ManagedExecution {
+    let mut failed = rec.clone();
+    failed.error = Some(failed_error(&rec.state, rec.error.as_deref()));
+    failed.state = "failed".into();
+    failed
+}
+
+/// `RECORD_FAILED`, then how the run ended and its own error, if any.
+pub fn failed_error(state: &str, error: Option<&str>) -> String {
+    match error {
+        Some(e) => format!("{RECORD_FAILED} when it ended {state}: {e}"),
+        None => format!("{RECORD_FAILED} when it ended {state}"),
+    }
+}
+
+/// Stores the records whose writes failed, every [`RECORD_RETRY`], until the manager is gone.
+async fn retry_unsaved(
+    db: std::sync::Weak<ExecutionsDb>,
+    unsaved: std::sync::Weak<Mutex<HashMap<String, ManagedExecution>>>,
+) {
+    loop {
+        tokio::time::sleep(RECORD_RETRY).await;
+        let (Some(db), Some(unsaved)) = (db.upgrade(), unsaved.upgrade()) else { return };
+        if lock(&unsaved).is_empty() {
+            continue;
+        }
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut unsaved = lock(&unsaved);
+            unsaved.retain(|id, rec| match db.save(rec) {
+                Ok(()) => {
+                    tracing::warn!(event = "execution_record_stored", execution_id = %id, state = %rec.state, detail = "after earlier writes failed");
+                    false
+                }
+                Err(_) => true,
+            });
+        })
+        .await;
     }
 }
 
@@ -538,6 +689,21 @@ mod tests {
             assert_eq!(valid_id(id), ok, "{id:?}");
         }
         assert!(valid_id(&"x".repeat(160)) && !valid_id(&"x".repeat(161)));
+    }
+
+    #[test]
+    fn an_end_that_cannot_be_recorded_becomes_a_failure_that_says_how_it_ended() {
+        let mut rec = ManagedExecution::queued("a".into(), "s".into(), "id".into(), "t".into());
+        rec.state = "completed".into();
+        let failed = record_failed(&rec);
+        assert_eq!(
+            (failed.state.as_str(), failed.error.as_deref()),
+            ("failed", Some(format!("{RECORD_FAILED} when it ended completed").as_str()))
+        );
+        assert_eq!(
+            failed_error("cancelled", Some("why")),
+            format!("{RECORD_FAILED} when it ended cancelled: why")
+        );
     }
 
     #[test]
