@@ -1,6 +1,7 @@
 mod accel;
 mod audit;
 mod config;
+mod damaged_state;
 mod http_api;
 mod http_hostile;
 mod isolation;
