@@ -2,6 +2,7 @@ mod accel;
 mod audit;
 mod config;
 mod damaged_state;
+mod full_disk;
 mod http_api;
 mod http_hostile;
 mod isolation;
