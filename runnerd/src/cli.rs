@@ -262,6 +262,9 @@ async fn serve(fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
             app.config.max_output_bytes,
             app.config.exec_timeout_ms,
         )?;
+        if let Some(note) = app.managed.startup_note() {
+            writeln!(out, "{note}")?;
+        }
         out.flush()?;
     }
     tracing::info!(event = "listening", address = %address);

@@ -27,6 +27,9 @@ Usage:
   runnerctl put LOCAL PATH [--overwrite]
                                         upload a file (verified by size and SHA-256)
   runnerctl get PATH [LOCAL]            download a file (to stdout without LOCAL)
+  runnerctl repair WORKSPACE            make a workspace a storage failure left refusing
+                                        writes writable again: verify, re-snapshot, commit,
+                                        clear its .failed marker (audited)
 Options:
   --workspace KEY        remote workspace key (default: runnerctl/default)
   --timeout MS           executionTimeoutMs (exec)
@@ -113,6 +116,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
                 o.script = Some(rest.join(" "));
             }
             "health" | "status" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put" | "get"
+            | "repair"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -128,7 +132,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
         return Err("exec needs a script after --".into());
     }
     let wanted = match o.command.as_str() {
-        "logs" | "show" | "cancel" => 1..=1,
+        "logs" | "show" | "cancel" | "repair" => 1..=1,
         "put" => 2..=2,
         "get" => 1..=2,
         _ => 0..=0,
@@ -212,6 +216,7 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
         }
         "logs" | "show" | "cancel" => managed(&client, &o).await,
         "ls" | "put" | "get" => files(&client, &o).await,
+        "repair" => repair(&client, &o.positional[0]).await,
         _ => {
             let mut body = serde_json::json!({
                 "agentId": o.agent,
@@ -265,6 +270,19 @@ fn failed(status: u16, body: &serde_json::Value) -> i32 {
         body["error"].as_str().unwrap_or("(no error text)")
     );
     1
+}
+
+/// `repair WORKSPACE`: the signed repair route; prints its answer.
+async fn repair(client: &RunnerClient, key: &str) -> anyhow::Result<i32> {
+    let body = serde_json::json!({"workspace": key, "repairId": crate::versioning::new_uuid_v4()});
+    // The client has no clock offset yet: one cheap request learns it from `Date`.
+    let _ = client.raw("GET", "/health", &[], Vec::new()).await;
+    let reply = client.post_signed("/remote-workspace/repair", &body).await?;
+    if reply.status != 200 {
+        return Ok(failed(reply.status, &reply.json()));
+    }
+    println!("{}", serde_json::to_string_pretty(&reply.json())?);
+    Ok(0)
 }
 
 /// How often `logs -f` polls.

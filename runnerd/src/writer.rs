@@ -136,6 +136,14 @@ impl Versions {
         let lifecycle = Lifecycle::open(data_dir)?;
         let store = Store::open(data_dir)?;
         let refs = Refs::open(&store)?;
+        let swept = store.sweep_temporaries();
+        if swept > 0 {
+            tracing::warn!(
+                event = "temporaries_swept",
+                count = swept,
+                reason = "left by a commit whose process died"
+            );
+        }
         Ok(Versions { store, refs: Mutex::new(refs), lifecycle })
     }
 
@@ -443,6 +451,72 @@ impl Versions {
     }
 }
 
+/// What a repair found and did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Repaired {
+    /// The head before the repair, and the result of verifying its closure (objects
+    /// checked, or why it failed: the repair commits a new head that does not need it).
+    pub previous: Option<(Ref, Result<usize, String>)>,
+    /// The `repair` mutation now the head.
+    pub head: Ref,
+    /// Whether a poison marker (`.failed`) was cleared.
+    pub cleared: bool,
+}
+
+impl Versions {
+    /// The operator's repair of a workspace a storage failure poisoned (ours, beyond the
+    /// original): admission, then the lease, as every writer (so the API process is never
+    /// raced; the lease is taken although `.failed` stands); then verify the store (the
+    /// head's closure, every object re-hashed if not known good), snapshot the files as
+    /// they are, commit a `repair` mutation against the head read under the lease, and
+    /// only then clear `.failed` and this process's poisoned entry. A repair that fails
+    /// leaves the marker.
+    pub async fn repair(self: &Arc<Self>, canonical: &Path, pinned: OwnedFd) -> Result<Repaired, WriteError> {
+        let admitted = self.lifecycle.admit(canonical, None).await?;
+        let lease = self.lifecycle.repair_lease(canonical, None).await?;
+        let me = self.clone();
+        let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(&pinned));
+        let committed = blocking_retry(self.clone(), move || {
+            let name = workspace_head_name(&root);
+            let head = me.refs().head(&name)?;
+            let previous = head.clone().map(|h| {
+                let verified = me.store.validate_closure(&h).map_err(|e| crate::error_chain(&e));
+                (h, verified)
+            });
+            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: 0 };
+            let tree = me.snapshot_live(&dir, &scope)?;
+            let id = new_uuid_v4();
+            let record = me.commit_mutation_record(
+                &name,
+                &tree,
+                (Some(&id), "repair", true),
+                Expected::Exactly(head),
+            )?;
+            Ok((previous, record))
+        })
+        .await;
+        let (previous, head) = match committed {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::error!(event = "workspace_repair_failed", workspace = %canonical.display(), error = %crate::error_chain(&e));
+                return Err(e);
+            }
+        };
+        let cleared = self.lifecycle.clear_poison(canonical, &lease)?;
+        drop(lease);
+        drop(admitted);
+        tracing::warn!(
+            event = "workspace_repaired",
+            workspace = %canonical.display(),
+            head = %head.digest,
+            previous_head = previous.as_ref().map(|p| p.0.digest.as_str()).unwrap_or(""),
+            previous_verified = %previous.as_ref().map(|p| match &p.1 { Ok(n) => format!("{n} objects"), Err(e) => e.clone() }).unwrap_or_default(),
+            marker_cleared = cleared,
+        );
+        Ok(Repaired { previous, head, cleared })
+    }
+}
+
 impl Versions {
     /// Stores a `WorkspaceExport` record at `workspace-exports/<uuid>` (expected: none).
     pub fn put_export(&self, value: Value) -> Result<(String, Ref), WriteError> {
@@ -537,5 +611,63 @@ mod tests {
         drop(parent_writer);
         drop(child_writer);
         assert!(free_for_another_process(&lock));
+    }
+
+    /// A poisoned workspace refuses writers until a repair: verify, snapshot, commit a
+    /// `repair` mutation, clear `.failed`; then writers are admitted again.
+    #[tokio::test]
+    async fn a_repair_makes_a_poisoned_workspace_writable_and_keeps_its_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let root = data.join("remote-workspaces/w");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("f.txt"), "v1").unwrap();
+        let root = root.canonicalize().unwrap();
+        let versions = Arc::new(Versions::open(&data).unwrap());
+        let pin = |p: &Path| OwnedFd::from(std::fs::File::open(p).unwrap());
+        let writer = versions.begin(&root, pin(&root), None).await.unwrap();
+        versions.commit_mutation(&writer, "test", None, true).await.unwrap();
+        drop(writer);
+        let committed = versions.head(&root).unwrap().unwrap();
+        versions.poison(&root, &"a test failure");
+        let failed = crate::coordination::LeasePaths::for_root(&root).failed;
+        assert!(failed.exists());
+        let refused = versions.begin(&root, pin(&root), None).await.unwrap_err();
+        assert_eq!(refused.to_string(), crate::coordination::POISONED);
+
+        std::fs::write(root.join("f.txt"), "v2").unwrap();
+        let repaired = versions.repair(&root, pin(&root)).await.unwrap();
+        let (previous, verified) = repaired.previous.clone().unwrap();
+        assert_eq!(previous, committed);
+        assert!(verified.is_ok_and(|n| n > 0), "{repaired:?}");
+        assert!(repaired.cleared && !failed.exists());
+        let head = versions.head(&root).unwrap().unwrap();
+        assert_eq!(head, repaired.head);
+        let record = versions.store().read_record(&head, Some("WorkspaceMutation")).unwrap();
+        assert_eq!(record.value["kind"], "repair");
+        assert!(versions.store().read_record(&committed, None).is_ok(), "the last version is intact");
+        let writer = versions.begin(&root, pin(&root), None).await.expect("writable again");
+        versions.commit_mutation(&writer, "test", None, true).await.unwrap();
+        assert!(!versions.lifecycle().is_poisoned(&root));
+    }
+
+    /// Start-up removes a dead runnerd's temporaries and stale foreign ones, and keeps a
+    /// fresh foreign one (the API process may be writing it).
+    #[test]
+    fn opening_sweeps_only_temporaries_no_live_writer_owns() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        drop(Versions::open(&data).unwrap());
+        let blobs = data.join("versioning/data/blobs/sha256");
+        let dead = blobs.join("x.runnerd-999999999.tmp");
+        let fresh = blobs.join("y.tmp");
+        let stale = blobs.join("z.tmp");
+        for p in [&dead, &fresh, &stale] {
+            std::fs::write(p, "partial").unwrap();
+        }
+        let old = std::time::SystemTime::now() - crate::versioning::sweep::STALE_TEMPORARY;
+        std::fs::File::options().write(true).open(&stale).unwrap().set_modified(old).unwrap();
+        drop(Versions::open(&data).unwrap());
+        assert!(!dead.exists() && !stale.exists() && fresh.exists());
     }
 }

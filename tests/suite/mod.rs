@@ -1,7 +1,9 @@
 mod accel;
 mod audit;
 mod config;
+mod damaged_state;
 mod fail_well_http;
+mod full_disk;
 mod http_api;
 mod http_hostile;
 mod isolation;

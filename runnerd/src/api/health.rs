@@ -137,5 +137,6 @@ pub fn health(
         "queue": {"admitted": app.admission.admitted(), "capacity": cfg.queue_capacity, "maxConcurrent": cfg.max_concurrent},
     });
     health["resourceLimits"] = crate::limits::health_block(&app.limits, &cfg.limits);
+    health["executionRecords"] = app.managed.health_block();
     health
 }

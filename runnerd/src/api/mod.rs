@@ -7,6 +7,7 @@ mod managed;
 mod npu;
 pub mod query;
 pub mod remote;
+mod repair;
 mod resources;
 pub mod stream;
 
@@ -64,8 +65,10 @@ pub fn streams_upload(method: &str, path: &str) -> bool {
 /// The routes that carry an execution signature.
 fn signed(method: &str, path: &str) -> bool {
     method == "POST"
-        && (matches!(path, "/execute" | "/execute-shell" | "/shell-executions" | "/npu/jobs")
-            || (path.starts_with("/npu/jobs/") && path.ends_with("/cancel")))
+        && (matches!(
+            path,
+            "/execute" | "/execute-shell" | "/shell-executions" | "/npu/jobs" | "/remote-workspace/repair"
+        ) || (path.starts_with("/npu/jobs/") && path.ends_with("/cancel")))
 }
 
 /// Whether the request may be answered before its body is read (health needs no body).
@@ -152,6 +155,9 @@ pub async fn handle(
                 remote::put_file(&app, req.query.as_deref(), &req.headers, req.upload, true).await
             })
             .await
+        }
+        ("POST", ["remote-workspace", "repair"]) => {
+            detached(async move { repair::repair(&app, &req.body).await }).await
         }
         ("POST", ["remote-workspace", "snapshots"]) => {
             detached(async move { remote::snapshot(&app, &req.body).await }).await

@@ -149,11 +149,23 @@ impl Lease {
         poisoned_here: bool,
         journal_dir: Option<&Path>,
     ) -> Result<Lease, CoordError> {
-        let paths = LeasePaths::for_root(root);
-        let mut lease = Lease { paths, dir, journal: None, created_active: false, _lock: lock };
-        if poisoned_here || lease.dir.present(&lease.dir.names.failed)? {
+        if poisoned_here || dir.present(&dir.names.failed)? {
             return Err(CoordError::Poisoned);
         }
+        Lease::establish_despite_poison(root, dir, lock, journal_dir)
+    }
+
+    /// [`Lease::establish`] without the poison check: for the repair of a poisoned root
+    /// (the lock is held, so no other writer can start; the marker is cleared only after
+    /// the repair committed).
+    pub(super) fn establish_despite_poison(
+        root: &Path,
+        dir: LeaseDir,
+        lock: SqliteLock,
+        journal_dir: Option<&Path>,
+    ) -> Result<Lease, CoordError> {
+        let paths = LeasePaths::for_root(root);
+        let mut lease = Lease { paths, dir, journal: None, created_active: false, _lock: lock };
         if let Some(journal) = journal_dir {
             // An entry that already exists belongs to an interrupted write of an earlier
             // process (its marker refuses us below): it is left for start-up recovery.

@@ -124,6 +124,35 @@ impl Lifecycle {
         }
     }
 
+    /// The lease for a repair: waited for like every writer's, but taken although the
+    /// root is poisoned (its `.active` marker and journal entry as usual).
+    pub async fn repair_lease(
+        &self,
+        canonical: &Path,
+        cancel: Option<&watch::Receiver<bool>>,
+    ) -> Result<Lease, CoordError> {
+        let dir = self.lease_dir(canonical)?;
+        let lock = SqliteLock::take(dir.lock_file()?, cancel).await?;
+        Lease::establish_despite_poison(canonical, dir, lock, Some(&self.journal))
+    }
+
+    /// Ends the poisoning of a repaired root: unlinks `<H>.failed` (the entry itself,
+    /// whatever it is, named through the coordination directory's descriptor; never
+    /// followed) and forgets the root in this process's set. Call with the lease held.
+    /// Returns whether a marker was there.
+    pub fn clear_poison(&self, canonical: &Path, _held: &Lease) -> Result<bool, CoordError> {
+        let dir = self.lease_dir(canonical)?;
+        let shown = LeaseNames::shown(&dir.names.failed);
+        let name = cname(&dir.names.failed, &shown)?;
+        let had = match crate::fsat::unlink_at(&dir.fd, &name) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => return Err(CoordError::io("remove the poison marker", &shown, e)),
+        };
+        self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).remove(canonical);
+        Ok(had)
+    }
+
     /// `poisonWorkspace`: refuse this root in this process and write `.failed`.
     pub fn poison(&self, canonical: &Path) -> Result<(), CoordError> {
         self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).insert(canonical.to_owned());

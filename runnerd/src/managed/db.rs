@@ -14,6 +14,8 @@ use super::logs::{LogRow, stream_name};
 use crate::launch::Stream;
 
 pub const RESTARTED: &str = "Runner restarted before completion was recorded; the command was not replayed";
+/// The start of the error of a record whose stored text cannot be read.
+pub const UNREADABLE: &str = "The stored execution record is unreadable, so the outcome is unknown";
 
 /// The HTTP and on-disk `ManagedExecution`, keys in the original's order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,8 +81,75 @@ pub enum DbError {
         #[source]
         source: std::io::Error,
     },
-    #[error("A stored execution record is unreadable: {0}")]
+    #[error("An execution record could not be encoded")]
     Record(#[source] serde_json::Error),
+    #[error("Could not set the damaged execution database {} aside", path.display())]
+    SetAside {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl DbError {
+    /// Whether the database file itself is damaged (not a database, or malformed): then it
+    /// is set aside and a new one started, rather than refusing to start.
+    fn is_damage(&self) -> bool {
+        use rusqlite::ErrorCode::{DatabaseCorrupt, NotADatabase};
+        matches!(self, DbError::Sqlite { source: rusqlite::Error::SqliteFailure(e, _), .. }
+            if matches!(e.code, DatabaseCorrupt | NotADatabase))
+    }
+}
+
+/// What opening found: unfinished records turned `unknown`, unreadable rows, and a damaged
+/// database set aside (then every other list is about the new one).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct OpenReport {
+    pub turned: Vec<String>,
+    /// (id, why) of each row whose record cannot be read; each answers as `unknown`.
+    pub unreadable: Vec<(String, String)>,
+    pub set_aside: Option<SetAside>,
+}
+
+/// A damaged database moved aside: the names it and its WAL now have, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetAside {
+    pub moved: Vec<PathBuf>,
+    pub reason: String,
+}
+
+/// A row's record text, parsed: bytes that are not UTF-8 or not a record are a reason.
+fn parse_record(bytes: &[u8]) -> Result<ManagedExecution, String> {
+    let text = std::str::from_utf8(bytes).map_err(|e| format!("invalid UTF-8: {e}"))?;
+    serde_json::from_str(text).map_err(|e| format!("not a record: {e}"))
+}
+
+/// Any column's bytes (TEXT, BLOB; NULL or a number as their text), never an error.
+fn column_bytes(row: &rusqlite::Row<'_>, i: usize) -> Vec<u8> {
+    use rusqlite::types::ValueRef;
+    match row.get_ref(i) {
+        Ok(ValueRef::Text(b) | ValueRef::Blob(b)) => b.to_vec(),
+        Ok(ValueRef::Integer(n)) => n.to_string().into_bytes(),
+        Ok(ValueRef::Real(f)) => f.to_string().into_bytes(),
+        Ok(ValueRef::Null) | Err(_) => Vec::new(),
+    }
+}
+
+/// What an unreadable row answers: `unknown`, with the reason; owner and id as stored
+/// (an owner that is not UTF-8 matches no caller).
+fn unreadable_record(id: &str, session: &[u8], agent: &[u8], why: &str, now_iso: &str) -> ManagedExecution {
+    let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap_or_else(|_| "\u{fffd}".into());
+    ManagedExecution {
+        state: "unknown".into(),
+        finished_at: Some(now_iso.to_owned()),
+        error: Some(format!("{UNREADABLE} ({why})")),
+        ..ManagedExecution::queued(text(agent), text(session), id.to_owned(), now_iso.to_owned())
+    }
+}
+
+/// The names a damaged database and its companions are moved to: `<name>.corrupt-<stamp>`.
+pub fn aside_name(name: &str, stamp: &str) -> String {
+    format!("{name}.corrupt-{stamp}")
 }
 
 /// What the routes check before they read a record ([`ExecutionsDb::meta`]).
@@ -108,15 +177,35 @@ pub struct ExecutionsDb {
 }
 
 impl ExecutionsDb {
-    /// Opens (creating) the database and turns every unfinished record into `unknown`.
-    /// Returns the database and the ids it turned.
-    pub fn open(data_dir: &Path, now_iso: &str) -> Result<(ExecutionsDb, Vec<String>), DbError> {
+    /// Opens (creating) the database and turns every unfinished record into `unknown`;
+    /// rows that cannot be read are reported, not fatal. A file that is not a database or
+    /// is malformed is moved aside with its WAL (`executions.sqlite.corrupt-<stamp>`,
+    /// `executions.sqlite-wal.corrupt-<stamp>`) and a new database started; every other
+    /// file is left as it is.
+    pub fn open(data_dir: &Path, now_iso: &str) -> Result<(ExecutionsDb, OpenReport), DbError> {
         let dir = data_dir.join("runner-executions");
         std::fs::create_dir_all(&dir).map_err(|source| DbError::Dir { path: dir.clone(), source })?;
         let path = dir.join("executions.sqlite");
-        let db = ExecutionsDb { conn: Mutex::new(Self::connect(&path)?), path };
-        let turned = db.mark_unfinished_unknown(now_iso)?;
-        Ok((db, turned))
+        // A file that is not SQLite's is set aside before SQLite opens it (closing a
+        // connection to it could delete the WAL beside it).
+        let first =
+            not_sqlite(&path).map_or(Ok(()), Err).and_then(|()| Self::connect(&path)).and_then(|conn| {
+                let db = ExecutionsDb { conn: Mutex::new(conn), path: path.clone() };
+                let report = db.mark_unfinished_unknown(now_iso)?;
+                Ok((db, report))
+            });
+        match first {
+            Err(e) if e.is_damage() => {
+                let reason = e.to_string();
+                let stamp = now_iso.replace([':', '.'], "-");
+                let moved = set_aside(&path, &stamp)?;
+                let db = ExecutionsDb { conn: Mutex::new(Self::connect(&path)?), path };
+                let mut report = db.mark_unfinished_unknown(now_iso)?;
+                report.set_aside = Some(SetAside { moved, reason });
+                Ok((db, report))
+            }
+            other => other,
+        }
     }
 
     fn connect(path: &Path) -> Result<Connection, DbError> {
@@ -141,19 +230,26 @@ impl ExecutionsDb {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn mark_unfinished_unknown(&self, now_iso: &str) -> Result<Vec<String>, DbError> {
+    fn mark_unfinished_unknown(&self, now_iso: &str) -> Result<OpenReport, DbError> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(|e| self.sqlite(e))?;
-        let mut turned = Vec::new();
+        let mut report = OpenReport::default();
         {
-            let mut stmt = tx.prepare("SELECT record FROM executions").map_err(|e| self.sqlite(e))?;
+            let mut stmt = tx.prepare("SELECT id, record FROM executions").map_err(|e| self.sqlite(e))?;
             let records = stmt
-                .query_map([], |row| row.get::<_, String>(0))
+                .query_map([], |row| Ok((column_bytes(row, 0), column_bytes(row, 1))))
                 .map_err(|e| self.sqlite(e))?
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| self.sqlite(e))?;
-            for text in records {
-                let Ok(mut rec) = serde_json::from_str::<ManagedExecution>(&text) else { continue };
+            for (id, bytes) in records {
+                let mut rec = match parse_record(&bytes) {
+                    Ok(rec) => rec,
+                    Err(why) => {
+                        // Left as stored (evidence); every read answers it as `unknown`.
+                        report.unreadable.push((String::from_utf8_lossy(&id).into_owned(), why));
+                        continue;
+                    }
+                };
                 if rec.is_terminal() {
                     continue;
                 }
@@ -163,11 +259,11 @@ impl ExecutionsDb {
                 let json = serde_json::to_string(&rec).map_err(DbError::Record)?;
                 tx.execute("UPDATE executions SET record=?1 WHERE id=?2", params![json, rec.id])
                     .map_err(|e| self.sqlite(e))?;
-                turned.push(rec.id);
+                report.turned.push(rec.id);
             }
         }
         tx.commit().map_err(|e| self.sqlite(e))?;
-        Ok(turned)
+        Ok(report)
     }
 
     /// Stores a new record; `Ok(false)` when the id was ever used before.
@@ -211,13 +307,20 @@ impl ExecutionsDb {
             .map_err(|e| self.sqlite(e))
     }
 
+    /// The record; one whose stored text cannot be read answers `unknown` with the reason.
     pub fn get(&self, id: &str) -> Result<Option<ManagedExecution>, DbError> {
-        let text: Option<String> = self
+        let row = self
             .conn()
-            .query_row("SELECT record FROM executions WHERE id=?1", params![id], |row| row.get(0))
+            .query_row("SELECT session, agent, record FROM executions WHERE id=?1", params![id], |row| {
+                Ok((column_bytes(row, 0), column_bytes(row, 1), column_bytes(row, 2)))
+            })
             .optional()
             .map_err(|e| self.sqlite(e))?;
-        text.map(|t| serde_json::from_str(&t).map_err(DbError::Record)).transpose()
+        Ok(row.map(|(session, agent, record)| {
+            parse_record(&record).unwrap_or_else(|why| {
+                unreadable_record(id, &session, &agent, &why, &crate::timefmt::now_iso())
+            })
+        }))
     }
 
     /// The owner, the state, `logTruncated` and the size of a record, read by SQLite without
@@ -330,6 +433,43 @@ impl ExecutionsDb {
     }
 }
 
+/// `Some` (a damage error) when `path` exists, is not empty and does not begin with
+/// SQLite's header string.
+fn not_sqlite(path: &Path) -> Option<DbError> {
+    use std::io::Read;
+    let mut head = [0u8; 16];
+    let mut file = std::fs::File::open(path).ok()?;
+    let n = file.read(&mut head).ok()?;
+    if n == 0 || head.starts_with(b"SQLite format 3\0") {
+        return None;
+    }
+    let code = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_NOTADB);
+    let source =
+        rusqlite::Error::SqliteFailure(code, Some("file is not a database (no SQLite header)".into()));
+    Some(DbError::Sqlite { path: path.to_owned(), source })
+}
+
+/// Moves `path` and its `-wal` and `-shm` (those that exist) to their aside names; returns
+/// the new paths. Only regular files are moved (anything else is refused: not ours).
+fn set_aside(path: &Path, stamp: &str) -> Result<Vec<PathBuf>, DbError> {
+    let mut moved = Vec::new();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    for suffix in ["", "-wal", "-shm"] {
+        let from = path.with_file_name(format!("{name}{suffix}"));
+        let fail = |source| DbError::SetAside { path: from.clone(), source };
+        match std::fs::symlink_metadata(&from) {
+            Ok(m) if m.file_type().is_file() => {}
+            Ok(_) => return Err(fail(std::io::Error::other("not a regular file"))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(fail(e)),
+        }
+        let to = path.with_file_name(aside_name(&format!("{name}{suffix}"), stamp));
+        std::fs::rename(&from, &to).map_err(fail)?;
+        moved.push(to);
+    }
+    Ok(moved)
+}
+
 /// Reads one stream's retained rows in cursor order, a page at a time: a 1 GiB log goes
 /// into the version store without ever being held whole.
 #[derive(Debug)]
@@ -396,8 +536,8 @@ mod tests {
     #[test]
     fn ids_are_used_forever_and_restarts_never_replay() {
         let dir = tempfile::tempdir().unwrap();
-        let (db, turned) = ExecutionsDb::open(dir.path(), "t0").unwrap();
-        assert!(turned.is_empty());
+        let (db, report) = ExecutionsDb::open(dir.path(), "t0").unwrap();
+        assert!(report.turned.is_empty());
         assert!(db.insert_new(&record("done", "queued")).unwrap());
         let mut done = record("done", "completed");
         done.finished_at = Some("t1".into());
@@ -406,8 +546,8 @@ mod tests {
         db.save(&record("run", "running")).unwrap();
         assert!(!db.insert_new(&record("done", "queued")).unwrap(), "a used id is refused");
         drop(db);
-        let (db, turned) = ExecutionsDb::open(dir.path(), "t2").unwrap();
-        assert_eq!(turned, vec!["run".to_owned()]);
+        let (db, report) = ExecutionsDb::open(dir.path(), "t2").unwrap();
+        assert_eq!(report.turned, vec!["run".to_owned()]);
         let run = db.get("run").unwrap().unwrap();
         assert_eq!(
             (run.state.as_str(), run.error.as_deref(), run.finished_at.as_deref()),
@@ -443,5 +583,64 @@ mod tests {
             .unwrap();
         assert_eq!(text, "r0r1r3r4r5");
         assert!(db.has_rows("x", Stream::Stderr).unwrap() && !db.has_rows("y", Stream::Stdout).unwrap());
+    }
+
+    #[test]
+    fn an_unreadable_row_answers_unknown_and_stops_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, _) = ExecutionsDb::open(dir.path(), "t0").unwrap();
+        db.insert_new(&record("good", "queued")).unwrap();
+        for id in ["utf8", "json"] {
+            db.insert_new(&record(id, "running")).unwrap();
+        }
+        {
+            let conn = db.conn();
+            conn.execute("UPDATE executions SET record=CAST(x'7bff22' AS TEXT) WHERE id='utf8'", []).unwrap();
+            conn.execute("UPDATE executions SET record='{\"state\":' WHERE id='json'", []).unwrap();
+        }
+        drop(db);
+        let (db, report) = ExecutionsDb::open(dir.path(), "t1").unwrap();
+        assert_eq!(report.turned, vec!["good".to_owned()]);
+        let ids: Vec<&str> = report.unreadable.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, vec!["utf8", "json"]);
+        assert!(report.unreadable[0].1.contains("UTF-8"), "{:?}", report.unreadable);
+        for id in ["utf8", "json"] {
+            let rec = db.get(id).unwrap().unwrap();
+            assert_eq!(
+                (rec.state.as_str(), rec.session_id.as_str(), rec.agent_id.as_str()),
+                ("unknown", "s", "main")
+            );
+            assert!(rec.error.as_deref().unwrap().starts_with(UNREADABLE), "{rec:?}");
+        }
+        assert_eq!(db.get("good").unwrap().unwrap().state, "unknown");
+    }
+
+    #[test]
+    fn a_garbage_database_is_set_aside_with_its_wal_and_a_new_one_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let execs = dir.path().join("runner-executions");
+        std::fs::create_dir_all(&execs).unwrap();
+        let garbage = vec![0x5au8; 8192];
+        std::fs::write(execs.join("executions.sqlite"), &garbage).unwrap();
+        std::fs::write(execs.join("executions.sqlite-wal"), b"wal bytes").unwrap();
+        std::fs::write(execs.join("other.txt"), b"kept").unwrap();
+        let (db, report) = ExecutionsDb::open(dir.path(), "2026-01-02T03:04:05.678Z").unwrap();
+        let aside = report.set_aside.expect("set aside");
+        let stamp = "2026-01-02T03-04-05-678Z";
+        assert_eq!(
+            aside.moved,
+            vec![
+                execs.join(aside_name("executions.sqlite", stamp)),
+                execs.join(aside_name("executions.sqlite-wal", stamp)),
+            ]
+        );
+        assert!(aside.reason.contains("not a database"), "{}", aside.reason);
+        assert_eq!(std::fs::read(&aside.moved[0]).unwrap(), garbage);
+        assert_eq!(std::fs::read(&aside.moved[1]).unwrap(), b"wal bytes");
+        assert_eq!(std::fs::read(execs.join("other.txt")).unwrap(), b"kept");
+        assert!(db.insert_new(&record("new", "queued")).unwrap());
+        drop(db);
+        let (_, report) = ExecutionsDb::open(dir.path(), "t").unwrap();
+        assert_eq!((report.set_aside, report.turned), (None, vec!["new".to_owned()]));
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
-use super::db::{DbError, ExecutionsDb, ManagedExecution, RESTARTED, RecordMeta, RowReader};
+use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::api::error::ApiError;
 use crate::app::App;
@@ -33,6 +33,10 @@ pub const USED_ID: &str = "Execution ID has already been used; query it instead 
 pub const NOT_FOUND: &str = "Execution not found for this Agent";
 pub const INVALID_CURSOR: &str = "Invalid log cursor";
 pub const CANCELLED_BEFORE_START: &str = "Execution cancelled before start";
+/// The error of a run whose final record could not be written when it ended.
+pub const RECORD_FAILED: &str = "Execution ended, but its record could not be written";
+/// How often records that could not be written are tried again.
+pub const RECORD_RETRY: Duration = Duration::from_millis(500);
 /// How often live log rows are written (one transaction per flush).
 pub const LOG_FLUSH: Duration = Duration::from_millis(100);
 /// Unwritten log text past which the launcher waits for the flusher (see `LiveLogs`).
@@ -89,6 +93,12 @@ pub fn parse_cursor(param: Option<&str>) -> Option<u64> {
 #[derive(Debug)]
 pub struct Manager {
     db: Arc<ExecutionsDb>,
+    /// Records whose last write failed (disk full, say), by id: the truth until a retry
+    /// stores them. Every record write holds this lock, so a retry never stores an older
+    /// record over a newer one.
+    unsaved: Arc<Mutex<HashMap<String, ManagedExecution>>>,
+    /// What opening the database found (for the start-up line and `/health`).
+    opened: OpenReport,
     controllers: Mutex<HashMap<String, watch::Sender<bool>>>,
     closing: AtomicBool,
     active: AtomicUsize,
@@ -112,13 +122,28 @@ async fn db_do<T: Send + 'static>(
 
 impl Manager {
     /// Opens the records; unfinished ones from a previous process become `unknown`.
+    /// A damaged database is set aside and a new one started; unreadable rows answer
+    /// `unknown` (see [`ExecutionsDb::open`]). Must run inside a tokio runtime: a task
+    /// retries the records whose writes failed.
     pub fn open(data_dir: &std::path::Path) -> Result<Manager, DbError> {
-        let (db, turned) = ExecutionsDb::open(data_dir, &timefmt::now_iso())?;
-        for id in turned {
+        let (db, opened) = ExecutionsDb::open(data_dir, &timefmt::now_iso())?;
+        for id in &opened.turned {
             tracing::warn!(event = "execution_unknown", execution_id = %id, reason = RESTARTED);
         }
+        for (id, why) in &opened.unreadable {
+            tracing::error!(event = "execution_record_unreadable", execution_id = %id, reason = %why);
+        }
+        if let Some(aside) = &opened.set_aside {
+            let moved: Vec<String> = aside.moved.iter().map(|p| p.display().to_string()).collect();
+            tracing::error!(event = "execution_database_set_aside", moved = %moved.join(", "), reason = %aside.reason);
+        }
+        let db = Arc::new(db);
+        let unsaved: Arc<Mutex<HashMap<String, ManagedExecution>>> = Arc::default();
+        tokio::spawn(retry_unsaved(Arc::downgrade(&db), Arc::downgrade(&unsaved)));
         Ok(Manager {
-            db: Arc::new(db),
+            db,
+            unsaved,
+            opened,
             controllers: Mutex::default(),
             closing: AtomicBool::new(false),
             active: AtomicUsize::new(0),
@@ -183,18 +208,85 @@ impl Manager {
         Ok(rec)
     }
 
+    /// What opening the records found: a database set aside, unreadable rows.
+    pub fn opened(&self) -> &OpenReport {
+        &self.opened
+    }
+
+    /// `/health`'s `executionRecords`: whether the database was set aside at start-up,
+    /// which rows are unreadable, and how many records wait for the store to accept writes.
+    pub fn health_block(&self) -> Value {
+        let aside = self.opened.set_aside.as_ref().map(|a| {
+            json!({
+                "movedTo": a.moved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+                "reason": a.reason,
+            })
+        });
+        let unreadable: Vec<&str> = self.opened.unreadable.iter().map(|(id, _)| id.as_str()).collect();
+        json!({
+            "setAside": aside,
+            "unreadableRecords": unreadable,
+            "unsavedRecords": lock(&self.unsaved).len(),
+        })
+    }
+
+    /// The start-up line about damaged records, if any was found.
+    pub fn startup_note(&self) -> Option<String> {
+        let mut notes = Vec::new();
+        if let Some(a) = &self.opened.set_aside {
+            let moved: Vec<String> = a.moved.iter().map(|p| p.display().to_string()).collect();
+            notes.push(format!(
+                "the damaged execution database was moved aside to {} and a new one started ({})",
+                moved.join(", "),
+                a.reason
+            ));
+        }
+        if !self.opened.unreadable.is_empty() {
+            let ids: Vec<&str> = self.opened.unreadable.iter().map(|(id, _)| id.as_str()).collect();
+            notes.push(format!("unreadable execution records answer `unknown`: {}", ids.join(", ")));
+        }
+        (!notes.is_empty()).then(|| format!("execution records: {}", notes.join("; ")))
+    }
+
+    /// Stores a state change; see [`Manager::store`].
     async fn save(&self, rec: &ManagedExecution) {
-        // Serialized here, once: a clone of a record with a large result would copy it.
+        let _ = self.store(rec, ManagedExecution::clone).await;
+    }
+
+    /// Stores the record, serialized once (a clone of a record with a large result would copy
+    /// it). When that fails, `kept(rec)` becomes the truth: reads answer it, and a retry
+    /// stores it once the database accepts writes again. Returns that truth when it is not
+    /// `rec` as given.
+    async fn store(
+        &self,
+        rec: &ManagedExecution,
+        kept: fn(&ManagedExecution) -> ManagedExecution,
+    ) -> Option<ManagedExecution> {
+        let failed = |e: String| {
+            let truth = kept(rec);
+            lock(&self.unsaved).insert(truth.id.clone(), truth.clone());
+            tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e, state = %truth.state, detail = "kept; stored once the database accepts writes");
+            Some(truth)
+        };
         let json = match serde_json::to_string(rec) {
             Ok(json) => json,
-            Err(e) => {
-                tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e);
-                return;
-            }
+            Err(e) => return failed(e.to_string()),
         };
         let (id, session, agent) = (rec.id.clone(), rec.session_id.clone(), rec.agent_id.clone());
-        if let Err(e) = db_do(&self.db, move |db| db.save_json(&id, &session, &agent, &json)).await {
-            tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e.message);
+        let unsaved = self.unsaved.clone();
+        let written = db_do(&self.db, move |db| {
+            // Under the lock, so that a retry cannot store an older truth after this one.
+            let mut unsaved = lock(&unsaved);
+            let saved = db.save_json(&id, &session, &agent, &json);
+            if saved.is_ok() {
+                unsaved.remove(&id);
+            }
+            saved
+        })
+        .await;
+        match written {
+            Ok(()) => None,
+            Err(e) => failed(e.message),
         }
     }
 
@@ -213,7 +305,11 @@ impl Manager {
             rec.error = error;
         }
         rec.finished_at = Some(timefmt::now_iso());
-        self.save(rec).await;
+        // An end that cannot be recorded is stored (and answered until then) as a failure
+        // that says so — never as the `queued`/`running` on disk.
+        if let Some(truth) = self.store(rec, record_failed).await {
+            *rec = truth;
+        }
         tracing::info!(
             event = "managed_execution_finished",
             execution_id = %rec.id,
@@ -398,6 +494,13 @@ impl Manager {
             None
         };
         let key = id.to_owned();
+        // A record the database could not take yet is answered as kept (the truth).
+        let pending = lock(&self.unsaved).get(id).cloned();
+        if let Some(rec) = pending.filter(|r| r.session_id == session_id && r.agent_id == agent_id) {
+            let text =
+                serde_json::to_string(&rec).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+            return Ok(RecordText { text, held });
+        }
         let row = db_do(&self.db, move |db| db.record_text(&key)).await?;
         let (_, _, text) = row
             .filter(|(s, a, _)| s == session_id && a == agent_id)
@@ -472,6 +575,52 @@ impl Manager {
                 detail = "managed executions did not record their end in time"
             );
         }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The record a run's end becomes when it could not be written: `failed`, the error saying
+/// so and how the run ended (result and version are kept).
+fn record_failed(rec: &ManagedExecution) -> ManagedExecution {
+    let mut failed = rec.clone();
+    failed.error = Some(failed_error(&rec.state, rec.error.as_deref()));
+    failed.state = "failed".into();
+    failed
+}
+
+/// `RECORD_FAILED`, then how the run ended and its own error, if any.
+pub fn failed_error(state: &str, error: Option<&str>) -> String {
+    match error {
+        Some(e) => format!("{RECORD_FAILED} when it ended {state}: {e}"),
+        None => format!("{RECORD_FAILED} when it ended {state}"),
+    }
+}
+
+/// Stores the records whose writes failed, every [`RECORD_RETRY`], until the manager is gone.
+async fn retry_unsaved(
+    db: std::sync::Weak<ExecutionsDb>,
+    unsaved: std::sync::Weak<Mutex<HashMap<String, ManagedExecution>>>,
+) {
+    loop {
+        tokio::time::sleep(RECORD_RETRY).await;
+        let (Some(db), Some(unsaved)) = (db.upgrade(), unsaved.upgrade()) else { return };
+        if lock(&unsaved).is_empty() {
+            continue;
+        }
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut unsaved = lock(&unsaved);
+            unsaved.retain(|id, rec| match db.save(rec) {
+                Ok(()) => {
+                    tracing::warn!(event = "execution_record_stored", execution_id = %id, state = %rec.state, detail = "after earlier writes failed");
+                    false
+                }
+                Err(_) => true,
+            });
+        })
+        .await;
     }
 }
 
@@ -662,6 +811,21 @@ mod tests {
             assert_eq!(valid_id(id), ok, "{id:?}");
         }
         assert!(valid_id(&"x".repeat(160)) && !valid_id(&"x".repeat(161)));
+    }
+
+    #[test]
+    fn an_end_that_cannot_be_recorded_becomes_a_failure_that_says_how_it_ended() {
+        let mut rec = ManagedExecution::queued("a".into(), "s".into(), "id".into(), "t".into());
+        rec.state = "completed".into();
+        let failed = record_failed(&rec);
+        assert_eq!(
+            (failed.state.as_str(), failed.error.as_deref()),
+            ("failed", Some(format!("{RECORD_FAILED} when it ended completed").as_str()))
+        );
+        assert_eq!(
+            failed_error("cancelled", Some("why")),
+            format!("{RECORD_FAILED} when it ended cancelled: why")
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod records;
 pub mod refs;
 pub mod snapshot;
 pub mod store;
+pub mod sweep;
 #[cfg(test)]
 mod testutil;
 

@@ -193,6 +193,18 @@ impl Store {
         Ok(store)
     }
 
+    /// Start-up: removes the temporaries a crashed commit left in each pool's `blobs/sha256`
+    /// and pool directory (see [`super::sweep`] for which).
+    pub fn sweep_temporaries(&self) -> usize {
+        [Pool::Data, Pool::AgentState]
+            .iter()
+            .map(|&pool| {
+                super::sweep::sweep_dir(&self.blob_dir(pool))
+                    + super::sweep::sweep_dir(&self.root.join(pool.as_str()))
+            })
+            .sum()
+    }
+
     /// `<dataDir>/versioning`.
     pub fn root(&self) -> &Path {
         &self.root
@@ -247,7 +259,7 @@ impl Store {
         }
         fs::create_dir_all(dir).map_err(io_err("create the directory", dir))?;
         let mut tmp = final_path.as_os_str().to_owned();
-        tmp.push(format!(".{}.tmp", new_uuid_v4()));
+        tmp.push(format!(".{}{}", new_uuid_v4(), super::sweep::own_suffix()));
         let tmp = TempFile(PathBuf::from(tmp));
         let mut file = create_exclusive(&tmp.0)?;
         file.write_all(bytes).map_err(io_err("write the temporary object", &tmp.0))?;
@@ -275,7 +287,7 @@ impl Store {
     /// the ref's mediaType is always `application/octet-stream`.
     pub fn put_stream(&self, pool: Pool, reader: &mut dyn Read) -> Result<Ref, VersionError> {
         let dir = self.blob_dir(pool);
-        let tmp = TempFile(dir.join(format!("{}.tmp", new_uuid_v4())));
+        let tmp = TempFile(dir.join(format!("{}{}", new_uuid_v4(), super::sweep::own_suffix())));
         let mut file = create_exclusive(&tmp.0)?;
         let mut hasher = Sha256::new();
         let mut size = 0u64;
