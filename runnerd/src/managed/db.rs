@@ -161,6 +161,9 @@ pub struct RecordMeta {
     pub log_truncated: bool,
     /// The record's text, in bytes.
     pub size: u64,
+    /// The text is valid JSON (and UTF-8); when not, [`ExecutionsDb::get`] answers the
+    /// `unknown` record that says why.
+    pub readable: bool,
 }
 
 /// One page of logs: rows after a cursor, and whether more exist.
@@ -326,19 +329,25 @@ impl ExecutionsDb {
     /// The owner, the state, `logTruncated` and the size of a record, read by SQLite without
     /// loading its text here (a record holds megabytes of result output).
     pub fn meta(&self, id: &str) -> Result<Option<RecordMeta>, DbError> {
+        // A damaged row (not UTF-8, not JSON) must not fail the read: its owner is read as
+        // bytes and its state left empty, `readable` false.
         self.conn()
             .query_row(
-                "SELECT session, agent, json_extract(record, '$.state'), \
-                 coalesce(json_extract(record, '$.logTruncated'), 0), octet_length(record) \
+                "SELECT session, agent, \
+                 CASE WHEN json_valid(record) THEN json_extract(record, '$.state') END, \
+                 CASE WHEN json_valid(record) THEN coalesce(json_extract(record, '$.logTruncated'), 0) ELSE 0 END, \
+                 octet_length(record), json_valid(record) \
                  FROM executions WHERE id=?1",
                 params![id],
                 |row| {
+                    let text = |i| String::from_utf8_lossy(&column_bytes(row, i)).into_owned();
                     Ok(RecordMeta {
-                        session_id: row.get(0)?,
-                        agent_id: row.get(1)?,
-                        state: row.get::<_, Option<String>>(2)?.unwrap_or_default(),
-                        log_truncated: row.get::<_, i64>(3)? != 0,
-                        size: row.get::<_, i64>(4)?.max(0) as u64,
+                        session_id: text(0),
+                        agent_id: text(1),
+                        state: row.get::<_, Option<String>>(2).ok().flatten().unwrap_or_default(),
+                        log_truncated: row.get::<_, i64>(3).unwrap_or(0) != 0,
+                        size: row.get::<_, i64>(4).unwrap_or(0).max(0) as u64,
+                        readable: row.get::<_, i64>(5).unwrap_or(0) != 0,
                     })
                 },
             )
@@ -346,8 +355,7 @@ impl ExecutionsDb {
             .map_err(|e| self.sqlite(e))
     }
 
-    /// A record's stored text, which `GET` answers verbatim (it is what `save` wrote), with
-    /// its owner.
+    /// The stored text of a record (owner, text); read only when [`RecordMeta::readable`].
     pub fn record_text(&self, id: &str) -> Result<Option<(String, String, String)>, DbError> {
         self.conn()
             .query_row("SELECT session, agent, record FROM executions WHERE id=?1", params![id], |row| {

@@ -501,10 +501,27 @@ impl Manager {
                 serde_json::to_string(&rec).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
             return Ok(RecordText { text, held });
         }
-        let row = db_do(&self.db, move |db| db.record_text(&key)).await?;
-        let (_, _, text) = row
-            .filter(|(s, a, _)| s == session_id && a == agent_id)
-            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
+        let stored = match meta.readable {
+            true => {
+                let key = key.clone();
+                db_do(&self.db, move |db| db.record_text(&key)).await.ok()
+            }
+            false => None,
+        };
+        let text = match stored {
+            Some(row) => {
+                let (_, _, text) = row
+                    .filter(|(s, a, _)| s == session_id && a == agent_id)
+                    .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
+                text
+            }
+            // A damaged row (not JSON, not UTF-8) answers the `unknown` record that says why.
+            None => {
+                let rec = db_do(&self.db, move |db| db.get(&key)).await?;
+                let rec = rec.ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
+                serde_json::to_string(&rec).map_err(|e| ApiError::bad_request("internal", e.to_string()))?
+            }
+        };
         Ok(RecordText { text, held })
     }
 
