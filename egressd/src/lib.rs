@@ -152,7 +152,7 @@ fn check(loaded: &Loaded) -> anyhow::Result<String> {
         Row::new(
             "lease sockets",
             format!(
-                "{}/eg/<16 hex>, one per sandbox, 0600 (0602 for another sandbox uid)",
+                "{}/eg/<16 hex>, one per sandbox, 0600 (0622 for another sandbox uid)",
                 cfg.runtime_dir.display()
             ),
             "",

@@ -96,13 +96,15 @@ pub fn check_path_length(runtime_dir: &Path) -> Result<(), RegistryError> {
 pub const MAX_TUNNELS: usize = 65_536;
 
 /// The mode of a lease socket. connect(2) needs write permission on the socket and nothing
-/// else; when the sandbox runs as another uid than egressd's, "others" get exactly that. The
+/// else; when the sandbox runs as another uid than egressd's, the group and "others" get
+/// exactly that: the group because the package's runner user is a member of egressd's
+/// socket group (and a member is judged by the group bits, never the others'). The
 /// `eg` directory is searchable but not listable (0711): bwrap re-resolves even a socket
 /// bound from a descriptor by its path, as the sandbox user, who may be neither egressd's
 /// user nor in its group (a root runnerd's sandbox user). SO_PEERCRED admits only the
 /// lease's uid on each socket, so reaching a path gives nobody else a gateway.
 pub fn lease_socket_mode(sandbox_uid: u32, egressd_uid: u32) -> u32 {
-    if sandbox_uid == egressd_uid { 0o600 } else { 0o602 }
+    if sandbox_uid == egressd_uid { 0o600 } else { 0o622 }
 }
 
 /// How the control socket and the gateway directory are made reachable by runnerd's user

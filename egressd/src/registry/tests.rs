@@ -33,8 +33,8 @@ fn the_longest_runtime_dir_fits_exactly_and_one_byte_more_is_refused() {
 #[test]
 fn lease_sockets_are_writable_by_others_only_for_a_sandbox_of_another_uid() {
     assert_eq!(lease_socket_mode(1000, 1000), 0o600);
-    assert_eq!(lease_socket_mode(1001, 1000), 0o602);
-    assert_eq!(lease_socket_mode(0, 999), 0o602);
+    assert_eq!(lease_socket_mode(1001, 1000), 0o622);
+    assert_eq!(lease_socket_mode(0, 999), 0o622);
 }
 
 fn shared() -> Arc<Shared> {
@@ -246,7 +246,7 @@ async fn a_lease_socket_admits_only_the_sandbox_uid() {
     let p = policy("r2", &["a.example"]);
     let lease = reg.acquire(&p, &p.identity(), ProxySetting::Direct, stranger).unwrap();
     let mode = std::fs::metadata(lease.socket_path()).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o602, "connectable by the sandbox's uid, which is not egressd's");
+    assert_eq!(mode, 0o622, "connectable by the sandbox's uid, which is not egressd's");
     let text = answer(lease.socket_path(), b"CONNECT a.example:443 HTTP/1.1\r\n\r\n").await;
     assert!(
         text.starts_with("HTTP/1.1 403") && text.contains("serves only the sandbox it was acquired for"),
@@ -264,7 +264,7 @@ async fn a_lease_for_another_sandbox_uid_lets_exactly_that_uid_connect() {
     const TEST: &str = "a_lease_for_another_sandbox_uid_lets_exactly_that_uid_connect";
     if me() != 0 {
         eprintln!(
-            "\n!!! SKIPPING {TEST}: switching to another uid needs root; the 0602 mode and the uid check are covered above !!!\n"
+            "\n!!! SKIPPING {TEST}: switching to another uid needs root; the 0622 mode and the uid check are covered above !!!\n"
         );
         return;
     }
