@@ -4,6 +4,7 @@ mod config;
 mod damaged_state;
 mod fail_well_http;
 mod full_disk;
+mod hosts_file;
 mod http_api;
 mod http_hostile;
 mod isolation;
