@@ -17,5 +17,6 @@ mod npu_broker;
 mod output_memory;
 mod planted;
 mod preflight;
+mod python_packages;
 mod quota;
 mod remote;
