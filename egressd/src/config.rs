@@ -42,6 +42,9 @@ Options (each also read from the variable in brackets; a flag wins):
   --nameserver ADDR       DNS server (IP or IP:port), repeatable; default: resolv.conf
                           [SCIENCE_AGENT_EGRESS_NAMESERVERS, comma-separated]
   --resolv-conf PATH      [SCIENCE_AGENT_EGRESS_RESOLV_CONF, default /etc/resolv.conf]
+  --hosts-file PATH       names answered before DNS (canonical addresses only; every address
+                          is still vetted like a DNS answer); reread when it changes
+                          [SCIENCE_AGENT_EGRESS_HOSTS_FILE, default /etc/hosts]
   --max-tunnels N         a gateway's shared connections (a sandbox  [_MAX_TUNNELS, 256]
                           holds at most half; 429 beyond)
   --tunnel-idle-ms MS     close a connection idle this long          [_TUNNEL_IDLE_MS, 300000]
@@ -65,6 +68,8 @@ pub struct Config {
     /// Empty: read `resolv_conf`.
     pub nameservers: Vec<SocketAddr>,
     pub resolv_conf: PathBuf,
+    /// Consulted before DNS (`dns::hosts`).
+    pub hosts_file: PathBuf,
     pub max_tunnels: usize,
     pub tunnel_idle: Duration,
     pub header_timeout: Duration,
@@ -166,6 +171,7 @@ pub const SETTINGS: &[(&str, &str, &str)] = &[
     ("socket_group", "--socket-group", "SCIENCE_AGENT_EGRESS_SOCKET_GROUP"),
     ("nameservers", "--nameserver", "SCIENCE_AGENT_EGRESS_NAMESERVERS"),
     ("resolv_conf", "--resolv-conf", "SCIENCE_AGENT_EGRESS_RESOLV_CONF"),
+    ("hosts_file", "--hosts-file", "SCIENCE_AGENT_EGRESS_HOSTS_FILE"),
     ("max_tunnels", "--max-tunnels", "SCIENCE_AGENT_EGRESS_MAX_TUNNELS"),
     ("tunnel_idle_ms", "--tunnel-idle-ms", "SCIENCE_AGENT_EGRESS_TUNNEL_IDLE_MS"),
     ("header_timeout_ms", "--header-timeout-ms", "SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS"),
@@ -233,6 +239,7 @@ pub fn resolve(args: &Args, var: impl Fn(&str) -> Option<String>) -> Result<Conf
                 .collect::<Result<_, _>>()?,
         },
         resolv_conf: get("SCIENCE_AGENT_EGRESS_RESOLV_CONF").unwrap_or("/etc/resolv.conf".into()).into(),
+        hosts_file: get("SCIENCE_AGENT_EGRESS_HOSTS_FILE").unwrap_or("/etc/hosts".into()).into(),
         max_tunnels: get("SCIENCE_AGENT_EGRESS_MAX_TUNNELS")
             .map_or(Ok(256), |v| positive("SCIENCE_AGENT_EGRESS_MAX_TUNNELS", &v))?
             as usize,
@@ -253,6 +260,7 @@ pub fn resolve(args: &Args, var: impl Fn(&str) -> Option<String>) -> Result<Conf
             "--socket-group" => cfg.socket_group = Some(value),
             "--nameserver" => nameservers_from_flags.push(parse_nameserver(flag, &value)?),
             "--resolv-conf" => cfg.resolv_conf = value.into(),
+            "--hosts-file" => cfg.hosts_file = value.into(),
             "--max-tunnels" => cfg.max_tunnels = positive(flag, &value)? as usize,
             "--tunnel-idle-ms" => cfg.tunnel_idle = Duration::from_millis(positive(flag, &value)?),
             "--header-timeout-ms" => cfg.header_timeout = Duration::from_millis(positive(flag, &value)?),
@@ -295,6 +303,7 @@ pub static SCHEMA: Schema = Schema {
         Key::new("socket_group", "SCIENCE_AGENT_EGRESS_SOCKET_GROUP", Kind::Name),
         Key::new("nameservers", "SCIENCE_AGENT_EGRESS_NAMESERVERS", Kind::List),
         Key::new("resolv_conf", "SCIENCE_AGENT_EGRESS_RESOLV_CONF", Kind::Text),
+        Key::new("hosts_file", "SCIENCE_AGENT_EGRESS_HOSTS_FILE", Kind::Text),
         Key::new("max_tunnels", "SCIENCE_AGENT_EGRESS_MAX_TUNNELS", Kind::Integer),
         Key::new("tunnel_idle_ms", "SCIENCE_AGENT_EGRESS_TUNNEL_IDLE_MS", Kind::Integer),
         Key::new("header_timeout_ms", "SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS", Kind::Integer),
@@ -415,6 +424,7 @@ impl Loaded {
                         c.nameservers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
                     }
                     "resolv_conf" => c.resolv_conf.display().to_string(),
+                    "hosts_file" => c.hosts_file.display().to_string(),
                     "max_tunnels" => c.max_tunnels.to_string(),
                     "tunnel_idle_ms" => ms(c.tunnel_idle),
                     "header_timeout_ms" => ms(c.header_timeout),
@@ -460,6 +470,10 @@ mod tests {
         assert_eq!((c.max_tunnels, c.runner_uid, c.confine), (256, None, true));
         assert!(c.nameservers.is_empty());
         assert_eq!(c.header_timeout, Duration::from_secs(10));
+        assert_eq!(c.hosts_file, PathBuf::from("/etc/hosts"));
+        let vars = [("SCIENCE_AGENT_EGRESS_HOSTS_FILE", "/srv/hosts")];
+        assert_eq!(serve(&[], &vars).hosts_file, PathBuf::from("/srv/hosts"));
+        assert_eq!(serve(&["--hosts-file=/x/h"], &vars).hosts_file, PathBuf::from("/x/h"));
     }
 
     #[test]

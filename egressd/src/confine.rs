@@ -3,8 +3,9 @@
 //!
 //! * `no_new_privs`: nothing it could exec would gain privileges.
 //! * landlock (best effort; the outcome is reported, never assumed): the only filesystem
-//!   access left is creating and removing gateway sockets in `<runtime>/eg` and removing the
-//!   control socket at shutdown.
+//!   access left is creating and removing gateway sockets in `<runtime>/eg`, removing the
+//!   control socket at shutdown, and reading the hosts file (that inode: a file replaced by
+//!   rename later cannot be read until egressd restarts; one rewritten in place can).
 //! * a seccomp filter of its own: the helper daemons' shared deny list
 //!   ([`common::confine`]: no namespaces or mounts, no ptrace or cross-process memory
 //!   access, no kernel-module, BPF, keyring, io_uring or clock calls) plus no exec, no
@@ -48,7 +49,7 @@ pub fn install_seccomp() -> Result<(), ConfineError> {
 }
 
 /// Landlock, best effort: `enforced`, `partial`, or `unsupported: <why>`.
-pub fn landlock(gateway_dir: &Path, control_dir: &Path) -> String {
+pub fn landlock(gateway_dir: &Path, control_dir: &Path, hosts_file: &Path) -> String {
     let abi = ABI::V5;
     let sockets = AccessFs::MakeSock | AccessFs::RemoveFile | AccessFs::ReadDir;
     let attempt = || -> Result<RestrictionStatus, landlock::RulesetError> {
@@ -58,6 +59,8 @@ pub fn landlock(gateway_dir: &Path, control_dir: &Path) -> String {
             .create()?
             .add_rules(path_beneath_rules([gateway_dir], sockets))?
             .add_rules(path_beneath_rules([control_dir], AccessFs::RemoveFile))?
+            // A file that does not exist yet is skipped (path_beneath_rules leaves it out).
+            .add_rules(path_beneath_rules([hosts_file], AccessFs::ReadFile))?
             .restrict_self()
     };
     confine::landlock_outcome(attempt())
@@ -65,9 +68,9 @@ pub fn landlock(gateway_dir: &Path, control_dir: &Path) -> String {
 
 /// Everything, in order; what could not be applied is reported, and a failure of the
 /// mandatory parts (no_new_privs, seccomp) is an error.
-pub fn apply(gateway_dir: &Path, control_dir: &Path) -> Result<Confinement, ConfineError> {
+pub fn apply(gateway_dir: &Path, control_dir: &Path, hosts_file: &Path) -> Result<Confinement, ConfineError> {
     confine::set_no_new_privs().map_err(ConfineError::NoNewPrivs)?;
-    let landlock = landlock(gateway_dir, control_dir);
+    let landlock = landlock(gateway_dir, control_dir, hosts_file);
     install_seccomp()?;
     Ok(Confinement::applied(landlock))
 }
@@ -109,7 +112,9 @@ mod tests {
         for d in [&eg, &control, &other] {
             std::fs::create_dir(d).unwrap();
         }
-        let report = apply(&eg, &control).unwrap();
+        let hosts = dir.path().join("hosts");
+        std::fs::write(&hosts, "127.0.0.1 x.test\n").unwrap();
+        let report = apply(&eg, &control, &hosts).unwrap();
         assert!(report.seccomp && report.no_new_privs);
         // (landlock leaves no read of /proc here: ask the kernel directly)
         // SAFETY: prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) takes no pointers.
@@ -143,6 +148,8 @@ mod tests {
         if report.landlock == "enforced" || report.landlock == "partial" {
             assert!(std::fs::write(other.join("f"), b"x").is_err(), "landlock let a file be written outside");
             assert!(std::os::unix::net::UnixListener::bind(other.join("sock")).is_err());
+            assert!(std::fs::read(&hosts).is_ok(), "the hosts file stays readable");
+            assert!(std::fs::write(&hosts, b"x").is_err(), "the hosts file is read-only to egressd");
         } else {
             eprintln!("NOTE: landlock is not available here ({}); only seccomp was checked", report.landlock);
         }

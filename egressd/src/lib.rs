@@ -30,7 +30,7 @@ use anyhow::Context;
 
 use common::settings::{Origin, Row, render};
 use config::{Config, Loaded, Mode, UserSpec};
-use dns::{ResolverConfig, StubResolver};
+use dns::{HostsResolver, ResolverConfig, StubResolver};
 use registry::{Registry, SocketAccess};
 
 /// `<crate version> (<commit>)`.
@@ -207,6 +207,7 @@ fn serve(cfg: Config, sink: common::audit::Sink, config_file: String) -> anyhow:
         runner_uid,
         socket_group = %access.group.map_or("none (sockets 0600)".to_owned(), |g| format!("gid {g} (sockets 0660)")),
         nameservers = %dns.nameservers.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+        hosts_file = %cfg.hosts_file.display(),
         max_tunnels = cfg.max_tunnels,
         tunnel_idle_ms = ms(cfg.tunnel_idle),
         header_timeout_ms = ms(cfg.header_timeout),
@@ -215,7 +216,7 @@ fn serve(cfg: Config, sink: common::audit::Sink, config_file: String) -> anyhow:
         confine = cfg.confine,
         log_sink = ?sink,
     );
-    let resolver = StubResolver::new(dns);
+    let resolver = HostsResolver::new(cfg.hosts_file.clone(), StubResolver::new(dns));
     let shared = Arc::new(proxy::Shared {
         resolver: Arc::new(resolver),
         own: own::OwnAddresses::default(),
@@ -231,7 +232,8 @@ fn serve(cfg: Config, sink: common::audit::Sink, config_file: String) -> anyhow:
     // runtime starts its workers.
     let control_dir = cfg.control_socket.parent().unwrap_or(Path::new("/")).to_owned();
     let confinement = if cfg.confine {
-        confine::apply(&registry.gateway_dir(), &control_dir).context("egressd could not confine itself")?
+        confine::apply(&registry.gateway_dir(), &control_dir, &cfg.hosts_file)
+            .context("egressd could not confine itself")?
     } else {
         confine::skipped()
     };

@@ -15,9 +15,11 @@
 //!   reaches (at most 8 links).
 //! - Every attempt has a timeout, attempts go round-robin over the nameservers, and the whole
 //!   lookup has a deadline; SERVFAIL and REFUSED move on to the next nameserver.
-//! - Names are sent fully qualified: no search domains, no `/etc/hosts`, no literal parsing.
+//! - Names are sent fully qualified: no search domains, no literal parsing.
+//! - `/etc/hosts` (or `hosts_file`) is consulted first, by [`hosts::HostsResolver`], with a
+//!   strict parser of its own (canonical addresses only); its answers are vetted like DNS's.
 //!
-//! [`wire`] holds the pure message encoding (both client and server halves, so tests can run
+//! [`hosts`] reads the hosts file; [`wire`] holds the pure message encoding (both client and server halves, so tests can run
 //! fake nameservers), [`conf`] the `resolv.conf` reader, [`resolver`] the sockets.
 
 use std::future::Future;
@@ -27,9 +29,11 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub mod conf;
+pub mod hosts;
 pub mod resolver;
 pub mod wire;
 
+pub use hosts::HostsResolver;
 pub use resolver::{ResolverConfig, StubResolver};
 pub use wire::{RecordType, WireError};
 

@@ -682,6 +682,11 @@ async fn sandbox_run(
             ));
         }
     };
+    let python_packages = crate::sandbox::host::python_packages_for_execution(
+        &app.data_dir,
+        &app.config.python_path,
+        &app.sandbox.user,
+    );
     let cmd = argv::build(&SandboxSpec {
         shape,
         host: &app.sandbox.host,
@@ -699,6 +704,7 @@ async fn sandbox_run(
         accel: accel.as_ref(),
         command: None,
         tmp_bytes: p.limits.tmp_bytes,
+        python_packages: python_packages.as_deref(),
     });
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();

@@ -19,7 +19,7 @@ use common::egress::protocol;
 use common::seccomp::Profile;
 use serde::Serialize;
 
-use super::host::HostRuntime;
+use super::host::{HostRuntime, PYTHON_PACKAGES_MOUNT};
 use crate::accel::mount::AccelMount;
 
 /// How the sandbox gets its `/proc` (R-SBX-2).
@@ -160,6 +160,10 @@ pub struct SandboxSpec<'a> {
     /// The size of the sandbox's `/tmp` tmpfs in bytes (issue #8); 0 (unlimited) is taken
     /// as [`FALLBACK_TMP_BYTES`]: a tmpfs is never unsized.
     pub tmp_bytes: u64,
+    /// `<dataDir>/python-packages[/pyX.Y|/py3]` as [`super::host::detect_python_packages`]
+    /// checked it: bound read-only at [`PYTHON_PACKAGES_MOUNT`] unless a science environment
+    /// is mounted; then `PYTHONPATH` names it, `PYTHONNOUSERSITE=1` and Python runs without `-I`.
+    pub python_packages: Option<&'a Path>,
 }
 
 /// What a network sandbox gets: still no interface (`--unshare-all`, never `--share-net`);
@@ -197,6 +201,7 @@ impl<'a> SandboxSpec<'a> {
             accel: None,
             command: None,
             tmp_bytes: 0,
+            python_packages: None,
         }
     }
 }
@@ -280,9 +285,13 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     for bind in accel_binds.iter().filter(|b| !b.device) {
         push(&mut args, &["--ro-bind", &lossy(&bind.source), &bind.target]);
     }
+    // A science environment, or else the operator's python-packages (never both).
+    let python_packages = spec.python_packages.filter(|_| spec.science_env.is_none());
     if let Some(prefix) = spec.science_env {
         let prefix = lossy(prefix);
         push(&mut args, &["--ro-bind", &prefix, SCIENCE_ENV_MOUNT, "--ro-bind", &prefix, &prefix]);
+    } else if let Some(packages) = python_packages {
+        push(&mut args, &["--ro-bind", &lossy(packages), PYTHON_PACKAGES_MOUNT]);
     }
     if let Some(egress) = spec.egress {
         push(&mut args, &["--ro-bind", &lossy(&egress.bridge), protocol::SANDBOX_BRIDGE]);
@@ -310,13 +319,19 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         _ => path.to_owned(),
     };
     let mut env: Vec<(String, String)> = vec![("HOME".into(), "/tmp".into()), ("PATH".into(), path)];
-    if let Some(a) = accel.filter(|a| !a.python_path.is_empty()) {
-        env.push(("PYTHONPATH".into(), a.python_path.join(":")));
+    let python_path: Vec<&str> = python_packages
+        .map(|_| PYTHON_PACKAGES_MOUNT)
+        .into_iter()
+        .chain(accel.iter().flat_map(|a| a.python_path.iter().map(String::as_str)))
+        .collect();
+    if !python_path.is_empty() {
+        env.push(("PYTHONPATH".into(), python_path.join(":")));
     }
-    match spec.language {
-        Language::Python => env.push(("PYTHONNOUSERSITE".into(), "1".into())),
-        Language::R => env.push(("R_ENVIRON_USER".into(), "/dev/null".into())),
-        Language::Shell => {}
+    if spec.language == Language::Python || python_packages.is_some() {
+        env.push(("PYTHONNOUSERSITE".into(), "1".into()));
+    }
+    if spec.language == Language::R {
+        env.push(("R_ENVIRON_USER".into(), "/dev/null".into()));
     }
     env.extend(spec.host.env());
     if let Some(a) = accel {
@@ -334,6 +349,8 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     let python = if spec.science_env.is_some() { "/opt/science-env/bin/python" } else { spec.python };
     let command: &[&str] = match spec.language {
         Language::Shell => &["/usr/bin/bash", "--noprofile", "--norc", "-euo", "pipefail", "-s"],
+        // `-I` would ignore PYTHONPATH: dropped when the python-packages are bound.
+        Language::Python if python_packages.is_some() => &[python, "-"],
         Language::Python => &[python, "-I", "-"],
         Language::R => &["/opt/science-env/bin/R", "--vanilla", "--slave"],
     };
@@ -616,6 +633,58 @@ mod tests {
             "--slave".into()
         ]));
         assert_eq!(cmd.env[2], ("R_ENVIRON_USER".into(), "/dev/null".into()));
+    }
+
+    #[test]
+    fn python_packages_table() {
+        let h = host();
+        let ws = plain();
+        let packages = PathBuf::from("/data/python-packages/py3.12");
+        let env_prefix = PathBuf::from("/data/scientific-envs/envs/e");
+        let bind = ["--ro-bind", "/data/python-packages/py3.12", PYTHON_PACKAGES_MOUNT];
+        // (language, packages, science env, env keys, bound, command tail)
+        type Case<'a> = (Language, bool, bool, &'a [&'a str], bool, &'a [&'a str]);
+        let cases: &[Case] = &[
+            (Language::Python, false, false, &["HOME", "PATH", "PYTHONNOUSERSITE"], false, &["-I", "-"]),
+            (
+                Language::Python,
+                true,
+                false,
+                &["HOME", "PATH", "PYTHONPATH", "PYTHONNOUSERSITE"],
+                true,
+                &["/usr/bin/python3", "-"],
+            ),
+            (
+                Language::Shell,
+                true,
+                false,
+                &["HOME", "PATH", "PYTHONPATH", "PYTHONNOUSERSITE"],
+                true,
+                &["-s"],
+            ),
+            (Language::Shell, false, false, &["HOME", "PATH"], false, &["-s"]),
+            // A managed environment wins: no bind, no PYTHONPATH, `-I` stays.
+            (Language::Python, true, true, &["HOME", "PATH", "PYTHONNOUSERSITE"], false, &["-I", "-"]),
+        ];
+        for (language, with_packages, with_env, keys, bound, tail) in cases {
+            let mut s = spec(&h, &ws, FULL);
+            s.language = *language;
+            s.python_packages = with_packages.then_some(packages.as_path());
+            s.science_env = with_env.then_some(env_prefix.as_path());
+            let cmd = build(&s);
+            let case = format!("{language:?} packages={with_packages} env={with_env}");
+            assert_eq!(cmd.env.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), *keys, "{case}");
+            assert_eq!(position(&cmd.options, &bind).is_some(), *bound, "{case}");
+            let tail: Vec<String> = tail.iter().map(|s| s.to_string()).collect();
+            assert!(cmd.command.ends_with(&tail), "{case}: {:?}", cmd.command);
+            if *bound {
+                assert!(cmd.env.contains(&("PYTHONPATH".into(), PYTHON_PACKAGES_MOUNT.into())), "{case}");
+                // Bound before the workspace, after /tmp (the original's item 17).
+                let at = position(&cmd.options, &bind).unwrap();
+                assert!(at > position(&cmd.options, &["--tmpfs", "/tmp"]).unwrap(), "{case}");
+                assert!(at < position(&cmd.options, &["/workspace"]).unwrap(), "{case}");
+            }
+        }
     }
 
     #[test]
