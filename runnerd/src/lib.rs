@@ -31,6 +31,7 @@ pub mod launch;
 pub mod limits;
 pub mod managed;
 pub mod memory;
+pub mod metrics;
 pub mod npu_broker;
 pub mod remote;
 pub mod sandbox;

@@ -58,6 +58,9 @@ pub struct EgressStatus {
     pub gateways: u32,
     pub open_connections: u32,
     pub confinement: Confinement,
+    /// Proxy decisions since egressd started, by verdict (`allowed`, `denied`, …), for
+    /// runnerd's `GET /metrics`.
+    pub decisions: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
