@@ -212,3 +212,18 @@ async fn metrics_move_with_real_runs_timeouts_and_a_full_queue() {
     assert_eq!(moved("runner_workspace_commit_seconds_count", &[("result", "ok")]), 2.0);
     assert_eq!(sample(&after, "runner_queue_depth", &[]), 0.0);
 }
+
+#[test]
+fn runnerctl_metrics_prints_a_parsable_scrape() {
+    let server = Server::start();
+    let out = std::process::Command::new(runner_tests::bin("runnerctl"))
+        .args(["--url", &format!("http://{}", server.address()), "metrics"])
+        .env("SCIENCE_AGENT_RUNNER_TOKEN", runner_tests::server::TEST_TOKEN)
+        .env("SCIENCE_AGENT_DATA_DIR", &server.data_dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let m = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(sample(&m, "runner_queue_capacity", &[]), 256.0);
+}
