@@ -15,6 +15,7 @@ pub mod auth;
 pub mod bench;
 pub mod bench_limits;
 pub mod bench_memory;
+pub mod bench_metrics;
 pub mod bench_output;
 pub mod bench_versions;
 pub mod check;
