@@ -227,3 +227,40 @@ fn runnerctl_metrics_prints_a_parsable_scrape() {
     let m = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert_eq!(sample(&m, "runner_queue_capacity", &[]), 256.0);
 }
+
+#[tokio::test]
+async fn egress_decisions_come_from_egressd_by_verdict() {
+    use runner_tests::egress::{Egressd, FakeDns, Upstream, with_network};
+    if !sandbox_or_skip("egress_decisions_come_from_egressd_by_verdict") {
+        return;
+    }
+    let dns = FakeDns::start(&[("mirror.test", &["127.0.0.1"]), ("blocked.test", &["127.0.0.1"])]);
+    let upstream = Upstream::start();
+    let egressd = Egressd::start(dns.addr, &[]);
+    let server = Server::start_with(ServerOptions { env: egressd.runner_env(), ..ServerOptions::default() });
+    let client = server.client();
+    let before = scrape(&client).await;
+    assert_eq!(sample(&before, "runner_egress_up", &[]), 1.0);
+    let port = upstream.port;
+    let code = format!(
+        "curl -sS -o /dev/null http://mirror.test:{port}/a; curl -s -o /dev/null http://blocked.test:{port}/; \
+         curl -s -o /dev/null http://blocked.test:{port}/"
+    );
+    let body = with_network(
+        shell_request("main", "s", &server.project_workspace("m2"), &code),
+        &["mirror.test"],
+        true,
+        "r",
+    );
+    let r = client.post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.json());
+    let after = scrape(&client).await;
+    let moved = |v| {
+        sample(&after, "runner_egress_decisions", &[("verdict", v)])
+            - sample(&before, "runner_egress_decisions", &[("verdict", v)])
+    };
+    assert_eq!(moved("allowed"), 1.0, "{}", egressd.log());
+    assert_eq!(moved("denied"), 2.0, "{}", egressd.log());
+    let profile = [("route", "execute-shell"), ("outcome", "completed"), ("profile", "network")];
+    assert_eq!(sample(&after, "runner_executions_total", &profile), 1.0);
+}
