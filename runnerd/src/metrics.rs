@@ -340,6 +340,20 @@ mod tests {
     }
 
     #[test]
+    fn result_fields_name_their_limits() {
+        use crate::launch::Termination::Exited;
+        use crate::limits::{Limits, Mode, outcome_fields};
+        let l = Limits { memory_bytes: 0, pids: 0, cpu_millicores: 0, tmp_bytes: 0 };
+        let fields = |t| outcome_fields(t, false, None, &l, &[], Mode::RlimitsOnly);
+        assert_eq!(limits_of_result(&fields(Exited(128 + libc::SIGXFSZ))), ["fsize"]);
+        assert!(limits_of_result(&fields(Exited(0))).is_empty());
+        assert!(limits_of_result(&fields(Exited(128 + libc::SIGKILL))).is_empty());
+        let mut oom = fields(Exited(128 + libc::SIGKILL));
+        (oom.oom_killed, oom.pids_limit_reached) = (Some(true), Some(true));
+        assert_eq!(limits_of_result(&oom), ["oom", "pids"]);
+    }
+
+    #[test]
     fn render_counts_what_was_recorded() {
         let m = Metrics::new();
         m.request("execute", None);
