@@ -12,7 +12,8 @@
 //! the same [`PolicyIdentity`].
 //!
 //! Layout changes bump [`crate::plan::PROTOCOL_VERSION`] (the framing's version): 4 added
-//! `identity` and `sandbox_uid` to [`ControlRequest::Acquire`].
+//! `identity` and `sandbox_uid` to [`ControlRequest::Acquire`]; 5 added `decisions` to
+//! [`EgressStatus`].
 
 use std::path::PathBuf;
 
