@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a message layout on the runnerd ↔ sandbox-init channel changes.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// bwrap reads the seccomp program from this descriptor (`--seccomp 3`).
 pub const SECCOMP_FD: i32 = 3;

@@ -34,6 +34,7 @@ impl Control {
             gateways: gateways as u32,
             open_connections: open as u32,
             confinement: self.confinement.clone(),
+            decisions: crate::registry::decisions(),
         }
     }
 }

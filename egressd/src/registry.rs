@@ -478,6 +478,20 @@ impl Drop for Open<'_> {
     }
 }
 
+/// Proxy decisions since start, by verdict: what the control socket's status answers (runnerd's
+/// `GET /metrics`). Verdicts are the proxy's own `&'static str`s, a closed set.
+static DECISIONS: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+fn count_decision(verdict: &'static str) {
+    *DECISIONS.lock().unwrap_or_else(|p| p.into_inner()).entry(verdict).or_default() += 1;
+}
+
+/// The counts [`count_decision`] kept.
+pub fn decisions() -> Vec<(String, u64)> {
+    DECISIONS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+}
+
 async fn connection(
     mut stream: tokio::net::UnixStream,
     lease: Arc<LeaseState>,
@@ -494,6 +508,7 @@ async fn connection(
         Err(_) => (u32::MAX, 0),
     };
     if uid != lease.uid {
+        count_decision("refused");
         tracing::warn!(event = "egress_peer_refused", gateway = %gateway.identity.short(), revision = %lease.revision, client_uid = uid, client_pid = pid, expected_uid = lease.uid);
         let reason =
             format!("this egress gateway serves only the sandbox it was acquired for, not uid {uid}");
@@ -505,6 +520,7 @@ async fn connection(
         Err(refusal) => {
             let reason = refusal_reason(&gateway.caps, refusal);
             let _ = stream.write_all(&reply::connect(429, Some(&reason))).await;
+            count_decision("limited");
             tracing::warn!(event = "egress_decision", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid, decision = "limited", status = 429u16, reason = %reason);
             return;
         }
@@ -517,6 +533,7 @@ async fn connection(
         tracing::debug!(event = "egress_no_request", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid);
         return;
     }
+    count_decision(rec.decision);
     tracing::info!(
         event = "egress_decision",
         gateway = %gateway.identity.short(),

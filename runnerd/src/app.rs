@@ -43,6 +43,8 @@ pub struct App {
     pub npu_broker: crate::npu_broker::BrokerClient,
     /// The server-wide ceiling on output held in memory (`max_buffered_output_bytes`).
     pub output_pool: std::sync::Arc<crate::launch::OutputPool>,
+    /// What `GET /metrics` answers.
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 impl App {
@@ -83,6 +85,7 @@ impl App {
             egress,
             accel,
             limits,
+            metrics: std::sync::Arc::default(),
         }
     }
 }

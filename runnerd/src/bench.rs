@@ -44,6 +44,8 @@ Usage:
                                         rlimits only, interleaved (default 200)
   runnerd-bench output [--mib N]        runnerd's peak RSS during an N MiB output flood
                                         (default 64) against the output and answer sizes
+  runnerd-bench metrics [--iterations N] signed executions without and with GET /metrics
+                                        scraped every second, interleaved (default 200)
   runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
                                         runnerd's RSS idle, at peak and S s after N
                                         concurrent requests and after M sequential
@@ -57,6 +59,7 @@ pub fn run() -> i32 {
     let mut limits = false;
     let mut output = None;
     let mut memory = None;
+    let mut metrics = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -69,6 +72,7 @@ pub fn run() -> i32 {
         match arg.as_str() {
             "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
             "limits" => limits = true,
+            "metrics" => metrics = true,
             "output" => output = Some(64u64),
             "--mib" if output.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
@@ -124,6 +128,7 @@ pub fn run() -> i32 {
             rt.block_on(crate::bench_memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
         }
         None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
+        None if metrics => rt.block_on(bench_metrics(iterations)),
         None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
     };
@@ -408,6 +413,12 @@ async fn bench_versions(files: usize, mib: u64, log_mb: u64) -> anyhow::Result<(
 async fn bench_output(mib: u64) -> anyhow::Result<()> {
     let setup = setup().await?;
     crate::bench_output::bench(setup.launcher.init_path(), mib).await
+}
+
+/// The cost of `GET /metrics` scrapes on execution latency (sandbox-init as for `versions`).
+async fn bench_metrics(n: usize) -> anyhow::Result<()> {
+    let setup = setup().await?;
+    crate::bench_metrics::bench(setup.launcher.init_path(), n).await
 }
 
 /// A runnerd started from the binary next to this one, on an ephemeral port.

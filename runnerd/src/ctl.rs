@@ -14,6 +14,7 @@ runnerctl: talk to a running runnerd.
 Usage:
   runnerctl health                      print /health (no token needed)
   runnerctl status                      print /status
+  runnerctl metrics                     print /metrics (Prometheus/OpenMetrics text)
   runnerctl exec [options] -- SCRIPT    run SCRIPT (bash; --python for Python) in a sandbox,
                                         print its stdout/stderr, exit with its exit code
   runnerctl run --detach [options] -- SCRIPT
@@ -115,8 +116,8 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
                 let rest: Vec<String> = it.by_ref().collect();
                 o.script = Some(rest.join(" "));
             }
-            "health" | "status" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put" | "get"
-            | "repair"
+            "health" | "status" | "metrics" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put"
+            | "get" | "repair"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -213,6 +214,15 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             let reply = client.get("/status").await?;
             outln!("{}", serde_json::to_string_pretty(&reply.json())?);
             Ok(if reply.status == 200 { 0 } else { 1 })
+        }
+        "metrics" => {
+            let reply = client.get("/metrics").await?;
+            if reply.status != 200 {
+                outln!("{}", serde_json::to_string_pretty(&reply.json())?);
+                return Ok(1);
+            }
+            out(&reply.body)?;
+            Ok(0)
         }
         "logs" | "show" | "cancel" => managed(&client, &o).await,
         "ls" | "put" | "get" => files(&client, &o).await,

@@ -11,6 +11,7 @@ mod isolation;
 mod lifecycle;
 mod limits;
 mod managed;
+mod metrics;
 mod network;
 mod network_tenants;
 mod npu_broker;

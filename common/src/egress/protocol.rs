@@ -12,7 +12,8 @@
 //! the same [`PolicyIdentity`].
 //!
 //! Layout changes bump [`crate::plan::PROTOCOL_VERSION`] (the framing's version): 4 added
-//! `identity` and `sandbox_uid` to [`ControlRequest::Acquire`].
+//! `identity` and `sandbox_uid` to [`ControlRequest::Acquire`]; 5 added `decisions` to
+//! [`EgressStatus`].
 
 use std::path::PathBuf;
 
@@ -58,6 +59,9 @@ pub struct EgressStatus {
     pub gateways: u32,
     pub open_connections: u32,
     pub confinement: Confinement,
+    /// Proxy decisions since egressd started, by verdict (`allowed`, `denied`, …), for
+    /// runnerd's `GET /metrics`.
+    pub decisions: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

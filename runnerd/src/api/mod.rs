@@ -129,11 +129,17 @@ pub async fn handle(
         ("GET", ["kernels"]) => ok(json!([])),
         ("POST", ["kernels", "teardown"]) => teardown_session(&app, &req.body).await,
         ("POST", ["kernels", id, "teardown"]) => teardown_kernel(id, &req.body),
+        ("GET", ["metrics"]) => Ok(metrics(&app).await),
         ("POST", ["execute-shell"]) => {
             execute(app.clone(), request::Route::ExecuteShell, &req.body, client_gone).await
         }
         ("POST", ["execute"]) => execute(app.clone(), request::Route::Execute, &req.body, client_gone).await,
-        ("POST", ["shell-executions"]) => managed::start(&app, &req.body).await,
+        ("POST", ["shell-executions"]) => {
+            let started = managed::start(&app, &req.body).await;
+            app.metrics
+                .request(request::Route::ShellExecutions.name(), started.as_ref().err().map(|e| e.code));
+            started
+        }
         ("GET", ["remote-workspace", "files"]) => remote::list_all(&app, req.query.as_deref()).await,
         ("POST", ["remote-workspace", "files"]) => {
             remote::list_selected(&app, req.query.as_deref(), &req.body).await
@@ -273,7 +279,36 @@ fn teardown_kernel(id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
     ok(json!({"count": 0, "kernelId": percent_decode(id), "reason": reason}))
 }
 
+/// `GET /metrics`: the registry, with the queue's counts and egressd's decisions as of now.
+async fn metrics(app: &App) -> ApiResponse {
+    let egress = app.egress.status().await.ok().map(|s| s.decisions);
+    let admitted = app.admission.admitted();
+    let snapshot = crate::metrics::Snapshot {
+        admitted: admitted as i64,
+        running: app.admission.running() as i64,
+        capacity: app.config.queue_capacity as i64,
+        egress,
+    };
+    let text = app.metrics.render(&snapshot);
+    ApiResponse {
+        status: 200,
+        body: String::new(),
+        download: Some(stream::Download::from_text(text, crate::metrics::CONTENT_TYPE)),
+    }
+}
+
 async fn execute(
+    app: Arc<App>,
+    route: request::Route,
+    body: &[u8],
+    client_gone: watch::Receiver<bool>,
+) -> Result<ApiResponse, ApiError> {
+    let answered = execute_inner(app.clone(), route, body, client_gone).await;
+    app.metrics.request(route.name(), answered.as_ref().err().map(|e| e.code));
+    answered
+}
+
+async fn execute_inner(
     app: Arc<App>,
     route: request::Route,
     body: &[u8],

@@ -28,6 +28,15 @@ pub struct Download {
 }
 
 impl Download {
+    /// A body already in memory (a `/metrics` scrape).
+    pub fn from_text(text: String, content_type: &'static str) -> Download {
+        let (tx, rx) = mpsc::channel(1);
+        let len = text.len() as u64;
+        // A fresh channel with room for one: the send cannot fail.
+        let _ = tx.try_send(Ok(Bytes::from(text)));
+        Download { content_length: Some(len), content_type, rx }
+    }
+
     /// Streams `reader`, one chunk per short blocking task: a client that stops reading
     /// parks only this task, never a thread of the blocking pool. A read error ends the body
     /// with that error, which makes hyper abort the connection: the client sees a truncated

@@ -118,6 +118,7 @@ pub struct SessionExclusive {
 #[derive(Debug)]
 pub struct Admission {
     capacity: usize,
+    max_concurrent: usize,
     admitted: Arc<AtomicUsize>,
     slots: Arc<Semaphore>,
     sessions: Keyed<String, RwLock<()>>,
@@ -134,6 +135,7 @@ impl Admission {
     pub fn new(capacity: usize, max_concurrent: usize) -> Admission {
         Admission {
             capacity,
+            max_concurrent,
             admitted: Arc::new(AtomicUsize::new(0)),
             slots: Arc::new(Semaphore::new(max_concurrent)),
             sessions: Keyed::default(),
@@ -159,6 +161,11 @@ impl Admission {
                 retry_after: Some(1),
             }),
         }
+    }
+
+    /// Executions holding a sandbox slot (synchronous and managed).
+    pub fn running(&self) -> usize {
+        self.max_concurrent.saturating_sub(self.slots.available_permits())
     }
 
     /// Queued + running executions.

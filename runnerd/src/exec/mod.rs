@@ -133,6 +133,8 @@ pub struct FinishAudit {
     profile: Profile,
     admitted: Instant,
     written: AtomicBool,
+    /// Where the end is also counted (`GET /metrics`), under this route.
+    metrics: Option<(Arc<crate::metrics::Metrics>, &'static str)>,
 }
 
 impl FinishAudit {
@@ -151,7 +153,14 @@ impl FinishAudit {
             profile,
             admitted: Instant::now(),
             written: AtomicBool::new(false),
+            metrics: None,
         }
+    }
+
+    /// Counts the end in `metrics` too, under `route`.
+    pub fn counted(mut self, metrics: &Arc<crate::metrics::Metrics>, route: &'static str) -> Self {
+        self.metrics = Some((metrics.clone(), route));
+        self
     }
 
     /// `execution_admitted`: the ids, the language, and whether it is a managed run.
@@ -192,6 +201,9 @@ impl FinishAudit {
     ) {
         if self.written.swap(true, Ordering::SeqCst) {
             return;
+        }
+        if let Some((m, route)) = &self.metrics {
+            m.finished(route, outcome, self.profile.name(), self.admitted.elapsed());
         }
         let duration_ms = self.admitted.elapsed().as_millis() as u64;
         let run_ms = run.map(|d| d.as_millis() as u64);
@@ -290,7 +302,9 @@ pub async fn execute(
 
     // Ours: a full queue answers 503 before the id is recorded, so a retry after
     // `Retry-After` is not refused as a duplicate.
-    let ticket = app.admission.admit()?;
+    let ticket = app.admission.admit();
+    app.metrics.admission(ticket.is_ok());
+    let ticket = ticket?;
     let execution_id = request::string(&obj, "executionId").unwrap_or("").to_owned();
     if execution_id.len() > MAX_EXECUTION_ID {
         return Err(ApiError::bad_request(
@@ -334,7 +348,8 @@ pub async fn execute(
         &prepared.agent_id,
         &prepared.root,
         profile,
-    );
+    )
+    .counted(&app.metrics, route.name());
     audit.admitted(language_name(language), false);
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
@@ -371,10 +386,12 @@ pub async fn execute(
     // (`legacy-execution`, failed when the run failed), before the lease is released — but
     // never more than the quota is stored.
     writer.limit_snapshot_bytes(prepared.max_workspace);
+    let commit_started = Instant::now();
     let committed = app
         .versions
         .commit_mutation(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
         .await;
+    app.metrics.committed(committed.is_ok(), commit_started.elapsed());
     drop(writer);
     drop(running);
     drop(registration);
@@ -761,8 +778,16 @@ async fn sandbox_run(
     watchdog.abort();
     let usage = crate::limits::finish(cgroup).await;
     let outcome = match outcome {
-        Ok(o) => o,
+        Ok(o) => {
+            if let Some(latency) = o.launch_latency {
+                app.metrics.launched(profile.name(), latency);
+            }
+            o
+        }
         Err(e) => {
+            if let Some(step) = crate::metrics::init_step_of(&e) {
+                app.metrics.init_failed(step);
+            }
             let error = crate::error_chain(&e);
             let outcome = if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
                 UNRESPONSIVE
@@ -830,6 +855,7 @@ async fn sandbox_run(
         &rlimits,
         app.limits.mode,
     );
+    app.metrics.limits_in_result(&limits);
     Ok(ExecutionResult {
         exit_code,
         stdout: collected.stdout,

@@ -68,6 +68,17 @@ pub enum Route {
     ShellExecutions,
 }
 
+impl Route {
+    /// The route's path without its slash (a metrics label).
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::ExecuteShell => "execute-shell",
+            Route::Execute => "execute",
+            Route::ShellExecutions => "shell-executions",
+        }
+    }
+}
+
 /// The language of a request on `route` (`/execute`: `language`, default python).
 pub fn language(route: Route, obj: &Object) -> Result<Language, ApiError> {
     match route {

@@ -129,6 +129,9 @@ pub struct Outcome {
     /// Host pid of the sandbox's PID-namespace init, when bwrap reported it.
     pub sandbox_pid: Option<i32>,
     pub elapsed: Duration,
+    /// From the start of the launch to bubblewrap executing (sandbox-init's hand-over done),
+    /// when it got that far.
+    pub launch_latency: Option<Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -288,8 +291,10 @@ impl Launcher {
         tokio::spawn(sandbox.clone().watch(info_r));
         let guard = EndOnDrop { sandbox: &sandbox, armed: true };
 
+        let handed_over = std::sync::Mutex::new(None);
         let work = async {
             handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
+            *handed_over.lock().unwrap_or_else(|p| p.into_inner()) = Some(started.elapsed());
             let stdin = pipe::Sender::from_owned_fd(stdin_w).map_err(io_err("open the stdin pipe"))?;
             let feeder = tokio::spawn(feed_stdin(stdin, launch.stdin));
             pump_output(stdout_r, stderr_r, sink).await?;
@@ -342,6 +347,7 @@ impl Launcher {
                     termination: why,
                     sandbox_pid: sandbox.init_pid(),
                     elapsed: started.elapsed(),
+                    launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
                 });
             }
             (Err(e), None) => return Err(e),
@@ -353,7 +359,12 @@ impl Launcher {
             (None, Some(code)) => Termination::Exited(code),
             (None, None) => Termination::Signaled(status.signal().unwrap_or(0)),
         };
-        Ok(Outcome { termination, sandbox_pid: sandbox.init_pid(), elapsed: started.elapsed() })
+        Ok(Outcome {
+            termination,
+            sandbox_pid: sandbox.init_pid(),
+            elapsed: started.elapsed(),
+            launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
+        })
     }
 }
 

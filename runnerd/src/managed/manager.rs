@@ -194,7 +194,8 @@ impl Manager {
         self.active.fetch_add(1, Ordering::SeqCst);
         let profile =
             exec::profile_for(&request::network_access(&obj).mode, crate::accel::select::names_ascend(&obj));
-        let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &root, profile);
+        let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &root, profile)
+            .counted(&app.metrics, request::Route::ShellExecutions.name());
         audit.admitted("shell", true);
         let me = self.clone();
         let queued = rec.clone();
@@ -436,7 +437,10 @@ impl Manager {
             stdout,
             stderr,
         };
-        let (state, error) = match app.versions.commit_execution(&writer, facts).await {
+        let commit_started = std::time::Instant::now();
+        let committed = app.versions.commit_execution(&writer, facts).await;
+        app.metrics.committed(committed.is_ok(), commit_started.elapsed());
+        let (state, error) = match committed {
             Ok((version, tree)) => {
                 rec.version = Some(version.to_value());
                 if let Some(r) = result.as_mut() {

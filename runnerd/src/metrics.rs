@@ -1,0 +1,385 @@
+//! `GET /metrics` (api.md improvement 6): one registry, held by the [`App`](crate::app::App),
+//! fed by one-line hooks where things happen, encoded in the OpenMetrics text format (which
+//! Prometheus scrapes natively) through the Prometheus project's own client crate.
+//!
+//! Every label value comes from a closed set (route names, error codes, profiles, steps,
+//! verdicts): nothing a caller sends becomes a label, so a hostile client cannot grow the
+//! registry.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// The exposition format's media type.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type Labels = Vec<(&'static str, String)>;
+type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// Launch latency: 1 ms … ~16 s.
+fn launch_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// Durations of whole executions and commits: 5 ms … ~80 min.
+fn duration_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 20))
+}
+
+/// What a scrape reads from elsewhere (egressd, the admission counts), set just before encoding.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub admitted: i64,
+    pub running: i64,
+    pub capacity: i64,
+    /// `None` when egressd did not answer.
+    pub egress: Option<Vec<(String, u64)>>,
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    executions: Family<Labels, Counter>,
+    admission: Family<Labels, Counter>,
+    queued: Gauge,
+    running: Gauge,
+    capacity: Gauge,
+    launch_seconds: Histograms,
+    duration_seconds: Histograms,
+    init_failures: Family<Labels, Counter>,
+    limits_hit: Family<Labels, Counter>,
+    commit_seconds: Histograms,
+    egress_decisions: Family<Labels, Gauge>,
+    egress_up: Gauge,
+    /// One scrape at a time: the gauges set for it are the ones it encodes.
+    scrape: Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("runner");
+        let requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "execution_requests",
+            "Answers of the execution routes, by route and error code (ok when it ran to an answer)",
+            requests.clone(),
+        );
+        let executions = Family::<Labels, Counter>::default();
+        registry.register(
+            "executions",
+            "Admitted executions that ended, by route, outcome and seccomp profile",
+            executions.clone(),
+        );
+        let admission = Family::<Labels, Counter>::default();
+        registry.register(
+            "admission",
+            "Places asked of the bounded queue: admitted, or refused (503 queue_full)",
+            admission.clone(),
+        );
+        let (queued, running, capacity) = (Gauge::default(), Gauge::default(), Gauge::default());
+        registry.register(
+            "queue_depth",
+            "Synchronous executions in the bounded queue (waiting or running), as admission counts them",
+            queued.clone(),
+        );
+        registry.register("running", "Admitted executions holding a sandbox slot", running.clone());
+        registry.register("queue_capacity", "Executions the queue admits at once", capacity.clone());
+        let launch_seconds: Histograms = Family::new_with_constructor(launch_histogram);
+        registry.register(
+            "launch_seconds",
+            "From the launch to bubblewrap executing (sandbox-init's hand-over), by profile",
+            launch_seconds.clone(),
+        );
+        let duration_seconds: Histograms = Family::new_with_constructor(duration_histogram);
+        registry.register(
+            "execution_duration_seconds",
+            "From admission (queue included) to the end of an execution, by route",
+            duration_seconds.clone(),
+        );
+        let init_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "sandbox_init_failures",
+            "Launches sandbox-init reported failed, by the step that failed",
+            init_failures.clone(),
+        );
+        let limits_hit = Family::<Labels, Counter>::default();
+        registry.register(
+            "limits_hit",
+            "Executions that ran into a limit: oom, pids, fsize, quota, timeout",
+            limits_hit.clone(),
+        );
+        let commit_seconds: Histograms = Family::new_with_constructor(duration_histogram);
+        registry.register(
+            "workspace_commit_seconds",
+            "Snapshot and commit of a workspace's new version after a run, by result",
+            commit_seconds.clone(),
+        );
+        let egress_decisions = Family::<Labels, Gauge>::default();
+        registry.register(
+            "egress_decisions",
+            "egressd's proxy decisions since it started, by verdict (read from egressd at scrape)",
+            egress_decisions.clone(),
+        );
+        let egress_up = Gauge::default();
+        registry.register(
+            "egress_up",
+            "Whether egressd answered this scrape's status request",
+            egress_up.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            executions,
+            admission,
+            queued,
+            running,
+            capacity,
+            launch_seconds,
+            duration_seconds,
+            init_failures,
+            limits_hit,
+            commit_seconds,
+            egress_decisions,
+            egress_up,
+            scrape: Mutex::new(()),
+        }
+    }
+
+    /// One answer of an execution route: `None` when it ran to its answer, else the error code.
+    pub fn request(&self, route: &'static str, error_code: Option<&'static str>) {
+        let code = error_code.unwrap_or("ok");
+        self.requests.get_or_create(&vec![("route", route.into()), ("code", code.into())]).inc();
+    }
+
+    /// One admitted execution's end (written once, with its audit record).
+    pub fn finished(&self, route: &'static str, outcome: &str, profile: &str, duration: Duration) {
+        let outcome = bounded_outcome(outcome);
+        let labels = vec![("route", route.into()), ("outcome", outcome.into()), ("profile", profile.into())];
+        self.executions.get_or_create(&labels).inc();
+        self.duration_seconds.get_or_create(&vec![("route", route.into())]).observe(duration.as_secs_f64());
+        if let Some(limit) = limit_of_outcome(outcome) {
+            self.limit_hit(limit);
+        }
+    }
+
+    /// A place asked of the queue.
+    pub fn admission(&self, admitted: bool) {
+        let result = if admitted { "admitted" } else { "refused" };
+        self.admission.get_or_create(&vec![("result", result.into())]).inc();
+    }
+
+    pub fn launched(&self, profile: &str, latency: Duration) {
+        self.launch_seconds.get_or_create(&vec![("profile", profile.into())]).observe(latency.as_secs_f64());
+    }
+
+    /// sandbox-init reported `step` failed (`vanished`: it died before it could say).
+    pub fn init_failed(&self, step: &'static str) {
+        self.init_failures.get_or_create(&vec![("step", step.into())]).inc();
+    }
+
+    pub fn limit_hit(&self, limit: &'static str) {
+        self.limits_hit.get_or_create(&vec![("limit", limit.into())]).inc();
+    }
+
+    /// The limits a completed run's result fields name (`oomKilled`, `pidsLimitReached`,
+    /// SIGXFSZ).
+    pub fn limits_in_result(&self, fields: &crate::limits::ResultFields) {
+        for limit in limits_of_result(fields) {
+            self.limit_hit(limit);
+        }
+    }
+
+    pub fn committed(&self, ok: bool, took: Duration) {
+        let result = if ok { "ok" } else { "failed" };
+        self.commit_seconds.get_or_create(&vec![("result", result.into())]).observe(took.as_secs_f64());
+    }
+
+    /// The text a scrape answers.
+    pub fn render(&self, snapshot: &Snapshot) -> String {
+        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        self.queued.set(snapshot.admitted);
+        self.running.set(snapshot.running);
+        self.capacity.set(snapshot.capacity);
+        self.egress_up.set(i64::from(snapshot.egress.is_some()));
+        for (verdict, n) in snapshot.egress.iter().flatten() {
+            let verdict = bounded_verdict(verdict);
+            self.egress_decisions
+                .get_or_create(&vec![("verdict", verdict.into())])
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
+        }
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The outcomes an execution records (`FinishAudit`): the sandbox's own and every error
+/// code; anything else (a future code) counts as `other` rather than growing the label set.
+fn bounded_outcome(outcome: &str) -> &'static str {
+    const KNOWN: &[&str] = &[
+        "completed",
+        "timed_out",
+        "aborted",
+        "abandoned_in_queue",
+        "dropped",
+        "sandbox_launch_failed",
+        "sandbox_unresponsive",
+        "workspace_quota_exceeded",
+        "workspace_quota_exceeded_before_run",
+        "execution_timeout",
+        "execution_aborted",
+        "version_commit_failed",
+        "network_unavailable",
+        "workspace_retired",
+        "workspace_poisoned",
+        "internal",
+    ];
+    KNOWN.iter().find(|k| **k == outcome).copied().unwrap_or("other")
+}
+
+/// egressd's verdicts (its `egress_decision` records); others count as `other`.
+fn bounded_verdict(verdict: &str) -> &'static str {
+    const KNOWN: &[&str] = &["allowed", "denied", "limited", "failed", "no_request", "refused", "error"];
+    KNOWN.iter().find(|k| **k == verdict).copied().unwrap_or("other")
+}
+
+/// The limit an outcome means, if it means one.
+fn limit_of_outcome(outcome: &str) -> Option<&'static str> {
+    match outcome {
+        "timed_out" => Some("timeout"),
+        "workspace_quota_exceeded" | "workspace_quota_exceeded_before_run" => Some("quota"),
+        _ => None,
+    }
+}
+
+fn limits_of_result(fields: &crate::limits::ResultFields) -> Vec<&'static str> {
+    let mut hit = Vec::new();
+    if fields.oom_killed == Some(true) {
+        hit.push("oom");
+    }
+    if fields.pids_limit_reached == Some(true) {
+        hit.push("pids");
+    }
+    if fields.signal.as_deref() == Some("SIGXFSZ") {
+        hit.push("fsize");
+    }
+    hit
+}
+
+/// The metric's name for a sandbox-init step.
+pub fn step_name(step: common::plan::InitStep) -> &'static str {
+    use common::plan::InitStep::*;
+    match step {
+        ReadPlan => "read_plan",
+        ValidatePlan => "validate_plan",
+        ReceiveFds => "receive_fds",
+        ArrangeFds => "arrange_fds",
+        CloseFds => "close_fds",
+        JoinCgroups => "join_cgroups",
+        Rlimits => "rlimits",
+        Signals => "signals",
+        SwitchUser => "switch_user",
+        Exec => "exec",
+    }
+}
+
+/// The step label of a failed launch, when sandbox-init (not the spawn or the channel) failed.
+pub fn init_step_of(e: &crate::launch::LaunchError) -> Option<&'static str> {
+    match e {
+        crate::launch::LaunchError::Init(f) => Some(step_name(f.step)),
+        crate::launch::LaunchError::BwrapMissing { .. } => Some("exec"),
+        crate::launch::LaunchError::InitVanished => Some("vanished"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_and_verdicts_are_a_closed_set() {
+        for (given, label) in [
+            ("completed", "completed"),
+            ("timed_out", "timed_out"),
+            ("queue_full\"} 1\nfake", "other"),
+            ("", "other"),
+        ] {
+            assert_eq!(bounded_outcome(given), label, "{given:?}");
+        }
+        for (given, label) in [("allowed", "allowed"), ("denied", "denied"), ("x\ny", "other")] {
+            assert_eq!(bounded_verdict(given), label, "{given:?}");
+        }
+    }
+
+    #[test]
+    fn outcomes_name_their_limits() {
+        for (outcome, limit) in [
+            ("timed_out", Some("timeout")),
+            ("workspace_quota_exceeded", Some("quota")),
+            ("workspace_quota_exceeded_before_run", Some("quota")),
+            ("completed", None),
+            ("aborted", None),
+        ] {
+            assert_eq!(limit_of_outcome(outcome), limit, "{outcome}");
+        }
+    }
+
+    #[test]
+    fn result_fields_name_their_limits() {
+        use crate::launch::Termination::Exited;
+        use crate::limits::{Limits, Mode, outcome_fields};
+        let l = Limits { memory_bytes: 0, pids: 0, cpu_millicores: 0, tmp_bytes: 0 };
+        let fields = |t| outcome_fields(t, false, None, &l, &[], Mode::RlimitsOnly);
+        assert_eq!(limits_of_result(&fields(Exited(128 + libc::SIGXFSZ))), ["fsize"]);
+        assert!(limits_of_result(&fields(Exited(0))).is_empty());
+        assert!(limits_of_result(&fields(Exited(128 + libc::SIGKILL))).is_empty());
+        let mut oom = fields(Exited(128 + libc::SIGKILL));
+        (oom.oom_killed, oom.pids_limit_reached) = (Some(true), Some(true));
+        assert_eq!(limits_of_result(&oom), ["oom", "pids"]);
+    }
+
+    #[test]
+    fn render_counts_what_was_recorded() {
+        let m = Metrics::new();
+        m.request("execute", None);
+        m.request("execute", Some("workspace_required"));
+        m.finished("execute", "timed_out", "baseline", Duration::from_millis(30));
+        m.admission(false);
+        let text = m.render(&Snapshot {
+            admitted: 3,
+            running: 1,
+            capacity: 8,
+            egress: Some(vec![("denied".into(), 4)]),
+        });
+        for line in [
+            "runner_execution_requests_total{route=\"execute\",code=\"ok\"} 1",
+            "runner_execution_requests_total{route=\"execute\",code=\"workspace_required\"} 1",
+            "runner_executions_total{route=\"execute\",outcome=\"timed_out\",profile=\"baseline\"} 1",
+            "runner_limits_hit_total{limit=\"timeout\"} 1",
+            "runner_admission_total{result=\"refused\"} 1",
+            "runner_queue_depth 3",
+            "runner_running 1",
+            "runner_egress_decisions{verdict=\"denied\"} 4",
+            "runner_egress_up 1",
+            "runner_execution_duration_seconds_count{route=\"execute\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+}
