@@ -18,3 +18,4 @@ mod planted;
 mod preflight;
 mod quota;
 mod remote;
+mod skills;

@@ -160,6 +160,18 @@ pub struct SandboxSpec<'a> {
     /// The size of the sandbox's `/tmp` tmpfs in bytes (issue #8); 0 (unlimited) is taken
     /// as [`FALLBACK_TMP_BYTES`]: a tmpfs is never unsized.
     pub tmp_bytes: u64,
+    /// A verified skill package and the workspace's extensions directory (`crate::skills`).
+    pub skills: Option<&'a SkillsMount>,
+}
+
+/// Skill binds (internals §2.2 item 20): the package read-only at `/skills`, the
+/// extensions directory writable at `/skill-extensions`, by descriptor when bwrap can.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkillsMount {
+    pub packages: PathBuf,
+    pub extensions: PathBuf,
+    /// `(packages, extensions)` descriptor numbers for `--ro-bind-fd` / `--bind-fd`.
+    pub fds: Option<(i32, i32)>,
 }
 
 /// What a network sandbox gets: still no interface (`--unshare-all`, never `--share-net`);
@@ -197,6 +209,7 @@ impl<'a> SandboxSpec<'a> {
             accel: None,
             command: None,
             tmp_bytes: 0,
+            skills: None,
         }
     }
 }
@@ -292,6 +305,19 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         }
     }
     spec.workspace.bind_args(&mut args, spec.workspace_fds);
+    if let Some(s) = spec.skills {
+        let (skills, extensions) = (crate::skills::SKILLS_MOUNT, crate::skills::EXTENSIONS_MOUNT);
+        match s.fds {
+            Some((p, e)) => push(
+                &mut args,
+                &["--ro-bind-fd", &p.to_string(), skills, "--bind-fd", &e.to_string(), extensions],
+            ),
+            None => push(
+                &mut args,
+                &["--ro-bind", &lossy(&s.packages), skills, "--bind", &lossy(&s.extensions), extensions],
+            ),
+        }
+    }
 
     let cwd = match spec.cwd {
         Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
@@ -317,6 +343,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         Language::Python => env.push(("PYTHONNOUSERSITE".into(), "1".into())),
         Language::R => env.push(("R_ENVIRON_USER".into(), "/dev/null".into())),
         Language::Shell => {}
+    }
+    if spec.skills.is_some() {
+        env.push((crate::skills::SKILLS_DIR_VAR.into(), crate::skills::SKILLS_MOUNT.into()));
+        env.push((crate::skills::EXTENSIONS_DIR_VAR.into(), crate::skills::EXTENSIONS_MOUNT.into()));
     }
     env.extend(spec.host.env());
     if let Some(a) = accel {
