@@ -386,3 +386,38 @@ async fn the_packages_are_never_a_workspace_and_no_other_directory_is_a_package(
     assert!(!victim.join("skill-extensions").exists(), "nothing was created in the other workspace");
     assert!(!ws.join("ran.txt").exists());
 }
+
+#[tokio::test]
+async fn runnerctl_pushes_a_directory_and_shows_the_package() {
+    let server = Server::start();
+    let ctl = |args: &[&str]| {
+        std::process::Command::new(runner_tests::bin("runnerctl"))
+            .args(["--url", &format!("http://{}", server.address())])
+            .args(args)
+            .env("SCIENCE_AGENT_RUNNER_TOKEN", runner_tests::server::TEST_TOKEN)
+            .env("SCIENCE_AGENT_DATA_DIR", &server.data_dir)
+            .output()
+            .unwrap()
+    };
+    let src = server.dir.path().join("my-skill");
+    std::fs::create_dir_all(src.join("scripts")).unwrap();
+    std::fs::write(src.join("SKILL.md"), "# mine\n").unwrap();
+    std::fs::write(src.join("scripts/run.sh"), RUN_SH).unwrap();
+    let pushed = ctl(&["skills", "push", src.to_str().unwrap()]);
+    assert!(pushed.status.success(), "{}", String::from_utf8_lossy(&pushed.stderr));
+    let answer: Value = serde_json::from_slice(&pushed.stdout).unwrap();
+    let expected = skill("my-skill", 1, &[("SKILL.md", b"# mine\n"), ("scripts/run.sh", RUN_SH)]);
+    let mut expected = expected;
+    expected["version"] = json!("local");
+    assert_eq!(answer["id"], json!(bundle_id(&[&expected])), "{answer}");
+    let id = answer["id"].as_str().unwrap();
+    let shown = ctl(&["skills", "show", id]);
+    assert_eq!(serde_json::from_slice::<Value>(&shown.stdout).unwrap(), answer);
+    let root = PathBuf::from(answer["root"].as_str().unwrap());
+    assert_eq!(std::fs::read(root.join("my-skill/scripts/run.sh")).unwrap(), RUN_SH);
+    // A symlink in the directory is refused, never followed.
+    std::os::unix::fs::symlink("/etc/passwd", src.join("scripts/passwd")).unwrap();
+    let refused = ctl(&["skills", "push", src.to_str().unwrap()]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("symlinks are not packaged"));
+}

@@ -476,6 +476,53 @@ mod tests {
     }
 
     #[test]
+    fn skills_bind_after_the_workspace_and_their_variables_follow_the_language_ones() {
+        let h = host();
+        let ws = plain();
+        let by_path = SkillsMount {
+            packages: "/data/projects/.skill-packages/abc".into(),
+            extensions: "/data/projects/p/ws/.sciencediscovery/skill-extensions".into(),
+            fds: None,
+        };
+        let by_fd = SkillsMount { fds: Some((7, 8)), ..by_path.clone() };
+        for (mount, binds) in [
+            (
+                &by_path,
+                vec![
+                    "--ro-bind",
+                    "/data/projects/.skill-packages/abc",
+                    "/skills",
+                    "--bind",
+                    "/data/projects/p/ws/.sciencediscovery/skill-extensions",
+                    "/skill-extensions",
+                ],
+            ),
+            (&by_fd, vec!["--ro-bind-fd", "7", "/skills", "--bind-fd", "8", "/skill-extensions"]),
+        ] {
+            let mut s = spec(&h, &ws, FULL);
+            s.language = Language::Python;
+            s.skills = Some(mount);
+            let cmd = build(&s);
+            let at = position(&cmd.options, &binds).expect("skill binds");
+            let workspace = position(&cmd.options, &["--bind", "/data/projects/p/ws", "/workspace"]).unwrap();
+            assert!(workspace < at, "after the workspace (internals §2.2 item 20)");
+            let keys: Vec<&str> = cmd.env.iter().map(|(k, _)| k.as_str()).collect();
+            assert_eq!(
+                keys,
+                [
+                    "HOME",
+                    "PATH",
+                    "PYTHONNOUSERSITE",
+                    "SCIENCEDISCOVERY_SKILLS_DIR",
+                    "SCIENCEDISCOVERY_SKILL_EXTENSIONS_DIR"
+                ]
+            );
+            assert_eq!(cmd.env[3].1, "/skills");
+            assert_eq!(cmd.env[4].1, "/skill-extensions");
+        }
+    }
+
+    #[test]
     fn a_plain_launch_sets_exactly_home_and_path() {
         let h = host();
         let ws = plain();

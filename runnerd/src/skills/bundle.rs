@@ -312,6 +312,28 @@ pub fn manifest(bundle: &Bundle) -> Value {
     json!({"skills": skills})
 }
 
+/// A skill read from local files: its id and its `(path, bytes)`.
+pub type LocalSkill = (String, Vec<(String, Vec<u8>)>);
+
+/// A `SkillPackageBundle` for `(skill id, [(path, bytes)])` pairs, every skill at
+/// `revision` / `version` (what `runnerctl skills push` sends).
+pub fn bundle_of(skills: &[LocalSkill], revision: u64, version: &str) -> Value {
+    let skills: Vec<Value> = skills
+        .iter()
+        .map(|(id, files)| {
+            let hash = package_hash(files.iter().map(|(p, b)| (p.as_str(), b.as_slice())));
+            let files: Vec<Value> = files
+                .iter()
+                .map(|(p, b)| {
+                    json!({"path": p, "size": b.len(), "hash": hex(&Sha256::digest(b)), "content": common::egress::route::base64(b)})
+                })
+                .collect();
+            json!({"id": id, "revision": revision, "version": version, "hash": hash, "files": files})
+        })
+        .collect();
+    json!({"skills": skills})
+}
+
 /// Standard base64 (RFC 4648 §4), padding optional; `None` on any other character.
 pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let body = text.trim_end_matches('=');
@@ -439,6 +461,19 @@ mod tests {
         let m = parse(&manifest(&b), Content::OnDisk).unwrap();
         assert_eq!(bundle_id(&m.skills), bundle_id(&b.skills));
         assert!(m.skills[0].files[0].content.is_none());
+    }
+
+    #[test]
+    fn a_built_bundle_passes_its_own_checks() {
+        let files =
+            vec![("SKILL.md".to_owned(), b"# x".to_vec()), ("bin/run.sh".to_owned(), b"exit 7".to_vec())];
+        let value = bundle_of(&[("x".to_owned(), files)], 1, "local");
+        let b = parse(&value, Content::Inline).unwrap();
+        assert_eq!(b.skills[0].files.len(), 2);
+        assert_eq!(
+            b.skills[0].hash,
+            package_hash([("SKILL.md", &b"# x"[..]), ("bin/run.sh", &b"exit 7"[..])])
+        );
     }
 
     #[test]
