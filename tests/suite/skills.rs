@@ -421,3 +421,31 @@ async fn runnerctl_pushes_a_directory_and_shows_the_package() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("symlinks are not packaged"));
 }
+
+#[tokio::test]
+async fn a_package_published_under_a_strict_umask_is_still_readable_in_the_sandbox() {
+    if !sandbox_or_skip("a_package_published_under_a_strict_umask_is_still_readable_in_the_sandbox") {
+        return;
+    }
+    let server = Server::start_with(ServerOptions {
+        wrapper: vec!["/bin/sh".into(), "-c".into(), "umask 077; \"$@\"".into(), "sh".into()],
+        ..Default::default()
+    });
+    let client = server.client();
+    let (status, published) = publish(&client, &[&demo()]).await;
+    assert_eq!(status, 200, "{published}");
+    let ws = server.project_workspace("umask");
+    let (status, result) = shell(
+        &client,
+        &ws,
+        "cat /skills/demo/SKILL.md; sh /skills/demo/scripts/run.sh",
+        json!({"skillPackagesRoot": published["root"]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{result}");
+    assert_eq!(
+        (result["stdout"].clone(), result["exitCode"].clone()),
+        (json!("# demo\nselected\n"), json!(7)),
+        "{result}"
+    );
+}

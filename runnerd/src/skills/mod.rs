@@ -48,6 +48,11 @@ pub enum SkillError {
         "skillPackagesRoot must be the root of a published skill package (<dataDir>/projects/.skill-packages/<id>, as POST /skill-packages answered)"
     )]
     RootInvalid,
+    #[error(
+        "The sandbox user cannot reach the skill package: {} (mode {mode:o}) is not searchable by it; nothing was run",
+        path.display()
+    )]
+    Unreachable { path: PathBuf, mode: u32 },
     #[error("Skill package {0} is not published on this runner")]
     NotPublished(String),
     #[error("The workspace's .sciencediscovery/skill-extensions directory could not be prepared")]
@@ -71,6 +76,7 @@ impl SkillError {
             SkillError::Store(_) => "skill_integrity_failed",
             SkillError::RootInvalid => "skill_root_invalid",
             SkillError::NotPublished(_) => "skill_not_published",
+            SkillError::Unreachable { .. } => "skill_unreachable",
             SkillError::Extensions(_) | SkillError::ExtensionsNotDirectory => "skill_extensions_unavailable",
         }
     }
@@ -154,6 +160,11 @@ pub fn prepare_mount(
 ) -> Result<Mount, SkillError> {
     let (packages_path, packages) =
         store::lookup(data_dir, &req.id)?.ok_or_else(|| SkillError::NotPublished(req.id.clone()))?;
+    // bwrap resolves even a descriptor bind by its path, as the sandbox user: say so
+    // plainly rather than let bwrap fail on `/proc/self/fd/N`.
+    if let Some((path, mode)) = crate::sandbox::user::unreachable_component(owner, &packages_path) {
+        return Err(SkillError::Unreachable { path, mode });
+    }
     let parent = ensure_dir(workspace_fd, EXTENSIONS_PARENT, owner)?;
     let extensions = ensure_dir(&parent, EXTENSIONS_DIR, owner)?;
     let extensions_path = workspace_path.join(".sciencediscovery").join("skill-extensions");

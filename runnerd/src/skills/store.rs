@@ -62,12 +62,17 @@ pub fn open_packages_dir(data_dir: &Path, create: bool) -> Result<Option<(PathBu
     let mut path = real;
     for name in [crate::exec::workspace::PROJECTS, PACKAGES_DIR] {
         let c = cstr(name).map_err(io_err(name))?;
-        if create {
-            match fsat::mkdir_at(&here, &c, 0o755) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        let created = create
+            && match fsat::mkdir_at(&here, &c, 0o755) {
+                Ok(()) => true,
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => false,
                 Err(e) => return Err(io_err(name)(e)),
-            }
+            };
+        if created {
+            // Whatever the umask: the sandbox user must reach the packages (bwrap resolves
+            // even a descriptor bind by its path, as that user).
+            let fd = fsat::open_dir_at(&here, &c).map_err(io_err(name))?;
+            fchmod(&fd, 0o755).map_err(io_err(name))?;
         }
         match fsat::open_at(&here, &c, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW) {
             Ok(fd) => here = fd,
@@ -166,16 +171,17 @@ fn write_package(dir: &OwnedFd, staging: &CStr, bundle: &Bundle) -> Result<(), S
         let c = cstr(&skill.id).map_err(io_err("a skill id"))?;
         fsat::mkdir_at(&root, &c, 0o755).map_err(io_err(format!("skill {}", skill.id)))?;
         let skill_dir = fsat::open_dir_at(&root, &c).map_err(io_err(format!("skill {}", skill.id)))?;
+        fchmod(&skill_dir, 0o755).map_err(io_err(format!("skill {}", skill.id)))?;
         for f in &skill.files {
             write_file(&skill_dir, &f.path, f.content.as_deref().unwrap_or_default())
                 .map_err(io_err(format!("{}/{}", skill.id, f.path)))?;
         }
     }
     let manifest = bundle::manifest(bundle).to_string();
-    let mut m = std::fs::File::from(
-        fsat::create_new_at(&root, &cstr(MANIFEST).map_err(io_err("the manifest"))?, 0o644)
-            .map_err(io_err("the manifest"))?,
-    );
+    let m = fsat::create_new_at(&root, &cstr(MANIFEST).map_err(io_err("the manifest"))?, 0o644)
+        .map_err(io_err("the manifest"))?;
+    fchmod(&m, 0o644).map_err(io_err("the manifest"))?;
+    let mut m = std::fs::File::from(m);
     m.write_all(manifest.as_bytes()).and_then(|()| m.sync_all()).map_err(io_err("the manifest"))?;
     fchmod(&root, 0o755).map_err(io_err("the staging directory"))?;
     std::fs::File::from(root).sync_all().map_err(io_err("the staging directory"))
@@ -189,14 +195,21 @@ fn write_file(dir: &OwnedFd, rel: &str, bytes: &[u8]) -> io::Result<()> {
     let mut here = fsat::dup(dir)?;
     for p in parents {
         let c = cstr(p)?;
-        match fsat::mkdir_at(&here, &c, 0o755) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        let created = match fsat::mkdir_at(&here, &c, 0o755) {
+            Ok(()) => true,
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => false,
             Err(e) => return Err(e),
-        }
+        };
         here = fsat::open_dir_at(&here, &c)?;
+        if created {
+            fchmod(&here, 0o755)?;
+        }
     }
-    let mut f = std::fs::File::from(fsat::create_new_at(&here, &cstr(last)?, 0o644)?);
+    // Modes set explicitly (never the umask's): readable by the sandbox user, writable by
+    // no one else.
+    let fd = fsat::create_new_at(&here, &cstr(last)?, 0o644)?;
+    fchmod(&fd, 0o644)?;
+    let mut f = std::fs::File::from(fd);
     f.write_all(bytes)?;
     f.sync_all()
 }
