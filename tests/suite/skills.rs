@@ -260,6 +260,26 @@ async fn the_selected_package_mounts_read_only_and_extensions_land_in_the_worksp
     let root = PathBuf::from(selected["root"].as_str().unwrap());
     assert!(!root.join("demo/planted").exists());
 
+    // A managed execution mounts the same way.
+    let mut body = shell_request("main", "skills-session", &ws, "sh /skills/demo/scripts/run.sh");
+    body["skillPackagesRoot"] = selected["root"].clone();
+    let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+    assert_eq!(reply.status, 202, "{}", reply.json());
+    let id = reply.json()["id"].as_str().unwrap().to_owned();
+    let record = loop {
+        let r = client
+            .get(&format!("/shell-executions/{id}?sessionId=skills-session&agentId=main"))
+            .await
+            .unwrap()
+            .json();
+        if matches!(r["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown")) {
+            break r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(record["result"]["exitCode"], json!(7), "{record}");
+    assert_eq!(record["result"]["stdout"], json!("selected\n"), "{record}");
+
     // Without skillPackagesRoot: no mount, no variables.
     let (status, plain) =
         shell(&client, &ws, "test ! -e /skills && test ! -e /skill-extensions", json!({})).await;
