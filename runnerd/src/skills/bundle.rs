@@ -127,10 +127,15 @@ pub fn package_hash<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) ->
     files.sort_by(|a, b| js_cmp(a.0, b.0));
     let mut h = Sha256::new();
     for (path, bytes) in files {
-        h.update(format!("{}:{}:{}:", path.encode_utf16().count(), path, bytes.len()).as_bytes());
+        h.update(frame(path, bytes.len() as u64).as_bytes());
         h.update(bytes);
     }
     hex(&h.finalize())
+}
+
+/// What precedes a file's bytes in the package hash: `"<len(path)>:<path>:<size>:"`.
+pub fn frame(path: &str, size: u64) -> String {
+    format!("{}:{}:{}:", path.encode_utf16().count(), path, size)
 }
 
 /// The bundle id of its skills (any order).

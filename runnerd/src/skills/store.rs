@@ -274,14 +274,9 @@ fn read_regular(dir: &OwnedFd, name: &CStr, limit: u64) -> Result<Vec<u8>, Store
     Ok(bytes)
 }
 
-/// Collects every regular file below `dir` as `rel path -> bytes` (each at most `limit`
-/// bytes); anything else (a link, a device, a FIFO) is an integrity failure.
-fn collect(
-    dir: &OwnedFd,
-    prefix: &str,
-    limit: u64,
-    out: &mut BTreeMap<String, Vec<u8>>,
-) -> Result<(), StoreError> {
+/// Lists every regular file below `dir` as `rel path -> size`; anything else (a link, a
+/// device, a FIFO) is an integrity failure, and so is a directory others may write.
+fn list(dir: &OwnedFd, prefix: &str, out: &mut BTreeMap<String, u64>) -> Result<(), StoreError> {
     let st = Stat::of_fd(dir).map_err(io_err(prefix.to_owned()))?;
     if st.mode & 0o022 != 0 {
         return Err(integrity(format!("{prefix:?} is writable by others")));
@@ -294,11 +289,10 @@ fn collect(
         match st.kind() {
             libc::S_IFDIR => {
                 let sub = fsat::open_dir_at(dir, &c).map_err(io_err(rel.clone()))?;
-                collect(&sub, &rel, limit, out)?;
+                list(&sub, &rel, out)?;
             }
             libc::S_IFREG => {
-                let bytes = read_regular(dir, &c, limit)?;
-                out.insert(rel, bytes);
+                out.insert(rel, st.size);
             }
             libc::S_IFLNK => return Err(integrity(format!("{rel:?} is a symbolic link"))),
             _ => return Err(integrity(format!("{rel:?} is not a regular file"))),
@@ -307,7 +301,52 @@ fn collect(
     Ok(())
 }
 
-/// Verifies the package under `root` (`O_PATH` or readable) against its id in full.
+/// Streams the file `rel` below `dir` (no link followed on the way) into `package`, and
+/// returns its sha256 and length. Memory stays constant whatever the package's size.
+fn hash_file(dir: &OwnedFd, rel: &str, package: &mut Sha256) -> Result<(String, u64), StoreError> {
+    let segments =
+        bundle::path_segments(rel).map_err(|_| integrity(format!("{rel:?} is not a valid path")))?;
+    let (last, parents) = segments.split_last().ok_or_else(|| integrity("an empty path"))?;
+    let mut here = fsat::dup(dir).map_err(io_err(rel.to_owned()))?;
+    for p in parents {
+        let c = cstr(p).map_err(io_err(rel.to_owned()))?;
+        here = fsat::open_dir_at(&here, &c)
+            .map_err(|_| integrity(format!("{rel:?} changed while it was verified")))?;
+    }
+    let c = cstr(last).map_err(io_err(rel.to_owned()))?;
+    let fd = match fsat::open_at(&here, &c, libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(integrity(format!("{rel:?} is a symbolic link")));
+        }
+        Err(e) => return Err(io_err(rel.to_owned())(e)),
+    };
+    let st = Stat::of_fd(&fd).map_err(io_err(rel.to_owned()))?;
+    if st.kind() != libc::S_IFREG {
+        return Err(integrity(format!("{rel:?} is not a regular file")));
+    }
+    if st.mode & 0o022 != 0 {
+        return Err(integrity(format!("{rel:?} is writable by others")));
+    }
+    let mut file = std::fs::File::from(fd);
+    let mut own = Sha256::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let mut total = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io_err(rel.to_owned()))?;
+        if n == 0 {
+            break;
+        }
+        own.update(&buf[..n]);
+        package.update(&buf[..n]);
+        total += n as u64;
+    }
+    Ok((hex(&own.finalize()), total))
+}
+
+/// Verifies the package under `root` (`O_PATH` or readable) against its id in full: the
+/// manifest hashes to the id, the entries are exactly the manifest's (no extra file, no
+/// link), and every byte hashes to the manifest's file and package hashes.
 pub fn verify(root: &OwnedFd, id: &str) -> Result<(), StoreError> {
     let root =
         fsat::open_at(root, c".", libc::O_RDONLY | libc::O_DIRECTORY).map_err(io_err("the package"))?;
@@ -342,27 +381,29 @@ pub fn verify(root: &OwnedFd, id: &str) -> Result<(), StoreError> {
             }
             Err(e) => return Err(io_err(skill.id.clone())(e)),
         };
-        let limit = skill.files.iter().map(|f| f.size).max().unwrap_or(0);
         let mut found = BTreeMap::new();
-        collect(&dir, "", limit, &mut found)?;
-        if found.len() != skill.files.len() || skill.files.iter().any(|f| !found.contains_key(&f.path)) {
+        list(&dir, "", &mut found)?;
+        let listed = found.len() == skill.files.len()
+            && skill.files.iter().all(|f| found.get(&f.path) == Some(&f.size));
+        if !listed {
             return Err(integrity(format!(
-                "skill {:?} holds files its manifest does not list, or lacks some",
+                "skill {:?} holds files its manifest does not list, lacks some, or one changed size",
                 skill.id
             )));
         }
+        // `skill.files` is in the package hash's order (JavaScript's, by path).
+        let mut package = Sha256::new();
         for f in &skill.files {
-            let bytes = &found[&f.path];
-            if bytes.len() as u64 != f.size || hex(&Sha256::digest(bytes)) != f.hash {
+            package.update(bundle::frame(&f.path, f.size).as_bytes());
+            let (hash, size) = hash_file(&dir, &f.path, &mut package)?;
+            if size != f.size || hash != f.hash {
                 return Err(integrity(format!(
                     "skill {:?}: {:?} changed after publication",
                     skill.id, f.path
                 )));
             }
         }
-        let computed =
-            bundle::package_hash(skill.files.iter().map(|f| (f.path.as_str(), found[&f.path].as_slice())));
-        if computed != skill.hash {
+        if hex(&package.finalize()) != skill.hash {
             return Err(integrity(format!(
                 "skill {:?}: the package hash does not match its files",
                 skill.id
