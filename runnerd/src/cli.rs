@@ -224,6 +224,7 @@ async fn serve(fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
         format!("opening the workspace version store under {}", config.data_dir.display())
     })?);
     let swept = crate::api::stream::sweep_staging(&config.data_dir.join(crate::api::remote::STAGING));
+    crate::skills::store::sweep_staging(&config.data_dir);
     if swept > 0 {
         tracing::info!(
             event = "uploads_swept",

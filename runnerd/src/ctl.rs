@@ -28,6 +28,10 @@ Usage:
   runnerctl put LOCAL PATH [--overwrite]
                                         upload a file (verified by size and SHA-256)
   runnerctl get PATH [LOCAL]            download a file (to stdout without LOCAL)
+  runnerctl skills push DIR             publish DIR as a skill package (DIR holds SKILL.md:
+                                        one skill named after DIR; else each subdirectory
+                                        is a skill) and print {id, root}
+  runnerctl skills show ID              print a published package ({id} when absent)
   runnerctl repair WORKSPACE            make a workspace a storage failure left refusing
                                         writes writable again: verify, re-snapshot, commit,
                                         clear its .failed marker (audited)
@@ -117,7 +121,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
                 o.script = Some(rest.join(" "));
             }
             "health" | "status" | "metrics" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put"
-            | "get" | "repair"
+            | "get" | "repair" | "skills"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -134,7 +138,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
     }
     let wanted = match o.command.as_str() {
         "logs" | "show" | "cancel" | "repair" => 1..=1,
-        "put" => 2..=2,
+        "put" | "skills" => 2..=2,
         "get" => 1..=2,
         _ => 0..=0,
     };
@@ -227,6 +231,7 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
         "logs" | "show" | "cancel" => managed(&client, &o).await,
         "ls" | "put" | "get" => files(&client, &o).await,
         "repair" => repair(&client, &o.positional[0]).await,
+        "skills" => skills(&client, &o.positional[0], &o.positional[1]).await,
         _ => {
             let mut body = serde_json::json!({
                 "agentId": o.agent,
@@ -438,4 +443,71 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// `runnerctl skills push DIR` / `skills show ID`.
+async fn skills(client: &RunnerClient, action: &str, arg: &str) -> anyhow::Result<i32> {
+    let reply = match action {
+        "push" => {
+            let bundle =
+                crate::skills::bundle::bundle_of(&read_skills(std::path::Path::new(arg))?, 1, "local");
+            client.post_json("/skill-packages", &bundle).await?
+        }
+        "show" => client.get(&format!("/skill-packages/{}", crate::api::query::encode(arg))).await?,
+        other => anyhow::bail!("skills takes push DIR or show ID, not {other:?}"),
+    };
+    if reply.status != 200 {
+        return Ok(failed(reply.status, &reply.json()));
+    }
+    outln!("{}", serde_json::to_string_pretty(&reply.json())?);
+    Ok(0)
+}
+
+/// The skills under `dir`: `dir` itself when it holds `SKILL.md`, else each subdirectory.
+/// Regular files only (a symlink is refused, never followed).
+fn read_skills(dir: &std::path::Path) -> anyhow::Result<Vec<crate::skills::bundle::LocalSkill>> {
+    let name =
+        |p: &std::path::Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let roots: Vec<PathBuf> = if dir.join(crate::skills::bundle::SKILL_MD).is_file() {
+        vec![dir.to_owned()]
+    } else {
+        let mut subs: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
+            .collect();
+        subs.sort();
+        subs
+    };
+    let mut skills = Vec::new();
+    for root in roots {
+        let mut files = Vec::new();
+        collect_files(&root, "", &mut files)?;
+        skills.push((name(&root), files));
+    }
+    Ok(skills)
+}
+
+fn collect_files(
+    dir: &std::path::Path,
+    prefix: &str,
+    out: &mut Vec<(String, Vec<u8>)>,
+) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| anyhow::anyhow!("reading {}: {e}", dir.display()))? {
+        let entry = entry?;
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        let rel = if prefix.is_empty() { file_name } else { format!("{prefix}/{file_name}") };
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
+            collect_files(&entry.path(), &rel, out)?;
+        } else if kind.is_file() {
+            out.push((rel, std::fs::read(entry.path())?));
+        } else {
+            anyhow::bail!(
+                "{} is not a regular file or directory (symlinks are not packaged)",
+                entry.path().display()
+            );
+        }
+    }
+    Ok(())
 }

@@ -180,18 +180,18 @@ fn from_result(result: Result<ApiResponse, ApiError>) -> Response<ReplyBody> {
     }
 }
 
-fn too_large() -> ApiError {
-    ApiError::bad_request("body_too_large", format!("Request body exceeds the {BODY_LIMIT} byte limit"))
+fn too_large(limit: usize) -> ApiError {
+    ApiError::bad_request("body_too_large", format!("Request body exceeds the {limit} byte limit"))
 }
 
-/// Whether `Content-Length` announces more than [`BODY_LIMIT`]. A length that does not parse
-/// is left to hyper, which refuses it while reading the head.
-fn announced_over_limit(headers: &hyper::HeaderMap) -> bool {
+/// Whether `Content-Length` announces more than the route's limit ([`api::body_limit`]). A
+/// length that does not parse is left to hyper, which refuses it while reading the head.
+fn announced_over_limit(headers: &hyper::HeaderMap, limit: usize) -> bool {
     headers
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
-        .is_some_and(|len| len > BODY_LIMIT as u64)
+        .is_some_and(|len| len > limit as u64)
 }
 
 /// Sends `true` when dropped before [`ClientWatch::done`]: hyper drops a request's future
@@ -249,20 +249,21 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     // body is read whole under the original's limit.
     let (upload, incoming) =
         if api::streams_upload(&method, &path) { (Some(incoming), None) } else { (None, Some(incoming)) };
+    let limit = api::body_limit(&method, &path);
     let body = match incoming {
         None => Vec::new(),
         // A body announced over the limit is refused before a byte of it is read (the
         // connection closes: its body is never drained).
-        Some(_) if announced_over_limit(&headers) => {
-            let mut response = from_result(Err(too_large()));
+        Some(_) if announced_over_limit(&headers, limit) => {
+            let mut response = from_result(Err(too_large(limit)));
             response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
             return response;
         }
         Some(incoming) => {
-            match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, BODY_LIMIT).collect()).await {
+            match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
                 Ok(Ok(collected)) => collected.to_bytes().to_vec(),
                 Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                    return from_result(Err(too_large()));
+                    return from_result(Err(too_large(limit)));
                 }
                 Ok(Err(e)) => {
                     return from_result(Err(ApiError::bad_request(

@@ -37,6 +37,7 @@ pub mod npu_broker;
 pub mod remote;
 pub mod sandbox;
 pub mod selftest;
+pub mod skills;
 pub mod startup;
 pub use common::timefmt;
 pub mod token;

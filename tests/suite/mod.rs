@@ -21,3 +21,4 @@ mod preflight;
 mod python_packages;
 mod quota;
 mod remote;
+mod skills;

@@ -9,6 +9,7 @@ pub mod query;
 pub mod remote;
 mod repair;
 mod resources;
+pub mod skills;
 pub mod stream;
 
 use std::sync::Arc;
@@ -60,6 +61,16 @@ fn ok(body: Value) -> Result<ApiResponse, ApiError> {
 /// The routes whose request body is streamed to disk rather than read whole.
 pub fn streams_upload(method: &str, path: &str) -> bool {
     method == "PUT" && matches!(path, "/remote-workspace/file" | "/remote-workspace/transfer-file")
+}
+
+/// The most bytes a route's body may have: the original's 2,000,000, and 64 MiB for
+/// `POST /skill-packages` (contract §1.2).
+pub fn body_limit(method: &str, path: &str) -> usize {
+    if method == "POST" && path == "/skill-packages" {
+        crate::skills::BODY_LIMIT
+    } else {
+        crate::http::BODY_LIMIT
+    }
 }
 
 /// The routes that carry an execution signature.
@@ -126,6 +137,8 @@ pub async fn handle(
             let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
             ok(serde_json::to_value(crate::accel::select::gpu_view(&app, refresh).await).unwrap_or_default())
         }
+        ("GET", ["skill-packages", id]) if skills::is_package_id(id) => skills::get(&app, id).await,
+        ("POST", ["skill-packages"]) => skills::post(&app, req.body).await,
         ("GET", ["kernels"]) => ok(json!([])),
         ("POST", ["kernels", "teardown"]) => teardown_session(&app, &req.body).await,
         ("POST", ["kernels", id, "teardown"]) => teardown_kernel(id, &req.body),

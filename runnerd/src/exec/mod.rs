@@ -447,6 +447,8 @@ pub struct Prepared {
     pub gpu_devices: Vec<u32>,
     /// Memory, processes, CPU and `/tmp` size for this run (`resourceLimits`, issue #8).
     pub limits: crate::limits::Limits,
+    /// `skillPackagesRoot`, resolved; verified again right before the launch.
+    pub skills: Option<crate::skills::Requested>,
 }
 
 /// What the executor checks before it starts anything (after the workspace and the id).
@@ -515,9 +517,12 @@ pub fn prepare(
     };
     let npu_devices = crate::accel::select::requested(obj, "npuDevices")?;
     let gpu_devices = crate::accel::select::requested(obj, "gpuDevices")?;
-    if obj.get("skillPackagesRoot").is_some_and(is_truthy) {
-        return Err(unavailable("skills_unavailable", "Skill packages are not supported by this runner yet"));
-    }
+    let skills = match obj.get("skillPackagesRoot").filter(|v| is_truthy(v)) {
+        Some(v) => {
+            Some(crate::skills::requested(&app.data_dir, v).map_err(|e| crate::api::skills::api_error(&e))?)
+        }
+        None => None,
+    };
     let cfg = &app.config;
     let timeout_ms = request::limit(obj, "executionTimeoutMs", cfg.exec_timeout_ms, request::TIMEOUT_ERROR)?;
     let max_output =
@@ -554,6 +559,7 @@ pub fn prepare(
         npu_devices,
         gpu_devices,
         limits,
+        skills,
     })
 }
 
@@ -704,6 +710,20 @@ async fn sandbox_run(
         &app.config.python_path,
         &app.sandbox.user,
     );
+    // Skill descriptors come after the gateway's (`FIRST_EXTRA_FD + 1 + parent + gateway`).
+    let skills_fd_index = gateway_fd_index + i32::from(p.egress.is_some());
+    let skills = match &p.skills {
+        Some(req) => Some(
+            crate::skills::prepare_mount(&app.data_dir, req, root_fd, root, &app.sandbox.user)
+                .map_err(|e| crate::api::skills::api_error(&e))?,
+        ),
+        None => None,
+    };
+    let skills_mount = skills.as_ref().map(|m| crate::sandbox::argv::SkillsMount {
+        packages: m.packages_path.clone(),
+        extensions: m.extensions_path.clone(),
+        fds: bind_fd.then_some((skills_fd_index, skills_fd_index + 1)),
+    });
     let cmd = argv::build(&SandboxSpec {
         shape,
         host: &app.sandbox.host,
@@ -722,6 +742,7 @@ async fn sandbox_run(
         command: None,
         tmp_bytes: p.limits.tmp_bytes,
         python_packages: python_packages.as_deref(),
+        skills: skills_mount.as_ref(),
     });
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();
@@ -760,6 +781,10 @@ async fn sandbox_run(
         }
         if let Some(lease) = &p.egress {
             launch.extra_fds.push(lease.socket_fd.try_clone().map_err(internal)?);
+        }
+        if let Some(m) = &skills {
+            launch.extra_fds.push(m.packages.try_clone().map_err(internal)?);
+            launch.extra_fds.push(m.extensions.try_clone().map_err(internal)?);
         }
     }
     let watchdog = tokio::spawn(watch_for_stop(

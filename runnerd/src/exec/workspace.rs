@@ -23,9 +23,13 @@ pub const REMOTE_WORKSPACES: &str = "remote-workspaces";
 pub const PROJECTS: &str = "projects";
 
 /// Names runnerd or the API keep in a workspace's parent (or the data directory): never a
-/// workspace, a key segment or a part of a workspace path.
-pub const RESERVED_NAMES: [&str; 2] =
-    [crate::coordination::lease::COORDINATION_DIR, crate::coordination::lifecycle::LIFECYCLE_DIR];
+/// workspace, a key segment or a part of a workspace path. The published skill packages
+/// (`projects/.skill-packages`) are among them: mounted writable they could be rewritten.
+pub const RESERVED_NAMES: [&str; 3] = [
+    crate::coordination::lease::COORDINATION_DIR,
+    crate::coordination::lifecycle::LIFECYCLE_DIR,
+    crate::skills::store::PACKAGES_DIR,
+];
 
 pub const OUTSIDE_ROOTS: &str =
     "Runner workspace must be inside the configured projects or remote-workspaces directory";

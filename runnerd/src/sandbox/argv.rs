@@ -164,6 +164,18 @@ pub struct SandboxSpec<'a> {
     /// checked it: bound read-only at [`PYTHON_PACKAGES_MOUNT`] unless a science environment
     /// is mounted; then `PYTHONPATH` names it, `PYTHONNOUSERSITE=1` and Python runs without `-I`.
     pub python_packages: Option<&'a Path>,
+    /// A verified skill package and the workspace's extensions directory (`crate::skills`).
+    pub skills: Option<&'a SkillsMount>,
+}
+
+/// Skill binds (internals §2.2 item 20): the package read-only at `/skills`, the
+/// extensions directory writable at `/skill-extensions`, by descriptor when bwrap can.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkillsMount {
+    pub packages: PathBuf,
+    pub extensions: PathBuf,
+    /// `(packages, extensions)` descriptor numbers for `--ro-bind-fd` / `--bind-fd`.
+    pub fds: Option<(i32, i32)>,
 }
 
 /// What a network sandbox gets: still no interface (`--unshare-all`, never `--share-net`);
@@ -202,6 +214,7 @@ impl<'a> SandboxSpec<'a> {
             command: None,
             tmp_bytes: 0,
             python_packages: None,
+            skills: None,
         }
     }
 }
@@ -301,6 +314,19 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         }
     }
     spec.workspace.bind_args(&mut args, spec.workspace_fds);
+    if let Some(s) = spec.skills {
+        let (skills, extensions) = (crate::skills::SKILLS_MOUNT, crate::skills::EXTENSIONS_MOUNT);
+        match s.fds {
+            Some((p, e)) => push(
+                &mut args,
+                &["--ro-bind-fd", &p.to_string(), skills, "--bind-fd", &e.to_string(), extensions],
+            ),
+            None => push(
+                &mut args,
+                &["--ro-bind", &lossy(&s.packages), skills, "--bind", &lossy(&s.extensions), extensions],
+            ),
+        }
+    }
 
     let cwd = match spec.cwd {
         Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
@@ -332,6 +358,10 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     }
     if spec.language == Language::R {
         env.push(("R_ENVIRON_USER".into(), "/dev/null".into()));
+    }
+    if spec.skills.is_some() {
+        env.push((crate::skills::SKILLS_DIR_VAR.into(), crate::skills::SKILLS_MOUNT.into()));
+        env.push((crate::skills::EXTENSIONS_DIR_VAR.into(), crate::skills::EXTENSIONS_MOUNT.into()));
     }
     env.extend(spec.host.env());
     if let Some(a) = accel {
@@ -460,6 +490,53 @@ mod tests {
         assert_eq!(cmd.args(), expected);
         assert_eq!(cmd.cwd, "/workspace");
         assert_eq!(cmd.seccomp, Profile::Baseline);
+    }
+
+    #[test]
+    fn skills_bind_after_the_workspace_and_their_variables_follow_the_language_ones() {
+        let h = host();
+        let ws = plain();
+        let by_path = SkillsMount {
+            packages: "/data/projects/.skill-packages/abc".into(),
+            extensions: "/data/projects/p/ws/.sciencediscovery/skill-extensions".into(),
+            fds: None,
+        };
+        let by_fd = SkillsMount { fds: Some((7, 8)), ..by_path.clone() };
+        for (mount, binds) in [
+            (
+                &by_path,
+                vec![
+                    "--ro-bind",
+                    "/data/projects/.skill-packages/abc",
+                    "/skills",
+                    "--bind",
+                    "/data/projects/p/ws/.sciencediscovery/skill-extensions",
+                    "/skill-extensions",
+                ],
+            ),
+            (&by_fd, vec!["--ro-bind-fd", "7", "/skills", "--bind-fd", "8", "/skill-extensions"]),
+        ] {
+            let mut s = spec(&h, &ws, FULL);
+            s.language = Language::Python;
+            s.skills = Some(mount);
+            let cmd = build(&s);
+            let at = position(&cmd.options, &binds).expect("skill binds");
+            let workspace = position(&cmd.options, &["--bind", "/data/projects/p/ws", "/workspace"]).unwrap();
+            assert!(workspace < at, "after the workspace (internals §2.2 item 20)");
+            let keys: Vec<&str> = cmd.env.iter().map(|(k, _)| k.as_str()).collect();
+            assert_eq!(
+                keys,
+                [
+                    "HOME",
+                    "PATH",
+                    "PYTHONNOUSERSITE",
+                    "SCIENCEDISCOVERY_SKILLS_DIR",
+                    "SCIENCEDISCOVERY_SKILL_EXTENSIONS_DIR"
+                ]
+            );
+            assert_eq!(cmd.env[3].1, "/skills");
+            assert_eq!(cmd.env[4].1, "/skill-extensions");
+        }
     }
 
     #[test]
