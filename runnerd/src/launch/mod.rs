@@ -18,7 +18,7 @@ mod sandbox;
 pub mod spawner;
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use common::channel::{self, ChannelError};
 use common::plan::{
     FIRST_EXTRA_FD, INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD, SandboxUser,
 };
-use common::seccomp::{self, Arch, Profile, Program, SeccompError};
+use common::seccomp::{self, Arch, Profile, SeccompError};
 use common::sys;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
@@ -199,9 +199,12 @@ impl LaunchIdentity {
 #[derive(Debug)]
 pub struct Launcher {
     spawner: Spawner,
-    programs: Vec<(Profile, Program)>,
+    /// Each profile's program, sealed once; launches reopen it.
+    programs: Vec<(Profile, SealedData)>,
     init_path: PathBuf,
     identity: LaunchIdentity,
+    /// `identity`'s passwd and group, sealed once, with their sandbox paths.
+    identity_files: [(SealedData, &'static str); 2],
 }
 
 impl Launcher {
@@ -211,11 +214,17 @@ impl Launcher {
         let arch = Arch::host().map_err(LaunchError::Seccomp)?;
         let programs = Profile::ALL
             .iter()
-            .map(|p| seccomp::compile(*p, arch).map(|prog| (*p, prog)))
-            .collect::<Result<_, _>>()
-            .map_err(LaunchError::Seccomp)?;
+            .map(|p| {
+                let prog = seccomp::compile(*p, arch).map_err(LaunchError::Seccomp)?;
+                Ok((*p, SealedData::new(prog.bytes())?))
+            })
+            .collect::<Result<_, LaunchError>>()?;
+        let identity_files = [
+            (SealedData::new(&identity.passwd)?, "/etc/passwd"),
+            (SealedData::new(&identity.group)?, "/etc/group"),
+        ];
         let spawner = Spawner::start(init_path.clone()).map_err(io_err("start the spawner thread"))?;
-        Ok(Launcher { spawner, programs, init_path, identity })
+        Ok(Launcher { spawner, programs, init_path, identity, identity_files })
     }
 
     pub fn init_path(&self) -> &Path {
@@ -227,12 +236,14 @@ impl Launcher {
         self.identity.user
     }
 
-    fn program<'a>(&'a self, filter: &'a Filter) -> &'a [u8] {
+    /// The filter's program as a sealed descriptor of its own (a profile's is made once at
+    /// start and reopened; a test's marked program is sealed for this launch).
+    fn program_fd(&self, filter: &Filter) -> Result<OwnedFd, LaunchError> {
         match filter {
             Filter::Profile(profile) => {
-                self.programs.iter().find(|(p, _)| p == profile).expect("all profiles compiled").1.bytes()
+                self.programs.iter().find(|(p, _)| p == profile).expect("all profiles compiled").1.reopen()
             }
-            Filter::Program(bytes) => bytes,
+            Filter::Program(bytes) => sealed_memfd(bytes),
         }
     }
 
@@ -249,7 +260,7 @@ impl Launcher {
         let mut fds = vec![stdin_r, stdout_w, stderr_w, info_w];
         let mut targets = vec![0, 1, 2, INFO_FD];
         if let Some(filter) = &launch.filter {
-            fds.push(sealed_memfd(self.program(filter))?);
+            fds.push(self.program_fd(filter)?);
             targets.push(SECCOMP_FD);
         }
         let mut next_fd = FIRST_EXTRA_FD;
@@ -262,11 +273,10 @@ impl Launcher {
         // file under the data directory would need the sandbox user to reach it); then `/`
         // goes read-only, after every mount point exists.
         let mut options = launch.options;
-        for (bytes, target) in [(&self.identity.passwd, "/etc/passwd"), (&self.identity.group, "/etc/group")]
-        {
-            fds.push(sealed_memfd(bytes)?);
+        for (data, target) in &self.identity_files {
+            fds.push(data.reopen()?);
             targets.push(next_fd);
-            options.extend(["--ro-bind-data".to_owned(), next_fd.to_string(), target.to_owned()]);
+            options.extend(["--ro-bind-data".to_owned(), next_fd.to_string(), (*target).to_owned()]);
             next_fd += 1;
         }
         options.extend(["--remount-ro".to_owned(), "/".to_owned()]);
@@ -409,6 +419,30 @@ fn pipe_pair() -> Result<(OwnedFd, OwnedFd), LaunchError> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
+/// Bytes every launch hands to bwrap (a seccomp program, passwd, group), sealed once. Each
+/// launch gets its own open file description through `/proc/self/fd` — its own offset at 0,
+/// since bwrap reads from the current offset to end-of-file — for one `open` instead of a
+/// memfd made, written, rewound and sealed per launch. The seals keep what a running launch
+/// reads unchangeable.
+#[derive(Debug)]
+struct SealedData(OwnedFd);
+
+impl SealedData {
+    fn new(bytes: &[u8]) -> Result<SealedData, LaunchError> {
+        sealed_memfd(bytes).map(SealedData)
+    }
+
+    fn reopen(&self) -> Result<OwnedFd, LaunchError> {
+        let path = std::ffi::CString::new(format!("/proc/self/fd/{}", self.0.as_raw_fd()))
+            .expect("no NUL in a number");
+        // SAFETY: opens a path we built as a new descriptor; the result is checked.
+        let fd = sys::cvt(unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) })
+            .map_err(io_err("reopen a sealed sandbox memfd"))?;
+        // SAFETY: the descriptor was just opened and is owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
 /// A memfd holding `bytes`, sealed against any change, positioned at 0 (bwrap reads the
 /// program from the current offset to end-of-file).
 fn sealed_memfd(bytes: &[u8]) -> Result<OwnedFd, LaunchError> {
@@ -460,4 +494,32 @@ async fn pump_output(stdout: OwnedFd, stderr: OwnedFd, sink: &mut dyn OutputSink
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    #[test]
+    fn sealed_data_reopens_at_offset_zero_and_cannot_change() {
+        let data = SealedData::new(b"seccomp program bytes").unwrap();
+        let (a, b) = (data.reopen().unwrap(), data.reopen().unwrap());
+        let mut first = String::new();
+        std::fs::File::from(a).read_to_string(&mut first).unwrap();
+        // A second launch's descriptor has its own offset: it reads everything again.
+        let mut b = std::fs::File::from(b);
+        let mut second = String::new();
+        b.read_to_string(&mut second).unwrap();
+        assert_eq!((first.as_str(), second.as_str()), ("seccomp program bytes", "seccomp program bytes"));
+        // Read-only, and the memfd itself is sealed against writes, growth, shrinking and
+        // further sealing: nothing can change what a running launch reads.
+        assert!(b.write_all(b"x").is_err());
+        // SAFETY: F_GET_SEALS on a descriptor we own.
+        let seals = unsafe { libc::fcntl(data.0.as_raw_fd(), libc::F_GET_SEALS) };
+        let all = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+        assert_eq!(seals & all, all);
+        let mut original = std::fs::File::from(data.0.try_clone().unwrap());
+        assert!(original.write_all(b"x").is_err(), "the sealed memfd took a write");
+    }
 }
