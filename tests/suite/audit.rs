@@ -353,3 +353,19 @@ async fn a_newline_in_an_id_forges_no_audit_line() {
     assert!(!log.contains("forged-by-a-tenant"), "a refused id reached the log:\n{log}");
     assert!(log.lines().all(|l| !l.starts_with("WARN event=")), "{log}");
 }
+
+/// What a caller chooses also reaches the log where it is not an id: an uploaded file's name
+/// (any byte but NUL and `/`). The stderr sink escapes it, so a newline in it starts no line
+/// of its own (the sink, not a per-route refusal, is what holds here).
+#[tokio::test]
+async fn a_newline_in_an_uploaded_file_name_forges_no_audit_line() {
+    let server = Server::start();
+    let client = server.client();
+    let path = "/remote-workspace/file?workspace=forge/s&path=a%0AWARN%20event%3D%22auth_failed%22%20x%3Dforged-by-a-file";
+    let put = client.send_bytes("PUT", path, &[], b"x".to_vec()).await.unwrap();
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
+    let log = server.stderr();
+    let written = log.lines().find(|l| l.contains("workspace_file_written")).expect("the upload was audited");
+    assert!(written.contains("\\nWARN event="), "the newline is written escaped: {written}");
+    assert!(log.lines().all(|l| !l.starts_with("WARN event=")), "a forged line:\n{log}");
+}

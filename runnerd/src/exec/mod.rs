@@ -323,9 +323,6 @@ pub async fn execute(
     let agent_id = request::non_blank(&obj, "agentId")
         .ok_or_else(|| ApiError::bad_request("agent_id_required", "Agent ID is required"))?
         .to_owned();
-    request::refuse_control("executionId", &execution_id)?;
-    request::refuse_control("permissionEpoch.sessionId", &session_id)?;
-    request::refuse_control("agentId", &agent_id)?;
 
     let mut prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
     attach_egress(&app, &mut prepared).await?;

@@ -24,7 +24,6 @@ pub fn string<'a>(obj: &'a Object, name: &str) -> Option<&'a str> {
     obj.get(name).and_then(Value::as_str)
 }
 
-/// A non-blank string field.
 /// Whether `text` holds a control character (C0, DEL, C1) or a Unicode line or paragraph
 /// separator: what could start a forged line in a text log.
 pub fn has_control(text: &str) -> bool {
@@ -43,6 +42,7 @@ pub fn refuse_control(field: &str, value: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A non-blank string field.
 pub fn non_blank<'a>(obj: &'a Object, name: &str) -> Option<&'a str> {
     string(obj, name).filter(|s| !s.trim().is_empty())
 }
@@ -365,8 +365,22 @@ pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<()
         };
         return Err(ApiError::bad_request(code, message));
     }
+    for path in IDENTIFIERS {
+        let found = match path {
+            [one] => obj.get(*one),
+            [first, second] => obj.get(*first).and_then(|v| v.get(*second)),
+            _ => None,
+        };
+        if let Some(text) = found.and_then(Value::as_str) {
+            refuse_control(&path.join("."), text)?;
+        }
+    }
     Ok(())
 }
+
+/// The ids that go into every audit event of an execution: refused with control characters
+/// (issue #14) on all three execution routes, before any of them is recorded.
+const IDENTIFIERS: [&[&str]; 3] = [&["executionId"], &["permissionEpoch", "sessionId"], &["agentId"]];
 
 /// The text for blank (or, ours, non-string) code.
 pub fn code_required(language: Language) -> &'static str {
@@ -485,6 +499,22 @@ mod tests {
         }
         let e = refuse_control("executionId", "a\nWARN forged").unwrap_err();
         assert_eq!(e.status, 400);
+        // check_fields refuses each identifier on every execution route.
+        for route in [Route::Execute, Route::ExecuteShell, Route::ShellExecutions] {
+            for (path, body) in [
+                ("executionId", json!({"executionId": "a\nb"})),
+                ("agentId", json!({"agentId": "a\rb"})),
+                ("permissionEpoch.sessionId", json!({"permissionEpoch": {"sessionId": "a\u{1b}b"}})),
+            ] {
+                let e = check_fields(route, Language::Shell, &obj(body)).unwrap_err();
+                assert_eq!(
+                    (e.code, e.message.starts_with(path)),
+                    ("invalid_identifier", true),
+                    "{route:?} {path}"
+                );
+            }
+            assert!(check_fields(route, Language::Shell, &obj(json!({"agentId": "main"}))).is_ok());
+        }
     }
     use serde_json::json;
 

@@ -180,8 +180,6 @@ impl Manager {
             .unwrap_or("")
             .to_owned();
         let agent_id = request::string(&obj, "agentId").unwrap_or("").to_owned();
-        request::refuse_control("permissionEpoch.sessionId", &session_id)?;
-        request::refuse_control("agentId", &agent_id)?;
         let rec = ManagedExecution::queued(agent_id, session_id, id.clone(), timefmt::now_iso());
         let stored = rec.clone();
         if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
