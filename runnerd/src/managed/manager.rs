@@ -93,10 +93,8 @@ pub fn parse_cursor(param: Option<&str>) -> Option<u64> {
 #[derive(Debug)]
 pub struct Manager {
     db: Arc<ExecutionsDb>,
-    /// Records whose last write failed (disk full, say), by id: the truth until a retry
-    /// stores them. Every record write holds this lock, so a retry never stores an older
-    /// record over a newer one.
-    unsaved: Arc<Mutex<HashMap<String, ManagedExecution>>>,
+    /// Records whose last write failed (disk full, say): the truth until a retry stores them.
+    unsaved: Arc<Unsaved>,
     /// What opening the database found (for the start-up line and `/health`).
     opened: OpenReport,
     controllers: Mutex<HashMap<String, watch::Sender<bool>>>,
@@ -138,7 +136,7 @@ impl Manager {
             tracing::error!(event = "execution_database_set_aside", moved = %moved.join(", "), reason = %aside.reason);
         }
         let db = Arc::new(db);
-        let unsaved: Arc<Mutex<HashMap<String, ManagedExecution>>> = Arc::default();
+        let unsaved: Arc<Unsaved> = Arc::default();
         tokio::spawn(retry_unsaved(Arc::downgrade(&db), Arc::downgrade(&unsaved)));
         Ok(Manager {
             db,
@@ -225,7 +223,7 @@ impl Manager {
         json!({
             "setAside": aside,
             "unreadableRecords": unreadable,
-            "unsavedRecords": lock(&self.unsaved).len(),
+            "unsavedRecords": lock(&self.unsaved.records).len(),
         })
     }
 
@@ -263,7 +261,7 @@ impl Manager {
     ) -> Option<ManagedExecution> {
         let failed = |e: String| {
             let truth = kept(rec);
-            lock(&self.unsaved).insert(truth.id.clone(), truth.clone());
+            lock(&self.unsaved.records).insert(truth.id.clone(), truth.clone());
             tracing::error!(event = "execution_record_failed", execution_id = %rec.id, error = %e, state = %truth.state, detail = "kept; stored once the database accepts writes");
             Some(truth)
         };
@@ -274,11 +272,11 @@ impl Manager {
         let (id, session, agent) = (rec.id.clone(), rec.session_id.clone(), rec.agent_id.clone());
         let unsaved = self.unsaved.clone();
         let written = db_do(&self.db, move |db| {
-            // Under the lock, so that a retry cannot store an older truth after this one.
-            let mut unsaved = lock(&unsaved);
+            // Under the writes lock, so that a retry cannot store an older truth after this one.
+            let _writing = lock(&unsaved.writes);
             let saved = db.save_json(&id, &session, &agent, &json);
             if saved.is_ok() {
-                unsaved.remove(&id);
+                lock(&unsaved.records).remove(&id);
             }
             saved
         })
@@ -497,7 +495,7 @@ impl Manager {
         };
         let key = id.to_owned();
         // A record the database could not take yet is answered as kept (the truth).
-        let pending = lock(&self.unsaved).get(id).cloned();
+        let pending = lock(&self.unsaved.records).get(id).cloned();
         if let Some(rec) = pending.filter(|r| r.session_id == session_id && r.agent_id == agent_id) {
             let text =
                 serde_json::to_string(&rec).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
@@ -618,26 +616,37 @@ pub fn failed_error(state: &str, error: Option<&str>) -> String {
     }
 }
 
+/// Records whose last write failed, and the lock every record write holds. Writers hold
+/// `writes` (on blocking threads) across the SQLite write; readers on the runtime take only
+/// `records`, briefly, so a slow disk never blocks a runtime worker.
+#[derive(Debug, Default)]
+struct Unsaved {
+    records: Mutex<HashMap<String, ManagedExecution>>,
+    writes: Mutex<()>,
+}
+
 /// Stores the records whose writes failed, every [`RECORD_RETRY`], until the manager is gone.
-async fn retry_unsaved(
-    db: std::sync::Weak<ExecutionsDb>,
-    unsaved: std::sync::Weak<Mutex<HashMap<String, ManagedExecution>>>,
-) {
+async fn retry_unsaved(db: std::sync::Weak<ExecutionsDb>, unsaved: std::sync::Weak<Unsaved>) {
     loop {
         tokio::time::sleep(RECORD_RETRY).await;
         let (Some(db), Some(unsaved)) = (db.upgrade(), unsaved.upgrade()) else { return };
-        if lock(&unsaved).is_empty() {
+        if lock(&unsaved.records).is_empty() {
             continue;
         }
         let _ = tokio::task::spawn_blocking(move || {
-            let mut unsaved = lock(&unsaved);
-            unsaved.retain(|id, rec| match db.save(rec) {
-                Ok(()) => {
-                    tracing::warn!(event = "execution_record_stored", execution_id = %id, state = %rec.state, detail = "after earlier writes failed");
-                    false
+            // The records' map is locked only to copy and to remove (the async side reads it);
+            // the writes lock orders this against every other record write.
+            let _writing = lock(&unsaved.writes);
+            let pending: Vec<ManagedExecution> = lock(&unsaved.records).values().cloned().collect();
+            for rec in pending {
+                if db.save(&rec).is_ok() {
+                    let mut records = lock(&unsaved.records);
+                    if records.get(&rec.id) == Some(&rec) {
+                        records.remove(&rec.id);
+                        tracing::warn!(event = "execution_record_stored", execution_id = %rec.id, state = %rec.state, detail = "after earlier writes failed");
+                    }
                 }
-                Err(_) => true,
-            });
+            }
         })
         .await;
     }
