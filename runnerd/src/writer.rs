@@ -53,6 +53,8 @@ pub struct Versions {
     store: Store,
     refs: Mutex<Refs>,
     lifecycle: Lifecycle,
+    /// Where workspaces are opened beneath (recovery pins each by descriptor).
+    data_dir: PathBuf,
 }
 
 impl std::fmt::Debug for Versions {
@@ -144,7 +146,7 @@ impl Versions {
                 reason = "left by a commit whose process died"
             );
         }
-        Ok(Versions { store, refs: Mutex::new(refs), lifecycle })
+        Ok(Versions { store, refs: Mutex::new(refs), lifecycle, data_dir: data_dir.to_owned() })
     }
 
     pub fn store(&self) -> &Store {
@@ -413,13 +415,22 @@ impl Versions {
                     continue;
                 }
             };
+            // Pinned by descriptor, walked beneath the data directory without following a
+            // symlink, like every other commit: an enclosing sandbox may have planted one.
+            let pinned = match crate::exec::workspace::open_beneath(&self.data_dir, &root) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e.message);
+                    continue;
+                }
+            };
+            let dir = crate::fsat::pinned_dir(&pinned);
             let me = self.clone();
             let r = root.clone();
             let committed = blocking_retry(self.clone(), move || {
                 let name = workspace_head_name(&r);
-                let tree = me
-                    .store
-                    .snapshot_scoped(&r, &SnapshotScope { canonical: Some(r.clone()), max_bytes: 0 })?;
+                let tree =
+                    me.snapshot_live(&dir, &SnapshotScope { canonical: Some(r.clone()), max_bytes: 0 })?;
                 let head = me.refs().head(&name)?;
                 let (id, kind) = match head {
                     Some(_) => (Some(new_uuid_v4()), "runner-recovery"),

@@ -140,6 +140,18 @@ impl Lease {
         &self.paths
     }
 
+    /// Unlinks `<H>.failed` (the entry itself, whatever it is; never followed) in this
+    /// lease's coordination directory. Whether a marker was there.
+    pub(super) fn remove_poison_marker(&self) -> Result<bool, CoordError> {
+        let shown = LeaseNames::shown(&self.dir.names.failed);
+        let name = cname(&self.dir.names.failed, &shown)?;
+        match crate::fsat::unlink_at(&self.dir.fd, &name) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(CoordError::io("remove the poison marker", &shown, e)),
+        }
+    }
+
     /// Checks the poison marker and creates `.active`; the lock is already held.
     /// `journal_dir`, when given, records the lease for crash recovery.
     pub(super) fn establish(

@@ -140,15 +140,10 @@ impl Lifecycle {
     /// whatever it is, named through the coordination directory's descriptor; never
     /// followed) and forgets the root in this process's set. Call with the lease held.
     /// Returns whether a marker was there.
-    pub fn clear_poison(&self, canonical: &Path, _held: &Lease) -> Result<bool, CoordError> {
-        let dir = self.lease_dir(canonical)?;
-        let shown = LeaseNames::shown(&dir.names.failed);
-        let name = cname(&dir.names.failed, &shown)?;
-        let had = match crate::fsat::unlink_at(&dir.fd, &name) {
-            Ok(()) => true,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-            Err(e) => return Err(CoordError::io("remove the poison marker", &shown, e)),
-        };
+    pub fn clear_poison(&self, canonical: &Path, held: &Lease) -> Result<bool, CoordError> {
+        // Through the held lease's own directory descriptor: not a second walk, which a
+        // swapped directory could redirect.
+        let had = held.remove_poison_marker()?;
         self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).remove(canonical);
         Ok(had)
     }
