@@ -2,8 +2,9 @@
 //! blobs and layout files), only those no live writer owns.
 //!
 //! Ownership, two rules. runnerd names its own temporaries `….runnerd-<pid>.tmp`: one whose
-//! process is gone is removed at once (a pid reused by a live process keeps it, until the
-//! second rule). Any other temporary (the API process writes the same store, with names of
+//! process is gone, or that carries our own pid (the sweep runs before this process writes;
+//! a container reuses pids), is removed at once (a pid reused by another live process keeps
+//! it, until the second rule). Any other temporary (the API process writes the same store, with names of
 //! its own) is removed only once unmodified for [`STALE_TEMPORARY`]: a live writer writes
 //! its temporary chunk by chunk, fsyncs it and links it at once, so it is never that old.
 
@@ -32,7 +33,9 @@ pub fn verdict(name: &str, age: Duration, alive: impl Fn(u32) -> bool) -> Verdic
     let Some(stem) = name.strip_suffix(".tmp") else { return Verdict::Keep };
     let owner = stem.rsplit_once(".runnerd-").and_then(|(_, pid)| pid.parse::<u32>().ok());
     match owner {
-        Some(pid) if pid != std::process::id() && !alive(pid) => Verdict::Remove,
+        // The sweep runs at start-up, before this process writes anything: an entry named
+        // with our own pid is a previous instance's (a container reuses pids).
+        Some(pid) if pid == std::process::id() || !alive(pid) => Verdict::Remove,
         _ if age >= STALE_TEMPORARY => Verdict::Remove,
         _ => Verdict::Keep,
     }
@@ -86,7 +89,7 @@ mod tests {
             ("abc.runnerd-42.tmp", young, Verdict::Keep),
             ("abc.runnerd-42.tmp", old, Verdict::Remove),
             ("abc.runnerd-x.tmp", young, Verdict::Keep),
-            (&format!("abc.runnerd-{me}.tmp"), young, Verdict::Keep),
+            (&format!("abc.runnerd-{me}.tmp"), young, Verdict::Remove),
         ] {
             assert_eq!(verdict(name, age, |p| !dead(p)), want, "{name} {age:?}");
         }
