@@ -43,13 +43,25 @@ impl Check {
 }
 
 /// A fresh workspace for one check, the sandbox user's (as a workspace runnerd makes is).
+/// Its name under the shared temporary directory is guessable, so it must be new (never one
+/// that already stands there, a directory or a planted symlink) and is handed over through
+/// its own descriptor, never by path.
 fn scratch_dir(runtime: &SandboxRuntime) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let base = std::env::temp_dir().join(format!("runnerd-selftest-{}", std::process::id()));
-    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
-    if runtime.user.switches() {
-        std::os::unix::fs::chown(&base, Some(runtime.user.uid), Some(runtime.user.gid))
-            .with_context(|| format!("handing {} to the sandbox user", base.display()))?;
-    }
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&base)
+        .with_context(|| format!("creating {}", base.display()))?;
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(&base)
+        .with_context(|| format!("opening {}", base.display()))?;
+    runtime
+        .user
+        .hand_over(std::os::fd::AsFd::as_fd(&dir))
+        .with_context(|| format!("handing {} to the sandbox user", base.display()))?;
     Ok(base.canonicalize()?)
 }
 

@@ -710,6 +710,14 @@ async fn sandbox_run(
     // Skill descriptors come after the gateway's (`FIRST_EXTRA_FD + 1 + parent + gateway`).
     let skills_fd_index = gateway_fd_index + i32::from(p.egress.is_some());
     let skills = match &p.skills {
+        // A bind by path would reach `.sciencediscovery` again after it was checked; an
+        // enclosing workspace's sandbox could swap it for a symlink in between.
+        Some(_) if !bind_fd => {
+            return Err(ApiError::bad_request(
+                "skills_unavailable",
+                "Skill packages need bubblewrap with --bind-fd (0.8 or later) on this host",
+            ));
+        }
         Some(req) => Some(
             crate::skills::prepare_mount(&app.data_dir, req, root_fd, root, &app.sandbox.user)
                 .map_err(|e| crate::api::skills::api_error(&e))?,

@@ -108,7 +108,11 @@ pub fn unreachable_component(who: &Identity, dir: &std::path::Path) -> Option<(s
     if !who.switches() {
         return None;
     }
-    let real = std::fs::canonicalize(dir).ok()?;
+    // Fails closed: a directory that cannot even be resolved is reported as unreachable.
+    let real = match std::fs::canonicalize(dir) {
+        Ok(real) => real,
+        Err(_) => return Some((dir.to_owned(), 0)),
+    };
     real.ancestors().collect::<Vec<_>>().into_iter().rev().find_map(|p| {
         let m = std::fs::metadata(p).ok()?;
         (!may_search(m.mode(), m.uid(), m.gid(), who.uid, who.gid)).then(|| (p.to_owned(), m.mode() & 0o7777))
