@@ -396,3 +396,48 @@ fn a_root_user_in_the_plan_is_refused_by_validation() {
     assert_eq!(failed_step(&run), InitStep::ValidatePlan);
     assert_eq!(run.stdout, "");
 }
+
+#[test]
+fn after_the_user_switch_it_still_dies_with_the_thread_that_spawned_it() {
+    // A credential change clears PR_SET_PDEATHSIG; step 9 arms it again. Spawn from a
+    // short-lived thread, let the exec'd program (already the sandbox user) start, end the
+    // thread, and expect SIGKILL.
+    if !is_root() {
+        eprintln!("skipped: only root switches users (unprivileged, step 9 changes no credential)");
+        return;
+    }
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let (child, _ours, _out) = std::thread::spawn(move || {
+        let child = Command::new(INIT)
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(
+            &mut &ours,
+            &encode_frame(PROTOCOL_VERSION, &plan("exec sleep 30")).unwrap(),
+        )
+        .unwrap();
+        let (out_r, out_w) = pipe();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let extra = tempfile::tempfile().unwrap();
+        channel::send_fds(ours.as_fd(), &[null.as_fd(), out_w.as_fd(), out_w.as_fd(), extra.as_fd()])
+            .unwrap();
+        // Executing, then the program runs as the sandbox user.
+        assert!(matches!(channel::read_message::<InitReport>(&mut &ours), Ok(InitReport::Executing)));
+        let status = format!("/proc/{}/status", child.id());
+        let uid_line = format!("Uid:\t{0}\t{0}\t{0}", NOBODY.uid);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !std::fs::read_to_string(&status).unwrap_or_default().contains(&uid_line) {
+            assert!(std::time::Instant::now() < deadline, "the program never ran as the sandbox user");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        (child, ours, out_r)
+    })
+    .join()
+    .unwrap();
+    let mut child = child;
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+}

@@ -452,3 +452,46 @@ async fn half_received_uploads_are_swept_at_start() {
     assert!(!staging.join("0000.upload").exists());
     assert!(staging.join("keep.txt").exists(), "only uploads are swept");
 }
+
+/// Issue #14: a root runnerd's sandboxes run as another user, who must be able to change
+/// what runnerd made for them: the key's directories and an upload's file and parents are
+/// that user's (and the sandbox can rewrite the upload).
+#[tokio::test]
+async fn what_runnerd_creates_for_a_workspace_belongs_to_the_sandbox_user() {
+    if !runner_tests::sandbox_or_skip("what_runnerd_creates_for_a_workspace_belongs_to_the_sandbox_user") {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let server = Server::start();
+    let client = server.client();
+    let put = client
+        .send_bytes(
+            "PUT",
+            "/remote-workspace/file?workspace=own/s1&path=in/deep/data.txt",
+            &[],
+            b"v1".to_vec(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
+    let uid = runner_tests::sandbox_user().uid;
+    let ws = server.path("remote-workspaces/own/s1");
+    for p in [
+        server.path("remote-workspaces/own"),
+        ws.clone(),
+        ws.join("in"),
+        ws.join("in/deep"),
+        ws.join("in/deep/data.txt"),
+    ] {
+        assert_eq!(std::fs::metadata(&p).unwrap().uid(), uid, "{}", p.display());
+    }
+    let body = runner_tests::server::keyed_shell_request(
+        "main",
+        "s",
+        "own/s1",
+        "echo v2 > in/deep/data.txt && mkdir in/deep/more",
+    );
+    let r = client.post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!((r.status, r.json()["exitCode"].as_i64()), (200, Some(0)), "{}", r.json());
+    assert_eq!(std::fs::read_to_string(ws.join("in/deep/data.txt")).unwrap(), "v2\n");
+}
