@@ -583,20 +583,7 @@ async fn blocking_retry<T: Send + 'static>(
 mod tests {
     use super::*;
 
-    /// Whether another process can take the SQLite lock on `db` right now.
-    fn free_for_another_process(db: &Path) -> bool {
-        let script = "import sqlite3,sys\nc=sqlite3.connect(sys.argv[1],timeout=0,isolation_level=None)\ntry:\n c.execute('BEGIN IMMEDIATE')\nexcept sqlite3.OperationalError:\n sys.exit(3)\n";
-        let status = std::process::Command::new("python3")
-            .args(["-c", script])
-            .arg(db)
-            .status()
-            .expect("python3 runs");
-        match status.code() {
-            Some(0) => true,
-            Some(3) => false,
-            other => panic!("the lock probe failed: {other:?}"),
-        }
-    }
+    use crate::coordination::tests::free_for_another_process;
 
     /// A nested workspace's lease database lives inside its parent's tree. Snapshotting the
     /// parent must not open (and close) it: closing any descriptor of a file drops every

@@ -92,12 +92,28 @@ impl Lifecycle {
         canonical: &Path,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Lease, CoordError> {
+        self.take_lease(canonical, cancel, Poison::Refuse).await
+    }
+
+    /// Waits for the lock, then establishes the lease; a poisoned root is refused unless
+    /// this is a repair.
+    async fn take_lease(
+        &self,
+        canonical: &Path,
+        cancel: Option<&watch::Receiver<bool>>,
+        poison: Poison,
+    ) -> Result<Lease, CoordError> {
         let dir = self.lease_dir(canonical)?;
         let lock = SqliteLock::take(dir.lock_file()?, cancel).await?;
         if cancel.is_some_and(|c| *c.borrow()) {
             return Err(CoordError::Aborted);
         }
-        Lease::establish(canonical, dir, lock, self.is_poisoned(canonical), Some(&self.journal))
+        match poison {
+            Poison::Refuse => {
+                Lease::establish(canonical, dir, lock, self.is_poisoned(canonical), Some(&self.journal))
+            }
+            Poison::Repair => Lease::establish_despite_poison(canonical, dir, lock, Some(&self.journal)),
+        }
     }
 
     /// The root's coordination directory, opened without following anything (created 0700).
@@ -124,16 +140,14 @@ impl Lifecycle {
         }
     }
 
-    /// The lease for a repair: waited for like every writer's, but taken although the
-    /// root is poisoned (its `.active` marker and journal entry as usual).
+    /// The lease for a repair: waited for like every writer's (and cancellable), but taken
+    /// although the root is poisoned (its `.active` marker and journal entry as usual).
     pub async fn repair_lease(
         &self,
         canonical: &Path,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Lease, CoordError> {
-        let dir = self.lease_dir(canonical)?;
-        let lock = SqliteLock::take(dir.lock_file()?, cancel).await?;
-        Lease::establish_despite_poison(canonical, dir, lock, Some(&self.journal))
+        self.take_lease(canonical, cancel, Poison::Repair).await
     }
 
     /// Ends the poisoning of a repaired root: unlinks `<H>.failed` (the entry itself,
@@ -266,6 +280,14 @@ async fn blocking<T: Send + 'static>(
             source: std::io::Error::other(e.to_string()),
         })
     })
+}
+
+/// What a lease does with a poisoned root.
+#[derive(Debug, Clone, Copy)]
+enum Poison {
+    Refuse,
+    /// A repair takes it anyway, to verify, commit and clear the marker.
+    Repair,
 }
 
 #[cfg(test)]
