@@ -114,38 +114,18 @@ fn address_of(value: &str) -> Result<IpAddr, Problem> {
 }
 
 /// Four decimal octets 0..=255, each `0` or without a leading zero: the only IPv4 spelling
-/// taken (checked here rather than trusting a parser's leniency).
+/// taken. std's parser is exactly that strict (no octal, hex, short or integer forms; the
+/// table test pins it), unlike getaddrinfo's.
 pub fn canonical_ipv4(value: &str) -> Option<Ipv4Addr> {
-    let mut octets = [0u8; 4];
-    let mut parts = value.split('.');
-    for octet in &mut octets {
-        let part = parts.next()?;
-        let canonical = !part.is_empty()
-            && part.len() <= 3
-            && part.bytes().all(|b| b.is_ascii_digit())
-            && (part == "0" || !part.starts_with('0'));
-        if !canonical {
-            return None;
-        }
-        *octet = part.parse().ok()?;
-    }
-    parts.next().is_none().then(|| Ipv4Addr::from(octets))
+    value.parse().ok()
 }
 
-/// The name lower-cased without a trailing dot, if DNS could carry it: labels of 1..=63
-/// letters, digits, `-` or `_`, not starting or ending with `-`, at most 253 bytes.
+/// The name as the proxy keys its lookups ([`common::egress::target::normalize_host`]), if
+/// DNS could carry it; labels must not start or end with `-` either.
 fn host_name(value: &str) -> Option<String> {
-    let name = value.strip_suffix('.').unwrap_or(value);
-    let ok = !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        });
-    ok.then(|| name.to_ascii_lowercase())
+    common::egress::target::normalize_host(value)
+        .ok()
+        .filter(|name| name.split('.').all(|label| !label.starts_with('-') && !label.ends_with('-')))
 }
 
 /// Which version of the file a table came from.
