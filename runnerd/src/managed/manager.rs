@@ -480,8 +480,17 @@ impl Manager {
         agent_id: &str,
     ) -> Result<RecordText, ApiError> {
         let meta = self.meta(id, session_id, agent_id).await?;
-        let held = if meta.size > LARGE_RECORD {
-            let held = pool.acquire(meta.size, RECORD_WAIT).await.ok_or_else(|| ApiError {
+        // A record the database could not take yet is answered as kept (the truth): its
+        // text is what will be sent, so its size is what the pool must hold.
+        let pending = lock(&self.unsaved.records)
+            .get(id)
+            .filter(|r| r.session_id == session_id && r.agent_id == agent_id)
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+        let size = pending.as_ref().map_or(meta.size, |text| text.len() as u64);
+        let held = if size > LARGE_RECORD {
+            let held = pool.acquire(size, RECORD_WAIT).await.ok_or_else(|| ApiError {
                 retry_after: Some(1),
                 ..ApiError::with_status(
                     503,
@@ -493,14 +502,10 @@ impl Manager {
         } else {
             None
         };
-        let key = id.to_owned();
-        // A record the database could not take yet is answered as kept (the truth).
-        let pending = lock(&self.unsaved.records).get(id).cloned();
-        if let Some(rec) = pending.filter(|r| r.session_id == session_id && r.agent_id == agent_id) {
-            let text =
-                serde_json::to_string(&rec).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+        if let Some(text) = pending {
             return Ok(RecordText { text, held });
         }
+        let key = id.to_owned();
         let stored = match meta.readable {
             true => {
                 let key = key.clone();
