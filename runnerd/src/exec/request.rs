@@ -366,12 +366,18 @@ pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<()
         return Err(ApiError::bad_request(code, message));
     }
     for path in IDENTIFIERS {
+        // `/shell-executions` refuses any id outside its pattern with the contract's own text.
+        if route == Route::ShellExecutions && *path == ["executionId"] {
+            continue;
+        }
         let found = match path {
             [one] => obj.get(*one),
             [first, second] => obj.get(*first).and_then(|v| v.get(*second)),
             _ => None,
         };
-        if let Some(text) = found.and_then(Value::as_str) {
+        // A blank one (whitespace, `\t\n` included) is answered later with the contract's
+        // "… is required".
+        if let Some(text) = found.and_then(Value::as_str).filter(|t| !t.trim().is_empty()) {
             refuse_control(&path.join("."), text)?;
         }
     }
@@ -501,11 +507,12 @@ mod tests {
         assert_eq!(e.status, 400);
         // check_fields refuses each identifier on every execution route.
         for route in [Route::Execute, Route::ExecuteShell, Route::ShellExecutions] {
-            for (path, body) in [
-                ("executionId", json!({"executionId": "a\nb"})),
+            let id =
+                (route != Route::ShellExecutions).then(|| ("executionId", json!({"executionId": "a\nb"})));
+            for (path, body) in id.into_iter().chain([
                 ("agentId", json!({"agentId": "a\rb"})),
                 ("permissionEpoch.sessionId", json!({"permissionEpoch": {"sessionId": "a\u{1b}b"}})),
-            ] {
+            ]) {
                 let e = check_fields(route, Language::Shell, &obj(body)).unwrap_err();
                 assert_eq!(
                     (e.code, e.message.starts_with(path)),
@@ -514,6 +521,8 @@ mod tests {
                 );
             }
             assert!(check_fields(route, Language::Shell, &obj(json!({"agentId": "main"}))).is_ok());
+            // Blank ids keep the contract's "… is required", answered after the type checks.
+            assert!(check_fields(route, Language::Shell, &obj(json!({"executionId": "\t\n"}))).is_ok());
         }
     }
     use serde_json::json;
