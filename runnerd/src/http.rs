@@ -184,6 +184,26 @@ fn too_large(limit: usize) -> ApiError {
     ApiError::bad_request("body_too_large", format!("Request body exceeds the {limit} byte limit"))
 }
 
+/// How long, and how much, a refused body is read and thrown away before its connection
+/// closes (see `handle`): enough for what a client has in flight, bounded against one that
+/// keeps sending.
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: u64 = 8 << 20;
+
+async fn discard(mut body: Incoming) {
+    use http_body_util::BodyExt;
+    let mut seen = 0u64;
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if seen > LINGER_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 /// Whether `Content-Length` announces more than the route's limit ([`api::body_limit`]). A
 /// length that does not parse is left to hyper, which refuses it while reading the head.
 fn announced_over_limit(headers: &hyper::HeaderMap, limit: usize) -> bool {
@@ -252,9 +272,12 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     let limit = api::body_limit(&method, &path);
     let body = match incoming {
         None => Vec::new(),
-        // A body announced over the limit is refused before a byte of it is read (the
-        // connection closes: its body is never drained).
-        Some(_) if announced_over_limit(&headers, limit) => {
+        // A body announced over the limit is refused before a byte of it is read, and the
+        // connection closes. What the client already sent is read and thrown away for a
+        // moment meanwhile (a lingering close): closing a socket with unread bytes resets
+        // it, and the reset can destroy the answer before the client reads it.
+        Some(incoming) if announced_over_limit(&headers, limit) => {
+            tokio::spawn(discard(incoming));
             let mut response = from_result(Err(too_large(limit)));
             response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
             return response;
