@@ -268,7 +268,7 @@ async fn init_once(setup: &Setup) -> anyhow::Result<Duration> {
         stdin: Vec::new(),
         timeout: Some(Duration::from_secs(30)),
         cancel: None,
-        extra_fds: Vec::new(),
+        extra_fds: Default::default(),
         cgroup_procs: Vec::new(),
     };
     let outcome = setup.launcher.run(launch, &mut Discard).await?;

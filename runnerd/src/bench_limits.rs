@@ -35,7 +35,7 @@ fn launch(setup: &Setup, mode: Mode, limits: &Limits) -> Launch {
         stdin: Vec::new(),
         timeout: Some(Duration::from_secs(30)),
         cancel: None,
-        extra_fds: Vec::new(),
+        extra_fds: Default::default(),
         cgroup_procs: Vec::new(),
     }
 }

@@ -70,7 +70,7 @@ async fn sandbox(runtime: &SandboxRuntime, shape: SandboxShape) -> anyhow::Resul
     let layout = WorkspaceLayout::new(scratch.clone(), None);
     let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
     let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
-    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd);
+    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd, Default::default());
     launch.stdin = script.as_bytes().to_vec();
     launch.timeout = Some(Duration::from_secs(30));
     let mut output = OutputBudget::new(64 * 1024);
@@ -163,6 +163,7 @@ async fn network(
         EgressMount { bridge: client.bridge.clone(), gateway_socket: lease.socket.clone(), gateway_fd: None };
     let mut spec = SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell);
     spec.egress = Some(&mount);
+    spec.profile = argv::profile(true, false);
     let cmd = argv::build(&spec);
     // bash's /dev/tcp: no curl needed on the host.
     let request = |host: &str| {
@@ -172,7 +173,7 @@ async fn network(
     };
     let script =
         format!("{}\n{}\n{}\n", request(ALLOWED_NAME), request("refused.localhost"), full_body(port));
-    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd);
+    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd, Default::default());
     launch.stdin = script.into_bytes();
     launch.timeout = Some(Duration::from_secs(30));
     let mut output = OutputBudget::new(64 * 1024);

@@ -420,7 +420,7 @@ impl Versions {
             let pinned = match crate::exec::workspace::open_beneath(&self.data_dir, &root) {
                 Ok(fd) => fd,
                 Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e.message);
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
                     continue;
                 }
             };

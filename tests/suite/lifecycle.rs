@@ -145,7 +145,7 @@ fn plain_launch(bwrap: &str, rlimits: Vec<common::plan::Rlimit>) -> Launch {
         stdin: Vec::new(),
         timeout: None,
         cancel: None,
-        extra_fds: Vec::new(),
+        extra_fds: Default::default(),
         cgroup_procs: Vec::new(),
     }
 }

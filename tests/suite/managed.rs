@@ -922,3 +922,68 @@ async fn a_workspace_deleted_under_a_run_fails_its_version_and_poisons() {
     assert_eq!(status, 400, "{refused}");
     assert!(refused["error"].as_str().unwrap().contains("repair storage"), "{refused}");
 }
+
+/// Ours (issue #18): a managed request the run would refuse is refused before the 202, with
+/// the synchronous route's code and text, and nothing recorded: the id stays usable.
+#[tokio::test]
+async fn a_request_that_cannot_run_is_refused_before_the_202_and_its_id_stays_free() {
+    if !sandbox_or_skip("a_request_that_cannot_run_is_refused_before_the_202_and_its_id_stays_free") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("managed-refused");
+    let id = format!("refused-{}", marker(0));
+    for (patch, code, text) in [
+        (json!({"code": "   "}), "code_required", "Shell code is required"),
+        (
+            json!({"environmentId": "env-1"}),
+            "capability_unavailable",
+            "Scientific environments are unavailable",
+        ),
+        (json!({"cwd": "/etc"}), "invalid_cwd", "cwd must be workspace-relative"),
+        (json!({"cwd": "../.."}), "invalid_cwd", "cwd must remain inside the writable workspace"),
+        (json!({"resourceLimits": {"memoryBytes": -1}}), "invalid_resource_limits", ""),
+    ] {
+        let mut body = managed_body(&ws, &id, "echo never");
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, answer) = submit(&client, &body).await;
+        assert_eq!((status, answer["code"].as_str()), (400, Some(code)), "{patch}: {answer}");
+        if !text.is_empty() {
+            assert_eq!(answer["error"], text, "{patch}");
+        }
+    }
+    let (status, _) = record_as(&client, &id, SESSION, AGENT).await;
+    assert_eq!(status, 400, "a refused request leaves no record");
+    // The same id, corrected, runs.
+    let (status, rec) = submit(&client, &managed_body(&ws, &id, "echo ran-after-refusal")).await;
+    assert_eq!((status, rec["state"].as_str()), (202, Some("queued")), "{rec}");
+    let done = wait_terminal(&client, &id).await;
+    assert_eq!(done["state"], "completed", "{done}");
+    assert!(log_text(&client, &id).await.contains("ran-after-refusal"));
+}
+
+/// A `cwd` is found when the managed run starts: a run queued behind the one that creates
+/// the directory can use it.
+#[tokio::test]
+async fn a_queued_run_may_use_a_cwd_an_earlier_run_creates() {
+    if !sandbox_or_skip("a_queued_run_may_use_a_cwd_an_earlier_run_creates") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let ws = server.project_workspace("managed-cwd-later");
+    let first = format!("mk-{}", marker(0));
+    let second = format!("in-{}", marker(0));
+    let (status, _) = submit(&client, &managed_body(&ws, &first, "sleep 0.3; mkdir -p made/here")).await;
+    assert_eq!(status, 202);
+    let mut body = managed_body(&ws, &second, "pwd");
+    body["cwd"] = json!("made/here");
+    let (status, rec) = submit(&client, &body).await;
+    assert_eq!(status, 202, "{rec}");
+    let done = wait_terminal(&client, &second).await;
+    assert_eq!(done["state"], "completed", "{done}");
+    assert!(log_text(&client, &second).await.contains("/made/here"), "{done}");
+}

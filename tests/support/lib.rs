@@ -168,7 +168,7 @@ impl Fixture {
         let shape = self.capability.shape().expect("the probes found a usable sandbox");
         let layout = WorkspaceLayout::new(self.workspace.canonicalize().unwrap(), None);
         let cmd = argv::build(&SandboxSpec::new(shape, &self.host, &layout, language));
-        let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd);
+        let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd, Default::default());
         launch.rlimits = runnerd::launch::default_rlimits(Some(10 << 30));
         launch.stdin = code.as_bytes().to_vec();
         launch.timeout = timeout;

@@ -126,12 +126,16 @@ impl SandboxProber<'_> {
             },
             false => None,
         };
-        if scratch_fd.is_some() {
-            spec.workspace_fds = Some(WorkspaceFds { root: common::plan::FIRST_EXTRA_FD, read_only: None });
+        let mut slots = crate::sandbox::FdSlots::default();
+        if let Some(fd) = &scratch_fd {
+            match slots.push(fd) {
+                Ok(root) => spec.workspace_fds = Some(WorkspaceFds { root, read_only: None }),
+                Err(e) => return fail(format!("could not pass the probe's scratch directory: {e}")),
+            }
         }
+        spec.profile = argv::profile(false, !one.ascend.is_empty());
         let cmd = argv::build(&spec);
-        let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
-        launch.extra_fds.extend(scratch_fd);
+        let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
         launch.timeout = Some(PROBE_TIMEOUT);
         let mut output = OutputBudget::new(MAX_TOOL_OUTPUT);
         let ran = app.sandbox.launcher.run(launch, &mut output).await;

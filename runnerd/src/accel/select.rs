@@ -15,8 +15,8 @@ use super::probe::{Family, Prober, SandboxProber, host_tool, unusable_reason};
 use super::{
     AccelConfig, GpuDevice, GpuInventory, INVENTORY_TTL, NpuDevice, NpuInventory, PROBE_TIMEOUT, join_all,
 };
-use crate::api::error::ApiError;
 use crate::app::App;
+use crate::exec::EngineError;
 use crate::timefmt;
 
 /// Ascend 910 series only (910A, 910B, 910C …, not 310).
@@ -200,14 +200,14 @@ pub fn rejections(
 
 /// `npuDevices` / `gpuDevices`: absent, null or empty → none; else non-negative integers,
 /// deduplicated and sorted.
-pub fn requested(obj: &serde_json::Map<String, Value>, field: &str) -> Result<Vec<u32>, ApiError> {
+pub fn requested(value: Option<&Value>, field: &str) -> Result<Vec<u32>, EngineError> {
     let bad = || {
-        ApiError::bad_request(
+        EngineError::invalid(
             "invalid_accelerators",
             format!("{field} must be an array of non-negative integer device indices"),
         )
     };
-    match obj.get(field) {
+    match value {
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Array(items)) => {
             // `4.0` is the number 4 to the original (JavaScript has one number type).
@@ -225,11 +225,6 @@ pub fn requested(obj: &serde_json::Map<String, Value>, field: &str) -> Result<Ve
     }
 }
 
-/// Whether the request names any chip (decides the audit's seccomp profile up front).
-pub fn names_ascend(obj: &serde_json::Map<String, Value>) -> bool {
-    obj.get("npuDevices").and_then(Value::as_array).is_some_and(|a| !a.is_empty())
-}
-
 /// An execution's chips: `None` without any (and then nothing is probed); else a fresh
 /// probe of exactly the named chips, and the whole execution refused if one is not usable.
 pub async fn resolve(
@@ -237,7 +232,7 @@ pub async fn resolve(
     npu: &[u32],
     gpu: &[u32],
     prober: &dyn Prober,
-) -> Result<Option<AccelMount>, ApiError> {
+) -> Result<Option<AccelMount>, EngineError> {
     if npu.is_empty() && gpu.is_empty() {
         return Ok(None);
     }
@@ -252,7 +247,7 @@ pub async fn resolve(
             .collect();
         let why = rejections(Family::Ascend, inv.supported, &listed, npu);
         if !why.is_empty() {
-            return Err(ApiError::bad_request(
+            return Err(EngineError::unavailable(
                 "npu_unavailable",
                 format!("Requested NPU cards are not usable on this machine: {}", why.join(" ")),
             ));
@@ -274,7 +269,7 @@ pub async fn resolve(
             .collect();
         let why = rejections(Family::Nvidia, inv.supported, &listed, gpu);
         if !why.is_empty() {
-            return Err(ApiError::bad_request(
+            return Err(EngineError::unavailable(
                 "gpu_unavailable",
                 format!("Requested GPUs are not usable on this machine: {}", why.join(" ")),
             ));
@@ -298,7 +293,8 @@ mod tests {
         let prober = ScriptedProber::with(&[0]);
         let inv = collect_npu(&cfg, None, &prober).await;
         assert_eq!((inv.supported, inv.devices.len(), inv.error.clone()), (false, 0, None));
-        let err = resolve(&cfg, &[3], &[], &prober).await.unwrap_err();
+        let err =
+            resolve(&cfg, &[3], &[], &prober).await.map_err(crate::api::error::ApiError::from).unwrap_err();
         assert_eq!(
             err.message,
             "Requested NPU cards are not usable on this machine: This machine reports no Ascend NPU cards, so NPU 3 cannot be selected."
@@ -384,7 +380,10 @@ mod tests {
         assert!(view.devices.iter().any(|d| d.host_index == 4 && d.sandbox_usable));
         prober.usable.lock().unwrap().clear(); // another tenant takes chip 4
         prober.calls.lock().unwrap().clear();
-        let err = resolve(&accel.config, &[4], &[], &prober).await.unwrap_err();
+        let err = resolve(&accel.config, &[4], &[], &prober)
+            .await
+            .map_err(crate::api::error::ApiError::from)
+            .unwrap_err();
         assert_eq!(
             err.message,
             format!(
@@ -406,7 +405,10 @@ mod tests {
         let prober = ScriptedProber::with(&[4, 6]);
         let mount = resolve(&cfg, &[6, 4], &[], &prober).await.unwrap().unwrap();
         assert_eq!(mount.ascend, [4, 6]);
-        let err = resolve(&cfg, &[4, 5, 9, 12], &[], &prober).await.unwrap_err();
+        let err = resolve(&cfg, &[4, 5, 9, 12], &[], &prober)
+            .await
+            .map_err(crate::api::error::ApiError::from)
+            .unwrap_err();
         assert_eq!(
             err.message,
             format!(
@@ -453,7 +455,11 @@ mod tests {
             (serde_json::json!({"npuDevices": [null]}), Err(())),
         ];
         for (v, want) in cases {
-            assert_eq!(requested(&obj(v.clone()), "npuDevices").map_err(|_| ()), want, "{v}");
+            assert_eq!(
+                requested(obj(v.clone()).get("npuDevices"), "npuDevices").map_err(|_| ()),
+                want,
+                "{v}"
+            );
         }
     }
 
@@ -485,7 +491,8 @@ mod tests {
             mount.binds.iter().any(|b| !b.device && &b.source == smi),
             "a tool outside /usr is bound read-only"
         );
-        let err = resolve(&cfg, &[], &[1], &prober).await.unwrap_err();
+        let err =
+            resolve(&cfg, &[], &[1], &prober).await.map_err(crate::api::error::ApiError::from).unwrap_err();
         assert!(
             err.message.starts_with("Requested GPUs are not usable on this machine: GPU 1 cannot be opened"),
             "{}",

@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+use crate::exec::EngineError;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: u16,
@@ -48,3 +50,91 @@ impl std::fmt::Display for ApiError {
 }
 
 impl std::error::Error for ApiError {}
+
+/// The one place an engine failure becomes an answer: the contract's status (400 for every
+/// handler failure, 409 for a duplicate id, 503 with `Retry-After` for a full queue; ours:
+/// 500 for runnerd's own failures), the failure's stable `code`, and the text — for a skill
+/// package the whole chain of causes, for the rest the error's own text.
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> ApiError {
+        let status = match &e {
+            EngineError::Duplicate => 409,
+            EngineError::QueueFull { .. } => 503,
+            EngineError::Internal(_) => 500,
+            _ => 400,
+        };
+        let retry_after = match &e {
+            EngineError::QueueFull { retry_after_s, .. } => Some(*retry_after_s),
+            _ => None,
+        };
+        let message = match &e {
+            EngineError::Skill(s) => crate::error_chain(s),
+            other => other.to_string(),
+        };
+        ApiError { status, message, code: e.code(), retry_after }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordination::CoordError;
+    use crate::writer::WriteError;
+
+    /// Every engine error: its status, code and exact text.
+    #[test]
+    fn engine_error_table() {
+        let (poisoned, no_baseline) = (CoordError::Poisoned.to_string(), WriteError::NoBaseline.to_string());
+        let cases: Vec<(EngineError, u16, &str, &str)> = vec![
+            (
+                EngineError::invalid("code_required", "Shell code is required"),
+                400,
+                "code_required",
+                "Shell code is required",
+            ),
+            (
+                EngineError::unavailable("capability_unavailable", "Scientific environments are unavailable"),
+                400,
+                "capability_unavailable",
+                "Scientific environments are unavailable",
+            ),
+            (EngineError::Duplicate, 409, "duplicate_execution", "Execution ID has already been used"),
+            (
+                EngineError::QueueFull { capacity: 3, retry_after_s: 1 },
+                503,
+                "queue_full",
+                "Runner queue is full (3 executions admitted); retry shortly",
+            ),
+            (
+                EngineError::Workspace(WriteError::Coordination(CoordError::Poisoned)),
+                400,
+                "workspace_poisoned",
+                &poisoned,
+            ),
+            (EngineError::Workspace(WriteError::NoBaseline), 400, "no_baseline", &no_baseline),
+            (
+                EngineError::TimedOut { label: "Shell", ms: 5 },
+                400,
+                "execution_timeout",
+                "Shell timed out after 5 ms",
+            ),
+            (EngineError::Aborted { label: "Python" }, 400, "execution_aborted", "Python aborted"),
+            (EngineError::QuotaExceeded("q".into()), 400, "workspace_quota_exceeded", "q"),
+            (EngineError::LaunchFailed("l".into()), 400, "sandbox_launch_failed", "l"),
+            (EngineError::Unresponsive("u".into()), 400, "sandbox_unresponsive", "u"),
+            (EngineError::CommitFailed("c".into()), 400, "version_commit_failed", "c"),
+            (EngineError::internal("i"), 500, "internal", "i"),
+        ];
+        for (e, status, code, text) in cases {
+            let shown = format!("{e:?}");
+            let a = ApiError::from(e);
+            assert_eq!((a.status, a.code, a.message.as_str()), (status, code, text), "{shown}");
+            assert_eq!(a.retry_after.is_some(), status == 503, "{shown}");
+        }
+        let skill = crate::skills::SkillError::NotJson(serde_json::from_str::<u8>("x").unwrap_err());
+        let code = skill.code();
+        let chain = crate::error_chain(&skill);
+        let a = ApiError::from(EngineError::Skill(skill));
+        assert_eq!((a.status, a.code, a.message), (400, code, chain));
+    }
+}

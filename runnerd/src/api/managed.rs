@@ -52,11 +52,9 @@ fn owner(q: Option<&str>) -> (String, String) {
 }
 
 pub async fn start(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
-    let obj = request::parse_object(body)?;
-    request::require_ephemeral(&obj)?;
-    request::check_fields(request::Route::ShellExecutions, crate::sandbox::Language::Shell, &obj)?;
-    let (root, read_only) = exec::resolve_workspace(app, &obj)?;
-    let rec = app.managed.start(app.clone(), obj, root, read_only).await?;
+    let req = request::parse(request::Route::ShellExecutions, request::parse_object(body)?)?;
+    let located = exec::locate(app, &req.workspace)?;
+    let rec = app.managed.start(app.clone(), req, located).await?;
     answer(202, rec)
 }
 

@@ -327,31 +327,35 @@ async fn execute_inner(
     body: &[u8],
     client_gone: watch::Receiver<bool>,
 ) -> Result<ApiResponse, ApiError> {
-    let obj = request::parse_object(body)?;
+    let req = request::parse(route, request::parse_object(body)?)?;
     // The execution runs in its own task: when the client disconnects, this handler is
     // dropped and `client_gone` fires, but the task still kills its sandbox, waits for the
-    // namespace to end, and releases its locks in order. A stopping runnerd aborts it too.
-    let (stop, stop_rx) = watch::channel(false);
+    // namespace to end, and releases its locks in order. A stopping runnerd stops it too.
+    let stop = exec::StopToken::new();
     let mut shutdown = app.shutdown.subscribe();
     let mut client_gone = client_gone;
-    // Not tied to this handler (it may be dropped first): it ends with the execution, whose
-    // end drops every receiver of `stop`.
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = exec::gone(&mut client_gone) => { let _ = stop.send(true); }
-            _ = exec::gone(&mut shutdown) => { let _ = stop.send(true); }
-            _ = stop.closed() => {}
+    // Not tied to this handler (it may be dropped first): it ends with the execution.
+    let relay = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            tokio::select! {
+                _ = exec::gone(&mut client_gone) => {}
+                _ = exec::gone(&mut shutdown) => {}
+            }
+            stop.stop(exec::StopReason::Caller);
         }
     });
-    let task = tokio::spawn(exec::execute(app, route, obj, stop_rx));
-    match task.await {
+    let task = tokio::spawn(exec::execute(app, req, stop));
+    let answered = task.await;
+    relay.abort();
+    match answered {
         // Streamed straight from the kept output (it can be large): no copy of it is made.
         Ok(result) => {
             let answer = exec::answer::Answer::new(result?)
-                .map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+                .map_err(|e| ApiError::from(exec::EngineError::internal(e)))?;
             Ok(ApiResponse { status: 200, body: String::new(), download: Some(answer.into_download()) })
         }
-        Err(e) => Err(ApiError::bad_request("internal", format!("the execution task failed: {e}"))),
+        Err(e) => Err(exec::EngineError::Internal(format!("the execution task failed: {e}")).into()),
     }
 }
 

@@ -14,7 +14,7 @@ use super::stream::{self, Download, UploadError};
 use super::{ApiResponse, query};
 use crate::app::App;
 use crate::exec::request::parse_object as request_parse;
-use crate::exec::{e_code, workspace};
+use crate::exec::{error::workspace_code as e_code, workspace};
 use crate::remote::files::{self, RemoteError};
 use crate::remote::paths;
 use crate::timefmt;

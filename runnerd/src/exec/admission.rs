@@ -20,7 +20,7 @@ use tokio::sync::{
     OwnedMutexGuard, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, OwnedSemaphorePermit, RwLock, Semaphore,
 };
 
-use crate::api::error::ApiError;
+use super::error::EngineError;
 
 /// A lock per key, created on demand and removed when unused.
 #[derive(Debug)]
@@ -145,21 +145,13 @@ impl Admission {
     }
 
     /// Takes a place in the bounded queue, or answers 503 `queue_full` with `Retry-After`.
-    pub fn admit(&self) -> Result<Ticket, ApiError> {
+    pub fn admit(&self) -> Result<Ticket, EngineError> {
         let taken = self
             .admitted
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.capacity).then_some(n + 1));
         match taken {
             Ok(_) => Ok(Ticket { admitted: self.admitted.clone() }),
-            Err(_) => Err(ApiError {
-                status: 503,
-                message: format!(
-                    "Runner queue is full ({} executions admitted); retry shortly",
-                    self.capacity
-                ),
-                code: "queue_full",
-                retry_after: Some(1),
-            }),
+            Err(_) => Err(EngineError::QueueFull { capacity: self.capacity, retry_after_s: 1 }),
         }
     }
 
@@ -222,7 +214,7 @@ mod tests {
         let a = Admission::new(2, 1);
         let t1 = a.admit().unwrap();
         let _t2 = a.admit().unwrap();
-        let err = a.admit().unwrap_err();
+        let err = a.admit().map_err(crate::api::error::ApiError::from).unwrap_err();
         assert_eq!((err.status, err.code, err.retry_after), (503, "queue_full", Some(1)));
         drop(t1);
         assert!(a.admit().is_ok());

@@ -6,33 +6,36 @@
 pub mod admission;
 pub mod answer;
 pub mod dedupe;
+pub mod error;
 pub mod files;
 pub mod registry;
 pub mod request;
+pub mod stop;
 pub mod workspace;
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::Value;
-use tokio::sync::watch;
 
-use crate::api::error::ApiError;
 use crate::app::{App, runner_version};
 use crate::coordination::CoordError;
 use crate::launch::{Launch, OutputBudget, OutputSink, OutputText, Stream, Termination, default_rlimits};
-use crate::sandbox::{EgressMount, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight};
+use crate::sandbox::{
+    EgressMount, FdSlots, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight,
+};
 use crate::timefmt;
 use crate::writer::WriteError;
 use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;
-use common::plan::FIRST_EXTRA_FD;
 use common::seccomp::Profile;
+pub use error::EngineError;
 use registry::ActiveExecution;
-use request::{Object, Route};
+pub use stop::{StopReason, StopToken};
 
 /// Ours: ids are UUIDs in practice; anything longer than this is refused before it is kept.
 pub const MAX_EXECUTION_ID: usize = 1024;
@@ -45,13 +48,6 @@ pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
 /// (a large workspace is never walked more than half the time), so the overshoot between
 /// two measurements is a quarter of the original's on a small workspace.
 pub const QUOTA_POLL: Duration = Duration::from_millis(25);
-
-/// Why a run was cancelled from outside the launcher.
-#[derive(Debug)]
-enum StopReason {
-    ClientGone,
-    Quota(files::Breach),
-}
 
 /// An insertion-ordered string map (the env map is reported in injection order).
 #[derive(Debug, Clone)]
@@ -113,11 +109,7 @@ fn language_name(l: Language) -> &'static str {
 /// (a domain-allowlist run without a gateway never starts), known before the sandbox is.
 /// With Ascend chips and no network, `npu` (internals §4.4).
 pub fn profile_for(network_mode: &str, ascend: bool) -> Profile {
-    match (network_mode == "domain-allowlist", ascend) {
-        (true, _) => Profile::Network,
-        (false, true) => Profile::Npu,
-        (false, false) => Profile::Baseline,
-    }
+    argv::profile(network_mode == "domain-allowlist", ascend)
 }
 
 /// The `execution_finished` audit record of one admitted execution: written once, by
@@ -232,8 +224,8 @@ impl FinishAudit {
     }
 
     /// The record for an execution that an error ended: the error's code is the outcome.
-    pub fn failed(&self, e: &ApiError) {
-        self.finished(e.code, None, None, Some(&e.message));
+    pub fn failed(&self, e: &EngineError) {
+        self.finished(e.code(), None, None, Some(&e.to_string()));
     }
 }
 
@@ -249,85 +241,92 @@ impl Drop for FinishAudit {
     }
 }
 
+/// How the routes differ in one engine: the synchronous routes honour `executionTimeoutMs`
+/// and run at once; the managed route has no deadline (the caller's concern, contract §3)
+/// and is validated before it queues, so its `cwd` is found when it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunOptions {
+    pub honour_timeout: bool,
+    /// Check `cwd` now but find its directory when the run starts ([`resolve_cwd`]).
+    pub defer_cwd: bool,
+}
+
+impl RunOptions {
+    pub const SYNC: RunOptions = RunOptions { honour_timeout: true, defer_cwd: false };
+    pub const MANAGED: RunOptions = RunOptions { honour_timeout: false, defer_cwd: true };
+}
+
+/// The workspace a request runs in, resolved beneath the data directory (step 4).
+#[derive(Debug, Clone)]
+pub struct Located {
+    pub root: PathBuf,
+    pub read_only: Option<PathBuf>,
+}
+
 /// Workspace resolution (step 4): a `runnerWorkspaceKey` wins and drops
 /// `readOnlyWorkspaceRoot`; otherwise `workspaceRoot` must be inside the roots.
-pub fn resolve_workspace(app: &App, obj: &Object) -> Result<(PathBuf, Option<PathBuf>), ApiError> {
+pub fn locate(app: &App, ws: &request::WorkspaceRef) -> Result<Located, EngineError> {
     let data = &app.data_dir;
-    if let Some(key) = obj.get("runnerWorkspaceKey").filter(|v| is_truthy(v)) {
-        let key = key
-            .as_str()
-            .ok_or_else(|| ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key"))?;
+    if let Some(key) = &ws.key {
         let root = workspace::ensure_remote_workspace(data, key, &app.sandbox.user)?;
-        return Ok((workspace::validated_workspace(data, &root)?, None));
+        return Ok(Located { root: workspace::validated_workspace(data, &root)?, read_only: None });
     }
-    let root = request::string(obj, "workspaceRoot").ok_or_else(|| {
-        ApiError::bad_request("workspace_required", "workspaceRoot or runnerWorkspaceKey is required")
+    let root = ws.root.as_deref().ok_or_else(|| {
+        EngineError::invalid("workspace_required", "workspaceRoot or runnerWorkspaceKey is required")
     })?;
-    let root = workspace::validated_workspace(data, std::path::Path::new(root))?;
-    let read_only = match request::non_blank(obj, "readOnlyWorkspaceRoot") {
-        Some(p) => Some(workspace::validated_workspace(data, std::path::Path::new(p))?),
+    let root = workspace::validated_workspace(data, Path::new(root))?;
+    let read_only = match &ws.read_only {
+        Some(p) => Some(workspace::validated_workspace(data, Path::new(p))?),
         None => None,
     };
-    Ok((root, read_only))
+    Ok(Located { root, read_only })
 }
 
-/// JavaScript truthiness, for the fields the original tests with `if (x)`.
-fn is_truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(_) | Value::Object(_) => true,
+/// A synchronous execution's admission (steps 5–9): the mounts, a place in the bounded
+/// queue, then the id — length, the 60 s dedupe, blank — and the agent.
+pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket, EngineError> {
+    if !req.single_workspace_mount {
+        return Err(request::mounts_error(req.language));
     }
-}
-
-fn unavailable(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::bad_request(code, message)
-}
-
-/// Runs one synchronous execution. `client_gone` turns true when the HTTP client
-/// disconnects: a queued call leaves the queue, a running sandbox is killed.
-pub async fn execute(
-    app: Arc<App>,
-    route: Route,
-    obj: Object,
-    mut client_gone: watch::Receiver<bool>,
-) -> Result<ExecutionResult, ApiError> {
-    request::require_ephemeral(&obj)?;
-    let language = request::language(route, &obj)?;
-    request::check_fields(route, language, &obj)?;
-    let (root, read_only) = resolve_workspace(&app, &obj)?;
-    request::require_single_workspace_mount(&obj, language)?;
-
     // Ours: a full queue answers 503 before the id is recorded, so a retry after
     // `Retry-After` is not refused as a duplicate.
     let ticket = app.admission.admit();
     app.metrics.admission(ticket.is_ok());
     let ticket = ticket?;
-    let execution_id = request::string(&obj, "executionId").unwrap_or("").to_owned();
-    if execution_id.len() > MAX_EXECUTION_ID {
-        return Err(ApiError::bad_request(
+    let id = &req.execution_id;
+    if id.len() > MAX_EXECUTION_ID {
+        return Err(EngineError::invalid(
             "execution_id_too_long",
             format!("Execution ID must be at most {MAX_EXECUTION_ID} bytes"),
         ));
     }
-    if !app.recent_ids.record(&execution_id, Instant::now()) {
-        return Err(ApiError::with_status(409, "duplicate_execution", "Execution ID has already been used"));
+    if !app.recent_ids.record(id, Instant::now()) {
+        return Err(EngineError::Duplicate);
     }
-    if execution_id.trim().is_empty() {
-        return Err(ApiError::bad_request("execution_id_required", "Execution ID is required"));
+    if id.trim().is_empty() {
+        return Err(EngineError::invalid("execution_id_required", "Execution ID is required"));
     }
-    let epoch = obj.get("permissionEpoch");
-    let session_id = epoch.and_then(|e| e.get("sessionId")).and_then(Value::as_str).unwrap_or("").to_owned();
-    let agent_id = request::non_blank(&obj, "agentId")
-        .ok_or_else(|| ApiError::bad_request("agent_id_required", "Agent ID is required"))?
-        .to_owned();
+    if req.agent_id.trim().is_empty() {
+        return Err(EngineError::invalid("agent_id_required", "Agent ID is required"));
+    }
+    Ok(ticket)
+}
 
-    let mut prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
+/// Runs one synchronous execution: locate, admit, prepare, then [`run_locked`]. `stop`
+/// ends it early: a queued call leaves the queue, a running sandbox is killed.
+pub async fn execute(
+    app: Arc<App>,
+    req: request::ExecRequest,
+    stop: StopToken,
+) -> Result<ExecutionResult, EngineError> {
+    let located = locate(&app, &req.workspace)?;
+    let ticket = admit(&app, &req)?;
+    let route = req.route;
+    let mut prepared = prepare(&app, req, located, RunOptions::SYNC)?;
     attach_egress(&app, &mut prepared).await?;
 
     let _ticket = ticket;
+    let language = prepared.language;
     let registration = app.registry.register(ActiveExecution {
         agent_id: prepared.agent_id.clone(),
         execution_id: prepared.execution_id.clone(),
@@ -338,46 +337,45 @@ pub async fn execute(
         started_at: None,
         status: "queued",
     });
-    let profile = profile_for(&prepared.network.mode, !prepared.npu_devices.is_empty());
     let audit = FinishAudit::new(
         &prepared.execution_id,
         &prepared.session_id,
         &prepared.agent_id,
         &prepared.root,
-        profile,
+        prepared.profile,
     )
     .counted(&app.metrics, route.name());
     audit.admitted(language_name(language), false);
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
         audit.finished("abandoned_in_queue", None, None, None);
-        ApiError::bad_request("execution_aborted", format!("{} aborted", language.label()))
+        EngineError::Aborted { label: language.label() }
     };
-    let ended = |e: ApiError| {
+    let ended = |e: EngineError| {
         audit.failed(&e);
         e
     };
     let running = tokio::select! {
         held = app.admission.acquire(&prepared.session_id, &key, &prepared.root) => held,
-        _ = gone(&mut client_gone) => return Err(abandoned()),
+        _ = stop.stopped() => return Err(abandoned()),
     };
     // The cross-process writer lease (shared with the API process), inside our own queues;
     // `running` only once both are held.
     let pinned = workspace::open_beneath(&app.data_dir, &prepared.root).map_err(ended)?;
-    let mut writer = match app.versions.begin(&prepared.root, pinned, Some(&client_gone)).await {
+    let mut writer = match app.versions.begin(&prepared.root, pinned, Some(&stop.watch())).await {
         Ok(w) => w,
         Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
-        Err(e) => return Err(ended(ApiError::bad_request(e_code(&e), e.to_string()))),
+        Err(e) => return Err(ended(EngineError::Workspace(e))),
     };
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
-    let ran = run_sandbox(&app, &prepared, &audit, started_at, None, client_gone, writer.pinned()).await;
-    if ran.as_ref().is_err_and(|e| e.code == UNRESPONSIVE) {
+    let ran = run_sandbox(&app, &prepared, &audit, started_at, None, &stop, writer.pinned()).await;
+    if ran.as_ref().is_err_and(EngineError::is_unresponsive) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
         std::mem::forget(writer);
         std::mem::forget(running);
-        return Err(ran.err().unwrap_or_else(|| ApiError::bad_request(UNRESPONSIVE, "")));
+        return ran;
     }
     // Whatever happened, the files as the run left them become the workspace's head
     // (`legacy-execution`, failed when the run failed), before the lease is released — but
@@ -400,7 +398,7 @@ pub async fn execute(
             if e.is_content() {
                 ran?;
             }
-            return Err(ApiError::bad_request("version_commit_failed", e.to_string()));
+            return Err(EngineError::CommitFailed(e.to_string()));
         }
     };
     let mut result = ran?;
@@ -408,18 +406,7 @@ pub async fn execute(
     Ok(result)
 }
 
-/// The error code for a refused or failed workspace write.
-pub fn e_code(e: &WriteError) -> &'static str {
-    match e {
-        WriteError::Coordination(CoordError::Retired) => "workspace_retired",
-        WriteError::Coordination(CoordError::Interrupted) => "workspace_interrupted",
-        WriteError::Coordination(CoordError::Poisoned) => "workspace_poisoned",
-        WriteError::NoBaseline => "no_baseline",
-        _ => "workspace_version_failed",
-    }
-}
-
-/// A validated request, ready to run.
+/// A validated request, ready to run: everything the sandbox needs, decided once.
 #[derive(Debug)]
 pub struct Prepared {
     pub language: Language,
@@ -435,10 +422,16 @@ pub struct Prepared {
     pub egress_route: ProxySetting,
     /// The gateway held for this run ([`attach_egress`]); `None` without network.
     pub egress: Option<crate::egress::EgressLease>,
+    /// The seccomp profile, decided here once: the audit, the metrics and the sandbox use it.
+    pub profile: Profile,
+    /// 0: no deadline (always for managed runs).
     pub timeout_ms: u64,
     pub max_output: u64,
     pub max_workspace: u64,
+    /// The working directory, found beneath the workspace.
     pub cwd: Option<String>,
+    /// A `cwd` checked but not yet found ([`RunOptions::defer_cwd`]).
+    pub deferred_cwd: Option<String>,
     /// `npuDevices` / `gpuDevices`, validated; probed right before the launch (R-NPU-2).
     pub npu_devices: Vec<u32>,
     pub gpu_devices: Vec<u32>,
@@ -448,35 +441,31 @@ pub struct Prepared {
     pub skills: Option<crate::skills::Requested>,
 }
 
-/// What the executor checks before it starts anything (after the workspace and the id).
-#[allow(clippy::too_many_arguments)]
+/// The request's remaining checks, in the contract's order (after the workspace and the
+/// id), and everything the run needs decided once. The managed route calls it before it
+/// answers 202, so a request that cannot run is refused with nothing recorded.
 pub fn prepare(
     app: &App,
-    language: Language,
-    root: PathBuf,
-    read_only: Option<PathBuf>,
-    obj: &Object,
-    execution_id: String,
-    session_id: String,
-    agent_id: String,
-) -> Result<Prepared, ApiError> {
-    let code = request::string(obj, "code").unwrap_or("").to_owned();
-    if code.trim().is_empty() {
-        return Err(ApiError::bad_request("code_required", request::code_required(language)));
+    req: request::ExecRequest,
+    located: Located,
+    opts: RunOptions,
+) -> Result<Prepared, EngineError> {
+    let language = req.language;
+    if req.code.trim().is_empty() {
+        return Err(EngineError::invalid("code_required", request::code_required(language)));
     }
-    let epoch = obj.get("permissionEpoch");
-    let epoch_revision = epoch.and_then(|e| e.get("environmentRevisionId")).and_then(Value::as_str);
+    let epoch_revision = req.epoch_environment_revision_id.as_deref();
     let environment_revision_id = match language {
         Language::R => {
-            return Err(unavailable(
+            return Err(EngineError::unavailable(
                 "capability_unavailable",
                 "R execution requires the scientific environment capability",
             ));
         }
         Language::Python => {
-            let named = request::non_blank(obj, "environmentRevisionId");
+            let named = req.environment_revision_id.as_deref();
             if named.is_some() && named != epoch_revision {
-                return Err(unavailable(
+                return Err(EngineError::unavailable(
                     "capability_unavailable",
                     "Named environment execution requires the scientific environment capability",
                 ));
@@ -484,27 +473,30 @@ pub fn prepare(
             named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned()
         }
         Language::Shell => {
-            if request::non_blank(obj, "environmentId").is_some() {
-                return Err(unavailable("capability_unavailable", "Scientific environments are unavailable"));
+            if req.environment_id.is_some() {
+                return Err(EngineError::unavailable(
+                    "capability_unavailable",
+                    "Scientific environments are unavailable",
+                ));
             }
             "system-shell-bwrap-v1".to_owned()
         }
     };
-    let network = request::network_access(obj);
+    let network = req.network;
     let egress_route = match network.mode.as_str() {
         "none" => ProxySetting::Direct,
         "domain-allowlist" => {
             if network.revision.trim().is_empty() || network.revision == "none" {
-                return Err(ApiError::bad_request(
+                return Err(EngineError::invalid(
                     "invalid_network_access",
                     "permissionEpoch.networkAccess.revision is required for a domain-allowlist policy",
                 ));
             }
-            crate::egress::proxy_setting(obj.get("sandboxEgressProxy"))
-                .map_err(|m| ApiError::bad_request("invalid_egress_proxy", m))?
+            crate::egress::proxy_setting(req.egress_proxy.as_ref())
+                .map_err(|m| EngineError::invalid("invalid_egress_proxy", m))?
         }
         other => {
-            return Err(unavailable(
+            return Err(EngineError::unavailable(
                 "network_unavailable",
                 format!(
                     "Sandbox network access is unavailable: policy {other:?} is not supported (only \"none\" and \"domain-allowlist\"); nothing was run"
@@ -512,40 +504,43 @@ pub fn prepare(
             ));
         }
     };
-    let npu_devices = crate::accel::select::requested(obj, "npuDevices")?;
-    let gpu_devices = crate::accel::select::requested(obj, "gpuDevices")?;
-    let skills = match obj.get("skillPackagesRoot").filter(|v| is_truthy(v)) {
-        Some(v) => {
-            Some(crate::skills::requested(&app.data_dir, v).map_err(|e| crate::api::skills::api_error(&e))?)
-        }
+    let npu_devices = crate::accel::select::requested(req.npu_devices.as_ref(), "npuDevices")?;
+    let gpu_devices = crate::accel::select::requested(req.gpu_devices.as_ref(), "gpuDevices")?;
+    let skills = match &req.skill_packages_root {
+        Some(root) => Some(
+            crate::skills::requested(&app.data_dir, &Value::String(root.clone()))
+                .map_err(EngineError::Skill)?,
+        ),
         None => None,
     };
     let cfg = &app.config;
-    let timeout_ms = request::limit(obj, "executionTimeoutMs", cfg.exec_timeout_ms, request::TIMEOUT_ERROR)?;
-    let max_output =
-        request::limit(obj, "maxOutputBytes", cfg.max_output_bytes, &request::bytes_error("maxOutputBytes"))?;
-    let max_workspace = request::limit(
-        obj,
-        "maxWorkspaceBytes",
-        cfg.max_workspace_bytes,
-        &request::bytes_error("maxWorkspaceBytes"),
-    )?;
-    let cwd = match (language, request::string(obj, "cwd").filter(|c| !c.is_empty())) {
-        (Language::Shell, Some(cwd)) => Some(workspace::resolve_cwd(&app.data_dir, &root, cwd)?),
-        _ => None,
+    let timeout_ms = match opts.honour_timeout {
+        true => req.execution_timeout_ms.unwrap_or(cfg.exec_timeout_ms),
+        false => 0,
     };
-    let limits = crate::limits::requested(obj.get(crate::limits::REQUEST_FIELD), &cfg.limits)
-        .map_err(|m| ApiError::bad_request("invalid_resource_limits", m))?;
+    let max_output = req.max_output_bytes.unwrap_or(cfg.max_output_bytes);
+    let max_workspace = req.max_workspace_bytes.unwrap_or(cfg.max_workspace_bytes);
+    let (cwd, deferred_cwd) = match req.cwd {
+        Some(cwd) if opts.defer_cwd => {
+            workspace::check_cwd_text(&cwd)?;
+            (None, Some(cwd))
+        }
+        Some(cwd) => (Some(workspace::resolve_cwd(&app.data_dir, &located.root, &cwd)?), None),
+        None => (None, None),
+    };
+    let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
+        .map_err(|m| EngineError::invalid("invalid_resource_limits", m))?;
     sandbox_shape(app)?;
     Ok(Prepared {
         language,
-        root,
-        read_only,
-        execution_id,
-        session_id,
-        agent_id,
-        code,
+        root: located.root,
+        read_only: located.read_only,
+        execution_id: req.execution_id,
+        session_id: req.session_id,
+        agent_id: req.agent_id,
+        code: req.code,
         environment_revision_id,
+        profile: profile_for(&network.mode, !npu_devices.is_empty()),
         network,
         egress_route,
         egress: None,
@@ -553,6 +548,7 @@ pub fn prepare(
         max_output,
         max_workspace,
         cwd,
+        deferred_cwd,
         npu_devices,
         gpu_devices,
         limits,
@@ -560,10 +556,18 @@ pub fn prepare(
     })
 }
 
+/// Finds a deferred `cwd` beneath the workspace, now that the run starts.
+pub fn resolve_cwd(app: &App, p: &mut Prepared) -> Result<(), EngineError> {
+    if let Some(cwd) = p.deferred_cwd.take() {
+        p.cwd = Some(workspace::resolve_cwd(&app.data_dir, &p.root, &cwd)?);
+    }
+    Ok(())
+}
+
 /// For a domain-allowlist request: the policy's gateway from egressd, held until the
 /// prepared run is dropped. Fails closed (400 `network_unavailable`) when egressd or the
 /// bridge is missing, so an unfiltered run never happens.
-pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), ApiError> {
+pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineError> {
     if p.network.mode != "domain-allowlist" || p.egress.is_some() {
         return Ok(());
     }
@@ -582,7 +586,7 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), ApiError> 
         }
         Err(e) => {
             tracing::warn!(event = "egress_unavailable", execution_id = %p.execution_id, revision = %p.network.revision, error = %crate::error_chain(&e));
-            Err(unavailable(
+            Err(EngineError::unavailable(
                 "network_unavailable",
                 format!(
                     "Sandbox network access (domain-allowlist) is unavailable: {}; nothing was run",
@@ -593,9 +597,9 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), ApiError> 
     }
 }
 
-fn sandbox_shape(app: &App) -> Result<crate::sandbox::SandboxShape, ApiError> {
+fn sandbox_shape(app: &App) -> Result<crate::sandbox::SandboxShape, EngineError> {
     app.sandbox.capability.shape().ok_or_else(|| {
-        unavailable(
+        EngineError::unavailable(
             "sandbox_unavailable",
             preflight::sandbox_unusable_message(
                 &app.sandbox.bwrap.to_string_lossy(),
@@ -625,7 +629,7 @@ impl OutputSink for Tee<'_, '_> {
 }
 
 /// Runs a prepared request in a fresh sandbox: quota pre-check, launch with timeout and a
-/// watchdog (`cancel` turning true, or the workspace over quota), quota post-check, result.
+/// quota watchdog (both stop `stop`, as the caller does), quota post-check, result.
 /// The caller holds the workspace's locks, and `root_fd` is the workspace directory its
 /// writer pinned: the sandbox runs in exactly the directory the version will snapshot,
 /// whatever its path names by now (another workspace's sandbox may rename directories
@@ -637,15 +641,85 @@ pub async fn run_sandbox(
     audit: &FinishAudit,
     started_at: String,
     logs: Option<&mut dyn OutputSink>,
-    cancel: watch::Receiver<bool>,
-    root_fd: &std::os::fd::OwnedFd,
-) -> Result<ExecutionResult, ApiError> {
-    let ran = sandbox_run(app, p, audit, started_at, logs, cancel, root_fd).await;
+    stop: &StopToken,
+    root_fd: &OwnedFd,
+) -> Result<ExecutionResult, EngineError> {
+    let ran = sandbox_run(app, p, audit, started_at, logs, stop, root_fd).await;
     if let Err(e) = &ran {
         // A no-op when the run recorded its own outcome.
         audit.failed(e);
     }
     ran
+}
+
+/// The sandbox's command and the descriptors its options name, decided together: every
+/// bind by descriptor takes its slot from one [`FdSlots`].
+fn sandbox_command(
+    app: &App,
+    p: &Prepared,
+    root_fd: &OwnedFd,
+    parent_fd: Option<&OwnedFd>,
+    accel: Option<&crate::accel::mount::AccelMount>,
+    skills: Option<&crate::skills::Mount>,
+) -> Result<(crate::sandbox::SandboxCommand, FdSlots), EngineError> {
+    let shape = sandbox_shape(app)?;
+    let by_fd = app.sandbox.features.bind_fd;
+    let mut slots = FdSlots::default();
+    let mut slot = |fd: &OwnedFd| slots.push(fd).map_err(EngineError::internal);
+    let workspace_fds = match by_fd {
+        true => Some(WorkspaceFds { root: slot(root_fd)?, read_only: parent_fd.map(&mut slot).transpose()? }),
+        false => None,
+    };
+    let egress_mount = match (&p.egress, p.network.mode.as_str()) {
+        (Some(lease), _) => Some(EgressMount {
+            bridge: app.egress.bridge.clone(),
+            gateway_socket: lease.socket.clone(),
+            gateway_fd: by_fd.then(|| slot(&lease.socket_fd)).transpose()?,
+        }),
+        (None, "none") => None,
+        (None, _) => {
+            return Err(EngineError::unavailable(
+                "network_unavailable",
+                "Sandbox network access (domain-allowlist) is unavailable: no egress gateway was acquired; nothing was run",
+            ));
+        }
+    };
+    let skills_mount = match skills {
+        Some(m) => Some(crate::sandbox::argv::SkillsMount {
+            packages: m.packages_path.clone(),
+            extensions: m.extensions_path.clone(),
+            fds: match by_fd {
+                true => Some((slot(&m.packages)?, slot(&m.extensions)?)),
+                false => None,
+            },
+        }),
+        None => None,
+    };
+    let python_packages = crate::sandbox::host::python_packages_for_execution(
+        &app.data_dir,
+        &app.config.python_path,
+        &app.sandbox.user,
+    );
+    let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
+    let cmd = argv::build(&SandboxSpec {
+        shape,
+        host: &app.sandbox.host,
+        workspace: &layout,
+        cwd: p.cwd.as_deref(),
+        language: p.language,
+        interpreter_masks: &[],
+        python: &app.config.python_path,
+        science_env: None,
+        workspace_fds,
+        egress: egress_mount.as_ref(),
+        accel,
+        command: None,
+        tmp_bytes: p.limits.tmp_bytes,
+        python_packages: python_packages.as_deref(),
+        skills: skills_mount.as_ref(),
+        profile: p.profile,
+    });
+    Ok((cmd, slots))
 }
 
 async fn sandbox_run(
@@ -654,11 +728,11 @@ async fn sandbox_run(
     audit: &FinishAudit,
     started_at: String,
     logs: Option<&mut dyn OutputSink>,
-    cancel: watch::Receiver<bool>,
-    root_fd: &std::os::fd::OwnedFd,
-) -> Result<ExecutionResult, ApiError> {
-    let shape = sandbox_shape(app)?;
-    let (language, root, execution_id) = (p.language, &p.root, &p.execution_id);
+    stop: &StopToken,
+    root_fd: &OwnedFd,
+) -> Result<ExecutionResult, EngineError> {
+    sandbox_shape(app)?;
+    let (language, execution_id) = (p.language, &p.execution_id);
     let parent_fd = match p.read_only.as_ref() {
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
@@ -668,10 +742,7 @@ async fn sandbox_run(
         Ok(m) => m.prints,
         Err(breach) => {
             audit.finished("workspace_quota_exceeded_before_run", None, None, None);
-            return Err(ApiError::bad_request(
-                "workspace_quota_exceeded",
-                files::breach_message(p.max_workspace, &breach, false),
-            ));
+            return Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)));
         }
     };
 
@@ -684,77 +755,26 @@ async fn sandbox_run(
         &crate::accel::probe::SandboxProber { app },
     )
     .await?;
-    let layout = WorkspaceLayout::new(root.clone(), p.read_only.clone());
-    let bind_fd = app.sandbox.features.bind_fd;
-    // Descriptors after the workspace's: the gateway socket, opened and checked by runnerd.
-    let gateway_fd_index = FIRST_EXTRA_FD + 1 + i32::from(parent_fd.is_some());
-    let egress_mount = match (&p.egress, p.network.mode.as_str()) {
-        (Some(lease), _) => Some(EgressMount {
-            bridge: app.egress.bridge.clone(),
-            gateway_socket: lease.socket.clone(),
-            gateway_fd: bind_fd.then_some(gateway_fd_index),
-        }),
-        (None, "none") => None,
-        (None, _) => {
-            return Err(unavailable(
-                "network_unavailable",
-                "Sandbox network access (domain-allowlist) is unavailable: no egress gateway was acquired; nothing was run",
-            ));
-        }
-    };
-    let python_packages = crate::sandbox::host::python_packages_for_execution(
-        &app.data_dir,
-        &app.config.python_path,
-        &app.sandbox.user,
-    );
-    // Skill descriptors come after the gateway's (`FIRST_EXTRA_FD + 1 + parent + gateway`).
-    let skills_fd_index = gateway_fd_index + i32::from(p.egress.is_some());
     let skills = match &p.skills {
         // A bind by path would reach `.sciencediscovery` again after it was checked; an
         // enclosing workspace's sandbox could swap it for a symlink in between.
-        Some(_) if !bind_fd => {
-            return Err(ApiError::bad_request(
+        Some(_) if !app.sandbox.features.bind_fd => {
+            return Err(EngineError::unavailable(
                 "skills_unavailable",
                 "Skill packages need bubblewrap with --bind-fd (0.8 or later) on this host",
             ));
         }
         Some(req) => Some(
-            crate::skills::prepare_mount(&app.data_dir, req, root_fd, root, &app.sandbox.user)
-                .map_err(|e| crate::api::skills::api_error(&e))?,
+            crate::skills::prepare_mount(&app.data_dir, req, root_fd, &p.root, &app.sandbox.user)
+                .map_err(EngineError::Skill)?,
         ),
         None => None,
     };
-    let skills_mount = skills.as_ref().map(|m| crate::sandbox::argv::SkillsMount {
-        packages: m.packages_path.clone(),
-        extensions: m.extensions_path.clone(),
-        fds: bind_fd.then_some((skills_fd_index, skills_fd_index + 1)),
-    });
-    let cmd = argv::build(&SandboxSpec {
-        shape,
-        host: &app.sandbox.host,
-        workspace: &layout,
-        cwd: p.cwd.as_deref(),
-        language,
-        interpreter_masks: &[],
-        python: &app.config.python_path,
-        science_env: None,
-        workspace_fds: app.sandbox.features.bind_fd.then_some(WorkspaceFds {
-            root: FIRST_EXTRA_FD,
-            read_only: parent_fd.as_ref().map(|_| FIRST_EXTRA_FD + 1),
-        }),
-        egress: egress_mount.as_ref(),
-        accel: accel.as_ref(),
-        command: None,
-        tmp_bytes: p.limits.tmp_bytes,
-        python_packages: python_packages.as_deref(),
-        skills: skills_mount.as_ref(),
-    });
+    let (cmd, slots) = sandbox_command(app, p, root_fd, parent_fd.as_ref(), accel.as_ref(), skills.as_ref())?;
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();
     let profile = cmd.seccomp;
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_reason: Arc<Mutex<Option<StopReason>>> = Arc::default();
-    let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd);
+    let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
     launch.rlimits = default_rlimits(files::file_size_cap(p.max_workspace));
     launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, &p.limits, p.timeout_ms));
     let rlimits = launch.rlimits.clone();
@@ -769,37 +789,15 @@ async fn sandbox_run(
         Err(e) => {
             let error = crate::error_chain(&e);
             audit.finished("sandbox_launch_failed", None, None, Some(&error));
-            return Err(ApiError::bad_request(
-                "sandbox_launch_failed",
-                format!("the execution's cgroup could not be prepared, nothing was run: {error}"),
-            ));
+            return Err(EngineError::LaunchFailed(format!(
+                "the execution's cgroup could not be prepared, nothing was run: {error}"
+            )));
         }
     };
     launch.stdin = p.code.clone().into_bytes();
     launch.timeout = (p.timeout_ms > 0).then(|| Duration::from_millis(p.timeout_ms));
-    launch.cancel = Some(stop_rx);
-    if app.sandbox.features.bind_fd {
-        let internal = |e: std::io::Error| ApiError::bad_request("internal", e.to_string());
-        launch.extra_fds.push(root_fd.try_clone().map_err(internal)?);
-        if let Some(fd) = &parent_fd {
-            launch.extra_fds.push(fd.try_clone().map_err(internal)?);
-        }
-        if let Some(lease) = &p.egress {
-            launch.extra_fds.push(lease.socket_fd.try_clone().map_err(internal)?);
-        }
-        if let Some(m) = &skills {
-            launch.extra_fds.push(m.packages.try_clone().map_err(internal)?);
-            launch.extra_fds.push(m.extensions.try_clone().map_err(internal)?);
-        }
-    }
-    let watchdog = tokio::spawn(watch_for_stop(
-        pinned_root.clone(),
-        p.max_workspace,
-        cancel,
-        stop_tx,
-        stop_reason.clone(),
-    ));
-    debug_assert_eq!(profile, audit.profile, "profile_for agrees with argv::build");
+    launch.cancel = Some(stop.watch());
+    let watchdog = tokio::spawn(quota_watchdog(pinned_root.clone(), p.max_workspace, stop.clone()));
     audit.started();
     let launched = Instant::now();
 
@@ -819,17 +817,14 @@ async fn sandbox_run(
                 app.metrics.init_failed(step);
             }
             let error = crate::error_chain(&e);
-            let outcome = if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
-                UNRESPONSIVE
-            } else {
-                "sandbox_launch_failed"
-            };
+            let unresponsive = matches!(e, crate::launch::LaunchError::Unresponsive { .. });
+            let outcome = if unresponsive { UNRESPONSIVE } else { "sandbox_launch_failed" };
             audit.finished(outcome, None, Some(launched.elapsed()), Some(&error));
-            if matches!(e, crate::launch::LaunchError::Unresponsive { .. }) {
-                tracing::error!(event = "workspace_locked", workspace = %root.display(), reason = "a sandbox did not die");
-                return Err(ApiError::bad_request(UNRESPONSIVE, crate::error_chain(&e)));
+            if unresponsive {
+                tracing::error!(event = "workspace_locked", workspace = %p.root.display(), reason = "a sandbox did not die");
+                return Err(EngineError::Unresponsive(error));
             }
-            return Err(ApiError::bad_request("sandbox_launch_failed", crate::error_chain(&e)));
+            return Err(EngineError::LaunchFailed(error));
         }
     };
 
@@ -842,24 +837,17 @@ async fn sandbox_run(
         Termination::Signaled(_) => 1,
         Termination::TimedOut => {
             finish("timed_out", None);
-            return Err(ApiError::bad_request(
-                "execution_timeout",
-                format!("{} timed out after {} ms", language.label(), p.timeout_ms),
-            ));
+            return Err(EngineError::TimedOut { label: language.label(), ms: p.timeout_ms });
         }
         Termination::Cancelled => {
-            let reason = stop_reason.lock().unwrap_or_else(|p| p.into_inner()).take();
-            return Err(match reason {
-                Some(StopReason::Quota(breach)) => {
+            return Err(match stop.take_breach() {
+                Some(breach) => {
                     finish("workspace_quota_exceeded", None);
-                    ApiError::bad_request(
-                        "workspace_quota_exceeded",
-                        files::breach_message(p.max_workspace, &breach, true),
-                    )
+                    EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, true))
                 }
-                _ => {
+                None => {
                     finish("aborted", None);
-                    ApiError::bad_request("execution_aborted", format!("{} aborted", language.label()))
+                    EngineError::Aborted { label: language.label() }
                 }
             });
         }
@@ -868,10 +856,7 @@ async fn sandbox_run(
         Ok(m) => m.prints,
         Err(breach) => {
             finish("workspace_quota_exceeded", Some(exit_code));
-            return Err(ApiError::bad_request(
-                "workspace_quota_exceeded",
-                files::breach_message(p.max_workspace, &breach, false),
-            ));
+            return Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)));
         }
     };
     let (created_files, modified_files) = files::changes(&before, &after);
@@ -911,13 +896,6 @@ async fn sandbox_run(
     })
 }
 
-/// Completes when the client is gone; never, if its handle is simply dropped.
-pub async fn gone(client_gone: &mut watch::Receiver<bool>) {
-    if client_gone.wait_for(|g| *g).await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
 /// One quota walk on the blocking pool; a walk that could not run fails closed.
 async fn measure(root: &std::path::Path) -> files::Measured {
     let root = root.to_owned();
@@ -927,33 +905,27 @@ async fn measure(root: &std::path::Path) -> files::Measured {
     })
 }
 
-/// Ends the run when the client goes away or the workspace outgrows its quota (measured
-/// every [`QUOTA_POLL`] or the last walk's duration, one measurement at a time).
-async fn watch_for_stop(
-    root: PathBuf,
-    max_workspace: u64,
-    mut client_gone: watch::Receiver<bool>,
-    stop: watch::Sender<bool>,
-    reason: Arc<Mutex<Option<StopReason>>>,
-) {
-    let quota = async {
-        if max_workspace == 0 {
-            return std::future::pending().await;
+/// Stops the run when the workspace outgrows its quota (measured every [`QUOTA_POLL`] or
+/// the last walk's duration, one measurement at a time).
+async fn quota_watchdog(root: PathBuf, max_workspace: u64, stop: StopToken) {
+    if max_workspace == 0 {
+        return;
+    }
+    let mut pause = QUOTA_POLL;
+    loop {
+        tokio::time::sleep(pause).await;
+        let walk = Instant::now();
+        if let Err(breach) = files::check(measure(&root).await, max_workspace) {
+            stop.stop(StopReason::Quota(breach));
+            return;
         }
-        let mut pause = QUOTA_POLL;
-        loop {
-            tokio::time::sleep(pause).await;
-            let walk = Instant::now();
-            if let Err(breach) = files::check(measure(&root).await, max_workspace) {
-                return breach;
-            }
-            pause = QUOTA_POLL.max(walk.elapsed());
-        }
-    };
-    let why = tokio::select! {
-        breach = quota => StopReason::Quota(breach),
-        _ = gone(&mut client_gone) => StopReason::ClientGone,
-    };
-    *reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
-    let _ = stop.send(true);
+        pause = QUOTA_POLL.max(walk.elapsed());
+    }
+}
+
+/// Completes when the client is gone; never, if its handle is simply dropped.
+pub async fn gone(client_gone: &mut tokio::sync::watch::Receiver<bool>) {
+    if client_gone.wait_for(|g| *g).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }

@@ -1,21 +1,23 @@
-//! The synchronous execution request, read field by field from the JSON object the way
-//! the original's handlers read it (contract §2A), with its exact error texts.
+//! The execution request (contract §2A): the route-level checks in the original's order
+//! (`kernelMode`, `language`, every field's type), then [`ExecRequest`], the body read once
+//! into typed fields. What the contract checks later (blank ids, code, the network policy …)
+//! the engine checks in its order on the typed request; the JSON is not consulted again.
 
 use serde_json::{Map, Value};
 
-use crate::api::error::ApiError;
+use super::error::EngineError;
 use crate::config::MAX_SAFE_INTEGER;
 use crate::sandbox::Language;
 
 pub type Object = Map<String, Value>;
 
 /// Parses a request body; the original answers any parse failure with 400.
-pub fn parse_object(body: &[u8]) -> Result<Object, ApiError> {
+pub fn parse_object(body: &[u8]) -> Result<Object, EngineError> {
     let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("Request body is not valid JSON: {e}")))?;
+        .map_err(|e| EngineError::invalid("invalid_json", format!("Request body is not valid JSON: {e}")))?;
     match value {
         Value::Object(map) => Ok(map),
-        _ => Err(ApiError::bad_request("invalid_json", "Request body must be a JSON object")),
+        _ => Err(EngineError::invalid("invalid_json", "Request body must be a JSON object")),
     }
 }
 
@@ -32,9 +34,9 @@ pub fn has_control(text: &str) -> bool {
 
 /// Ours (issue #14): identifiers go into every audit event, so one holding a newline could
 /// forge a line in a text sink. No correct caller sends one; refuse it with a clear 400.
-pub fn refuse_control(field: &str, value: &str) -> Result<(), ApiError> {
+pub fn refuse_control(field: &str, value: &str) -> Result<(), EngineError> {
     if has_control(value) {
-        return Err(ApiError::bad_request(
+        return Err(EngineError::invalid(
             "invalid_identifier",
             format!("{field} must not contain control characters (newlines, tabs, escapes)"),
         ));
@@ -48,11 +50,11 @@ pub fn non_blank<'a>(obj: &'a Object, name: &str) -> Option<&'a str> {
 }
 
 /// Step 3 of the original's order: only an absent `kernelMode` or `"ephemeral"` passes.
-pub fn require_ephemeral(obj: &Object) -> Result<(), ApiError> {
+pub fn require_ephemeral(obj: &Object) -> Result<(), EngineError> {
     match obj.get("kernelMode") {
         None => Ok(()),
         Some(Value::String(s)) if s == "ephemeral" => Ok(()),
-        Some(_) => Err(ApiError::bad_request(
+        Some(_) => Err(EngineError::invalid(
             "persistent_kernel_refused",
             "Runner executions must be ephemeral; persistent runtimes are no longer supported. Use managed Shell Execution for background tasks",
         )),
@@ -80,14 +82,14 @@ impl Route {
 }
 
 /// The language of a request on `route` (`/execute`: `language`, default python).
-pub fn language(route: Route, obj: &Object) -> Result<Language, ApiError> {
+pub fn language(route: Route, obj: &Object) -> Result<Language, EngineError> {
     match route {
         Route::ExecuteShell | Route::ShellExecutions => Ok(Language::Shell),
         Route::Execute => match obj.get("language") {
             None | Some(Value::Null) => Ok(Language::Python),
             Some(Value::String(s)) if s == "python" => Ok(Language::Python),
             Some(Value::String(s)) if s == "r" => Ok(Language::R),
-            Some(other) => Err(ApiError::bad_request(
+            Some(other) => Err(EngineError::invalid(
                 "unsupported_language",
                 format!("Unsupported language {other}; use \"python\" or \"r\""),
             )),
@@ -333,7 +335,7 @@ impl Kind {
 
 /// The first field of `obj` that `route` reads and that has the wrong type, answered with
 /// its text. Pure: the table test and the HTTP table test both drive it.
-pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<(), ApiError> {
+pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<(), EngineError> {
     for f in FIELDS.iter().filter(|f| f.on.includes(route)) {
         let (first, rest) = f.path.split_first().expect("paths are never empty");
         let mut value = obj.get(*first);
@@ -363,7 +365,7 @@ pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<()
             (Text::ExecutionId, Route::ShellExecutions) => "invalid_execution_id",
             _ => f.code,
         };
-        return Err(ApiError::bad_request(code, message));
+        return Err(EngineError::invalid(code, message));
     }
     for path in IDENTIFIERS {
         // `/shell-executions` refuses any id outside its pattern with the contract's own text.
@@ -404,22 +406,23 @@ fn mounts_text(language: Language) -> &'static str {
     }
 }
 
-/// `permissionEpoch.mounts` must be exactly `[{source:"workspace", mode:"read-write"}]`.
-pub fn require_single_workspace_mount(obj: &Object, language: Language) -> Result<(), ApiError> {
+/// `permissionEpoch.mounts` is exactly `[{source:"workspace", mode:"read-write"}]`.
+pub fn single_workspace_mount(obj: &Object) -> bool {
     let mounts = obj.get("permissionEpoch").and_then(|e| e.get("mounts")).and_then(Value::as_array);
-    let ok = matches!(mounts.map(Vec::as_slice), Some([m])
+    matches!(mounts.map(Vec::as_slice), Some([m])
         if m.get("source").and_then(Value::as_str) == Some("workspace")
-            && m.get("mode").and_then(Value::as_str) == Some("read-write"));
-    if ok {
-        return Ok(());
-    }
-    Err(ApiError::bad_request("invalid_mounts", mounts_text(language)))
+            && m.get("mode").and_then(Value::as_str) == Some("read-write"))
+}
+
+/// The mounts check (step 5), on the raw object; see [`single_workspace_mount`].
+pub fn require_single_workspace_mount(obj: &Object, language: Language) -> Result<(), EngineError> {
+    if single_workspace_mount(obj) { Ok(()) } else { Err(mounts_error(language)) }
 }
 
 /// A per-request limit: absent or null → the configured default; otherwise a non-negative
 /// safe integer (`1.0` counts, as in JavaScript).
-pub fn limit(obj: &Object, name: &str, default: u64, error: &str) -> Result<u64, ApiError> {
-    let invalid = || ApiError::bad_request("invalid_limit", error);
+pub fn limit(obj: &Object, name: &str, default: u64, error: &str) -> Result<u64, EngineError> {
+    let invalid = || EngineError::invalid("invalid_limit", error);
     match obj.get(name) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Number(n)) => {
@@ -483,9 +486,127 @@ pub fn network_access(obj: &Object) -> NetworkAccess {
     }
 }
 
+/// Where the request says its workspace is (resolved by the engine, contract §2A step 4).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkspaceRef {
+    /// `runnerWorkspaceKey`, when non-empty: it wins and drops `readOnlyWorkspaceRoot`.
+    pub key: Option<String>,
+    pub root: Option<String>,
+    /// `readOnlyWorkspaceRoot`, when non-blank.
+    pub read_only: Option<String>,
+}
+
+impl WorkspaceRef {
+    /// The three workspace fields of a body (other routes name workspaces the same way).
+    pub fn from_object(obj: &Object) -> WorkspaceRef {
+        WorkspaceRef {
+            key: string(obj, "runnerWorkspaceKey").filter(|k| !k.is_empty()).map(str::to_owned),
+            root: string(obj, "workspaceRoot").map(str::to_owned),
+            read_only: non_blank(obj, "readOnlyWorkspaceRoot").map(str::to_owned),
+        }
+    }
+}
+
+/// An execution request read once, after the route-level checks ([`parse`]): typed fields,
+/// the JSON dropped. Semantic checks that the contract orders after the workspace and the
+/// admission (blank ids, code, the network policy …) are the engine's, on these fields.
+#[derive(Debug)]
+pub struct ExecRequest {
+    pub route: Route,
+    pub language: Language,
+    pub workspace: WorkspaceRef,
+    /// `permissionEpoch.mounts` is exactly one read-write workspace mount.
+    pub single_workspace_mount: bool,
+    /// As sent (`""` when absent).
+    pub execution_id: String,
+    pub session_id: String,
+    pub agent_id: String,
+    pub code: String,
+    /// Shell: `environmentId`, when non-blank.
+    pub environment_id: Option<String>,
+    /// Python: `environmentRevisionId`, when non-blank.
+    pub environment_revision_id: Option<String>,
+    /// `permissionEpoch.environmentRevisionId`.
+    pub epoch_environment_revision_id: Option<String>,
+    pub network: NetworkAccess,
+    pub egress_proxy: Option<Value>,
+    pub npu_devices: Option<Value>,
+    pub gpu_devices: Option<Value>,
+    /// `skillPackagesRoot`, when non-empty.
+    pub skill_packages_root: Option<String>,
+    /// The three limits, already range-checked by [`check_fields`]; `None` = the default.
+    pub execution_timeout_ms: Option<u64>,
+    pub max_output_bytes: Option<u64>,
+    pub max_workspace_bytes: Option<u64>,
+    /// Shell: `cwd`, when non-empty.
+    pub cwd: Option<String>,
+    pub resource_limits: Option<Value>,
+}
+
+impl ExecRequest {
+    /// Whether the request names Ascend chips (the `npu` seccomp profile).
+    pub fn names_ascend(&self) -> bool {
+        self.npu_devices.as_ref().and_then(Value::as_array).is_some_and(|a| !a.is_empty())
+    }
+}
+
+/// Reads a request body for `route`: `kernelMode` (step 3), the language, every field's
+/// type and the identifiers' characters, in the original's order, then the typed request.
+pub fn parse(route: Route, mut obj: Object) -> Result<ExecRequest, EngineError> {
+    require_ephemeral(&obj)?;
+    let language = language(route, &obj)?;
+    check_fields(route, language, &obj)?;
+    let code = match obj.remove("code") {
+        Some(Value::String(code)) => code,
+        _ => String::new(),
+    };
+    let owned = |obj: &Object, name: &str| string(obj, name).map(str::to_owned);
+    let set = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
+    let epoch = obj.get("permissionEpoch");
+    let epoch_string =
+        |name: &str| epoch.and_then(|e| e.get(name)).and_then(Value::as_str).map(str::to_owned);
+    // Range-checked above on the routes that read them; elsewhere a bad value reads as unset.
+    let limit_of = |name: &str| match obj.get(name) {
+        None | Some(Value::Null) => None,
+        Some(_) => limit(&obj, name, 0, "").ok(),
+    };
+    let shell = language == Language::Shell;
+    Ok(ExecRequest {
+        route,
+        language,
+        workspace: WorkspaceRef::from_object(&obj),
+        single_workspace_mount: single_workspace_mount(&obj),
+        execution_id: owned(&obj, "executionId").unwrap_or_default(),
+        session_id: epoch_string("sessionId").unwrap_or_default(),
+        agent_id: owned(&obj, "agentId").unwrap_or_default(),
+        code,
+        environment_id: non_blank(&obj, "environmentId").filter(|_| shell).map(str::to_owned),
+        environment_revision_id: non_blank(&obj, "environmentRevisionId")
+            .filter(|_| language == Language::Python)
+            .map(str::to_owned),
+        epoch_environment_revision_id: epoch_string("environmentRevisionId"),
+        network: network_access(&obj),
+        egress_proxy: set(obj.get("sandboxEgressProxy")),
+        npu_devices: set(obj.get("npuDevices")),
+        gpu_devices: set(obj.get("gpuDevices")),
+        skill_packages_root: owned(&obj, "skillPackagesRoot").filter(|s| !s.is_empty()),
+        execution_timeout_ms: limit_of("executionTimeoutMs"),
+        max_output_bytes: limit_of("maxOutputBytes"),
+        max_workspace_bytes: limit_of("maxWorkspaceBytes"),
+        cwd: owned(&obj, "cwd").filter(|c| shell && !c.is_empty()),
+        resource_limits: set(obj.get(crate::limits::REQUEST_FIELD)),
+    })
+}
+
+/// The contract's text when the mounts are not exactly one read-write workspace mount.
+pub fn mounts_error(language: Language) -> EngineError {
+    EngineError::invalid("invalid_mounts", mounts_text(language))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::error::ApiError;
 
     #[test]
     fn control_characters_table() {
@@ -503,7 +624,7 @@ mod tests {
         ] {
             assert_eq!(has_control(text), bad, "{text:?}");
         }
-        let e = refuse_control("executionId", "a\nWARN forged").unwrap_err();
+        let e = refuse_control("executionId", "a\nWARN forged").map_err(ApiError::from).unwrap_err();
         assert_eq!(e.status, 400);
         // check_fields refuses each identifier on every execution route.
         for route in [Route::Execute, Route::ExecuteShell, Route::ShellExecutions] {
@@ -513,7 +634,7 @@ mod tests {
                 ("agentId", json!({"agentId": "a\rb"})),
                 ("permissionEpoch.sessionId", json!({"permissionEpoch": {"sessionId": "a\u{1b}b"}})),
             ]) {
-                let e = check_fields(route, Language::Shell, &obj(body)).unwrap_err();
+                let e = check_fields(route, Language::Shell, &obj(body)).map_err(ApiError::from).unwrap_err();
                 assert_eq!(
                     (e.code, e.message.starts_with(path)),
                     ("invalid_identifier", true),
@@ -581,24 +702,24 @@ mod tests {
             (Route::ShellExecutions, Language::Shell),
         ];
         for (route, language) in routes {
-            assert_eq!(check_fields(route, language, &valid_request()), Ok(()), "{route:?}");
+            assert!(check_fields(route, language, &valid_request()).is_ok(), "{route:?}");
             for f in FIELDS {
                 let applies = f.on.includes(route);
                 for good in [right_value(f.kind), Value::Null] {
                     let mut o = valid_request();
                     set(&mut o, f.path, good.clone());
                     // Replacing a parent with `{}` or null is fine for the type check.
-                    assert_eq!(check_fields(route, language, &o), Ok(()), "{route:?} {:?} = {good}", f.path);
+                    assert!(check_fields(route, language, &o).is_ok(), "{route:?} {:?} = {good}", f.path);
                 }
                 for bad in wrong_values(f.kind) {
                     let mut o = valid_request();
                     set(&mut o, f.path, bad.clone());
                     let r = check_fields(route, language, &o);
                     if !applies {
-                        assert_eq!(r, Ok(()), "{route:?} does not read {:?}", f.path);
+                        assert!(r.is_ok(), "{route:?} does not read {:?}", f.path);
                         continue;
                     }
-                    let e = r.expect_err(&format!("{route:?} {:?} = {bad}", f.path));
+                    let e = r.map_err(ApiError::from).expect_err(&format!("{route:?} {:?} = {bad}", f.path));
                     assert_eq!(e.status, 400);
                     let expected_code = match (f.path, route) {
                         (["executionId"], Route::ShellExecutions) => "invalid_execution_id",
@@ -612,7 +733,7 @@ mod tests {
         let text = |route: Route, language: Language, path: &[&str], v: Value| {
             let mut o = valid_request();
             set(&mut o, path, v);
-            check_fields(route, language, &o).unwrap_err().message
+            check_fields(route, language, &o).map_err(ApiError::from).unwrap_err().message
         };
         use Language::{Python, Shell};
         use Route::{Execute, ExecuteShell, ShellExecutions};
@@ -681,13 +802,13 @@ mod tests {
             assert_eq!(text(*route, *language, path, v.clone()), *expected, "{route:?} {path:?} = {v}");
         }
         // The managed route forces executionTimeoutMs to 0: whatever is sent is not read.
-        assert_eq!(
+        assert!(
             check_fields(ShellExecutions, Shell, &{
                 let mut o = valid_request();
                 set(&mut o, &["executionTimeoutMs"], json!("soon"));
                 o
-            }),
-            Ok(())
+            })
+            .is_ok()
         );
     }
 
@@ -704,7 +825,7 @@ mod tests {
             let r = require_ephemeral(&obj(v.clone()));
             assert_eq!(r.is_ok(), ok, "{v}");
             if let Err(e) = r {
-                assert!(e.message.contains("persistent runtimes are no longer supported"));
+                assert!(e.to_string().contains("persistent runtimes are no longer supported"));
             }
         }
     }
@@ -722,9 +843,13 @@ mod tests {
             json!({"permissionEpoch": {"mounts": [{"source": "home", "mode": "read-write"}]}}),
         ];
         for b in bad {
-            let e = require_single_workspace_mount(&obj(b.clone()), Language::Shell).unwrap_err();
+            let e = require_single_workspace_mount(&obj(b.clone()), Language::Shell)
+                .map_err(ApiError::from)
+                .unwrap_err();
             assert_eq!(e.message, "Shell execution accepts exactly one read-write workspace mount", "{b}");
-            let e = require_single_workspace_mount(&obj(b), Language::Python).unwrap_err();
+            let e = require_single_workspace_mount(&obj(b), Language::Python)
+                .map_err(ApiError::from)
+                .unwrap_err();
             assert_eq!(e.message, "M1 runner accepts exactly one read-write workspace mount");
         }
     }
@@ -748,7 +873,7 @@ mod tests {
             let r = limit(&obj(v.clone()), "x", 7, TIMEOUT_ERROR);
             assert_eq!(r.as_ref().ok().copied(), expected, "{v}");
             if let Err(e) = r {
-                assert_eq!(e.message, TIMEOUT_ERROR);
+                assert_eq!(e.to_string(), TIMEOUT_ERROR);
             }
         }
         assert_eq!(

@@ -15,7 +15,7 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use crate::api::error::ApiError;
+use super::error::EngineError;
 use crate::fsat::{self, Stopped};
 use crate::sandbox::user::Identity;
 
@@ -36,16 +36,16 @@ pub const OUTSIDE_ROOTS: &str =
 pub const IS_A_ROOT: &str = "Runner workspace must be a workspace inside the projects or remote-workspaces directory, not that directory itself";
 pub const WORKSPACE_SYMLINK: &str = "Runner workspace path must not contain symbolic links";
 
-fn invalid_key() -> ApiError {
-    ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key")
+fn invalid_key() -> EngineError {
+    EngineError::invalid("invalid_workspace_key", "Invalid remote workspace key")
 }
 
-fn symlinked() -> ApiError {
-    ApiError::bad_request("workspace_symlink", "Remote workspace path must not contain symbolic links")
+fn symlinked() -> EngineError {
+    EngineError::invalid("workspace_symlink", "Remote workspace path must not contain symbolic links")
 }
 
-fn reserved(name: &str) -> ApiError {
-    ApiError::bad_request(
+fn reserved(name: &str) -> EngineError {
+    EngineError::invalid(
         "reserved_workspace_name",
         format!(
             "{name:?} is reserved for runner coordination files and cannot name a workspace or a part of one"
@@ -60,7 +60,7 @@ fn is_reserved(name: &OsStr) -> Option<&'static str> {
 /// Splits a `runnerWorkspaceKey` into its segments: trimmed, 1–500 characters, no `\`,
 /// relative, each `/` segment non-empty, not `.` or `..`, and `[A-Za-z0-9._-]+`; and none of
 /// the [`RESERVED_NAMES`] (stricter than the original, whose pattern allows them).
-pub fn key_segments(key: &str) -> Result<Vec<&str>, ApiError> {
+pub fn key_segments(key: &str) -> Result<Vec<&str>, EngineError> {
     let key = key.trim();
     if key.is_empty() || key.chars().count() > 500 || key.contains('\\') || key.starts_with('/') {
         return Err(invalid_key());
@@ -80,7 +80,7 @@ pub fn key_segments(key: &str) -> Result<Vec<&str>, ApiError> {
 
 /// Node's message for a failed `realpath`, which the original passes through as the 400
 /// text (`ENOENT: no such file or directory, realpath '…'`). `shown` is what the caller sent.
-pub fn realpath_error(shown: &Path, e: &io::Error) -> ApiError {
+pub fn realpath_error(shown: &Path, e: &io::Error) -> EngineError {
     let code = e.raw_os_error().map(errno_name).unwrap_or("EIO");
     let text = match e.raw_os_error() {
         Some(libc::ENOENT) => "no such file or directory".to_owned(),
@@ -89,7 +89,7 @@ pub fn realpath_error(shown: &Path, e: &io::Error) -> ApiError {
         Some(libc::ELOOP) => "too many symbolic links encountered".to_owned(),
         _ => e.to_string(),
     };
-    ApiError::bad_request("path_not_found", format!("{code}: {text}, realpath '{}'", shown.display()))
+    EngineError::invalid("path_not_found", format!("{code}: {text}, realpath '{}'", shown.display()))
 }
 
 fn errno_name(errno: i32) -> &'static str {
@@ -103,12 +103,12 @@ fn errno_name(errno: i32) -> &'static str {
     }
 }
 
-fn data_unavailable(e: &io::Error) -> ApiError {
-    ApiError::bad_request("data_dir_unavailable", format!("The runner data directory is unavailable: {e}"))
+fn data_unavailable(e: &io::Error) -> EngineError {
+    EngineError::invalid("data_dir_unavailable", format!("The runner data directory is unavailable: {e}"))
 }
 
 /// `realpath(dataDir)` and an `O_PATH` descriptor of it.
-fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), ApiError> {
+fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), EngineError> {
     let real = fs::canonicalize(data_dir).map_err(|e| data_unavailable(&e))?;
     let c = std::ffi::CString::new(real.as_os_str().as_bytes())
         .map_err(|_| data_unavailable(&io::Error::from_raw_os_error(libc::EINVAL)))?;
@@ -122,7 +122,7 @@ fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), ApiError> {
 /// real directory (never a symlink). The path returned is canonical (no symlink below the
 /// data directory's realpath, which the walk guarantees). The key's segments runnerd
 /// creates belong to the sandbox user (`owner`).
-pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, ApiError> {
+pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, EngineError> {
     let segments = key_segments(key)?;
     fs::create_dir_all(data_dir).map_err(|e| data_unavailable(&e))?;
     // Walk by descriptor: each segment is created with mkdirat and opened with O_NOFOLLOW
@@ -145,7 +145,7 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
             Err(e) => {
                 let what = if shown.is_empty() { REMOTE_WORKSPACES.to_owned() } else { format!("'{shown}'") };
-                return Err(ApiError::bad_request(
+                return Err(EngineError::invalid(
                     "workspace_create_failed",
                     format!("Could not create remote workspace directory {what}: {e}"),
                 ));
@@ -156,7 +156,7 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
             .map_err(|_| symlinked())?;
         if made && segment != REMOTE_WORKSPACES {
             owner.hand_over(dir.as_fd()).map_err(|e| {
-                ApiError::bad_request(
+                EngineError::invalid(
                     "workspace_create_failed",
                     format!("Could not hand remote workspace directory '{shown}' to the sandbox user: {e}"),
                 )
@@ -233,8 +233,8 @@ fn data_prefix_len(data_dir: &Path, data_real: &Path, path: &Path) -> Option<usi
 /// inside `<data>/projects/` or `<data>/remote-workspaces/`, reached with no symbolic link
 /// below the data directory, must not be either root itself nor pass a reserved name, and
 /// must be a directory. Returns its canonical path (`realpath(dataDir)` + the names).
-pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, ApiError> {
-    let outside = || ApiError::bad_request("workspace_outside_roots", OUTSIDE_ROOTS);
+pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, EngineError> {
+    let outside = || EngineError::invalid("workspace_outside_roots", OUTSIDE_ROOTS);
     let (data_real, data_fd) = open_data_dir(data_dir)?;
     if !path.is_absolute() {
         return Err(outside());
@@ -243,14 +243,14 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, ApiE
     let rest = || path.components().skip(skip);
     let names = workspace_names(rest()).map_err(|refused| match refused {
         NamesRefused::OutsideRoots => outside(),
-        NamesRefused::IsARoot => ApiError::bad_request("workspace_is_root", IS_A_ROOT),
+        NamesRefused::IsARoot => EngineError::invalid("workspace_is_root", IS_A_ROOT),
         NamesRefused::Reserved(name) => reserved(name),
     })?;
     fsat::walk_beneath(&data_fd, rest()).map_err(|stopped| match stopped {
         Stopped::Missing(e) => realpath_error(path, &e),
-        Stopped::Symlink => ApiError::bad_request("workspace_symlink", WORKSPACE_SYMLINK),
+        Stopped::Symlink => EngineError::invalid("workspace_symlink", WORKSPACE_SYMLINK),
         Stopped::NotDirectory => {
-            ApiError::bad_request("workspace_not_directory", "Runner workspace must be a directory")
+            EngineError::invalid("workspace_not_directory", "Runner workspace must be a directory")
         }
         Stopped::Escapes => outside(),
     })?;
@@ -260,20 +260,10 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, ApiE
 /// Resolves a shell request's `cwd` beneath the (canonical) writable root, walking from the
 /// root's descriptor with no symlink followed; returns the relative path to use below the
 /// mount point (`""` for the root itself). Errors name `cwd` as sent, never a host path.
-pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, ApiError> {
-    let invalid = |m: &'static str| ApiError::bad_request("invalid_cwd", m);
+pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, EngineError> {
+    let invalid = |m: &'static str| EngineError::invalid("invalid_cwd", m);
     let outside = || invalid("cwd must remain inside the writable workspace");
-    if Path::new(cwd).is_absolute() {
-        return Err(invalid("cwd must be workspace-relative"));
-    }
-    let mut depth = 0usize;
-    for component in Path::new(cwd).components() {
-        match component {
-            Component::Normal(_) => depth += 1,
-            Component::ParentDir => depth = depth.checked_sub(1).ok_or_else(outside)?,
-            _ => {}
-        }
-    }
+    check_cwd_text(cwd)?;
     let root_fd = open_beneath(data_dir, root)?;
     let (_, names) =
         fsat::walk_beneath(&root_fd, Path::new(cwd).components()).map_err(|stopped| match stopped {
@@ -286,14 +276,37 @@ pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, Ap
     Ok(rel.to_string_lossy().into_owned())
 }
 
+/// The checks of a `cwd` that need no filesystem: workspace-relative, never above the root
+/// (a managed run checks these before its 202 and resolves the directory when it starts,
+/// since a run queued before it may create it).
+pub fn check_cwd_text(cwd: &str) -> Result<(), EngineError> {
+    let invalid = |m: &'static str| EngineError::invalid("invalid_cwd", m);
+    if Path::new(cwd).is_absolute() {
+        return Err(invalid("cwd must be workspace-relative"));
+    }
+    let mut depth = 0usize;
+    for component in Path::new(cwd).components() {
+        match component {
+            Component::Normal(_) => depth += 1,
+            Component::ParentDir => {
+                depth = depth
+                    .checked_sub(1)
+                    .ok_or_else(|| invalid("cwd must remain inside the writable workspace"))?
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Opens `path` (canonical, inside `data_dir`) as an `O_PATH` directory descriptor, one
 /// component at a time from the data directory, refusing every symlink on the way. The
 /// directory a sandbox gets is the one opened here, whatever happens to the path after
 /// (bwrap binds it with `--bind-fd`): a workspace that another sandbox renamed or replaced
 /// by a symlink between validation and launch is refused instead of followed.
-pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, ApiError> {
+pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, EngineError> {
     let escaped = || {
-        ApiError::bad_request(
+        EngineError::invalid(
             "workspace_symlink",
             "Runner workspace changed under it: a path component is now a symbolic link or missing",
         )
@@ -345,7 +358,11 @@ mod tests {
             long.as_str(),
         ];
         for key in bad {
-            assert_eq!(key_segments(key).unwrap_err().message, "Invalid remote workspace key", "{key:?}");
+            assert_eq!(
+                key_segments(key).map_err(crate::api::error::ApiError::from).unwrap_err().message,
+                "Invalid remote workspace key",
+                "{key:?}"
+            );
         }
         assert!(key_segments(&"a".repeat(500)).is_ok());
         for key in [
@@ -354,7 +371,7 @@ mod tests {
             ".workspace-coordination/x",
             "a/.workspace-lifecycle/b",
         ] {
-            let err = key_segments(key).unwrap_err();
+            let err = key_segments(key).map_err(crate::api::error::ApiError::from).unwrap_err();
             assert_eq!(err.code, "reserved_workspace_name", "{key:?}");
             assert!(err.message.contains("is reserved"), "{}", err.message);
         }
@@ -397,7 +414,9 @@ mod tests {
         let outside = dir.path().join("outside");
         fs::create_dir(&outside).unwrap();
         symlink(&outside, data.join("remote-workspaces/escape")).unwrap();
-        let err = ensure_remote_workspace(data, "escape/child", &me()).unwrap_err();
+        let err = ensure_remote_workspace(data, "escape/child", &me())
+            .map_err(crate::api::error::ApiError::from)
+            .unwrap_err();
         assert_eq!(err.message, "Remote workspace path must not contain symbolic links");
         assert!(!outside.join("child").exists());
     }
@@ -413,7 +432,8 @@ mod tests {
         assert!(ensure_remote_workspace(&data, "k", &me()).is_err());
         assert!(!elsewhere.join("k").exists());
         // And a path under it is not accepted as a root either.
-        let err = validated_workspace(&data, &elsewhere).unwrap_err();
+        let err =
+            validated_workspace(&data, &elsewhere).map_err(crate::api::error::ApiError::from).unwrap_err();
         assert!(err.message.contains("must be inside"));
     }
 
@@ -435,7 +455,8 @@ mod tests {
         assert!(validated_workspace(&data2, &remote_ws).is_ok());
         // Escapes and other subdirectories.
         for bad in [data.join("logs"), outside.clone(), data.clone(), PathBuf::from("relative/path")] {
-            let err = validated_workspace(&data, &bad).unwrap_err();
+            let err =
+                validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
             assert!(err.message.contains("workspace must be inside"), "{}: {}", bad.display(), err.message);
         }
         // A symlink anywhere below the data directory is never followed, wherever it
@@ -446,7 +467,8 @@ mod tests {
         symlink(&other, data.join("projects/p/sessions/alias")).unwrap();
         for bad in [project_ws.join("link"), project_ws.join("proj"), data.join("projects/p/sessions/alias")]
         {
-            let err = validated_workspace(&data, &bad).unwrap_err();
+            let err =
+                validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
             assert_eq!(
                 (err.code, err.message.as_str()),
                 ("workspace_symlink", WORKSPACE_SYMLINK),
@@ -456,7 +478,9 @@ mod tests {
         }
         // Entering the data tree through a symlink that does not name the data dir itself.
         symlink(&other, dir.path().join("alias-into-data")).unwrap();
-        let err = validated_workspace(&data, &dir.path().join("alias-into-data")).unwrap_err();
+        let err = validated_workspace(&data, &dir.path().join("alias-into-data"))
+            .map_err(crate::api::error::ApiError::from)
+            .unwrap_err();
         assert_eq!(err.code, "workspace_outside_roots");
         // Another spelling of the data directory itself is fine.
         symlink(&data, dir.path().join("data-alias")).unwrap();
@@ -464,7 +488,8 @@ mod tests {
         assert_eq!(validated_workspace(&data, &via_alias).unwrap(), project_ws.canonicalize().unwrap());
         // The roots themselves and coordination directories.
         for bad in [data.join("projects"), data.join("remote-workspaces"), data.join("projects/p/..")] {
-            let err = validated_workspace(&data, &bad).unwrap_err();
+            let err =
+                validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
             assert_eq!(
                 (err.code, err.message.as_str()),
                 ("workspace_is_root", IS_A_ROOT),
@@ -474,15 +499,20 @@ mod tests {
         }
         fs::create_dir_all(data.join("projects/p/sessions/.workspace-coordination")).unwrap();
         let err = validated_workspace(&data, &data.join("projects/p/sessions/.workspace-coordination"))
+            .map_err(crate::api::error::ApiError::from)
             .unwrap_err();
         assert_eq!(err.code, "reserved_workspace_name");
         fs::write(project_ws.join("file"), "").unwrap();
         assert_eq!(
-            validated_workspace(&data, &project_ws.join("file")).unwrap_err().code,
+            validated_workspace(&data, &project_ws.join("file"))
+                .map_err(crate::api::error::ApiError::from)
+                .unwrap_err()
+                .code,
             "workspace_not_directory"
         );
         let missing = data.join("projects/nope");
-        let err = validated_workspace(&data, &missing).unwrap_err();
+        let err =
+            validated_workspace(&data, &missing).map_err(crate::api::error::ApiError::from).unwrap_err();
         assert_eq!(
             err.message,
             format!("ENOENT: no such file or directory, realpath '{}'", missing.display())
@@ -535,11 +565,15 @@ mod tests {
             ("file.txt", "cwd must be a directory"),
         ];
         for (c, message) in cases {
-            assert_eq!(cwd(c).unwrap_err().message, message, "{c}");
+            assert_eq!(
+                cwd(c).map_err(crate::api::error::ApiError::from).unwrap_err().message,
+                message,
+                "{c}"
+            );
         }
         // A missing directory names the cwd as sent, not the host path of the workspace.
         assert_eq!(
-            cwd("missing/x").unwrap_err().message,
+            cwd("missing/x").map_err(crate::api::error::ApiError::from).unwrap_err().message,
             "ENOENT: no such file or directory, realpath 'missing/x'"
         );
     }

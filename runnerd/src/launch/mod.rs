@@ -24,9 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::channel::{self, ChannelError};
-use common::plan::{
-    FIRST_EXTRA_FD, INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD, SandboxUser,
-};
+use common::plan::{INFO_FD, InitFailure, LaunchPlan, PROTOCOL_VERSION, Rlimit, SECCOMP_FD, SandboxUser};
 use common::seccomp::{self, Arch, Profile, SeccompError};
 use common::sys;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -71,8 +69,8 @@ pub struct Launch {
     pub timeout: Option<Duration>,
     /// When this turns `true`, the sandbox is ended and the run reports `Cancelled`.
     pub cancel: Option<watch::Receiver<bool>>,
-    /// Descriptors placed at 5, 6, … in order (the workspace directories for `--bind-fd`).
-    pub extra_fds: Vec<OwnedFd>,
+    /// The descriptors the options name (`--bind-fd`), each placed at its slot's number.
+    pub extra_fds: crate::sandbox::FdSlots,
     /// The join files of the execution's cgroups (`cgroup.procs`, or v1's `tasks`), opened
     /// for writing: sandbox-init joins each before it execs bwrap
     /// (`crate::limits::ExecCgroup::procs_fds`).
@@ -82,7 +80,11 @@ pub struct Launch {
 impl Launch {
     /// A launch of `cmd` under its seccomp profile with the default limits; callers set
     /// stdin, timeout and cancellation.
-    pub fn sandboxed(bwrap: PathBuf, cmd: crate::sandbox::SandboxCommand) -> Launch {
+    pub fn sandboxed(
+        bwrap: PathBuf,
+        cmd: crate::sandbox::SandboxCommand,
+        extra_fds: crate::sandbox::FdSlots,
+    ) -> Launch {
         Launch {
             bwrap,
             options: cmd.options,
@@ -92,7 +94,7 @@ impl Launch {
             stdin: Vec::new(),
             timeout: None,
             cancel: None,
-            extra_fds: Vec::new(),
+            extra_fds,
             cgroup_procs: Vec::new(),
         }
     }
@@ -263,11 +265,10 @@ impl Launcher {
             fds.push(self.program_fd(filter)?);
             targets.push(SECCOMP_FD);
         }
-        let mut next_fd = FIRST_EXTRA_FD;
-        for fd in launch.extra_fds {
+        let mut next_fd = launch.extra_fds.next();
+        for (slot, fd) in launch.extra_fds.into_placed() {
             fds.push(fd);
-            targets.push(next_fd);
-            next_fd += 1;
+            targets.push(slot);
         }
         // The sandbox's passwd and group, copied by bwrap from sealed memfds (a bind of a
         // file under the data directory would need the sandbox user to reach it); then `/`

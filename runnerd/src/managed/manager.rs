@@ -6,22 +6,20 @@
 //! process namespace is gone and the version committed.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
 use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::api::error::ApiError;
 use crate::app::App;
 use crate::coordination::{ABORTED, CoordError};
-use crate::exec::{self, UNRESPONSIVE, request};
+use crate::exec::{self, request};
 use crate::launch::{Held, OutputPool, OutputSink, Stream};
-use crate::sandbox::Language;
 use crate::timefmt;
 use crate::writer::{ContentSource, ExecutionFacts, WriteError};
 
@@ -97,7 +95,7 @@ pub struct Manager {
     unsaved: Arc<Unsaved>,
     /// What opening the database found (for the start-up line and `/health`).
     opened: OpenReport,
-    controllers: Mutex<HashMap<String, watch::Sender<bool>>>,
+    controllers: Mutex<HashMap<String, exec::StopToken>>,
     closing: AtomicBool,
     active: AtomicUsize,
     idle: Notify,
@@ -149,54 +147,52 @@ impl Manager {
         })
     }
 
-    fn controllers(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<bool>>> {
+    fn controllers(&self) -> std::sync::MutexGuard<'_, HashMap<String, exec::StopToken>> {
         self.controllers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `ExecutionManager.start`: checks, the queued record, and the background run.
+    /// `ExecutionManager.start`: checks, the queued record, and the background run. Ours
+    /// (issue #18): after the contract's checks, everything the run itself would refuse is
+    /// refused here too, before the 202 and before the id is stored, so a corrected request
+    /// can use the same id.
     pub async fn start(
         self: &Arc<Self>,
         app: Arc<App>,
-        mut obj: request::Object,
-        root: PathBuf,
-        read_only: Option<PathBuf>,
+        req: request::ExecRequest,
+        located: exec::Located,
     ) -> Result<ManagedExecution, ApiError> {
         if self.closing.load(Ordering::SeqCst) {
             return Err(ApiError::bad_request("shutting_down", SHUTTING_DOWN));
         }
-        let id = request::string(&obj, "executionId").unwrap_or("").to_owned();
+        let id = req.execution_id.clone();
         if !valid_id(&id) {
             return Err(ApiError::bad_request("invalid_execution_id", INVALID_ID));
         }
-        if app.versions.lifecycle().is_poisoned(&root) {
+        if app.versions.lifecycle().is_poisoned(&located.root) {
             return Err(ApiError::bad_request("workspace_poisoned", POISONED_HERE));
         }
-        let session_id = obj
-            .get("permissionEpoch")
-            .and_then(|e| e.get("sessionId"))
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned();
-        let agent_id = request::string(&obj, "agentId").unwrap_or("").to_owned();
-        let rec = ManagedExecution::queued(agent_id, session_id, id.clone(), timefmt::now_iso());
+        let prepared = exec::prepare(&app, req, located, exec::RunOptions::MANAGED)?;
+        let rec = ManagedExecution::queued(
+            prepared.agent_id.clone(),
+            prepared.session_id.clone(),
+            id.clone(),
+            timefmt::now_iso(),
+        );
         let stored = rec.clone();
         if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
             return Err(ApiError::bad_request("execution_id_used", USED_ID));
         }
-        // The wait deadline is the client's concern (the original forces 0).
-        obj.insert("executionTimeoutMs".into(), json!(0));
-        let (tx, rx) = watch::channel(false);
-        self.controllers().insert(id.clone(), tx);
+        let stop = exec::StopToken::new();
+        self.controllers().insert(id.clone(), stop.clone());
         self.active.fetch_add(1, Ordering::SeqCst);
-        let profile =
-            exec::profile_for(&request::network_access(&obj).mode, crate::accel::select::names_ascend(&obj));
-        let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &root, profile)
-            .counted(&app.metrics, request::Route::ShellExecutions.name());
+        let audit =
+            exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &prepared.root, prepared.profile)
+                .counted(&app.metrics, request::Route::ShellExecutions.name());
         audit.admitted("shell", true);
         let me = self.clone();
         let queued = rec.clone();
         tokio::spawn(async move {
-            me.run(app, queued, obj, root, read_only, rx, &audit).await;
+            me.run(app, queued, prepared, stop, &audit).await;
             me.controllers().remove(&id);
             if me.active.fetch_sub(1, Ordering::SeqCst) == 1 {
                 me.idle.notify_waiters();
@@ -318,34 +314,31 @@ impl Manager {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn run(
         self: &Arc<Self>,
         app: Arc<App>,
         mut rec: ManagedExecution,
-        obj: request::Object,
-        root: PathBuf,
-        read_only: Option<PathBuf>,
-        cancel: watch::Receiver<bool>,
+        mut p: exec::Prepared,
+        stop: exec::StopToken,
         audit: &exec::FinishAudit,
     ) {
-        let mut waiting = cancel.clone();
+        let root = p.root.clone();
         let queue = tokio::select! {
             held = app.admission.acquire_workspace(&root) => held,
-            _ = exec::gone(&mut waiting) => return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await,
+            _ = stop.stopped() => return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await,
         };
         let pinned = match crate::exec::workspace::open_beneath(&app.data_dir, &root) {
             Ok(fd) => fd,
-            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.message)).await,
+            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
         };
-        let mut writer = match app.versions.begin(&root, pinned, Some(&cancel)).await {
+        let mut writer = match app.versions.begin(&root, pinned, Some(&stop.watch())).await {
             Ok(w) => w,
             Err(WriteError::Coordination(CoordError::Aborted)) => {
                 return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await;
             }
             Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
         };
-        if *cancel.borrow() {
+        if stop.is_stopped() {
             return self.finish(&mut rec, audit, "cancelled", Some(CANCELLED_BEFORE_START.into())).await;
         }
         let started_at = timefmt::now_iso();
@@ -353,29 +346,17 @@ impl Manager {
         rec.started_at = Some(started_at.clone());
         self.save(&rec).await;
 
-        let budget = request::limit(&obj, "maxOutputBytes", app.config.max_output_bytes, "")
-            .unwrap_or(app.config.max_output_bytes);
-        let live = LiveLogs::new(budget);
+        // The logs keep the whole budget; the copy in `result` is bounded so that a huge or
+        // unlimited budget cannot exhaust memory.
+        let live = LiveLogs::new(p.max_output);
+        p.max_output = result_budget(p.max_output);
         let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.clone()));
         let mut sink = live.clone();
-        let code = request::string(&obj, "code").unwrap_or("").to_owned();
+        let code = p.code.clone();
         let ran = async {
-            let mut p = exec::prepare(
-                &app,
-                Language::Shell,
-                root.clone(),
-                read_only,
-                &obj,
-                rec.id.clone(),
-                rec.session_id.clone(),
-                rec.agent_id.clone(),
-            )?;
-            // The full retained output is in the logs (and the version's blobs); the copy in
-            // `result` is bounded so that a huge or unlimited budget cannot exhaust memory.
-            p.max_output = result_budget(p.max_output);
+            exec::resolve_cwd(&app, &mut p)?;
             exec::attach_egress(&app, &mut p).await?;
-            exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), cancel.clone(), writer.pinned())
-                .await
+            exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), &stop, writer.pinned()).await
         }
         .await;
         live.close();
@@ -385,20 +366,17 @@ impl Manager {
             rec.log_truncated = Some(true);
         }
         // The version stores no more than the quota (a run over it is failed already).
-        writer.limit_snapshot_bytes(
-            request::limit(&obj, "maxWorkspaceBytes", app.config.max_workspace_bytes, "")
-                .unwrap_or(app.config.max_workspace_bytes),
-        );
+        writer.limit_snapshot_bytes(p.max_workspace);
         let (state, error, mut result) = match ran {
             Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
-            Err(e) if e.code == UNRESPONSIVE => {
+            Err(e) if e.is_unresponsive() => {
                 // The sandbox may still write: keep the workspace locked until a restart.
                 std::mem::forget(writer);
                 std::mem::forget(queue);
-                return self.finish(&mut rec, audit, "failed", Some(e.message)).await;
+                return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await;
             }
-            Err(e) if *cancel.borrow() => ("cancelled", Some(e.message), None),
-            Err(e) => ("failed", Some(e.message), None),
+            Err(e) if stop.stopped_by_caller() => ("cancelled", Some(e.to_string()), None),
+            Err(e) => ("failed", Some(e.to_string()), None),
         };
 
         // The version: the files as the command left them, and the retained logs (streamed
@@ -567,9 +545,9 @@ impl Manager {
     ) -> Result<RecordText, ApiError> {
         let rec = self.meta(id, session_id, agent_id).await?;
         if !super::db::is_terminal(&rec.state)
-            && let Some(tx) = self.controllers().get(id)
+            && let Some(stop) = self.controllers().get(id)
         {
-            let _ = tx.send(true);
+            stop.stop(exec::StopReason::Caller);
             tracing::info!(event = "execution_cancel_requested", execution_id = %id, state = %rec.state);
         }
         self.record(pool, id, session_id, agent_id).await
@@ -579,8 +557,8 @@ impl Manager {
     /// their end.
     pub async fn close(&self, grace: Duration) {
         self.closing.store(true, Ordering::SeqCst);
-        for tx in self.controllers().values() {
-            let _ = tx.send(true);
+        for stop in self.controllers().values() {
+            stop.stop(exec::StopReason::Caller);
         }
         let wait = async {
             loop {

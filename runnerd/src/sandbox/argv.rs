@@ -166,6 +166,9 @@ pub struct SandboxSpec<'a> {
     pub python_packages: Option<&'a Path>,
     /// A verified skill package and the workspace's extensions directory (`crate::skills`).
     pub skills: Option<&'a SkillsMount>,
+    /// The seccomp profile, decided once by the caller (`crate::exec::profile_for` for an
+    /// execution): `network` with egress, `npu` with Ascend chips.
+    pub profile: Profile,
 }
 
 /// Skill binds (internals §2.2 item 20): the package read-only at `/skills`, the
@@ -215,6 +218,7 @@ impl<'a> SandboxSpec<'a> {
             tmp_bytes: 0,
             python_packages: None,
             skills: None,
+            profile: Profile::Baseline,
         }
     }
 }
@@ -261,6 +265,17 @@ fn push(args: &mut Vec<String>, items: &[&str]) {
 
 fn lossy(path: &Path) -> String {
     path.to_string_lossy().into_owned()
+}
+
+/// The seccomp profile of a sandbox: `network` with egress (the bridge needs its sockets),
+/// else `npu` with Ascend chips (the driver talks netlink), else `baseline`. The one rule;
+/// callers decide it once and carry it in [`SandboxSpec::profile`].
+pub fn profile(egress: bool, ascend: bool) -> Profile {
+    match (egress, ascend) {
+        (true, _) => Profile::Network,
+        (false, true) => Profile::Npu,
+        (false, false) => Profile::Baseline,
+    }
 }
 
 /// Builds the argv. Pure: no filesystem access.
@@ -389,19 +404,15 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         None => command.to_vec(),
     };
     let mut argv: Vec<String> = Vec::with_capacity(command.len() + 6);
-    // Ascend chips need the `npu` profile (the driver talks netlink); network wins.
-    let mut seccomp =
-        if accel.is_some_and(|a| !a.ascend.is_empty()) { Profile::Npu } else { Profile::Baseline };
     if spec.egress.is_some() {
         let port = protocol::BRIDGE_PORT.to_string();
         argv.extend(
             [protocol::SANDBOX_BRIDGE, "--socket", protocol::SANDBOX_SOCKET, "--port", &port, "--"]
                 .map(str::to_owned),
         );
-        seccomp = Profile::Network;
     }
     argv.extend(command.iter().map(|s| (*s).to_owned()));
-    SandboxCommand { options: args, command: argv, env, cwd, seccomp }
+    SandboxCommand { options: args, command: argv, env, cwd, seccomp: spec.profile }
 }
 
 #[cfg(test)]
@@ -901,7 +912,8 @@ mod tests {
             ]
         );
         assert_eq!(cmd.command[6], "/usr/bin/bash");
-        assert_eq!(cmd.seccomp, Profile::Network);
+        assert_eq!(cmd.seccomp, s.profile, "the command carries the caller's profile");
+        assert_eq!(profile(true, false), Profile::Network);
         let by_fd = EgressMount { gateway_fd: Some(7), ..mount.clone() };
         s.egress = Some(&by_fd);
         let cmd = build(&s);

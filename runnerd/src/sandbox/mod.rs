@@ -11,3 +11,49 @@ pub use argv::{
     EgressMount, Language, ProcMode, SandboxCommand, SandboxShape, SandboxSpec, WorkspaceFds, WorkspaceLayout,
 };
 pub use host::HostRuntime;
+
+/// The descriptors a sandbox's options name (`--bind-fd 5 …`), in slot order: a bind takes
+/// its number from [`FdSlots::push`] as the argv is decided, and the launcher places each
+/// descriptor at exactly that number ([`FdSlots::into_placed`]): the argv and the
+/// descriptors travel together and cannot disagree.
+#[derive(Debug, Default)]
+pub struct FdSlots {
+    fds: Vec<std::os::fd::OwnedFd>,
+}
+
+impl FdSlots {
+    /// A duplicate of `fd` in the next slot; returns its number in the sandbox launch.
+    pub fn push(&mut self, fd: &std::os::fd::OwnedFd) -> std::io::Result<i32> {
+        let slot = common::plan::FIRST_EXTRA_FD + self.fds.len() as i32;
+        self.fds.push(fd.try_clone()?);
+        Ok(slot)
+    }
+
+    /// The first number after the slots (where the launcher's own descriptors go).
+    pub fn next(&self) -> i32 {
+        common::plan::FIRST_EXTRA_FD + self.fds.len() as i32
+    }
+
+    /// `(number, descriptor)` for each slot.
+    pub fn into_placed(self) -> impl Iterator<Item = (i32, std::os::fd::OwnedFd)> {
+        self.fds.into_iter().enumerate().map(|(i, fd)| (common::plan::FIRST_EXTRA_FD + i as i32, fd))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_numbered_from_the_first_extra_fd_in_push_order() {
+        let a: std::os::fd::OwnedFd = std::fs::File::open("/").unwrap().into();
+        let mut slots = FdSlots::default();
+        assert_eq!(slots.next(), common::plan::FIRST_EXTRA_FD);
+        let first = slots.push(&a).unwrap();
+        let second = slots.push(&a).unwrap();
+        assert_eq!((first, second), (common::plan::FIRST_EXTRA_FD, common::plan::FIRST_EXTRA_FD + 1));
+        assert_eq!(slots.next(), second + 1);
+        let placed: Vec<i32> = slots.into_placed().map(|(n, _)| n).collect();
+        assert_eq!(placed, [first, second]);
+    }
+}

@@ -255,7 +255,7 @@ impl Prober for LaunchProber<'_> {
             stdin: Vec::new(),
             timeout: Some(PROBE_TIMEOUT),
             cancel: None,
-            extra_fds: Vec::new(),
+            extra_fds: Default::default(),
             cgroup_procs: Vec::new(),
         };
         let mut output = OutputBudget::new(PROBE_OUTPUT_BYTES);

@@ -1,0 +1,100 @@
+//! Why the engine did not run a request, or why a run failed: the engine's own error, with
+//! no HTTP in it. `crate::api::error` maps each variant to the contract's status, our stable
+//! `code` and the text, in one table (`ApiError::from(EngineError)`).
+
+use crate::coordination::CoordError;
+use crate::writer::WriteError;
+
+/// The code of a refused or failed workspace write.
+pub fn workspace_code(e: &WriteError) -> &'static str {
+    match e {
+        WriteError::Coordination(CoordError::Retired) => "workspace_retired",
+        WriteError::Coordination(CoordError::Interrupted) => "workspace_interrupted",
+        WriteError::Coordination(CoordError::Poisoned) => "workspace_poisoned",
+        WriteError::NoBaseline => "no_baseline",
+        _ => "workspace_version_failed",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request, as sent, cannot run (a contract validation failure). `code` is the stable
+    /// machine-readable name of the rule (api.md improvement 1); the text is the contract's.
+    #[error("{message}")]
+    Invalid { code: &'static str, message: String },
+    /// This host lacks something the request needs (a capability, the sandbox, egress, a chip);
+    /// nothing was run.
+    #[error("{message}")]
+    Unavailable { code: &'static str, message: String },
+    /// The execution id was used within the dedupe window.
+    #[error("Execution ID has already been used")]
+    Duplicate,
+    /// The bounded admission queue is full; a retry after `retry_after_s` may succeed.
+    #[error("Runner queue is full ({capacity} executions admitted); retry shortly")]
+    QueueFull { capacity: usize, retry_after_s: u64 },
+    /// The workspace refused a writer (retired, interrupted, poisoned, no baseline, storage).
+    #[error(transparent)]
+    Workspace(WriteError),
+    /// A skill package could not be found, verified or mounted (its text is the whole chain).
+    #[error(transparent)]
+    Skill(crate::skills::SkillError),
+    /// The run passed its `executionTimeoutMs`.
+    #[error("{label} timed out after {ms} ms")]
+    TimedOut { label: &'static str, ms: u64 },
+    /// The caller went away (or cancelled) before or while the run ran.
+    #[error("{label} aborted")]
+    Aborted { label: &'static str },
+    /// The workspace outgrew `maxWorkspaceBytes` (the text names the measurement).
+    #[error("{0}")]
+    QuotaExceeded(String),
+    /// The sandbox could not be started; nothing ran.
+    #[error("{0}")]
+    LaunchFailed(String),
+    /// A sandbox that would not die: its workspace stays locked (fail closed).
+    #[error("{0}")]
+    Unresponsive(String),
+    /// The run ended but its workspace version could not be recorded.
+    #[error("{0}")]
+    CommitFailed(String),
+    /// A failure of runnerd itself (a descriptor it could not duplicate, say).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl EngineError {
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> EngineError {
+        EngineError::Invalid { code, message: message.into() }
+    }
+
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> EngineError {
+        EngineError::Unavailable { code, message: message.into() }
+    }
+
+    pub fn internal(e: impl std::fmt::Display) -> EngineError {
+        EngineError::Internal(e.to_string())
+    }
+
+    /// The stable machine-readable name of the failure: the answer's `code` (api.md
+    /// improvement 1), the audit's outcome and the metrics' label.
+    pub fn code(&self) -> &'static str {
+        match self {
+            EngineError::Invalid { code, .. } | EngineError::Unavailable { code, .. } => code,
+            EngineError::Duplicate => "duplicate_execution",
+            EngineError::QueueFull { .. } => "queue_full",
+            EngineError::Workspace(w) => workspace_code(w),
+            EngineError::Skill(s) => s.code(),
+            EngineError::TimedOut { .. } => "execution_timeout",
+            EngineError::Aborted { .. } => "execution_aborted",
+            EngineError::QuotaExceeded(_) => "workspace_quota_exceeded",
+            EngineError::LaunchFailed(_) => "sandbox_launch_failed",
+            EngineError::Unresponsive(_) => super::UNRESPONSIVE,
+            EngineError::CommitFailed(_) => "version_commit_failed",
+            EngineError::Internal(_) => "internal",
+        }
+    }
+
+    /// Whether the sandbox may still be running: the caller keeps the workspace locked.
+    pub fn is_unresponsive(&self) -> bool {
+        matches!(self, EngineError::Unresponsive(_))
+    }
+}
