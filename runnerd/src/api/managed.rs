@@ -12,10 +12,25 @@ use super::{ApiResponse, query};
 use crate::app::App;
 use crate::exec::{self, request};
 use crate::launch::Held;
-use crate::managed::manager::RecordText;
+use crate::managed::manager::{ManagedError, RecordText};
+
+/// The one place a managed-execution failure becomes an answer.
+impl From<ManagedError> for ApiError {
+    fn from(e: ManagedError) -> ApiError {
+        match e {
+            ManagedError::Engine(e) => e.into(),
+            ManagedError::OutputBusy => {
+                ApiError { retry_after: Some(1), ..ApiError::with_status(503, e.code(), e.to_string()) }
+            }
+            ManagedError::Store(_) => ApiError::with_status(500, e.code(), e.to_string()),
+            _ => ApiError::bad_request(e.code(), e.to_string()),
+        }
+    }
+}
 
 fn answer(status: u16, value: impl serde::Serialize) -> Result<ApiResponse, ApiError> {
-    let body = serde_json::to_string(&value).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+    let body =
+        serde_json::to_string(&value).map_err(|e| ApiError::with_status(500, "internal", e.to_string()))?;
     Ok(ApiResponse::json(status, body))
 }
 
@@ -72,4 +87,40 @@ pub async fn logs(app: &App, id: &str, q: Option<&str>) -> Result<ApiResponse, A
 pub async fn cancel(app: &App, id: &str, q: Option<&str>) -> Result<ApiResponse, ApiError> {
     let (session, agent) = owner(q);
     Ok(record(202, app.managed.cancel(&app.output_pool, id, &session, &agent).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::managed::manager::{INVALID_CURSOR, INVALID_ID, NOT_FOUND, POISONED_HERE, USED_ID};
+
+    /// Every managed failure: its status, code and exact text.
+    #[test]
+    fn managed_error_table() {
+        for (e, status, code, text) in [
+            (ManagedError::ShuttingDown, 400, "shutting_down", "Runner is shutting down"),
+            (ManagedError::InvalidId, 400, "invalid_execution_id", INVALID_ID),
+            (ManagedError::Poisoned, 400, "workspace_poisoned", POISONED_HERE),
+            (ManagedError::IdUsed, 400, "execution_id_used", USED_ID),
+            (ManagedError::NotFound, 400, "execution_not_found", NOT_FOUND),
+            (ManagedError::InvalidCursor, 400, "invalid_cursor", INVALID_CURSOR),
+            (
+                ManagedError::OutputBusy,
+                503,
+                "output_memory_busy",
+                "The runner's output memory is in use; retry the status request",
+            ),
+            (ManagedError::Store("disk I/O error".into()), 500, "internal", "disk I/O error"),
+            (
+                ManagedError::Engine(exec::EngineError::invalid("code_required", "Shell code is required")),
+                400,
+                "code_required",
+                "Shell code is required",
+            ),
+        ] {
+            let a = ApiError::from(e);
+            assert_eq!((a.status, a.code, a.message.as_str()), (status, code, text));
+            assert_eq!(a.retry_after.is_some(), status == 503);
+        }
+    }
 }

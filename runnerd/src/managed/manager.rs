@@ -15,7 +15,6 @@ use tokio::sync::Notify;
 
 use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
-use crate::api::error::ApiError;
 use crate::app::App;
 use crate::coordination::{ABORTED, CoordError};
 use crate::exec::{self, request};
@@ -101,14 +100,57 @@ pub struct Manager {
     idle: Notify,
 }
 
-fn internal(e: impl std::fmt::Display) -> ApiError {
-    ApiError::bad_request("internal", e.to_string())
+/// Why a managed-execution request was refused; `crate::api::managed` maps each to its
+/// answer (the contract's 400 texts; 503 while output memory is busy; 500 for our storage).
+#[derive(Debug, thiserror::Error)]
+pub enum ManagedError {
+    #[error("{SHUTTING_DOWN}")]
+    ShuttingDown,
+    #[error("{INVALID_ID}")]
+    InvalidId,
+    #[error("{POISONED_HERE}")]
+    Poisoned,
+    #[error("{USED_ID}")]
+    IdUsed,
+    #[error("{NOT_FOUND}")]
+    NotFound,
+    #[error("{INVALID_CURSOR}")]
+    InvalidCursor,
+    #[error("The runner's output memory is in use; retry the status request")]
+    OutputBusy,
+    /// The run itself would be refused (checked before the 202).
+    #[error(transparent)]
+    Engine(#[from] exec::EngineError),
+    /// The records' database (or a record's text) failed.
+    #[error("{0}")]
+    Store(String),
+}
+
+impl ManagedError {
+    /// The stable machine-readable name (the answer's `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            ManagedError::ShuttingDown => "shutting_down",
+            ManagedError::InvalidId => "invalid_execution_id",
+            ManagedError::Poisoned => "workspace_poisoned",
+            ManagedError::IdUsed => "execution_id_used",
+            ManagedError::NotFound => "execution_not_found",
+            ManagedError::InvalidCursor => "invalid_cursor",
+            ManagedError::OutputBusy => "output_memory_busy",
+            ManagedError::Engine(e) => e.code(),
+            ManagedError::Store(_) => "internal",
+        }
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ManagedError {
+    ManagedError::Store(e.to_string())
 }
 
 async fn db_do<T: Send + 'static>(
     db: &Arc<ExecutionsDb>,
     f: impl FnOnce(&ExecutionsDb) -> Result<T, DbError> + Send + 'static,
-) -> Result<T, ApiError> {
+) -> Result<T, ManagedError> {
     let db = db.clone();
     match tokio::task::spawn_blocking(move || f(&db)).await {
         Ok(r) => r.map_err(internal),
@@ -160,16 +202,16 @@ impl Manager {
         app: Arc<App>,
         req: request::ExecRequest,
         located: exec::Located,
-    ) -> Result<ManagedExecution, ApiError> {
+    ) -> Result<ManagedExecution, ManagedError> {
         if self.closing.load(Ordering::SeqCst) {
-            return Err(ApiError::bad_request("shutting_down", SHUTTING_DOWN));
+            return Err(ManagedError::ShuttingDown);
         }
         let id = req.execution_id.clone();
         if !valid_id(&id) {
-            return Err(ApiError::bad_request("invalid_execution_id", INVALID_ID));
+            return Err(ManagedError::InvalidId);
         }
         if app.versions.lifecycle().is_poisoned(&located.root) {
-            return Err(ApiError::bad_request("workspace_poisoned", POISONED_HERE));
+            return Err(ManagedError::Poisoned);
         }
         let prepared = exec::prepare(&app, req, located, exec::RunOptions::MANAGED)?;
         let rec = ManagedExecution::queued(
@@ -180,7 +222,7 @@ impl Manager {
         );
         let stored = rec.clone();
         if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
-            return Err(ApiError::bad_request("execution_id_used", USED_ID));
+            return Err(ManagedError::IdUsed);
         }
         let stop = exec::StopToken::new();
         self.controllers().insert(id.clone(), stop.clone());
@@ -279,7 +321,7 @@ impl Manager {
         .await;
         match written {
             Ok(()) => None,
-            Err(e) => failed(e.message),
+            Err(e) => failed(e.to_string()),
         }
     }
 
@@ -440,11 +482,11 @@ impl Manager {
     }
 
     /// The record's owner, state and size, if it belongs to this owner (its text unread).
-    async fn meta(&self, id: &str, session_id: &str, agent_id: &str) -> Result<RecordMeta, ApiError> {
+    async fn meta(&self, id: &str, session_id: &str, agent_id: &str) -> Result<RecordMeta, ManagedError> {
         let key = id.to_owned();
         let meta = db_do(&self.db, move |db| db.meta(&key)).await?;
         meta.filter(|m| m.session_id == session_id && m.agent_id == agent_id)
-            .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))
+            .ok_or_else(|| ManagedError::NotFound)
     }
 
     /// The record as stored, if it belongs to this owner. A large one (its result holds up
@@ -456,7 +498,7 @@ impl Manager {
         id: &str,
         session_id: &str,
         agent_id: &str,
-    ) -> Result<RecordText, ApiError> {
+    ) -> Result<RecordText, ManagedError> {
         let meta = self.meta(id, session_id, agent_id).await?;
         // A record the database could not take yet is answered as kept (the truth): its
         // text is what will be sent, so its size is what the pool must hold.
@@ -465,17 +507,10 @@ impl Manager {
             .filter(|r| r.session_id == session_id && r.agent_id == agent_id)
             .map(serde_json::to_string)
             .transpose()
-            .map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+            .map_err(internal)?;
         let size = pending.as_ref().map_or(meta.size, |text| text.len() as u64);
         let held = if size > LARGE_RECORD {
-            let held = pool.acquire(size, RECORD_WAIT).await.ok_or_else(|| ApiError {
-                retry_after: Some(1),
-                ..ApiError::with_status(
-                    503,
-                    "output_memory_busy",
-                    "The runner's output memory is in use; retry the status request",
-                )
-            })?;
+            let held = pool.acquire(size, RECORD_WAIT).await.ok_or(ManagedError::OutputBusy)?;
             Some(held)
         } else {
             None
@@ -495,14 +530,14 @@ impl Manager {
             Some(row) => {
                 let (_, _, text) = row
                     .filter(|(s, a, _)| s == session_id && a == agent_id)
-                    .ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
+                    .ok_or_else(|| ManagedError::NotFound)?;
                 text
             }
             // A damaged row (not JSON, not UTF-8) answers the `unknown` record that says why.
             None => {
                 let rec = db_do(&self.db, move |db| db.get(&key)).await?;
-                let rec = rec.ok_or_else(|| ApiError::bad_request("execution_not_found", NOT_FOUND))?;
-                serde_json::to_string(&rec).map_err(|e| ApiError::bad_request("internal", e.to_string()))?
+                let rec = rec.ok_or_else(|| ManagedError::NotFound)?;
+                serde_json::to_string(&rec).map_err(internal)?
             }
         };
         Ok(RecordText { text, held })
@@ -515,9 +550,8 @@ impl Manager {
         session_id: &str,
         agent_id: &str,
         cursor: Option<&str>,
-    ) -> Result<Value, ApiError> {
-        let after =
-            parse_cursor(cursor).ok_or_else(|| ApiError::bad_request("invalid_cursor", INVALID_CURSOR))?;
+    ) -> Result<Value, ManagedError> {
+        let after = parse_cursor(cursor).ok_or_else(|| ManagedError::InvalidCursor)?;
         let rec = self.meta(id, session_id, agent_id).await?;
         let key = id.to_owned();
         let page = db_do(&self.db, move |db| db.page(&key, after, PAGE_ROWS)).await?;
@@ -542,7 +576,7 @@ impl Manager {
         id: &str,
         session_id: &str,
         agent_id: &str,
-    ) -> Result<RecordText, ApiError> {
+    ) -> Result<RecordText, ManagedError> {
         let rec = self.meta(id, session_id, agent_id).await?;
         if !super::db::is_terminal(&rec.state)
             && let Some(stop) = self.controllers().get(id)
