@@ -923,46 +923,50 @@ async fn a_workspace_deleted_under_a_run_fails_its_version_and_poisons() {
     assert!(refused["error"].as_str().unwrap().contains("repair storage"), "{refused}");
 }
 
-/// Ours (issue #18): a managed request the run would refuse is refused before the 202, with
-/// the synchronous route's code and text, and nothing recorded: the id stays usable.
+/// A managed request its run refuses is accepted (202) and fails with the synchronous
+/// route's text, as the original's (contract §3: only four refusals before the 202); the
+/// checks are the engine's, made once when it is accepted. The mounts check the original's
+/// run makes is made too.
 #[tokio::test]
-async fn a_request_that_cannot_run_is_refused_before_the_202_and_its_id_stays_free() {
-    if !sandbox_or_skip("a_request_that_cannot_run_is_refused_before_the_202_and_its_id_stays_free") {
+async fn a_request_its_run_refuses_is_accepted_and_fails_with_the_reason() {
+    if !sandbox_or_skip("a_request_its_run_refuses_is_accepted_and_fails_with_the_reason") {
         return;
     }
     let server = Server::start();
     let client = server.client();
     let ws = server.project_workspace("managed-refused");
-    let id = format!("refused-{}", marker(0));
-    for (patch, code, text) in [
-        (json!({"code": "   "}), "code_required", "Shell code is required"),
+    for (n, (patch, text)) in [
+        (json!({"code": "   "}), "Shell code is required"),
+        (json!({"environmentId": "env-1"}), "Scientific environments are unavailable"),
+        (json!({"cwd": "/etc"}), "cwd must be workspace-relative"),
+        (json!({"cwd": "../.."}), "cwd must remain inside the writable workspace"),
+        (json!({"cwd": "absent/dir"}), ""),
+        (json!({"resourceLimits": {"memoryBytes": -1}}), ""),
         (
-            json!({"environmentId": "env-1"}),
-            "capability_unavailable",
-            "Scientific environments are unavailable",
+            json!({"permissionEpoch": {"sessionId": SESSION, "mounts": []}}),
+            "Shell execution accepts exactly one read-write workspace mount",
         ),
-        (json!({"cwd": "/etc"}), "invalid_cwd", "cwd must be workspace-relative"),
-        (json!({"cwd": "../.."}), "invalid_cwd", "cwd must remain inside the writable workspace"),
-        (json!({"resourceLimits": {"memoryBytes": -1}}), "invalid_resource_limits", ""),
-    ] {
-        let mut body = managed_body(&ws, &id, "echo never");
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("refused-{n}-{}", marker(0));
+        let mut body = managed_body(&ws, &id, "echo never > never.txt");
         for (k, v) in patch.as_object().unwrap() {
             body[k] = v.clone();
         }
-        let (status, answer) = submit(&client, &body).await;
-        assert_eq!((status, answer["code"].as_str()), (400, Some(code)), "{patch}: {answer}");
-        if !text.is_empty() {
-            assert_eq!(answer["error"], text, "{patch}");
+        let (status, rec) = submit(&client, &body).await;
+        assert_eq!((status, rec["state"].as_str()), (202, Some("queued")), "{patch}: {rec}");
+        let done = wait_terminal(&client, &id).await;
+        assert_eq!(done["state"], "failed", "{patch}: {done}");
+        let error = done["error"].as_str().unwrap_or_default();
+        if text.is_empty() {
+            assert!(!error.is_empty(), "{patch}: {done}");
+        } else {
+            assert_eq!(error, text, "{patch}");
         }
     }
-    let (status, _) = record_as(&client, &id, SESSION, AGENT).await;
-    assert_eq!(status, 400, "a refused request leaves no record");
-    // The same id, corrected, runs.
-    let (status, rec) = submit(&client, &managed_body(&ws, &id, "echo ran-after-refusal")).await;
-    assert_eq!((status, rec["state"].as_str()), (202, Some("queued")), "{rec}");
-    let done = wait_terminal(&client, &id).await;
-    assert_eq!(done["state"], "completed", "{done}");
-    assert!(log_text(&client, &id).await.contains("ran-after-refusal"));
+    assert!(!ws.join("never.txt").exists(), "no refused request ran");
 }
 
 /// A `cwd` is found when the managed run starts: a run queued behind the one that creates

@@ -52,26 +52,20 @@ impl std::fmt::Display for ApiError {
 impl std::error::Error for ApiError {}
 
 /// The one place an engine failure becomes an answer: the contract's status (400 for every
-/// handler failure, 409 for a duplicate id, 503 with `Retry-After` for a full queue; ours:
-/// 500 for runnerd's own failures), the failure's stable `code`, and the text — for a skill
-/// package the whole chain of causes, for the rest the error's own text.
+/// handler failure, runnerd's own included — its `code` says `internal`; 409 for a duplicate
+/// id; 503 with `Retry-After` for a full queue), the failure's stable `code`, and its text.
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> ApiError {
         let status = match &e {
             EngineError::Duplicate => 409,
             EngineError::QueueFull { .. } => 503,
-            EngineError::Internal(_) => 500,
             _ => 400,
         };
         let retry_after = match &e {
             EngineError::QueueFull { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         };
-        let message = match &e {
-            EngineError::Skill(s) => crate::error_chain(s),
-            other => other.to_string(),
-        };
-        ApiError { status, message, code: e.code(), retry_after }
+        ApiError { status, message: e.to_string(), code: e.code(), retry_after }
     }
 }
 
@@ -123,7 +117,7 @@ mod tests {
             (EngineError::LaunchFailed("l".into()), 400, "sandbox_launch_failed", "l"),
             (EngineError::Unresponsive("u".into()), 400, "sandbox_unresponsive", "u"),
             (EngineError::CommitFailed("c".into()), 400, "version_commit_failed", "c"),
-            (EngineError::internal("i"), 500, "internal", "i"),
+            (EngineError::internal("i"), 400, "internal", "i"),
         ];
         for (e, status, code, text) in cases {
             let shown = format!("{e:?}");

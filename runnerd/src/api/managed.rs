@@ -22,15 +22,13 @@ impl From<ManagedError> for ApiError {
             ManagedError::OutputBusy => {
                 ApiError { retry_after: Some(1), ..ApiError::with_status(503, e.code(), e.to_string()) }
             }
-            ManagedError::Store(_) => ApiError::with_status(500, e.code(), e.to_string()),
             _ => ApiError::bad_request(e.code(), e.to_string()),
         }
     }
 }
 
 fn answer(status: u16, value: impl serde::Serialize) -> Result<ApiResponse, ApiError> {
-    let body =
-        serde_json::to_string(&value).map_err(|e| ApiError::with_status(500, "internal", e.to_string()))?;
+    let body = serde_json::to_string(&value).map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
     Ok(ApiResponse::json(status, body))
 }
 
@@ -110,7 +108,7 @@ mod tests {
                 "output_memory_busy",
                 "The runner's output memory is in use; retry the status request",
             ),
-            (ManagedError::Store("disk I/O error".into()), 500, "internal", "disk I/O error"),
+            (ManagedError::Store("disk I/O error".into()), 400, "internal", "disk I/O error"),
             (
                 ManagedError::Engine(exec::EngineError::invalid("code_required", "Shell code is required")),
                 400,

@@ -74,7 +74,7 @@ pub async fn submit(app: &App, body: &[u8]) -> Result<ApiResponse, ApiError> {
         return Err(ApiError::bad_request("npu_broker_disabled", DISABLED));
     }
     let obj = request::parse_object(body)?;
-    if obj.get("runnerWorkspaceKey").is_some_and(|k| !k.is_null() && !k.is_string() && k != false && k != 0) {
+    if obj.get("runnerWorkspaceKey").is_some_and(|k| request::is_truthy(k) && !k.is_string()) {
         return Err(ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key"));
     }
     let workspace_root = exec::locate(app, &request::WorkspaceRef::from_object(&obj))?.root;

@@ -35,8 +35,9 @@ pub enum EngineError {
     /// The workspace refused a writer (retired, interrupted, poisoned, no baseline, storage).
     #[error(transparent)]
     Workspace(WriteError),
-    /// A skill package could not be found, verified or mounted (its text is the whole chain).
-    #[error(transparent)]
+    /// A skill package could not be found, verified or mounted. Its text is the whole chain
+    /// of causes (the answer's and the managed record's), so the cause is not a `source`.
+    #[error("{}", crate::error_chain(.0))]
     Skill(crate::skills::SkillError),
     /// The run passed its `executionTimeoutMs`.
     #[error("{label} timed out after {ms} ms")]

@@ -44,6 +44,17 @@ pub fn refuse_control(field: &str, value: &str) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// JavaScript truthiness, for the fields the original tests with `if (x)`.
+pub fn is_truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(_) | Value::Object(_) => true,
+    }
+}
+
 /// A non-blank string field.
 pub fn non_blank<'a>(obj: &'a Object, name: &str) -> Option<&'a str> {
     string(obj, name).filter(|s| !s.trim().is_empty())

@@ -87,6 +87,18 @@ pub fn parse_cursor(param: Option<&str>) -> Option<u64> {
     (n >= 0.0 && n.fract() == 0.0 && n <= 9_007_199_254_740_991.0).then_some(n as u64)
 }
 
+/// A managed request as accepted: the engine's verdict on it (decided once, before the
+/// 202) and what the run's record and version need whatever that verdict.
+#[derive(Debug)]
+struct Submitted {
+    root: std::path::PathBuf,
+    code: String,
+    /// The log budget (`maxOutputBytes`); the result's copy is bounded further.
+    max_output: u64,
+    max_workspace: u64,
+    prepared: Result<exec::Prepared, exec::EngineError>,
+}
+
 #[derive(Debug)]
 pub struct Manager {
     db: Arc<ExecutionsDb>,
@@ -193,10 +205,11 @@ impl Manager {
         self.controllers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `ExecutionManager.start`: checks, the queued record, and the background run. Ours
-    /// (issue #18): after the contract's checks, everything the run itself would refuse is
-    /// refused here too, before the 202 and before the id is stored, so a corrected request
-    /// can use the same id.
+    /// `ExecutionManager.start`: checks, the queued record, and the background run. The run's
+    /// own checks (the engine's `prepare`) are made here once, before the 202, but a request
+    /// they refuse is still accepted and fails when it starts, as the original's does (contract
+    /// §3 lists only these four refusals, and its API records a refused submit as
+    /// `unconfirmed`, where a failed record shows the agent why).
     pub async fn start(
         self: &Arc<Self>,
         app: Arc<App>,
@@ -213,10 +226,9 @@ impl Manager {
         if app.versions.lifecycle().is_poisoned(&located.root) {
             return Err(ManagedError::Poisoned);
         }
-        let prepared = exec::prepare(&app, req, located, exec::RunOptions::MANAGED)?;
         let rec = ManagedExecution::queued(
-            prepared.agent_id.clone(),
-            prepared.session_id.clone(),
+            req.agent_id.clone(),
+            req.session_id.clone(),
             id.clone(),
             timefmt::now_iso(),
         );
@@ -224,17 +236,28 @@ impl Manager {
         if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
             return Err(ManagedError::IdUsed);
         }
+        let submitted = Submitted {
+            root: located.root.clone(),
+            code: req.code.clone(),
+            max_output: req.max_output_bytes.unwrap_or(app.config.max_output_bytes),
+            max_workspace: req.max_workspace_bytes.unwrap_or(app.config.max_workspace_bytes),
+            prepared: match req.single_workspace_mount {
+                true => exec::prepare(&app, req, located, exec::RunOptions::MANAGED),
+                false => Err(request::mounts_error(crate::sandbox::Language::Shell)),
+            },
+        };
         let stop = exec::StopToken::new();
         self.controllers().insert(id.clone(), stop.clone());
         self.active.fetch_add(1, Ordering::SeqCst);
-        let audit =
-            exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &prepared.root, prepared.profile)
-                .counted(&app.metrics, request::Route::ShellExecutions.name());
+        // A run refused by its checks never launches: its audit names the baseline profile.
+        let profile = submitted.prepared.as_ref().map_or(common::seccomp::Profile::Baseline, |p| p.profile);
+        let audit = exec::FinishAudit::new(&id, &rec.session_id, &rec.agent_id, &submitted.root, profile)
+            .counted(&app.metrics, request::Route::ShellExecutions.name());
         audit.admitted("shell", true);
         let me = self.clone();
         let queued = rec.clone();
         tokio::spawn(async move {
-            me.run(app, queued, prepared, stop, &audit).await;
+            me.run(app, queued, submitted, stop, &audit).await;
             me.controllers().remove(&id);
             if me.active.fetch_sub(1, Ordering::SeqCst) == 1 {
                 me.idle.notify_waiters();
@@ -360,11 +383,11 @@ impl Manager {
         self: &Arc<Self>,
         app: Arc<App>,
         mut rec: ManagedExecution,
-        mut p: exec::Prepared,
+        submitted: Submitted,
         stop: exec::StopToken,
         audit: &exec::FinishAudit,
     ) {
-        let root = p.root.clone();
+        let Submitted { root, code, max_output, max_workspace, prepared } = submitted;
         let queue = tokio::select! {
             held = app.admission.acquire_workspace(&root) => held,
             _ = stop.stopped() => return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await,
@@ -390,12 +413,13 @@ impl Manager {
 
         // The logs keep the whole budget; the copy in `result` is bounded so that a huge or
         // unlimited budget cannot exhaust memory.
-        let live = LiveLogs::new(p.max_output);
-        p.max_output = result_budget(p.max_output);
+        let live = LiveLogs::new(max_output);
         let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.clone()));
         let mut sink = live.clone();
-        let code = p.code.clone();
         let ran = async {
+            // A refused request fails here, where the original's run fails it.
+            let mut p = prepared?;
+            p.max_output = result_budget(p.max_output);
             exec::resolve_cwd(&app, &mut p)?;
             exec::attach_egress(&app, &mut p).await?;
             exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), &stop, writer.pinned()).await
@@ -408,7 +432,7 @@ impl Manager {
             rec.log_truncated = Some(true);
         }
         // The version stores no more than the quota (a run over it is failed already).
-        writer.limit_snapshot_bytes(p.max_workspace);
+        writer.limit_snapshot_bytes(max_workspace);
         let (state, error, mut result) = match ran {
             Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
             Err(e) if e.is_unresponsive() => {
