@@ -13,7 +13,7 @@
 //! * `egress` — [`egress`]: the egress policy and the runnerd ↔ egressd protocol.
 //! * `npu` — [`npu`]: the runnerd ↔ npu-brokerd protocol.
 //! * `confine` — [`confine`]: the helper daemons' self-confinement.
-//! * `daemon` — [`settings`]: a daemon's TOML configuration file layered under its
+//! * `daemon` — [`layout`]: the data directory's names; [`settings`]: a daemon's TOML configuration file layered under its
 //!   variables; [`audit`], [`systemd`], [`channel_async`], [`out`] (command-line output that
 //!   ends quietly when its reader has gone) and [`timefmt`].
 
@@ -28,6 +28,8 @@ pub mod confine;
 mod confinement;
 #[cfg(feature = "egress")]
 pub mod egress;
+#[cfg(feature = "daemon")]
+pub mod layout;
 #[cfg(feature = "npu")]
 pub mod npu;
 #[cfg(feature = "daemon")]

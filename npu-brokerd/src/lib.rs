@@ -198,18 +198,10 @@ fn serve(loaded: Loaded, p: Prepared) -> anyhow::Result<()> {
     let confinement = if cfg.confine {
         // runnerd makes its workspace roots lazily: until one exists, the data directory
         // stands in for it (a rule needs an existing directory).
-        let workspace_root = |name: &str| {
-            let dir = cfg.data_dir.join(name);
-            if dir.is_dir() { dir } else { cfg.data_dir.clone() }
-        };
-        let writable = [
-            cfg.state_dir.clone(),
-            workspace_root("projects"),
-            workspace_root("remote-workspaces"),
-            control_dir.clone(),
-            "/dev".into(),
-            "/tmp".into(),
-        ];
+        let [projects, remote] = common::layout::workspace_roots(&cfg.data_dir)
+            .map(|dir| if dir.is_dir() { dir } else { cfg.data_dir.clone() });
+        let writable =
+            [cfg.state_dir.clone(), projects, remote, control_dir.clone(), "/dev".into(), "/tmp".into()];
         let refs: Vec<&Path> = writable.iter().map(|p| p.as_path()).collect();
         confine::apply(&refs).context("npu-brokerd could not confine itself")?
     } else {
