@@ -13,7 +13,7 @@
 //! * `egress` — [`egress`]: the egress policy and the runnerd ↔ egressd protocol.
 //! * `npu` — [`npu`]: the runnerd ↔ npu-brokerd protocol.
 //! * `confine` — [`confine`]: the helper daemons' self-confinement.
-//! * `daemon` — [`layout`]: the data directory's names; [`settings`]: a daemon's TOML configuration file layered under its
+//! * `daemon` — [`daemon`]: the start-up scaffold of the three daemons; [`layout`]: the data directory's names; [`settings`]: a daemon's TOML configuration file layered under its
 //!   variables; [`audit`], [`systemd`], [`channel_async`], [`out`] (command-line output that
 //!   ends quietly when its reader has gone) and [`timefmt`].
 
@@ -26,6 +26,8 @@ pub mod channel_async;
 pub mod confine;
 #[cfg(any(feature = "confine", feature = "egress", feature = "npu"))]
 mod confinement;
+#[cfg(feature = "daemon")]
+pub mod daemon;
 #[cfg(feature = "egress")]
 pub mod egress;
 #[cfg(feature = "daemon")]
