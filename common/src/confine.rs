@@ -10,33 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
-/// How far a daemon confined itself after start-up, as `/health` reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Confinement {
-    /// `enforced`, `partial`, or `unsupported: <why>`.
-    pub landlock: String,
-    /// Whether the daemon's own seccomp filter is installed.
-    pub seccomp: bool,
-    pub no_new_privs: bool,
-}
-
-impl Confinement {
-    /// Everything applied; `landlock` is the reported outcome ([`landlock_outcome`]).
-    pub fn applied(landlock: String) -> Confinement {
-        Confinement { landlock, seccomp: true, no_new_privs: true }
-    }
-
-    /// What `--no-confine` reports.
-    pub fn skipped() -> Confinement {
-        Confinement {
-            landlock: "unsupported: disabled by --no-confine".into(),
-            seccomp: false,
-            no_new_privs: false,
-        }
-    }
-}
+pub use crate::confinement::Confinement;
 
 /// Calls no helper daemon (nor anything it runs) needs: namespaces and mounts, ptrace and
 /// cross-process memory, kernel modules, BPF, keyrings, io_uring, clocks, swap, reboot

@@ -1,31 +1,50 @@
 //! Types and policy shared by the daemons of the runner suite.
 //!
+//! Without features this is the protocol `sandbox-init` speaks, and nothing more (it runs
+//! once per launch and is built static):
 //! * [`plan`]: the launch plan that `runnerd` hands to `sandbox-init`.
 //! * [`channel`]: the length-prefixed, versioned postcard channel they speak, with file
 //!   descriptors passed as `SCM_RIGHTS`.
-//! * [`seccomp`]: the seccomp profiles (`baseline`, `network`, `npu`) for x86_64 and aarch64,
-//!   as pure rule tables compiled to classic BPF.
-//! * [`settings`]: a daemon's TOML configuration file layered under its variables.
-//! * [`npu`]: the runnerd ↔ npu-brokerd protocol.
-//! * [`out`]: command-line output that ends quietly when its reader has gone.
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
+//!
+//! Behind features, for the daemons:
+//! * `seccomp` — [`seccomp`]: the sandbox's profiles (`baseline`, `network`, `npu`) for
+//!   x86_64 and aarch64, as pure rule tables compiled to classic BPF.
+//! * `egress` — [`egress`]: the egress policy and the runnerd ↔ egressd protocol.
+//! * `npu` — [`npu`]: the runnerd ↔ npu-brokerd protocol.
+//! * `confine` — [`confine`]: the helper daemons' self-confinement.
+//! * `daemon` — [`daemon`]: the start-up scaffold of the three daemons; [`layout`]: the data directory's names; [`settings`]: a daemon's TOML configuration file layered under its
+//!   variables; [`audit`], [`systemd`], [`channel_async`], [`out`] (command-line output that
+//!   ends quietly when its reader has gone) and [`timefmt`].
 
 #[cfg(feature = "daemon")]
 pub mod audit;
 pub mod channel;
 #[cfg(feature = "daemon")]
 pub mod channel_async;
+#[cfg(feature = "confine")]
 pub mod confine;
+#[cfg(any(feature = "confine", feature = "egress", feature = "npu"))]
+mod confinement;
+#[cfg(feature = "daemon")]
+pub mod daemon;
+#[cfg(feature = "egress")]
 pub mod egress;
+#[cfg(feature = "daemon")]
+pub mod layout;
+#[cfg(feature = "npu")]
 pub mod npu;
+#[cfg(feature = "daemon")]
 pub mod out;
 pub mod plan;
+#[cfg(feature = "seccomp")]
 pub mod seccomp;
 #[cfg(feature = "daemon")]
 pub mod settings;
 pub mod sys;
 #[cfg(feature = "daemon")]
 pub mod systemd;
+#[cfg(feature = "daemon")]
 pub mod timefmt;
 
 /// The full chain of an error, `outer: inner: root`, for reports and logs.

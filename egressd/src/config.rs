@@ -8,8 +8,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::audit::{LogError, LogSettings};
-use common::settings::{FileChoice, Key, Kind, Layered, Origin, Row, Schema, SettingsError};
+use common::audit::LogSettings;
+use common::daemon::{self, ArgError, Blank, Grammar, Setting, Usage};
+pub use common::daemon::{Args, Mode};
+use common::settings::{Key, Kind, Layered, Origin, Row, Schema};
 
 pub const USAGE: &str = "\
 egressd: the sandbox egress gateway (a domain-allowlisting HTTP proxy per policy revision).
@@ -96,16 +98,12 @@ pub enum Command {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("unknown argument {0:?}; see egressd --help")]
-    Unknown(String),
-    #[error("{0} needs a value; see egressd --help")]
-    MissingValue(String),
+    #[error(transparent)]
+    Args(#[from] ArgError),
     #[error("{name} must be a positive integer, not {value:?}")]
     Positive { name: String, value: String },
     #[error("{name}: {value:?} is not an IP address or IP:port")]
     Nameserver { name: String, value: String },
-    #[error("{name} must not be empty")]
-    Empty { name: String },
 }
 
 fn positive(name: &str, value: &str) -> Result<u64, ConfigError> {
@@ -135,36 +133,9 @@ fn user_spec(value: &str) -> UserSpec {
     }
 }
 
-/// What the command line asks for, before any variable or file is read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Serve,
-    CheckConfig,
-    Help,
-    Version,
-}
-
-/// The command line, parsed: the mode, `--config`, and each setting flag with its value.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Args {
-    pub mode: Mode,
-    /// `--config PATH`.
-    pub config: Option<PathBuf>,
-    pub confine: bool,
-    /// Setting flags in the order given (`--nameserver` may repeat).
-    pub flags: Vec<(&'static str, String)>,
-}
-
-impl Args {
-    /// Whether `flag` was given.
-    pub fn has(&self, flag: &str) -> bool {
-        self.flags.iter().any(|(f, _)| *f == flag)
-    }
-}
-
 /// Each setting: its key in the configuration file, its flag, its variable. The keys are
 /// the flags' names with `-` as `_`, the list of nameservers in the plural.
-pub const SETTINGS: &[(&str, &str, &str)] = &[
+pub const SETTINGS: &[Setting] = &[
     ("control_socket", "--control-socket", "SCIENCE_AGENT_EGRESS_SOCKET"),
     ("runtime_dir", "--runtime-dir", "SCIENCE_AGENT_EGRESS_RUNTIME_DIR"),
     ("runner_uid", "--runner-uid", "SCIENCE_AGENT_EGRESS_RUNNER_UID"),
@@ -179,38 +150,20 @@ pub const SETTINGS: &[(&str, &str, &str)] = &[
     ("gateway_idle_ms", "--gateway-idle-ms", "SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS"),
 ];
 
+/// egressd's command line: the setting flags and `--no-confine`; a blank value is refused
+/// as empty.
+pub const GRAMMAR: Grammar = Grammar {
+    daemon: "egressd",
+    help: &["--help", "-h"],
+    switches: &["--no-confine"],
+    settings: SETTINGS,
+    split_every_flag: true,
+    blank: Blank::Empty,
+};
+
 /// Parses the arguments (without the program name); values are checked by [`resolve`].
-pub fn parse_args(args: &[String]) -> Result<Args, ConfigError> {
-    let mut parsed = Args { mode: Mode::Serve, config: None, confine: true, flags: Vec::new() };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || -> Result<String, ConfigError> {
-            let v = match inline.clone() {
-                Some(v) => v,
-                None => it.next().cloned().ok_or_else(|| ConfigError::MissingValue(flag.to_owned()))?,
-            };
-            if v.trim().is_empty() {
-                return Err(ConfigError::Empty { name: flag.to_owned() });
-            }
-            Ok(v)
-        };
-        match flag {
-            "--help" | "-h" => return Ok(Args { mode: Mode::Help, ..parsed }),
-            "--version" | "-V" => return Ok(Args { mode: Mode::Version, ..parsed }),
-            "--check-config" => parsed.mode = Mode::CheckConfig,
-            "--no-confine" => parsed.confine = false,
-            "--config" => parsed.config = Some(value()?.into()),
-            _ => match SETTINGS.iter().find(|(_, f, _)| *f == flag) {
-                Some((_, f, _)) => parsed.flags.push((f, value()?)),
-                None => return Err(ConfigError::Unknown(flag.to_owned())),
-            },
-        }
-    }
-    Ok(parsed)
+pub fn parse_args(args: &[String]) -> Result<Args, ArgError> {
+    daemon::parse_args(&GRAMMAR, args)
 }
 
 /// The settings: flags over the variables read through `var` (in production the environment
@@ -247,7 +200,7 @@ pub fn resolve(args: &Args, var: impl Fn(&str) -> Option<String>) -> Result<Conf
         header_timeout: ms("SCIENCE_AGENT_EGRESS_HEADER_TIMEOUT_MS", 10_000)?,
         connect_timeout: ms("SCIENCE_AGENT_EGRESS_CONNECT_TIMEOUT_MS", 10_000)?,
         gateway_idle: ms("SCIENCE_AGENT_EGRESS_GATEWAY_IDLE_MS", 300_000)?,
-        confine: args.confine,
+        confine: args.confine(),
     };
     let mut nameservers_from_flags = Vec::new();
     for (flag, value) in &args.flags {
@@ -266,7 +219,7 @@ pub fn resolve(args: &Args, var: impl Fn(&str) -> Option<String>) -> Result<Conf
             "--header-timeout-ms" => cfg.header_timeout = Duration::from_millis(positive(flag, &value)?),
             "--connect-timeout-ms" => cfg.connect_timeout = Duration::from_millis(positive(flag, &value)?),
             "--gateway-idle-ms" => cfg.gateway_idle = Duration::from_millis(positive(flag, &value)?),
-            other => return Err(ConfigError::Unknown(other.to_owned())),
+            other => return Err(ArgError::Unknown { daemon: "egressd", arg: other.to_owned() }.into()),
         }
     }
     if !nameservers_from_flags.is_empty() {
@@ -323,7 +276,6 @@ impl ConfigError {
             ConfigError::Nameserver { name, value } => {
                 ConfigError::Nameserver { name: describe(&name), value }
             }
-            ConfigError::Empty { name } => ConfigError::Empty { name: describe(&name) },
             other => other,
         }
     }
@@ -338,27 +290,23 @@ pub struct Loaded {
     pub settings: Layered,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error(transparent)]
-    File(#[from] SettingsError),
-    #[error(transparent)]
-    Value(#[from] ConfigError),
-    #[error(transparent)]
-    Log(#[from] LogError),
+pub type LoadError = daemon::LoadError<ConfigError>;
+
+impl From<ConfigError> for LoadError {
+    fn from(e: ConfigError) -> LoadError {
+        LoadError::Value(e)
+    }
 }
 
-impl LoadError {
-    /// Whether the command line is at fault (rather than a variable or the file).
-    pub fn is_usage(&self) -> bool {
+impl Usage for ConfigError {
+    /// A bad command line, or a bad value given by a flag (rather than by a variable or
+    /// the file).
+    fn is_usage(&self) -> bool {
         match self {
-            LoadError::Value(ConfigError::Unknown(_) | ConfigError::MissingValue(_)) => true,
-            LoadError::Value(
-                ConfigError::Positive { name, .. }
-                | ConfigError::Nameserver { name, .. }
-                | ConfigError::Empty { name },
-            ) => name.starts_with("--"),
-            _ => false,
+            ConfigError::Args(_) => true,
+            ConfigError::Positive { name, .. } | ConfigError::Nameserver { name, .. } => {
+                name.starts_with("--")
+            }
         }
     }
 }
@@ -368,8 +316,7 @@ pub fn load(
     args: Args,
     env: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
 ) -> Result<Loaded, LoadError> {
-    let choice = FileChoice::choose(args.config.as_deref(), CONFIG_VAR, &env, DEFAULT_CONFIG_FILE);
-    let settings = Layered::load(&SCHEMA, choice, env)?;
+    let settings = daemon::layered(&SCHEMA, args.config.as_deref(), CONFIG_VAR, DEFAULT_CONFIG_FILE, env)?;
     layer(args, settings)
 }
 
@@ -378,8 +325,7 @@ pub fn load(
 pub fn layer(args: Args, settings: Layered) -> Result<Loaded, LoadError> {
     let describe = |var: &str| settings.describe(var);
     let config = resolve(&args, |k| settings.var(k)).map_err(|e| e.renamed(describe))?;
-    let log =
-        LogSettings::from_vars(|k| settings.var(k)).map_err(|e| LogError { name: describe(&e.name), ..e })?;
+    let log = daemon::log_settings(&settings)?;
     Ok(Loaded { args, config, log, settings })
 }
 
@@ -447,6 +393,7 @@ impl Loaded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use common::settings::FileChoice;
     use std::collections::HashMap;
 
     fn run(args: &[&str], vars: &[(&str, &str)]) -> Result<Command, ConfigError> {
@@ -542,7 +489,7 @@ mod tests {
         let settings = Layered::new(&SCHEMA, FileChoice::Default(path.into()), Some(parsed), move |k| {
             map.get(k).cloned()
         });
-        layer(parse_args(&args)?, settings)
+        layer(parse_args(&args).map_err(ConfigError::from)?, settings)
     }
 
     const FILE: &str = "# egressd\ncontrol_socket = \"/run/f.sock\"\nnameservers = [\"10.0.0.2\", \"10.0.0.3:5353\"]\n\

@@ -28,8 +28,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use common::audit::{LogSettings, Sink};
+use common::daemon::{self, Args, Daemon};
 use common::settings::{Origin, Row, render};
-use config::{Config, Loaded, Mode, UserSpec};
+use config::{Config, Loaded, UserSpec};
 use dns::{HostsResolver, ResolverConfig, StubResolver};
 use registry::{Registry, SocketAccess};
 
@@ -41,54 +43,48 @@ pub fn version() -> String {
 /// Entry point of the `egressd` binary; returns the exit status.
 pub fn run() -> i32 {
     let argv: Vec<String> = std::env::args().skip(1).collect();
-    let args = match config::parse_args(&argv) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("egressd: {e}");
-            return 2;
-        }
-    };
-    match args.mode {
-        Mode::Help => {
-            return common::out::print_status(config::USAGE, 0);
-        }
-        Mode::Version => {
-            return common::out::print_status(&format!("egressd {}\n", version()), 0);
-        }
-        Mode::CheckConfig | Mode::Serve => {}
+    daemon::run::<Egressd>(&argv)
+}
+
+/// egressd in the daemons' start-up scaffold. Flags over variables over the configuration
+/// file; errors name the key and the file. A bad command line exits 2 (usage), a bad
+/// configuration 1.
+#[derive(Debug)]
+pub struct Egressd;
+
+impl Daemon for Egressd {
+    const NAME: &'static str = "egressd";
+    const USAGE: &'static str = config::USAGE;
+    const GRAMMAR: daemon::Grammar = config::GRAMMAR;
+    const FAILED_EVENT: Option<&'static str> = Some("egressd_failed");
+    type Loaded = Loaded;
+    type ValueError = config::ConfigError;
+    type Prepared = ();
+    type Error = anyhow::Error;
+
+    fn version() -> String {
+        version()
     }
-    // Flags over variables over the configuration file; errors name the key and the file.
-    // A bad command line exits 2 (usage), a bad configuration 1.
-    let loaded = match config::load(args, |k| std::env::var(k).ok()) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("egressd: {}", common::error_chain(&e));
-            return if e.is_usage() { 2 } else { 1 };
-        }
-    };
-    if let Err(e) = check_names(&loaded) {
-        eprintln!("egressd: {e:#}");
-        return 1;
+
+    fn load(args: &Args) -> Result<Loaded, config::LoadError> {
+        config::load(args.clone(), |k| std::env::var(k).ok())
     }
-    if loaded.args.mode == Mode::CheckConfig {
-        return match check(&loaded) {
-            Ok(text) => common::out::print_status(&text, 0),
-            Err(e) => {
-                eprintln!("egressd: {e:#}");
-                1
-            }
-        };
+
+    fn log_settings(loaded: &Loaded) -> &LogSettings {
+        &loaded.log
     }
-    let sink = common::audit::init_with("egressd", &loaded.log);
-    let config_file = loaded.settings.file_status();
-    let cfg = loaded.config;
-    match serve(cfg, sink, config_file) {
-        Ok(()) => 0,
-        Err(e) => {
-            tracing::error!(event = "egressd_failed", error = %format!("{e:#}"));
-            eprintln!("egressd: {e:#}");
-            1
-        }
+
+    fn prepare(_: &Args, loaded: &Loaded) -> anyhow::Result<()> {
+        check_names(loaded).map(|_| ())
+    }
+
+    fn check(_: &Args, loaded: &Loaded, (): &()) -> anyhow::Result<String> {
+        check(loaded)
+    }
+
+    fn serve(_: Args, loaded: Loaded, (): (), sink: Option<Sink>) -> anyhow::Result<i32> {
+        let config_file = loaded.settings.file_status();
+        serve(loaded.config, sink, config_file).map(|()| 0)
     }
 }
 
@@ -192,7 +188,7 @@ fn bind_control(path: &Path, access: SocketAccess) -> anyhow::Result<std::os::un
     Ok(listener)
 }
 
-fn serve(cfg: Config, sink: common::audit::Sink, config_file: String) -> anyhow::Result<()> {
+fn serve(cfg: Config, sink: Option<Sink>, config_file: String) -> anyhow::Result<()> {
     let runner_uid = uid_of(&cfg.runner_uid)?;
     let access = SocketAccess { group: gid_of(&cfg.socket_group)? };
     let dns = resolver_config(&cfg)?;
@@ -214,7 +210,7 @@ fn serve(cfg: Config, sink: common::audit::Sink, config_file: String) -> anyhow:
         connect_timeout_ms = ms(cfg.connect_timeout),
         gateway_idle_ms = ms(cfg.gateway_idle),
         confine = cfg.confine,
-        log_sink = ?sink,
+        log_sink = %daemon::sink_name(sink),
     );
     let resolver = HostsResolver::new(cfg.hosts_file.clone(), StubResolver::new(dns));
     let shared = Arc::new(proxy::Shared {

@@ -10,6 +10,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use common::layout;
 use common::npu::{BrokerStatus, Confinement, Failure, Submission};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
@@ -147,16 +148,17 @@ impl Broker {
     fn workspace(&self, root: &Path) -> Result<PathBuf, Refusal> {
         let real = std::fs::canonicalize(root)
             .map_err(|e| invalid(format!("workspaceRoot {} cannot be resolved: {e}", root.display())))?;
-        let inside = ["projects", "remote-workspaces"].iter().any(|d| {
-            std::fs::canonicalize(self.settings.data_dir.join(d))
-                .is_ok_and(|base| real.starts_with(&base) && real != base)
-        });
+        let inside = layout::workspace_roots(&self.settings.data_dir)
+            .iter()
+            .any(|d| std::fs::canonicalize(d).is_ok_and(|base| real.starts_with(&base) && real != base));
         if !inside || !real.is_dir() {
             return Err(invalid(format!(
-                "workspaceRoot {} is not a workspace of this runner (it must be a directory under {}/projects or {}/remote-workspaces)",
+                "workspaceRoot {} is not a workspace of this runner (it must be a directory under {}/{} or {}/{})",
                 root.display(),
                 self.settings.data_dir.display(),
-                self.settings.data_dir.display()
+                layout::PROJECTS,
+                self.settings.data_dir.display(),
+                layout::REMOTE_WORKSPACES,
             )));
         }
         Ok(real)
@@ -609,7 +611,7 @@ pub fn managed_python(data_dir: &Path, rev: &str) -> Result<(PathBuf, Option<Pat
     if !valid_revision(rev) {
         return Err(format!("environmentRevisionId {rev:?} is not a valid revision id"));
     }
-    let revisions = data_dir.join("scientific-envs").join("revisions");
+    let revisions = layout::env_revisions(data_dir);
     let envs = std::fs::read_dir(&revisions).into_iter().flatten().flatten();
     for env in envs {
         let prefix = env.path().join(rev);

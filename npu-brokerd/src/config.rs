@@ -3,10 +3,13 @@
 //! `SCIENCE_AGENT_NPU_BROKER_CONFIG`) over defaults, through `common::settings` like egressd.
 //! Resolution is a pure function of the flags and a variable lookup.
 
+use std::convert::Infallible;
 use std::path::PathBuf;
 
-use common::audit::{LogError, LogSettings};
-use common::settings::{FileChoice, Key, Kind, Layered, Origin, Row, Schema, SettingsError};
+use common::audit::LogSettings;
+use common::daemon::{self, ArgError, Blank, Grammar, Setting};
+pub use common::daemon::{Args, Mode};
+use common::settings::{Key, Kind, Layered, Origin, Row, Schema};
 
 pub const USAGE: &str = "\
 npu-brokerd: runs allowlisted host NPU jobs for runnerd, one at a time (R-NPU-5).
@@ -61,32 +64,8 @@ pub struct Config {
     pub confine: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Serve,
-    CheckConfig,
-    Help,
-    Version,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Args {
-    pub mode: Mode,
-    pub config: Option<PathBuf>,
-    pub confine: bool,
-    pub flags: Vec<(&'static str, String)>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("unknown argument {0:?}; see npu-brokerd --help")]
-    Unknown(String),
-    #[error("{0} needs a value; see npu-brokerd --help")]
-    MissingValue(String),
-}
-
 /// `(key, flag, variable)` of each setting.
-pub const SETTINGS: &[(&str, &str, &str)] = &[
+pub const SETTINGS: &[Setting] = &[
     ("control_socket", "--control-socket", "SCIENCE_AGENT_NPU_BROKER_SOCKET"),
     ("runner_uid", "--runner-uid", "SCIENCE_AGENT_NPU_BROKER_RUNNER_UID"),
     ("socket_group", "--socket-group", "SCIENCE_AGENT_NPU_BROKER_SOCKET_GROUP"),
@@ -96,36 +75,19 @@ pub const SETTINGS: &[(&str, &str, &str)] = &[
     ("repo_root", "--repo-root", "SCIENCE_AGENT_NPU_REPO_ROOT"),
 ];
 
-pub fn parse_args(args: &[String]) -> Result<Args, ConfigError> {
-    let mut parsed = Args { mode: Mode::Serve, config: None, confine: true, flags: Vec::new() };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || match inline.clone() {
-            Some(v) if !v.trim().is_empty() => Ok(v),
-            Some(_) => Err(ConfigError::MissingValue(flag.to_owned())),
-            None => it
-                .next()
-                .filter(|v| !v.trim().is_empty())
-                .cloned()
-                .ok_or_else(|| ConfigError::MissingValue(flag.to_owned())),
-        };
-        match flag {
-            "--help" | "-h" => return Ok(Args { mode: Mode::Help, ..parsed }),
-            "--version" | "-V" => return Ok(Args { mode: Mode::Version, ..parsed }),
-            "--check-config" => parsed.mode = Mode::CheckConfig,
-            "--no-confine" => parsed.confine = false,
-            "--config" => parsed.config = Some(value()?.into()),
-            _ => match SETTINGS.iter().find(|(_, f, _)| *f == flag) {
-                Some((_, f, _)) => parsed.flags.push((f, value()?)),
-                None => return Err(ConfigError::Unknown(flag.to_owned())),
-            },
-        }
-    }
-    Ok(parsed)
+/// npu-brokerd's command line: the setting flags and `--no-confine`; a blank value is a
+/// missing one.
+pub const GRAMMAR: Grammar = Grammar {
+    daemon: "npu-brokerd",
+    help: &["--help", "-h"],
+    switches: &["--no-confine"],
+    settings: SETTINGS,
+    split_every_flag: true,
+    blank: Blank::Missing,
+};
+
+pub fn parse_args(args: &[String]) -> Result<Args, ArgError> {
+    daemon::parse_args(&GRAMMAR, args)
 }
 
 /// Flags over `var` (the environment over the file) over the defaults.
@@ -152,7 +114,7 @@ pub fn resolve(args: &Args, var: impl Fn(&str) -> Option<String>) -> Config {
         workload_config: get("workload_config").map(PathBuf::from),
         repo_root: get("repo_root").unwrap_or_else(|| "/usr/share/sciencediscovery/npu".into()).into(),
         python: var("SCIENCE_AGENT_NPU_PYTHON").filter(|v| !v.trim().is_empty()),
-        confine: args.confine,
+        confine: args.confine(),
     }
 }
 
@@ -178,13 +140,8 @@ pub static SCHEMA: Schema = Schema {
     refused: &[],
 };
 
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error(transparent)]
-    File(#[from] SettingsError),
-    #[error(transparent)]
-    Log(#[from] LogError),
-}
+/// Every value is taken as text (paths, names): only the file and the log settings can fail.
+pub type LoadError = daemon::LoadError<Infallible>;
 
 #[derive(Debug)]
 pub struct Loaded {
@@ -198,11 +155,9 @@ pub fn load(
     args: Args,
     env: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
 ) -> Result<Loaded, LoadError> {
-    let choice = FileChoice::choose(args.config.as_deref(), CONFIG_VAR, &env, DEFAULT_CONFIG_FILE);
-    let settings = Layered::load(&SCHEMA, choice, env)?;
+    let settings = daemon::layered(&SCHEMA, args.config.as_deref(), CONFIG_VAR, DEFAULT_CONFIG_FILE, env)?;
     let config = resolve(&args, |k| settings.var(k));
-    let log = LogSettings::from_vars(|k| settings.var(k))
-        .map_err(|e| LogError { name: settings.describe(&e.name), ..e })?;
+    let log = daemon::log_settings(&settings)?;
     Ok(Loaded { args, config, log, settings })
 }
 
@@ -282,9 +237,12 @@ mod tests {
     #[test]
     fn bad_command_lines() {
         let err = |a: &[&str]| parse_args(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap_err();
-        assert_eq!(err(&["--bogus"]), ConfigError::Unknown("--bogus".into()));
-        assert_eq!(err(&["--state-dir"]), ConfigError::MissingValue("--state-dir".into()));
-        assert_eq!(err(&["--state-dir="]), ConfigError::MissingValue("--state-dir".into()));
+        let missing = ArgError::MissingValue { daemon: "npu-brokerd", flag: "--state-dir".into() };
+        assert_eq!(err(&["--bogus"]), ArgError::Unknown { daemon: "npu-brokerd", arg: "--bogus".into() });
+        assert_eq!(err(&["--state-dir"]), missing);
+        assert_eq!(err(&["--state-dir="]), missing);
+        assert_eq!(err(&["--bogus"]).to_string(), "unknown argument \"--bogus\"; see npu-brokerd --help");
+        assert_eq!(missing.to_string(), "--state-dir needs a value; see npu-brokerd --help");
         assert_eq!(args(&["--check-config"]).mode, Mode::CheckConfig);
         assert_eq!(args(&["--help", "--bogus"]).mode, Mode::Help);
     }

@@ -7,6 +7,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use common::layout;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,7 +127,7 @@ pub fn interrupt_active(jobs: &mut [Job], now: &str) -> Vec<String> {
 
 impl Store {
     pub fn new(state_dir: &Path) -> Store {
-        Store { path: state_dir.join("npu-jobs").join("jobs.json") }
+        Store { path: layout::npu_jobs_file(state_dir) }
     }
 
     /// Reads the file (absent: no jobs) and applies the restart rule.

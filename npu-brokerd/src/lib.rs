@@ -26,8 +26,10 @@ use std::path::Path;
 
 use anyhow::Context;
 
+use common::audit::{LogSettings, Sink};
+use common::daemon::{self, Args, Daemon};
 use common::settings::{Row, render};
-use config::{Config, Loaded, Mode};
+use config::{Config, Loaded};
 
 pub fn version() -> String {
     env!("CARGO_PKG_VERSION").to_owned()
@@ -36,48 +38,46 @@ pub fn version() -> String {
 /// Entry point of the `npu-brokerd` binary; returns the exit status.
 pub fn run() -> i32 {
     let argv: Vec<String> = std::env::args().skip(1).collect();
-    let args = match config::parse_args(&argv) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("npu-brokerd: {e}");
-            return 2;
-        }
-    };
-    match args.mode {
-        Mode::Help => {
-            return common::out::print_status(config::USAGE, 0);
-        }
-        Mode::Version => {
-            return common::out::print_status(&format!("npu-brokerd {}\n", version()), 0);
-        }
-        Mode::CheckConfig | Mode::Serve => {}
+    daemon::run::<NpuBrokerd>(&argv)
+}
+
+/// npu-brokerd in the daemons' start-up scaffold.
+#[derive(Debug)]
+pub struct NpuBrokerd;
+
+impl Daemon for NpuBrokerd {
+    const NAME: &'static str = "npu-brokerd";
+    const USAGE: &'static str = config::USAGE;
+    const GRAMMAR: daemon::Grammar = config::GRAMMAR;
+    const FAILED_EVENT: Option<&'static str> = Some("npu_brokerd_failed");
+    type Loaded = Loaded;
+    type ValueError = std::convert::Infallible;
+    type Prepared = Prepared;
+    type Error = anyhow::Error;
+
+    fn version() -> String {
+        version()
     }
-    let loaded = match config::load(args, |k| std::env::var(k).ok()) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("npu-brokerd: {}", common::error_chain(&e));
-            return 1;
-        }
-    };
-    let prepared = match prepare(&loaded) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("npu-brokerd: {e:#}");
-            return 1;
-        }
-    };
-    if loaded.args.mode == Mode::CheckConfig {
-        return common::out::print_status(&check(&loaded, &prepared), 0);
+
+    fn load(args: &Args) -> Result<Loaded, config::LoadError> {
+        config::load(args.clone(), |k| std::env::var(k).ok())
     }
-    let sink = common::audit::init_with("npu-brokerd", &loaded.log);
-    tracing::info!(event = "config_loaded", version = %version(), config_file = %loaded.settings.file_status(), log_sink = ?sink);
-    match serve(loaded, prepared) {
-        Ok(()) => 0,
-        Err(e) => {
-            tracing::error!(event = "npu_brokerd_failed", error = %format!("{e:#}"));
-            eprintln!("npu-brokerd: {e:#}");
-            1
-        }
+
+    fn log_settings(loaded: &Loaded) -> &LogSettings {
+        &loaded.log
+    }
+
+    fn prepare(_: &Args, loaded: &Loaded) -> anyhow::Result<Prepared> {
+        prepare(loaded)
+    }
+
+    fn check(_: &Args, loaded: &Loaded, prepared: &Prepared) -> anyhow::Result<String> {
+        Ok(check(loaded, prepared))
+    }
+
+    fn serve(_: Args, loaded: Loaded, prepared: Prepared, sink: Option<Sink>) -> anyhow::Result<i32> {
+        tracing::info!(event = "config_loaded", version = %version(), config_file = %loaded.settings.file_status(), log_sink = %daemon::sink_name(sink));
+        serve(loaded, prepared).map(|()| 0)
     }
 }
 
@@ -198,18 +198,10 @@ fn serve(loaded: Loaded, p: Prepared) -> anyhow::Result<()> {
     let confinement = if cfg.confine {
         // runnerd makes its workspace roots lazily: until one exists, the data directory
         // stands in for it (a rule needs an existing directory).
-        let workspace_root = |name: &str| {
-            let dir = cfg.data_dir.join(name);
-            if dir.is_dir() { dir } else { cfg.data_dir.clone() }
-        };
-        let writable = [
-            cfg.state_dir.clone(),
-            workspace_root("projects"),
-            workspace_root("remote-workspaces"),
-            control_dir.clone(),
-            "/dev".into(),
-            "/tmp".into(),
-        ];
+        let [projects, remote] = common::layout::workspace_roots(&cfg.data_dir)
+            .map(|dir| if dir.is_dir() { dir } else { cfg.data_dir.clone() });
+        let writable =
+            [cfg.state_dir.clone(), projects, remote, control_dir.clone(), "/dev".into(), "/tmp".into()];
         let refs: Vec<&Path> = writable.iter().map(|p| p.as_path()).collect();
         confine::apply(&refs).context("npu-brokerd could not confine itself")?
     } else {

@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use common::audit::Sink;
+use common::daemon::{self, ArgError, Args, Blank, Daemon, Grammar};
+
 use crate::app::{App, runner_version};
-use crate::audit;
 use crate::config::{self, Loaded, RunnerConfig};
 use crate::http::{self, Listener};
 use crate::managed::Manager;
@@ -60,82 +62,110 @@ pub fn load_config() -> Result<Loaded, config::LoadError> {
     config::load(CONFIG_FILE.get().map(PathBuf::as_path), |k| std::env::var(k).ok())
 }
 
+/// runnerd's command line: sub-commands and two switches, no setting flags (settings come
+/// from the variables and the file). Only `--config` takes a value, and only it is split at
+/// `=`; an error prints the usage after it.
+pub const GRAMMAR: Grammar = Grammar {
+    daemon: "runnerd",
+    help: &["--help", "-h", "help"],
+    switches: &["serve", "preflight", "selftest", "--dev", "--insecure-default-token"],
+    settings: &[],
+    split_every_flag: false,
+    blank: Blank::Verbatim,
+};
+
+/// The sub-commands; the last one given counts, `serve` when none is.
+const COMMANDS: [&str; 3] = ["serve", "preflight", "selftest"];
+
 /// Entry point of the `runnerd` binary; returns the process exit status.
 pub fn run() -> i32 {
     // Before any thread exists: glibc makes its arenas per thread.
     crate::memory::configure();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut command = "serve";
-    let mut dev = false;
-    let mut default_token = false;
-    let mut check_config = false;
-    let mut config_file = None;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let config_path = match arg.strip_prefix("--config=") {
-            Some(path) => Some(path),
-            None if arg == "--config" => Some(it.next().map_or("", String::as_str)),
-            None => None,
-        };
-        if let Some(path) = config_path {
-            if path.is_empty() {
-                eprintln!("runnerd: --config needs a path\n\n{USAGE}");
-                return 2;
-            }
-            config_file = Some(PathBuf::from(path));
-            continue;
-        }
-        match arg.as_str() {
-            "--help" | "-h" | "help" => {
-                return common::out::print_status(USAGE, 0);
-            }
-            "--version" | "-V" => {
-                let version = format!("runnerd {} ({})\n", env!("CARGO_PKG_VERSION"), runner_version());
-                return common::out::print_status(&version, 0);
-            }
-            "serve" | "preflight" | "selftest" => command = arg.as_str(),
-            "--dev" => dev = true,
-            "--insecure-default-token" => default_token = true,
-            "--check-config" => check_config = true,
-            other => {
-                eprintln!("runnerd: unknown argument {other:?}\n\n{USAGE}");
-                return 2;
-            }
-        }
-    }
-    if let Some(path) = config_file {
-        let _ = CONFIG_FILE.set(path);
-    }
-    // 8 MiB stacks: a snapshot recurses once per directory level (up to MAX_DEPTH).
-    let runtime =
-        match tokio::runtime::Builder::new_multi_thread().enable_all().thread_stack_size(8 << 20).build() {
-            Ok(rt) => rt,
-            Err(e) => {
-                eprintln!("runnerd: cannot start the async runtime: {e}");
-                return 1;
-            }
-        };
-    let fallback = match (dev, default_token) {
+    daemon::run::<Runnerd>(&args)
+}
+
+/// runnerd in the daemons' start-up scaffold.
+#[derive(Debug)]
+pub struct Runnerd;
+
+/// What runnerd starts before it checks or serves: the async runtime everything runs on.
+#[derive(Debug)]
+pub struct Started {
+    runtime: tokio::runtime::Runtime,
+}
+
+fn fallback(args: &Args) -> Fallback {
+    match (args.switched("--dev"), args.switched("--insecure-default-token")) {
         (_, true) => Fallback::WellKnown,
         (true, false) => Fallback::Generate,
         (false, false) => Fallback::None,
-    };
-    let result = runtime.block_on(async {
-        if check_config {
-            return check_config_command(fallback).await;
+    }
+}
+
+impl Daemon for Runnerd {
+    const NAME: &'static str = "runnerd";
+    const USAGE: &'static str = USAGE;
+    const GRAMMAR: Grammar = GRAMMAR;
+    const FAILED_EVENT: Option<&'static str> = None;
+    type Loaded = Loaded;
+    type ValueError = config::ConfigError;
+    type Prepared = Started;
+    type Error = anyhow::Error;
+
+    fn version() -> String {
+        format!("{} ({})", env!("CARGO_PKG_VERSION"), runner_version())
+    }
+
+    fn usage_error(e: &ArgError) -> String {
+        match e {
+            ArgError::Unknown { arg, .. } => format!("runnerd: unknown argument {arg:?}\n\n{USAGE}"),
+            ArgError::MissingValue { flag, .. } | ArgError::Empty { flag } => {
+                format!("runnerd: {flag} needs a path\n\n{USAGE}")
+            }
         }
-        match command {
-            "preflight" => preflight(dev).await,
-            "selftest" => selftest(dev).await,
-            _ => serve(fallback, dev).await,
+    }
+
+    fn load(args: &Args) -> Result<Loaded, config::LoadError> {
+        if let Some(path) = &args.config {
+            let _ = CONFIG_FILE.set(path.clone());
         }
-    });
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("runnerd: {e:#}");
-            1
-        }
+        load_config()
+    }
+
+    fn log_settings(loaded: &Loaded) -> &common::audit::LogSettings {
+        &loaded.log
+    }
+
+    fn prepare(_: &Args, _: &Loaded) -> anyhow::Result<Started> {
+        // 8 MiB stacks: a snapshot recurses once per directory level (up to MAX_DEPTH).
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_stack_size(8 << 20)
+            .build()
+            .context("cannot start the async runtime")?;
+        Ok(Started { runtime })
+    }
+
+    /// `--check-config`: the report, or the error.
+    fn check(args: &Args, loaded: &Loaded, started: &Started) -> anyhow::Result<String> {
+        started.runtime.block_on(crate::check::check(loaded, fallback(args)))
+    }
+
+    /// Only `serve` logs: `preflight` and `selftest` print their findings.
+    fn logs(args: &Args) -> bool {
+        args.last_of(&COMMANDS).unwrap_or("serve") == "serve"
+    }
+
+    fn serve(args: Args, loaded: Loaded, started: Started, sink: Option<Sink>) -> anyhow::Result<i32> {
+        let dev = args.switched("--dev");
+        started.runtime.block_on(async {
+            match args.last_of(&COMMANDS).unwrap_or("serve") {
+                "preflight" => preflight(&loaded.config, dev).await,
+                "selftest" => selftest(&loaded.config, dev).await,
+                _ => serve(loaded, sink, fallback(&args), dev).await,
+            }
+        })
     }
 }
 
@@ -147,12 +177,6 @@ fn sandbox_config(config: &RunnerConfig, dev: bool) -> SandboxConfig {
         sandbox_user: config.sandbox_user.clone(),
         dev,
     }
-}
-
-/// `--check-config`: the report on stdout and 0, or the error (printed by `run`) and 1.
-async fn check_config_command(fallback: Fallback) -> anyhow::Result<i32> {
-    let loaded = load_config()?;
-    Ok(common::out::print_status(&crate::check::check(&loaded, fallback).await?, 0))
 }
 
 /// The sandbox configuration from the `SCIENCE_AGENT_*` variables over the configuration file.
@@ -185,9 +209,7 @@ fn raise_nofile() {
 /// How long a stopping runnerd waits for managed executions to record their end.
 const MANAGED_GRACE: Duration = Duration::from_secs(20);
 
-async fn serve(fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
-    let loaded = load_config()?;
-    let sink = audit::init_with("runnerd", &loaded.log);
+async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
     raise_nofile();
     let config = loaded.config;
     std::fs::create_dir_all(&config.data_dir)
@@ -214,7 +236,7 @@ async fn serve(fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
         sandbox_usable = sandbox.capability.sandbox_usable,
         proc_mode = ?sandbox.capability.proc_mode,
         disable_userns = sandbox.capability.disable_userns,
-        log_sink = ?sink,
+        log_sink = %daemon::sink_name(sink),
         config_file = %loaded.settings.file_status(),
     );
     startup::log_confinement();
@@ -319,8 +341,8 @@ impl StopSignals {
     }
 }
 
-async fn preflight(dev: bool) -> anyhow::Result<i32> {
-    let runtime = prepare(&sandbox_config_from_env(dev)?).await?;
+async fn preflight(config: &RunnerConfig, dev: bool) -> anyhow::Result<i32> {
+    let runtime = prepare(&sandbox_config(config, dev)).await?;
     let report = serde_json::json!({
         "bwrap": runtime.bwrap,
         "sandboxInit": runtime.launcher.init_path(),
@@ -332,7 +354,7 @@ async fn preflight(dev: bool) -> anyhow::Result<i32> {
     Ok(common::out::print_status(&format!("{}\n", serde_json::to_string_pretty(&report)?), status))
 }
 
-async fn selftest(dev: bool) -> anyhow::Result<i32> {
-    let runtime = prepare(&sandbox_config_from_env(dev)?).await?;
+async fn selftest(config: &RunnerConfig, dev: bool) -> anyhow::Result<i32> {
+    let runtime = prepare(&sandbox_config(config, dev)).await?;
     crate::selftest::run(&runtime).await
 }

@@ -9,8 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::audit::{LogError, LogSettings};
-use common::settings::{FileChoice, Key, Kind, Layered, Origin, Row, Schema, SettingsError};
+use common::audit::LogSettings;
+use common::settings::{Key, Kind, Layered, Origin, Row, Schema};
 
 /// Defaults from the original runner (internals §2.1, contract §5.5).
 pub const DEFAULT_PORT: u16 = 4311;
@@ -268,14 +268,19 @@ pub struct Loaded {
     pub settings: Layered,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error(transparent)]
-    File(#[from] SettingsError),
-    #[error(transparent)]
-    Value(#[from] ConfigError),
-    #[error(transparent)]
-    Log(#[from] LogError),
+pub type LoadError = common::daemon::LoadError<ConfigError>;
+
+impl From<ConfigError> for LoadError {
+    fn from(e: ConfigError) -> LoadError {
+        LoadError::Value(e)
+    }
+}
+
+/// runnerd has no setting flags: a bad value is always a variable's or the file's (exit 1).
+impl common::daemon::Usage for ConfigError {
+    fn is_usage(&self) -> bool {
+        false
+    }
 }
 
 /// The settings from the environment `env` over the chosen file (`--config` is `flag`).
@@ -283,17 +288,14 @@ pub fn load(
     flag: Option<&Path>,
     env: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
 ) -> Result<Loaded, LoadError> {
-    let choice = FileChoice::choose(flag, CONFIG_VAR, &env, DEFAULT_CONFIG_FILE);
-    let settings = Layered::load(&SCHEMA, choice, env)?;
-    layer(settings)
+    layer(common::daemon::layered(&SCHEMA, flag, CONFIG_VAR, DEFAULT_CONFIG_FILE, env)?)
 }
 
 /// Validates a layered lookup; errors name the key and the file when the value came from it.
 pub fn layer(settings: Layered) -> Result<Loaded, LoadError> {
     let describe = |var: &str| settings.describe(var);
     let config = RunnerConfig::from_vars(|k| settings.var(k)).map_err(|e| e.renamed(describe))?;
-    let log =
-        LogSettings::from_vars(|k| settings.var(k)).map_err(|e| LogError { name: describe(&e.name), ..e })?;
+    let log = common::daemon::log_settings(&settings)?;
     Ok(Loaded { config, log, settings })
 }
 
@@ -363,6 +365,7 @@ impl Loaded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use common::settings::FileChoice;
     use std::collections::HashMap;
 
     fn config(vars: &[(&str, &str)]) -> Result<RunnerConfig, ConfigError> {

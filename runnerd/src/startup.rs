@@ -129,7 +129,7 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
 
 /// Publishes every profile for this machine's architecture.
 pub fn publish_seccomp(data_dir: &Path) -> Result<Vec<PathBuf>, StartupError> {
-    let dir = data_dir.join("runner-runtime");
+    let dir = data_dir.join(common::layout::RUNTIME);
     let err = |source| StartupError::Seccomp { dir: dir.clone(), source };
     let arch = Arch::host().map_err(err)?;
     Profile::ALL.iter().map(|p| seccomp::publish(&dir, *p, arch).map_err(err)).collect()

@@ -51,7 +51,7 @@ pub enum ControlRequest {
 }
 
 /// How far egressd confined itself after start-up (R-OPS-3).
-pub use crate::confine::Confinement;
+pub use crate::confinement::Confinement;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EgressStatus {

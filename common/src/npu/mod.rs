@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::egress::protocol::Confinement;
+pub use crate::confinement::Confinement;
 
 /// A job submission, after runnerd resolved the workspace (`workspaceRoot` or
 /// `runnerWorkspaceKey`) the way it does for executions. npu-brokerd checks it again.

@@ -181,8 +181,8 @@ fn open_dir(dir: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
 fn make_scratch(data_dir: &Path, owner: &crate::sandbox::user::Identity) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let n = SCRATCH.fetch_add(1, Ordering::Relaxed);
-    let runtime = data_dir.join("runner-runtime");
-    let probes = runtime.join("accel-probe");
+    let runtime = data_dir.join(common::layout::RUNTIME);
+    let probes = runtime.join(common::layout::ACCEL_PROBE);
     let dir = probes.join(format!("{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;

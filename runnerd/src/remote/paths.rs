@@ -5,7 +5,7 @@
 pub const NOT_RELATIVE: &str = "Workspace path must be a non-empty relative POSIX path";
 pub const BAD_SEGMENT: &str = "Workspace path contains an invalid segment";
 pub const MAX_PATH_CHARS: usize = 2000;
-pub const COORDINATION_DIR: &str = ".workspace-coordination";
+pub const COORDINATION_DIR: &str = common::layout::COORDINATION_DIR;
 pub const COORDINATION: &str = "Workspace coordination files are not reachable through the file routes";
 
 /// Splits a request path into its segments: trimmed, non-empty, at most 2000 characters,

@@ -135,7 +135,7 @@ pub fn detect_python_packages(
     sandbox_user: &super::user::Identity,
 ) -> Result<Option<PathBuf>, PackagesError> {
     use std::os::unix::fs::MetadataExt;
-    let base = data_dir.join("python-packages");
+    let base = data_dir.join(common::layout::PYTHON_PACKAGES);
     let open_in = |dir: &fs::File, name: &str| -> io::Result<fs::File> {
         let name = std::ffi::CString::new(name).map_err(io::Error::other)?;
         let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
@@ -153,7 +153,8 @@ pub fn detect_python_packages(
         }
         Ok(())
     };
-    let root = match fs::File::open(data_dir).and_then(|data| open_in(&data, "python-packages")) {
+    let root = match fs::File::open(data_dir).and_then(|data| open_in(&data, common::layout::PYTHON_PACKAGES))
+    {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(PackagesError::Open { path: base, source }),

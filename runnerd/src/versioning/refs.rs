@@ -28,7 +28,7 @@ impl Refs {
     /// Opens (creating if needed) `refs.sqlite` of an initialised store, with the original's
     /// pragmas: WAL, synchronous=FULL, busy_timeout=5000.
     pub fn open(store: &Store) -> Result<Refs, VersionError> {
-        let path = store.root().join("refs.sqlite");
+        let path = store.root().join(common::layout::REFS_DB);
         let conn = Connection::open(&path).map_err(sql("open", &path))?;
         let refs = Refs { conn, path };
         refs.conn.busy_timeout(Duration::from_millis(5000)).map_err(sql("set busy_timeout", &refs.path))?;

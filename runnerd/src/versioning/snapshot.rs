@@ -435,7 +435,7 @@ type Prehashed = Mutex<HashMap<(u64, u64), (Stamp, Ref)>>;
 pub const MAX_DEPTH: usize = 256;
 
 /// Where a workspace's lease files live, in its parent (versioning reference §6.1).
-const COORDINATION_DIR: &[u8] = b".workspace-coordination";
+const COORDINATION_DIR: &[u8] = common::layout::COORDINATION_DIR.as_bytes();
 
 /// Threads that hash a first snapshot; more would only queue on the disk.
 const PREHASH_THREADS: usize = 4;

@@ -167,7 +167,7 @@ impl Store {
         // Lexical only (no realpath), like the original's path.join.
         let data_dir =
             std::path::absolute(data_dir).map_err(io_err("resolve the data directory", data_dir))?;
-        let root = data_dir.join("versioning");
+        let root = data_dir.join(common::layout::VERSIONING);
         let store = Store {
             data_dir,
             root,
