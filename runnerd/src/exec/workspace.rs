@@ -19,8 +19,7 @@ use super::error::EngineError;
 use crate::fsat::{self, Stopped};
 use crate::sandbox::user::Identity;
 
-pub const REMOTE_WORKSPACES: &str = "remote-workspaces";
-pub const PROJECTS: &str = "projects";
+pub use common::layout::{PROJECTS, REMOTE_WORKSPACES};
 
 /// Names runnerd or the API keep in a workspace's parent (or the data directory): never a
 /// workspace, a key segment or a part of a workspace path. The published skill packages
