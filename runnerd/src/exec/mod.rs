@@ -663,8 +663,7 @@ async fn sandbox_run(
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
     };
-    let pinned_root = crate::fsat::fd_dir_path(root_fd);
-    let before = match files::check(measure(&pinned_root).await, p.max_workspace) {
+    let before = match files::check(files::measure_blocking(root_fd).await, p.max_workspace) {
         Ok(m) => m.prints,
         Err(breach) => {
             audit.finished("workspace_quota_exceeded_before_run", None, None, None);
@@ -793,7 +792,7 @@ async fn sandbox_run(
         }
     }
     let watchdog = tokio::spawn(watch_for_stop(
-        pinned_root.clone(),
+        root_fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?,
         p.max_workspace,
         cancel,
         stop_tx,
@@ -833,7 +832,7 @@ async fn sandbox_run(
         }
     };
 
-    let after = measure(&pinned_root).await;
+    let after = files::measure_blocking(root_fd).await;
     let finish = |outcome_name: &str, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
@@ -918,19 +917,10 @@ pub async fn gone(client_gone: &mut watch::Receiver<bool>) {
     }
 }
 
-/// One quota walk on the blocking pool; a walk that could not run fails closed.
-async fn measure(root: &std::path::Path) -> files::Measured {
-    let root = root.to_owned();
-    tokio::task::spawn_blocking(move || files::measure(&root)).await.unwrap_or_else(|e| files::Measured {
-        unreadable: Some(files::Unreadable { path: ".".into(), error: std::io::Error::other(e.to_string()) }),
-        ..Default::default()
-    })
-}
-
 /// Ends the run when the client goes away or the workspace outgrows its quota (measured
 /// every [`QUOTA_POLL`] or the last walk's duration, one measurement at a time).
 async fn watch_for_stop(
-    root: PathBuf,
+    root: std::os::fd::OwnedFd,
     max_workspace: u64,
     mut client_gone: watch::Receiver<bool>,
     stop: watch::Sender<bool>,
@@ -944,7 +934,7 @@ async fn watch_for_stop(
         loop {
             tokio::time::sleep(pause).await;
             let walk = Instant::now();
-            if let Err(breach) = files::check(measure(&root).await, max_workspace) {
+            if let Err(breach) = files::check(files::measure_blocking(&root).await, max_workspace) {
                 return breach;
             }
             pause = QUOTA_POLL.max(walk.elapsed());
