@@ -36,7 +36,7 @@ pub enum RemoteError {
     /// Node's message for a missing file, which the original passes through.
     #[error("ENOENT: no such file or directory, open '{}'", .0.display())]
     NotFound(PathBuf),
-    #[error("Could not {what} {}: {source}", path.display())]
+    #[error("Could not {what} {}", path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
