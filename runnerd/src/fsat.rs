@@ -97,6 +97,32 @@ pub fn open_or_create_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) ->
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `open(path, flags | O_CLOEXEC)` of an absolute path: where a walk starts (the data
+/// directory, a store's own directory), never a name below a workspace.
+pub fn open_path(path: &std::path::Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+    let c = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: open(2) of a NUL-terminated path; the result is checked.
+    let fd = cvt(unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) })?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `renameat(dir, from, dir, to)`: replaces `to` (never following a symlink at either name).
+pub fn rename_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
+    // SAFETY: renameat between NUL-terminated names in one directory descriptor we own.
+    cvt(unsafe { libc::renameat(dir.as_raw_fd(), from.as_ptr(), dir.as_raw_fd(), to.as_ptr()) })?;
+    Ok(())
+}
+
+/// `linkat(dir, from, dir, to, 0)`: a second name, never replacing one (`EEXIST`); without
+/// `AT_SYMLINK_FOLLOW` a symlink at `from` is linked itself, never its target.
+pub fn link_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
+    // SAFETY: linkat between NUL-terminated names in one directory descriptor we own.
+    cvt(unsafe { libc::linkat(dir.as_raw_fd(), from.as_ptr(), dir.as_raw_fd(), to.as_ptr(), 0) })?;
+    Ok(())
+}
+
 /// `mkdirat(dir, name, mode)`; an existing entry (of any kind) is `AlreadyExists`.
 pub fn mkdir_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
     // SAFETY: mkdirat relative to a directory descriptor we own, NUL-terminated name.
@@ -135,12 +161,10 @@ pub fn readlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 256];
     loop {
         // SAFETY: readlinkat writes at most `buf.len()` bytes into `buf`.
-        let n =
-            unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let n = n as usize;
+        let n = cvt(unsafe {
+            libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        })?;
+        let n = n.unsigned_abs();
         if n < buf.len() {
             buf.truncate(n);
             return Ok(buf);

@@ -158,7 +158,7 @@ fn rename_noreplace(dir: &OwnedFd, from: &CStr, to: &CStr) -> io::Result<bool> {
             libc::RENAME_NOREPLACE,
         )
     };
-    match common::sys::cvt(r as libc::c_int) {
+    match common::sys::cvt(r) {
         Ok(_) => Ok(true),
         Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST | libc::ENOTEMPTY)) => Ok(false),
         Err(e) => Err(e),
