@@ -312,19 +312,12 @@ pub fn list(root: &OwnedFd, selection: Option<&[Vec<&str>]>) -> Result<Vec<Liste
     Ok(out)
 }
 
-/// Empties the workspace directory (the directory itself stays). Never follows a symlink:
-/// links are removed, not their targets.
+/// Empties the workspace directory (the directory itself stays), by descriptor
+/// ([`fsat::remove_tree_at`]). Never follows a symlink: links are removed, not their targets.
 pub fn clear(root: &OwnedFd) -> Result<(), RemoteError> {
-    let base = fsat::fd_dir_path(root);
-    let io_err = |e| RemoteError::Io { what: "clear", path: base.clone(), source: e };
-    for entry in std::fs::read_dir(&base).map_err(io_err)?.flatten() {
-        let path = base.join(entry.file_name());
-        let meta = std::fs::symlink_metadata(&path).map_err(io_err)?;
-        if meta.file_type().is_dir() {
-            std::fs::remove_dir_all(&path).map_err(io_err)?;
-        } else {
-            std::fs::remove_file(&path).map_err(io_err)?;
-        }
+    let io_err = |e| RemoteError::Io { what: "clear", path: fsat::fd_dir_path(root), source: e };
+    for (_, name) in fsat::names(root).map_err(io_err)? {
+        fsat::remove_tree_at(root, &name).map_err(io_err)?;
     }
     Ok(())
 }
