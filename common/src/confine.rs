@@ -130,10 +130,7 @@ pub fn deny_program(denied: Vec<i64>) -> Result<seccompiler::BpfProgram, seccomp
 pub fn set_no_new_privs() -> std::io::Result<()> {
     // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) takes no pointers and only sets a
     // process flag.
-    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    crate::sys::cvt(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
     Ok(())
 }
 

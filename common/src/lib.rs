@@ -58,3 +58,37 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// Whether `e`'s own message already contains its source's (`"...: {source}"`), which
+/// [`error_chain`] would then print twice. For tests over an error enum's variants: every
+/// module's enum keeps its message to itself and lets the chain add the cause.
+pub fn repeats_its_source(e: &dyn std::error::Error) -> bool {
+    e.source().is_some_and(|s| {
+        let inner = s.to_string();
+        !inner.is_empty() && e.to_string().contains(&inner)
+    })
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    enum Sample {
+        #[error("could not open {path}: {source}")]
+        Repeats { path: &'static str, source: std::io::Error },
+        #[error("could not open {path}")]
+        Chained { path: &'static str, source: std::io::Error },
+    }
+
+    #[test]
+    fn a_message_that_repeats_its_source_is_caught() {
+        let io = || std::io::Error::from_raw_os_error(libc::ENOENT);
+        let bad = Sample::Repeats { path: "/x", source: io() };
+        assert!(repeats_its_source(&bad));
+        let good = Sample::Chained { path: "/x", source: io() };
+        assert!(!repeats_its_source(&good));
+        assert_eq!(error_chain(&good), format!("could not open /x: {}", io()));
+        assert!(!repeats_its_source(&io()), "no source, nothing repeated");
+    }
+}

@@ -27,6 +27,13 @@ impl IsMinusOne for libc::c_long {
     }
 }
 
+/// `ssize_t`: `read`, `recv`, `send`, `splice`, `readlinkat`.
+impl IsMinusOne for isize {
+    fn is_minus_one(self) -> bool {
+        self == -1
+    }
+}
+
 /// Opens a pidfd for `pid` (Linux ≥ 5.3). The descriptor is close-on-exec.
 pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.

@@ -54,13 +54,14 @@ pub fn take_listen_fds() -> Vec<OwnedFd> {
         pid,
     );
     (0..n as RawFd)
-        .map(|i| {
+        .filter_map(|i| {
             let fd = LISTEN_FDS_START + i;
+            // A number that is not open (EBADF: LISTEN_FDS overstated) is not ours to own.
             // SAFETY: F_SETFD on a descriptor systemd passed us; no memory involved.
-            unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            crate::sys::cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) }).ok()?;
             // SAFETY: systemd passed ownership of fds 3..3+n to this process (LISTEN_PID
             // matched); each is wrapped exactly once.
-            unsafe { OwnedFd::from_raw_fd(fd) }
+            Some(unsafe { OwnedFd::from_raw_fd(fd) })
         })
         .collect()
 }

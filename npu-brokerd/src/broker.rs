@@ -573,9 +573,10 @@ async fn capture(
 
 fn signal_group(pgid: i32, signal: i32) {
     if pgid > 1 {
+        // Ignored: ESRCH means the whole group has already exited.
         // SAFETY: kill(2) with a negative pid addresses the job's own process group, which
         // the broker created for it (process_group(0)); no memory is involved.
-        unsafe { libc::kill(-pgid, signal) };
+        let _ = common::sys::cvt(unsafe { libc::kill(-pgid, signal) });
     }
 }
 

@@ -33,7 +33,7 @@ pub enum WhitelistError {
     Field { index: usize, message: String },
     #[error("workload id {0:?} appears more than once")]
     Duplicate(String),
-    #[error("workload {id}: {field}: {source}")]
+    #[error("workload {id}: {field}")]
     Template {
         id: String,
         field: String,
@@ -264,7 +264,7 @@ mod tests {
             ),
         ];
         for (text, want) in cases {
-            let err = parse(text).unwrap_err().to_string();
+            let err = common::error_chain(&parse(text).unwrap_err());
             assert!(err.contains(want), "{text}: {err}");
         }
     }

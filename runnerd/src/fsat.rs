@@ -97,6 +97,32 @@ pub fn open_or_create_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) ->
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `open(path, flags | O_CLOEXEC)` of an absolute path: where a walk starts (the data
+/// directory, a store's own directory), never a name below a workspace.
+pub fn open_path(path: &std::path::Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+    let c = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: open(2) of a NUL-terminated path; the result is checked.
+    let fd = cvt(unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) })?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `renameat(dir, from, dir, to)`: replaces `to` (never following a symlink at either name).
+pub fn rename_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
+    // SAFETY: renameat between NUL-terminated names in one directory descriptor we own.
+    cvt(unsafe { libc::renameat(dir.as_raw_fd(), from.as_ptr(), dir.as_raw_fd(), to.as_ptr()) })?;
+    Ok(())
+}
+
+/// `linkat(dir, from, dir, to, 0)`: a second name, never replacing one (`EEXIST`); without
+/// `AT_SYMLINK_FOLLOW` a symlink at `from` is linked itself, never its target.
+pub fn link_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
+    // SAFETY: linkat between NUL-terminated names in one directory descriptor we own.
+    cvt(unsafe { libc::linkat(dir.as_raw_fd(), from.as_ptr(), dir.as_raw_fd(), to.as_ptr(), 0) })?;
+    Ok(())
+}
+
 /// `mkdirat(dir, name, mode)`; an existing entry (of any kind) is `AlreadyExists`.
 pub fn mkdir_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
     // SAFETY: mkdirat relative to a directory descriptor we own, NUL-terminated name.
@@ -122,6 +148,62 @@ pub fn unlink_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
     Ok(())
 }
 
+/// `unlinkat(dir, name, AT_REMOVEDIR)`: removes an empty directory.
+pub fn rmdir_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
+    // SAFETY: unlinkat relative to a directory descriptor we own, NUL-terminated name.
+    cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) })?;
+    Ok(())
+}
+
+/// Removes `name` below `dir`, and when it is a directory everything in it, by descriptor:
+/// each level opened `O_DIRECTORY | O_NOFOLLOW` from its parent and listed once, anything
+/// else (a symlink included: removed, never followed) unlinked. No recursion, since a
+/// sandbox can nest directories deeper than a thread's stack; one descriptor per level.
+/// Entries that vanish meanwhile are not an error.
+pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
+    let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
+    let not_dir = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP));
+    let open_level = |parent: &dyn AsRawFd, name: &CStr| -> io::Result<Option<Level>> {
+        match open_dir_at(&parent.as_raw_fd(), name) {
+            Ok(fd) => {
+                let pending = names(&fd)?.into_iter().map(|(_, c)| c).collect();
+                Ok(Some(Level { fd, name: name.to_owned(), pending }))
+            }
+            Err(e) if not_dir(&e) => unlink_at(&parent.as_raw_fd(), name).map(|()| None),
+            Err(e) => Err(e),
+        }
+    };
+    struct Level {
+        fd: OwnedFd,
+        name: CString,
+        pending: Vec<CString>,
+    }
+    let mut stack: Vec<Level> = match open_level(dir, name) {
+        Ok(Some(top)) => vec![top],
+        Ok(None) => return Ok(()),
+        Err(e) if gone(&e) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    while let Some(level) = stack.last_mut() {
+        if let Some(child) = level.pending.pop() {
+            match open_level(&level.fd, &child) {
+                Ok(Some(sub)) => stack.push(sub),
+                Ok(None) => {}
+                Err(e) if gone(&e) => {}
+                Err(e) => return Err(e),
+            }
+            continue;
+        }
+        let done = stack.pop().expect("a level is on the stack");
+        let parent = stack.last().map_or(dir.as_raw_fd(), |l| l.fd.as_raw_fd());
+        match rmdir_at(&parent, &done.name) {
+            Err(e) if !gone(&e) => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// `dup` with close-on-exec.
 pub fn dup(fd: &impl AsRawFd) -> io::Result<OwnedFd> {
     // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own returns a new one or -1.
@@ -135,12 +217,10 @@ pub fn readlink_at(dir: &OwnedFd, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 256];
     loop {
         // SAFETY: readlinkat writes at most `buf.len()` bytes into `buf`.
-        let n =
-            unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let n = n as usize;
+        let n = cvt(unsafe {
+            libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        })?;
+        let n = n.unsigned_abs();
         if n < buf.len() {
             buf.truncate(n);
             return Ok(buf);
@@ -242,6 +322,33 @@ mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
     use std::path::Path;
+
+    #[test]
+    fn removing_a_tree_removes_links_not_their_targets() {
+        let dir = tempfile::tempdir().unwrap();
+        let (root, outside) = (dir.path().join("root"), dir.path().join("outside"));
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("keep"), "k").unwrap();
+        // Deeper than a recursive removal would like, with files, links and a FIFO on the way.
+        let mut deep = root.join("t");
+        for i in 0..300 {
+            deep.push(format!("d{i}"));
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("f"), "x").unwrap();
+        symlink(&outside, root.join("t/d0/out")).unwrap();
+        symlink(&outside, deep.join("out")).unwrap();
+        nix::unistd::mkfifo(&root.join("t/d0/fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .unwrap();
+        std::fs::write(root.join("plain"), "p").unwrap();
+        let fd =
+            open_at(&std::fs::File::open(&root).unwrap(), c".", libc::O_PATH | libc::O_DIRECTORY).unwrap();
+        remove_tree_at(&fd, c"t").unwrap();
+        remove_tree_at(&fd, c"plain").unwrap();
+        remove_tree_at(&fd, c"absent").unwrap();
+        assert!(std::fs::read_dir(&root).unwrap().next().is_none());
+        assert_eq!(std::fs::read_to_string(outside.join("keep")).unwrap(), "k");
+    }
 
     #[test]
     fn walking_beneath_never_follows_a_symlink_nor_climbs_out() {

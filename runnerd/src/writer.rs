@@ -26,10 +26,13 @@ pub const NO_BASELINE: &str = "Workspace has no committed baseline yet; retry af
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
-    #[error(transparent)]
-    Coordination(#[from] CoordError),
-    #[error(transparent)]
-    Version(#[from] VersionError),
+    // These two render their whole chain and expose no source: the API answers with
+    // `to_string()` of a `WriteError`, and that text (the lock or store error and what caused
+    // it, as before) must not lose its cause now that the inner messages no longer repeat it.
+    #[error("{}", crate::error_chain(.0))]
+    Coordination(CoordError),
+    #[error("{}", crate::error_chain(.0))]
+    Version(VersionError),
     #[error("{NO_BASELINE}")]
     NoBaseline,
     #[error("Invalid Workspace head kind")]
@@ -38,6 +41,18 @@ pub enum WriteError {
     Deleted,
     #[error("The version store task stopped unexpectedly: {0}")]
     Task(String),
+}
+
+impl From<CoordError> for WriteError {
+    fn from(e: CoordError) -> WriteError {
+        WriteError::Coordination(e)
+    }
+}
+
+impl From<VersionError> for WriteError {
+    fn from(e: VersionError) -> WriteError {
+        WriteError::Version(e)
+    }
 }
 
 impl WriteError {
@@ -338,7 +353,7 @@ impl Versions {
     pub fn poison(&self, root: &Path, cause: &dyn std::fmt::Display) {
         tracing::error!(event = "workspace_poisoned", workspace = %root.display(), error = %cause);
         if let Err(e) = self.lifecycle.poison(root) {
-            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %e);
+            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %crate::error_chain(&e));
         }
     }
 
@@ -398,7 +413,7 @@ impl Versions {
                 Ok(Some(a)) => a,
                 Ok(None) => continue,
                 Err(e) => {
-                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %e);
+                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %crate::error_chain(&e));
                     continue;
                 }
             };
@@ -411,7 +426,7 @@ impl Versions {
                 Ok(Some(lease)) => lease,
                 Ok(None) => continue,
                 Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %crate::error_chain(&e));
                     continue;
                 }
             };
@@ -582,6 +597,30 @@ async fn blocking_retry<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_say_their_cause_once_and_the_writer_answers_with_the_chain() {
+        let io = || std::io::Error::from_raw_os_error(libc::EACCES);
+        let version = VersionError::Io { action: "read", path: "/d/x".into(), source: io() };
+        let coord = CoordError::Io { what: "open", name: "the lock".into(), source: io() };
+        let remote = crate::remote::files::RemoteError::Io { what: "list", path: "/w".into(), source: io() };
+        let db = crate::managed::db::DbError::Dir { path: "/e".into(), source: io() };
+        let bwrap = crate::sandbox::preflight::PreflightError::Unrunnable { path: "/b".into(), source: io() };
+        let all: [&dyn std::error::Error; 5] = [&version, &coord, &remote, &db, &bwrap];
+        for e in all {
+            assert!(!common::repeats_its_source(e), "{e}");
+            assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
+        }
+        // The API answers with a WriteError's text: the store's or the lock's error and its
+        // cause, once, whichever way it is printed.
+        let want = format!("could not read /d/x: {}", io());
+        assert_eq!(crate::error_chain(&version), want);
+        let written = WriteError::from(version);
+        assert_eq!((written.to_string(), crate::error_chain(&written)), (want.clone(), want));
+        let written = WriteError::from(coord);
+        assert_eq!(written.to_string(), format!("Could not open the lock: {}", io()));
+        assert_eq!(crate::error_chain(&written), written.to_string());
+    }
 
     use crate::coordination::tests::free_for_another_process;
 

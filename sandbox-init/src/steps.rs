@@ -254,7 +254,8 @@ fn reset_signals() -> Result<(), InitFailure> {
     // SAFETY: an all-zero sigset_t is a valid buffer; sigemptyset initialises it.
     let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: initialises the set we own.
-    unsafe { libc::sigemptyset(&mut empty) };
+    cvt(unsafe { libc::sigemptyset(&mut empty) })
+        .map_err(|e| os_failure(InitStep::Signals, &e, "emptying a signal set"))?;
     // SAFETY: sets the mask from a valid set; single-threaded, so sigprocmask is the right call.
     cvt(unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) })
         .map_err(|e| os_failure(InitStep::Signals, &e, "unblocking signals"))?;
@@ -349,7 +350,9 @@ fn exec(plan: &LaunchPlan, channel: &UnixStream) -> InitFailure {
     }
     // SAFETY: program, argv and envp are NUL-terminated and outlive the call; execve only
     // returns on failure.
-    unsafe { libc::execve(program.as_ptr(), argv_ptrs.as_ptr(), envp.as_ptr()) };
-    let e = io::Error::last_os_error();
+    let e = match cvt(unsafe { libc::execve(program.as_ptr(), argv_ptrs.as_ptr(), envp.as_ptr()) }) {
+        Err(e) => e,
+        Ok(_) => io::Error::other("execve returned without an error"),
+    };
     os_failure(InitStep::Exec, &e, format!("could not execute {}: {e}", plan.program))
 }

@@ -160,6 +160,31 @@ async fn an_unlistable_directory_does_not_hide_its_contents() {
     assert_eq!(r.status, 200, "{}", r.json());
 }
 
+/// Issue #18: the quota poll (every 25 ms during the run), the post-check and
+/// `createdFiles` walk by descriptor, so a directory a sandbox swaps for a symlink to a big
+/// host directory (`/usr`, gigabytes on the host) between a walk's listing and its descent
+/// is never followed: the run stays under a 20 MB quota and nothing below the link is listed.
+#[tokio::test]
+async fn a_directory_swapped_for_a_symlink_during_a_run_is_never_followed() {
+    if !sandbox_or_skip("a_directory_swapped_for_a_symlink_during_a_run_is_never_followed") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let quota = 20_000_000;
+    let code = "for i in $(seq 1 300); do mkdir d && echo x > d/mine && rm -r d && ln -s /usr d && rm d; done; \
+                ln -s /usr d; echo done";
+    let r = run(&client, &in_key("t/swap", code, Some(quota))).await;
+    let body = r.json();
+    assert_eq!((r.status, body["stdout"].as_str()), (200, Some("done\n")), "{body}");
+    let created: Vec<&str> =
+        body["createdFiles"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(created.iter().all(|p| !p.starts_with("d/")), "nothing below the link: {created:?}");
+    // The next run sees the link as a link, and the quota still holds.
+    let r = run(&client, &in_key("t/swap", "test -L d && echo link", Some(quota))).await;
+    assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("link\n")), "{}", r.json());
+}
+
 /// Hole 6: a FIFO fails that run's commit, naming it, and leaves the workspace usable: the
 /// next run can remove it, and so can a DELETE.
 #[tokio::test]

@@ -10,6 +10,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::sys::cvt;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
 
@@ -45,7 +46,7 @@ impl Spliceable for UnixStream {
 fn splice(from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
     // SAFETY: both descriptors are open for the duration of the call (borrowed); null
     // offsets are what splice requires for pipes and sockets; no memory is passed.
-    let n = unsafe {
+    let n = cvt(unsafe {
         libc::splice(
             from.as_raw_fd(),
             std::ptr::null_mut(),
@@ -54,16 +55,17 @@ fn splice(from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: usize) -> io::Result<us
             len,
             libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
         )
-    };
-    if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+    })?;
+    Ok(n.unsigned_abs())
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
         .map_err(io::Error::from)?;
-    // Best effort: a bigger pipe means fewer wake-ups; the per-user pipe quota may refuse.
+    // Best effort: a bigger pipe means fewer wake-ups; the per-user pipe quota may refuse
+    // (EPERM), and the default size works.
     // SAFETY: F_SETPIPE_SZ takes an int argument and no memory.
-    let _ = unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, CHUNK as libc::c_int) };
+    let _ = cvt(unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, CHUNK as libc::c_int) });
     Ok((r, w))
 }
 
@@ -71,11 +73,10 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 fn recv(fd: BorrowedFd<'_>, buf: &mut Vec<u8>) -> io::Result<usize> {
     let spare = buf.spare_capacity_mut();
     // SAFETY: `spare` is valid for writes of `spare.len()` bytes for the duration of the call.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len(), libc::MSG_DONTWAIT) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let n = n as usize;
+    let n = cvt(unsafe {
+        libc::recv(fd.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len(), libc::MSG_DONTWAIT)
+    })?
+    .unsigned_abs();
     // SAFETY: the kernel initialised the first `n` bytes of the spare capacity.
     unsafe { buf.set_len(buf.len() + n) };
     Ok(n)
@@ -83,23 +84,24 @@ fn recv(fd: BorrowedFd<'_>, buf: &mut Vec<u8>) -> io::Result<usize> {
 
 fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
     // SAFETY: `buf` is valid for reads of `buf.len()` bytes for the duration of the call.
-    let n = unsafe {
+    let n = cvt(unsafe {
         libc::send(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-    };
-    if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+    })?;
+    Ok(n.unsigned_abs())
 }
 
 fn shutdown_write(fd: BorrowedFd<'_>) {
+    // Ignored: ENOTCONN means the peer is already gone, and the relay ends either way.
     // SAFETY: shutdown on a socket we borrow; no memory is passed.
-    unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_WR) };
+    let _ = cvt(unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_WR) });
 }
 
 /// After a failure in one direction: end both sockets, so the other direction wakes up
 /// instead of waiting for the idle timeout.
 fn shutdown_both(a: BorrowedFd<'_>, b: BorrowedFd<'_>) {
     for fd in [a, b] {
-        // SAFETY: shutdown on a socket we borrow; no memory is passed.
-        unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+        // SAFETY: shutdown on a socket we borrow; no memory is passed. Ignored as above.
+        let _ = cvt(unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) });
     }
 }
 

@@ -21,8 +21,8 @@ pub const PROXY_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum DialError {
     #[error("no connection within {0:?}")]
     Timeout(Duration),
-    #[error("{0}")]
-    Connect(#[source] std::io::Error),
+    #[error(transparent)]
+    Connect(std::io::Error),
     #[error("the outbound proxy's name could not be resolved")]
     ProxyName,
     #[error("the outbound proxy did not answer the CONNECT within {0:?}")]

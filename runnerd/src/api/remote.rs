@@ -41,7 +41,7 @@ fn remote_err(e: RemoteError) -> ApiError {
         RemoteError::NotFound(_) => "file_not_found",
         RemoteError::Io { .. } => "workspace_io",
     };
-    ApiError::bad_request(code, e.to_string())
+    ApiError::bad_request(code, crate::error_chain(&e))
 }
 
 fn write_err(e: WriteError) -> ApiError {
@@ -236,7 +236,7 @@ pub async fn put_file(
         UploadError::TooLarge(limit) => {
             ApiError::bad_request("body_too_large", format!("Request body exceeds the {limit} byte limit"))
         }
-        other => ApiError::bad_request("upload_failed", other.to_string()),
+        other => ApiError::bad_request("upload_failed", crate::error_chain(&other)),
     })?;
     if let Some(d) = declared
         && (staged.size != d.size || staged.sha256.as_bytes() != d.sha256)
@@ -259,7 +259,7 @@ pub async fn put_file(
         }
         if max > 0 {
             // A directory the walk cannot read counts as over the quota (fail closed).
-            let m = crate::exec::files::measure(&crate::fsat::fd_dir_path(&fd));
+            let m = crate::exec::files::measure(std::os::fd::AsFd::as_fd(&fd));
             let used = if m.unreadable.is_some() { u64::MAX } else { m.bytes };
             if used.saturating_sub(replaced).saturating_add(staged.size) > max {
                 return Err(remote_err(RemoteError::Quota));
@@ -319,7 +319,7 @@ pub async fn snapshot(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiErr
         let store = versions.store();
         let files = store
             .snapshot_files(&tree, selection.as_deref())
-            .map_err(|e| ApiError::bad_request("invalid_snapshot_path", e.to_string()))?;
+            .map_err(|e| ApiError::bad_request("invalid_snapshot_path", crate::error_chain(&e)))?;
         let value = versioning::export_value(&key, &tree, &files, &captured_at);
         let (id, _) = versions.put_export(value).map_err(write_err)?;
         Ok((id, files))
@@ -367,14 +367,14 @@ pub async fn snapshot_file(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<
             .and_then(|f| f.get("content"))
             .map(Ref::from_value)
             .transpose()
-            .map_err(|e| ApiError::bad_request("snapshot_corrupt", e.to_string()))?
+            .map_err(|e| ApiError::bad_request("snapshot_corrupt", crate::error_chain(&e)))?
             .ok_or_else(|| {
                 ApiError::bad_request("file_not_selected", "File was not selected in this Workspace snapshot")
             })?;
         versions
             .store()
             .open_reader(&content)
-            .map_err(|e| ApiError::bad_request("snapshot_corrupt", e.to_string()))
+            .map_err(|e| ApiError::bad_request("snapshot_corrupt", crate::error_chain(&e)))
     })
     .await?;
     Ok(ApiResponse { status: 200, body: String::new(), download: Some(Download::from_reader(reader, None)) })

@@ -140,9 +140,9 @@ pub enum UploadError {
     TooLarge(u64),
     #[error("Upload stalled: no data for {} s", UPLOAD_IDLE.as_secs())]
     Stalled,
-    #[error("Upload could not be read: {0}")]
+    #[error("Upload could not be read")]
     Read(#[source] hyper::Error),
-    #[error("Could not stage the upload in {}: {source}", path.display())]
+    #[error("Could not stage the upload in {}", path.display())]
     Stage {
         path: PathBuf,
         #[source]

@@ -52,14 +52,14 @@ pub enum CoordError {
     Retired,
     #[error("{ABORTED}")]
     Aborted,
-    #[error("Could not use the workspace lock database {name}: {source}")]
+    #[error("Could not use the workspace lock database {name}")]
     Sqlite {
         /// Relative to the workspace's parent (or the data directory): never a host path.
         name: String,
         #[source]
         source: rusqlite::Error,
     },
-    #[error("Could not {what} {name}: {source}")]
+    #[error("Could not {what} {name}")]
     Io {
         what: &'static str,
         name: String,

@@ -12,9 +12,7 @@
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::io;
-use std::os::fd::OwnedFd;
-use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::rc::Rc;
 
 use serde_json::{Value, json};
@@ -109,23 +107,40 @@ pub fn check(m: Measured, limit: u64) -> Result<Measured, Breach> {
     Ok(m)
 }
 
-/// Walks `root` by descriptor without following symlinks; never fails (what it could not
-/// read is in [`Measured::unreadable`]). Entries that vanish mid-walk (a running sandbox
-/// deleting them) are simply not there.
-pub fn measure(root: &Path) -> Measured {
-    let mut m = Measured::default();
-    let root = match CString::new(root.as_os_str().as_bytes()) {
-        Ok(c) => c,
-        Err(_) => {
-            m.fail("", io::Error::from_raw_os_error(libc::EINVAL));
-            return m;
-        }
+/// Walks the workspace directory `root` (the descriptor runnerd pinned, `O_PATH` or not)
+/// without ever resolving a path: the root is reopened as `.` relative to it, and every
+/// level below with `openat(O_DIRECTORY | O_NOFOLLOW)` relative to its parent, each entry
+/// classified by `fstatat(AT_SYMLINK_NOFOLLOW)` ([`fsat`]). So a sandbox that swaps a
+/// directory for a symlink between the listing and the descent (this walk runs every
+/// [`QUOTA_POLL`](super::QUOTA_POLL) while code runs) makes the open fail (`ELOOP`/`ENOTDIR`)
+/// and the walk skips the name: what the symlink points at is never counted nor listed.
+/// Never fails (what it could not read is in [`Measured::unreadable`]). Entries that vanish
+/// mid-walk (a running sandbox deleting them) are simply not there.
+pub fn measure(root: BorrowedFd<'_>) -> Measured {
+    walk(root, &mut |_| {})
+}
+
+/// [`measure`] on the blocking pool (it makes a syscall per entry), on a duplicate of `root`
+/// that the walk owns; a walk that could not start or run fails closed.
+pub async fn measure_blocking(root: &OwnedFd) -> Measured {
+    let unreadable =
+        |error| Measured { unreadable: Some(Unreadable { path: ".".into(), error }), ..Default::default() };
+    let root = match root.try_clone() {
+        Ok(fd) => fd,
+        Err(e) => return unreadable(e),
     };
-    // SAFETY: open(2) of a NUL-terminated path; the result is checked.
-    let fd = unsafe { libc::open(root.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
-    let root = match common::sys::cvt(fd) {
-        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        Ok(fd) => unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+    tokio::task::spawn_blocking(move || measure(root.as_fd()))
+        .await
+        .unwrap_or_else(|e| unreadable(io::Error::other(e.to_string())))
+}
+
+/// [`measure`], calling `listed` with each directory's relative path right after its names
+/// were read and before anything below it is opened: the seam a test uses to swap a
+/// directory for a symlink at exactly the moment a racing sandbox would.
+fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
+    let mut m = Measured::default();
+    let root = match fsat::open_dir_at(&root, c".") {
+        Ok(fd) => fd,
         Err(e) => {
             m.fail("", e);
             return m;
@@ -135,13 +150,20 @@ pub fn measure(root: &Path) -> Measured {
     // are shared, so a depth-first walk holds about one descriptor per level.
     let mut stack: Vec<(Rc<OwnedFd>, CString, String, usize)> = Vec::new();
     list(&Rc::new(root), "", 0, &mut m, &mut stack);
+    listed("");
     while let Some((parent, name, rel, depth)) = stack.pop() {
         if depth > MAX_WALK_DEPTH {
             m.fail(&rel, io::Error::other(format!("nests directories deeper than {MAX_WALK_DEPTH} levels")));
             continue;
         }
+        // No (dev, ino) comparison with the listing's stat: the open is relative to the
+        // parent and follows nothing, so whatever directory it finds is in the workspace
+        // (a rename since the listing), and counting what is there now is right.
         match fsat::open_dir_at(&parent, &name) {
-            Ok(dir) => list(&Rc::new(dir), &rel, depth, &mut m, &mut stack),
+            Ok(dir) => {
+                list(&Rc::new(dir), &rel, depth, &mut m, &mut stack);
+                listed(&rel);
+            }
             // Gone, or swapped for a symlink or a file since it was listed: nothing to count.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)) => {}
             Err(e) => m.fail(&rel, e),
@@ -231,8 +253,11 @@ mod tests {
     use std::fs;
     use std::os::unix::fs::PermissionsExt;
 
+    use std::path::Path;
+
     fn walk(root: &Path) -> Measured {
-        measure(root)
+        let dir = fs::File::open(root).unwrap();
+        measure(dir.as_fd())
     }
 
     #[test]
@@ -267,6 +292,56 @@ mod tests {
         let (created, modified) = changes(&before.prints, &after.prints);
         assert_eq!(created, ["new.txt"]);
         assert_eq!(modified, ["a/b/one.txt"]);
+    }
+
+    #[test]
+    fn a_directory_swapped_for_a_symlink_mid_walk_is_not_followed() {
+        let t = tempfile::tempdir().unwrap();
+        let (ws, outside) = (t.path().join("ws"), t.path().join("outside"));
+        fs::create_dir_all(ws.join("sub")).unwrap();
+        fs::write(ws.join("sub/mine"), "1").unwrap();
+        fs::write(ws.join("top"), "22").unwrap();
+        fs::create_dir_all(outside.join("deep")).unwrap();
+        fs::write(outside.join("big"), vec![7u8; 1 << 20]).unwrap();
+        fs::write(outside.join("deep/also"), "x").unwrap();
+        let swap = || {
+            fs::remove_dir_all(ws.join("sub")).unwrap();
+            std::os::unix::fs::symlink(&outside, ws.join("sub")).unwrap();
+        };
+        // The pinned workspace descriptor is `O_PATH`, as runnerd's is.
+        let pinned =
+            fsat::open_at(&fs::File::open(&ws).unwrap(), c".", libc::O_PATH | libc::O_DIRECTORY).unwrap();
+        let mut swaps = 0;
+        let m = super::walk(pinned.as_fd(), &mut |rel| {
+            if rel.is_empty() {
+                // "sub" was listed as a directory; a racing sandbox makes it a symlink to a
+                // big host directory before the walk descends.
+                swap();
+                swaps += 1;
+            }
+        });
+        assert_eq!(swaps, 1);
+        assert!(
+            fs::metadata(ws.join("sub/big")).is_ok(),
+            "a walk by path would now reach the host directory"
+        );
+        assert!(m.unreadable.is_none(), "{:?}", m.unreadable);
+        assert_eq!(m.prints.keys().collect::<Vec<_>>(), ["top"], "nothing below the symlink is listed");
+        assert!(m.bytes < 1 << 20, "the host file is not counted: {}", m.bytes);
+        // Walked again, the symlink is seen as one and skipped too.
+        let again = measure(pinned.as_fd());
+        assert_eq!(again.prints.keys().collect::<Vec<_>>(), ["top"]);
+        assert_eq!(again.bytes, m.bytes);
+    }
+
+    #[test]
+    fn a_root_that_is_not_a_directory_is_unreadable() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "x").unwrap();
+        let file = fs::File::open(t.path().join("f")).unwrap();
+        let m = measure(file.as_fd());
+        let u = m.unreadable.expect("fails closed");
+        assert_eq!((u.path.as_str(), u.error.raw_os_error()), (".", Some(libc::ENOTDIR)));
     }
 
     #[test]

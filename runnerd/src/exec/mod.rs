@@ -737,8 +737,7 @@ async fn sandbox_run(
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
     };
-    let pinned_root = crate::fsat::fd_dir_path(root_fd);
-    let before = match files::check(measure(&pinned_root).await, p.max_workspace) {
+    let before = match files::check(files::measure_blocking(root_fd).await, p.max_workspace) {
         Ok(m) => m.prints,
         Err(breach) => {
             audit.finished("workspace_quota_exceeded_before_run", None, None, None);
@@ -797,7 +796,11 @@ async fn sandbox_run(
     launch.stdin = p.code.clone().into_bytes();
     launch.timeout = (p.timeout_ms > 0).then(|| Duration::from_millis(p.timeout_ms));
     launch.cancel = Some(stop.watch());
-    let watchdog = tokio::spawn(quota_watchdog(pinned_root.clone(), p.max_workspace, stop.clone()));
+    let watchdog = tokio::spawn(quota_watchdog(
+        root_fd.try_clone().map_err(EngineError::internal)?,
+        p.max_workspace,
+        stop.clone(),
+    ));
     audit.started();
     let launched = Instant::now();
 
@@ -828,7 +831,7 @@ async fn sandbox_run(
         }
     };
 
-    let after = measure(&pinned_root).await;
+    let after = files::measure_blocking(root_fd).await;
     let finish = |outcome_name: &str, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
@@ -896,18 +899,9 @@ async fn sandbox_run(
     })
 }
 
-/// One quota walk on the blocking pool; a walk that could not run fails closed.
-async fn measure(root: &std::path::Path) -> files::Measured {
-    let root = root.to_owned();
-    tokio::task::spawn_blocking(move || files::measure(&root)).await.unwrap_or_else(|e| files::Measured {
-        unreadable: Some(files::Unreadable { path: ".".into(), error: std::io::Error::other(e.to_string()) }),
-        ..Default::default()
-    })
-}
-
 /// Stops the run when the workspace outgrows its quota (measured every [`QUOTA_POLL`] or
 /// the last walk's duration, one measurement at a time).
-async fn quota_watchdog(root: PathBuf, max_workspace: u64, stop: StopToken) {
+async fn quota_watchdog(root: OwnedFd, max_workspace: u64, stop: StopToken) {
     if max_workspace == 0 {
         return;
     }
@@ -915,7 +909,7 @@ async fn quota_watchdog(root: PathBuf, max_workspace: u64, stop: StopToken) {
     loop {
         tokio::time::sleep(pause).await;
         let walk = Instant::now();
-        if let Err(breach) = files::check(measure(&root).await, max_workspace) {
+        if let Err(breach) = files::check(files::measure_blocking(&root).await, max_workspace) {
             stop.stop(StopReason::Quota(breach));
             return;
         }

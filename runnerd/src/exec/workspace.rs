@@ -11,7 +11,7 @@
 use std::ffi::OsStr;
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
@@ -109,11 +109,7 @@ fn data_unavailable(e: &io::Error) -> EngineError {
 /// `realpath(dataDir)` and an `O_PATH` descriptor of it.
 fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), EngineError> {
     let real = fs::canonicalize(data_dir).map_err(|e| data_unavailable(&e))?;
-    let c = std::ffi::CString::new(real.as_os_str().as_bytes())
-        .map_err(|_| data_unavailable(&io::Error::from_raw_os_error(libc::EINVAL)))?;
-    // SAFETY: opens a path as a new descriptor; the result is checked.
-    let fd = cvt_fd(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })
-        .map_err(|e| data_unavailable(&e))?;
+    let fd = fsat::open_path(&real, libc::O_PATH | libc::O_DIRECTORY).map_err(|e| data_unavailable(&e))?;
     Ok((real, fd))
 }
 
@@ -150,9 +146,8 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
                 ));
             }
         };
-        // SAFETY: openat relative to a directory descriptor we own; O_NOFOLLOW refuses a symlink.
-        dir = cvt_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW) })
-            .map_err(|_| symlinked())?;
+        // O_NOFOLLOW refuses a symlink.
+        dir = fsat::open_at(&dir, &name, flags | libc::O_NOFOLLOW).map_err(|_| symlinked())?;
         if made && segment != REMOTE_WORKSPACES {
             owner.hand_over(dir.as_fd()).map_err(|e| {
                 EngineError::invalid(
@@ -316,12 +311,6 @@ pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, EngineError
         return Err(escaped());
     }
     fsat::walk_beneath(&data_fd, rel.components()).map(|(fd, _)| fd).map_err(|_| escaped())
-}
-
-fn cvt_fd(fd: libc::c_int) -> io::Result<OwnedFd> {
-    let fd = common::sys::cvt(fd)?;
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 #[cfg(test)]

@@ -69,13 +69,13 @@ pub fn is_terminal(state: &str) -> bool {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("The execution database {} failed: {source}", path.display())]
+    #[error("The execution database {} failed", path.display())]
     Sqlite {
         path: PathBuf,
         #[source]
         source: rusqlite::Error,
     },
-    #[error("Could not create the execution directory {}: {source}", path.display())]
+    #[error("Could not create the execution directory {}", path.display())]
     Dir {
         path: PathBuf,
         #[source]
@@ -199,7 +199,7 @@ impl ExecutionsDb {
             });
         match first {
             Err(e) if e.is_damage() => {
-                let reason = e.to_string();
+                let reason = crate::error_chain(&e);
                 let stamp = now_iso.replace([':', '.'], "-");
                 let moved = set_aside(&path, &stamp)?;
                 let db = ExecutionsDb { conn: Mutex::new(Self::connect(&path)?), path };

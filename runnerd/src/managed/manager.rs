@@ -165,7 +165,7 @@ async fn db_do<T: Send + 'static>(
 ) -> Result<T, ManagedError> {
     let db = db.clone();
     match tokio::task::spawn_blocking(move || f(&db)).await {
-        Ok(r) => r.map_err(internal),
+        Ok(r) => r.map_err(|e| internal(crate::error_chain(&e))),
         Err(e) => Err(internal(e)),
     }
 }
@@ -819,7 +819,7 @@ async fn flush_logs(db: Arc<ExecutionsDb>, id: String, live: LiveLogs) {
             Ok((rows, Ok(()))) => next_cursor += rows.len() as u64,
             Ok((rows, Err(e))) => {
                 // Kept for the next flush, in order: cursors stay gapless.
-                tracing::error!(event = "execution_log_failed", execution_id = %id, error = %e, rows = rows.len());
+                tracing::error!(event = "execution_log_failed", execution_id = %id, error = %crate::error_chain(&e), rows = rows.len());
                 let mut s = state.0.lock().unwrap_or_else(|p| p.into_inner());
                 s.pending_bytes += rows.iter().map(|r| r.text.len()).sum::<usize>();
                 s.pending.splice(0..0, rows);

@@ -7,7 +7,7 @@ use std::fs::{File, Metadata};
 
 use crate::fsat::{self, Stat};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::sandbox::user::Identity;
 use std::path::{Path, PathBuf};
@@ -36,7 +36,7 @@ pub enum RemoteError {
     /// Node's message for a missing file, which the original passes through.
     #[error("ENOENT: no such file or directory, open '{}'", .0.display())]
     NotFound(PathBuf),
-    #[error("Could not {what} {}: {source}", path.display())]
+    #[error("Could not {what} {}", path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
@@ -110,20 +110,19 @@ pub fn parent_for_write(root: &OwnedFd, parents: &[&str], owner: &Identity) -> R
     })?;
     for seg in parents {
         let name = cname(seg).map_err(|_| RemoteError::ParentNotDir)?;
-        // SAFETY: mkdirat relative to a directory descriptor we own.
-        let made = unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o777) };
-        if made == -1 {
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::AlreadyExists {
+        let made = match fsat::mkdir_at(&dir, &name, 0o777) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+            Err(e) => {
                 return Err(RemoteError::Io {
                     what: "create the directory",
                     path: fsat::fd_dir_path(&dir).join(seg),
                     source: e,
                 });
             }
-        }
+        };
         dir = openat(&dir, seg, DIR_FLAGS).map_err(|_| RemoteError::ParentNotDir)?;
-        if made == 0 {
+        if made {
             owner.hand_over(dir.as_fd()).map_err(|e| RemoteError::Io {
                 what: "hand to the sandbox user",
                 path: fsat::fd_dir_path(&dir),
@@ -177,17 +176,13 @@ pub fn publish(
     let cleanup = TempName(tmp_path.clone());
     let (tmp_c, name_c) =
         (cname(&tmp).map_err(|e| io_err("name", e))?, cname(name).map_err(|e| io_err("name", e))?);
-    let fd = parent.as_raw_fd();
-    let rc = if overwrite {
-        // SAFETY: renameat between names in one directory descriptor we own.
-        unsafe { libc::renameat(fd, tmp_c.as_ptr(), fd, name_c.as_ptr()) }
+    let published = if overwrite {
+        fsat::rename_at(parent, &tmp_c, &name_c)
     } else {
-        // SAFETY: linkat between names in one directory descriptor we own; no flags, so a
-        // symlink at the source is never followed (the source is our own regular file).
-        unsafe { libc::linkat(fd, tmp_c.as_ptr(), fd, name_c.as_ptr(), 0) }
+        // No clobber; the source is our own regular file.
+        fsat::link_at(parent, &tmp_c, &name_c)
     };
-    if rc == -1 {
-        let e = io::Error::last_os_error();
+    if let Err(e) = published {
         return Err(match e.raw_os_error() {
             Some(libc::EEXIST) => RemoteError::Exists,
             Some(libc::EISDIR) | Some(libc::ENOTDIR) => RemoteError::NotRegular,
@@ -317,19 +312,12 @@ pub fn list(root: &OwnedFd, selection: Option<&[Vec<&str>]>) -> Result<Vec<Liste
     Ok(out)
 }
 
-/// Empties the workspace directory (the directory itself stays). Never follows a symlink:
-/// links are removed, not their targets.
+/// Empties the workspace directory (the directory itself stays), by descriptor
+/// ([`fsat::remove_tree_at`]). Never follows a symlink: links are removed, not their targets.
 pub fn clear(root: &OwnedFd) -> Result<(), RemoteError> {
-    let base = fsat::fd_dir_path(root);
-    let io_err = |e| RemoteError::Io { what: "clear", path: base.clone(), source: e };
-    for entry in std::fs::read_dir(&base).map_err(io_err)?.flatten() {
-        let path = base.join(entry.file_name());
-        let meta = std::fs::symlink_metadata(&path).map_err(io_err)?;
-        if meta.file_type().is_dir() {
-            std::fs::remove_dir_all(&path).map_err(io_err)?;
-        } else {
-            std::fs::remove_file(&path).map_err(io_err)?;
-        }
+    let io_err = |e| RemoteError::Io { what: "clear", path: fsat::fd_dir_path(root), source: e };
+    for (_, name) in fsat::names(root).map_err(io_err)? {
+        fsat::remove_tree_at(root, &name).map_err(io_err)?;
     }
     Ok(())
 }
@@ -342,15 +330,9 @@ mod tests {
     fn me() -> Identity {
         crate::sandbox::user::resolve(None, true).unwrap()
     }
-    use std::os::unix::ffi::OsStrExt;
 
     fn root(dir: &Path) -> OwnedFd {
-        let c = CString::new(dir.as_os_str().as_bytes()).unwrap();
-        // SAFETY: open(2) of a test directory; the result is checked.
-        let fd = unsafe { libc::open(c.as_ptr(), DIR_FLAGS | libc::O_CLOEXEC) };
-        assert!(fd >= 0, "open {}", dir.display());
-        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }
+        fsat::open_path(dir, DIR_FLAGS).unwrap_or_else(|e| panic!("open {}: {e}", dir.display()))
     }
 
     #[test]

@@ -27,7 +27,7 @@ const PROBE_OUTPUT_BYTES: u64 = 1 << 20;
 pub enum PreflightError {
     #[error("Could not execute bubblewrap at \"{path}\": spawn {path} {code}")]
     Missing { path: String, code: &'static str },
-    #[error("Could not execute bubblewrap at \"{path}\": {source}")]
+    #[error("Could not execute bubblewrap at \"{path}\"")]
     Unrunnable {
         path: String,
         #[source]
@@ -473,7 +473,7 @@ mod tests {
         );
         let e = resolve_bwrap("/nonexistent/bwrap", None).unwrap_err();
         assert_eq!(
-            e.to_string(),
+            crate::error_chain(&e),
             "Could not execute bubblewrap at \"/nonexistent/bwrap\": spawn /nonexistent/bwrap ENOENT"
         );
         let e = resolve_bwrap("no-such-bwrap", Some(OsStr::new("/usr/bin"))).unwrap_err();

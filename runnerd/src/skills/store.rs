@@ -158,7 +158,7 @@ fn rename_noreplace(dir: &OwnedFd, from: &CStr, to: &CStr) -> io::Result<bool> {
             libc::RENAME_NOREPLACE,
         )
     };
-    match common::sys::cvt(r as libc::c_int) {
+    match common::sys::cvt(r) {
         Ok(_) => Ok(true),
         Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST | libc::ENOTEMPTY)) => Ok(false),
         Err(e) => Err(e),
@@ -219,23 +219,9 @@ fn fchmod(fd: &OwnedFd, mode: libc::mode_t) -> io::Result<()> {
     common::sys::cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
-/// Removes a directory tree below `dir` by descriptor (a staging directory only runnerd
-/// writes); best effort.
+/// Removes a staging directory tree below `dir` by descriptor; best effort.
 fn remove_tree_at(dir: &OwnedFd, name: &CStr) -> io::Result<()> {
-    if let Ok(sub) = fsat::open_dir_at(dir, name) {
-        for (_, c) in fsat::names(&sub)? {
-            let st = Stat::at(&sub, &c)?;
-            if st.kind() == libc::S_IFDIR {
-                remove_tree_at(&sub, &c)?;
-            } else {
-                fsat::unlink_at(&sub, &c)?;
-            }
-        }
-        // SAFETY: unlinkat of a name relative to a descriptor we hold.
-        common::sys::cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) })?;
-        return Ok(());
-    }
-    fsat::unlink_at(dir, name)
+    fsat::remove_tree_at(dir, name)
 }
 
 /// Removes staging directories an interrupted post left (called once at start-up).

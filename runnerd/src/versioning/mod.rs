@@ -103,14 +103,14 @@ pub enum VersionError {
     SelectionPath(String),
     #[error("A snapshot selects at most 50 paths; {0} were given")]
     TooManyPaths(usize),
-    #[error("could not {action} {}: {source}", .path.display())]
+    #[error("could not {action} {}", .path.display())]
     Io {
         action: &'static str,
         path: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("could not {action} in the refs database {}: {source}", .path.display())]
+    #[error("could not {action} in the refs database {}", .path.display())]
     Sqlite {
         action: &'static str,
         path: PathBuf,

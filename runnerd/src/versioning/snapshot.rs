@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsString};
 use std::fs::{self, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
@@ -261,16 +261,10 @@ impl Store {
         if depth >= MAX_DEPTH {
             return Err(VersionError::TooDeep { limit: MAX_DEPTH, path: shown(rel) });
         }
-        let listing = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
-        let mut names = fs::read_dir(&listing)
-            .and_then(|entries| {
-                entries.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<OsString>>>()
-            })
-            .map_err(walk.err("read the directory", rel))?;
-        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        let mut names = crate::fsat::names(dir).map_err(walk.err("read the directory", rel))?;
+        names.sort_by(|(a, _), (b, _)| a.as_bytes().cmp(b.as_bytes()));
         let mut listed = Vec::with_capacity(names.len());
-        for name in names {
-            let cname = CString::new(name.as_bytes()).map_err(|_| VersionError::Changed)?;
+        for (name, cname) in names {
             let meta = Stat::at(dir, &cname).map_err(walk.err("inspect", &rel.join(&name)))?;
             listed.push((name, cname, meta));
         }

@@ -537,33 +537,24 @@ impl Store {
 
     /// `fstatat` of an object in its pool's blob directory (no path walk from `/`).
     fn stat_blob(&self, pool: Pool, hex: &str) -> Option<BlobStamp> {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::fd::AsRawFd;
         let slot = &self.blob_dir_fds[usize::from(pool == Pool::AgentState)];
         let dir = match slot.get() {
             Some(fd) => fd,
             None => {
-                let path =
-                    std::ffi::CString::new(self.blob_dir(pool).into_os_string().into_encoded_bytes()).ok()?;
-                // SAFETY: open(2) of our own blob directory; the result is checked.
                 let fd =
-                    unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
-                if fd < 0 {
-                    return None;
-                }
-                // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-                let _ = slot.set(unsafe { OwnedFd::from_raw_fd(fd) });
+                    crate::fsat::open_path(&self.blob_dir(pool), libc::O_PATH | libc::O_DIRECTORY).ok()?;
+                let _ = slot.set(fd);
                 slot.get()?
             }
         };
         let name = std::ffi::CString::new(hex).ok()?;
         let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
         // SAFETY: fstatat fills the buffer on success (checked); the name is NUL-terminated.
-        let rc = unsafe {
+        common::sys::cvt(unsafe {
             libc::fstatat(dir.as_raw_fd(), name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW)
-        };
-        if rc != 0 {
-            return None;
-        }
+        })
+        .ok()?;
         // SAFETY: initialised by the successful call above.
         let st = unsafe { st.assume_init() };
         ((st.st_mode & libc::S_IFMT) == libc::S_IFREG).then(|| raw_stamp(&st))
