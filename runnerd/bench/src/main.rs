@@ -3,7 +3,7 @@
 //! Cases (N launches of `/usr/bin/true` each, identical bwrap argv, seccomp program on
 //! fd 3 from a sealed memfd, info pipe on fd 4):
 //! * (a) bare bwrap, spawned directly by this process;
-//! * (b) through `sandbox-init` and the [`Launcher`](crate::launch::Launcher), as runnerd does;
+//! * (b) through `sandbox-init` and the [`Launcher`](runnerd::launch::Launcher), as runnerd does;
 //!
 //! each sequentially (a and b interleaved, so drift hits both alike) and with 2 parallel
 //! launchers; then through a real runnerd: (c) sequential signed `POST /execute-shell` of
@@ -11,6 +11,12 @@
 //! per case, executions per second, the ratios against bare bwrap, sandbox-init's peak RSS
 //! and runnerd's RSS idle and through concurrency 8.
 //! Figures, never pass/fail: tests do not time anything.
+
+mod limits;
+mod memory;
+mod metrics;
+mod output;
+mod versions;
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -26,10 +32,12 @@ use common::channel::{self, encode_frame};
 use common::plan::{LaunchPlan, PROTOCOL_VERSION};
 use common::seccomp::{self, Arch, Profile};
 
-use crate::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
-use crate::launch::{Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits};
-use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
-use crate::startup;
+use runnerd::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
+use runnerd::launch::{
+    Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits,
+};
+use runnerd::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
+use runnerd::startup;
 
 const USAGE: &str = "\
 runnerd-bench: figures in one run, never pass/fail (build with --release).
@@ -53,7 +61,11 @@ Usage:
                                         tuning, both in this run (default 500, 3000, 60)
 ";
 
-pub fn run() -> i32 {
+fn main() {
+    std::process::exit(run());
+}
+
+fn run() -> i32 {
     let mut iterations = 200usize;
     let mut versions = None;
     let mut limits = false;
@@ -125,9 +137,9 @@ pub fn run() -> i32 {
         Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
         None if memory.is_some() => {
             let (c, s, settle) = memory.expect("checked");
-            rt.block_on(crate::bench_memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
+            rt.block_on(crate::memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
         }
-        None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
+        None if limits => rt.block_on(crate::limits::bench(iterations)),
         None if metrics => rt.block_on(bench_metrics(iterations)),
         None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
@@ -171,7 +183,7 @@ pub(crate) async fn setup() -> anyhow::Result<Setup> {
     let workspace = scratch.join("projects/bench");
     std::fs::create_dir_all(&workspace).with_context(|| format!("creating {}", workspace.display()))?;
     let scratch = Scratch(scratch);
-    let mut config = crate::cli::sandbox_config_from_env(true)?;
+    let mut config = runnerd::cli::sandbox_config_from_env(true)?;
     config.data_dir = scratch.0.join("data");
     // As runnerd does before start-up (and searchable by a root start's sandbox user).
     std::fs::create_dir_all(&config.data_dir)?;
@@ -398,27 +410,27 @@ async fn bench_versions(files: usize, mib: u64, log_mb: u64) -> anyhow::Result<(
     let base = std::env::var_os("RUNNER_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/tmp".into());
     let scratch = Scratch(base.join(format!("runnerd-bench-versions-{}", std::process::id())));
     std::fs::create_dir_all(&scratch.0)?;
-    let size = crate::bench_versions::TreeSize { files, bytes: mib << 20 };
-    crate::bench_versions::commit_cost(&scratch.0, size).await?;
+    let size = crate::versions::TreeSize { files, bytes: mib << 20 };
+    crate::versions::commit_cost(&scratch.0, size).await?;
     drop(scratch);
     println!();
     let setup = setup().await?;
     let daemon = start_runnerd(setup.launcher.init_path())?;
     let client = RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN);
     let _ = client.raw("GET", "/health", &[], Vec::new()).await;
-    crate::bench_versions::log_throughput(&client, log_mb).await
+    crate::versions::log_throughput(&client, log_mb).await
 }
 
 /// runnerd's peak RSS during output floods (sandbox-init as for `versions`).
 async fn bench_output(mib: u64) -> anyhow::Result<()> {
     let setup = setup().await?;
-    crate::bench_output::bench(setup.launcher.init_path(), mib).await
+    crate::output::bench(setup.launcher.init_path(), mib).await
 }
 
 /// The cost of `GET /metrics` scrapes on execution latency (sandbox-init as for `versions`).
 async fn bench_metrics(n: usize) -> anyhow::Result<()> {
     let setup = setup().await?;
-    crate::bench_metrics::bench(setup.launcher.init_path(), n).await
+    crate::metrics::bench(setup.launcher.init_path(), n).await
 }
 
 /// A runnerd started from the binary next to this one, on an ephemeral port.
