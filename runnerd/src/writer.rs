@@ -230,12 +230,28 @@ impl Versions {
         id: Option<String>,
         completed: bool,
     ) -> Result<Ref, WriteError> {
+        self.commit_mutation_timed(writer, kind, id, completed).await.0
+    }
+
+    /// [`Versions::commit_mutation`], also saying how long its snapshot took (the rest was
+    /// the commit), for the execution's phase breakdown.
+    pub async fn commit_mutation_timed(
+        self: &Arc<Self>,
+        writer: &Writer,
+        kind: &str,
+        id: Option<String>,
+        completed: bool,
+    ) -> (Result<Ref, WriteError>, std::time::Duration) {
         let me = self.clone();
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
         let scope = writer.scope();
         let id = id.unwrap_or_else(new_uuid_v4);
+        let snapshot_took = Arc::new(Mutex::new(std::time::Duration::ZERO));
+        let took = snapshot_took.clone();
         let committed = blocking_retry(self.clone(), move || {
+            let started = std::time::Instant::now();
             let tree = me.snapshot_live(&dir, &scope)?;
+            *took.lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
             me.commit_mutation_record(&head, &tree, (Some(&id), &kind_owned, completed), Expected::Current)?;
             Ok(tree)
         })
@@ -243,7 +259,8 @@ impl Versions {
         if let Err(e) = &committed {
             self.fail_commit(&writer.root, e);
         }
-        committed
+        let snapshot = *snapshot_took.lock().unwrap_or_else(|p| p.into_inner());
+        (committed, snapshot)
     }
 
     /// Snapshots the workspace and commits a `WorkspaceExecution` as its head; returns the

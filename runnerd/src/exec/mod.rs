@@ -135,6 +135,8 @@ pub struct FinishAudit {
     written: AtomicBool,
     /// Where the end is also counted (`GET /metrics`), under this route.
     metrics: Option<(Arc<crate::metrics::Metrics>, &'static str)>,
+    /// The execution's phase marks (`runner_execution_phase_seconds`), when it keeps them.
+    clock: Option<crate::metrics::PhaseClock>,
 }
 
 impl FinishAudit {
@@ -154,6 +156,20 @@ impl FinishAudit {
             admitted: Instant::now(),
             written: AtomicBool::new(false),
             metrics: None,
+            clock: None,
+        }
+    }
+
+    /// Keeps the execution's phase marks on `clock` (see [`FinishAudit::mark`]).
+    pub fn clocked(mut self, clock: crate::metrics::PhaseClock) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// Charges the time since the previous mark to `phase` (nothing without a clock).
+    pub fn mark(&self, phase: crate::metrics::Phase) {
+        if let Some(c) = &self.clock {
+            c.mark(phase);
         }
     }
 
@@ -294,6 +310,8 @@ pub async fn execute(
     obj: Object,
     mut client_gone: watch::Receiver<bool>,
 ) -> Result<ExecutionResult, ApiError> {
+    use crate::metrics::Phase;
+    let clock = crate::metrics::PhaseClock::new();
     request::require_ephemeral(&obj)?;
     let language = request::language(route, &obj)?;
     request::check_fields(route, language, &obj)?;
@@ -326,6 +344,7 @@ pub async fn execute(
 
     let mut prepared = prepare(&app, language, root, read_only, &obj, execution_id, session_id, agent_id)?;
     attach_egress(&app, &mut prepared).await?;
+    clock.mark(Phase::Parse);
 
     let _ticket = ticket;
     let registration = app.registry.register(ActiveExecution {
@@ -346,7 +365,8 @@ pub async fn execute(
         &prepared.root,
         profile,
     )
-    .counted(&app.metrics, route.name());
+    .counted(&app.metrics, route.name())
+    .clocked(clock);
     audit.admitted(language_name(language), false);
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
@@ -361,6 +381,7 @@ pub async fn execute(
         held = app.admission.acquire(&prepared.session_id, &key, &prepared.root) => held,
         _ = gone(&mut client_gone) => return Err(abandoned()),
     };
+    audit.mark(Phase::Admit);
     // The cross-process writer lease (shared with the API process), inside our own queues;
     // `running` only once both are held.
     let pinned = workspace::open_beneath(&app.data_dir, &prepared.root).map_err(ended)?;
@@ -369,9 +390,11 @@ pub async fn execute(
         Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
         Err(e) => return Err(ended(ApiError::bad_request(e_code(&e), e.to_string()))),
     };
+    audit.mark(Phase::Lease);
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
     let ran = run_sandbox(&app, &prepared, &audit, started_at, None, client_gone, writer.pinned()).await;
+    audit.mark(Phase::Snapshot);
     if ran.as_ref().is_err_and(|e| e.code == UNRESPONSIVE) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
@@ -384,11 +407,14 @@ pub async fn execute(
     // never more than the quota is stored.
     writer.limit_snapshot_bytes(prepared.max_workspace);
     let commit_started = Instant::now();
-    let committed = app
+    let (committed, snapshot_took) = app
         .versions
-        .commit_mutation(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
+        .commit_mutation_timed(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
         .await;
     app.metrics.committed(committed.is_ok(), commit_started.elapsed());
+    if let Some(c) = &audit.clock {
+        c.split(Phase::Snapshot, snapshot_took, Phase::Commit);
+    }
     drop(writer);
     drop(running);
     drop(registration);
@@ -405,6 +431,10 @@ pub async fn execute(
     };
     let mut result = ran?;
     result.workspace_snapshot = Some(tree.to_value());
+    if let Some(c) = &audit.clock {
+        c.mark(Phase::Answer);
+        app.metrics.phases(c);
+    }
     Ok(result)
 }
 
@@ -801,6 +831,7 @@ async fn sandbox_run(
     ));
     debug_assert_eq!(profile, audit.profile, "profile_for agrees with argv::build");
     audit.started();
+    audit.mark(crate::metrics::Phase::Launch);
     let launched = Instant::now();
 
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
@@ -811,6 +842,10 @@ async fn sandbox_run(
         Ok(o) => {
             if let Some(latency) = o.launch_latency {
                 app.metrics.launched(profile.name(), latency);
+            }
+            if let Some(c) = &audit.clock {
+                let exec = o.launch_latency.unwrap_or_default();
+                c.split(crate::metrics::Phase::Launch, exec, crate::metrics::Phase::Wait);
             }
             o
         }
