@@ -219,7 +219,8 @@ impl Lifecycle {
             if fenced(&tx, &path).map_err(sqlite)? {
                 return Err(CoordError::Retired);
             }
-            tx.execute("INSERT OR IGNORE INTO roots VALUES(?1)", params![path.to_string_lossy()])
+            tx.prepare_cached("INSERT OR IGNORE INTO roots VALUES(?1)")
+                .and_then(|mut s| s.execute(params![path.to_string_lossy()]))
                 .map_err(sqlite)?;
             tx.commit().map_err(sqlite)
         })
@@ -255,7 +256,8 @@ fn open_registry(path: &Path) -> Result<Connection, CoordError> {
 /// Whether any fence (in any state) covers `path`: `path == scope` or under `scope/`.
 fn fenced(conn: &Connection, path: &Path) -> rusqlite::Result<bool> {
     let path = path.to_string_lossy();
-    let mut stmt = conn.prepare("SELECT scope FROM fences")?;
+    // Twice per admission, on the one registry connection: parsed once.
+    let mut stmt = conn.prepare_cached("SELECT scope FROM fences")?;
     let scopes = stmt.query_map([], |row| row.get::<_, String>(0))?;
     for scope in scopes {
         if covers(&scope?, &path) {
