@@ -179,7 +179,10 @@ impl Lifecycle {
         let mut out = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
-            if let Ok(bytes) = std::fs::read(&path) {
+            // An empty entry is a released lease (entries are kept, see `lease`).
+            if let Ok(bytes) = std::fs::read(&path)
+                && !bytes.is_empty()
+            {
                 use std::os::unix::ffi::OsStringExt;
                 out.push((PathBuf::from(std::ffi::OsString::from_vec(bytes)), path));
             }
@@ -378,6 +381,27 @@ mod tests {
         // Our forgotten connection still holds the lock in this process: not taken over.
         assert!(life.take_over_interrupted(&root, &journaled[0].1).unwrap().is_none());
         assert!(paths.active.exists());
+    }
+
+    /// A released lease empties its journal entry and keeps the file: the next lease of
+    /// the root creates no inode, and recovery sees nothing to take over.
+    #[tokio::test]
+    async fn a_released_lease_keeps_its_journal_entry_empty() {
+        let (_d, life, root) = fixture();
+        let entry = life.journal.join(LeasePaths::for_root(&root).hex);
+        let lease = life.lease(&root, None).await.unwrap();
+        assert_eq!(std::fs::read(&entry).unwrap(), root.as_os_str().as_encoded_bytes());
+        assert_eq!(life.journaled_roots().len(), 1);
+        drop(lease);
+        use std::os::unix::fs::MetadataExt;
+        let ino = std::fs::metadata(&entry).unwrap().ino();
+        assert_eq!(std::fs::metadata(&entry).unwrap().len(), 0);
+        assert!(life.journaled_roots().is_empty());
+        let again = life.lease(&root, None).await.unwrap();
+        assert_eq!(std::fs::metadata(&entry).unwrap().ino(), ino, "the same entry, not a new file");
+        assert_eq!(life.journaled_roots(), vec![(root.clone(), entry.clone())]);
+        drop(again);
+        assert!(life.journaled_roots().is_empty());
     }
 
     #[tokio::test]
