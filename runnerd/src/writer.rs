@@ -98,6 +98,17 @@ impl Writer {
     }
 }
 
+/// How far [`Versions::try_hold`] got without waiting.
+#[derive(Debug)]
+enum Quick {
+    /// Admitted and leased; whether the workspace has a head (no baseline needed).
+    Held(Admitted, Box<Lease>, bool),
+    /// Admitted; another writer holds the lease.
+    Admitted(Admitted),
+    /// Another writer is admitted.
+    Busy,
+}
+
 /// What a commit compares the head with.
 #[derive(Debug)]
 enum Expected {
@@ -177,8 +188,22 @@ impl Versions {
         pinned: OwnedFd,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Writer, WriteError> {
-        let admitted = self.lifecycle.admit(canonical, cancel).await?;
-        let lease = self.lifecycle.lease(canonical, cancel).await?;
+        let quick = if cancel.is_some_and(|c| *c.borrow()) {
+            Quick::Busy
+        } else {
+            let (me, root) = (self.clone(), canonical.to_owned());
+            tokio::task::spawn_blocking(move || me.try_hold(&root))
+                .await
+                .map_err(|e| WriteError::Task(e.to_string()))??
+        };
+        let (admitted, lease, has_head) = match quick {
+            Quick::Held(admitted, lease, has_head) => (admitted, *lease, has_head),
+            Quick::Admitted(admitted) => (admitted, self.lifecycle.lease(canonical, cancel).await?, false),
+            Quick::Busy => {
+                let admitted = self.lifecycle.admit(canonical, cancel).await?;
+                (admitted, self.lifecycle.lease(canonical, cancel).await?, false)
+            }
+        };
         let writer = Writer {
             root: canonical.to_owned(),
             head: workspace_head_name(canonical),
@@ -187,6 +212,9 @@ impl Versions {
             _lease: lease,
             _admitted: admitted,
         };
+        if has_head {
+            return Ok(writer);
+        }
         let me = self.clone();
         let (root, dir, scope) = (writer.root.clone(), writer.snapshot_dir(), writer.scope());
         let baseline = blocking_retry(self.clone(), move || me.ensure_baseline(&root, &dir, &scope)).await;
@@ -201,6 +229,16 @@ impl Versions {
             Ok(_) => {}
         }
         Ok(writer)
+    }
+
+    /// Admission, the lease and whether the workspace has a head, without waiting, in one
+    /// blocking task: the uncontended writer's path (the same steps in the same order as
+    /// [`Versions::begin`]'s waiting path, which takes over where this one finds a holder).
+    fn try_hold(&self, canonical: &Path) -> Result<Quick, WriteError> {
+        let Some(admitted) = self.lifecycle.try_admit_blocking(canonical)? else { return Ok(Quick::Busy) };
+        let Some(lease) = self.lifecycle.try_lease(canonical)? else { return Ok(Quick::Admitted(admitted)) };
+        let has_head = self.refs().head(&workspace_head_name(canonical))?.is_some();
+        Ok(Quick::Held(admitted, Box::new(lease), has_head))
     }
 
     fn ensure_baseline(

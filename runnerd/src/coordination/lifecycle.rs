@@ -86,6 +86,18 @@ impl Lifecycle {
         Ok(Some(Admitted { _lock: lock }))
     }
 
+    /// [`Lifecycle::try_admit`] on the calling thread (it blocks on the registry: call it
+    /// off the async runtime), so that an uncontended writer is admitted and leased in one
+    /// blocking task rather than a hop to the blocking pool per step.
+    pub fn try_admit_blocking(&self, canonical: &Path) -> Result<Option<Admitted>, CoordError> {
+        register_in(&self.registry_conn, canonical)?;
+        let Some(lock) = SqliteLock::try_take(self.admission_lock(canonical)?)? else {
+            return Ok(None);
+        };
+        check_fences_in(&self.registry_conn, canonical)?;
+        Ok(Some(Admitted { _lock: lock }))
+    }
+
     /// Takes the writer lease (waiting for other holders; cancellable).
     pub async fn lease(
         &self,
@@ -214,34 +226,37 @@ impl Lifecycle {
     async fn register(&self, canonical: &Path) -> Result<(), CoordError> {
         let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
-        blocking(move || {
-            let sqlite = |source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source };
-            let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-            let tx =
-                conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sqlite)?;
-            if fenced(&tx, &path).map_err(sqlite)? {
-                return Err(CoordError::Retired);
-            }
-            tx.prepare_cached("INSERT OR IGNORE INTO roots VALUES(?1)")
-                .and_then(|mut s| s.execute(params![path.to_string_lossy()]))
-                .map_err(sqlite)?;
-            tx.commit().map_err(sqlite)
-        })
-        .await
+        blocking(move || register_in(&conn, &path)).await
     }
 
     async fn check_fences(&self, canonical: &Path) -> Result<(), CoordError> {
         let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
-        blocking(move || {
-            let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-            match fenced(&conn, &path) {
-                Ok(true) => Err(CoordError::Retired),
-                Ok(false) => Ok(()),
-                Err(source) => Err(CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source }),
-            }
-        })
-        .await
+        blocking(move || check_fences_in(&conn, &path)).await
+    }
+}
+
+/// The fence check and root registration, in one registry transaction (blocking).
+fn register_in(conn: &Mutex<Connection>, path: &Path) -> Result<(), CoordError> {
+    let sqlite = |source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source };
+    let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sqlite)?;
+    if fenced(&tx, path).map_err(sqlite)? {
+        return Err(CoordError::Retired);
+    }
+    tx.prepare_cached("INSERT OR IGNORE INTO roots VALUES(?1)")
+        .and_then(|mut s| s.execute(params![path.to_string_lossy()]))
+        .map_err(sqlite)?;
+    tx.commit().map_err(sqlite)
+}
+
+/// The fences again, once the admission lock is held (blocking).
+fn check_fences_in(conn: &Mutex<Connection>, path: &Path) -> Result<(), CoordError> {
+    let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+    match fenced(&conn, path) {
+        Ok(true) => Err(CoordError::Retired),
+        Ok(false) => Ok(()),
+        Err(source) => Err(CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source }),
     }
 }
 
