@@ -43,7 +43,11 @@ const USAGE: &str = "\
 runnerd-bench: figures in one run, never pass/fail (build with --release).
 
 Usage:
-  runnerd-bench [--iterations N]        sandbox launch overhead against bare bwrap (default 200)
+  runnerd-bench [--iterations N]        sandbox launch overhead against bare bwrap (default 200),
+                                        then HTTP executions: p50s, ratios, runnerd's own CPU
+                                        per execution, 2-client throughput, idle RSS and the
+                                        per-phase breakdown (RUNNERD_BENCH_BASELINE=PATH: an
+                                        older runnerd measured too, rounds interleaved)
   runnerd-bench versions [--files N] [--mib M] [--log-mb L]
                                         workspace commit cost against a stat walk and
                                         sha256sum of the same tree (default 10000 files,
