@@ -301,6 +301,9 @@ pub(crate) struct Stats {
 }
 
 pub(crate) fn stats(mut samples: Vec<Duration>, wall: Duration) -> Stats {
+    if samples.is_empty() {
+        return Stats { p50: 0.0, p95: 0.0, per_sec: 0.0 };
+    }
     samples.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let at = |q: f64| ms(samples[((samples.len() - 1) as f64 * q).round() as usize]);
@@ -701,7 +704,7 @@ async fn http_cases(
             let tasks: Vec<_> = (0..clients)
                 .map(|i| {
                     let client = s.client.clone();
-                    let per = n / clients;
+                    let per = (n / clients).max(1);
                     tokio::spawn(async move {
                         let key = format!("bench/c{clients}-{i}");
                         let mut v = Vec::with_capacity(per);
