@@ -5,19 +5,13 @@
 //! * [`sandbox`]: what a sandbox looks like — preflight probes and the bwrap argv.
 //! * [`startup`]: the start-up sequence that decides and prepares all of it.
 //! * [`egress`]: asking egressd for a policy's gateway (network sandboxes).
-//! * [`cli`]: the `runnerd` command line; [`bench`]: the launch benchmark.
+//! * [`cli`]: the `runnerd` command line (the benchmarks are the `runnerd-bench` crate).
 
 pub mod accel;
 pub mod api;
 pub mod app;
 pub use common::audit;
 pub mod auth;
-pub mod bench;
-pub mod bench_limits;
-pub mod bench_memory;
-pub mod bench_metrics;
-pub mod bench_output;
-pub mod bench_versions;
 pub mod check;
 pub mod cli;
 pub mod client;

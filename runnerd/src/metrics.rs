@@ -32,6 +32,105 @@ fn duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 20))
 }
 
+/// Phases of one execution: 10 µs … ~10 s.
+fn phase_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_01, 2.0, 20))
+}
+
+/// Where one synchronous execution spends its time (`runner_execution_phase_seconds`), so
+/// that a regression shows which step it is in (issue #18): each phase is the time from the
+/// previous mark to its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The request's checks, workspace resolution and egress (the JSON body is parsed
+    /// before, by the HTTP layer).
+    Parse,
+    /// Waiting for the execution's place (queue, session and workspace slots).
+    Admit,
+    /// Admission and the writer lease of the workspace (shared with the API process).
+    Lease,
+    /// The quota walk, the sandbox's argv and cgroup, up to bubblewrap's exec.
+    Launch,
+    /// The sandbox running, from bubblewrap's exec to its end.
+    Wait,
+    /// The quota walk after the run and the version snapshot of the tree.
+    Snapshot,
+    /// Storing the version record and moving the head.
+    Commit,
+    /// Releasing the lease and the admission, and building the result.
+    Answer,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 8] = [
+        Phase::Parse,
+        Phase::Admit,
+        Phase::Lease,
+        Phase::Launch,
+        Phase::Wait,
+        Phase::Snapshot,
+        Phase::Commit,
+        Phase::Answer,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Parse => "parse",
+            Phase::Admit => "admit",
+            Phase::Lease => "lease",
+            Phase::Launch => "launch",
+            Phase::Wait => "wait",
+            Phase::Snapshot => "snapshot",
+            Phase::Commit => "commit",
+            Phase::Answer => "answer",
+        }
+    }
+}
+
+/// The phase marks of one execution: [`PhaseClock::mark`] charges the time since the
+/// previous mark (or the clock's start) to a phase. Shared by reference through the
+/// execution's audit record, hence the (never contended) mutex.
+#[derive(Debug)]
+pub struct PhaseClock {
+    state: Mutex<(std::time::Instant, [Duration; 8])>,
+}
+
+impl Default for PhaseClock {
+    fn default() -> Self {
+        PhaseClock::new()
+    }
+}
+
+impl PhaseClock {
+    /// A clock started now.
+    pub fn new() -> PhaseClock {
+        PhaseClock { state: Mutex::new((std::time::Instant::now(), [Duration::ZERO; 8])) }
+    }
+
+    /// Charges the time since the previous mark to `phase`.
+    pub fn mark(&self, phase: Phase) {
+        self.split(phase, Duration::MAX, phase);
+    }
+
+    /// Charges the time since the previous mark to `first`, up to `first_part`, and the rest
+    /// to `then` (the launcher reports when bubblewrap exec'd: launch, then wait).
+    pub fn split(&self, first: Phase, first_part: Duration, then: Phase) {
+        let now = std::time::Instant::now();
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let took = now.duration_since(state.0);
+        let head = took.min(first_part);
+        state.1[first as usize] += head;
+        state.1[then as usize] += took - head;
+        state.0 = now;
+    }
+
+    /// What each phase took so far.
+    pub fn phases(&self) -> [(Phase, Duration); 8] {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        Phase::ALL.map(|p| (p, state.1[p as usize]))
+    }
+}
+
 /// What a scrape reads from elsewhere (egressd, the admission counts), set just before encoding.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Snapshot {
@@ -56,6 +155,7 @@ pub struct Metrics {
     init_failures: Family<Labels, Counter>,
     limits_hit: Family<Labels, Counter>,
     commit_seconds: Histograms,
+    phase_seconds: Histograms,
     egress_decisions: Family<Labels, Gauge>,
     egress_up: Gauge,
     /// One scrape at a time: the gauges set for it are the ones it encodes.
@@ -127,6 +227,12 @@ impl Metrics {
             "Snapshot and commit of a workspace's new version after a run, by result",
             commit_seconds.clone(),
         );
+        let phase_seconds: Histograms = Family::new_with_constructor(phase_histogram);
+        registry.register(
+            "execution_phase_seconds",
+            "Where a synchronous execution that ran to its answer spent its time, by phase",
+            phase_seconds.clone(),
+        );
         let egress_decisions = Family::<Labels, Gauge>::default();
         registry.register(
             "egress_decisions",
@@ -152,6 +258,7 @@ impl Metrics {
             init_failures,
             limits_hit,
             commit_seconds,
+            phase_seconds,
             egress_decisions,
             egress_up,
             scrape: Mutex::new(()),
@@ -205,6 +312,15 @@ impl Metrics {
     pub fn committed(&self, ok: bool, took: Duration) {
         let result = if ok { "ok" } else { "failed" };
         self.commit_seconds.get_or_create(&vec![("result", result.into())]).observe(took.as_secs_f64());
+    }
+
+    /// One execution's phases, as its clock recorded them.
+    pub fn phases(&self, clock: &PhaseClock) {
+        for (phase, took) in clock.phases() {
+            self.phase_seconds
+                .get_or_create(&vec![("phase", phase.name().into())])
+                .observe(took.as_secs_f64());
+        }
     }
 
     /// The text a scrape answers.
@@ -351,6 +467,26 @@ mod tests {
         let mut oom = fields(Exited(128 + libc::SIGKILL));
         (oom.oom_killed, oom.pids_limit_reached) = (Some(true), Some(true));
         assert_eq!(limits_of_result(&oom), ["oom", "pids"]);
+    }
+
+    #[test]
+    fn a_phase_clock_charges_each_interval_to_one_phase() {
+        let clock = PhaseClock::new();
+        clock.mark(Phase::Parse);
+        std::thread::sleep(Duration::from_millis(2));
+        clock.split(Phase::Launch, Duration::from_millis(1), Phase::Wait);
+        let p = clock.phases();
+        assert_eq!(p.map(|(phase, _)| phase), Phase::ALL);
+        assert_eq!(p[Phase::Launch as usize].1, Duration::from_millis(1));
+        assert!(p[Phase::Wait as usize].1 >= Duration::from_millis(1));
+        assert_eq!(p[Phase::Commit as usize].1, Duration::ZERO);
+        let m = Metrics::new();
+        m.phases(&clock);
+        let text = m.render(&Snapshot::default());
+        for phase in Phase::ALL {
+            let line = format!("runner_execution_phase_seconds_count{{phase=\"{}\"}} 1", phase.name());
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
+        }
     }
 
     #[test]

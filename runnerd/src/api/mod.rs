@@ -327,6 +327,7 @@ async fn execute_inner(
     body: &[u8],
     client_gone: watch::Receiver<bool>,
 ) -> Result<ApiResponse, ApiError> {
+    let clock = crate::metrics::PhaseClock::new();
     let req = request::parse(route, request::parse_object(body)?)?;
     // The execution runs in its own task: when the client disconnects, this handler is
     // dropped and `client_gone` fires, but the task still kills its sandbox, waits for the
@@ -345,7 +346,7 @@ async fn execute_inner(
             stop.stop(exec::StopReason::Caller);
         }
     });
-    let task = tokio::spawn(exec::execute(app, req, stop));
+    let task = tokio::spawn(exec::execute(app, req, stop, clock));
     let answered = task.await;
     relay.abort();
     match answered {

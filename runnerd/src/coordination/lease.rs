@@ -6,6 +6,10 @@
 //! `<dataDir>/runner-executions/active-leases/<H>` (the root's path) before it creates the
 //! marker, so after a crash of *our* process it can tell its own interrupted writes from
 //! someone else's and recover them (see `crate::writer::Versions::recover_interrupted`).
+//! The entry's *content* says whether it is held: the root's path while held, empty once
+//! released. The file itself stays, one per root like the lock database, so a lease
+//! creates and removes no inode of ours (issue #18: ext4 inode churn was the launch path's
+//! largest kernel cost); only the protocol's `.active` marker comes and goes.
 
 use std::ffi::CString;
 use std::fs::OpenOptions;
@@ -130,9 +134,18 @@ impl LeaseDir {
 pub struct Lease {
     paths: LeasePaths,
     dir: LeaseDir,
-    journal: Option<PathBuf>,
+    journal: Option<JournalEntry>,
     created_active: bool,
     _lock: SqliteLock,
+}
+
+/// This lease's entry in the lease journal, and how its release clears it.
+#[derive(Debug)]
+enum JournalEntry {
+    /// Written by this lease: emptied (kept) on release.
+    Held(std::fs::File),
+    /// Left by a crashed process and taken over by recovery: removed on release.
+    Recovered(PathBuf),
 }
 
 impl Lease {
@@ -182,9 +195,9 @@ impl Lease {
             // An entry that already exists belongs to an interrupted write of an earlier
             // process (its marker refuses us below): it is left for start-up recovery.
             let entry = journal.join(&lease.paths.hex);
-            match write_new_file(&entry, root.as_os_str().as_encoded_bytes()) {
-                Ok(()) => lease.journal = Some(entry),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            match hold_entry(&entry, root.as_os_str().as_encoded_bytes()) {
+                Ok(Some(file)) => lease.journal = Some(JournalEntry::Held(file)),
+                Ok(None) => {}
                 Err(e) => return Err(CoordError::io("record the lease in", "the lease journal", e)),
             }
         }
@@ -209,7 +222,7 @@ impl Lease {
         Lease {
             paths: LeasePaths::for_root(root),
             dir,
-            journal: Some(journal),
+            journal: Some(JournalEntry::Recovered(journal)),
             created_active: true,
             _lock: lock,
         }
@@ -231,19 +244,39 @@ impl Drop for Lease {
             // unlinkat removes the entry itself, whatever it is now (never a target).
             let _ = fsat::unlink_at(&self.dir.fd, &name);
         }
-        if let Some(entry) = &self.journal {
-            let _ = std::fs::remove_file(entry);
+        match &self.journal {
+            Some(JournalEntry::Held(file)) => {
+                let _ = file.set_len(0);
+            }
+            Some(JournalEntry::Recovered(entry)) => {
+                let _ = std::fs::remove_file(entry);
+            }
+            None => {}
         }
     }
 }
 
-/// Creates a small file exclusively (`O_EXCL`, 0600) in the lease journal (in the data
-/// directory, where no sandbox writes). Not fsynced: markers and journal entries describe a
-/// *process* that died mid-write, whose page cache survives it (the original does not sync
-/// `.active` either); each fsync costs a launch about a millisecond.
-fn write_new_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
-    f.write_all(bytes)
+/// Marks a root's entry in the lease journal (in the data directory, where no sandbox
+/// writes) held: opens it (created 0600 the first time), and writes `bytes` into it if it
+/// is empty. `None` when it is not: a crashed earlier process held it, and it is left for
+/// start-up recovery. Not fsynced: markers and journal entries describe a *process* that
+/// died mid-write, whose page cache survives it (the original does not sync `.active`
+/// either); each fsync costs a launch about a millisecond.
+fn hold_entry(path: &Path, bytes: &[u8]) -> std::io::Result<Option<std::fs::File>> {
+    use std::os::unix::fs::FileExt;
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    if f.metadata()?.len() > 0 {
+        return Ok(None);
+    }
+    f.write_all_at(bytes, 0)?;
+    Ok(Some(f))
 }
 
 #[cfg(test)]

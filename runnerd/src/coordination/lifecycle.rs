@@ -86,6 +86,18 @@ impl Lifecycle {
         Ok(Some(Admitted { _lock: lock }))
     }
 
+    /// [`Lifecycle::try_admit`] on the calling thread (it blocks on the registry: call it
+    /// off the async runtime), so that an uncontended writer is admitted and leased in one
+    /// blocking task rather than a hop to the blocking pool per step.
+    pub fn try_admit_blocking(&self, canonical: &Path) -> Result<Option<Admitted>, CoordError> {
+        register_in(&self.registry_conn, canonical)?;
+        let Some(lock) = SqliteLock::try_take(self.admission_lock(canonical)?)? else {
+            return Ok(None);
+        };
+        check_fences_in(&self.registry_conn, canonical)?;
+        Ok(Some(Admitted { _lock: lock }))
+    }
+
     /// Takes the writer lease (waiting for other holders; cancellable).
     pub async fn lease(
         &self,
@@ -179,7 +191,10 @@ impl Lifecycle {
         let mut out = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
-            if let Ok(bytes) = std::fs::read(&path) {
+            // An empty entry is a released lease (entries are kept, see `lease`).
+            if let Ok(bytes) = std::fs::read(&path)
+                && !bytes.is_empty()
+            {
                 use std::os::unix::ffi::OsStringExt;
                 out.push((PathBuf::from(std::ffi::OsString::from_vec(bytes)), path));
             }
@@ -211,33 +226,37 @@ impl Lifecycle {
     async fn register(&self, canonical: &Path) -> Result<(), CoordError> {
         let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
-        blocking(move || {
-            let sqlite = |source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source };
-            let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-            let tx =
-                conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sqlite)?;
-            if fenced(&tx, &path).map_err(sqlite)? {
-                return Err(CoordError::Retired);
-            }
-            tx.execute("INSERT OR IGNORE INTO roots VALUES(?1)", params![path.to_string_lossy()])
-                .map_err(sqlite)?;
-            tx.commit().map_err(sqlite)
-        })
-        .await
+        blocking(move || register_in(&conn, &path)).await
     }
 
     async fn check_fences(&self, canonical: &Path) -> Result<(), CoordError> {
         let conn = self.registry_conn.clone();
         let path = canonical.to_owned();
-        blocking(move || {
-            let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-            match fenced(&conn, &path) {
-                Ok(true) => Err(CoordError::Retired),
-                Ok(false) => Ok(()),
-                Err(source) => Err(CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source }),
-            }
-        })
-        .await
+        blocking(move || check_fences_in(&conn, &path)).await
+    }
+}
+
+/// The fence check and root registration, in one registry transaction (blocking).
+fn register_in(conn: &Mutex<Connection>, path: &Path) -> Result<(), CoordError> {
+    let sqlite = |source| CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source };
+    let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sqlite)?;
+    if fenced(&tx, path).map_err(sqlite)? {
+        return Err(CoordError::Retired);
+    }
+    tx.prepare_cached("INSERT OR IGNORE INTO roots VALUES(?1)")
+        .and_then(|mut s| s.execute(params![path.to_string_lossy()]))
+        .map_err(sqlite)?;
+    tx.commit().map_err(sqlite)
+}
+
+/// The fences again, once the admission lock is held (blocking).
+fn check_fences_in(conn: &Mutex<Connection>, path: &Path) -> Result<(), CoordError> {
+    let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+    match fenced(&conn, path) {
+        Ok(true) => Err(CoordError::Retired),
+        Ok(false) => Ok(()),
+        Err(source) => Err(CoordError::Sqlite { name: REGISTRY_SHOWN.into(), source }),
     }
 }
 
@@ -255,7 +274,8 @@ fn open_registry(path: &Path) -> Result<Connection, CoordError> {
 /// Whether any fence (in any state) covers `path`: `path == scope` or under `scope/`.
 fn fenced(conn: &Connection, path: &Path) -> rusqlite::Result<bool> {
     let path = path.to_string_lossy();
-    let mut stmt = conn.prepare("SELECT scope FROM fences")?;
+    // Twice per admission, on the one registry connection: parsed once.
+    let mut stmt = conn.prepare_cached("SELECT scope FROM fences")?;
     let scopes = stmt.query_map([], |row| row.get::<_, String>(0))?;
     for scope in scopes {
         if covers(&scope?, &path) {
@@ -376,6 +396,27 @@ mod tests {
         // Our forgotten connection still holds the lock in this process: not taken over.
         assert!(life.take_over_interrupted(&root, &journaled[0].1).unwrap().is_none());
         assert!(paths.active.exists());
+    }
+
+    /// A released lease empties its journal entry and keeps the file: the next lease of
+    /// the root creates no inode, and recovery sees nothing to take over.
+    #[tokio::test]
+    async fn a_released_lease_keeps_its_journal_entry_empty() {
+        let (_d, life, root) = fixture();
+        let entry = life.journal.join(LeasePaths::for_root(&root).hex);
+        let lease = life.lease(&root, None).await.unwrap();
+        assert_eq!(std::fs::read(&entry).unwrap(), root.as_os_str().as_encoded_bytes());
+        assert_eq!(life.journaled_roots().len(), 1);
+        drop(lease);
+        use std::os::unix::fs::MetadataExt;
+        let ino = std::fs::metadata(&entry).unwrap().ino();
+        assert_eq!(std::fs::metadata(&entry).unwrap().len(), 0);
+        assert!(life.journaled_roots().is_empty());
+        let again = life.lease(&root, None).await.unwrap();
+        assert_eq!(std::fs::metadata(&entry).unwrap().ino(), ino, "the same entry, not a new file");
+        assert_eq!(life.journaled_roots(), vec![(root.clone(), entry.clone())]);
+        drop(again);
+        assert!(life.journaled_roots().is_empty());
     }
 
     #[tokio::test]

@@ -1,7 +1,19 @@
 //! The lock primitive under both the lease and admission: `BEGIN IMMEDIATE` (SQLite's
 //! RESERVED lock) on a database that holds no tables, with `busy_timeout=0` and a 20 ms
-//! poll (reference §6.1). The journal mode is never changed, so Node's holders and ours
-//! speak the same locking protocol.
+//! poll (reference §6.1). Our connections keep their rollback journal in memory
+//! (`journal_mode=MEMORY`, a per-connection setting that the file does not record, unlike
+//! WAL): the locking protocol on the file is the rollback journal's, the one Node's holders
+//! speak, but `BEGIN IMMEDIATE` on the empty database no longer creates and deletes a
+//! `-journal` file per lock. Nothing is ever written to a lock database (every
+//! transaction is rolled back), so there is nothing for a journal to recover.
+//!
+//! A released lock's connection is kept open, idle, for the next holder of the same file
+//! (issue #18: opening, checking and closing a connection per lock cost more than the lock).
+//! It is reused only for the very inode the path names at that moment (checked like a new
+//! one), so a lock database a sandbox swapped or removed is never locked through a stale
+//! connection. Closing one is safe while another connection of ours holds the same file:
+//! SQLite's unix VFS keeps a descriptor it is asked to close open until the process's
+//! last lock on that inode is gone (closing it would drop them all, POSIX rules).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -32,22 +44,67 @@ pub struct LockFile {
 #[derive(Debug)]
 pub struct SqliteLock {
     conn: Option<std::sync::Mutex<Connection>>,
+    file: Option<LockFile>,
+    /// The database file's identity, under which the connection is kept when released.
+    id: (u64, u64),
+}
+
+/// A connection not in a transaction, with the directory it names its files through.
+struct Idle {
+    id: (u64, u64),
+    conn: Connection,
     _file: LockFile,
+}
+
+/// How many idle connections are kept (one descriptor each, plus the directory's).
+const IDLE_LIMIT: usize = 32;
+
+/// The idle connections, most recently released last.
+static IDLE: std::sync::Mutex<Vec<Idle>> = std::sync::Mutex::new(Vec::new());
+
+fn idle() -> std::sync::MutexGuard<'static, Vec<Idle>> {
+    IDLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Takes the idle connection on the file `id`, if one is kept.
+fn take_idle(id: (u64, u64)) -> Option<(LockFile, Connection)> {
+    let mut idle = idle();
+    let at = idle.iter().rposition(|i| i.id == id)?;
+    let Idle { conn, _file, .. } = idle.remove(at);
+    Some((_file, conn))
+}
+
+/// Keeps a connection (not in a transaction) for the next holder; the oldest beyond
+/// [`IDLE_LIMIT`] is closed, outside the lock.
+fn keep_idle(id: (u64, u64), file: LockFile, conn: Connection) {
+    let evicted = {
+        let mut idle = idle();
+        idle.push(Idle { id, conn, _file: file });
+        (idle.len() > IDLE_LIMIT).then(|| idle.remove(0))
+    };
+    drop(evicted);
 }
 
 impl SqliteLock {
     /// One attempt: `Ok(None)` when another connection (in any process) holds it.
     pub fn try_take(file: LockFile) -> Result<Option<SqliteLock>, CoordError> {
-        let conn = Self::connect(&file)?;
-        Self::try_begin(file, conn).map(|r| r.ok())
+        let (file, conn, id) = Self::connect(file)?;
+        match Self::try_begin(file, conn, id)? {
+            Ok(lock) => Ok(Some(lock)),
+            Err((file, conn)) => {
+                keep_idle(id, file, conn);
+                Ok(None)
+            }
+        }
     }
 
     /// Opens the lock database without following anything a sandbox planted: the file is
     /// created with `mknodat` (no descriptor of ours is ever closed on it: that would drop
     /// this process's POSIX locks, another holder's included), checked to be a regular file
     /// with one link, opened by SQLite through the directory descriptor with `O_NOFOLLOW`,
-    /// and SQLite's own descriptor is checked to be that same inode.
-    fn connect(file: &LockFile) -> Result<Connection, CoordError> {
+    /// and SQLite's own descriptor is checked to be that same inode. An idle connection on
+    /// that inode is reused instead (with the directory it was opened through).
+    fn connect(file: LockFile) -> Result<(LockFile, Connection, (u64, u64)), CoordError> {
         let sqlite = |source| CoordError::Sqlite { name: file.shown.clone(), source };
         match fsat::mknod_regular_at(&file.dir, &file.name, 0o644) {
             Ok(()) => {}
@@ -57,6 +114,10 @@ impl SqliteLock {
         let checked =
             Stat::at(&file.dir, &file.name).map_err(|e| CoordError::io("inspect", &file.shown, e))?;
         super::require_regular(&checked, &file.shown)?;
+        let id = (checked.dev, checked.ino);
+        if let Some((kept, conn)) = take_idle(id) {
+            return Ok((kept, conn, id));
+        }
         let path = format!(
             "/proc/self/fd/{}/{}",
             file.dir.as_raw_fd(),
@@ -76,7 +137,8 @@ impl SqliteLock {
             });
         }
         conn.busy_timeout(Duration::ZERO).map_err(sqlite)?;
-        Ok(conn)
+        conn.query_row("PRAGMA journal_mode=MEMORY", [], |row| row.get::<_, String>(0)).map_err(sqlite)?;
+        Ok((file, conn, id))
     }
 
     /// One `BEGIN IMMEDIATE`; when busy, the file and connection come back for the next try.
@@ -84,9 +146,11 @@ impl SqliteLock {
     fn try_begin(
         file: LockFile,
         conn: Connection,
+        id: (u64, u64),
     ) -> Result<Result<SqliteLock, (LockFile, Connection)>, CoordError> {
-        match conn.execute_batch("BEGIN IMMEDIATE") {
-            Ok(()) => Ok(Ok(SqliteLock { conn: Some(std::sync::Mutex::new(conn)), _file: file })),
+        let begun = conn.prepare_cached("BEGIN IMMEDIATE").and_then(|mut s| s.execute([]));
+        match begun {
+            Ok(_) => Ok(Ok(SqliteLock { conn: Some(std::sync::Mutex::new(conn)), file: Some(file), id })),
             Err(e) if is_busy(&e) => Ok(Err((file, conn))),
             Err(e) => Err(CoordError::Sqlite { name: file.shown.clone(), source: e }),
         }
@@ -98,13 +162,13 @@ impl SqliteLock {
         file: LockFile,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<SqliteLock, CoordError> {
-        let mut conn = Self::connect(&file)?;
-        let mut file = file;
+        let (mut file, mut conn, id) = Self::connect(file)?;
         loop {
             if cancel.is_some_and(|c| *c.borrow()) {
+                keep_idle(id, file, conn);
                 return Err(CoordError::Aborted);
             }
-            (file, conn) = match Self::try_begin(file, conn)? {
+            (file, conn) = match Self::try_begin(file, conn, id)? {
                 Ok(lock) => return Ok(lock),
                 Err(back) => back,
             };
@@ -114,7 +178,10 @@ impl SqliteLock {
                     tokio::select! {
                         _ = tokio::time::sleep(POLL) => {}
                         // A dropped sender never cancels (as `exec::gone`).
-                        Ok(_) = c.wait_for(|v| *v) => return Err(CoordError::Aborted),
+                        Ok(_) = c.wait_for(|v| *v) => {
+                            keep_idle(id, file, conn);
+                            return Err(CoordError::Aborted);
+                        }
                     }
                 }
                 None => tokio::time::sleep(POLL).await,
@@ -128,11 +195,17 @@ fn is_busy(e: &rusqlite::Error) -> bool {
 }
 
 impl Drop for SqliteLock {
+    /// Rolls back (releasing the lock) and keeps the connection for the next holder; one
+    /// whose rollback failed is closed instead (closing releases the lock too).
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
+        if let (Some(conn), Some(file)) = (self.conn.take(), self.file.take()) {
             let conn = conn.into_inner().unwrap_or_else(|p| p.into_inner());
-            let _ = conn.execute_batch("ROLLBACK");
-            let _ = conn.close();
+            let rolled_back = conn.prepare_cached("ROLLBACK").and_then(|mut s| s.execute([])).is_ok();
+            if rolled_back && conn.is_autocommit() {
+                keep_idle(self.id, file, conn);
+            } else {
+                let _ = conn.close();
+            }
         }
     }
 }
@@ -182,6 +255,30 @@ mod tests {
         assert!(!waiter.is_finished());
         drop(first);
         tokio::time::timeout(Duration::from_secs(2), waiter).await.unwrap().unwrap().unwrap();
+    }
+
+    /// A released lock's connection serves the next holder of the same file, and only of
+    /// that file: a lock database replaced meanwhile gets a connection of its own.
+    #[test]
+    fn a_released_connection_is_reused_only_for_the_same_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_owned();
+        let db = path.join("r.sqlite");
+        let kept = |id| idle().iter().any(|i| i.id == id);
+        let first = SqliteLock::try_take(lock_file(&path, "r.sqlite")).unwrap().expect("free");
+        let id = first.id;
+        drop(first);
+        assert!(kept(id), "kept for the next holder");
+        assert!(crate::coordination::tests::free_for_another_process(&db), "released");
+        let again = SqliteLock::try_take(lock_file(&path, "r.sqlite")).unwrap().expect("free");
+        assert_eq!(again.id, id);
+        assert!(!kept(id), "in use, not idle");
+        assert!(!crate::coordination::tests::free_for_another_process(&db), "held again");
+        drop(again);
+        std::fs::remove_file(&db).unwrap();
+        let fresh = SqliteLock::try_take(lock_file(&path, "r.sqlite")).unwrap().expect("free");
+        assert_ne!(fresh.id, id, "a new file, a new connection");
+        assert!(!crate::coordination::tests::free_for_another_process(&db), "the new file is the one held");
     }
 
     #[tokio::test]

@@ -127,6 +127,8 @@ pub struct FinishAudit {
     written: AtomicBool,
     /// Where the end is also counted (`GET /metrics`), under this route.
     metrics: Option<(Arc<crate::metrics::Metrics>, &'static str)>,
+    /// The execution's phase marks (`runner_execution_phase_seconds`), when it keeps them.
+    clock: Option<crate::metrics::PhaseClock>,
 }
 
 impl FinishAudit {
@@ -146,6 +148,20 @@ impl FinishAudit {
             admitted: Instant::now(),
             written: AtomicBool::new(false),
             metrics: None,
+            clock: None,
+        }
+    }
+
+    /// Keeps the execution's phase marks on `clock` (see [`FinishAudit::mark`]).
+    pub fn clocked(mut self, clock: crate::metrics::PhaseClock) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// Charges the time since the previous mark to `phase` (nothing without a clock).
+    pub fn mark(&self, phase: crate::metrics::Phase) {
+        if let Some(c) = &self.clock {
+            c.mark(phase);
         }
     }
 
@@ -312,18 +328,22 @@ pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket,
     Ok(ticket)
 }
 
-/// Runs one synchronous execution: locate, admit, prepare, then [`run_locked`]. `stop`
-/// ends it early: a queued call leaves the queue, a running sandbox is killed.
+/// Runs one synchronous execution: locate, admit, prepare, then the run under its locks
+/// ([`run_sandbox`]) and the commit. `stop` ends it early: a queued call leaves the queue,
+/// a running sandbox is killed. `clock` started when the request arrived (its parse phase).
 pub async fn execute(
     app: Arc<App>,
     req: request::ExecRequest,
     stop: StopToken,
+    clock: crate::metrics::PhaseClock,
 ) -> Result<ExecutionResult, EngineError> {
+    use crate::metrics::Phase;
     let located = locate(&app, &req.workspace)?;
     let ticket = admit(&app, &req)?;
     let route = req.route;
     let mut prepared = prepare(&app, req, located, RunOptions::SYNC)?;
     attach_egress(&app, &mut prepared).await?;
+    clock.mark(Phase::Parse);
 
     let _ticket = ticket;
     let language = prepared.language;
@@ -344,7 +364,8 @@ pub async fn execute(
         &prepared.root,
         prepared.profile,
     )
-    .counted(&app.metrics, route.name());
+    .counted(&app.metrics, route.name())
+    .clocked(clock);
     audit.admitted(language_name(language), false);
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
@@ -359,6 +380,7 @@ pub async fn execute(
         held = app.admission.acquire(&prepared.session_id, &key, &prepared.root) => held,
         _ = stop.stopped() => return Err(abandoned()),
     };
+    audit.mark(Phase::Admit);
     // The cross-process writer lease (shared with the API process), inside our own queues;
     // `running` only once both are held.
     let pinned = workspace::open_beneath(&app.data_dir, &prepared.root).map_err(ended)?;
@@ -367,9 +389,11 @@ pub async fn execute(
         Err(WriteError::Coordination(CoordError::Aborted)) => return Err(abandoned()),
         Err(e) => return Err(ended(EngineError::Workspace(e))),
     };
+    audit.mark(Phase::Lease);
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
     let ran = run_sandbox(&app, &prepared, &audit, started_at, None, &stop, writer.pinned()).await;
+    audit.mark(Phase::Snapshot);
     if ran.as_ref().is_err_and(EngineError::is_unresponsive) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
@@ -382,11 +406,14 @@ pub async fn execute(
     // never more than the quota is stored.
     writer.limit_snapshot_bytes(prepared.max_workspace);
     let commit_started = Instant::now();
-    let committed = app
+    let (committed, snapshot_took) = app
         .versions
-        .commit_mutation(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
+        .commit_mutation_timed(&writer, "legacy-execution", Some(prepared.execution_id.clone()), ran.is_ok())
         .await;
     app.metrics.committed(committed.is_ok(), commit_started.elapsed());
+    if let Some(c) = &audit.clock {
+        c.split(Phase::Snapshot, snapshot_took, Phase::Commit);
+    }
     drop(writer);
     drop(running);
     drop(registration);
@@ -403,6 +430,10 @@ pub async fn execute(
     };
     let mut result = ran?;
     result.workspace_snapshot = Some(tree.to_value());
+    if let Some(c) = &audit.clock {
+        c.mark(Phase::Answer);
+        app.metrics.phases(c);
+    }
     Ok(result)
 }
 
@@ -802,6 +833,7 @@ async fn sandbox_run(
         stop.clone(),
     ));
     audit.started();
+    audit.mark(crate::metrics::Phase::Launch);
     let launched = Instant::now();
 
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
@@ -812,6 +844,10 @@ async fn sandbox_run(
         Ok(o) => {
             if let Some(latency) = o.launch_latency {
                 app.metrics.launched(profile.name(), latency);
+            }
+            if let Some(c) = &audit.clock {
+                let exec = o.launch_latency.unwrap_or_default();
+                c.split(crate::metrics::Phase::Launch, exec, crate::metrics::Phase::Wait);
             }
             o
         }

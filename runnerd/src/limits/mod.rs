@@ -345,21 +345,19 @@ mod tests;
 /// result waits for those. Removing the directories (which may wait for the kernel to reap)
 /// happens afterwards in the blocking pool, off the answer's path; what a runnerd that dies
 /// meanwhile leaves is removed at its next start (`remove_stale`).
+/// One blocking task does all of it (a hop to the blocking pool costs a context switch
+/// each way); the counters come back through a channel before the removal starts.
 pub async fn finish(cgroup: Option<ExecCgroup>) -> Option<Usage> {
     let cgroup = cgroup?;
-    let read = tokio::task::spawn_blocking(move || {
-        cgroup.kill();
-        let usage = cgroup.usage();
-        (usage, cgroup)
-    })
-    .await;
-    let (usage, cgroup) = read.ok()?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::task::spawn_blocking(move || {
+        cgroup.kill();
+        let _ = tx.send(cgroup.usage());
         if let Err(e) = cgroup.remove_blocking() {
             tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
         }
     });
-    Some(usage)
+    rx.await.ok()
 }
 
 /// The additive result fields of issue #8, flattened into the execution result.

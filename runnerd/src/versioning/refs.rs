@@ -44,8 +44,8 @@ impl Refs {
     pub fn head(&self, name: &str) -> Result<Option<Ref>, VersionError> {
         let text: Option<String> = self
             .conn
-            .query_row("SELECT target FROM live_refs WHERE name=?", [name], |row| row.get(0))
-            .optional()
+            .prepare_cached("SELECT target FROM live_refs WHERE name=?")
+            .and_then(|mut s| s.query_row([name], |row| row.get(0)).optional())
             .map_err(sql("read a head", &self.path))?;
         text.map(|t| parse_target(&t)).transpose()
     }
@@ -84,8 +84,8 @@ impl Refs {
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(sql("begin a commit", &path))?;
         let current: Option<String> = tx
-            .query_row("SELECT target FROM live_refs WHERE name=?", [name], |row| row.get(0))
-            .optional()
+            .prepare_cached("SELECT target FROM live_refs WHERE name=?")
+            .and_then(|mut s| s.query_row([name], |row| row.get(0)).optional())
             .map_err(sql("read a head", &path))?;
         let current = match current {
             Some(text) => jcs::canonicalize(
@@ -98,13 +98,15 @@ impl Refs {
             return Err(VersionError::HeadChanged);
         }
         let text = target.jcs();
-        tx.execute(
+        // Cached statements: every commit runs the same three (parsed once per connection).
+        tx.prepare_cached(
             "INSERT INTO live_refs(name, target) VALUES(?, ?) \
              ON CONFLICT(name) DO UPDATE SET target=excluded.target",
-            params![name, text],
         )
+        .and_then(|mut s| s.execute(params![name, text]))
         .map_err(sql("update a head", &path))?;
-        tx.execute("INSERT INTO history_refs(name, target) VALUES(?, ?)", params![name, text])
+        tx.prepare_cached("INSERT INTO history_refs(name, target) VALUES(?, ?)")
+            .and_then(|mut s| s.execute(params![name, text]))
             .map_err(sql("append to the history", &path))?;
         tx.commit().map_err(sql("commit", &path))
     }

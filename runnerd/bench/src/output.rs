@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 
-use crate::client::{RunnerClient, new_execution_id, permission_epoch};
+use runnerd::client::{RunnerClient, new_execution_id, permission_epoch};
 
 const MIB: f64 = 1_048_576.0;
 
@@ -78,14 +78,14 @@ pub async fn bench(init: &Path, mib: u64) -> anyhow::Result<()> {
     for (name, code, ceiling, is_managed) in cases {
         let env: Vec<(&str, &str)> =
             ceiling.map(|c| vec![("SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES", c)]).unwrap_or_default();
-        let daemon = crate::bench::start_runnerd_with(init, "output", &env)?;
-        let client = RunnerClient::new(daemon.endpoint.clone(), crate::bench::BENCH_TOKEN);
+        let daemon = crate::start_runnerd_with(init, "output", &env)?;
+        let client = RunnerClient::new(daemon.endpoint.clone(), crate::BENCH_TOKEN);
         sync(&client, "head -c 100000 /dev/zero | tr '\\0' '\\1'").await?;
         let pid = daemon.child.id();
-        let before = crate::bench::rss_kib(pid, "VmHWM:");
+        let before = crate::rss_kib(pid, "VmHWM:");
         let (kept, answer) =
             if is_managed { managed(&client, code).await? } else { sync(&client, code).await? };
-        let grown = crate::bench::rss_kib(pid, "VmHWM:").saturating_sub(before) as f64 / 1024.0;
+        let grown = crate::rss_kib(pid, "VmHWM:").saturating_sub(before) as f64 / 1024.0;
         println!(
             "{:<44} {:>9} {:>9.1} {:>9.1} {:>10.1} {:>8.2}",
             name,

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
-use crate::bench::{BENCH_TOKEN, Stats, http_once, start_runnerd_with, stats};
-use crate::client::RunnerClient;
+use crate::{BENCH_TOKEN, Stats, http_once, start_runnerd_with, stats};
+use runnerd::client::RunnerClient;
 
 const ROUNDS: usize = 10;
 

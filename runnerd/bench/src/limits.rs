@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use common::seccomp::Profile;
 
-use crate::bench::{Discard, Setup, setup, stats};
-use crate::launch::{Filter, Launch, Termination, default_rlimits};
-use crate::limits::{self, Enforcement, LimitSettings, Limits, Mode};
+use crate::{Discard, Setup, setup, stats};
+use runnerd::launch::{Filter, Launch, Termination, default_rlimits};
+use runnerd::limits::{self, Enforcement, LimitSettings, Limits, Mode};
 
 fn launch(setup: &Setup, mode: Mode, limits: &Limits) -> Launch {
     let mut rlimits = default_rlimits(None);

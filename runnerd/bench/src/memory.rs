@@ -1,7 +1,7 @@
 //! `runnerd-bench memory`: does runnerd give memory back after load (issue #15 item 10)?
 //!
 //! Two runnerds run side by side under the same load: one with glibc's defaults
-//! (`RUNNERD_UNTUNED_MALLOC=1`, as before the change) and one as shipped ([`crate::memory`]).
+//! (`RUNNERD_UNTUNED_MALLOC=1`, as before the change) and one as shipped ([`runnerd::memory`]).
 //! For each: RSS idle (after a warm-up), the peak (`VmHWM`) through N concurrent requests
 //! (signed `POST /execute-shell` of `true` over distinct workspaces, together with
 //! `GET /status`; a 503 `queue_full` counts as answered), RSS `settle` seconds later, then
@@ -11,8 +11,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::bench::{BENCH_TOKEN, Daemon, http_once, rss_kib, start_runnerd_with};
-use crate::client::RunnerClient;
+use crate::{BENCH_TOKEN, Daemon, http_once, rss_kib, start_runnerd_with};
+use runnerd::client::RunnerClient;
 
 struct Row {
     idle: u64,
@@ -64,7 +64,7 @@ fn pid(d: &Daemon) -> u32 {
 }
 
 pub async fn bench(n_concurrent: usize, n_sequential: usize, settle: Duration) -> anyhow::Result<()> {
-    let setup = crate::bench::setup().await?;
+    let setup = crate::setup().await?;
     let init: &Path = setup.launcher.init_path();
     let before = start_runnerd_with(init, "mem-untuned", &[("RUNNERD_UNTUNED_MALLOC", "1")])?;
     let after = start_runnerd_with(init, "mem-tuned", &[])?;

@@ -3,7 +3,7 @@
 //! Cases (N launches of `/usr/bin/true` each, identical bwrap argv, seccomp program on
 //! fd 3 from a sealed memfd, info pipe on fd 4):
 //! * (a) bare bwrap, spawned directly by this process;
-//! * (b) through `sandbox-init` and the [`Launcher`](crate::launch::Launcher), as runnerd does;
+//! * (b) through `sandbox-init` and the [`Launcher`](runnerd::launch::Launcher), as runnerd does;
 //!
 //! each sequentially (a and b interleaved, so drift hits both alike) and with 2 parallel
 //! launchers; then through a real runnerd: (c) sequential signed `POST /execute-shell` of
@@ -11,6 +11,12 @@
 //! per case, executions per second, the ratios against bare bwrap, sandbox-init's peak RSS
 //! and runnerd's RSS idle and through concurrency 8.
 //! Figures, never pass/fail: tests do not time anything.
+
+mod limits;
+mod memory;
+mod metrics;
+mod output;
+mod versions;
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -26,16 +32,22 @@ use common::channel::{self, encode_frame};
 use common::plan::{LaunchPlan, PROTOCOL_VERSION};
 use common::seccomp::{self, Arch, Profile};
 
-use crate::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
-use crate::launch::{Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits};
-use crate::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
-use crate::startup;
+use runnerd::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
+use runnerd::launch::{
+    Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits,
+};
+use runnerd::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
+use runnerd::startup;
 
 const USAGE: &str = "\
 runnerd-bench: figures in one run, never pass/fail (build with --release).
 
 Usage:
-  runnerd-bench [--iterations N]        sandbox launch overhead against bare bwrap (default 200)
+  runnerd-bench [--iterations N]        sandbox launch overhead against bare bwrap (default 200),
+                                        then HTTP executions: p50s, ratios, runnerd's own CPU
+                                        per execution, 2-client throughput, idle RSS and the
+                                        per-phase breakdown (RUNNERD_BENCH_BASELINE=PATH: an
+                                        older runnerd measured too, rounds interleaved)
   runnerd-bench versions [--files N] [--mib M] [--log-mb L]
                                         workspace commit cost against a stat walk and
                                         sha256sum of the same tree (default 10000 files,
@@ -53,7 +65,11 @@ Usage:
                                         tuning, both in this run (default 500, 3000, 60)
 ";
 
-pub fn run() -> i32 {
+fn main() {
+    std::process::exit(run());
+}
+
+fn run() -> i32 {
     let mut iterations = 200usize;
     let mut versions = None;
     let mut limits = false;
@@ -125,9 +141,9 @@ pub fn run() -> i32 {
         Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
         None if memory.is_some() => {
             let (c, s, settle) = memory.expect("checked");
-            rt.block_on(crate::bench_memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
+            rt.block_on(crate::memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
         }
-        None if limits => rt.block_on(crate::bench_limits::bench(iterations)),
+        None if limits => rt.block_on(crate::limits::bench(iterations)),
         None if metrics => rt.block_on(bench_metrics(iterations)),
         None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
@@ -171,7 +187,7 @@ pub(crate) async fn setup() -> anyhow::Result<Setup> {
     let workspace = scratch.join("projects/bench");
     std::fs::create_dir_all(&workspace).with_context(|| format!("creating {}", workspace.display()))?;
     let scratch = Scratch(scratch);
-    let mut config = crate::cli::sandbox_config_from_env(true)?;
+    let mut config = runnerd::cli::sandbox_config_from_env(true)?;
     config.data_dir = scratch.0.join("data");
     // As runnerd does before start-up (and searchable by a root start's sandbox user).
     std::fs::create_dir_all(&config.data_dir)?;
@@ -285,6 +301,9 @@ pub(crate) struct Stats {
 }
 
 pub(crate) fn stats(mut samples: Vec<Duration>, wall: Duration) -> Stats {
+    if samples.is_empty() {
+        return Stats { p50: 0.0, p95: 0.0, per_sec: 0.0 };
+    }
     samples.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let at = |q: f64| ms(samples[((samples.len() - 1) as f64 * q).round() as usize]);
@@ -389,7 +408,27 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         "(a') bare bwrap, `bash -s` with `true` on stdin: p50 {:.2} ms, p95 {:.2} ms",
         a_shell.p50, a_shell.p95
     );
-    http_cases(n, init, &a_seq, &a_shell, &a_par).await
+    let start = Instant::now();
+    let handles: Vec<_> = (0..2)
+        .map(|_| {
+            let s = setup.clone();
+            std::thread::spawn(move || {
+                (0..n / 2)
+                    .map(|_| bare_with_stdin(&s.bwrap, &s.shell_args, &s.program, Some(b"true")))
+                    .collect::<anyhow::Result<Vec<_>>>()
+            })
+        })
+        .collect();
+    let mut shell = Vec::new();
+    for h in handles {
+        shell.extend(h.join().map_err(|_| anyhow::anyhow!("bench thread panicked"))??);
+    }
+    let a_shell_par = stats(shell, start.elapsed());
+    println!(
+        "(a') bare bwrap, `bash -s`, 2 parallel launchers: p50 {:.2} ms, {:.1} launches/s\n",
+        a_shell_par.p50, a_shell_par.per_sec
+    );
+    http_cases(n, &setup, init, &a_seq, &a_shell, &a_par, &a_shell_par).await
 }
 
 /// The version benchmark: commit cost on a scratch tree, then log throughput through a
@@ -398,33 +437,34 @@ async fn bench_versions(files: usize, mib: u64, log_mb: u64) -> anyhow::Result<(
     let base = std::env::var_os("RUNNER_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/tmp".into());
     let scratch = Scratch(base.join(format!("runnerd-bench-versions-{}", std::process::id())));
     std::fs::create_dir_all(&scratch.0)?;
-    let size = crate::bench_versions::TreeSize { files, bytes: mib << 20 };
-    crate::bench_versions::commit_cost(&scratch.0, size).await?;
+    let size = crate::versions::TreeSize { files, bytes: mib << 20 };
+    crate::versions::commit_cost(&scratch.0, size).await?;
     drop(scratch);
     println!();
     let setup = setup().await?;
-    let daemon = start_runnerd(setup.launcher.init_path())?;
+    let daemon = start_runnerd_with(setup.launcher.init_path(), "versions", &[])?;
     let client = RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN);
     let _ = client.raw("GET", "/health", &[], Vec::new()).await;
-    crate::bench_versions::log_throughput(&client, log_mb).await
+    crate::versions::log_throughput(&client, log_mb).await
 }
 
 /// runnerd's peak RSS during output floods (sandbox-init as for `versions`).
 async fn bench_output(mib: u64) -> anyhow::Result<()> {
     let setup = setup().await?;
-    crate::bench_output::bench(setup.launcher.init_path(), mib).await
+    crate::output::bench(setup.launcher.init_path(), mib).await
 }
 
 /// The cost of `GET /metrics` scrapes on execution latency (sandbox-init as for `versions`).
 async fn bench_metrics(n: usize) -> anyhow::Result<()> {
     let setup = setup().await?;
-    crate::bench_metrics::bench(setup.launcher.init_path(), n).await
+    crate::metrics::bench(setup.launcher.init_path(), n).await
 }
 
 /// A runnerd started from the binary next to this one, on an ephemeral port.
 pub(crate) struct Daemon {
     pub(crate) child: std::process::Child,
     pub(crate) endpoint: Endpoint,
+    exe: PathBuf,
     _scratch: Scratch,
 }
 
@@ -437,19 +477,26 @@ impl Drop for Daemon {
 
 pub(crate) const BENCH_TOKEN: &str = "bench-token";
 
-fn start_runnerd(init: &Path) -> anyhow::Result<Daemon> {
-    start_runnerd_with(init, "http", &[])
+/// The runnerd next to this binary (`RUNNERD_BENCH_RUNNERD` names another).
+fn runnerd_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("RUNNERD_BENCH_RUNNERD") {
+        return PathBuf::from(p);
+    }
+    std::env::current_exe().map(|e| e.with_file_name("runnerd")).unwrap_or_else(|_| "runnerd".into())
 }
 
 /// A runnerd in a scratch directory named after `tag`, with `env` added.
 pub(crate) fn start_runnerd_with(init: &Path, tag: &str, env: &[(&str, &str)]) -> anyhow::Result<Daemon> {
-    let exe = std::env::current_exe()?;
-    let runnerd = exe.with_file_name("runnerd");
+    start_runnerd_at(&runnerd_binary(), init, tag, env)
+}
+
+/// [`start_runnerd_with`] for the runnerd binary `runnerd`.
+fn start_runnerd_at(runnerd: &Path, init: &Path, tag: &str, env: &[(&str, &str)]) -> anyhow::Result<Daemon> {
     let scratch = std::env::temp_dir().join(format!("runnerd-bench-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let scratch = Scratch(scratch);
     // `--dev`: as root, sandboxes run as nobody (the token still comes from the variable).
-    let mut child = Command::new(&runnerd)
+    let mut child = Command::new(runnerd)
         .arg("--dev")
         .env("SCIENCE_AGENT_DATA_DIR", scratch.0.join("data"))
         .env("SCIENCE_AGENT_RUNNER_PORT", "0")
@@ -467,7 +514,7 @@ pub(crate) fn start_runnerd_with(init: &Path, tag: &str, env: &[(&str, &str)]) -
         first.strip_prefix("ScienceDiscovery runner listening on ").context("unexpected start-up line")?;
     let endpoint = Endpoint::parse(address);
     std::thread::spawn(move || for _ in lines {});
-    Ok(Daemon { child, endpoint, _scratch: scratch })
+    Ok(Daemon { child, endpoint, exe: runnerd.to_owned(), _scratch: scratch })
 }
 
 pub(crate) fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -496,72 +543,253 @@ pub(crate) async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Resul
     Ok(start.elapsed())
 }
 
-/// (c) sequential signed executions through runnerd; (d) 2, 4 and 8 concurrent clients
-/// over distinct workspaces; runnerd's RSS idle and at concurrency 8.
+/// The runnerd binaries measured: the one next to this bench, and the baseline named by
+/// `RUNNERD_BENCH_BASELINE` (a runnerd built from another commit), both in this run.
+fn runnerds_measured() -> Vec<(String, PathBuf)> {
+    let mut out = vec![("this".to_owned(), runnerd_binary())];
+    if let Some(base) = std::env::var_os("RUNNERD_BENCH_BASELINE") {
+        out.push(("baseline".to_owned(), PathBuf::from(base)));
+    }
+    out
+}
+
+/// runnerd's own CPU time so far (utime + stime of the process, fields 14 and 15 of
+/// `/proc/PID/stat`; its children's `cutime`/`cstime` are not counted), in ms.
+fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) may hold spaces; the fields after its `)` start at 3.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no ')' in /proc/PID/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> anyhow::Result<u64> {
+        fields.get(i - 3).and_then(|f| f.parse().ok()).context("short /proc/PID/stat")
+    };
+    // SAFETY: sysconf reads a constant of the running system; no memory is passed.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz <= 0 {
+        bail!("sysconf(_SC_CLK_TCK) failed");
+    }
+    Ok((ticks(14)? + ticks(15)?) as f64 * 1000.0 / hz as f64)
+}
+
+/// `runner_execution_phase_seconds` sums and counts by phase, from a scrape.
+fn phase_totals(text: &str) -> Vec<(String, f64, f64)> {
+    let mut out: Vec<(String, f64, f64)> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("runner_execution_phase_seconds_") else { continue };
+        let (which, rest) = match rest.split_once("{phase=\"") {
+            Some(x) => x,
+            None => continue,
+        };
+        let Some((phase, value)) = rest.split_once("\"} ") else { continue };
+        let Ok(value) = value.trim().parse::<f64>() else { continue };
+        let at = match out.iter().position(|(p, ..)| p == phase) {
+            Some(i) => i,
+            None => {
+                out.push((phase.to_owned(), 0.0, 0.0));
+                out.len() - 1
+            }
+        };
+        match which {
+            "sum" => out[at].1 = value,
+            "count" => out[at].2 = value,
+            _ => {}
+        }
+    }
+    out
+}
+
+async fn scrape(client: &RunnerClient) -> Vec<(String, f64, f64)> {
+    match client.get("/metrics").await {
+        Ok(r) if r.status == 200 => phase_totals(&String::from_utf8_lossy(&r.body)),
+        _ => Vec::new(),
+    }
+}
+
+/// One runnerd under test and what was measured of it.
+struct Subject {
+    name: String,
+    daemon: Daemon,
+    client: Arc<RunnerClient>,
+    samples: Vec<Duration>,
+    wall: Duration,
+    cpu_ms: f64,
+    idle_rss: u64,
+    phases: Vec<(String, f64, f64)>,
+}
+
+/// Interleaved rounds of the sequential case, so that drift hits every runnerd alike.
+const ROUNDS: usize = 4;
+
+/// (c) sequential signed executions through runnerd, with runnerd's own CPU per execution
+/// and the per-phase breakdown its metrics give; (d) 2, 4 and 8 concurrent clients over
+/// distinct workspaces; runnerd's RSS idle and at concurrency 8. With a baseline runnerd,
+/// every case runs against both, sequential rounds interleaved.
 async fn http_cases(
     n: usize,
+    setup: &Setup,
     init: &Path,
     a_seq: &Stats,
     a_shell: &Stats,
     a_par: &Stats,
+    a_shell_par: &Stats,
 ) -> anyhow::Result<()> {
-    let daemon = start_runnerd(init)?;
-    let pid = daemon.child.id();
-    let client = Arc::new(RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN));
-    for _ in 0..5 {
-        http_once(&client, "bench/warm").await?;
+    let mut subjects = Vec::new();
+    for (name, exe) in runnerds_measured() {
+        let daemon = start_runnerd_at(&exe, init, &format!("http-{name}"), &[])?;
+        let client = Arc::new(RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN));
+        for _ in 0..5 {
+            http_once(&client, "bench/warm").await?;
+        }
+        subjects.push(Subject {
+            name,
+            daemon,
+            client,
+            samples: Vec::with_capacity(n),
+            wall: Duration::ZERO,
+            cpu_ms: 0.0,
+            idle_rss: 0,
+            phases: Vec::new(),
+        });
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let idle_rss = rss_kib(pid, "VmRSS:");
-
-    let start = Instant::now();
-    let mut samples = Vec::with_capacity(n);
-    for _ in 0..n {
-        samples.push(http_once(&client, "bench/seq").await?);
+    for s in &mut subjects {
+        s.idle_rss = rss_kib(s.daemon.child.id(), "VmRSS:");
     }
-    let c_seq = stats(samples, start.elapsed());
 
-    let mut rows = vec![("(c) runnerd HTTP, sequential".to_owned(), c_seq)];
-    for clients in [2usize, 4, 8] {
+    let per_round = n.div_ceil(ROUNDS);
+    // Bare bwrap with the same shell, in the same rounds: the ratio the target names, with
+    // the machine's drift shared.
+    let (mut shell_rounds, mut shell_wall) = (Vec::with_capacity(n), Duration::ZERO);
+    for _ in 0..ROUNDS {
         let start = Instant::now();
-        let tasks: Vec<_> = (0..clients)
-            .map(|i| {
-                let client = client.clone();
-                let per = n / clients;
-                tokio::spawn(async move {
-                    let key = format!("bench/c{clients}-{i}");
-                    let mut v = Vec::with_capacity(per);
-                    for _ in 0..per {
-                        v.push(http_once(&client, &key).await?);
-                    }
-                    Ok::<_, anyhow::Error>(v)
-                })
-            })
-            .collect();
-        let mut samples = Vec::new();
-        for t in tasks {
-            samples.extend(t.await??);
+        for _ in 0..per_round {
+            shell_rounds.push(bare_with_stdin(
+                &setup.bwrap,
+                &setup.shell_args,
+                &setup.program,
+                Some(b"true"),
+            )?);
         }
-        rows.push((format!("(d) runnerd HTTP, {clients} clients"), stats(samples, start.elapsed())));
+        shell_wall += start.elapsed();
+        for s in &mut subjects {
+            let pid = s.daemon.child.id();
+            let before = scrape(&s.client).await;
+            let cpu = own_cpu_ms(pid)?;
+            let start = Instant::now();
+            for _ in 0..per_round {
+                s.samples.push(http_once(&s.client, "bench/seq").await?);
+            }
+            s.wall += start.elapsed();
+            s.cpu_ms += own_cpu_ms(pid)? - cpu;
+            let after = scrape(&s.client).await;
+            for (phase, sum, count) in after {
+                let (b_sum, b_count) =
+                    before.iter().find(|(p, ..)| *p == phase).map(|(_, s, c)| (*s, *c)).unwrap_or((0.0, 0.0));
+                match s.phases.iter_mut().find(|(p, ..)| *p == phase) {
+                    Some(acc) => {
+                        acc.1 += sum - b_sum;
+                        acc.2 += count - b_count;
+                    }
+                    None => s.phases.push((phase, sum - b_sum, count - b_count)),
+                }
+            }
+        }
     }
-    let peak_rss = rss_kib(pid, "VmHWM:");
 
-    println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "execs/s");
-    for (name, s) in &rows {
-        println!("{name:<44} {:>9.2} {:>9.2} {:>11.1}", s.p50, s.p95, s.per_sec);
+    let mut concurrent: Vec<Vec<Stats>> = Vec::new();
+    for s in &subjects {
+        let mut rows = Vec::new();
+        for clients in [2usize, 4, 8] {
+            let start = Instant::now();
+            let tasks: Vec<_> = (0..clients)
+                .map(|i| {
+                    let client = s.client.clone();
+                    let per = (n / clients).max(1);
+                    tokio::spawn(async move {
+                        let key = format!("bench/c{clients}-{i}");
+                        let mut v = Vec::with_capacity(per);
+                        for _ in 0..per {
+                            v.push(http_once(&client, &key).await?);
+                        }
+                        Ok::<_, anyhow::Error>(v)
+                    })
+                })
+                .collect();
+            let mut samples = Vec::new();
+            for t in tasks {
+                samples.extend(t.await??);
+            }
+            rows.push(stats(samples, start.elapsed()));
+        }
+        concurrent.push(rows);
     }
-    println!();
-    println!("ratio (c)/(a) at p50: {:.3}  (target <= 1.3)", rows[0].1.p50 / a_seq.p50);
-    println!("ratio (c)/(a') at p50 (same shell, bare bwrap): {:.3}", rows[0].1.p50 / a_shell.p50);
+
+    let a_shell_rounds = stats(shell_rounds, shell_wall);
+    println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "execs/s");
     println!(
-        "throughput at 2 clients / bare bwrap with 2 parallel launchers: {:.3}  (target >= 0.8)",
-        rows[1].1.per_sec / a_par.per_sec
+        "{:<44} {:>9.2} {:>9.2} {:>11.1}",
+        "(a') bare bwrap `bash -s`, in (c)'s rounds",
+        a_shell_rounds.p50,
+        a_shell_rounds.p95,
+        a_shell_rounds.per_sec
     );
-    println!(
-        "runnerd RSS idle: {idle_rss} KiB ({:.1} MiB, target <= 15 MiB); peak through concurrency 8: {peak_rss} KiB ({:.1} MiB)",
-        idle_rss as f64 / 1024.0,
-        peak_rss as f64 / 1024.0
-    );
+    for (s, rows) in subjects.iter().zip(&concurrent) {
+        let seq = stats(s.samples.clone(), s.wall);
+        println!(
+            "{:<44} {:>9.2} {:>9.2} {:>11.1}",
+            format!("(c) runnerd HTTP, sequential [{}]", s.name),
+            seq.p50,
+            seq.p95,
+            seq.per_sec
+        );
+        for (clients, r) in [2, 4, 8].iter().zip(rows) {
+            println!(
+                "{:<44} {:>9.2} {:>9.2} {:>11.1}",
+                format!("(d) runnerd HTTP, {clients} clients [{}]", s.name),
+                r.p50,
+                r.p95,
+                r.per_sec
+            );
+        }
+    }
+    for (s, rows) in subjects.iter().zip(&concurrent) {
+        let seq = stats(s.samples.clone(), s.wall);
+        let pid = s.daemon.child.id();
+        println!("\n[{}] runnerd {}", s.name, s.daemon.exe.display());
+        println!("  ratio (c)/(a) at p50: {:.3}", seq.p50 / a_seq.p50);
+        println!(
+            "  ratio (c)/(a') at p50 (same `bash -s`, bare bwrap, same rounds): {:.3}  (target <= 1.25; {:.3} against the earlier (a') run)",
+            seq.p50 / a_shell_rounds.p50,
+            seq.p50 / a_shell.p50
+        );
+        println!(
+            "  runnerd's own CPU per sequential execution (utime+stime, children excluded): {:.3} ms over {} executions  (target <= 1 ms)",
+            s.cpu_ms / s.samples.len() as f64,
+            s.samples.len()
+        );
+        println!(
+            "  throughput at 2 clients / 2 parallel bare launchers: {:.3} against `true`, {:.3} against `bash -s`  (target >= 0.8)",
+            rows[0].per_sec / a_par.per_sec,
+            rows[0].per_sec / a_shell_par.per_sec
+        );
+        println!(
+            "  runnerd RSS idle: {} KiB ({:.1} MiB, target <= 15 MiB); peak through concurrency 8: {} KiB",
+            s.idle_rss,
+            s.idle_rss as f64 / 1024.0,
+            rss_kib(pid, "VmHWM:")
+        );
+        if s.phases.is_empty() {
+            println!("  phases: this runnerd exports no runner_execution_phase_seconds");
+        } else {
+            let total: f64 =
+                s.phases.iter().map(|(_, sum, count)| if *count > 0.0 { sum / count } else { 0.0 }).sum();
+            println!("  one execution by phase (mean ms, server-side; {:.2} ms in all):", total * 1000.0);
+            for (phase, sum, count) in &s.phases {
+                let mean = if *count > 0.0 { sum / count * 1000.0 } else { 0.0 };
+                println!("    {phase:<10} {mean:>8.3}");
+            }
+        }
+    }
     Ok(())
 }
 

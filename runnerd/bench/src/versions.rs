@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::client::{RunnerClient, new_execution_id, permission_epoch};
-use crate::writer::Versions;
+use runnerd::client::{RunnerClient, new_execution_id, permission_epoch};
+use runnerd::writer::Versions;
 
 /// What to build: `files` files over 100 directories, `bytes` in total.
 #[derive(Debug, Clone, Copy)]
@@ -93,7 +93,7 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
 
     let versions = Arc::new(Versions::open(&data)?);
     let pinned =
-        || crate::exec::workspace::open_beneath(&data, &ws).map_err(|e| anyhow::anyhow!(e.to_string()));
+        || runnerd::exec::workspace::open_beneath(&data, &ws).map_err(|e| anyhow::anyhow!(e.to_string()));
     // (1) The first commit: the baseline a workspace's first writer commits.
     let start = Instant::now();
     let writer = versions.begin(&ws, pinned()?, None).await?;
