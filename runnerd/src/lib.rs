@@ -6,36 +6,40 @@
 //! * [`startup`]: the start-up sequence that decides and prepares all of it.
 //! * [`egress`]: asking egressd for a policy's gateway (network sandboxes).
 //! * [`cli`]: the `runnerd` command line (the benchmarks are the `runnerd-bench` crate).
+//!
+//! Public are only the modules the binaries, the integration suite (`tests/`) and the
+//! benchmarks (`runnerd/bench`) use; the rest (the HTTP layer, the daemon's state, the
+//! stores) is `pub(crate)`, so the compiler reports what nobody calls.
 
-pub mod accel;
-pub mod api;
-pub mod app;
+pub(crate) mod accel;
+pub(crate) mod api;
+pub(crate) mod app;
 pub use common::audit;
 pub mod auth;
-pub mod check;
+pub(crate) mod check;
 pub mod cli;
 pub mod client;
-pub mod config;
+pub(crate) mod config;
 pub mod coordination;
 pub mod ctl;
-pub mod egress;
+pub(crate) mod egress;
 pub mod exec;
-pub mod fsat;
-pub mod http;
+pub(crate) mod fsat;
+pub(crate) mod http;
 pub mod launch;
 pub mod limits;
-pub mod managed;
+pub(crate) mod managed;
 pub mod memory;
-pub mod metrics;
-pub mod npu_broker;
-pub mod remote;
+pub(crate) mod metrics;
+pub(crate) mod npu_broker;
+pub(crate) mod remote;
 pub mod sandbox;
-pub mod selftest;
-pub mod skills;
+pub(crate) mod selftest;
+pub(crate) mod skills;
 pub mod startup;
 pub use common::timefmt;
-pub mod token;
-pub mod versioning;
+pub(crate) mod token;
+pub(crate) mod versioning;
 pub mod writer;
 
 pub use common::error_chain;

@@ -220,7 +220,7 @@ mod tests {
             let entry = serde_json::json!({
                 "content": content.to_value(),
                 "executable": 0,
-                "name": crate::versioning::b64url_encode(name.as_bytes()),
+                "name": crate::versioning::names::b64url_encode(name.as_bytes()),
                 "type": "file",
             });
             let tree = store.put_record("WorkspaceTree", serde_json::json!({ "entries": [entry] })).unwrap();

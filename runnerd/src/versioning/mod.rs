@@ -30,13 +30,12 @@ pub mod sweep;
 #[cfg(test)]
 mod testutil;
 
-pub use export::{SnapshotFile, export_value};
-pub use jcs::canonicalize;
-pub use names::{b64url_decode, b64url_encode, new_uuid_v4, sha256_hex, workspace_head_name};
+pub use export::export_value;
+pub use names::{new_uuid_v4, workspace_head_name};
 pub use object::{Pool, Ref};
 pub use records::{execution_value, mutation_value};
 pub use refs::Refs;
-pub use store::{Record, Store, VerifiedReader};
+pub use store::{Record, Store};
 
 /// The mediaType of every record blob (`RECORD_MEDIA_TYPE` in the original).
 pub const RECORD_MEDIA_TYPE: &str = "application/vnd.sciencediscovery.record.v1+json";

@@ -53,6 +53,9 @@ impl Refs {
     /// Moves `name` from `expected` (None: must not exist) to `target` after verifying the
     /// whole closure of `target`. Fails with [`VersionError::HeadChanged`] if the head is no
     /// longer `expected`; the live upsert and history insert happen in one transaction.
+    /// (The tests' entry point: runnerd's writers validate outside their locks and call
+    /// [`Refs::commit_validated`].)
+    #[cfg(test)]
     pub fn commit(
         &mut self,
         store: &Store,
@@ -112,15 +115,18 @@ impl Refs {
     }
 
     /// Every target `name` has had, oldest first.
+    #[cfg(test)]
     pub fn history(&self, name: &str) -> Result<Vec<Ref>, VersionError> {
         self.targets("SELECT target FROM history_refs WHERE name=? ORDER BY id", [name])
     }
 
     /// Every target that is or was live under any name (the GC roots), de-duplicated.
+    #[cfg(test)]
     pub fn roots(&self) -> Result<Vec<Ref>, VersionError> {
         self.targets("SELECT target FROM live_refs UNION SELECT target FROM history_refs ORDER BY target", [])
     }
 
+    #[cfg(test)]
     fn targets<P: rusqlite::Params>(&self, query: &str, params: P) -> Result<Vec<Ref>, VersionError> {
         let mut stmt = self.conn.prepare(query).map_err(sql("prepare a query", &self.path))?;
         let texts = stmt

@@ -730,15 +730,15 @@ mod tests {
         assert_eq!(store.files_hashed(), 80, "each file hashed exactly once");
         let top = store.read_record(&root, Some("WorkspaceTree")).unwrap();
         for dir_entry in top.value["entries"].as_array().unwrap() {
-            let dir = crate::versioning::b64url_decode(dir_entry["name"].as_str().unwrap()).unwrap();
+            let dir = crate::versioning::names::b64url_decode(dir_entry["name"].as_str().unwrap()).unwrap();
             let tree = Ref::from_value(&dir_entry["tree"]).unwrap();
             for e in store.read_record(&tree, None).unwrap().value["entries"].as_array().unwrap() {
-                let name = crate::versioning::b64url_decode(e["name"].as_str().unwrap()).unwrap();
+                let name = crate::versioning::names::b64url_decode(e["name"].as_str().unwrap()).unwrap();
                 let path = ws
                     .path()
                     .join(String::from_utf8(dir.clone()).unwrap())
                     .join(String::from_utf8(name).unwrap());
-                let want = crate::versioning::sha256_hex(&fs::read(path).unwrap());
+                let want = crate::versioning::names::sha256_hex(&fs::read(path).unwrap());
                 assert_eq!(Ref::from_value(&e["content"]).unwrap().hex(), want);
             }
         }
