@@ -4,7 +4,7 @@
 //!   timeouts and clean kills.
 //! * [`sandbox`]: what a sandbox looks like — preflight probes and the bwrap argv.
 //! * [`startup`]: the start-up sequence that decides and prepares all of it.
-//! * [`egress`]: asking egressd for a policy's gateway (network sandboxes).
+//! * `egress`: asking egressd for a policy's gateway (network sandboxes).
 //! * [`cli`]: the `runnerd` command line (the benchmarks are the `runnerd-bench` crate).
 //!
 //! Public are only the modules the binaries, the integration suite (`tests/`) and the

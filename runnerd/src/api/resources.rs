@@ -20,8 +20,8 @@ fn meminfo(text: &str, key: &str) -> Option<u64> {
 }
 
 fn cpu_cores() -> u64 {
-    // SAFETY: sysconf has no memory effects.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    // SAFETY: sysconf has no memory effects. A failure (-1) counts one core.
+    let n = common::sys::cvt(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).unwrap_or(1);
     u64::try_from(n).unwrap_or(1).max(1)
 }
 

@@ -146,8 +146,9 @@ impl Sandbox {
 /// to `limit` on the runtime's reactor.
 async fn wait_exited(pidfd: &OwnedFd, limit: Duration) -> bool {
     let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: poll reads one pollfd we own, with a zero timeout.
-    if unsafe { libc::poll(&mut poll, 1, 0) } > 0 {
+    // SAFETY: poll reads one pollfd we own, with a zero timeout. A failed poll (EINTR,
+    // say) answers "not yet", and the wait below decides.
+    if common::sys::cvt(unsafe { libc::poll(&mut poll, 1, 0) }).is_ok_and(|ready| ready > 0) {
         return true;
     }
     let Ok(fd) = pidfd.try_clone() else { return false };

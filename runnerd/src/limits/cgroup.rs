@@ -343,9 +343,10 @@ fn kill_dir(flavor: Flavor, dir: &Path) {
         .lines()
         .filter_map(|l| l.trim().parse::<i32>().ok())
     {
-        // SAFETY: kill(2) with a pid read from the cgroup; a pid that exited meanwhile
-        // gives ESRCH. Only processes of this execution's cgroup are named.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        // SAFETY: kill(2) with a pid read from the cgroup. Only processes of this
+        // execution's cgroup are named; one that exited meanwhile gives ESRCH, which is
+        // what we want (the cgroup's emptiness is checked by the caller).
+        let _ = common::sys::cvt(unsafe { libc::kill(pid, libc::SIGKILL) });
     }
 }
 
