@@ -32,6 +32,14 @@ pub const VERSIONING: &str = "versioning";
 /// The refs database, in [`VERSIONING`].
 pub const REFS_DB: &str = "refs.sqlite";
 
+/// `<data>/runner-executions/`: the managed executions' records ([`EXECUTIONS_DB`]) and the
+/// lease journal ([`LEASE_JOURNAL`]).
+pub const RUNNER_EXECUTIONS: &str = "runner-executions";
+/// The managed executions' database, in [`RUNNER_EXECUTIONS`].
+pub const EXECUTIONS_DB: &str = "executions.sqlite";
+/// `<data>/runner-executions/active-leases/<sha256>`: runnerd's own journal of held leases.
+pub const LEASE_JOURNAL: &str = "active-leases";
+
 /// `<data>/runner-runtime/`: what runnerd publishes at start-up (the seccomp programs) and
 /// its scratch space.
 pub const RUNTIME: &str = "runner-runtime";
@@ -76,7 +84,7 @@ mod tests {
     #[test]
     fn names_are_the_originals() {
         let data = Path::new("/d");
-        let cases: [(PathBuf, &str); 10] = [
+        let cases: [(PathBuf, &str); 12] = [
             (workspace_roots(data)[0].clone(), "/d/projects"),
             (workspace_roots(data)[1].clone(), "/d/remote-workspaces"),
             (data.join(COORDINATION_DIR), "/d/.workspace-coordination"),
@@ -87,6 +95,8 @@ mod tests {
             (data.join(PYTHON_PACKAGES), "/d/python-packages"),
             (env_revisions(data), "/d/scientific-envs/revisions"),
             (npu_jobs_file(data), "/d/npu-jobs/jobs.json"),
+            (data.join(RUNNER_EXECUTIONS).join(EXECUTIONS_DB), "/d/runner-executions/executions.sqlite"),
+            (data.join(RUNNER_EXECUTIONS).join(LEASE_JOURNAL), "/d/runner-executions/active-leases"),
         ];
         for (got, want) in cases {
             assert_eq!(got, Path::new(want));

@@ -23,7 +23,7 @@ use super::{ACTIVE_TEXT, CoordError, POISONED, cname, path_hex, require_regular}
 use crate::fsat::{self, Stat};
 
 /// The lease directory's name, in the parent of every workspace root.
-pub const COORDINATION_DIR: &str = ".workspace-coordination";
+pub use common::layout::COORDINATION_DIR;
 
 /// Where a root's lease files live (host paths: for tests and operators' messages; runnerd
 /// itself reaches them only through [`LeaseNames`] and a directory descriptor).

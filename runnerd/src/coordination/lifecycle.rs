@@ -18,7 +18,7 @@ use super::sqlite_lock::{LockFile, SqliteLock};
 use super::{CoordError, DataDir, cname, path_hex, private_dir};
 
 /// The lifecycle directory's name in `realpath(dataDir)`.
-pub const LIFECYCLE_DIR: &str = ".workspace-lifecycle";
+pub use common::layout::LIFECYCLE_DIR;
 
 /// A held admission: the per-root admission lock. Take the lease inside it.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ impl Lifecycle {
         let data = DataDir::open(real)?;
         let dir_fd = data.own_dir(LIFECYCLE_DIR)?;
         let dir = data.real.join(LIFECYCLE_DIR);
-        let journal = data_dir.join("runner-executions").join("active-leases");
+        let journal = data_dir.join(common::layout::RUNNER_EXECUTIONS).join(common::layout::LEASE_JOURNAL);
         private_dir(&journal)?;
         let registry = dir.join("registry.sqlite");
         let conn = open_registry(&registry)?;

@@ -186,9 +186,9 @@ impl ExecutionsDb {
     /// `executions.sqlite-wal.corrupt-<stamp>`) and a new database started; every other
     /// file is left as it is.
     pub fn open(data_dir: &Path, now_iso: &str) -> Result<(ExecutionsDb, OpenReport), DbError> {
-        let dir = data_dir.join("runner-executions");
+        let dir = data_dir.join(common::layout::RUNNER_EXECUTIONS);
         std::fs::create_dir_all(&dir).map_err(|source| DbError::Dir { path: dir.clone(), source })?;
-        let path = dir.join("executions.sqlite");
+        let path = dir.join(common::layout::EXECUTIONS_DB);
         // A file that is not SQLite's is set aside before SQLite opens it (closing a
         // connection to it could delete the WAL beside it).
         let first =
