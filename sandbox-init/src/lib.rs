@@ -11,7 +11,9 @@
 //!    fd 0 was made by our parent (else runnerd died before step 0,
 //!    or we were started by hand) and move it to a close-on-exec descriptor above every
 //!    target number.
-//! 2. Read the plan; a protocol version mismatch is reported as such.
+//! 2. Read the plan; a protocol version mismatch is reported as such. There is no timeout:
+//!    runnerd starts the next sandbox-init ahead of its launch, so it may wait here for long;
+//!    nothing before this step depends on the launch, and step 0 ties it to runnerd.
 //! 3. Validate the plan (absolute bwrap path, distinct targets in range, sane limits).
 //! 4. Receive the descriptors (each close-on-exec on arrival); join the execution's cgroups
 //!    by writing `0` into each passed join file (`cgroup.procs`, or v1's `tasks`: this

@@ -1,6 +1,7 @@
 //! The HTTP API of the real runnerd, driven like the original RunnerClient drives it
 //! (contract §7 items 1–3, 5–12, 19–23).
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
@@ -482,6 +483,83 @@ async fn sigterm_aborts_running_executions_and_exits_cleanly() {
         assert_eq!(reply.json()["error"], "Shell execution aborted");
     }
     assert!(processes_matching(&format!("sleep 8{m}")).is_empty(), "a sandbox outlived runnerd's shutdown");
+}
+
+/// The one sandbox-init runnerd keeps started ahead of the next launch (issue #18): a child
+/// of runnerd still running the sandbox-init image (it has not exec'd bwrap), waiting for a
+/// plan. Waits until there is exactly one.
+async fn sandbox_init_waiting_ahead(runnerd: u32, not: Option<u32>) -> u32 {
+    let init = runner_tests::bin("sandbox-init").canonicalize().unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let idle: Vec<u32> = runner_tests::children_of(runnerd)
+            .into_iter()
+            .filter(|c| Some(*c) != not)
+            .filter(|c| std::fs::read_link(format!("/proc/{c}/exe")).is_ok_and(|exe| exe == init))
+            .collect();
+        match idle.as_slice() {
+            [one] => return *one,
+            [] => assert!(start.elapsed() < IDLE_DEADLINE, "no sandbox-init waits ahead of the next launch"),
+            more => panic!("more than one idle sandbox-init: {more:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+const IDLE_DEADLINE: Duration = Duration::from_secs(15);
+
+/// The sandbox-init waiting ahead dies with runnerd, on a clean SIGTERM and on kill -9 alike
+/// (its death signal is armed before it waits); one killed while idle is replaced, and the
+/// launch that finds it dead still runs.
+#[tokio::test]
+async fn the_sandbox_init_waiting_ahead_is_replaced_and_dies_with_runnerd() {
+    if !sandbox_or_skip("the_sandbox_init_waiting_ahead_is_replaced_and_dies_with_runnerd") {
+        return;
+    }
+    for signal in [libc::SIGTERM, libc::SIGKILL] {
+        let mut server = Server::start();
+        let client = server.client();
+        let ws = server.project_workspace("idle-init");
+        let request = shell_request("main", "s", &ws, "echo ran");
+        let reply = client.post_signed("/execute-shell", &request).await.unwrap();
+        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        let runnerd = server.pid().expect("runnerd's pid");
+        let mut waiting = sandbox_init_waiting_ahead(runnerd, None).await;
+        if signal == libc::SIGTERM {
+            let pidfd = common::sys::pidfd_open(waiting as i32).expect("the idle sandbox-init is alive");
+            // SAFETY: kill(2) on the idle child of the runnerd this test started.
+            unsafe { libc::kill(waiting as i32, libc::SIGKILL) };
+            assert!(exits_within(&pidfd, IDLE_DEADLINE).await, "a SIGKILLed sandbox-init lived on");
+            let again = shell_request("main", "s", &ws, "echo ran");
+            let reply = client.post_signed("/execute-shell", &again).await.unwrap();
+            assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+            assert_eq!(reply.json()["stdout"], "ran\n", "{}", reply.json());
+            waiting = sandbox_init_waiting_ahead(runnerd, Some(waiting)).await;
+        }
+        // A pidfd: the pid cannot be mistaken for a reused one.
+        let pidfd = common::sys::pidfd_open(waiting as i32).expect("the idle sandbox-init is alive");
+        // SAFETY: kill(2) on the runnerd this test started.
+        unsafe { libc::kill(runnerd as i32, signal) };
+        server.child.wait().unwrap();
+        assert!(
+            exits_within(&pidfd, IDLE_DEADLINE).await,
+            "the idle sandbox-init {waiting} outlived runnerd (signal {signal})"
+        );
+    }
+}
+
+/// Whether the process behind `pidfd` exits (its pidfd turns readable) within `limit`.
+async fn exits_within(pidfd: &std::os::fd::OwnedFd, limit: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll reads and writes one pollfd we own, with a zero timeout.
+        if common::sys::cvt(unsafe { libc::poll(&mut poll, 1, 0) }).is_ok_and(|ready| ready > 0) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }
 
 #[tokio::test]

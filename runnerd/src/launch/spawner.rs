@@ -6,6 +6,14 @@
 //! So all spawns happen on this one thread, which lives as long as the [`Spawner`].
 //! It also sends each plan and its descriptors, so runnerd's copies of the sandbox's ends
 //! are closed right after the hand-over.
+//!
+//! After each hand-over the thread starts the next sandbox-init ahead of its request, off
+//! the launch's critical path: the next launch then skips the fork and exec (issue #18).
+//! The one idle sandbox-init only waits for a plan on its channel; nothing it does before
+//! the plan depends on the launch (its death signal, the staging room, the channel check).
+//! It is spawned from this thread, so it dies with it (its step 0 arms `PR_SET_PDEATHSIG`),
+//! it is killed when the thread ends, and a launch that finds it dead starts a fresh one.
+//! The first is started after the first launch, so it inherits runnerd's settled state.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -75,9 +83,16 @@ impl Spawner {
         let (tx, rx) = mpsc::channel::<SpawnJob>();
         std::thread::Builder::new().name("sandbox-spawner".into()).spawn(move || {
             let _runtime = handle.enter();
+            let mut idle: Option<Waiting> = None;
             for job in rx {
-                let result = spawn_one(&init_path, job.frame, job.fds);
+                let result = launch_one(&init_path, idle.take(), job.frame, job.fds);
                 let _ = job.reply.send(result);
+                // A failure here is not reported: the next launch starts its own and says why.
+                idle = Waiting::start(&init_path).ok();
+            }
+            if let Some(mut waiting) = idle {
+                // Never handed a plan; dropping the Child leaves it to tokio to reap.
+                let _ = waiting.child.start_kill();
             }
         })?;
         Ok(Spawner { jobs: tx })
@@ -90,19 +105,48 @@ impl Spawner {
     }
 }
 
-fn spawn_one(init_path: &PathBuf, frame: Vec<u8>, fds: Vec<OwnedFd>) -> Result<Spawned, SpawnError> {
-    // std's socketpair is close-on-exec on both ends; the child's end becomes its stdin,
-    // which dup2 leaves inheritable.
-    let (ours, theirs) = UnixStream::pair().map_err(SpawnError::Socketpair)?;
-    let child = Command::new(init_path)
-        .stdin(Stdio::from(OwnedFd::from(theirs)))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .env_clear()
-        // Not kill_on_drop: an abandoned run ends its sandbox through the namespace init
-        // (see `end_sandbox`); a dropped Child is still reaped by tokio.
-        .spawn()
-        .map_err(|source| SpawnError::Spawn { path: init_path.clone(), source })?;
+/// A sandbox-init started ahead of its launch, waiting for a plan on `channel`.
+struct Waiting {
+    child: Child,
+    channel: UnixStream,
+}
+
+impl Waiting {
+    fn start(init_path: &PathBuf) -> Result<Waiting, SpawnError> {
+        // std's socketpair is close-on-exec on both ends; the child's end becomes its stdin,
+        // which dup2 leaves inheritable.
+        let (ours, theirs) = UnixStream::pair().map_err(SpawnError::Socketpair)?;
+        let child = Command::new(init_path)
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .env_clear()
+            // Not kill_on_drop: an abandoned run ends its sandbox through the namespace init
+            // (see `Sandbox::end`); a dropped Child is still reaped by tokio.
+            .spawn()
+            .map_err(|source| SpawnError::Spawn { path: init_path.clone(), source })?;
+        Ok(Waiting { child, channel: ours })
+    }
+
+    /// Whether it is still waiting (it may have been killed while idle).
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+/// Hands the plan to the idle sandbox-init when it is still alive, else to a fresh one.
+fn launch_one(
+    init_path: &PathBuf,
+    idle: Option<Waiting>,
+    frame: Vec<u8>,
+    fds: Vec<OwnedFd>,
+) -> Result<Spawned, SpawnError> {
+    // A dead one is dropped (tokio reaps it) and replaced.
+    let waiting = match idle.and_then(|mut waiting| waiting.alive().then_some(waiting)) {
+        Some(waiting) => waiting,
+        None => Waiting::start(init_path)?,
+    };
+    let Waiting { child, channel: ours } = waiting;
     let hand_over = hand_over(&ours, &frame, &fds);
     drop(fds);
     if hand_over.is_err() {
