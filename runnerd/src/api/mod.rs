@@ -370,28 +370,9 @@ async fn detached(
         .unwrap_or_else(|e| Err(ApiError::bad_request("internal", format!("the request task failed: {e}"))))
 }
 
-/// `decodeURIComponent` for path parameters (invalid sequences are kept as written).
+/// `decodeURIComponent` for path parameters (see [`query::decode_path`]).
 pub fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let (Some(h), Some(l)) = (hex_val(bytes[i + 1]), hex_val(bytes[i + 2]))
-        {
-            out.push(h * 16 + l);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8(out).unwrap_or_else(|_| s.to_owned())
-}
-
-fn hex_val(b: u8) -> Option<u8> {
-    (b as char).to_digit(16).map(|d| d as u8)
+    query::decode_path(s)
 }
 
 #[cfg(test)]

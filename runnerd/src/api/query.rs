@@ -41,47 +41,45 @@ pub fn get_strict(query: Option<&str>, name: &str) -> Result<Option<String>, Que
 
 /// The bytes of one component (`+` a space), or `None` at a malformed escape.
 fn decode_bytes(s: &str) -> Option<Vec<u8>> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let h = hex(*bytes.get(i + 1)?)?;
-                let l = hex(*bytes.get(i + 2)?)?;
-                out.push(h * 16 + l);
-                i += 3;
-                continue;
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    Some(out)
+    percent_bytes(s, true, true)
 }
 
 /// `application/x-www-form-urlencoded` decoding of one component.
 pub fn decode(s: &str) -> String {
+    let bytes = percent_bytes(s, true, false).unwrap_or_default();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// `decodeURIComponent` for path parameters: `+` stays, invalid sequences are kept as
+/// written, and a result that is not UTF-8 leaves the text as it came.
+pub fn decode_path(s: &str) -> String {
+    let bytes = percent_bytes(s, false, false).unwrap_or_default();
+    String::from_utf8(bytes).unwrap_or_else(|_| s.to_owned())
+}
+
+/// The one percent-decoder: `%XY` becomes its byte, `+` a space when `plus_is_space`. A
+/// malformed escape is kept as written, or with `strict` makes the whole result `None`.
+fn percent_bytes(s: &str, plus_is_space: bool, strict: bool) -> Option<Vec<u8>> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+            b'+' if plus_is_space => out.push(b' '),
+            b'%' => match (bytes.get(i + 1).and_then(|b| hex(*b)), bytes.get(i + 2).and_then(|b| hex(*b))) {
                 (Some(h), Some(l)) => {
                     out.push(h * 16 + l);
                     i += 3;
                     continue;
                 }
+                _ if strict => return None,
                 _ => out.push(b'%'),
             },
             b => out.push(b),
         }
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    Some(out)
 }
 
 /// `encodeURIComponent`: everything but `A-Z a-z 0-9 - _ . ! ~ * ' ( )` percent-encoded.
@@ -104,6 +102,23 @@ fn hex(b: u8) -> Option<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The three readings of one decoder: path parameters, lenient and strict query values.
+    #[test]
+    fn one_decoder_three_readings() {
+        for (text, path, lenient, strict) in [
+            ("a+b%20c", "a+b c", "a b c", Some("a b c")),
+            ("%E8%AE%AD", "训", "训", Some("训")),
+            ("bad%zz", "bad%zz", "bad%zz", None),
+            ("tail%4", "tail%4", "tail%4", None),
+            ("%FF", "%FF", "\u{fffd}", Some("\u{fffd}")),
+        ] {
+            assert_eq!(decode_path(text), path, "{text}");
+            assert_eq!(decode(text), lenient, "{text}");
+            let strict_text = decode_bytes(text).map(|b| String::from_utf8_lossy(&b).into_owned());
+            assert_eq!(strict_text.as_deref(), strict, "{text}");
+        }
+    }
 
     #[test]
     fn reads_like_urlsearchparams() {
