@@ -687,13 +687,13 @@ pub async fn run_sandbox(
 /// bind by descriptor takes its slot from one [`FdSlots`].
 fn sandbox_command(
     app: &App,
+    shape: crate::sandbox::SandboxShape,
     p: &Prepared,
     root_fd: &OwnedFd,
     parent_fd: Option<&OwnedFd>,
     accel: Option<&crate::accel::mount::AccelMount>,
     skills: Option<&crate::skills::Mount>,
 ) -> Result<(crate::sandbox::SandboxCommand, FdSlots), EngineError> {
-    let shape = sandbox_shape(app)?;
     let by_fd = app.sandbox.features.bind_fd;
     let mut slots = FdSlots::default();
     let mut slot = |fd: &OwnedFd| slots.push(fd).map_err(EngineError::internal);
@@ -762,7 +762,7 @@ async fn sandbox_run(
     stop: &StopToken,
     root_fd: &OwnedFd,
 ) -> Result<ExecutionResult, EngineError> {
-    sandbox_shape(app)?;
+    let shape = sandbox_shape(app)?;
     let (language, execution_id) = (p.language, &p.execution_id);
     let parent_fd = match p.read_only.as_ref() {
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
@@ -800,7 +800,8 @@ async fn sandbox_run(
         ),
         None => None,
     };
-    let (cmd, slots) = sandbox_command(app, p, root_fd, parent_fd.as_ref(), accel.as_ref(), skills.as_ref())?;
+    let (cmd, slots) =
+        sandbox_command(app, shape, p, root_fd, parent_fd.as_ref(), accel.as_ref(), skills.as_ref())?;
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();
     let profile = cmd.seccomp;
