@@ -300,6 +300,26 @@ pub(crate) struct Stats {
     pub(crate) per_sec: f64,
 }
 
+/// `n` bare launches on two threads at once (`n / 2` each): the parallel baselines.
+fn two_bare_launchers(
+    setup: &Arc<Setup>,
+    n: usize,
+    launch: fn(&Setup) -> anyhow::Result<Duration>,
+) -> anyhow::Result<Stats> {
+    let start = Instant::now();
+    let handles: Vec<_> = (0..2)
+        .map(|_| {
+            let s = setup.clone();
+            std::thread::spawn(move || (0..n / 2).map(|_| launch(&s)).collect::<anyhow::Result<Vec<_>>>())
+        })
+        .collect();
+    let mut samples = Vec::new();
+    for h in handles {
+        samples.extend(h.join().map_err(|_| anyhow::anyhow!("bench thread panicked"))??);
+    }
+    Ok(stats(samples, start.elapsed()))
+}
+
 pub(crate) fn stats(mut samples: Vec<Duration>, wall: Duration) -> Stats {
     if samples.is_empty() {
         return Stats { p50: 0.0, p95: 0.0, per_sec: 0.0 };
@@ -339,22 +359,7 @@ async fn bench(n: usize) -> anyhow::Result<()> {
     let b_seq = stats(init, init_wall);
 
     // Two parallel launchers each.
-    let start = Instant::now();
-    let handles: Vec<_> = (0..2)
-        .map(|_| {
-            let s = setup.clone();
-            std::thread::spawn(move || {
-                (0..n / 2)
-                    .map(|_| bare_once(&s.bwrap, &s.args, &s.program))
-                    .collect::<anyhow::Result<Vec<_>>>()
-            })
-        })
-        .collect();
-    let mut bare = Vec::new();
-    for h in handles {
-        bare.extend(h.join().map_err(|_| anyhow::anyhow!("bench thread panicked"))??);
-    }
-    let a_par = stats(bare, start.elapsed());
+    let a_par = two_bare_launchers(&setup, n, |s| bare_once(&s.bwrap, &s.args, &s.program))?;
 
     let start = Instant::now();
     let tasks: Vec<_> = (0..2)
@@ -408,22 +413,9 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         "(a') bare bwrap, `bash -s` with `true` on stdin: p50 {:.2} ms, p95 {:.2} ms",
         a_shell.p50, a_shell.p95
     );
-    let start = Instant::now();
-    let handles: Vec<_> = (0..2)
-        .map(|_| {
-            let s = setup.clone();
-            std::thread::spawn(move || {
-                (0..n / 2)
-                    .map(|_| bare_with_stdin(&s.bwrap, &s.shell_args, &s.program, Some(b"true")))
-                    .collect::<anyhow::Result<Vec<_>>>()
-            })
-        })
-        .collect();
-    let mut shell = Vec::new();
-    for h in handles {
-        shell.extend(h.join().map_err(|_| anyhow::anyhow!("bench thread panicked"))??);
-    }
-    let a_shell_par = stats(shell, start.elapsed());
+    let a_shell_par = two_bare_launchers(&setup, n, |s| {
+        bare_with_stdin(&s.bwrap, &s.shell_args, &s.program, Some(b"true"))
+    })?;
     println!(
         "(a') bare bwrap, `bash -s`, 2 parallel launchers: p50 {:.2} ms, {:.1} launches/s\n",
         a_shell_par.p50, a_shell_par.per_sec
