@@ -12,6 +12,8 @@
 //!   x86_64 and aarch64, as pure rule tables compiled to classic BPF.
 //! * `egress` — [`egress`]: the egress policy and the runnerd ↔ egressd protocol.
 //! * `npu` — [`npu`]: the runnerd ↔ npu-brokerd protocol.
+//! * `provision` — [`provision`]: the runnerd ↔ `runner-provisioner` protocol (conda
+//!   environments).
 //! * `confine` — [`confine`]: the helper daemons' self-confinement.
 //! * `daemon` — [`daemon`]: the start-up scaffold of the three daemons; [`layout`]: the data directory's names; [`settings`]: a daemon's TOML configuration file layered under its
 //!   variables; [`audit`], [`systemd`], [`channel_async`], [`out`] (command-line output that
@@ -37,6 +39,8 @@ pub mod npu;
 #[cfg(feature = "daemon")]
 pub mod out;
 pub mod plan;
+#[cfg(feature = "provision")]
+pub mod provision;
 #[cfg(feature = "seccomp")]
 pub mod seccomp;
 #[cfg(feature = "daemon")]
