@@ -53,6 +53,16 @@ pub const PYTHON_PACKAGES: &str = "python-packages";
 pub const SCIENTIFIC_ENVS: &str = "scientific-envs";
 /// `<data>/scientific-envs/revisions/<env>/<revision>/`: one environment revision's prefix.
 pub const ENV_REVISIONS: &str = "revisions";
+/// `<data>/scientific-envs/catalog.json`: the environments and their revision records.
+pub const ENV_CATALOG: &str = "catalog.json";
+/// `<data>/scientific-envs/snapshots/<revision>.json`: one write-once snapshot per revision.
+pub const ENV_SNAPSHOTS: &str = "snapshots";
+/// `<data>/scientific-envs/wheels/<sha256>/<file>.whl`: local wheels, persisted by content.
+pub const ENV_WHEELS: &str = "wheels";
+/// `<data>/scientific-envs/pkgs/`: the conda package cache (extracted packages hard-linked
+/// into the prefixes, so it lives on their filesystem). The original's micromamba kept it
+/// in `provisioner/pkgs/`; we have no micromamba root.
+pub const ENV_PACKAGE_CACHE: &str = "pkgs";
 
 /// `<state>/npu-jobs/jobs.json`: the NPU broker's job records (the original kept them in its
 /// data directory; npu-brokerd keeps them in its own state directory, with the same names).
@@ -84,7 +94,8 @@ mod tests {
     #[test]
     fn names_are_the_originals() {
         let data = Path::new("/d");
-        let cases: [(PathBuf, &str); 12] = [
+        let envs = data.join(SCIENTIFIC_ENVS);
+        let cases: [(PathBuf, &str); 16] = [
             (workspace_roots(data)[0].clone(), "/d/projects"),
             (workspace_roots(data)[1].clone(), "/d/remote-workspaces"),
             (data.join(COORDINATION_DIR), "/d/.workspace-coordination"),
@@ -94,6 +105,10 @@ mod tests {
             (data.join(RUNTIME).join(ACCEL_PROBE), "/d/runner-runtime/accel-probe"),
             (data.join(PYTHON_PACKAGES), "/d/python-packages"),
             (env_revisions(data), "/d/scientific-envs/revisions"),
+            (envs.join(ENV_CATALOG), "/d/scientific-envs/catalog.json"),
+            (envs.join(ENV_SNAPSHOTS), "/d/scientific-envs/snapshots"),
+            (envs.join(ENV_WHEELS), "/d/scientific-envs/wheels"),
+            (envs.join(ENV_PACKAGE_CACHE), "/d/scientific-envs/pkgs"),
             (npu_jobs_file(data), "/d/npu-jobs/jobs.json"),
             (data.join(RUNNER_EXECUTIONS).join(EXECUTIONS_DB), "/d/runner-executions/executions.sqlite"),
             (data.join(RUNNER_EXECUTIONS).join(LEASE_JOURNAL), "/d/runner-executions/active-leases"),

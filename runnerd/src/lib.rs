@@ -23,6 +23,7 @@ pub(crate) mod config;
 pub mod coordination;
 pub mod ctl;
 pub(crate) mod egress;
+mod envs;
 pub mod exec;
 pub(crate) mod fsat;
 pub(crate) mod http;
