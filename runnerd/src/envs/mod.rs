@@ -15,5 +15,6 @@
 
 pub(crate) mod catalog;
 mod disk;
+pub(crate) mod gate;
 pub(crate) mod ids;
 pub(crate) mod snapshot;
