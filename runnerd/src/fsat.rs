@@ -115,6 +115,19 @@ pub fn rename_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
     Ok(())
 }
 
+/// `renameat(from_dir, from, to_dir, to)`: moves a name into another directory (both held
+/// by descriptor), replacing `to`; neither name is followed.
+pub fn rename_between(
+    from_dir: &impl AsRawFd,
+    from: &CStr,
+    to_dir: &impl AsRawFd,
+    to: &CStr,
+) -> io::Result<()> {
+    // SAFETY: renameat between NUL-terminated names in two directory descriptors we own.
+    cvt(unsafe { libc::renameat(from_dir.as_raw_fd(), from.as_ptr(), to_dir.as_raw_fd(), to.as_ptr()) })?;
+    Ok(())
+}
+
 /// `linkat(dir, from, dir, to, 0)`: a second name, never replacing one (`EEXIST`); without
 /// `AT_SYMLINK_FOLLOW` a symlink at `from` is linked itself, never its target.
 pub fn link_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {

@@ -18,3 +18,4 @@ mod disk;
 pub(crate) mod gate;
 pub(crate) mod ids;
 pub(crate) mod snapshot;
+pub(crate) mod wheels;
