@@ -45,6 +45,8 @@ pub const LEASE_JOURNAL: &str = "active-leases";
 pub const RUNTIME: &str = "runner-runtime";
 /// `<data>/runner-runtime/accel-probe/`: the throwaway workspaces of accelerator probes.
 pub const ACCEL_PROBE: &str = "accel-probe";
+/// `<data>/runner-runtime/provision/`: the empty workspaces of provisioning sandboxes.
+pub const PROVISION_SCRATCH: &str = "provision";
 
 /// `<data>/python-packages/<pyX.Y | py3 | .>`: packages mounted into every sandbox.
 pub const PYTHON_PACKAGES: &str = "python-packages";

@@ -45,6 +45,8 @@ pub struct App {
     pub output_pool: std::sync::Arc<crate::launch::OutputPool>,
     /// What `GET /metrics` answers.
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// The scientific environments (`crate::envs`).
+    pub envs: crate::envs::store::EnvStore,
 }
 
 impl App {
@@ -55,6 +57,7 @@ impl App {
         versions: std::sync::Arc<Versions>,
         managed: std::sync::Arc<Manager>,
         limits: crate::limits::Enforcement,
+        envs: crate::envs::store::EnvStore,
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let data_dir = config.data_dir.clone();
@@ -86,6 +89,7 @@ impl App {
             accel,
             limits,
             metrics: std::sync::Arc::default(),
+            envs,
         }
     }
 }

@@ -269,7 +269,17 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         delegated = limits.delegated,
         reasons = %limits.reasons.join("; "),
     );
-    let app = Arc::new(App::new(config, token, sandbox, versions, managed, limits));
+    let provisioner = crate::startup::locate_helper(config.scientific.provisioner.clone(), "runner-provisioner");
+    let envs = crate::envs::store::EnvStore::open(&config.data_dir, config.scientific.clone(), provisioner)
+        .with_context(|| format!("opening the scientific environments under {}", config.data_dir.display()))?;
+    if std::env::var_os("SCIENCE_AGENT_PROVISIONER_PATH").is_some() {
+        tracing::warn!(
+            event = "setting_ignored",
+            variable = "SCIENCE_AGENT_PROVISIONER_PATH",
+            reason = "runnerd provisions with its own runner-provisioner (SCIENCE_AGENT_RUNNER_PROVISIONER_PATH); no micromamba is used"
+        );
+    }
+    let app = Arc::new(App::new(config, token, sandbox, versions, managed, limits, envs));
     // Before anyone can learn that runnerd listens: a stop from then on is graceful.
     let mut signals = StopSignals::register();
     {
@@ -291,6 +301,8 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         out.flush()?;
     }
     tracing::info!(event = "listening", address = %address);
+    // After listen, in the background: `/health` answers while it runs (contract §4).
+    crate::envs::store::EnvStore::start_setup(&app);
     // Type=notify: systemd starts dependants (and counts the start as done) only now.
     if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
         tracing::warn!(event = "notify_failed", error = %e);

@@ -66,6 +66,8 @@ pub struct RunnerConfig {
     pub accel: crate::accel::AccelConfig,
     /// Ours: per-execution resource limits and their enforcement (`crate::limits`).
     pub limits: crate::limits::LimitSettings,
+    /// Scientific environments: on/off, channels, package cache, starters (`crate::envs`).
+    pub scientific: crate::envs::settings::EnvSettings,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -191,7 +193,8 @@ impl RunnerConfig {
                 .into(),
             egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
             accel: crate::accel::AccelConfig::from_vars(&get),
-            limits: crate::limits::LimitSettings::from_vars(get)?,
+            limits: crate::limits::LimitSettings::from_vars(&get)?,
+            scientific: crate::envs::settings::EnvSettings::from_vars(get),
         })
     }
 
@@ -250,6 +253,13 @@ pub static SCHEMA: Schema = Schema {
         Key::new("limit_max_tmp_bytes", "SCIENCE_AGENT_LIMIT_MAX_TMP_BYTES", Kind::Integer),
         Key::new("cgroup_mode", crate::limits::MODE_VAR, Kind::Text),
         Key::new("cgroup_root", crate::limits::ROOT_VAR, Kind::Text),
+        Key::new("scientific_envs", crate::envs::settings::ENABLED_VAR, Kind::Bool),
+        Key::new("scientific_channels", crate::envs::settings::CHANNELS_VAR, Kind::Text),
+        Key::new("package_cache_dir", crate::envs::settings::PACKAGE_CACHE_VAR, Kind::Text),
+        Key::new("starter_python_specs", crate::envs::settings::STARTER_PYTHON_VAR, Kind::Text),
+        Key::new("starter_r_specs", crate::envs::settings::STARTER_R_VAR, Kind::Text),
+        Key::new("runner_provisioner_path", crate::envs::settings::PROVISIONER_VAR, Kind::Text),
+        Key::new("cran_repo", crate::envs::settings::CRAN_VAR, Kind::Text),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -347,6 +357,15 @@ impl Loaded {
                         show_path(&c.accel.nvidia_smi_path, "unset (searched in /usr/bin, /usr/local/bin)")
                     }
                     "gpu_device_dir" => c.accel.gpu_device_dir.display().to_string(),
+                    "scientific_envs" => c.scientific.enabled.to_string(),
+                    "scientific_channels" => c.scientific.channels.join(","),
+                    "package_cache_dir" => show_path(&c.scientific.package_cache_dir, "unset (online)"),
+                    "starter_python_specs" => c.scientific.starter_python.join(","),
+                    "starter_r_specs" => c.scientific.starter_r.join(","),
+                    "runner_provisioner_path" => {
+                        show_path(&c.scientific.provisioner, "unset (next to runnerd)")
+                    }
+                    "cran_repo" => c.scientific.cran_repo.clone(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),
@@ -560,7 +579,8 @@ mod tests {
         // able to enter the checkout.
         let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"));
         for k in SCHEMA.keys {
-            assert_eq!(k.var.strip_prefix("SCIENCE_AGENT_").unwrap().to_ascii_lowercase(), k.name);
+            // `SCIENTIFIC_ENVS` is the original's one variable without the prefix.
+            assert_eq!(k.var.strip_prefix("SCIENCE_AGENT_").unwrap_or(k.var).to_ascii_lowercase(), k.name);
             assert!(readme.contains(&format!("`{}`", k.var)), "README lacks {}", k.var);
             assert!(readme.contains(&format!("`{}`", k.name)), "README lacks the key {}", k.name);
         }

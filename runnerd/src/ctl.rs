@@ -35,10 +35,23 @@ Usage:
   runnerctl repair WORKSPACE            make a workspace a storage failure left refusing
                                         writes writable again: verify, re-snapshot, commit,
                                         clear its .failed marker (audited)
+  runnerctl env ls                      list the scientific environments
+  runnerctl env setup [--confirm]       print the setup state; --confirm (re)starts setup
+  runnerctl env create NAME [--language python|r] [--base ENV]
+                                        a task environment cloned from its base (default:
+                                        the language's starter); prints it
+  runnerctl env install ENV PKG... [--pip|--cran|--bioconductor] [--channel C]...
+                     [--index-url URL]  install into ENV (conda by default; local wheels
+                                        with --pip are paths in --workspace); prints the
+                                        new revision
+  runnerctl env uninstall ENV PKG...    remove conda packages from ENV
+  runnerctl env rm ENV                  delete a task environment (its revisions stay)
+  runnerctl env revisions [ENV]         list revisions (of ENV)
 Options:
   --workspace KEY        remote workspace key (default: runnerctl/default)
   --timeout MS           executionTimeoutMs (exec)
   --python               run SCRIPT with /execute (Python) instead of /execute-shell
+  --env ENV              run in scientific environment ENV (exec, run)
   --session ID, --agent ID   owner of the call (default: runnerctl / main)
 Connection:
   --url URL              default $SCIENCE_AGENT_RUNNER_URL or http://127.0.0.1:4311
@@ -79,6 +92,13 @@ struct Options {
     follow: bool,
     overwrite: bool,
     positional: Vec<String>,
+    env: Option<String>,
+    language: Option<String>,
+    base: Option<String>,
+    manager: Option<&'static str>,
+    channels: Vec<String>,
+    index_url: Option<String>,
+    confirm: bool,
 }
 
 fn parse(args: Vec<String>) -> Result<Options, String> {
@@ -97,6 +117,13 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
         follow: false,
         overwrite: false,
         positional: Vec::new(),
+        env: None,
+        language: None,
+        base: None,
+        manager: None,
+        channels: Vec::new(),
+        index_url: None,
+        confirm: false,
     };
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
@@ -116,12 +143,21 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
             "--detach" | "-d" => o.detach = true,
             "--follow" | "-f" => o.follow = true,
             "--overwrite" => o.overwrite = true,
+            "--env" => o.env = Some(value("--env")?),
+            "--language" => o.language = Some(value("--language")?),
+            "--base" => o.base = Some(value("--base")?),
+            "--channel" => o.channels.push(value("--channel")?),
+            "--index-url" => o.index_url = Some(value("--index-url")?),
+            "--pip" => o.manager = Some("pip"),
+            "--cran" => o.manager = Some("cran"),
+            "--bioconductor" => o.manager = Some("bioconductor"),
+            "--confirm" => o.confirm = true,
             "--" => {
                 let rest: Vec<String> = it.by_ref().collect();
                 o.script = Some(rest.join(" "));
             }
             "health" | "status" | "metrics" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put"
-            | "get" | "repair" | "skills"
+            | "get" | "repair" | "skills" | "env"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -140,12 +176,25 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
         "logs" | "show" | "cancel" | "repair" => 1..=1,
         "put" | "skills" => 2..=2,
         "get" => 1..=2,
+        "env" => env_arity(o.positional.first().map(String::as_str))?,
         _ => 0..=0,
     };
     if !wanted.contains(&o.positional.len()) {
         return Err(format!("{} takes {} argument(s), got {:?}", o.command, wanted.end(), o.positional));
     }
     Ok(o)
+}
+
+/// How many words `env SUBCOMMAND …` takes, the subcommand included.
+fn env_arity(sub: Option<&str>) -> Result<std::ops::RangeInclusive<usize>, String> {
+    Ok(match sub {
+        Some("ls" | "setup") => 1..=1,
+        Some("create" | "rm") => 2..=2,
+        Some("revisions") => 1..=2,
+        Some("install" | "uninstall") => 3..=usize::MAX,
+        Some(other) => return Err(format!("unknown env command {other:?} (ls, setup, create, install, uninstall, rm, revisions)")),
+        None => return Err("env needs a command (ls, setup, create, install, uninstall, rm, revisions)".into()),
+    })
 }
 
 /// Entry point of the `runnerctl` binary.
@@ -232,6 +281,7 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
         "ls" | "put" | "get" => files(&client, &o).await,
         "repair" => repair(&client, &o.positional[0]).await,
         "skills" => skills(&client, &o.positional[0], &o.positional[1]).await,
+        "env" => environments(&client, &o).await,
         _ => {
             let mut body = serde_json::json!({
                 "agentId": o.agent,
@@ -242,6 +292,13 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             });
             if let Some(ms) = o.timeout {
                 body["executionTimeoutMs"] = ms.into();
+            }
+            if let Some(env) = &o.env {
+                match o.python {
+                    // `/execute` names a revision: the environment's current one.
+                    true => body["environmentRevisionId"] = current_revision(&client, env).await?.into(),
+                    false => body["environmentId"] = env.clone().into(),
+                }
             }
             let path = match (o.detach, o.python) {
                 (true, true) => {
@@ -277,6 +334,76 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             Ok(result["exitCode"].as_i64().map(|c| c as i32).unwrap_or(1))
         }
     }
+}
+
+/// An environment's current revision, from `GET /environments`.
+async fn current_revision(client: &RunnerClient, env: &str) -> anyhow::Result<String> {
+    let reply = client.get("/environments").await?;
+    if reply.status != 200 {
+        anyhow::bail!("runnerd answered {}: {}", reply.status, reply.json()["error"].as_str().unwrap_or(""));
+    }
+    let list = reply.json();
+    let found = list.as_array().into_iter().flatten().find(|e| e["id"] == env || e["name"] == env);
+    match found.and_then(|e| e["currentRevisionId"].as_str()) {
+        Some(rev) => Ok(rev.to_owned()),
+        None => anyhow::bail!("no environment {env:?} (runnerctl env ls lists them)"),
+    }
+}
+
+/// `env …`: the environment routes, printed as JSON.
+async fn environments(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
+    let args = &o.positional;
+    let enc = |s: &str| crate::api::query::encode(s);
+    let (reply, ok) = match args[0].as_str() {
+        "ls" => (client.get("/environments").await?, 200),
+        "setup" if o.confirm => {
+            (client.post_json("/environment-setup", &serde_json::json!({"confirmed": true})).await?, 202)
+        }
+        "setup" => (client.get("/environment-setup").await?, 200),
+        "create" => {
+            let mut body = serde_json::json!({"name": args[1], "language": o.language.as_deref().unwrap_or("python")});
+            if let Some(base) = &o.base {
+                body["baseEnvironmentId"] = base.clone().into();
+            }
+            (client.post_json("/environments", &body).await?, 201)
+        }
+        "install" => {
+            let mut body = serde_json::json!({
+                "packages": args[2..],
+                "manager": o.manager.unwrap_or("conda"),
+                "runnerWorkspaceKey": o.workspace,
+            });
+            if !o.channels.is_empty() {
+                body["channels"] = o.channels.clone().into();
+            }
+            if let Some(url) = &o.index_url {
+                body["indexUrl"] = url.clone().into();
+            }
+            (client.post_json(&format!("/environments/{}/install", enc(&args[1])), &body).await?, 201)
+        }
+        "uninstall" => {
+            let body = serde_json::json!({"packages": args[2..]});
+            (client.post_json(&format!("/environments/{}/uninstall", enc(&args[1])), &body).await?, 201)
+        }
+        "rm" => (client.send_bytes("DELETE", &format!("/environments/{}", enc(&args[1])), &[], Vec::new()).await?, 200),
+        _ => {
+            let reply = client.get("/environment-revisions").await?;
+            if reply.status != 200 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            let mut list = reply.json();
+            if let (Some(env), Some(items)) = (args.get(1), list.as_array_mut()) {
+                items.retain(|r| r["environmentId"] == env.as_str());
+            }
+            outln!("{}", serde_json::to_string_pretty(&list)?);
+            return Ok(0);
+        }
+    };
+    if reply.status != ok {
+        return Ok(failed(reply.status, &reply.json()));
+    }
+    outln!("{}", serde_json::to_string_pretty(&reply.json())?);
+    Ok(0)
 }
 
 fn failed(status: u16, body: &serde_json::Value) -> i32 {

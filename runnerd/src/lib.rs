@@ -23,7 +23,7 @@ pub(crate) mod config;
 pub mod coordination;
 pub mod ctl;
 pub(crate) mod egress;
-mod envs;
+pub(crate) mod envs;
 pub mod exec;
 pub(crate) mod fsat;
 pub(crate) mod http;

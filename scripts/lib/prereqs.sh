@@ -7,6 +7,11 @@ ensure_prereqs() {
     command -v runuser >/dev/null || missing+=(util-linux)
     # curl: what the network tests run inside sandboxes, through the egress bridge.
     [ -x /usr/bin/curl ] || missing+=(curl)
+    # python3-venv: ensurepip, which Debian strips from python3 (the environment tests give
+    # their test environment pip with it).
+    if [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -m ensurepip --version >/dev/null 2>&1; then
+        missing+=(python3-venv)
+    fi
     if [ "${#missing[@]}" -gt 0 ]; then
         local sudo=()
         [ "$(id -u)" = 0 ] || sudo=(sudo)

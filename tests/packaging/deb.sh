@@ -86,12 +86,13 @@ expect_file 755 root:root /usr/bin/npu-brokerd
 expect_file 644 root:root /usr/share/sciencediscovery/npu/workloads/npu-smoke-test.py
 expect_file 755 root:root /usr/libexec/sciencediscovery/sandbox-init
 expect_file 755 root:root /usr/libexec/sciencediscovery/egress-bridge
+expect_file 755 root:root /usr/libexec/sciencediscovery/runner-provisioner
 expect_file 644 root:root /etc/sciencediscovery/runnerd.toml
 expect_file 644 root:root /etc/sciencediscovery/egressd.toml
 expect_file 644 root:root /etc/sciencediscovery/npu-brokerd.toml
 expect_file 600 root:root /etc/sciencediscovery/runner-token
 check "nothing is installed next to /usr/bin/runnerd that runnerd would prefer to libexec" \
-    test ! -e /usr/bin/sandbox-init -a ! -e /usr/bin/egress-bridge
+    test ! -e /usr/bin/sandbox-init -a ! -e /usr/bin/egress-bridge -a ! -e /usr/bin/runner-provisioner
 check "the token is 64 hex characters" grep -qxE '[0-9a-f]{64}' /etc/sciencediscovery/runner-token
 check "sandbox-init is statically linked (no ELF interpreter)" python3 - /usr/libexec/sciencediscovery/sandbox-init <<'PY'
 import struct, sys
@@ -177,6 +178,7 @@ echo "==> rpm $(basename "$rpm")"
 rpm_files=$(rpm -qpl "$rpm" 2>/dev/null)
 for f in /usr/bin/runnerd /usr/bin/runnerctl /usr/bin/egressd /usr/bin/npu-brokerd \
          /usr/libexec/sciencediscovery/sandbox-init /usr/libexec/sciencediscovery/egress-bridge \
+         /usr/libexec/sciencediscovery/runner-provisioner \
          /usr/lib/systemd/system/runnerd.service /usr/lib/systemd/system/runnerd.socket \
          /usr/lib/systemd/system/egressd.service /usr/lib/systemd/system/npu-brokerd.service \
          /usr/lib/sysusers.d/sciencediscovery.conf /usr/share/sciencediscovery/npu/workloads/npu-smoke-test.py \

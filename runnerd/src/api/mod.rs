@@ -2,6 +2,7 @@
 //! `GET /health` is the only route answered without a token.
 
 pub mod error;
+mod envs;
 mod health;
 mod managed;
 mod npu;
@@ -206,6 +207,24 @@ pub async fn handle(
             npu::read(&app, percent_decode(id), req.query.as_deref(), npu::Read::Result).await
         }
         ("POST", ["npu", "jobs", id, "cancel"]) => npu::cancel(&app, percent_decode(id), &req.body).await,
+        ("GET", ["environments"]) => envs::list(&app).await,
+        ("POST", ["environments"]) => detached(async move { envs::create(&app, &req.body).await }).await,
+        ("DELETE", ["environments", id]) => {
+            let id = percent_decode(id);
+            detached(async move { envs::delete(&app, &id).await }).await
+        }
+        ("POST", ["environments", id, "install"]) => {
+            let id = percent_decode(id);
+            detached(async move { envs::install(&app, &id, &req.body).await }).await
+        }
+        ("POST", ["environments", id, "uninstall"]) => {
+            let id = percent_decode(id);
+            detached(async move { envs::uninstall(&app, &id, &req.body).await }).await
+        }
+        ("GET", ["environment-setup"]) => envs::setup(&app),
+        ("POST", ["environment-setup"]) => envs::start_setup(&app, &req.body),
+        ("GET", ["environment-revisions"]) => envs::revisions(&app).await,
+        ("GET", ["environment-revisions", id, "snapshot"]) => envs::snapshot(&app, &percent_decode(id)).await,
         _ => Err(ApiError::not_found()),
     }
 }

@@ -8,14 +8,21 @@
 //! * [`gate`]: the per-environment FIFO readers/writer gate and the global mutation lock.
 //! * [`wheels`]: workspace wheels persisted by content for pip installs.
 //! * `disk`: the descriptor-relative file operations those share.
-
-// Until the orchestration and routes (envs/store.rs, api/envs.rs) call these pieces; remove
-// then, so the compiler reports again what nobody calls.
-#![allow(dead_code)]
+//! * [`settings`]: the variables (`SCIENTIFIC_ENVS`, channels, cache, starters).
+//! * [`setup`]: the setup state machine `/environment-setup` and `/health` report.
+//! * [`steps`]: each provisioning step (conda, pip, CRAN, Bioconductor, inventories) as a
+//!   sandboxed command; [`sandboxed`]: running one in our sandbox.
+//! * [`store`]: the operations (setup, create, install, uninstall, delete, the execution's
+//!   read lease) over those pieces.
 
 pub(crate) mod catalog;
 mod disk;
 pub(crate) mod gate;
 pub(crate) mod ids;
+pub(crate) mod sandboxed;
+pub(crate) mod settings;
+pub(crate) mod setup;
 pub(crate) mod snapshot;
+pub(crate) mod steps;
+pub(crate) mod store;
 pub(crate) mod wheels;

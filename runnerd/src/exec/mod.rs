@@ -448,6 +448,8 @@ pub struct Prepared {
     pub agent_id: String,
     pub code: String,
     pub environment_revision_id: String,
+    /// The scientific environment to lease when the run starts (`crate::envs`).
+    pub environment: Option<crate::envs::store::Selection>,
     pub network: request::NetworkAccess,
     /// How allowed egress leaves this host (`sandboxEgressProxy`).
     pub egress_route: ProxySetting,
@@ -472,6 +474,43 @@ pub struct Prepared {
     pub skills: Option<crate::skills::Requested>,
 }
 
+/// The environment a run uses (contract §2A "Environment selection"): with the store
+/// available, Python and R run in one (`starter-<language>` unless a revision is named) and a
+/// shell run in the one it names; otherwise the original's capability errors. The result's
+/// `environmentRevisionId` is the runtime's once it is leased.
+fn select_environment(
+    app: &App,
+    req: &request::ExecRequest,
+    epoch_revision: Option<&str>,
+) -> Result<(String, Option<crate::envs::store::Selection>), EngineError> {
+    let language = req.language;
+    let named = req.environment_revision_id.as_deref();
+    let store = &app.envs;
+    let unavailable = |m: &str| EngineError::unavailable("capability_unavailable", m.to_owned());
+    let selected = |r: Result<crate::envs::store::Selection, crate::envs::store::StoreError>| {
+        r.map_err(|e| EngineError::invalid("environment_unavailable", e.to_string()))
+    };
+    match language {
+        Language::Python | Language::R if store.available() => {
+            let selection = selected(store.select(language, None, named))?;
+            let shown = named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned();
+            Ok((shown, Some(selection)))
+        }
+        Language::R => Err(unavailable("R execution requires the scientific environment capability")),
+        Language::Python => {
+            if named.is_some() && named != epoch_revision {
+                return Err(unavailable("Named environment execution requires the scientific environment capability"));
+            }
+            Ok((named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned(), None))
+        }
+        Language::Shell => match req.environment_id.as_deref() {
+            None => Ok(("system-shell-bwrap-v1".to_owned(), None)),
+            Some(_) if !store.available() => Err(unavailable("Scientific environments are unavailable")),
+            Some(id) => Ok(("system-shell-bwrap-v1".to_owned(), Some(selected(store.select(language, Some(id), None))?))),
+        },
+    }
+}
+
 /// The request's remaining checks, in the contract's order (after the workspace and the
 /// id), and everything the run needs decided once. The managed route calls it before it
 /// answers 202, so a request that cannot run is refused with nothing recorded.
@@ -486,33 +525,7 @@ pub fn prepare(
         return Err(EngineError::invalid("code_required", request::code_required(language)));
     }
     let epoch_revision = req.epoch_environment_revision_id.as_deref();
-    let environment_revision_id = match language {
-        Language::R => {
-            return Err(EngineError::unavailable(
-                "capability_unavailable",
-                "R execution requires the scientific environment capability",
-            ));
-        }
-        Language::Python => {
-            let named = req.environment_revision_id.as_deref();
-            if named.is_some() && named != epoch_revision {
-                return Err(EngineError::unavailable(
-                    "capability_unavailable",
-                    "Named environment execution requires the scientific environment capability",
-                ));
-            }
-            named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned()
-        }
-        Language::Shell => {
-            if req.environment_id.is_some() {
-                return Err(EngineError::unavailable(
-                    "capability_unavailable",
-                    "Scientific environments are unavailable",
-                ));
-            }
-            "system-shell-bwrap-v1".to_owned()
-        }
-    };
+    let (environment_revision_id, environment) = select_environment(app, &req, epoch_revision)?;
     let network = req.network;
     let egress_route = match network.mode.as_str() {
         "none" => ProxySetting::Direct,
@@ -571,6 +584,7 @@ pub fn prepare(
         agent_id: req.agent_id,
         code: req.code,
         environment_revision_id,
+        environment,
         profile: profile_for(&network.mode, !npu_devices.is_empty()),
         network,
         egress_route,
@@ -685,6 +699,7 @@ pub async fn run_sandbox(
 
 /// The sandbox's command and the descriptors its options name, decided together: every
 /// bind by descriptor takes its slot from one [`FdSlots`].
+#[allow(clippy::too_many_arguments)]
 fn sandbox_command(
     app: &App,
     shape: crate::sandbox::SandboxShape,
@@ -693,6 +708,7 @@ fn sandbox_command(
     parent_fd: Option<&OwnedFd>,
     accel: Option<&crate::accel::mount::AccelMount>,
     skills: Option<&crate::skills::Mount>,
+    runtime: Option<&crate::envs::store::Runtime>,
 ) -> Result<(crate::sandbox::SandboxCommand, FdSlots), EngineError> {
     let by_fd = app.sandbox.features.bind_fd;
     let mut slots = FdSlots::default();
@@ -738,9 +754,9 @@ fn sandbox_command(
         workspace: &layout,
         cwd: p.cwd.as_deref(),
         language: p.language,
-        interpreter_masks: &[],
+        interpreter_masks: runtime.map(|r| r.masks.as_slice()).unwrap_or_default(),
         python: &app.config.python_path,
-        science_env: None,
+        science_env: runtime.map(|r| r.prefix.as_path()),
         workspace_fds,
         egress: egress_mount.as_ref(),
         accel,
@@ -749,6 +765,8 @@ fn sandbox_command(
         python_packages: python_packages.as_deref(),
         skills: skills_mount.as_ref(),
         profile: p.profile,
+        binds: &[],
+        extra_env: &[],
     });
     Ok((cmd, slots))
 }
@@ -800,8 +818,25 @@ async fn sandbox_run(
         ),
         None => None,
     };
-    let (cmd, slots) =
-        sandbox_command(app, shape, p, root_fd, parent_fd.as_ref(), accel.as_ref(), skills.as_ref())?;
+    // The environment's read lease, held until the run ends: after the agent queue and the
+    // workspace lease (a writer queued on the environment cannot wait on this run's locks).
+    let runtime = match &p.environment {
+        Some(selection) => Some(app.envs.lease(app, selection).await.map_err(|e| {
+            audit.finished("environment_unavailable", None, None, Some(&e.to_string()));
+            EngineError::invalid("environment_unavailable", e.to_string())
+        })?),
+        None => None,
+    };
+    let (cmd, slots) = sandbox_command(
+        app,
+        shape,
+        p,
+        root_fd,
+        parent_fd.as_ref(),
+        accel.as_ref(),
+        skills.as_ref(),
+        runtime.as_ref(),
+    )?;
     let environment_variables = OrderedMap(cmd.env.clone());
     let working_directory = cmd.cwd.clone();
     let profile = cmd.seccomp;
@@ -918,7 +953,9 @@ async fn sandbox_run(
         cgroup_mode: app.limits.mode.label(),
         created_files,
         modified_files,
-        environment_revision_id: p.environment_revision_id.clone(),
+        environment_revision_id: runtime
+            .as_ref()
+            .map_or_else(|| p.environment_revision_id.clone(), |r| r.revision_id.clone()),
         environment_variables,
         execution_id: execution_id.clone(),
         finished_at: timefmt::now_iso(),

@@ -169,6 +169,22 @@ pub struct SandboxSpec<'a> {
     /// The seccomp profile, decided once by the caller (`crate::exec::profile_for` for an
     /// execution): `network` with egress, `npu` with Ascend chips.
     pub profile: Profile,
+    /// More binds after the workspace, each at its own host path (a provisioning sandbox's
+    /// prefix and package cache: conda prefixes embed their path).
+    pub binds: &'a [ExtraBind],
+    /// Variables set after every other (a provisioning step's own).
+    pub extra_env: &'a [(String, String)],
+}
+
+/// A bind a caller adds ([`SandboxSpec::binds`]): by descriptor where bwrap can, so a path
+/// swapped after it was checked is never what gets mounted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtraBind {
+    pub source: PathBuf,
+    pub target: PathBuf,
+    pub writable: bool,
+    /// A descriptor slot for `--bind-fd` / `--ro-bind-fd`.
+    pub fd: Option<i32>,
 }
 
 /// Skill binds (internals §2.2 item 20): the package read-only at `/skills`, the
@@ -219,6 +235,8 @@ impl<'a> SandboxSpec<'a> {
             python_packages: None,
             skills: None,
             profile: Profile::Baseline,
+            binds: &[],
+            extra_env: &[],
         }
     }
 }
@@ -342,6 +360,15 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
             ),
         }
     }
+    for b in spec.binds {
+        let target = lossy(&b.target);
+        match (b.fd, b.writable) {
+            (Some(fd), true) => push(&mut args, &["--bind-fd", &fd.to_string(), &target]),
+            (Some(fd), false) => push(&mut args, &["--ro-bind-fd", &fd.to_string(), &target]),
+            (None, true) => push(&mut args, &["--bind", &lossy(&b.source), &target]),
+            (None, false) => push(&mut args, &["--ro-bind", &lossy(&b.source), &target]),
+        }
+    }
 
     let cwd = match spec.cwd {
         Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
@@ -387,6 +414,7 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
             protocol::PROXY_VARIABLES.iter().map(|k| ((*k).to_owned(), protocol::PROXY_URL.to_owned())),
         );
     }
+    env.extend(spec.extra_env.iter().cloned());
     for (k, v) in &env {
         push(&mut args, &["--setenv", k, v]);
     }
@@ -798,6 +826,34 @@ mod tests {
             assert_eq!(cmd.env[1], ("PATH".into(), path.into()), "{language:?}");
             assert_eq!(cmd.command[0], program);
         }
+    }
+
+    #[test]
+    fn extra_binds_follow_the_workspace_by_descriptor_or_path_and_their_variables_come_last() {
+        let h = host();
+        let ws = plain();
+        let binds = [
+            ExtraBind { source: "/d/p".into(), target: "/d/p".into(), writable: true, fd: Some(7) },
+            ExtraBind { source: "/d/c".into(), target: "/d/c".into(), writable: false, fd: Some(8) },
+            ExtraBind { source: "/d/w".into(), target: "/d/w".into(), writable: true, fd: None },
+            ExtraBind { source: "/d/r".into(), target: "/x/r".into(), writable: false, fd: None },
+        ];
+        let env = [("PIP_NO_INDEX".to_owned(), "1".to_owned())];
+        let mut s = spec(&h, &ws, FULL);
+        s.binds = &binds;
+        s.extra_env = &env;
+        let cmd = build(&s);
+        let first = position(&cmd.options, &["--bind-fd", "7", "/d/p"]).unwrap();
+        assert!(first > position(&cmd.options, &["--bind"]).unwrap(), "after the workspace");
+        for (at, items) in [
+            (first, &["--bind-fd", "7", "/d/p"][..]),
+            (first + 3, &["--ro-bind-fd", "8", "/d/c"]),
+            (first + 6, &["--bind", "/d/w", "/d/w"]),
+            (first + 9, &["--ro-bind", "/d/r", "/x/r"]),
+        ] {
+            assert_eq!(position(&cmd.options, items), Some(at), "{items:?}");
+        }
+        assert_eq!(cmd.env.last().unwrap(), &env[0]);
     }
 
     #[test]

@@ -1,0 +1,148 @@
+//! The scientific-environment routes (contract §2, §5.2): the catalog, setup, revisions and
+//! snapshots, and the changes. Every store failure answers 400 with the store's text, as the
+//! original's handler does; a missing environment or revision is a 400 too (the original
+//! throws), with our `code` telling them apart.
+
+use serde_json::{Value, json};
+
+use super::error::ApiError;
+use super::{ApiResponse, ok};
+use crate::app::App;
+use crate::envs::store::{InstallRequest, Manager, StoreError};
+use crate::exec::request::{self, WorkspaceRef};
+use crate::sandbox::Language;
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        let code = match &e {
+            StoreError::Unavailable(_) => "environments_unavailable",
+            StoreError::Invalid(_) | StoreError::Ids(_) | StoreError::Wheel(_) => "invalid_request",
+            StoreError::NotFound(_) => "environment_not_found",
+            StoreError::Snapshot(_) => "snapshot_corrupt",
+            StoreError::Step { .. } => "provisioning_failed",
+            StoreError::Sandboxed(_) => "provisioning_unavailable",
+            StoreError::Catalog(_) | StoreError::Io { .. } => "internal",
+        };
+        ApiError::bad_request(code, crate::error_chain(&e))
+    }
+}
+
+fn created(body: Value) -> Result<ApiResponse, ApiError> {
+    Ok(ApiResponse::json(201, body.to_string()))
+}
+
+fn to_value<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+/// An array of strings, or the field's error.
+fn strings(obj: &request::Object, field: &str) -> Result<Option<Vec<String>>, ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_owned))
+            .collect::<Option<Vec<String>>>()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad_request("invalid_request", format!("{field} must be an array of strings"))),
+        Some(_) => Err(ApiError::bad_request("invalid_request", format!("{field} must be an array of strings"))),
+    }
+}
+
+pub(crate) async fn list(app: &App) -> Result<ApiResponse, ApiError> {
+    ok(to_value(&app.envs.list().await?))
+}
+
+pub(crate) async fn revisions(app: &App) -> Result<ApiResponse, ApiError> {
+    ok(to_value(&app.envs.revisions().await?))
+}
+
+pub(crate) fn setup(app: &App) -> Result<ApiResponse, ApiError> {
+    ok(app.envs.setup_view())
+}
+
+/// `POST /environment-setup`: `{confirmed: true}` starts (or retries) setup; 202.
+pub(crate) fn start_setup(app: &std::sync::Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    if obj.get("confirmed") != Some(&Value::Bool(true)) {
+        return Err(ApiError::bad_request(
+            "confirmation_required",
+            "Scientific environment setup requires explicit confirmation",
+        ));
+    }
+    if !app.envs.settings.enabled {
+        return Err(ApiError::bad_request(
+            "environments_unavailable",
+            "Scientific environments are disabled by configuration",
+        ));
+    }
+    crate::envs::store::EnvStore::start_setup(app);
+    Ok(ApiResponse::json(202, app.envs.setup_view().to_string()))
+}
+
+/// `GET /environment-revisions/:id/snapshot`: the stored bytes, re-verified.
+pub(crate) async fn snapshot(app: &App, id: &str) -> Result<ApiResponse, ApiError> {
+    let bytes = app.envs.snapshot(id).await?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| ApiError::bad_request("snapshot_corrupt", format!("Environment revision snapshot is corrupt: {id}")))?;
+    Ok(ApiResponse {
+        status: 200,
+        body: String::new(),
+        download: Some(super::stream::Download::from_text(text, "application/json; charset=utf-8")),
+    })
+}
+
+pub(crate) async fn create(app: &App, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    let name = obj.get("name").and_then(Value::as_str).unwrap_or("");
+    let language = match obj.get("language").and_then(Value::as_str) {
+        Some("python") | None => Language::Python,
+        Some("r") => Language::R,
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                "invalid_request",
+                format!("Unsupported environment language: {other}"),
+            ));
+        }
+    };
+    let base = request::non_blank(&obj, "baseEnvironmentId");
+    let env = app.envs.create(app, name, language, base).await?;
+    created(to_value(&env))
+}
+
+pub(crate) async fn install(app: &App, id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    let packages = strings(&obj, "packages")?.unwrap_or_default();
+    let manager = match obj.get("manager") {
+        None | Some(Value::Null) => Manager::Conda,
+        Some(Value::String(m)) => Manager::parse(m).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_request",
+                format!("Unsupported package manager: {m} (conda, pip, cran or bioconductor)"),
+            )
+        })?,
+        Some(_) => return Err(ApiError::bad_request("invalid_request", "manager must be a string")),
+    };
+    let index_url = request::non_blank(&obj, "indexUrl").map(str::to_owned);
+    let req = InstallRequest {
+        packages,
+        channels: strings(&obj, "channels")?,
+        manager,
+        index_url,
+        workspace: WorkspaceRef::from_object(&obj),
+    };
+    let revision = app.envs.install(app, id, req).await?;
+    created(to_value(&revision))
+}
+
+pub(crate) async fn uninstall(app: &App, id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = request::parse_object(body)?;
+    let packages = strings(&obj, "packages")?.unwrap_or_default();
+    let revision = app.envs.uninstall(app, id, packages).await?;
+    created(to_value(&revision))
+}
+
+pub(crate) async fn delete(app: &App, id: &str) -> Result<ApiResponse, ApiError> {
+    let deleted = app.envs.delete(id).await?;
+    ok(json!({"deleted": deleted}))
+}

@@ -1,0 +1,219 @@
+//! One provisioning step (a conda solve and install by `runner-provisioner`, a pip install,
+//! an R install, an inventory) run inside one of our sandboxes — never on the host as the
+//! original does. The step sees the host's read-only system (`/usr`, the CA store), an empty
+//! scratch workspace, and exactly the paths it names ([`Step::binds`], each at its own path:
+//! conda prefixes embed it); nothing else of the data directory, never the token. Network,
+//! when a step needs it, goes only through egressd to the step's hosts.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::egress::protocol::GatewayPolicy;
+use common::egress::route::ProxySetting;
+
+use crate::app::App;
+use crate::launch::{Launch, OutputBudget, Termination};
+use crate::sandbox::argv::{self, ExtraBind, SandboxSpec};
+use crate::sandbox::{FdSlots, Language, WorkspaceFds, WorkspaceLayout};
+
+/// Where the provisioner binary appears inside its sandbox.
+pub(crate) const PROVISIONER_MOUNT: &str = "/opt/runner-provisioner";
+/// The name revisions record (`EnvironmentRevision.provisioner`).
+pub(crate) const PROVISIONER_NAME: &str = "runner-provisioner";
+
+static SCRATCH: AtomicU64 = AtomicU64::new(0);
+
+/// What one step runs and may reach.
+#[derive(Debug, Clone)]
+pub(crate) struct Step {
+    /// What the audit and errors call it: `conda`, `pip`, `cran`, `bioconductor`, `inventory`.
+    pub label: &'static str,
+    pub command: Vec<String>,
+    pub stdin: Vec<u8>,
+    /// Host paths bound at the same place; `true` = writable.
+    pub binds: Vec<(PathBuf, bool)>,
+    /// Bind the provisioner binary at [`PROVISIONER_MOUNT`].
+    pub provisioner: Option<PathBuf>,
+    pub env: Vec<(String, String)>,
+    /// Hosts the step may reach through egressd (empty: no network at all, baseline seccomp).
+    pub hosts: Vec<String>,
+    /// A channel the operator configured on a private address is allowed as configured.
+    pub allow_private: bool,
+    pub timeout: Duration,
+}
+
+/// What the step printed and how it ended.
+#[derive(Debug)]
+pub(crate) struct StepOutput {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub truncated: bool,
+}
+
+impl StepOutput {
+    pub(crate) fn succeeded(&self) -> bool {
+        self.code == Some(0)
+    }
+
+    /// The last non-blank lines of stderr (then stdout): what an operator needs to see.
+    pub(crate) fn tail(&self) -> String {
+        let text = if self.stderr.trim().is_empty() { &self.stdout } else { &self.stderr };
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        let start = lines.len().saturating_sub(6);
+        lines[start..].join("\n")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SandboxedError {
+    #[error("the sandbox is unavailable: {0}")]
+    Unavailable(String),
+    #[error("could not prepare the {label} step's sandbox")]
+    Prepare {
+        label: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the {label} step could not reach its package hosts through egressd")]
+    Egress {
+        label: &'static str,
+        #[source]
+        source: crate::egress::EgressError,
+    },
+    #[error("the {label} step could not be launched")]
+    Launch {
+        label: &'static str,
+        #[source]
+        source: crate::launch::LaunchError,
+    },
+    #[error("the {label} step did not finish within {secs} s")]
+    TimedOut { label: &'static str, secs: u64 },
+    #[error("the {label} step was cancelled")]
+    Cancelled { label: &'static str },
+}
+
+/// The combined output a step may print (the provisioner's answer is at most
+/// `common::provision::MAX_RESPONSE_BYTES`).
+const MAX_STEP_OUTPUT: u64 = 16 << 20;
+
+/// Runs `step` in a fresh sandbox and waits for it.
+pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
+    let label = step.label;
+    let prepare = |source| SandboxedError::Prepare { label, source };
+    let shape = app.sandbox.capability.shape().ok_or_else(|| {
+        SandboxedError::Unavailable(app.sandbox.capability.detail.clone().unwrap_or_default())
+    })?;
+    let scratch = Scratch::make(&app.data_dir, &app.sandbox.user).map_err(prepare)?;
+    let by_fd = app.sandbox.features.bind_fd;
+    let mut slots = FdSlots::default();
+    let mut held: Vec<OwnedFd> = Vec::new();
+    let mut slot = |fd: OwnedFd, slots: &mut FdSlots| -> Result<i32, SandboxedError> {
+        let n = slots.push(&fd).map_err(|e| prepare(std::io::Error::other(e.to_string())))?;
+        held.push(fd);
+        Ok(n)
+    };
+    let workspace_fds = match by_fd {
+        true => Some(WorkspaceFds { root: slot(open_path(&scratch.0).map_err(prepare)?, &mut slots)?, read_only: None }),
+        false => None,
+    };
+    let mut binds = Vec::with_capacity(step.binds.len() + 1);
+    for (path, writable) in &step.binds {
+        let fd = match by_fd {
+            true => Some(slot(open_path(path).map_err(prepare)?, &mut slots)?),
+            false => None,
+        };
+        binds.push(ExtraBind { source: path.clone(), target: path.clone(), writable: *writable, fd });
+    }
+    if let Some(binary) = &step.provisioner {
+        binds.push(ExtraBind { source: binary.clone(), target: PROVISIONER_MOUNT.into(), writable: false, fd: None });
+    }
+    let lease = match step.hosts.is_empty() {
+        true => None,
+        false => {
+            let policy = GatewayPolicy {
+                revision: format!("env-provision-{label}"),
+                allowed_domains: step.hosts.clone(),
+                allow_private_network: step.allow_private,
+            };
+            let route = ProxySetting::Direct;
+            Some(
+                app.egress
+                    .acquire(policy, route, app.sandbox.user.uid)
+                    .await
+                    .map_err(|source| SandboxedError::Egress { label, source })?,
+            )
+        }
+    };
+    let egress_mount = match &lease {
+        Some(l) => Some(argv::EgressMount {
+            bridge: app.egress.bridge.clone(),
+            gateway_socket: l.socket.clone(),
+            gateway_fd: match by_fd {
+                true => Some(slot(crate::fsat::dup(&l.socket_fd).map_err(prepare)?, &mut slots)?),
+                false => None,
+            },
+        }),
+        None => None,
+    };
+    let layout = WorkspaceLayout::new(scratch.0.clone(), None);
+    let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
+    spec.workspace_fds = workspace_fds;
+    spec.command = Some(&step.command);
+    spec.binds = &binds;
+    spec.extra_env = &step.env;
+    spec.egress = egress_mount.as_ref();
+    // 0: the fallback size (1 GiB); packages unpack into the cache, not /tmp.
+    spec.tmp_bytes = 0;
+    spec.profile = argv::profile(egress_mount.is_some(), false);
+    let cmd = argv::build(&spec);
+    let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
+    launch.timeout = Some(step.timeout);
+    launch.stdin = step.stdin;
+    let mut output = OutputBudget::pooled(MAX_STEP_OUTPUT, &app.output_pool);
+    let ran = app.sandbox.launcher.run(launch, &mut output).await;
+    drop(held);
+    drop(lease);
+    let out = output.finish();
+    let outcome = ran.map_err(|source| SandboxedError::Launch { label, source })?;
+    let code = match outcome.termination {
+        Termination::Exited(c) => Some(c),
+        Termination::Signaled(_) => None,
+        Termination::TimedOut => return Err(SandboxedError::TimedOut { label, secs: step.timeout.as_secs() }),
+        Termination::Cancelled => return Err(SandboxedError::Cancelled { label }),
+    };
+    Ok(StepOutput { code, stdout: out.stdout, stderr: out.stderr, truncated: out.truncated })
+}
+
+/// `O_PATH` descriptor of a path runnerd made (its last component is not followed).
+fn open_path(path: &Path) -> std::io::Result<OwnedFd> {
+    crate::fsat::open_path(path, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+}
+
+/// A fresh, empty directory that is the step's workspace, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn make(data_dir: &Path, owner: &crate::sandbox::user::Identity) -> std::io::Result<Scratch> {
+        use std::os::unix::fs::PermissionsExt;
+        let n = SCRATCH.fetch_add(1, Ordering::Relaxed);
+        let runtime = data_dir.join(common::layout::RUNTIME);
+        let parent = runtime.join(common::layout::PROVISION_SCRATCH);
+        let dir = parent.join(format!("{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        for p in [&runtime, &parent] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))?;
+        }
+        owner.hand_over(open_path(&dir)?.as_fd())?;
+        Ok(Scratch(std::fs::canonicalize(&dir)?))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

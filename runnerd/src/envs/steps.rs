@@ -1,0 +1,370 @@
+//! The provisioning steps as sandboxed commands: the conda provisioner's request, pip through
+//! the environment's own Python, CRAN and Bioconductor through its R, and the inventories.
+//! Building each step is pure (table-tested); running it is [`super::sandboxed::run`].
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::provision::{self, Op};
+
+use super::sandboxed::{PROVISIONER_MOUNT, Step};
+
+/// A conda step may download and unpack a large environment.
+pub(crate) const CONDA_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+pub(crate) const PIP_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+pub(crate) const R_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+pub(crate) const INVENTORY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The host of an `http(s)://` URL (no userinfo, no port), lower-cased; `None` otherwise.
+pub(crate) fn url_host(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"))?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host_port = authority.rsplit('@').next().unwrap_or("");
+    let host = match host_port.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host_port.split(':').next().unwrap_or(""),
+    };
+    (!host.is_empty()).then(|| host.to_ascii_lowercase())
+}
+
+/// The directory of a `file://` channel URL.
+pub(crate) fn file_channel_dir(url: &str) -> Option<PathBuf> {
+    url.strip_prefix("file://").filter(|p| p.starts_with('/')).map(|p| PathBuf::from(p.trim_end_matches('/')))
+}
+
+/// The hosts a set of URLs needs (sorted, unique).
+pub(crate) fn hosts_of<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut hosts: Vec<String> = urls.into_iter().filter_map(url_host).collect();
+    hosts.sort();
+    hosts.dedup();
+    hosts
+}
+
+/// Whether a host is a literal private, loopback or link-local address, or `localhost`: a
+/// channel the operator configured there is allowed as configured (egressd otherwise
+/// refuses private destinations).
+pub(crate) fn is_private_host(host: &str) -> bool {
+    if host == "localhost" || host.ends_with(".localhost") {
+        return true;
+    }
+    match host.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V4(a)) => a.is_private() || a.is_loopback() || a.is_link_local(),
+        Ok(std::net::IpAddr::V6(a)) => {
+            a.is_loopback() || (a.segments()[0] & 0xfe00) == 0xfc00 || (a.segments()[0] & 0xffc0) == 0xfe80
+        }
+        Err(_) => false,
+    }
+}
+
+/// Where conda's package cache lives: the operator's offline cache, or the store's own `pkgs/`.
+pub(crate) struct CondaPlaces<'a> {
+    pub provisioner: &'a Path,
+    pub cache_dir: &'a Path,
+    pub offline: bool,
+}
+
+/// A `runner-provisioner` step: the request on stdin; the prefix and the cache writable;
+/// `file://` channels read-only; network only to the remote channels' hosts.
+pub(crate) fn conda(places: &CondaPlaces<'_>, op: Op, prefix: &Path, channels: &[String], extra_ro: &[PathBuf]) -> Step {
+    let request = provision::Request {
+        op,
+        prefix: prefix.to_path_buf(),
+        channels: channels.to_vec(),
+        cache_dir: places.cache_dir.to_path_buf(),
+        offline: places.offline,
+    };
+    let mut binds = vec![(prefix.to_path_buf(), true), (places.cache_dir.to_path_buf(), true)];
+    binds.extend(channels.iter().filter_map(|c| file_channel_dir(c)).map(|d| (d, false)));
+    binds.extend(extra_ro.iter().map(|p| (p.clone(), false)));
+    let hosts = match places.offline {
+        true => Vec::new(),
+        false => hosts_of(channels.iter().map(String::as_str)),
+    };
+    let allow_private = hosts.iter().any(|h| is_private_host(h));
+    Step {
+        label: "conda",
+        command: vec![PROVISIONER_MOUNT.to_owned()],
+        // Serialising a plain struct of strings and paths cannot fail.
+        stdin: serde_json::to_vec(&request).unwrap_or_default(),
+        binds,
+        provisioner: Some(places.provisioner.to_path_buf()),
+        env: Vec::new(),
+        hosts,
+        allow_private,
+        timeout: CONDA_TIMEOUT,
+    }
+}
+
+/// Where pip gets packages: an HTTPS index, or the offline cache (`--no-index --find-links`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PipSource {
+    Index(String),
+    Offline(PathBuf),
+}
+
+/// pip through the environment's own interpreter, after `ensurepip` when the environment has
+/// no pip yet (`-I`: no user site, no `PYTHON*` variables; the sandbox's environment is empty
+/// anyway, so `PYTHONHOME`, `PYTHONPATH` and `PYTHONUSERBASE` are never set).
+pub(crate) fn pip(prefix: &Path, source: &PipSource, specs: &[String], wheels: &[PathBuf]) -> Step {
+    let python = prefix.join("bin/python").to_string_lossy().into_owned();
+    let script = r#"set -e
+py="$1"; shift
+"$py" -I -c "import pip" 2>/dev/null || "$py" -I -m ensurepip --default-pip >&2
+exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
+    let mut command = vec!["/usr/bin/bash".to_owned(), "-c".to_owned(), script.to_owned(), "pip".to_owned(), python];
+    let mut binds = vec![(prefix.to_path_buf(), true)];
+    let mut hosts = Vec::new();
+    match source {
+        PipSource::Index(url) => {
+            command.extend(["--index-url".to_owned(), url.clone()]);
+            hosts = hosts_of([url.as_str()]);
+        }
+        PipSource::Offline(cache) => {
+            command.extend(["--no-index".to_owned(), "--find-links".to_owned(), cache.to_string_lossy().into_owned()]);
+            binds.push((cache.clone(), false));
+        }
+    }
+    command.extend(specs.iter().cloned());
+    for w in wheels {
+        command.push(w.to_string_lossy().into_owned());
+        if let Some(dir) = w.parent() {
+            binds.push((dir.to_path_buf(), false));
+        }
+    }
+    let allow_private = hosts.iter().any(|h| is_private_host(h));
+    Step {
+        label: "pip",
+        command,
+        stdin: Vec::new(),
+        binds,
+        provisioner: None,
+        env: vec![("PIP_NO_CACHE_DIR".into(), "1".into())],
+        hosts,
+        allow_private,
+        timeout: PIP_TIMEOUT,
+    }
+}
+
+/// An R string literal.
+fn r_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            _ => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// CRAN (`install.packages`) or Bioconductor (`BiocManager::install`) through the
+/// environment's R, with `R_ENVIRON_USER=/dev/null` and `--vanilla`.
+pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages: &[String]) -> Step {
+    let list = packages.iter().map(|p| r_string(p)).collect::<Vec<_>>().join(", ");
+    let expr = match bioconductor {
+        false => format!("install.packages(c({list}), repos = {}, Ncpus = 1)", r_string(cran)),
+        true => format!(
+            "options(repos = c(CRAN = {})); if (!requireNamespace(\"BiocManager\", quietly = TRUE)) install.packages(\"BiocManager\", Ncpus = 1); BiocManager::install(c({list}), ask = FALSE, update = FALSE, Ncpus = 1)",
+            r_string(cran)
+        ),
+    };
+    let r = prefix.join("bin/R").to_string_lossy().into_owned();
+    let mut hosts = hosts_of([cran]);
+    if bioconductor {
+        hosts.push("bioconductor.org".into());
+        hosts.sort();
+        hosts.dedup();
+    }
+    Step {
+        label: if bioconductor { "bioconductor" } else { "cran" },
+        command: vec![r, "--vanilla".into(), "--slave".into(), "-e".into(), expr],
+        stdin: Vec::new(),
+        binds: vec![(prefix.to_path_buf(), true)],
+        provisioner: None,
+        env: vec![("R_ENVIRON_USER".into(), "/dev/null".into())],
+        allow_private: hosts.iter().any(|h| is_private_host(h)),
+        hosts,
+        timeout: R_TIMEOUT,
+    }
+}
+
+/// The Python inventory: one JSON array of `{name, version, installer}` on stdout.
+pub(crate) fn python_inventory(prefix: &Path) -> Step {
+    let script = "import importlib.metadata as m, json\n\
+        seen = {}\n\
+        for d in m.distributions():\n\
+        \x20   n = d.metadata['Name']\n\
+        \x20   if n and n.lower() not in seen:\n\
+        \x20       seen[n.lower()] = {'name': n, 'version': d.version, 'installer': (d.read_text('INSTALLER') or '').strip()}\n\
+        print(json.dumps(sorted(seen.values(), key=lambda e: e['name'].lower())))\n";
+    Step {
+        label: "inventory",
+        command: vec![prefix.join("bin/python").to_string_lossy().into_owned(), "-I".into(), "-c".into(), script.into()],
+        stdin: Vec::new(),
+        binds: vec![(prefix.to_path_buf(), false)],
+        provisioner: None,
+        env: Vec::new(),
+        hosts: Vec::new(),
+        allow_private: false,
+        timeout: INVENTORY_TIMEOUT,
+    }
+}
+
+/// The R inventory: `Package<TAB>Version<TAB>Repository` lines.
+pub(crate) fn r_inventory(prefix: &Path) -> Step {
+    let expr = "ip <- installed.packages(fields = \"Repository\"); write.table(ip[, c(\"Package\", \"Version\", \"Repository\"), drop = FALSE], sep = \"\\t\", quote = FALSE, row.names = FALSE, col.names = FALSE)";
+    Step {
+        label: "inventory",
+        command: vec![
+            prefix.join("bin/R").to_string_lossy().into_owned(),
+            "--vanilla".into(),
+            "--slave".into(),
+            "-e".into(),
+            expr.into(),
+        ],
+        stdin: Vec::new(),
+        binds: vec![(prefix.to_path_buf(), false)],
+        provisioner: None,
+        env: vec![("R_ENVIRON_USER".into(), "/dev/null".into())],
+        hosts: Vec::new(),
+        allow_private: false,
+        timeout: INVENTORY_TIMEOUT,
+    }
+}
+
+/// `{name, version, installer}` entries of the Python inventory; anything else is dropped.
+pub(crate) fn parse_python_inventory(stdout: &str) -> Vec<(String, String, String)> {
+    let Ok(serde_json::Value::Array(items)) = serde_json::from_str::<serde_json::Value>(stdout.trim()) else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .filter_map(|i| {
+            let s = |k: &str| i.get(k).and_then(|v| v.as_str()).map(str::to_owned);
+            Some((s("name")?, s("version")?, s("installer").unwrap_or_default()))
+        })
+        .collect()
+}
+
+/// `Package<TAB>Version<TAB>Repository` lines; malformed lines are dropped.
+pub(crate) fn parse_r_inventory(stdout: &str) -> Vec<(String, String, String)> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split('\t');
+            let (name, version) = (f.next()?.trim(), f.next()?.trim());
+            let repo = f.next().unwrap_or("").trim();
+            let ok = !name.is_empty()
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
+                && version.chars().next().is_some_and(|c| c.is_ascii_digit());
+            ok.then(|| (name.to_owned(), version.to_owned(), if repo == "NA" { String::new() } else { repo.to_owned() }))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_come_from_http_urls_only() {
+        for (url, host) in [
+            ("https://conda.anaconda.org/conda-forge", Some("conda.anaconda.org")),
+            ("http://127.0.0.1:8080/ch", Some("127.0.0.1")),
+            ("https://user:pw@Mirror.Example:443/x", Some("mirror.example")),
+            ("http://[::1]:9/c", Some("::1")),
+            ("file:///srv/ch", None),
+            ("conda-forge", None),
+            ("https:///nohost", None),
+        ] {
+            assert_eq!(url_host(url).as_deref(), host, "{url}");
+        }
+        assert_eq!(hosts_of(["https://b.example/x", "https://a.example/", "https://b.example/y"]), ["a.example", "b.example"]);
+    }
+
+    #[test]
+    fn private_hosts_are_literal_addresses_or_localhost() {
+        for (h, private) in [
+            ("127.0.0.1", true),
+            ("10.1.2.3", true),
+            ("192.168.0.9", true),
+            ("::1", true),
+            ("fd00::1", true),
+            ("localhost", true),
+            ("8.8.8.8", false),
+            ("conda.anaconda.org", false),
+        ] {
+            assert_eq!(is_private_host(h), private, "{h}");
+        }
+    }
+
+    #[test]
+    fn a_conda_step_binds_prefix_and_cache_writable_and_file_channels_read_only() {
+        let places = CondaPlaces { provisioner: Path::new("/usr/lib/runner/runner-provisioner"), cache_dir: Path::new("/d/pkgs"), offline: false };
+        let channels = vec!["file:///srv/ch/".to_owned(), "http://127.0.0.1:9/c".to_owned()];
+        let step = conda(&places, Op::Create { specs: vec!["python=3.11".into()] }, Path::new("/d/p"), &channels, &[]);
+        assert_eq!(step.command, [PROVISIONER_MOUNT]);
+        assert_eq!(
+            step.binds,
+            [(PathBuf::from("/d/p"), true), (PathBuf::from("/d/pkgs"), true), (PathBuf::from("/srv/ch"), false)]
+        );
+        assert_eq!(step.hosts, ["127.0.0.1"]);
+        assert!(step.allow_private);
+        let req: provision::Request = serde_json::from_slice(&step.stdin).unwrap();
+        assert_eq!(req.channels, channels);
+        assert!(!req.offline);
+
+        let offline = CondaPlaces { offline: true, ..places };
+        let step = conda(&offline, Op::List, Path::new("/d/p"), &channels, &[]);
+        assert!(step.hosts.is_empty(), "offline opens no connection");
+    }
+
+    #[test]
+    fn pip_uses_the_environments_python_isolated_and_only_its_index() {
+        let step = pip(
+            Path::new("/d/p"),
+            &PipSource::Index("https://pypi.example/simple".into()),
+            &["requests==2.0".into()],
+            &[PathBuf::from("/d/wheels/ab/x-1.0-py3-none-any.whl")],
+        );
+        let tail: Vec<&str> = step.command[4..].iter().map(String::as_str).collect();
+        assert_eq!(
+            tail,
+            ["/d/p/bin/python", "--index-url", "https://pypi.example/simple", "requests==2.0", "/d/wheels/ab/x-1.0-py3-none-any.whl"]
+        );
+        assert!(step.command[2].contains("-I -m pip install --disable-pip-version-check --no-input"));
+        assert_eq!(step.hosts, ["pypi.example"]);
+        assert!(step.binds.contains(&(PathBuf::from("/d/wheels/ab"), false)));
+        let off = pip(Path::new("/d/p"), &PipSource::Offline("/cache".into()), &["x".into()], &[]);
+        assert!(off.command.windows(3).any(|w| w == ["--no-index", "--find-links", "/cache"]));
+        assert!(off.hosts.is_empty());
+    }
+
+    #[test]
+    fn r_installs_quote_their_arguments() {
+        let s = r_install(Path::new("/d/p"), false, "https://cloud.r-project.org", &["survival".into(), "a\"b".into()]);
+        assert_eq!(s.label, "cran");
+        assert!(s.command[4].starts_with("install.packages(c(\"survival\", \"a\\\"b\"), repos = \"https://cloud.r-project.org\""));
+        assert_eq!(s.hosts, ["cloud.r-project.org"]);
+        let b = r_install(Path::new("/d/p"), true, "https://cloud.r-project.org", &["DESeq2".into()]);
+        assert!(b.command[4].contains("BiocManager::install(c(\"DESeq2\")"));
+        assert_eq!(b.hosts, ["bioconductor.org", "cloud.r-project.org"]);
+    }
+
+    #[test]
+    fn inventories_parse_and_drop_noise() {
+        let py = parse_python_inventory(r#"[{"name":"pip","version":"23.2.1","installer":"pip"},{"name":"x"}]"#);
+        assert_eq!(py, [("pip".into(), "23.2.1".into(), "pip".into())]);
+        assert!(parse_python_inventory("not json").is_empty());
+        let r = parse_r_inventory("survival\t3.5-7\tCRAN\nbase\t4.4.1\tNA\nargs: --vanilla -e x\n");
+        assert_eq!(
+            r,
+            [("survival".into(), "3.5-7".into(), "CRAN".into()), ("base".into(), "4.4.1".into(), String::new())]
+        );
+    }
+}

@@ -1,0 +1,965 @@
+//! The environment store's operations (internals §5): setup, create, install, uninstall,
+//! delete, the read lease of an execution, and the views the routes answer with. The catalog
+//! is held in memory behind one lock (the original's `mutationTail`) and written through on
+//! every change; each environment has a FIFO readers/writer gate ([`super::gate`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+
+use common::provision::{self, Op};
+
+use super::catalog::{self, Catalog, Environment, EnvironmentRevision, Kind, LocalWheel, Status};
+use super::gate::{Gates, ReadGuard};
+use super::ids::{STARTER_PYTHON, STARTER_R};
+use super::sandboxed::{self, SandboxedError, StepOutput};
+use super::settings::EnvSettings;
+use super::setup::{FailureKind, Setup};
+use super::snapshot::{self, CondaPackage, Installed, Parts, PythonPackage, RPackage, Snapshot};
+use super::steps::{self, CondaPlaces, PipSource};
+use super::{ids, wheels};
+use crate::app::App;
+use crate::sandbox::Language;
+
+const PYPI: &str = "https://pypi.org/simple";
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StoreError {
+    /// The store cannot be used now (disabled, setup not ready): the reason is the text.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The request is wrong: the text says how.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("Environment not found: {0}")]
+    NotFound(String),
+    #[error(transparent)]
+    Ids(#[from] ids::IdError),
+    #[error(transparent)]
+    Catalog(#[from] super::catalog::CatalogError),
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
+    #[error(transparent)]
+    Wheel(#[from] wheels::WheelError),
+    /// A provisioning step failed; the text is what its output says.
+    #[error("{label} step failed: {detail}")]
+    Step { label: &'static str, detail: String },
+    #[error(transparent)]
+    Sandboxed(#[from] SandboxedError),
+    #[error("the store's directory {path} could not be prepared")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl StoreError {
+    /// For setup's action text.
+    fn kind(&self) -> FailureKind {
+        let disk_full = |e: &std::io::Error| e.raw_os_error() == Some(libc::ENOSPC);
+        match self {
+            StoreError::Io { source, .. } if disk_full(source) => FailureKind::DiskFull,
+            StoreError::Step { detail, .. } if detail.contains("No space left") => FailureKind::DiskFull,
+            StoreError::Step { label: "conda", .. } => FailureKind::Channels,
+            StoreError::Step { label: "provisioner", .. } => FailureKind::Provisioner,
+            StoreError::Sandboxed(_) => FailureKind::Sandbox,
+            _ => FailureKind::Other,
+        }
+    }
+}
+
+/// An execution's selection, decided in `prepare` and leased when the run starts (after the
+/// agent queue and the workspace lease: taking the read gate earlier could deadlock with a
+/// queued writer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    pub environment_id: String,
+    /// `/execute`'s `environmentRevisionId`: must still be the current revision at the start.
+    pub revision_id: Option<String>,
+    pub language: Language,
+}
+
+/// A leased environment: the prefix stays as it is until this is dropped.
+#[derive(Debug)]
+pub(crate) struct Runtime {
+    pub revision_id: String,
+    pub prefix: PathBuf,
+    /// Host interpreters to hide (Python and R runs only; internals §2.4).
+    pub masks: Vec<PathBuf>,
+    _guard: ReadGuard,
+}
+
+/// What `/health` and `/environment-setup` read without touching the disk.
+#[derive(Debug)]
+struct View {
+    setup: Setup,
+    starter_python_ready: bool,
+    running: bool,
+}
+
+#[derive(Debug)]
+pub struct EnvStore {
+    pub settings: EnvSettings,
+    /// `<dataDir>/scientific-envs`, absolute.
+    root: PathBuf,
+    provisioner: PathBuf,
+    cache_dir: PathBuf,
+    masks: Vec<PathBuf>,
+    catalog: Mutex<Catalog>,
+    view: Mutex<View>,
+    gates: Gates,
+}
+
+/// The install body, read by the route.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct InstallRequest {
+    pub packages: Vec<String>,
+    pub channels: Option<Vec<String>>,
+    pub manager: Manager,
+    pub index_url: Option<String>,
+    pub workspace: crate::exec::request::WorkspaceRef,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Manager {
+    #[default]
+    Conda,
+    Pip,
+    Cran,
+    Bioconductor,
+}
+
+impl Manager {
+    pub(crate) fn parse(text: &str) -> Option<Manager> {
+        match text {
+            "conda" => Some(Manager::Conda),
+            "pip" => Some(Manager::Pip),
+            "cran" => Some(Manager::Cran),
+            "bioconductor" => Some(Manager::Bioconductor),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Manager::Conda => "conda",
+            Manager::Pip => "pip",
+            Manager::Cran => "cran",
+            Manager::Bioconductor => "bioconductor",
+        }
+    }
+}
+
+/// The environment language an execution language runs in (a shell runs in either).
+fn env_language(l: Language) -> catalog::Language {
+    match l {
+        Language::R => catalog::Language::R,
+        _ => catalog::Language::Python,
+    }
+}
+
+/// Host interpreters in `/usr/bin` (`python`, `python3`, `python3.N`, `R`, `Rscript`),
+/// resolved to their targets, deduplicated and sorted; dangling links dropped.
+pub(crate) fn host_interpreters(bin: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(bin) else { return Vec::new() };
+    let mut out: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| is_interpreter_name(&e.file_name().to_string_lossy()))
+        .filter_map(|e| std::fs::canonicalize(e.path()).ok())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// `^(?:python(?:3(?:\.\d+)?)?|R|Rscript)$`.
+pub(crate) fn is_interpreter_name(name: &str) -> bool {
+    if name == "R" || name == "Rscript" || name == "python" || name == "python3" {
+        return true;
+    }
+    name.strip_prefix("python3.").is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+}
+
+impl EnvStore {
+    /// Opens the store under `data_dir` (created if absent), loads the catalog and marks an
+    /// update interrupted by a crash as failed. Disabled: nothing is touched.
+    pub(crate) fn open(data_dir: &Path, settings: EnvSettings, provisioner: PathBuf) -> Result<EnvStore, StoreError> {
+        let root = std::path::absolute(data_dir.join(common::layout::SCIENTIFIC_ENVS))
+            .unwrap_or_else(|_| data_dir.join(common::layout::SCIENTIFIC_ENVS));
+        let cache_dir = settings.package_cache_dir.clone().unwrap_or_else(|| root.join(common::layout::ENV_PACKAGE_CACHE));
+        let mut catalog = Catalog::default();
+        if settings.enabled {
+            prepare_dirs(&root, &cache_dir)?;
+            let dir = open_dir(&root)?;
+            let swept = Catalog::sweep_temporaries(&dir) + wheels::sweep_incoming(&dir);
+            if swept > 0 {
+                tracing::info!(event = "environment_temporaries_swept", count = swept, reason = "left by a previous process");
+            }
+            catalog = Catalog::load(&dir)?;
+            if catalog.recover_interrupted(&crate::timefmt::now_iso()) {
+                catalog.save(&dir)?;
+                tracing::warn!(event = "environment_update_interrupted", "an environment update was interrupted by a restart; the environment is marked failed");
+            }
+        }
+        let starter_python_ready = starter_ready(&catalog, STARTER_PYTHON);
+        let view = View { setup: Setup::initial(settings.enabled), starter_python_ready, running: false };
+        Ok(EnvStore {
+            masks: host_interpreters(Path::new("/usr/bin")),
+            settings,
+            root,
+            provisioner,
+            cache_dir,
+            catalog: Mutex::new(catalog),
+            view: Mutex::new(view),
+            gates: Gates::default(),
+        })
+    }
+
+    /// The catalog, held only between awaits (a std lock: never across one).
+    fn cat(&self) -> std::sync::MutexGuard<'_, Catalog> {
+        self.catalog.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_view(&self) -> std::sync::MutexGuard<'_, View> {
+        self.view.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `/health.scientificEnvs`.
+    pub(crate) fn health(&self) -> Value {
+        let v = self.lock_view();
+        v.setup.health(&self.settings, v.starter_python_ready)
+    }
+
+    /// `GET /environment-setup`.
+    pub(crate) fn setup_view(&self) -> Value {
+        self.lock_view().setup.view(&self.settings)
+    }
+
+    /// Whether executions may use environments now.
+    pub(crate) fn available(&self) -> bool {
+        let v = self.lock_view();
+        self.settings.enabled && v.setup.state == super::setup::State::Ready && v.starter_python_ready
+    }
+
+    fn require_available(&self) -> Result<(), StoreError> {
+        let v = self.lock_view();
+        if !self.settings.enabled {
+            return Err(StoreError::Unavailable("Scientific environments are disabled by configuration".into()));
+        }
+        if v.setup.state == super::setup::State::Ready && v.starter_python_ready {
+            return Ok(());
+        }
+        Err(StoreError::Unavailable(v.setup.unavailable_reason()))
+    }
+
+    /// Starts setup in the background unless it is running or disabled; `false` then.
+    pub(crate) fn start_setup(app: &Arc<App>) -> bool {
+        let store = &app.envs;
+        {
+            let mut v = store.lock_view();
+            if !store.settings.enabled || v.running {
+                return false;
+            }
+            v.running = true;
+            v.setup.begin(crate::timefmt::now_iso());
+        }
+        let app = app.clone();
+        tokio::spawn(async move {
+            let store = &app.envs;
+            let outcome = store.run_setup(&app).await;
+            let mut v = store.lock_view();
+            v.running = false;
+            let now = crate::timefmt::now_iso();
+            match outcome {
+                Ok(detail) => {
+                    v.starter_python_ready = true;
+                    tracing::info!(event = "environment_setup_ready", detail = %detail);
+                    v.setup.ready(now, detail);
+                }
+                Err(e) => {
+                    let text = crate::error_chain(&e);
+                    let action = super::setup::action(
+                        e.kind(),
+                        &store.settings,
+                        &store.provisioner.to_string_lossy(),
+                        &store.root.to_string_lossy(),
+                    );
+                    tracing::warn!(event = "environment_setup_failed", error = %text, action = %action);
+                    v.setup.failed(now, text, action);
+                }
+            }
+        });
+        true
+    }
+
+    async fn run_setup(&self, app: &App) -> Result<String, StoreError> {
+        let detail = check_provisioner(&self.provisioner, &app.sandbox.user).map_err(|e| {
+            StoreError::Step { label: "provisioner", detail: e }
+        });
+        let detail = match detail {
+            Ok(d) => d,
+            Err(e) => {
+                // The provisioner phase fails: the view says so before the error is returned.
+                return Err(e);
+            }
+        };
+        self.lock_view().setup.provisioner_ready(detail);
+        if starter_ready(&self.cat(), STARTER_PYTHON) {
+            return Ok("starter-python is ready".into());
+        }
+        self.create_starter(app, Language::Python).await?;
+        Ok("starter-python was created".into())
+    }
+
+    /// The conda step's places: the provisioner, the cache, offline or not.
+    fn places(&self) -> CondaPlaces<'_> {
+        CondaPlaces { provisioner: &self.provisioner, cache_dir: &self.cache_dir, offline: self.settings.offline() }
+    }
+
+    fn channel_urls(&self, channels: &[String]) -> Result<Vec<String>, StoreError> {
+        Ok(channels.iter().map(|c| ids::channel_url(c)).collect::<Result<_, _>>()?)
+    }
+
+    fn prefix_path(&self, env: &str, rev: &str) -> PathBuf {
+        self.root.join(common::layout::ENV_REVISIONS).join(env).join(rev)
+    }
+
+    /// Creates a starter (`starter-python` at setup, `starter-r` when first needed).
+    async fn create_starter(&self, app: &App, language: Language) -> Result<Environment, StoreError> {
+        let (id, specs) = match language {
+            Language::R => (STARTER_R, self.settings.starter_r.clone()),
+            _ => (STARTER_PYTHON, self.settings.starter_python.clone()),
+        };
+        let _w = self.gates.write(id).await;
+        if let Some(env) = self.cat().environment(id).filter(|e| e.status == Status::Ready).cloned() {
+            return Ok(env);
+        }
+        let rev = ids::new_revision_id();
+        let prefix = self.prefix_path(id, &rev);
+        self.fresh_prefix(app, &prefix)?;
+        let channels = self.channel_urls(&self.settings.channels)?;
+        let step = steps::conda(&self.places(), Op::Create { specs: specs.clone() }, &prefix, &channels, &[]);
+        let answer = self.conda(app, step).await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = remove_prefix(&prefix);
+                return Err(e);
+            }
+        };
+        let changes: Vec<String> = specs.iter().map(|s| format!("conda:{s}")).collect();
+        let now = crate::timefmt::now_iso();
+        let env = Environment {
+            id: id.to_owned(),
+            name: id.to_owned(),
+            kind: Kind::Starter,
+            language: env_language(language),
+            status: Status::Ready,
+            current_revision_id: rev.clone(),
+            runtime_revision_id: Some(rev.clone()),
+            base_environment_id: None,
+            created_at: now.clone(),
+            updated_at: now,
+            error: None,
+        };
+        let revision = self.record_revision(app, &env, &rev, &prefix, channels, &answer, changes, None).await?;
+        let mut catalog = self.cat();
+        catalog.environments.retain(|e| e.id != id);
+        catalog.environments.push(env.clone());
+        catalog.revisions.push(revision);
+        catalog.save(&open_dir(&self.root)?)?;
+        audit("environment_created", id, &rev, "starter");
+        Ok(env)
+    }
+
+    /// An empty prefix directory the sandbox user may write (its parents are runnerd's).
+    fn fresh_prefix(&self, app: &App, prefix: &Path) -> Result<(), StoreError> {
+        use std::os::unix::fs::PermissionsExt;
+        let io = |source| StoreError::Io { path: prefix.to_path_buf(), source };
+        if let Some(parent) = prefix.parent() {
+            std::fs::create_dir_all(parent).map_err(io)?;
+            std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o711)).map_err(io)?;
+        }
+        std::fs::create_dir(prefix).map_err(io)?;
+        let fd = crate::fsat::open_path(prefix, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
+        app.sandbox.user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)?;
+        std::fs::set_permissions(prefix, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
+        Ok(())
+    }
+
+    /// Runs a provisioner step and reads its answer.
+    async fn conda(&self, app: &App, step: sandboxed::Step) -> Result<provision::Response, StoreError> {
+        let out = sandboxed::run(app, step).await?;
+        if out.truncated {
+            return Err(StoreError::Step { label: "conda", detail: "the provisioner's answer was larger than runnerd reads".into() });
+        }
+        let answer: Option<provision::Response> = serde_json::from_str(out.stdout.trim()).ok();
+        match (out.succeeded(), answer) {
+            (true, Some(a)) if a.error.is_none() => Ok(a),
+            (_, Some(a)) if a.error.is_some() => {
+                Err(StoreError::Step { label: "conda", detail: a.error.unwrap_or_default() })
+            }
+            _ => Err(StoreError::Step { label: "conda", detail: step_failure(&out) }),
+        }
+    }
+
+    /// The revision record and its snapshot for the prefix as it is now.
+    #[allow(clippy::too_many_arguments)]
+    async fn record_revision(
+        &self,
+        app: &App,
+        env: &Environment,
+        rev: &str,
+        prefix: &Path,
+        channels: Vec<String>,
+        answer: &provision::Response,
+        requested: Vec<String>,
+        wheels: Option<Vec<LocalWheel>>,
+    ) -> Result<EnvironmentRevision, StoreError> {
+        let python = match prefix.join("bin/python").exists() {
+            true => match sandboxed::run(app, steps::python_inventory(prefix)).await {
+                Ok(out) => steps::parse_python_inventory(&out.stdout),
+                Err(_) => Vec::new(),
+            },
+            false => Vec::new(),
+        };
+        let r = match env.language == catalog::Language::R && prefix.join("bin/R").exists() {
+            true => match sandboxed::run(app, steps::r_inventory(prefix)).await {
+                Ok(out) => steps::parse_r_inventory(&out.stdout),
+                Err(_) => Vec::new(),
+            },
+            false => Vec::new(),
+        };
+        let installed = Installed {
+            conda: answer.installed.iter().map(CondaPackage::from).collect(),
+            python: python.into_iter().map(|(name, version, installer)| PythonPackage { name, version, installer }).collect(),
+            r: r.into_iter().map(|(name, version, repository)| RPackage { name, version, repository }).collect(),
+        };
+        let snap = Snapshot::new(Parts {
+            revision_id: rev.to_owned(),
+            environment_id: env.id.clone(),
+            language: env.language,
+            created_at: crate::timefmt::now_iso(),
+            channels,
+            requested_changes: requested,
+            installed,
+            local_wheels: wheels.filter(|w| !w.is_empty()),
+        });
+        Ok(snap.record(&open_dir(&self.root)?)?)
+    }
+
+    /// `GET /environments`.
+    pub(crate) async fn list(&self) -> Result<Vec<Environment>, StoreError> {
+        self.require_available()?;
+        Ok(self.cat().environments.clone())
+    }
+
+    /// `GET /environment-revisions`.
+    pub(crate) async fn revisions(&self) -> Result<Vec<EnvironmentRevision>, StoreError> {
+        self.require_available()?;
+        Ok(self.cat().revisions.clone())
+    }
+
+    /// `GET /environment-revisions/:id/snapshot`: the stored bytes, re-verified.
+    pub(crate) async fn snapshot(&self, id: &str) -> Result<Vec<u8>, StoreError> {
+        self.require_available()?;
+        let revision = self.cat().revision(id).cloned();
+        let revision = revision.ok_or_else(|| StoreError::NotFound(format!("revision {id}")))?;
+        let dir = open_dir(&self.root)?;
+        Ok(snapshot::read_verified(&dir, &revision.id, &revision.snapshot)?)
+    }
+
+    /// `POST /environments`: a task environment cloned from its base's current packages.
+    pub(crate) async fn create(
+        &self,
+        app: &App,
+        name: &str,
+        language: Language,
+        base: Option<&str>,
+    ) -> Result<Environment, StoreError> {
+        self.require_available()?;
+        let lang = env_language(language);
+        ids::check_new_name(name, self.cat().names())?;
+        let base_id = base.unwrap_or(lang.starter_id());
+        ids::check_env_id(base_id).map_err(|_| StoreError::NotFound(base_id.to_owned()))?;
+        if base_id == STARTER_R && self.cat().environment(STARTER_R).is_none() {
+            self.create_starter(app, Language::R).await?;
+        }
+        let _r = self.gates.read(base_id).await;
+        let base_env = self.cat().environment(base_id).cloned();
+        let base_env = base_env.ok_or_else(|| StoreError::NotFound(base_id.to_owned()))?;
+        if base_env.language != lang {
+            return Err(StoreError::Invalid(format!(
+                "Base environment {base_id} is a {} environment, not {}",
+                base_env.language.as_str(),
+                lang.as_str()
+            )));
+        }
+        ready(&base_env)?;
+        let source = self.root.join(base_env.prefix_rel()?);
+        let id = ids::new_task_env_id();
+        let rev = ids::new_revision_id();
+        let prefix = self.prefix_path(&id, &rev);
+        self.fresh_prefix(app, &prefix)?;
+        let base_rev = self.cat().revision(&base_env.current_revision_id).cloned();
+        let channels = base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
+        let urls = self.channel_urls(&channels)?;
+        let step = steps::conda(&self.places(), Op::Clone { source: source.clone() }, &prefix, &urls, &[source.clone()]);
+        let answer = match self.conda(app, step).await {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = remove_prefix(&prefix);
+                return Err(e);
+            }
+        };
+        let now = crate::timefmt::now_iso();
+        let env = Environment {
+            id: id.clone(),
+            name: name.to_owned(),
+            kind: Kind::Task,
+            language: lang,
+            status: Status::Ready,
+            current_revision_id: rev.clone(),
+            runtime_revision_id: Some(rev.clone()),
+            base_environment_id: Some(base_id.to_owned()),
+            created_at: now.clone(),
+            updated_at: now,
+            error: None,
+        };
+        let wheels = base_rev.and_then(|r| r.local_wheels);
+        let revision = self
+            .record_revision(app, &env, &rev, &prefix, channels, &answer, vec![format!("clone:{base_id}")], wheels)
+            .await?;
+        let mut catalog = self.cat();
+        // Names are unique: a concurrent create may have taken it meanwhile.
+        if let Err(e) = ids::check_new_name(name, catalog.names()) {
+            drop(catalog);
+            let _ = remove_prefix(&prefix);
+            return Err(e.into());
+        }
+        catalog.environments.push(env.clone());
+        catalog.revisions.push(revision);
+        catalog.save(&open_dir(&self.root)?)?;
+        audit("environment_created", &id, &rev, name);
+        Ok(env)
+    }
+
+    /// The environment a change may touch: it exists and is not a starter.
+    async fn task_environment(&self, id: &str) -> Result<Environment, StoreError> {
+        ids::check_env_id(id).map_err(|_| StoreError::NotFound(id.to_owned()))?;
+        let env = self.cat().environment(id).cloned();
+        let env = env.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        if env.kind == Kind::Starter {
+            return Err(StoreError::Invalid(format!(
+                "Starter environment {id} is read-only; create a task environment from it and change that"
+            )));
+        }
+        Ok(env)
+    }
+
+    /// Marks the environment `updating` on disk before any package is touched.
+    async fn begin_update(&self, id: &str) -> Result<(), StoreError> {
+        let mut catalog = self.cat();
+        catalog.begin_update(id, &crate::timefmt::now_iso());
+        catalog.save(&open_dir(&self.root)?)?;
+        Ok(())
+    }
+
+    /// `failed` with the original's text, keeping the current revision.
+    async fn fail_update(&self, id: &str) {
+        let mut catalog = self.cat();
+        catalog.fail_update(id, &crate::timefmt::now_iso());
+        if let Ok(dir) = open_dir(&self.root)
+            && let Err(e) = catalog.save(&dir)
+        {
+            tracing::error!(event = "environment_catalog_write_failed", environment = id, error = %crate::error_chain(&e));
+        }
+    }
+
+    /// `POST /environments/:id/install`.
+    pub(crate) async fn install(&self, app: &App, id: &str, req: InstallRequest) -> Result<EnvironmentRevision, StoreError> {
+        self.require_available()?;
+        let env = self.task_environment(id).await?;
+        if req.packages.is_empty() {
+            return Err(ids::IdError::NoPackages.into());
+        }
+        let (wheel_paths, specs): (Vec<String>, Vec<String>) = match req.manager {
+            Manager::Pip => req.packages.iter().cloned().partition(|p| wheels::is_wheel_request(p)),
+            _ => (Vec::new(), req.packages.clone()),
+        };
+        for s in &specs {
+            ids::check_spec(s)?;
+        }
+        for w in &wheel_paths {
+            wheels::parse_request(w)?;
+        }
+        let channels = match req.manager {
+            Manager::Conda => ids::allowed_channels(req.channels.as_deref().unwrap_or_default(), &self.settings.channels)?,
+            _ => Vec::new(),
+        };
+        let offline = self.settings.offline();
+        let pip_source = match (req.manager, &req.index_url) {
+            (Manager::Pip, _) if offline => Some(PipSource::Offline(self.cache_dir.clone())),
+            (Manager::Pip, Some(url)) => {
+                ids::check_index_url(url)?;
+                Some(PipSource::Index(url.clone()))
+            }
+            (Manager::Pip, None) => Some(PipSource::Index(PYPI.to_owned())),
+            _ => None,
+        };
+        if matches!(req.manager, Manager::Cran | Manager::Bioconductor) {
+            if offline {
+                return Err(StoreError::Invalid(format!(
+                    "{} installs are unavailable in offline package-cache mode",
+                    if req.manager == Manager::Cran { "CRAN" } else { "Bioconductor" }
+                )));
+            }
+            if env.language != catalog::Language::R {
+                return Err(StoreError::Invalid(format!("Environment {id} is not an R environment")));
+            }
+        }
+        // Local wheels are copied out of the workspace before anything is locked.
+        let mut new_wheels = Vec::new();
+        if !wheel_paths.is_empty() {
+            if req.workspace.key.is_none() && req.workspace.root.is_none() {
+                return Err(wheels::WheelError::NoWorkspace.into());
+            }
+            let located = crate::exec::locate(app, &req.workspace)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let root_fd = crate::exec::workspace::open_beneath(&app.data_dir, &located.root)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let dir = open_dir(&self.root)?;
+            for p in &wheel_paths {
+                new_wheels.push(wheels::persist(&dir, &root_fd, p)?);
+            }
+        }
+        let _w = self.gates.write(id).await;
+        // The record may have changed while this waited.
+        let env = self.task_environment(id).await?;
+        let current = self.cat().revision(&env.current_revision_id).cloned();
+        self.begin_update(id).await?;
+        let prefix = self.root.join(env.prefix_rel()?);
+        let wheel_files = new_wheels.iter().map(|w| self.wheel_path(w)).collect::<Result<Vec<_>, _>>()?;
+        let outcome = match req.manager {
+            Manager::Conda => {
+                let urls = self.channel_urls(&channels)?;
+                self.conda(app, steps::conda(&self.places(), Op::Install { specs: specs.clone() }, &prefix, &urls, &[]))
+                    .await
+            }
+            Manager::Pip => {
+                let source = pip_source.clone().unwrap_or(PipSource::Index(PYPI.to_owned()));
+                self.run_tool(app, steps::pip(&prefix, &source, &specs, &wheel_files)).await
+            }
+            Manager::Cran | Manager::Bioconductor => {
+                let step = steps::r_install(&prefix, req.manager == Manager::Bioconductor, &self.settings.cran_repo, &specs);
+                self.run_tool(app, step).await
+            }
+        };
+        let answer = match outcome {
+            Ok(a) => a,
+            Err(e) => {
+                self.fail_update(id).await;
+                audit_failed("environment_install_failed", id, &e);
+                return Err(e);
+            }
+        };
+        let mut requested: Vec<String> = specs.iter().map(|s| format!("{}:{s}", req.manager.name())).collect();
+        requested.extend(new_wheels.iter().map(|w| format!("pip:{}", w.filename)));
+        let revision_channels = match (req.manager, &pip_source) {
+            (Manager::Conda, _) => channels,
+            (Manager::Pip, Some(PipSource::Index(url))) => vec![url.clone()],
+            (Manager::Cran | Manager::Bioconductor, _) => vec![self.settings.cran_repo.clone()],
+            _ => current.as_ref().map(|r| r.channels.clone()).unwrap_or_default(),
+        };
+        let mut wheels_kept = current.as_ref().and_then(|r| r.local_wheels.clone()).unwrap_or_default();
+        for w in new_wheels {
+            wheels_kept.retain(|k| k.filename != w.filename);
+            wheels_kept.push(w);
+        }
+        self.commit_change(app, &env, &prefix, revision_channels, answer, requested, Some(wheels_kept)).await
+    }
+
+    /// `POST /environments/:id/uninstall` (conda packages).
+    pub(crate) async fn uninstall(&self, app: &App, id: &str, packages: Vec<String>) -> Result<EnvironmentRevision, StoreError> {
+        self.require_available()?;
+        self.task_environment(id).await?;
+        ids::check_specs(&packages)?;
+        let _w = self.gates.write(id).await;
+        let env = self.task_environment(id).await?;
+        let current = self.cat().revision(&env.current_revision_id).cloned();
+        self.begin_update(id).await?;
+        let prefix = self.root.join(env.prefix_rel()?);
+        let channels = current.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
+        let urls = self.channel_urls(&channels)?;
+        let step = steps::conda(&self.places(), Op::Remove { names: packages.clone() }, &prefix, &urls, &[]);
+        let answer = match self.conda(app, step).await {
+            Ok(a) => a,
+            Err(e) => {
+                self.fail_update(id).await;
+                audit_failed("environment_uninstall_failed", id, &e);
+                return Err(e);
+            }
+        };
+        let requested = packages.iter().map(|p| format!("conda:remove:{p}")).collect();
+        let wheels = current.and_then(|r| r.local_wheels);
+        self.commit_change(app, &env, &prefix, channels, answer, requested, wheels).await
+    }
+
+    /// pip or R: run it, then list the conda packages (unchanged by them, but the record
+    /// carries the whole inventory).
+    async fn run_tool(&self, app: &App, step: sandboxed::Step) -> Result<provision::Response, StoreError> {
+        let label = step.label;
+        let prefix = step.binds[0].0.clone();
+        let out = sandboxed::run(app, step).await?;
+        if !out.succeeded() {
+            return Err(StoreError::Step { label, detail: step_failure(&out) });
+        }
+        let urls: Vec<String> = Vec::new();
+        let list = steps::conda(&CondaPlaces { offline: true, ..self.places() }, Op::List, &prefix, &urls, &[]);
+        self.conda(app, list).await
+    }
+
+    /// A successful change: a new revision and snapshot, the environment ready on it.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_change(
+        &self,
+        app: &App,
+        env: &Environment,
+        prefix: &Path,
+        channels: Vec<String>,
+        answer: provision::Response,
+        requested: Vec<String>,
+        wheels: Option<Vec<LocalWheel>>,
+    ) -> Result<EnvironmentRevision, StoreError> {
+        let rev = ids::new_revision_id();
+        let recorded = self.record_revision(app, env, &rev, prefix, channels, &answer, requested, wheels).await;
+        let revision = match recorded {
+            Ok(r) => r,
+            Err(e) => {
+                self.fail_update(&env.id).await;
+                return Err(e);
+            }
+        };
+        let mut catalog = self.cat();
+        catalog.commit_revision(revision.clone(), &crate::timefmt::now_iso());
+        catalog.save(&open_dir(&self.root)?)?;
+        audit("environment_changed", &env.id, &rev, &revision.packages.len().to_string());
+        Ok(revision)
+    }
+
+    fn wheel_path(&self, w: &LocalWheel) -> Result<PathBuf, StoreError> {
+        Ok(self.root.join(wheels::stored_rel_path(w)?))
+    }
+
+    /// `DELETE /environments/:id`: the prefix goes; revisions and snapshots stay.
+    pub(crate) async fn delete(&self, id: &str) -> Result<String, StoreError> {
+        self.require_available()?;
+        if id == STARTER_PYTHON || id == STARTER_R {
+            return Err(StoreError::Invalid(format!("Starter environment {id} cannot be deleted")));
+        }
+        self.task_environment(id).await?;
+        let _w = self.gates.write(id).await;
+        let mut catalog = self.cat();
+        if catalog.environment(id).is_none() {
+            return Err(StoreError::NotFound(id.to_owned()));
+        }
+        catalog.environments.retain(|e| e.id != id);
+        catalog.save(&open_dir(&self.root)?)?;
+        drop(catalog);
+        let dir = self.root.join(common::layout::ENV_REVISIONS).join(id);
+        if let Err(e) = remove_prefix(&dir) {
+            tracing::warn!(event = "environment_prefix_left", environment = id, error = %e);
+        }
+        audit("environment_deleted", id, "", "");
+        Ok(id.to_owned())
+    }
+
+    /// The environment an execution names, checked at `prepare` (the texts of contract §2A).
+    pub(crate) fn select(
+        &self,
+        language: Language,
+        environment_id: Option<&str>,
+        revision_id: Option<&str>,
+    ) -> Result<Selection, StoreError> {
+        self.require_available()?;
+        let environment_id = match (environment_id, revision_id) {
+            (Some(e), _) => e.to_owned(),
+            (None, Some(rev)) => {
+                let catalog = self.cat();
+                let revision = catalog.revision(rev).ok_or_else(|| {
+                    StoreError::Invalid("Unknown environment revision; select a current environment".into())
+                })?;
+                revision.environment_id.clone()
+            }
+            // Created when first needed, at the lease.
+            (None, None) if language == Language::R => STARTER_R.to_owned(),
+            (None, None) => STARTER_PYTHON.to_owned(),
+        };
+        Ok(Selection { environment_id, revision_id: revision_id.map(str::to_owned), language })
+    }
+
+    /// The read lease for a run that is about to start.
+    pub(crate) async fn lease(&self, app: &App, selection: &Selection) -> Result<Runtime, StoreError> {
+        if selection.environment_id == STARTER_R && self.cat().environment(STARTER_R).is_none() {
+            self.create_starter(app, Language::R).await?;
+        }
+        let guard = self.gates.read(&selection.environment_id).await;
+        let catalog = self.cat();
+        let env = catalog.environment(&selection.environment_id).cloned().ok_or_else(|| {
+            StoreError::Invalid(format!("Unknown environment: {}", selection.environment_id))
+        })?;
+        drop(catalog);
+        if let Some(rev) = &selection.revision_id
+            && *rev != env.current_revision_id
+        {
+            return Err(StoreError::Invalid(
+                "Historical environment revisions are audit-only; select the latest environment".into(),
+            ));
+        }
+        if selection.language != Language::Shell && env.language != env_language(selection.language) {
+            return Err(StoreError::Invalid(format!(
+                "Environment {} is a {} environment, not {}",
+                env.id,
+                env.language.as_str(),
+                env_language(selection.language).as_str()
+            )));
+        }
+        ready(&env)?;
+        let masks = match selection.language {
+            Language::Shell => Vec::new(),
+            _ => self.masks.clone(),
+        };
+        Ok(Runtime {
+            prefix: self.root.join(env.prefix_rel()?),
+            revision_id: env.current_revision_id,
+            masks,
+            _guard: guard,
+        })
+    }
+}
+
+/// `Environment <id> is <status>; repair it …`.
+fn ready(env: &Environment) -> Result<(), StoreError> {
+    match env.status {
+        Status::Ready => Ok(()),
+        status => Err(StoreError::Invalid(format!(
+            "Environment {} is {}; repair it through environment management before execution",
+            env.id,
+            status.as_str()
+        ))),
+    }
+}
+
+fn starter_ready(catalog: &Catalog, id: &str) -> bool {
+    catalog.environment(id).is_some_and(|e| e.status == Status::Ready)
+}
+
+fn step_failure(out: &StepOutput) -> String {
+    let tail = out.tail();
+    match (out.code, tail.is_empty()) {
+        (Some(c), true) => format!("exited with code {c}"),
+        (None, true) => "was killed by a signal".to_owned(),
+        (_, false) => tail,
+    }
+}
+
+fn audit(event: &'static str, environment: &str, revision: &str, detail: &str) {
+    tracing::info!(event, environment, revision, detail);
+}
+
+fn audit_failed(event: &'static str, environment: &str, e: &StoreError) {
+    tracing::warn!(event, environment, error = %crate::error_chain(e));
+}
+
+/// The store's directories: searchable, not listable, by the sandbox user (0711).
+fn prepare_dirs(root: &Path, cache: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+        move |source| StoreError::Io { path: path.to_path_buf(), source }
+    }
+    for dir in [root.to_path_buf(), root.join(common::layout::ENV_REVISIONS), root.join(common::layout::ENV_WHEELS)] {
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).map_err(io(&dir))?;
+    }
+    let snapshots = root.join(common::layout::ENV_SNAPSHOTS);
+    std::fs::create_dir_all(&snapshots).map_err(io(&snapshots))?;
+    std::fs::create_dir_all(cache).map_err(io(cache))?;
+    Ok(())
+}
+
+fn open_dir(path: &Path) -> Result<std::os::fd::OwnedFd, StoreError> {
+    crate::fsat::open_path(path, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .map_err(|source| StoreError::Io { path: path.to_path_buf(), source })
+}
+
+/// Removes a prefix (or an environment's revisions directory), never following a link.
+fn remove_prefix(path: &Path) -> std::io::Result<()> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else { return Ok(()) };
+    let dir = crate::fsat::open_path(parent, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)?;
+    let name = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name))
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    match crate::fsat::remove_tree_at(&dir, &name) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// The provisioner is a regular file the sandbox user may execute.
+fn check_provisioner(path: &Path, user: &crate::sandbox::user::Identity) -> Result<String, String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{} could not be read: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    let mode = meta.mode();
+    let bits = if user.uid == meta.uid() {
+        mode >> 6
+    } else if user.gid == meta.gid() {
+        mode >> 3
+    } else {
+        mode
+    };
+    if bits & 0o1 == 0 {
+        return Err(format!("{} is not executable by the sandbox user {}", path.display(), user.name));
+    }
+    Ok(format!("{} at {}", catalog::PROVISIONER, path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interpreter_names_are_the_originals_pattern() {
+        for (name, yes) in [
+            ("python", true),
+            ("python3", true),
+            ("python3.11", true),
+            ("R", true),
+            ("Rscript", true),
+            ("python3.", false),
+            ("python3.11-config", false),
+            ("pythonic-tool", false),
+            ("python2", false),
+            ("Rscript2", false),
+        ] {
+            assert_eq!(is_interpreter_name(name), yes, "{name}");
+        }
+    }
+
+    #[test]
+    fn masks_are_resolved_deduplicated_and_skip_dangling_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path();
+        std::fs::write(bin.join("python3.11"), b"elf").unwrap();
+        for link in ["python", "python3"] {
+            std::os::unix::fs::symlink("python3.11", bin.join(link)).unwrap();
+        }
+        std::os::unix::fs::symlink("/nonexistent/Rscript", bin.join("Rscript")).unwrap();
+        std::fs::write(bin.join("pythonic-tool"), b"x").unwrap();
+        let real = std::fs::canonicalize(bin.join("python3.11")).unwrap();
+        assert_eq!(host_interpreters(bin), [real]);
+    }
+}

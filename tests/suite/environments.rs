@@ -1,0 +1,435 @@
+//! Scientific environments (issue #16, R-ENV-1, R-SBX-5), end to end and offline: a conda
+//! channel the test builds (`test-channel`: a `python` package holding a copy of the host
+//! interpreter, tiny packages with dependencies, a corrupt one, a stub `r-base`), served as
+//! `file://`; the real runnerd provisioning with the real `runner-provisioner` inside its
+//! sandbox; executions that select the environments checked from inside their sandbox.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use runner_tests::sandbox_or_skip;
+use runner_tests::server::{Server, ServerOptions, shell_request};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+/// A stub `r-base` whose `bin/R` writes what the sandbox it runs in can see into its
+/// prefix (`probe.txt`): the CRAN step runs it in the provisioning sandbox.
+const PROBE_R: &str = r#"#!/bin/sh
+prefix="$(cd "$(dirname "$0")/.." && pwd)"
+store="$(cd "$prefix/../../.." && pwd)"
+data="$(cd "$store/.." && pwd)"
+{
+echo "args: $*"
+[ -e "$store/catalog.json" ] && echo "catalog=visible" || echo "catalog=missing"
+[ -e "$data/projects" ] && echo "projects=visible" || echo "projects=missing"
+[ -e "$store/revisions/starter-python" ] && echo "starter=visible" || echo "starter=missing"
+env | grep -q SCIENCE_AGENT && echo "runner-variables=set" || echo "runner-variables=unset"
+touch /usr/probe 2>/dev/null && echo "writable-usr=yes" || echo "writable-usr=no"
+} > "$prefix/probe.txt"
+"#;
+
+/// Builds the demo channel (`tinyutil` 1.0/2.0, `tinylib` → `tinyutil`, `broken`, a stub
+/// `r-base`, `python` from the host) plus the probing `r-base` in `dir`; its `file://` URL.
+fn demo_channel(dir: &Path) -> String {
+    let mut channel = test_channel::demo(dir).expect("the test channel builds");
+    channel
+        .package(test_channel::Pkg::noarch("r-base", "4.4.1").file("bin/R", PROBE_R.as_bytes(), true))
+        .expect("the probing r-base builds");
+    channel.index().expect("the channel indexes");
+    channel.url()
+}
+
+struct Envs {
+    server: Server,
+    _channel: tempfile::TempDir,
+    channel_dir: PathBuf,
+}
+
+fn start(extra: &[(&str, &str)]) -> Envs {
+    let channel = runner_tests::scratch_dir();
+    let channel_dir = channel.path().join("channel");
+    let url = demo_channel(&channel_dir);
+    runner_tests::hand_tree_to_sandbox(channel.path());
+    let mut env = vec![
+        ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), url),
+        ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
+        ("SCIENCE_AGENT_STARTER_R_SPECS".to_owned(), "r-base".to_owned()),
+        ("SCIENCE_AGENT_CRAN_REPO".to_owned(), "file:///nonexistent-cran".to_owned()),
+    ];
+    env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    Envs { server, _channel: channel, channel_dir }
+}
+
+/// Polls `GET /environment-setup` until it leaves `installing`.
+async fn setup_outcome(server: &Server) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let reply = server.client().get("/environment-setup").await.unwrap();
+        assert_eq!(reply.status, 200);
+        let v = reply.json();
+        if v["state"] != "installing" && v["state"] != "not-started" {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "setup still {v} (stderr: {})", server.stderr());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn ready(extra: &[(&str, &str)]) -> Envs {
+    let envs = start(extra);
+    let setup = setup_outcome(&envs.server).await;
+    assert_eq!(setup["state"], "ready", "{setup}\n{}", envs.server.stderr());
+    envs
+}
+
+async fn get(server: &Server, path: &str) -> (u16, Value) {
+    let reply = server.client().get(path).await.unwrap();
+    (reply.status, reply.json())
+}
+
+async fn post(server: &Server, path: &str, body: Value) -> (u16, Value) {
+    let reply = server.client().post_json(path, &body).await.unwrap();
+    (reply.status, reply.json())
+}
+
+async fn shell(server: &Server, env: Option<&str>, code: &str) -> Value {
+    let ws = server.project_workspace("envs");
+    let mut body = shell_request("main", "envs", &ws, code);
+    if let Some(e) = env {
+        body["environmentId"] = e.into();
+    }
+    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    reply.json()
+}
+
+async fn python(server: &Server, revision: Option<&str>, code: &str) -> (u16, Value) {
+    let ws = server.project_workspace("envs");
+    let mut body = shell_request("main", "envs", &ws, code);
+    if let Some(r) = revision {
+        body["environmentRevisionId"] = r.into();
+    }
+    let reply = server.client().post_signed("/execute", &body).await.unwrap();
+    (reply.status, reply.json())
+}
+
+fn environment<'a>(list: &'a Value, id: &str) -> &'a Value {
+    list.as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no {id} in {list}"))
+}
+
+const PYTHON_PROBE: &str = r#"
+import os, sys, subprocess
+print("prefix=" + sys.prefix)
+print("executable=" + sys.executable)
+print("tinyutil=" + subprocess.run(["tinyutil"], capture_output=True, text=True).stdout.strip())
+try:
+    open("/opt/science-env/planted", "w")
+    print("write=allowed")
+except OSError:
+    print("write=refused")
+r = subprocess.run(["/usr/bin/python3", "-c", "print('host')"], capture_output=True, text=True)
+print("host-python=" + (r.stdout.strip() or "masked"))
+print("path=" + os.environ["PATH"])
+"#;
+
+#[tokio::test]
+async fn setup_creates_the_starter_and_python_runs_in_it_read_only_with_host_interpreters_masked() {
+    if !sandbox_or_skip("setup_creates_the_starter_and_python_runs_in_it") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let (_, health) = get(s, "/health").await;
+    let sci = &health["scientificEnvs"];
+    assert_eq!(sci["available"], true, "{sci}");
+    assert_eq!((sci["enabled"].clone(), sci["startersReady"].clone()), (json!(true), json!(true)));
+    assert_eq!(sci["languages"], json!(["python", "r"]));
+    assert_eq!(sci["provisioner"], "runner-provisioner");
+
+    let (status, list) = get(s, "/environments").await;
+    assert_eq!(status, 200, "{list}");
+    let starter = environment(&list, "starter-python");
+    assert_eq!((starter["kind"].as_str(), starter["status"].as_str()), (Some("starter"), Some("ready")));
+    let rev = starter["currentRevisionId"].as_str().unwrap().to_owned();
+    assert!(rev.starts_with("rev-"), "{rev}");
+
+    let (status, v) = python(s, None, PYTHON_PROBE).await;
+    assert_eq!(status, 200, "{v}");
+    let out = v["stdout"].as_str().unwrap();
+    assert!(out.contains("prefix=/opt/science-env\n"), "{v}");
+    assert!(out.contains("executable=/opt/science-env/bin/python"), "{out}");
+    assert!(out.contains("tinyutil=tinyutil 1.0\n"), "{out}");
+    assert!(out.contains("write=refused\n"), "the prefix is read-only: {out}");
+    assert!(out.contains("host-python=masked\n"), "host interpreters are masked: {out}");
+    assert!(out.contains("path=/opt/science-env/bin:/usr/bin\n"), "{out}");
+    assert_eq!(v["environmentRevisionId"], rev.as_str());
+    // The prefix is also at its own path (conda prefixes embed it).
+    let prefix = s.path(&format!("scientific-envs/revisions/starter-python/{rev}"));
+    let (_, v) = python(s, None, &format!("import os; print(os.path.isdir({:?}))", prefix.display().to_string())).await;
+    assert_eq!(v["stdout"], "True\n", "{v}");
+}
+
+#[tokio::test]
+async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapshot_per_change() {
+    if !sandbox_or_skip("task_environments_change_in_place") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let (status, env) = post(s, "/environments", json!({"name": "analysis", "language": "python"})).await;
+    assert_eq!(status, 201, "{env}");
+    let id = env["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("task-"), "{env}");
+    assert_eq!((env["kind"].as_str(), env["baseEnvironmentId"].as_str()), (Some("task"), Some("starter-python")));
+    let first = env["currentRevisionId"].as_str().unwrap().to_owned();
+    let runtime = env["runtimeRevisionId"].as_str().unwrap().to_owned();
+    assert_eq!(first, runtime);
+    let (status, again) = post(s, "/environments", json!({"name": "ANALYSIS", "language": "python"})).await;
+    assert_eq!(status, 400, "names are unique case-insensitively: {again}");
+
+    // Upgrade in place: a new revision, the same prefix.
+    let (status, rev) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil=2.0"]})).await;
+    assert_eq!(status, 201, "{rev}");
+    let second = rev["id"].as_str().unwrap().to_owned();
+    assert_ne!(second, first);
+    assert_eq!(rev["environmentId"], id.as_str());
+    assert!(rev["packages"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("tinyutil=2.0=")), "{rev}");
+    let (_, list) = get(s, "/environments").await;
+    let e = environment(&list, &id);
+    assert_eq!((e["currentRevisionId"].as_str(), e["runtimeRevisionId"].as_str()), (Some(second.as_str()), Some(runtime.as_str())));
+    let v = shell(s, Some(&id), "tinyutil; echo \"$PATH\"").await;
+    assert_eq!(v["stdout"], "tinyutil 2.0\n/opt/science-env/bin:/usr/bin:/bin\n", "{v}");
+    assert_eq!(v["environmentRevisionId"], second.as_str());
+
+    // The snapshot: raw bytes whose hash and size the revision records.
+    let reply = s.client().get(&format!("/environment-revisions/{second}/snapshot")).await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("content-type"), Some("application/json; charset=utf-8"));
+    let hash = format!("{:x}", sha2::Sha256::digest(&reply.body));
+    assert_eq!(rev["snapshot"]["hash"], hash.as_str());
+    assert_eq!(rev["snapshot"]["size"], reply.body.len());
+    assert_eq!(rev["packageSpecHash"], hash.as_str());
+    let snap: Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(snap["format"], "sciencediscovery-environment-revision-v2");
+    assert_eq!(snap["requestedChanges"], json!(["conda:tinyutil=2.0"]));
+    assert_eq!(snap["reconstruction"]["status"], "reference-only");
+    assert!(reply.body.ends_with(b"}\n") && reply.body.starts_with(b"{\n  \""), "2-space pretty with a newline");
+
+    // Only the current revision runs.
+    let (status, v) = python(s, Some(&first), "print(1)").await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("audit-only"), "{v}");
+    let (status, v) = python(s, Some("rev-00000000-0000-4000-8000-000000000000"), "print(1)").await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"], "Unknown environment revision; select a current environment");
+
+    // A failed install keeps the revision, fails the environment, and a later one repairs it.
+    let (status, v) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["no-such-package"]})).await;
+    assert_eq!(status, 400, "{v}");
+    let (_, list) = get(s, "/environments").await;
+    let e = environment(&list, &id);
+    assert_eq!(e["status"], "failed");
+    assert_eq!(e["currentRevisionId"], second.as_str());
+    assert!(e["error"].as_str().unwrap().starts_with("In-place update failed"), "{e}");
+    let ws = s.project_workspace("envs");
+    let mut body = shell_request("main", "envs", &ws, "true");
+    body["environmentId"] = id.clone().into();
+    let reply = s.client().post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!(reply.status, 400);
+    assert!(reply.json()["error"].as_str().unwrap().contains("is failed"), "{}", reply.json());
+    let (status, rev3) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinylib"]})).await;
+    assert_eq!(status, 201, "{rev3}");
+    let (_, list) = get(s, "/environments").await;
+    assert_eq!(environment(&list, &id)["status"], "ready");
+
+    // Uninstall.
+    let (status, rev4) = post(s, &format!("/environments/{id}/uninstall"), json!({"packages": ["tinylib"]})).await;
+    assert_eq!(status, 201, "{rev4}");
+    assert!(!rev4["packages"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("tinylib=")));
+
+    // Tampered snapshot bytes are refused.
+    let file = s.path(&format!("scientific-envs/snapshots/{second}.json"));
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[5] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let (status, v) = get(s, &format!("/environment-revisions/{second}/snapshot")).await;
+    assert_eq!(status, 400);
+    assert_eq!(v["error"], format!("Environment revision snapshot is corrupt: {second}"));
+
+    // Starters are read-only and undeletable; delete keeps revisions and snapshots.
+    let (status, _) = post(s, "/environments/starter-python/install", json!({"packages": ["tinylib"]})).await;
+    assert_eq!(status, 400);
+    let reply = s.client().send_bytes("DELETE", "/environments/starter-python", &[], Vec::new()).await.unwrap();
+    assert_eq!(reply.status, 400);
+    let reply = s.client().send_bytes("DELETE", &format!("/environments/{id}"), &[], Vec::new()).await.unwrap();
+    assert_eq!((reply.status, reply.json()), (200, json!({"deleted": id})));
+    let (_, revisions) = get(s, "/environment-revisions").await;
+    let kept = revisions.as_array().unwrap().iter().filter(|r| r["environmentId"] == id.as_str()).count();
+    assert_eq!(kept, 4, "{revisions}");
+    assert!(!s.path(&format!("scientific-envs/revisions/{id}")).exists());
+    let rev4_id = rev4["id"].as_str().unwrap();
+    assert_eq!(get(s, &format!("/environment-revisions/{rev4_id}/snapshot")).await.0, 200);
+}
+
+#[tokio::test]
+async fn concurrent_installs_into_one_environment_both_land() {
+    if !sandbox_or_skip("concurrent_installs_into_one_environment_both_land") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let (_, env) = post(s, "/environments", json!({"name": "both", "language": "python"})).await;
+    let id = env["id"].as_str().unwrap().to_owned();
+    let path = format!("/environments/{id}/install");
+    let (a, b) = tokio::join!(
+        post(s, &path, json!({"packages": ["tinyutil=2.0"]})),
+        post(s, &path, json!({"packages": ["tinylib"]}))
+    );
+    assert_eq!((a.0, b.0), (201, 201), "{a:?} {b:?}");
+    let v = shell(s, Some(&id), "tinyutil; ls /opt/science-env/share").await;
+    assert!(v["stdout"].as_str().unwrap().starts_with("tinyutil 2.0\n"), "{v}");
+    assert!(v["stdout"].as_str().unwrap().contains("tinylib"), "{v}");
+}
+
+#[tokio::test]
+async fn the_catalog_survives_a_restart_and_an_interrupted_update_becomes_failed() {
+    if !sandbox_or_skip("the_catalog_survives_a_restart") {
+        return;
+    }
+    let mut envs = ready(&[]).await;
+    let (_, env) = post(&envs.server, "/environments", json!({"name": "kept", "language": "python"})).await;
+    let id = env["id"].as_str().unwrap().to_owned();
+    envs.server.stop();
+    // As a crash in the middle of an update leaves it.
+    let catalog_path = envs.server.path("scientific-envs/catalog.json");
+    let mut catalog: Value = serde_json::from_slice(&std::fs::read(&catalog_path).unwrap()).unwrap();
+    for e in catalog["environments"].as_array_mut().unwrap() {
+        if e["id"] == id.as_str() {
+            e["status"] = "updating".into();
+        }
+    }
+    std::fs::write(&catalog_path, serde_json::to_vec_pretty(&catalog).unwrap()).unwrap();
+    let data_dir = envs.server.data_dir.clone();
+    let restarted = Server::start_with(ServerOptions {
+        env: vec![
+            ("SCIENCE_AGENT_DATA_DIR".into(), data_dir.display().to_string()),
+            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
+            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
+        ],
+        ..Default::default()
+    });
+    assert_eq!(setup_outcome(&restarted).await["state"], "ready");
+    let (_, list) = get(&restarted, "/environments").await;
+    let e = environment(&list, &id);
+    assert_eq!(e["status"], "failed");
+    assert_eq!(e["error"], "Environment update was interrupted; repair through environment management before execution.");
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&catalog_path).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[tokio::test]
+async fn the_provisioning_sandbox_sees_only_its_prefix_and_never_the_token() {
+    if !sandbox_or_skip("the_provisioning_sandbox_sees_only_its_prefix") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    // An R environment from the stub r-base: its `bin/R` is a script of the test channel that
+    // writes what it can see into its prefix when the CRAN step runs it.
+    let (status, env) = post(s, "/environments", json!({"name": "r-probe", "language": "r"})).await;
+    assert_eq!(status, 201, "{env}\n{}", s.stderr());
+    let id = env["id"].as_str().unwrap().to_owned();
+    let (status, v) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["survival"], "manager": "cran"})).await;
+    assert_eq!(status, 201, "{v}\n{}", s.stderr());
+    let probe = s.path(&format!("scientific-envs/revisions/{id}/{}/probe.txt", env["runtimeRevisionId"].as_str().unwrap()));
+    let seen = std::fs::read_to_string(&probe).unwrap();
+    for line in ["catalog=missing", "projects=missing", "starter=missing", "runner-variables=unset", "writable-usr=no"] {
+        assert!(seen.contains(&line), "{line:?} not in:\n{seen}");
+    }
+    assert!(seen.contains("args: --vanilla --slave -e install.packages"), "{seen}");
+}
+
+#[tokio::test]
+async fn setup_and_routes_refuse_clearly() {
+    if !sandbox_or_skip("setup_and_routes_refuse_clearly") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let cases: &[(&str, Value, &str)] = &[
+        ("/environment-setup", json!({}), "Scientific environment setup requires explicit confirmation"),
+        ("/environment-setup", json!({"confirmed": "yes"}), "Scientific environment setup requires explicit confirmation"),
+        ("/environments", json!({"name": "", "language": "python"}), "Environment name"),
+        ("/environments", json!({"name": "-bad", "language": "python"}), "Environment name"),
+        ("/environments", json!({"name": "x", "language": "julia"}), "Unsupported environment language: julia"),
+        ("/environments/starter-python/install", json!({"packages": ["x"]}), "read-only"),
+        ("/environments/task-0000/install", json!({"packages": ["x"]}), "Environment not found: task-0000"),
+    ];
+    for (path, body, want) in cases {
+        let (status, v) = post(s, path, body.clone()).await;
+        assert_eq!(status, 400, "{path} {body}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(want), "{path} {body}: {v}");
+    }
+    let (_, env) = post(s, "/environments", json!({"name": "refusals", "language": "python"})).await;
+    let id = env["id"].as_str().unwrap().to_owned();
+    let install = format!("/environments/{id}/install");
+    let cases: &[(Value, &str)] = &[
+        (json!({"packages": []}), "packages"),
+        (json!({"packages": ["--extra-index-url=https://x"], "manager": "pip"}), ""),
+        (json!({"packages": ["a b"]}), ""),
+        (json!({"packages": ["x"], "channels": ["https://attacker.example/conda"]}), "Package channels are not allowed"),
+        (json!({"packages": ["x"], "manager": "pip", "indexUrl": "http://pypi.example/simple"}), "HTTPS"),
+        (json!({"packages": ["x"], "manager": "npm"}), "Unsupported package manager: npm"),
+        (json!({"packages": ["../escape.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}), ""),
+        (json!({"packages": ["/etc/passwd.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}), ""),
+        (json!({"packages": ["x.whl"], "manager": "pip", "runnerWorkspaceKey": "../escape"}), ""),
+        (json!({"packages": ["https://example.org/x-1.0-py3-none-any.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}), ""),
+        (json!({"packages": ["survival"], "manager": "cran"}), "not an R environment"),
+    ];
+    for (body, want) in cases {
+        let (status, v) = post(s, &install, body.clone()).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(want), "{body}: {v}");
+    }
+    // None of them touched the environment.
+    let (_, list) = get(s, "/environments").await;
+    assert_eq!(environment(&list, &id)["status"], "ready");
+    assert_eq!(environment(&list, &id)["currentRevisionId"], env["currentRevisionId"]);
+}
+
+#[tokio::test]
+async fn disabled_by_configuration_answers_as_the_original() {
+    let s = Server::start_with(ServerOptions { env: vec![("SCIENTIFIC_ENVS".into(), "0".into())], ..Default::default() });
+    let (_, health) = get(&s, "/health").await;
+    assert_eq!(
+        health["scientificEnvs"],
+        json!({"available": false, "enabled": false, "languages": [], "provisioner": null, "startersReady": false,
+               "unavailableReason": "Scientific environments are disabled by configuration"})
+    );
+    let (status, v) = get(&s, "/environments").await;
+    assert_eq!((status, v["error"].as_str()), (400, Some("Scientific environments are disabled by configuration")));
+    assert!(!s.path("scientific-envs").exists(), "nothing is created when disabled");
+}
+
+#[tokio::test]
+async fn a_setup_that_cannot_reach_its_channel_fails_with_an_action() {
+    if !sandbox_or_skip("a_setup_that_cannot_reach_its_channel_fails_with_an_action") {
+        return;
+    }
+    let envs = start(&[("SCIENCE_AGENT_SCIENTIFIC_CHANNELS", "file:///nonexistent-channel")]);
+    let setup = setup_outcome(&envs.server).await;
+    assert_eq!(setup["state"], "failed", "{setup}");
+    assert_eq!(setup["components"]["micromamba"]["state"], "ready");
+    assert_eq!(setup["components"]["conda"]["state"], "failed");
+    assert!(setup["components"]["conda"]["action"].as_str().unwrap().contains("Conda channels"), "{setup}");
+    let (_, health) = get(&envs.server, "/health").await;
+    assert_eq!(health["scientificEnvs"]["available"], false);
+    // Python still runs on the host interpreter, as without the capability.
+    let (status, v) = python(&envs.server, None, "import sys; print(sys.prefix)").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["environmentRevisionId"], "system-python3-bwrap-v1");
+    // POST /environment-setup retries (202).
+    let (status, v) = post(&envs.server, "/environment-setup", json!({"confirmed": true})).await;
+    assert_eq!(status, 202, "{v}");
+}
