@@ -7,7 +7,7 @@
 //! refuses any other version and validates every id, since ids become paths.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -44,6 +44,8 @@ pub(crate) enum CatalogError {
     TooLarge,
     #[error("Could not {0} the environment catalog")]
     Io(&'static str, #[source] std::io::Error),
+    #[error("Could not open {0} of the scientific-environment store")]
+    Store(String, #[source] std::io::Error),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -66,6 +68,14 @@ impl Language {
         match self {
             Language::Python => "python",
             Language::R => "r",
+        }
+    }
+
+    /// The original's starter specs (`SCIENCE_AGENT_STARTER_*_SPECS` unset).
+    pub(crate) fn default_starter_specs(self) -> &'static [&'static str] {
+        match self {
+            Language::Python => &["python=3.12", "numpy=2.0", "pandas=2.2", "scipy=1.14", "matplotlib=3.9"],
+            Language::R => &["r-base=4.4", "r-tidyverse=2.0", "r-data.table=1.16"],
         }
     }
 
@@ -224,6 +234,48 @@ pub(crate) fn node_platform() -> String {
         other => other,
     };
     format!("{}-{arch}", std::env::consts::OS)
+}
+
+/// `<data>/scientific-envs` (created, as is its `revisions/`): its canonical path (conda
+/// prefixes embed theirs, so prefixes are made and mounted at canonical paths) and an
+/// `O_PATH` descriptor of it, every component below the data directory opened without
+/// following a symlink. Both directories are 0755: bwrap resolves a bind's source as the
+/// sandbox user, who must reach the prefixes (the files that are private, the catalog and
+/// the snapshots, are 0600 and 0700).
+pub(crate) fn open_store(data_dir: &Path) -> Result<(PathBuf, OwnedFd), CatalogError> {
+    let store_err = |what: &str| {
+        let what = what.to_owned();
+        move |e| CatalogError::Store(what, e)
+    };
+    let real = std::fs::canonicalize(data_dir).map_err(store_err("the data directory"))?;
+    let data =
+        fsat::open_path(&real, libc::O_PATH | libc::O_DIRECTORY).map_err(store_err("the data directory"))?;
+    let store = disk::ensure_dir(&data, common::layout::SCIENTIFIC_ENVS, 0o755)
+        .map_err(store_err(common::layout::SCIENTIFIC_ENVS))?;
+    disk::ensure_dir(&store, common::layout::ENV_REVISIONS, 0o755)
+        .map_err(store_err(common::layout::ENV_REVISIONS))?;
+    Ok((real.join(common::layout::SCIENTIFIC_ENVS), store))
+}
+
+/// `revisions/<envId>/` below the store, created (0755); the provisioner creates the
+/// revision's prefix inside it.
+pub(crate) fn ensure_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<OwnedFd, CatalogError> {
+    ids::check_env_id(env_id)?;
+    let open = |e| CatalogError::Store(format!("{}/{env_id}", common::layout::ENV_REVISIONS), e);
+    let revisions =
+        fsat::open_dir_at(store, &disk::cstr(common::layout::ENV_REVISIONS).map_err(open)?).map_err(open)?;
+    disk::ensure_dir(&revisions, env_id, 0o755).map_err(open)
+}
+
+/// Removes `revisions/<envId>/` and everything in it (a deleted task environment; its
+/// revision records and snapshots stay). Absent is fine.
+pub(crate) fn remove_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<(), CatalogError> {
+    ids::check_env_id(env_id)?;
+    let err = |e| CatalogError::Store(format!("{}/{env_id}", common::layout::ENV_REVISIONS), e);
+    let Some(revisions) = disk::open_dir(store, common::layout::ENV_REVISIONS).map_err(err)? else {
+        return Ok(());
+    };
+    fsat::remove_tree_at(&revisions, &disk::cstr(env_id).map_err(err)?).map_err(err)
 }
 
 impl Catalog {
@@ -549,6 +601,15 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn starters() {
+        for language in [Language::Python, Language::R] {
+            ids::check_specs(language.default_starter_specs()).unwrap();
+            ids::check_env_id(language.starter_id()).unwrap();
+        }
+        assert_eq!(Language::R.starter_id(), "starter-r");
+    }
+
+    #[test]
     fn update_transitions_and_recovery() {
         let mut c = Catalog::default();
         c.environments.push(environment("task-ab", "rev-01"));
@@ -596,6 +657,38 @@ pub(crate) mod tests {
         );
         assert_eq!(c.environment("task-ab").unwrap().status, Status::Ready);
         assert!(!c.recover_interrupted("t8"));
+    }
+
+    #[test]
+    fn the_store_and_its_environment_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (path, store) = open_store(tmp.path()).unwrap();
+        assert_eq!(path, tmp.path().canonicalize().unwrap().join("scientific-envs"));
+        let mode = |p: &str| {
+            let m = std::fs::symlink_metadata(tmp.path().join(p)).unwrap();
+            std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777
+        };
+        assert_eq!((mode("scientific-envs"), mode("scientific-envs/revisions")), (0o755, 0o755));
+        open_store(tmp.path()).unwrap();
+
+        ensure_env_dir(&store, "task-ab").unwrap();
+        std::fs::create_dir_all(tmp.path().join("scientific-envs/revisions/task-ab/rev-01/bin")).unwrap();
+        assert_eq!(mode("scientific-envs/revisions/task-ab"), 0o755);
+        assert!(matches!(ensure_env_dir(&store, "../x"), Err(CatalogError::Id(_))));
+        remove_env_dir(&store, "task-ab").unwrap();
+        remove_env_dir(&store, "task-ab").unwrap();
+        assert!(!tmp.path().join("scientific-envs/revisions/task-ab").exists());
+        assert!(matches!(remove_env_dir(&store, "task-../.."), Err(CatalogError::Id(_))));
+
+        // A store that is a symlink is refused, whatever it points at.
+        let other = tempfile::tempdir().unwrap();
+        std::fs::create_dir(other.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(other.path().join("elsewhere"), other.path().join("scientific-envs"))
+            .unwrap();
+        assert_eq!(
+            open_store(other.path()).unwrap_err().to_string(),
+            "Could not open scientific-envs of the scientific-environment store"
+        );
     }
 
     #[test]

@@ -174,7 +174,9 @@ pub(crate) fn persist(
 ) -> Result<LocalWheel, WheelError> {
     let request = parse_request(path)?;
     let source = open_source(workspace, &request, path)?;
-    let wheels = disk::ensure_dir(store, common::layout::ENV_WHEELS)
+    // Reachable by the sandbox user: the pip sandbox binds the stored wheels, and bwrap
+    // resolves a bind's source as that user.
+    let wheels = disk::ensure_dir(store, common::layout::ENV_WHEELS, 0o755)
         .map_err(|e| WheelError::Io("open the store of", e))?;
     let incoming = format!("{INCOMING_PREFIX}{}.whl", new_uuid_v4());
     let incoming_c = disk::cstr(&incoming).map_err(|e| WheelError::Io("name", e))?;
@@ -246,7 +248,7 @@ fn copy_in(
     let (mut src, before) = (&source.0, source.1);
     let io = |what| move |e| WheelError::Io(what, e);
     let fd = fsat::create_new_at(wheels, incoming, 0o644).map_err(io("create"))?;
-    fchmod(&fd, 0o644).map_err(io("create"))?;
+    disk::fchmod(&fd, 0o644).map_err(io("create"))?;
     let mut dst = File::from(fd);
     let (mut hasher, mut size, mut buf) = (Sha256::new(), 0u64, vec![0u8; 1 << 16]);
     loop {
@@ -282,8 +284,7 @@ fn publish(
     filename: &str,
 ) -> Result<(), WheelError> {
     let io = |what| move |e| WheelError::Io(what, e);
-    let dir = disk::ensure_dir(wheels, &content.hash).map_err(io("store"))?;
-    fchmod(&dir, 0o755).map_err(io("store"))?;
+    let dir = disk::ensure_dir(wheels, &content.hash, 0o755).map_err(io("store"))?;
     let name = disk::cstr(filename).map_err(io("name"))?;
     if stored_matches(&dir, &name, content).map_err(io("check"))? {
         return Ok(());
@@ -355,11 +356,6 @@ pub(crate) fn sweep_incoming(store: &impl AsRawFd) -> usize {
         Ok(Some(wheels)) => disk::sweep(&wheels, |name| name.starts_with(INCOMING_PREFIX)),
         _ => 0,
     }
-}
-
-fn fchmod(fd: &OwnedFd, mode: libc::mode_t) -> io::Result<()> {
-    // SAFETY: fchmod on a descriptor we own.
-    common::sys::cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
 #[cfg(test)]
