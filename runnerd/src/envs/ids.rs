@@ -200,8 +200,9 @@ pub(crate) fn parse_channel_list(text: &str) -> Result<Vec<String>, IdError> {
 }
 
 /// The channels of a conda install: the request's, or the configured ones when it names
-/// none. A requested channel must be one of the configured ones or a preset mirror
-/// (compared without trailing `/`); otherwise every refused one is listed.
+/// none. A requested channel must be one of the configured ones or a preset mirror,
+/// compared by URL (`conda-forge` is `https://conda.anaconda.org/conda-forge`, a trailing
+/// `/` is no difference); otherwise every refused one is listed.
 pub(crate) fn allowed_channels<S: AsRef<str>>(
     requested: &[S],
     configured: &[S],
@@ -209,11 +210,11 @@ pub(crate) fn allowed_channels<S: AsRef<str>>(
     if requested.is_empty() {
         return Ok(configured.iter().map(|c| c.as_ref().to_owned()).collect());
     }
-    let trim = |c: &str| c.trim_end_matches('/').to_owned();
+    let key = |c: &str| channel_url(c).unwrap_or_else(|_| c.to_owned());
     let allowed: Vec<String> =
-        configured.iter().map(|c| trim(c.as_ref())).chain(PRESET_MIRRORS.iter().map(|c| trim(c))).collect();
+        configured.iter().map(|c| key(c.as_ref())).chain(PRESET_MIRRORS.iter().map(|c| key(c))).collect();
     let refused: Vec<&str> =
-        requested.iter().map(AsRef::as_ref).filter(|c| !allowed.contains(&trim(c))).collect();
+        requested.iter().map(AsRef::as_ref).filter(|c| !allowed.contains(&key(c))).collect();
     match refused.is_empty() {
         true => Ok(requested.iter().map(|c| c.as_ref().to_owned()).collect()),
         false => Err(IdError::ChannelsNotAllowed(refused.join(", "))),
@@ -401,6 +402,9 @@ mod tests {
             allowed_channels(&["bioconda", "conda-forge", "file:///x"], &configured).unwrap_err().to_string(),
             "Package channels are not allowed: bioconda, file:///x"
         );
+        let by_url = ["https://conda.anaconda.org/bioconda/"];
+        assert_eq!(allowed_channels(&["bioconda"], &by_url).unwrap(), ["bioconda"]);
+        assert!(allowed_channels(&["../bioconda"], &by_url).is_err());
         let local = ["file:///srv/channel", "http://127.0.0.1:8080/ch"];
         assert_eq!(
             allowed_channels(&["http://127.0.0.1:8080/ch/"], &local).unwrap(),
