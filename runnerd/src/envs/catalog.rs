@@ -38,6 +38,8 @@ pub(crate) enum CatalogError {
     Version(serde_json::Value),
     #[error("Environment catalog is not valid")]
     Invalid(#[source] serde_json::Error),
+    #[error("Environment catalog lists {0} twice")]
+    Duplicate(String),
     #[error("Environment catalog is not a regular file")]
     NotRegular,
     #[error("Environment catalog is larger than {MAX_CATALOG_BYTES} bytes")]
@@ -303,7 +305,22 @@ impl Catalog {
         }
         let catalog: Catalog = serde_json::from_value(value).map_err(CatalogError::Invalid)?;
         catalog.check_ids()?;
+        catalog.check_unique()?;
         Ok(catalog)
+    }
+
+    /// Every id, and every name ignoring ASCII case, at most once: lookups take the first.
+    fn check_unique(&self) -> Result<(), CatalogError> {
+        let mut seen = std::collections::HashSet::new();
+        let envs = self
+            .environments
+            .iter()
+            .flat_map(|e| [e.id.clone(), format!("name:{}", e.name.to_ascii_lowercase())]);
+        let revs = self.revisions.iter().map(|r| r.id.clone());
+        match envs.chain(revs).find(|key| !seen.insert(key.clone())) {
+            Some(key) => Err(CatalogError::Duplicate(key.strip_prefix("name:").unwrap_or(&key).to_owned())),
+            None => Ok(()),
+        }
     }
 
     fn check_ids(&self) -> Result<(), IdError> {
@@ -571,6 +588,22 @@ pub(crate) mod tests {
             (edit(&|v| v["revisions"][0]["id"] = "rev-X".into()), unsafe_id),
             (edit(&|v| v["revisions"][0]["environmentId"] = "starter-julia".into()), unsafe_id),
             (edit(&|v| v["environments"][0]["status"] = "broken".into()), "Environment catalog is not valid"),
+            (
+                edit(&|v| {
+                    let twin = v["revisions"][0].clone();
+                    v["revisions"].as_array_mut().unwrap().push(twin);
+                }),
+                "Environment catalog lists rev-01 twice",
+            ),
+            (
+                edit(&|v| {
+                    let mut twin = v["environments"][0].clone();
+                    twin["id"] = "task-cd".into();
+                    twin["name"] = "TASK-AB".into();
+                    v["environments"].as_array_mut().unwrap().push(twin);
+                }),
+                "Environment catalog lists task-ab twice",
+            ),
         ];
         for (bytes, want) in cases {
             std::fs::write(&path, &bytes).unwrap();
