@@ -7,7 +7,7 @@
 //! refuses any other version and validates every id, since ids become paths.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -38,12 +38,16 @@ pub(crate) enum CatalogError {
     Version(serde_json::Value),
     #[error("Environment catalog is not valid")]
     Invalid(#[source] serde_json::Error),
+    #[error("Environment catalog lists {0} twice")]
+    Duplicate(String),
     #[error("Environment catalog is not a regular file")]
     NotRegular,
     #[error("Environment catalog is larger than {MAX_CATALOG_BYTES} bytes")]
     TooLarge,
     #[error("Could not {0} the environment catalog")]
     Io(&'static str, #[source] std::io::Error),
+    #[error("Could not open {0} of the scientific-environment store")]
+    Store(String, #[source] std::io::Error),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -66,6 +70,14 @@ impl Language {
         match self {
             Language::Python => "python",
             Language::R => "r",
+        }
+    }
+
+    /// The original's starter specs (`SCIENCE_AGENT_STARTER_*_SPECS` unset).
+    pub(crate) fn default_starter_specs(self) -> &'static [&'static str] {
+        match self {
+            Language::Python => &["python=3.12", "numpy=2.0", "pandas=2.2", "scipy=1.14", "matplotlib=3.9"],
+            Language::R => &["r-base=4.4", "r-tidyverse=2.0", "r-data.table=1.16"],
         }
     }
 
@@ -226,6 +238,48 @@ pub(crate) fn node_platform() -> String {
     format!("{}-{arch}", std::env::consts::OS)
 }
 
+/// `<data>/scientific-envs` (created, as is its `revisions/`): its canonical path (conda
+/// prefixes embed theirs, so prefixes are made and mounted at canonical paths) and an
+/// `O_PATH` descriptor of it, every component below the data directory opened without
+/// following a symlink. Both directories are 0755: bwrap resolves a bind's source as the
+/// sandbox user, who must reach the prefixes (the files that are private, the catalog and
+/// the snapshots, are 0600 and 0700).
+pub(crate) fn open_store(data_dir: &Path) -> Result<(PathBuf, OwnedFd), CatalogError> {
+    let store_err = |what: &str| {
+        let what = what.to_owned();
+        move |e| CatalogError::Store(what, e)
+    };
+    let real = std::fs::canonicalize(data_dir).map_err(store_err("the data directory"))?;
+    let data =
+        fsat::open_path(&real, libc::O_PATH | libc::O_DIRECTORY).map_err(store_err("the data directory"))?;
+    let store = disk::ensure_dir(&data, common::layout::SCIENTIFIC_ENVS, 0o755)
+        .map_err(store_err(common::layout::SCIENTIFIC_ENVS))?;
+    disk::ensure_dir(&store, common::layout::ENV_REVISIONS, 0o755)
+        .map_err(store_err(common::layout::ENV_REVISIONS))?;
+    Ok((real.join(common::layout::SCIENTIFIC_ENVS), store))
+}
+
+/// `revisions/<envId>/` below the store, created (0755); the provisioner creates the
+/// revision's prefix inside it.
+pub(crate) fn ensure_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<OwnedFd, CatalogError> {
+    ids::check_env_id(env_id)?;
+    let open = |e| CatalogError::Store(format!("{}/{env_id}", common::layout::ENV_REVISIONS), e);
+    let revisions =
+        fsat::open_dir_at(store, &disk::cstr(common::layout::ENV_REVISIONS).map_err(open)?).map_err(open)?;
+    disk::ensure_dir(&revisions, env_id, 0o755).map_err(open)
+}
+
+/// Removes `revisions/<envId>/` and everything in it (a deleted task environment; its
+/// revision records and snapshots stay). Absent is fine.
+pub(crate) fn remove_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<(), CatalogError> {
+    ids::check_env_id(env_id)?;
+    let err = |e| CatalogError::Store(format!("{}/{env_id}", common::layout::ENV_REVISIONS), e);
+    let Some(revisions) = disk::open_dir(store, common::layout::ENV_REVISIONS).map_err(err)? else {
+        return Ok(());
+    };
+    fsat::remove_tree_at(&revisions, &disk::cstr(env_id).map_err(err)?).map_err(err)
+}
+
 impl Catalog {
     /// Reads `catalog.json` below `dir` (the store's directory). An absent file is an empty
     /// catalog; another version, or any unsafe id, is refused.
@@ -251,7 +305,22 @@ impl Catalog {
         }
         let catalog: Catalog = serde_json::from_value(value).map_err(CatalogError::Invalid)?;
         catalog.check_ids()?;
+        catalog.check_unique()?;
         Ok(catalog)
+    }
+
+    /// Every id, and every name ignoring ASCII case, at most once: lookups take the first.
+    fn check_unique(&self) -> Result<(), CatalogError> {
+        let mut seen = std::collections::HashSet::new();
+        let envs = self
+            .environments
+            .iter()
+            .flat_map(|e| [e.id.clone(), format!("name:{}", e.name.to_ascii_lowercase())]);
+        let revs = self.revisions.iter().map(|r| r.id.clone());
+        match envs.chain(revs).find(|key| !seen.insert(key.clone())) {
+            Some(key) => Err(CatalogError::Duplicate(key.strip_prefix("name:").unwrap_or(&key).to_owned())),
+            None => Ok(()),
+        }
     }
 
     fn check_ids(&self) -> Result<(), IdError> {
@@ -519,6 +588,22 @@ pub(crate) mod tests {
             (edit(&|v| v["revisions"][0]["id"] = "rev-X".into()), unsafe_id),
             (edit(&|v| v["revisions"][0]["environmentId"] = "starter-julia".into()), unsafe_id),
             (edit(&|v| v["environments"][0]["status"] = "broken".into()), "Environment catalog is not valid"),
+            (
+                edit(&|v| {
+                    let twin = v["revisions"][0].clone();
+                    v["revisions"].as_array_mut().unwrap().push(twin);
+                }),
+                "Environment catalog lists rev-01 twice",
+            ),
+            (
+                edit(&|v| {
+                    let mut twin = v["environments"][0].clone();
+                    twin["id"] = "task-cd".into();
+                    twin["name"] = "TASK-AB".into();
+                    v["environments"].as_array_mut().unwrap().push(twin);
+                }),
+                "Environment catalog lists task-ab twice",
+            ),
         ];
         for (bytes, want) in cases {
             std::fs::write(&path, &bytes).unwrap();
@@ -546,6 +631,15 @@ pub(crate) mod tests {
         assert_eq!(env.runtime_revision(), "rev-02");
         assert_eq!(env.prefix_rel().unwrap(), PathBuf::from("revisions/starter-r/rev-02"));
         assert_eq!(c.environments.iter().map(|e| e.language.as_str()).collect::<Vec<_>>(), ["r"]);
+    }
+
+    #[test]
+    fn starters() {
+        for language in [Language::Python, Language::R] {
+            ids::check_specs(language.default_starter_specs()).unwrap();
+            ids::check_env_id(language.starter_id()).unwrap();
+        }
+        assert_eq!(Language::R.starter_id(), "starter-r");
     }
 
     #[test]
@@ -596,6 +690,38 @@ pub(crate) mod tests {
         );
         assert_eq!(c.environment("task-ab").unwrap().status, Status::Ready);
         assert!(!c.recover_interrupted("t8"));
+    }
+
+    #[test]
+    fn the_store_and_its_environment_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (path, store) = open_store(tmp.path()).unwrap();
+        assert_eq!(path, tmp.path().canonicalize().unwrap().join("scientific-envs"));
+        let mode = |p: &str| {
+            let m = std::fs::symlink_metadata(tmp.path().join(p)).unwrap();
+            std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777
+        };
+        assert_eq!((mode("scientific-envs"), mode("scientific-envs/revisions")), (0o755, 0o755));
+        open_store(tmp.path()).unwrap();
+
+        ensure_env_dir(&store, "task-ab").unwrap();
+        std::fs::create_dir_all(tmp.path().join("scientific-envs/revisions/task-ab/rev-01/bin")).unwrap();
+        assert_eq!(mode("scientific-envs/revisions/task-ab"), 0o755);
+        assert!(matches!(ensure_env_dir(&store, "../x"), Err(CatalogError::Id(_))));
+        remove_env_dir(&store, "task-ab").unwrap();
+        remove_env_dir(&store, "task-ab").unwrap();
+        assert!(!tmp.path().join("scientific-envs/revisions/task-ab").exists());
+        assert!(matches!(remove_env_dir(&store, "task-../.."), Err(CatalogError::Id(_))));
+
+        // A store that is a symlink is refused, whatever it points at.
+        let other = tempfile::tempdir().unwrap();
+        std::fs::create_dir(other.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(other.path().join("elsewhere"), other.path().join("scientific-envs"))
+            .unwrap();
+        assert_eq!(
+            open_store(other.path()).unwrap_err().to_string(),
+            "Could not open scientific-envs of the scientific-environment store"
+        );
     }
 
     #[test]

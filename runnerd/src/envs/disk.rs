@@ -15,16 +15,27 @@ pub(crate) fn cstr(name: &str) -> io::Result<CString> {
     CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
-/// The subdirectory `name` of `dir`, created (0700) if absent; never through a symlink
-/// (`ENOTDIR` or `ELOOP`), never anything but a directory (`ENOTDIR`).
-pub(crate) fn ensure_dir(dir: &impl AsRawFd, name: &str) -> io::Result<OwnedFd> {
+/// The subdirectory `name` of `dir`, created with exactly `mode` (whatever the umask) if
+/// absent; never through a symlink (`ENOTDIR` or `ELOOP`), never anything but a directory.
+pub(crate) fn ensure_dir(dir: &impl AsRawFd, name: &str, mode: libc::mode_t) -> io::Result<OwnedFd> {
     let c = cstr(name)?;
-    match fsat::mkdir_at(dir, &c, 0o700) {
-        Ok(()) => sync_dir(dir)?,
-        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+    let created = match fsat::mkdir_at(dir, &c, mode) {
+        Ok(()) => true,
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => false,
         Err(e) => return Err(e),
+    };
+    let fd = fsat::open_dir_at(dir, &c)?;
+    if created {
+        fchmod(&fd, mode)?;
+        sync_dir(dir)?;
     }
-    fsat::open_dir_at(dir, &c)
+    Ok(fd)
+}
+
+/// `fchmod`.
+pub(crate) fn fchmod(fd: &impl AsRawFd, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: fchmod on a descriptor we own.
+    common::sys::cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
 /// The subdirectory `name` of `dir` if it exists (`None` for `ENOENT`).
@@ -130,13 +141,19 @@ mod tests {
     fn directories_and_new_files() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = root(&tmp);
-        let sub = ensure_dir(&dir, "sub").unwrap();
-        ensure_dir(&dir, "sub").unwrap();
+        let sub = ensure_dir(&dir, "sub", 0o751).unwrap();
+        ensure_dir(&dir, "sub", 0o700).unwrap();
+        let mode = std::fs::metadata(tmp.path().join("sub")).unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+            0o751,
+            "set once, at creation"
+        );
         write_new(&sub, "x", b"1", 0o600).unwrap();
         assert_eq!(write_new(&sub, "x", b"2", 0o600).unwrap_err().raw_os_error(), Some(libc::EEXIST));
         assert_eq!(std::fs::read(tmp.path().join("sub/x")).unwrap(), b"1");
         std::os::unix::fs::symlink(tmp.path().join("sub"), tmp.path().join("link")).unwrap();
-        let refused = ensure_dir(&dir, "link").unwrap_err().raw_os_error();
+        let refused = ensure_dir(&dir, "link", 0o700).unwrap_err().raw_os_error();
         assert!(matches!(refused, Some(libc::ELOOP | libc::ENOTDIR)), "{refused:?}");
         assert!(open_dir(&dir, "absent").unwrap().is_none());
         sync_dir(&dir).unwrap();

@@ -36,6 +36,40 @@ pub(crate) enum IdError {
     InvalidChannel(String),
     #[error("Package index URL must use HTTPS")]
     IndexNotHttps,
+    #[error("Package manager must be conda, pip, cran or bioconductor: {0}")]
+    UnknownManager(String),
+}
+
+/// Who installs an install request's packages (`manager`, default `conda`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Manager {
+    Conda,
+    Pip,
+    Cran,
+    Bioconductor,
+}
+
+impl Manager {
+    pub(crate) fn parse(text: &str) -> Result<Manager, IdError> {
+        match text {
+            "conda" => Ok(Manager::Conda),
+            "pip" => Ok(Manager::Pip),
+            "cran" => Ok(Manager::Cran),
+            "bioconductor" => Ok(Manager::Bioconductor),
+            other => Err(IdError::UnknownManager(other.to_owned())),
+        }
+    }
+
+    /// As the request and `requestedChanges` spell it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Manager::Conda => "conda",
+            Manager::Pip => "pip",
+            Manager::Cran => "cran",
+            Manager::Bioconductor => "bioconductor",
+        }
+    }
 }
 
 /// The two starter environments (kind `starter`, read-only, undeletable).
@@ -144,9 +178,31 @@ pub(crate) fn check_specs<S: AsRef<str>>(specs: &[S]) -> Result<(), IdError> {
     specs.iter().try_for_each(|s| check_spec(s.as_ref()))
 }
 
+/// A comma-separated spec list (`SCIENCE_AGENT_STARTER_PYTHON_SPECS`, `…_R_SPECS`):
+/// entries trimmed, empty ones dropped, each checked; at least one.
+pub(crate) fn parse_spec_list(text: &str) -> Result<Vec<String>, IdError> {
+    let specs: Vec<String> =
+        text.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect();
+    check_specs(&specs)?;
+    Ok(specs)
+}
+
+/// The comma-separated `SCIENCE_AGENT_SCIENTIFIC_CHANNELS`: entries trimmed, empty ones
+/// dropped, each a channel name or URL; none at all is [`DEFAULT_CHANNEL`].
+pub(crate) fn parse_channel_list(text: &str) -> Result<Vec<String>, IdError> {
+    let channels: Vec<String> =
+        text.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect();
+    channels.iter().try_for_each(|c| channel_url(c).map(drop))?;
+    match channels.is_empty() {
+        true => Ok(vec![DEFAULT_CHANNEL.to_owned()]),
+        false => Ok(channels),
+    }
+}
+
 /// The channels of a conda install: the request's, or the configured ones when it names
-/// none. A requested channel must be one of the configured ones or a preset mirror
-/// (compared without trailing `/`); otherwise every refused one is listed.
+/// none. A requested channel must be one of the configured ones or a preset mirror,
+/// compared by URL (`conda-forge` is `https://conda.anaconda.org/conda-forge`, a trailing
+/// `/` is no difference); otherwise every refused one is listed.
 pub(crate) fn allowed_channels<S: AsRef<str>>(
     requested: &[S],
     configured: &[S],
@@ -154,11 +210,11 @@ pub(crate) fn allowed_channels<S: AsRef<str>>(
     if requested.is_empty() {
         return Ok(configured.iter().map(|c| c.as_ref().to_owned()).collect());
     }
-    let trim = |c: &str| c.trim_end_matches('/').to_owned();
+    let key = |c: &str| channel_url(c).unwrap_or_else(|_| c.to_owned());
     let allowed: Vec<String> =
-        configured.iter().map(|c| trim(c.as_ref())).chain(PRESET_MIRRORS.iter().map(|c| trim(c))).collect();
+        configured.iter().map(|c| key(c.as_ref())).chain(PRESET_MIRRORS.iter().map(|c| key(c))).collect();
     let refused: Vec<&str> =
-        requested.iter().map(AsRef::as_ref).filter(|c| !allowed.contains(&trim(c))).collect();
+        requested.iter().map(AsRef::as_ref).filter(|c| !allowed.contains(&key(c))).collect();
     match refused.is_empty() {
         true => Ok(requested.iter().map(|c| c.as_ref().to_owned()).collect()),
         false => Err(IdError::ChannelsNotAllowed(refused.join(", "))),
@@ -346,6 +402,9 @@ mod tests {
             allowed_channels(&["bioconda", "conda-forge", "file:///x"], &configured).unwrap_err().to_string(),
             "Package channels are not allowed: bioconda, file:///x"
         );
+        let by_url = ["https://conda.anaconda.org/bioconda/"];
+        assert_eq!(allowed_channels(&["bioconda"], &by_url).unwrap(), ["bioconda"]);
+        assert!(allowed_channels(&["../bioconda"], &by_url).is_err());
         let local = ["file:///srv/channel", "http://127.0.0.1:8080/ch"];
         assert_eq!(
             allowed_channels(&["http://127.0.0.1:8080/ch/"], &local).unwrap(),
@@ -371,6 +430,32 @@ mod tests {
         for (channel, want) in cases {
             assert_eq!(channel_url(channel).ok().as_deref(), *want, "{channel:?}");
         }
+    }
+
+    #[test]
+    fn managers() {
+        for m in [Manager::Conda, Manager::Pip, Manager::Cran, Manager::Bioconductor] {
+            assert_eq!(Manager::parse(m.as_str()), Ok(m));
+            assert_eq!(serde_json::to_value(m).unwrap(), m.as_str());
+        }
+        assert_eq!(
+            Manager::parse("apt").unwrap_err().to_string(),
+            "Package manager must be conda, pip, cran or bioconductor: apt"
+        );
+        assert!(Manager::parse("Conda").is_err());
+    }
+
+    #[test]
+    fn configured_lists() {
+        assert_eq!(parse_spec_list(" python=3.12 , numpy=2.0,,").unwrap(), ["python=3.12", "numpy=2.0"]);
+        assert_eq!(parse_spec_list(" , "), Err(IdError::NoPackages));
+        assert_eq!(parse_spec_list("numpy,--pre"), Err(IdError::InvalidSpec("--pre".into())));
+        assert_eq!(parse_channel_list("").unwrap(), ["conda-forge"]);
+        assert_eq!(
+            parse_channel_list("file:///srv/ch, http://127.0.0.1:8000/ch").unwrap(),
+            ["file:///srv/ch", "http://127.0.0.1:8000/ch"]
+        );
+        assert!(matches!(parse_channel_list("conda-forge,ftp://x"), Err(IdError::InvalidChannel(_))));
     }
 
     #[test]

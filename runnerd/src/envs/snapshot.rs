@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::catalog::{ContentRef, EnvironmentRevision, Language, LocalWheel, PROVISIONER, node_platform};
 use super::disk::{self, Found};
-use super::ids::{self, IdError};
+use super::ids::{self, IdError, Manager};
 
 pub(crate) const FORMAT: &str = "sciencediscovery-environment-revision-v2";
 pub(crate) const RECONSTRUCTION_STATUS: &str = "reference-only";
@@ -186,6 +186,17 @@ impl Snapshot {
     }
 }
 
+/// `requestedChanges` of an install: `<manager>:<package>` (`conda:scanpy=1.10`,
+/// `cran:survival`, `pip:wheels/pkg-1.0-py3-none-any.whl`).
+pub(crate) fn requested_install<S: AsRef<str>>(manager: Manager, packages: &[S]) -> Vec<String> {
+    packages.iter().map(|p| format!("{}:{}", manager.as_str(), p.as_ref())).collect()
+}
+
+/// `requestedChanges` of an uninstall: `conda:remove:<package>`.
+pub(crate) fn requested_removal<S: AsRef<str>>(packages: &[S]) -> Vec<String> {
+    packages.iter().map(|p| format!("conda:remove:{}", p.as_ref())).collect()
+}
+
 fn sort_unique<T: Ord>(v: &mut Vec<T>) {
     v.sort();
     v.dedup();
@@ -231,7 +242,7 @@ pub(crate) fn write_once(
     bytes: &[u8],
 ) -> Result<ContentRef, SnapshotError> {
     let name = file_name(revision_id)?;
-    let snapshots = disk::ensure_dir(dir, common::layout::ENV_SNAPSHOTS)
+    let snapshots = disk::ensure_dir(dir, common::layout::ENV_SNAPSHOTS, 0o700)
         .map_err(|e| SnapshotError::Io("open the directory of", e))?;
     match disk::write_new(&snapshots, &name, bytes, 0o600) {
         Ok(()) => {}
@@ -369,6 +380,27 @@ mod tests {
 "#
         );
         assert_eq!(text, want);
+    }
+
+    /// serde_json's pretty printer against Node's `JSON.stringify(v, null, 2) + "\n"` on
+    /// the characters where JSON writers differ (escapes, control characters, DEL,
+    /// non-ASCII, U+2028/9, empty containers, numbers). The expected bytes are Node's
+    /// output, pasted.
+    #[test]
+    fn pretty_json_is_what_node_writes() {
+        let node = "{\n  \"format\": \"x\",\n  \"s\": \"quote\\\" back\\\\ slash/ tab\\t nl\\n cr\\r bs\\b ff\\f ctl\\u0001\\u001f del\u{7f} \u{e9} \u{4e2d} \u{1f600} \u{2028}\u{2029}\",\n  \"e\": [],\n  \"o\": {},\n  \"n\": null,\n  \"num\": [\n    0,\n    1,\n    -1,\n    1.5,\n    12345678901\n  ],\n  \"nested\": {\n    \"a\": [\n      {\n        \"b\": []\n      }\n    ]\n  }\n}\n";
+        let value: serde_json::Value = serde_json::from_str(node).unwrap();
+        let mut ours = serde_json::to_vec_pretty(&value).unwrap();
+        ours.push(b'\n');
+        assert_eq!(String::from_utf8(ours).unwrap(), node);
+    }
+
+    #[test]
+    fn requested_changes() {
+        assert_eq!(requested_install(Manager::Conda, &["scanpy=1.10"]), ["conda:scanpy=1.10"]);
+        assert_eq!(requested_install(Manager::Cran, &["survival"]), ["cran:survival"]);
+        assert_eq!(requested_install(Manager::Bioconductor, &["DESeq2"]), ["bioconductor:DESeq2"]);
+        assert_eq!(requested_removal(&["scanpy"]), ["conda:remove:scanpy"]);
     }
 
     #[test]

@@ -106,7 +106,7 @@ pub(crate) fn parse_request(path: &str) -> Result<Request, WheelError> {
             p => parts.push(p.to_owned()),
         }
     }
-    let Some(filename) = parts.pop().filter(|_| !path.ends_with('/')) else {
+    let Some(filename) = parts.pop().filter(|f| !path.ends_with('/') && f.ends_with(".whl")) else {
         return Err(WheelError::NotWheel(path.to_owned()));
     };
     let (distribution, version) = parse_wheel_name(&filename)?;
@@ -115,8 +115,9 @@ pub(crate) fn parse_request(path: &str) -> Result<Request, WheelError> {
 
 /// PEP 427: `{distribution}-{version}(-{build tag})?-{python tag}-{abi tag}-{platform tag}.whl`.
 /// Returns the distribution (PEP 503-normalised: lowercase, runs of `-_.` as one `-`) and
-/// the version. Parsed from the version backwards-compatibly: the version is the first part
-/// that starts with a digit, so a name written with `-` (`example-pkg-1.0-…`) still parses.
+/// the version. The version is the first part after the distribution that starts with a
+/// digit, so a name that kept its `-` (`example-pkg-1.0-…`: not PEP 427, but seen in the
+/// wild) still parses.
 pub(crate) fn parse_wheel_name(filename: &str) -> Result<(String, String), WheelError> {
     let Some(stem) = filename.strip_suffix(".whl") else {
         return Err(WheelError::NotWheel(filename.to_owned()));
@@ -174,7 +175,9 @@ pub(crate) fn persist(
 ) -> Result<LocalWheel, WheelError> {
     let request = parse_request(path)?;
     let source = open_source(workspace, &request, path)?;
-    let wheels = disk::ensure_dir(store, common::layout::ENV_WHEELS)
+    // Reachable by the sandbox user: the pip sandbox binds the stored wheels, and bwrap
+    // resolves a bind's source as that user.
+    let wheels = disk::ensure_dir(store, common::layout::ENV_WHEELS, 0o755)
         .map_err(|e| WheelError::Io("open the store of", e))?;
     let incoming = format!("{INCOMING_PREFIX}{}.whl", new_uuid_v4());
     let incoming_c = disk::cstr(&incoming).map_err(|e| WheelError::Io("name", e))?;
@@ -243,26 +246,16 @@ fn copy_in(
     incoming: &std::ffi::CStr,
     path: &str,
 ) -> Result<ContentRef, WheelError> {
-    let (mut src, before) = (&source.0, source.1);
+    let (src, before) = (&source.0, source.1);
     let io = |what| move |e| WheelError::Io(what, e);
     let fd = fsat::create_new_at(wheels, incoming, 0o644).map_err(io("create"))?;
-    fchmod(&fd, 0o644).map_err(io("create"))?;
+    disk::fchmod(&fd, 0o644).map_err(io("create"))?;
     let mut dst = File::from(fd);
-    let (mut hasher, mut size, mut buf) = (Sha256::new(), 0u64, vec![0u8; 1 << 16]);
-    loop {
-        let n = src.read(&mut buf).map_err(io("read"))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        dst.write_all(&buf[..n]).map_err(io("copy"))?;
-        size += n as u64;
-    }
+    let content = hash_copy(src, &mut dst).map_err(io("copy"))?;
     dst.sync_all().map_err(io("sync"))?;
-    let content = ContentRef { hash: hex(&hasher.finalize()), size };
     let after = fsat::Stat::of_fd(src).map_err(io("inspect"))?;
     if (after.size, after.mtime_ns, after.ctime_ns) != (before.size, before.mtime_ns, before.ctime_ns)
-        || size != before.size
+        || content.size != before.size
     {
         return Err(WheelError::Changed(path.to_owned()));
     }
@@ -282,8 +275,7 @@ fn publish(
     filename: &str,
 ) -> Result<(), WheelError> {
     let io = |what| move |e| WheelError::Io(what, e);
-    let dir = disk::ensure_dir(wheels, &content.hash).map_err(io("store"))?;
-    fchmod(&dir, 0o755).map_err(io("store"))?;
+    let dir = disk::ensure_dir(wheels, &content.hash, 0o755).map_err(io("store"))?;
     let name = disk::cstr(filename).map_err(io("name"))?;
     if stored_matches(&dir, &name, content).map_err(io("check"))? {
         return Ok(());
@@ -307,16 +299,24 @@ fn stored_matches(dir: &OwnedFd, name: &std::ffi::CStr, content: &ContentRef) ->
     }
 }
 
-fn hash_file(mut f: File) -> io::Result<ContentRef> {
+/// Reads `src` to its end, hashing every chunk and writing it to `sink`.
+fn hash_copy(mut src: impl Read, mut sink: impl Write) -> io::Result<ContentRef> {
     let (mut hasher, mut size, mut buf) = (Sha256::new(), 0u64, vec![0u8; 1 << 16]);
     loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            return Ok(ContentRef { hash: hex(&hasher.finalize()), size });
-        }
+        let n = match src.read(&mut buf) {
+            Ok(0) => return Ok(ContentRef { hash: hex(&hasher.finalize()), size }),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
         hasher.update(&buf[..n]);
+        sink.write_all(&buf[..n])?;
         size += n as u64;
     }
+}
+
+fn hash_file(f: File) -> io::Result<ContentRef> {
+    hash_copy(f, io::sink())
 }
 
 /// `wheels/<hash>/<filename>` of a record, relative to the store; the hash must be 64
@@ -355,11 +355,6 @@ pub(crate) fn sweep_incoming(store: &impl AsRawFd) -> usize {
         Ok(Some(wheels)) => disk::sweep(&wheels, |name| name.starts_with(INCOMING_PREFIX)),
         _ => 0,
     }
-}
-
-fn fchmod(fd: &OwnedFd, mode: libc::mode_t) -> io::Result<()> {
-    // SAFETY: fchmod on a descriptor we own.
-    common::sys::cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
 #[cfg(test)]
@@ -527,6 +522,7 @@ mod tests {
             ("fifo-1.0-py3-none-any.whl", "Local wheel is not a regular file: fifo-1.0-py3-none-any.whl"),
             ("notes.txt", "Local wheel must be a .whl file: notes.txt"),
             ("wheels/", "Local wheel must be a .whl file: wheels/"),
+            ("docs/notes.txt", "Local wheel must be a .whl file: docs/notes.txt"),
             (
                 "bad.whl",
                 "Local wheel file name is not a wheel name (distribution-version-python-abi-platform.whl): bad.whl",
