@@ -84,6 +84,8 @@ pub enum ConfigError {
     Positive { name: String, value: String },
     #[error("{name} must be one of {allowed}, not {value:?}")]
     Choice { name: String, value: String, allowed: &'static str },
+    #[error("{name}: {reason}")]
+    Invalid { name: String, reason: String },
 }
 
 impl ConfigError {
@@ -99,6 +101,7 @@ impl ConfigError {
             ConfigError::Choice { name, value, allowed } => {
                 ConfigError::Choice { name: describe(&name), value, allowed }
             }
+            ConfigError::Invalid { name, reason } => ConfigError::Invalid { name: describe(&name), reason },
         }
     }
 }
@@ -194,7 +197,7 @@ impl RunnerConfig {
             egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
             accel: crate::accel::AccelConfig::from_vars(&get),
             limits: crate::limits::LimitSettings::from_vars(&get)?,
-            scientific: crate::envs::settings::EnvSettings::from_vars(get),
+            scientific: crate::envs::settings::EnvSettings::from_vars(get)?,
         })
     }
 

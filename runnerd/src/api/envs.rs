@@ -8,7 +8,8 @@ use serde_json::{Value, json};
 use super::error::ApiError;
 use super::{ApiResponse, ok};
 use crate::app::App;
-use crate::envs::store::{InstallRequest, Manager, StoreError};
+use crate::envs::ids::Manager;
+use crate::envs::store::{InstallRequest, StoreError};
 use crate::exec::request::{self, WorkspaceRef};
 use crate::sandbox::Language;
 
@@ -115,12 +116,7 @@ pub(crate) async fn install(app: &App, id: &str, body: &[u8]) -> Result<ApiRespo
     let packages = strings(&obj, "packages")?.unwrap_or_default();
     let manager = match obj.get("manager") {
         None | Some(Value::Null) => Manager::Conda,
-        Some(Value::String(m)) => Manager::parse(m).ok_or_else(|| {
-            ApiError::bad_request(
-                "invalid_request",
-                format!("Unsupported package manager: {m} (conda, pip, cran or bioconductor)"),
-            )
-        })?,
+        Some(Value::String(m)) => Manager::parse(m).map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?,
         Some(_) => return Err(ApiError::bad_request("invalid_request", "manager must be a string")),
     };
     let index_url = request::non_blank(&obj, "indexUrl").map(str::to_owned);

@@ -18,15 +18,15 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::{OwnedMutexGuard, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
 type GateMap = Arc<Mutex<HashMap<String, Arc<RwLock<()>>>>>;
 
-/// All the environments' gates and the mutation lock; one per store.
+/// All the environments' gates; one per store. (Catalog writes are serialised by the
+/// store's own lock on the in-memory catalog, held only between awaits.)
 #[derive(Debug, Default)]
 pub(crate) struct Gates {
     gates: GateMap,
-    mutation: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Keeps an environment's gate registered while it is held or waited for.
@@ -71,12 +71,6 @@ pub(crate) struct WriteGuard {
     _registration: Registration,
 }
 
-/// The global catalog mutation lock.
-#[derive(Debug)]
-pub(crate) struct MutationGuard {
-    _guard: OwnedMutexGuard<()>,
-}
-
 impl Gates {
     fn register(&self, env: &str) -> Registration {
         let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
@@ -96,12 +90,8 @@ impl Gates {
         WriteGuard { _guard: registration.gate().write_owned().await, _registration: registration }
     }
 
-    /// Waits for the catalog mutation lock.
-    pub(crate) async fn mutation(&self) -> MutationGuard {
-        MutationGuard { _guard: self.mutation.clone().lock_owned().await }
-    }
-
     /// Gates currently held or waited for.
+    #[cfg(test)]
     pub(crate) fn tracked(&self) -> usize {
         self.gates.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
@@ -243,19 +233,6 @@ mod tests {
         assert_eq!(gates.tracked(), 1, "a waiter keeps the gate");
         drop(waiting);
         assert_eq!(gates.tracked(), 0, "a cancelled waiter leaves nothing behind");
-    }
-
-    #[test]
-    fn catalog_mutations_are_serialised() {
-        let gates = Gates::default();
-        let first = now(gates.mutation());
-        let mut second = Waiting::new(gates.mutation()).queued();
-        let mut third = Waiting::new(gates.mutation()).queued();
-        drop(first);
-        let second = second.poll().expect("first in line");
-        assert!(third.poll().is_none());
-        drop(second);
-        assert!(third.poll().is_some());
     }
 
     /// The hand-polled tests above use a waker that does nothing; this one checks that a

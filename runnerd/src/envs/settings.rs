@@ -4,6 +4,10 @@
 
 use std::path::PathBuf;
 
+use super::catalog::Language;
+use super::ids;
+use crate::config::ConfigError;
+
 /// No `SCIENCE_AGENT_` prefix, as in the original.
 pub(crate) const ENABLED_VAR: &str = "SCIENTIFIC_ENVS";
 pub(crate) const CHANNELS_VAR: &str = "SCIENCE_AGENT_SCIENTIFIC_CHANNELS";
@@ -14,10 +18,6 @@ pub(crate) const STARTER_R_VAR: &str = "SCIENCE_AGENT_STARTER_R_SPECS";
 pub(crate) const PROVISIONER_VAR: &str = "SCIENCE_AGENT_RUNNER_PROVISIONER_PATH";
 pub(crate) const CRAN_VAR: &str = "SCIENCE_AGENT_CRAN_REPO";
 
-/// The original's starter lists (internals §5.3).
-pub(crate) const STARTER_PYTHON: &[&str] = &["python=3.12", "numpy=2.0", "pandas=2.2", "scipy=1.14", "matplotlib=3.9"];
-pub(crate) const STARTER_R: &[&str] = &["r-base=4.4", "r-tidyverse=2.0", "r-data.table=1.16"];
-pub(crate) const DEFAULT_CHANNEL: &str = "conda-forge";
 pub(crate) const DEFAULT_CRAN: &str = "https://cloud.r-project.org";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,27 +34,37 @@ pub struct EnvSettings {
     pub cran_repo: String,
 }
 
-fn list(text: Option<String>, default: &[&str]) -> Vec<String> {
-    let items: Vec<String> = match text {
-        Some(t) => t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect(),
-        None => Vec::new(),
-    };
-    if items.is_empty() { default.iter().map(|s| (*s).to_owned()).collect() } else { items }
+/// A list variable checked by `parse`, or its default when unset.
+fn list(
+    name: &str,
+    text: Option<String>,
+    parse: fn(&str) -> Result<Vec<String>, ids::IdError>,
+    default: &[&str],
+) -> Result<Vec<String>, ConfigError> {
+    match text {
+        None => Ok(default.iter().map(|s| (*s).to_owned()).collect()),
+        Some(t) => parse(&t).map_err(|e| ConfigError::Invalid { name: name.to_owned(), reason: e.to_string() }),
+    }
 }
 
 impl EnvSettings {
     /// `get` yields only non-empty values.
-    pub(crate) fn from_vars(get: impl Fn(&str) -> Option<String>) -> EnvSettings {
-        EnvSettings {
+    pub(crate) fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<EnvSettings, ConfigError> {
+        Ok(EnvSettings {
             enabled: get(ENABLED_VAR)
                 .is_none_or(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes")),
-            channels: list(get(CHANNELS_VAR), &[DEFAULT_CHANNEL]),
+            channels: list(CHANNELS_VAR, get(CHANNELS_VAR), ids::parse_channel_list, &[ids::DEFAULT_CHANNEL])?,
             package_cache_dir: get(PACKAGE_CACHE_VAR).map(PathBuf::from),
-            starter_python: list(get(STARTER_PYTHON_VAR), STARTER_PYTHON),
-            starter_r: list(get(STARTER_R_VAR), STARTER_R),
+            starter_python: list(
+                STARTER_PYTHON_VAR,
+                get(STARTER_PYTHON_VAR),
+                ids::parse_spec_list,
+                Language::Python.default_starter_specs(),
+            )?,
+            starter_r: list(STARTER_R_VAR, get(STARTER_R_VAR), ids::parse_spec_list, Language::R.default_starter_specs())?,
             provisioner: get(PROVISIONER_VAR).map(PathBuf::from),
             cran_repo: get(CRAN_VAR).unwrap_or_else(|| DEFAULT_CRAN.to_owned()),
-        }
+        })
     }
 
     /// Offline-cache mode (the original adds `--offline`).
@@ -70,7 +80,7 @@ mod tests {
 
     fn settings(vars: &[(&str, &str)]) -> EnvSettings {
         let map: HashMap<&str, &str> = vars.iter().copied().collect();
-        EnvSettings::from_vars(|k| map.get(k).filter(|v| !v.is_empty()).map(|v| (*v).to_owned()))
+        EnvSettings::from_vars(|k| map.get(k).filter(|v| !v.is_empty()).map(|v| (*v).to_owned())).unwrap()
     }
 
     #[test]
@@ -78,8 +88,8 @@ mod tests {
         let s = settings(&[]);
         assert!(s.enabled);
         assert_eq!(s.channels, ["conda-forge"]);
-        assert_eq!(s.starter_python, STARTER_PYTHON);
-        assert_eq!(s.starter_r, STARTER_R);
+        assert_eq!(s.starter_python, Language::Python.default_starter_specs());
+        assert_eq!(s.starter_r, Language::R.default_starter_specs());
         assert!(!s.offline());
         assert_eq!(s.cran_repo, DEFAULT_CRAN);
     }
@@ -94,16 +104,22 @@ mod tests {
     }
 
     #[test]
-    fn lists_are_comma_separated_trimmed_and_never_empty() {
+    fn lists_are_comma_separated_trimmed_and_checked() {
         let s = settings(&[
             (CHANNELS_VAR, " file:///srv/ch , https://m.example/c,,"),
             (STARTER_PYTHON_VAR, "python=3.11,tinyutil"),
-            (STARTER_R_VAR, " , "),
             (PACKAGE_CACHE_VAR, "/var/cache/pkgs"),
         ]);
         assert_eq!(s.channels, ["file:///srv/ch", "https://m.example/c"]);
         assert_eq!(s.starter_python, ["python=3.11", "tinyutil"]);
-        assert_eq!(s.starter_r, STARTER_R);
         assert!(s.offline());
+        for (var, value, want) in [
+            (STARTER_R_VAR, " , ", "SCIENCE_AGENT_STARTER_R_SPECS: At least one package is required"),
+            (STARTER_PYTHON_VAR, "numpy,--pre", "Invalid package spec: --pre"),
+            (CHANNELS_VAR, "ftp://x", "neither a channel name nor"),
+        ] {
+            let err = EnvSettings::from_vars(|k| (k == var).then(|| value.to_owned())).unwrap_err();
+            assert!(err.to_string().contains(want), "{var}={value:?}: {err}");
+        }
     }
 }

@@ -227,7 +227,7 @@ mod tests {
     use super::*;
 
     fn settings() -> EnvSettings {
-        EnvSettings::from_vars(|_| None)
+        EnvSettings::from_vars(|_| None).unwrap()
     }
 
     #[test]

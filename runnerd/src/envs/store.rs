@@ -12,7 +12,7 @@ use common::provision::{self, Op};
 
 use super::catalog::{self, Catalog, Environment, EnvironmentRevision, Kind, LocalWheel, Status};
 use super::gate::{Gates, ReadGuard};
-use super::ids::{STARTER_PYTHON, STARTER_R};
+use super::ids::{Manager, STARTER_PYTHON, STARTER_R};
 use super::sandboxed::{self, SandboxedError, StepOutput};
 use super::settings::EnvSettings;
 use super::setup::{FailureKind, Setup};
@@ -113,43 +113,13 @@ pub struct EnvStore {
 }
 
 /// The install body, read by the route.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub(crate) struct InstallRequest {
     pub packages: Vec<String>,
     pub channels: Option<Vec<String>>,
     pub manager: Manager,
     pub index_url: Option<String>,
     pub workspace: crate::exec::request::WorkspaceRef,
-}
-
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Manager {
-    #[default]
-    Conda,
-    Pip,
-    Cran,
-    Bioconductor,
-}
-
-impl Manager {
-    pub(crate) fn parse(text: &str) -> Option<Manager> {
-        match text {
-            "conda" => Some(Manager::Conda),
-            "pip" => Some(Manager::Pip),
-            "cran" => Some(Manager::Cran),
-            "bioconductor" => Some(Manager::Bioconductor),
-            _ => None,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Manager::Conda => "conda",
-            Manager::Pip => "pip",
-            Manager::Cran => "cran",
-            Manager::Bioconductor => "bioconductor",
-        }
-    }
 }
 
 /// The environment language an execution language runs in (a shell runs in either).
@@ -186,12 +156,15 @@ impl EnvStore {
     /// Opens the store under `data_dir` (created if absent), loads the catalog and marks an
     /// update interrupted by a crash as failed. Disabled: nothing is touched.
     pub(crate) fn open(data_dir: &Path, settings: EnvSettings, provisioner: PathBuf) -> Result<EnvStore, StoreError> {
-        let root = std::path::absolute(data_dir.join(common::layout::SCIENTIFIC_ENVS))
-            .unwrap_or_else(|_| data_dir.join(common::layout::SCIENTIFIC_ENVS));
-        let cache_dir = settings.package_cache_dir.clone().unwrap_or_else(|| root.join(common::layout::ENV_PACKAGE_CACHE));
+        let mut root = data_dir.join(common::layout::SCIENTIFIC_ENVS);
         let mut catalog = Catalog::default();
+        let mut cache_dir = PathBuf::new();
         if settings.enabled {
-            prepare_dirs(&root, &cache_dir)?;
+            // At its canonical path: conda prefixes embed theirs.
+            let (path, _) = catalog::open_store(data_dir)?;
+            root = path;
+            cache_dir = settings.package_cache_dir.clone().unwrap_or_else(|| root.join(common::layout::ENV_PACKAGE_CACHE));
+            prepare_cache(&cache_dir)?;
             let dir = open_dir(&root)?;
             let swept = Catalog::sweep_temporaries(&dir) + wheels::sweep_incoming(&dir);
             if swept > 0 {
@@ -337,8 +310,7 @@ impl EnvStore {
             return Ok(env);
         }
         let rev = ids::new_revision_id();
-        let prefix = self.prefix_path(id, &rev);
-        self.fresh_prefix(app, &prefix)?;
+        let prefix = self.fresh_prefix(app, id, &rev)?;
         let channels = self.channel_urls(&self.settings.channels)?;
         let step = steps::conda(&self.places(), Op::Create { specs: specs.clone() }, &prefix, &channels, &[]);
         let answer = self.conda(app, step).await;
@@ -375,18 +347,15 @@ impl EnvStore {
     }
 
     /// An empty prefix directory the sandbox user may write (its parents are runnerd's).
-    fn fresh_prefix(&self, app: &App, prefix: &Path) -> Result<(), StoreError> {
-        use std::os::unix::fs::PermissionsExt;
-        let io = |source| StoreError::Io { path: prefix.to_path_buf(), source };
-        if let Some(parent) = prefix.parent() {
-            std::fs::create_dir_all(parent).map_err(io)?;
-            std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o711)).map_err(io)?;
-        }
-        std::fs::create_dir(prefix).map_err(io)?;
-        let fd = crate::fsat::open_path(prefix, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
+    fn fresh_prefix(&self, app: &App, env_id: &str, rev: &str) -> Result<PathBuf, StoreError> {
+        let prefix = self.prefix_path(env_id, rev);
+        let io = |source| StoreError::Io { path: prefix.clone(), source };
+        let env_dir = catalog::ensure_env_dir(&open_dir(&self.root)?, env_id)?;
+        let name = std::ffi::CString::new(rev).map_err(|_| io(std::io::Error::from_raw_os_error(libc::EINVAL)))?;
+        crate::fsat::mkdir_at(&env_dir, &name, 0o755).map_err(io)?;
+        let fd = crate::fsat::open_at(&env_dir, &name, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
         app.sandbox.user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)?;
-        std::fs::set_permissions(prefix, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
-        Ok(())
+        Ok(prefix)
     }
 
     /// Runs a provisioner step and reads its answer.
@@ -501,8 +470,7 @@ impl EnvStore {
         let source = self.root.join(base_env.prefix_rel()?);
         let id = ids::new_task_env_id();
         let rev = ids::new_revision_id();
-        let prefix = self.prefix_path(&id, &rev);
-        self.fresh_prefix(app, &prefix)?;
+        let prefix = self.fresh_prefix(app, &id, &rev)?;
         let base_rev = self.cat().revision(&base_env.current_revision_id).cloned();
         let channels = base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
         let urls = self.channel_urls(&channels)?;
@@ -665,15 +633,24 @@ impl EnvStore {
                 return Err(e);
             }
         };
-        let mut requested: Vec<String> = specs.iter().map(|s| format!("{}:{s}", req.manager.name())).collect();
-        requested.extend(new_wheels.iter().map(|w| format!("pip:{}", w.filename)));
+        let mut requested = snapshot::requested_install(req.manager, &specs);
+        requested.extend(snapshot::requested_install(req.manager, &wheel_paths));
         let revision_channels = match (req.manager, &pip_source) {
             (Manager::Conda, _) => channels,
             (Manager::Pip, Some(PipSource::Index(url))) => vec![url.clone()],
             (Manager::Cran | Manager::Bioconductor, _) => vec![self.settings.cran_repo.clone()],
             _ => current.as_ref().map(|r| r.channels.clone()).unwrap_or_default(),
         };
+        // Carried wheels are recorded only while their stored copy is intact.
+        let store_dir = open_dir(&self.root)?;
         let mut wheels_kept = current.as_ref().and_then(|r| r.local_wheels.clone()).unwrap_or_default();
+        wheels_kept.retain(|w| match wheels::verify_persisted(&store_dir, w) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(event = "environment_wheel_dropped", environment = id, wheel = %w.filename, error = %crate::error_chain(&e));
+                false
+            }
+        });
         for w in new_wheels {
             wheels_kept.retain(|k| k.filename != w.filename);
             wheels_kept.push(w);
@@ -702,7 +679,7 @@ impl EnvStore {
                 return Err(e);
             }
         };
-        let requested = packages.iter().map(|p| format!("conda:remove:{p}")).collect();
+        let requested = snapshot::requested_removal(&packages);
         let wheels = current.and_then(|r| r.local_wheels);
         self.commit_change(app, &env, &prefix, channels, answer, requested, wheels).await
     }
@@ -767,12 +744,12 @@ impl EnvStore {
         }
         catalog.environments.retain(|e| e.id != id);
         catalog.save(&open_dir(&self.root)?)?;
+        let kept = catalog.revisions_of(id).count();
         drop(catalog);
-        let dir = self.root.join(common::layout::ENV_REVISIONS).join(id);
-        if let Err(e) = remove_prefix(&dir) {
-            tracing::warn!(event = "environment_prefix_left", environment = id, error = %e);
+        if let Err(e) = catalog::remove_env_dir(&open_dir(&self.root)?, id) {
+            tracing::warn!(event = "environment_prefix_left", environment = id, error = %crate::error_chain(&e));
         }
-        audit("environment_deleted", id, "", "");
+        audit("environment_deleted", id, "", &format!("{kept} revisions and their snapshots kept"));
         Ok(id.to_owned())
     }
 
@@ -873,20 +850,9 @@ fn audit_failed(event: &'static str, environment: &str, e: &StoreError) {
     tracing::warn!(event, environment, error = %crate::error_chain(e));
 }
 
-/// The store's directories: searchable, not listable, by the sandbox user (0711).
-fn prepare_dirs(root: &Path, cache: &Path) -> Result<(), StoreError> {
-    use std::os::unix::fs::PermissionsExt;
-    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
-        move |source| StoreError::Io { path: path.to_path_buf(), source }
-    }
-    for dir in [root.to_path_buf(), root.join(common::layout::ENV_REVISIONS), root.join(common::layout::ENV_WHEELS)] {
-        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).map_err(io(&dir))?;
-    }
-    let snapshots = root.join(common::layout::ENV_SNAPSHOTS);
-    std::fs::create_dir_all(&snapshots).map_err(io(&snapshots))?;
-    std::fs::create_dir_all(cache).map_err(io(cache))?;
-    Ok(())
+/// The package cache: the sandbox user unpacks packages into it.
+fn prepare_cache(cache: &Path) -> Result<(), StoreError> {
+    std::fs::create_dir_all(cache).map_err(|source| StoreError::Io { path: cache.to_path_buf(), source })
 }
 
 fn open_dir(path: &Path) -> Result<std::os::fd::OwnedFd, StoreError> {
