@@ -93,7 +93,12 @@ async fn prefetch(
     if record.url.scheme() == "file" {
         let path: PathBuf = record.url.to_file_path().unwrap_or_default();
         if let Err(err) = std::fs::metadata(&path) {
-            return Err(InstallFailure::Unreadable { file, channel, cause: err.to_string() });
+            // A clone's source channel need not be visible any more: the cache may hold it.
+            return from_cache_only(record, cache).await.map_err(|_| InstallFailure::Unreadable {
+                file,
+                channel,
+                cause: err.to_string(),
+            });
         }
         return cache
             .get_or_fetch_from_path(&path, Some(&record.package_record), None)
@@ -102,16 +107,7 @@ async fn prefetch(
             .map_err(|err| InstallFailure::Corrupt { file, channel, cause: error_chain(&err) });
     }
     if network == Network::Offline {
-        // Served from the cache or refused: the fetch closure is the "not cached" answer.
-        return cache
-            .get_or_fetch(
-                &record.package_record,
-                |_| async { Err::<Option<_>, _>(std::io::Error::other("not cached")) },
-                None,
-            )
-            .await
-            .map(drop)
-            .map_err(|_| InstallFailure::NotCached { file, channel });
+        return from_cache_only(record, cache).await.map_err(|_| InstallFailure::NotCached { file, channel });
     }
     cache
         .get_or_fetch_from_url_with_retry(
@@ -132,6 +128,21 @@ async fn prefetch(
                 InstallFailure::Corrupt { file, channel, cause }
             }
         })
+}
+
+/// The package from the cache, or an error: the fetch closure is the "not cached" answer.
+async fn from_cache_only(
+    record: &RepoDataRecord,
+    cache: &PackageCache,
+) -> Result<(), rattler::package_cache::PackageCacheError> {
+    cache
+        .get_or_fetch(
+            &record.package_record,
+            |_| async { Err::<Option<_>, _>(std::io::Error::other("not in the package cache")) },
+            None,
+        )
+        .await
+        .map(drop)
 }
 
 /// Whether a reqwest error sits anywhere in the chain (a download, not the archive, failed).

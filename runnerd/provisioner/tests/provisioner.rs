@@ -236,6 +236,24 @@ fn clone_copies_the_records_and_specs() {
     assert!(history(&task).ends_with("# update specs: ['tinylib', 'tinyutil=1.0']\n"), "{}", history(&task));
     let not_empty = env.run(&task, json!({"kind": "clone", "source": base}));
     assert!(not_empty.error().ends_with("already exists and is not empty"));
+    // The base's file:// channel gone (not bound into the sandbox): the cache serves it.
+    std::fs::remove_dir_all(env.root.join("channel")).expect("remove the channel");
+    let offline = env.prefix("offline");
+    let again = env.run_with(&offline, json!({"kind": "clone", "source": base}), &[], true).ok();
+    assert_eq!(names(&again), ["tinylib-1.0", "tinyutil-1.0"]);
+    std::fs::remove_dir_all(env.root.join("cache")).expect("remove the cache");
+    let neither = env.run_with(&env.prefix("neither"), json!({"kind": "clone", "source": base}), &[], true);
+    assert!(neither.error().contains("could not be read: No such file"), "{}", neither.error());
+}
+
+#[test]
+fn a_prefix_that_cannot_be_made_is_named() {
+    let env = Env::new();
+    let file = env.root.join("a-file");
+    std::fs::write(&file, b"").expect("file");
+    let prefix = file.join("env");
+    let error = env.run(&prefix, json!({"kind": "create", "specs": ["tinyutil"]})).error();
+    assert!(error.starts_with(&format!("Prefix {} is not writable: ", prefix.display())), "{error}");
 }
 
 #[test]
