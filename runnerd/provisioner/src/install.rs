@@ -1,0 +1,218 @@
+//! Applying a solution to a prefix with rattler's installer.
+//!
+//! Every package the transaction will link is put into the package cache *first*, before the
+//! installer is started: the installer unlinks old packages while it is still fetching new
+//! ones, so a corrupt or unreachable archive found half-way would leave the prefix with the
+//! old version removed and the new one missing. Fetched up front, such a failure leaves the
+//! prefix exactly as it was, and the installer then only links from the cache.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use common::provision::{Change, Operation};
+use rattler::install::{InstallationResultRecord, Installer, InstallerError, TransactionOperation};
+use rattler::package_cache::PackageCache;
+use rattler_conda_types::{MatchSpec, PrefixRecord, RepoDataRecord};
+use rattler_networking::LazyClient;
+use rattler_networking::retry_policies::default_retry_policy;
+
+use crate::error_chain;
+use crate::inventory;
+use crate::network::{self, Network};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstallFailure {
+    #[error("Package {file} from {channel} is corrupt: {cause}")]
+    Corrupt { file: String, channel: String, cause: String },
+    #[error("Package {file} from {channel} could not be read: {cause}")]
+    Unreadable { file: String, channel: String, cause: String },
+    #[error("Package {file} could not be downloaded from {channel}: {cause}")]
+    Download { file: String, channel: String, cause: String },
+    #[error("Package {file} from {channel} is not in the package cache, and this run is offline")]
+    NotCached { file: String, channel: String },
+    #[error("Prefix {prefix} is not writable: {cause}")]
+    PrefixNotWritable { prefix: String, cause: String },
+    #[error("Prefix {0} already exists and is not empty")]
+    PrefixNotEmpty(String),
+    #[error("The packages could not be installed into {prefix}: {cause}")]
+    Installer { prefix: String, cause: String },
+}
+
+/// What to make the prefix hold.
+#[allow(missing_debug_implementations)] // rattler's PackageCache has no Debug
+pub struct Plan<'a> {
+    pub prefix: &'a Path,
+    pub installed: Vec<PrefixRecord>,
+    pub desired: Vec<RepoDataRecord>,
+    /// Recorded in each linked package's `requested_spec(s)`.
+    pub requested: Vec<MatchSpec>,
+    pub cache: &'a PackageCache,
+    pub network: Network,
+}
+
+/// Fetches what is missing, then links and unlinks; the operations in transaction order.
+pub async fn apply(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
+    let installed_urls: HashSet<&url::Url> = plan.installed.iter().map(|r| &r.repodata_record.url).collect();
+    let client = network::lazy_client(plan.network);
+    for record in plan.desired.iter().filter(|r| !installed_urls.contains(&r.url)) {
+        prefetch(record, plan.cache, &client, plan.network).await?;
+    }
+    let result = Installer::new()
+        .with_download_client(client)
+        .with_package_cache(plan.cache.clone())
+        .with_installed_packages(plan.installed)
+        .with_requested_specs(plan.requested)
+        .install(plan.prefix, plan.desired)
+        .await
+        .map_err(|err| installer_failure(plan.prefix, err))?;
+    Ok(result.transaction.operations.iter().map(operation).collect())
+}
+
+/// Refuses a prefix for `Create`/`Clone` unless it is absent or an empty directory.
+pub fn require_new_prefix(prefix: &Path) -> Result<(), InstallFailure> {
+    match std::fs::read_dir(prefix).map(|mut entries| entries.next().is_none()) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(InstallFailure::PrefixNotEmpty(prefix.display().to_string())),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(err) => Err(InstallFailure::PrefixNotWritable {
+            prefix: prefix.display().to_string(),
+            cause: err.to_string(),
+        }),
+    }
+}
+
+/// Puts one package into the cache: from its `file://` path, or downloaded (online only).
+async fn prefetch(
+    record: &RepoDataRecord,
+    cache: &PackageCache,
+    client: &LazyClient,
+    network: Network,
+) -> Result<(), InstallFailure> {
+    let file = file_name(record);
+    let channel = inventory::package(record).channel;
+    if record.url.scheme() == "file" {
+        let path: PathBuf = record.url.to_file_path().unwrap_or_default();
+        if let Err(err) = std::fs::metadata(&path) {
+            // A clone's source channel need not be visible any more: the cache may hold it.
+            return from_cache_only(record, cache).await.map_err(|_| InstallFailure::Unreadable {
+                file,
+                channel,
+                cause: err.to_string(),
+            });
+        }
+        return cache
+            .get_or_fetch_from_path(&path, Some(&record.package_record), None)
+            .await
+            .map(drop)
+            .map_err(|err| InstallFailure::Corrupt { file, channel, cause: error_chain(&err) });
+    }
+    if network == Network::Offline {
+        return from_cache_only(record, cache).await.map_err(|_| InstallFailure::NotCached { file, channel });
+    }
+    cache
+        .get_or_fetch_from_url_with_retry(
+            &record.package_record,
+            record.url.clone(),
+            client.clone(),
+            default_retry_policy(),
+            None,
+            None,
+        )
+        .await
+        .map(drop)
+        .map_err(|err| {
+            let cause = error_chain(&err);
+            if is_network_error(&err) {
+                InstallFailure::Download { file, channel, cause }
+            } else {
+                InstallFailure::Corrupt { file, channel, cause }
+            }
+        })
+}
+
+/// The package from the cache, or an error: the fetch closure is the "not cached" answer.
+async fn from_cache_only(
+    record: &RepoDataRecord,
+    cache: &PackageCache,
+) -> Result<(), rattler::package_cache::PackageCacheError> {
+    cache
+        .get_or_fetch(
+            &record.package_record,
+            |_| async { Err::<Option<_>, _>(std::io::Error::other("not in the package cache")) },
+            None,
+        )
+        .await
+        .map(drop)
+}
+
+/// Whether a reqwest error sits anywhere in the chain (a download, not the archive, failed).
+fn is_network_error(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(err);
+    while let Some(err) = next {
+        if err.is::<reqwest::Error>() || err.is::<reqwest_middleware::Error>() {
+            return true;
+        }
+        next = err.source();
+    }
+    false
+}
+
+fn installer_failure(prefix: &Path, err: InstallerError) -> InstallFailure {
+    let prefix_text = prefix.display().to_string();
+    match err {
+        InstallerError::FailedToCreatePrefix(_, cause) => {
+            InstallFailure::PrefixNotWritable { prefix: prefix_text, cause: cause.to_string() }
+        }
+        other => InstallFailure::Installer { prefix: prefix_text, cause: error_chain(&other) },
+    }
+}
+
+fn operation<Old: OldRecord>(op: &TransactionOperation<Old, RepoDataRecord>) -> Operation {
+    match op {
+        TransactionOperation::Install(new) => {
+            Operation { change: Change::Install, package: inventory::package(new), previous: None }
+        }
+        TransactionOperation::Change { old, new } => Operation {
+            change: Change::Change,
+            package: inventory::package(new),
+            previous: Some(old.package()),
+        },
+        TransactionOperation::Reinstall { new, .. } => {
+            Operation { change: Change::Reinstall, package: inventory::package(new), previous: None }
+        }
+        TransactionOperation::Remove(old) => {
+            Operation { change: Change::Remove, package: old.package(), previous: None }
+        }
+    }
+}
+
+/// The installed side of a transaction, whichever record type rattler gives back.
+trait OldRecord {
+    fn package(&self) -> common::provision::Package;
+}
+
+impl OldRecord for InstallationResultRecord {
+    fn package(&self) -> common::provision::Package {
+        match self {
+            InstallationResultRecord::Max(record) => inventory::package(&record.repodata_record),
+            // Only when rattler read the prefix itself; it never does here (the installed
+            // records are passed in), but a minimal record still names the package.
+            InstallationResultRecord::Min(record) => common::provision::Package {
+                name: record.name.as_normalized().to_string(),
+                version: record.version.to_string(),
+                build: record.build.to_string(),
+                channel: String::new(),
+                subdir: String::new(),
+            },
+        }
+    }
+}
+
+/// The archive's file name, as the channel lists it.
+pub fn file_name(record: &RepoDataRecord) -> String {
+    record
+        .url
+        .path_segments()
+        .and_then(|mut segments| segments.next_back())
+        .map_or_else(|| record.url.to_string(), str::to_string)
+}

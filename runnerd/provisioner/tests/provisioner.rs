@@ -1,0 +1,390 @@
+//! The built `runner-provisioner` driven as runnerd drives it: a JSON request on stdin, a JSON
+//! response on stdout, an empty environment, against channels `test-channel` builds.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{Value, json};
+use test_channel::{Channel, Format, Pkg};
+
+const BIN: &str = env!("CARGO_BIN_EXE_runner-provisioner");
+
+struct Run {
+    code: i32,
+    response: Value,
+}
+
+impl Run {
+    fn ok(self) -> Value {
+        assert_eq!(self.code, 0, "provisioner failed: {}", self.response);
+        assert!(self.response["error"].is_null());
+        self.response
+    }
+
+    fn error(&self) -> String {
+        assert_eq!(self.code, 1, "expected a failure: {}", self.response);
+        self.response["error"].as_str().expect("error text").to_string()
+    }
+}
+
+fn provision(stdin: &[u8]) -> Run {
+    let mut child = Command::new(BIN)
+        .env_clear()
+        .env("HOME", "/tmp")
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the provisioner");
+    child.stdin.take().expect("stdin").write_all(stdin).expect("write request");
+    let output = child.wait_with_output().expect("wait");
+    let response = serde_json::from_slice(&output.stdout).expect("one JSON response on stdout");
+    Run { code: output.status.code().expect("exit code"), response }
+}
+
+struct Env {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    channel: String,
+}
+
+impl Env {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().to_path_buf();
+        let channel = demo_channel(&root.join("channel")).url();
+        Env { _dir: dir, root, channel }
+    }
+
+    fn prefix(&self, name: &str) -> PathBuf {
+        self.root.join("envs").join(name)
+    }
+
+    fn run(&self, prefix: &Path, op: Value) -> Run {
+        self.run_with(prefix, op, &[self.channel.as_str()], false)
+    }
+
+    fn run_with(&self, prefix: &Path, op: Value, channels: &[&str], offline: bool) -> Run {
+        let request = json!({
+            "op": op,
+            "prefix": prefix,
+            "channels": channels,
+            "cacheDir": self.root.join("cache"),
+            "offline": offline,
+        });
+        provision(request.to_string().as_bytes())
+    }
+}
+
+fn demo_channel(dir: &Path) -> Channel {
+    let mut channel = Channel::new(dir);
+    for version in ["1.0", "2.0"] {
+        let script = format!("#!/bin/sh\necho tinyutil {version}\n");
+        channel
+            .package(Pkg::noarch("tinyutil", version).file("bin/tinyutil", script.as_bytes(), true))
+            .expect("tinyutil");
+    }
+    channel
+        .package(Pkg::noarch("tinylib", "1.0").depends("tinyutil >=1.0").format(Format::Conda).file(
+            "share/tinylib/data.txt",
+            b"tinylib data\n",
+            false,
+        ))
+        .expect("tinylib");
+    channel.corrupt("broken", "1.0").expect("broken");
+    channel.index().expect("index");
+    channel
+}
+
+fn names(response: &Value) -> Vec<String> {
+    response["installed"]
+        .as_array()
+        .expect("installed")
+        .iter()
+        .map(|p| format!("{}-{}", p["name"].as_str().unwrap_or(""), p["version"].as_str().unwrap_or("")))
+        .collect()
+}
+
+fn changes(response: &Value) -> Vec<String> {
+    response["operations"]
+        .as_array()
+        .expect("operations")
+        .iter()
+        .map(|op| {
+            let package = &op["package"];
+            format!(
+                "{} {}-{}",
+                op["change"].as_str().unwrap_or(""),
+                package["name"].as_str().unwrap_or(""),
+                package["version"].as_str().unwrap_or("")
+            )
+        })
+        .collect()
+}
+
+fn history(prefix: &Path) -> String {
+    std::fs::read_to_string(prefix.join("conda-meta/history")).expect("history")
+}
+
+#[test]
+fn create_with_dependencies_installs_both_formats_and_writes_history() {
+    let env = Env::new();
+    let prefix = env.prefix("a");
+    let response = env.run(&prefix, json!({"kind": "create", "specs": ["tinylib"]})).ok();
+    assert_eq!(names(&response), ["tinylib-1.0", "tinyutil-2.0"]);
+    let mut ops = changes(&response);
+    ops.sort();
+    assert_eq!(ops, ["install tinylib-1.0", "install tinyutil-2.0"]);
+    assert!(response["peakRssKib"].as_u64().expect("rss") > 0);
+    assert_eq!(std::fs::read(prefix.join("share/tinylib/data.txt")).expect(".conda file"), b"tinylib data\n");
+    let out = Command::new(prefix.join("bin/tinyutil")).output().expect("run tinyutil from .tar.bz2");
+    assert_eq!(out.stdout, b"tinyutil 2.0\n");
+    let history = history(&prefix);
+    assert!(history.starts_with("==> "), "{history}");
+    assert!(history.contains("# cmd: runner-provisioner create\n"), "{history}");
+    assert!(history.contains(&format!("+{}::tinylib-1.0-0\n", env.channel)), "{history}");
+    assert!(history.contains(&format!("+{}::tinyutil-2.0-0\n", env.channel)), "{history}");
+    assert!(history.ends_with("# update specs: ['tinylib']\n"), "{history}");
+    let listed = env.run(&prefix, json!({"kind": "list"})).ok();
+    assert_eq!(listed["installed"], response["installed"]);
+    assert_eq!(listed["operations"], json!([]));
+}
+
+#[test]
+fn install_upgrades_in_place_and_an_unchanged_request_is_empty() {
+    let env = Env::new();
+    let prefix = env.prefix("a");
+    env.run(&prefix, json!({"kind": "create", "specs": ["tinyutil=1.0"]})).ok();
+    let added = env.run(&prefix, json!({"kind": "install", "specs": ["tinylib"]})).ok();
+    assert_eq!(changes(&added), ["install tinylib-1.0"], "the earlier spec keeps tinyutil 1.0");
+    let upgraded = env.run(&prefix, json!({"kind": "install", "specs": ["tinyutil>=2"]})).ok();
+    assert_eq!(changes(&upgraded), ["change tinyutil-2.0"]);
+    assert_eq!(upgraded["operations"][0]["previous"]["version"], "1.0");
+    assert_eq!(names(&upgraded), ["tinylib-1.0", "tinyutil-2.0"]);
+    let again = env.run(&prefix, json!({"kind": "install", "specs": ["tinyutil>=2"]})).ok();
+    assert_eq!(again["operations"], json!([]));
+    let history = history(&prefix);
+    assert!(
+        history.contains(&format!(
+            "-{}::tinyutil-1.0-0\n+{}::tinyutil-2.0-0\n# update specs: ['tinyutil>=2']\n",
+            env.channel, env.channel
+        )),
+        "{history}"
+    );
+    assert_eq!(history.matches("==> ").count(), 3, "no entry for the empty transaction: {history}");
+}
+
+#[test]
+fn remove_takes_dependents_and_refuses_a_missing_name() {
+    let env = Env::new();
+    let prefix = env.prefix("a");
+    env.run(&prefix, json!({"kind": "create", "specs": ["tinylib"]})).ok();
+    let missing = env.run(&prefix, json!({"kind": "remove", "names": ["nothere"]}));
+    assert_eq!(missing.error(), "Package is not installed: nothere");
+    assert_eq!(names(&missing.response), ["tinylib-1.0", "tinyutil-2.0"]);
+    let removed = env.run(&prefix, json!({"kind": "remove", "names": ["tinylib"]})).ok();
+    assert_eq!(changes(&removed), ["remove tinylib-1.0"]);
+    assert_eq!(names(&removed), ["tinyutil-2.0"], "a dependency stays installed (no pruning)");
+    assert!(!prefix.join("share/tinylib/data.txt").exists());
+    assert!(history(&prefix).ends_with("# remove specs: ['tinylib']\n"));
+    let env2 = Env::new();
+    let prefix2 = env2.prefix("b");
+    env2.run(&prefix2, json!({"kind": "create", "specs": ["tinylib"]})).ok();
+    let both = env2.run(&prefix2, json!({"kind": "remove", "names": ["tinyutil"]})).ok();
+    assert_eq!(names(&both), Vec::<String>::new(), "tinylib needs tinyutil: both go");
+}
+
+#[test]
+fn unsolvable_request_names_the_solver_text() {
+    let env = Env::new();
+    let run = env.run(&env.prefix("a"), json!({"kind": "create", "specs": ["tinyutil>=9"]}));
+    let error = run.error();
+    assert!(error.starts_with("Could not solve for the requested packages: "), "{error}");
+    assert!(error.contains("tinyutil"), "{error}");
+}
+
+#[test]
+fn corrupt_package_fails_and_keeps_the_earlier_packages() {
+    let env = Env::new();
+    let prefix = env.prefix("a");
+    env.run(&prefix, json!({"kind": "create", "specs": ["tinyutil=1.0"]})).ok();
+    let run = env.run(&prefix, json!({"kind": "install", "specs": ["broken", "tinyutil>=2"]}));
+    let error = run.error();
+    assert!(
+        error.starts_with(&format!("Package broken-1.0-0.tar.bz2 from {} is corrupt: ", env.channel)),
+        "{error}"
+    );
+    assert_eq!(names(&run.response), ["tinyutil-1.0"], "nothing was unlinked");
+    let out = Command::new(prefix.join("bin/tinyutil")).output().expect("tinyutil still runs");
+    assert_eq!(out.stdout, b"tinyutil 1.0\n");
+}
+
+#[test]
+fn clone_copies_the_records_and_specs() {
+    let env = Env::new();
+    let base = env.prefix("base");
+    env.run(&base, json!({"kind": "create", "specs": ["tinylib", "tinyutil=1.0"]})).ok();
+    let task = env.prefix("task");
+    let cloned = env.run(&task, json!({"kind": "clone", "source": base})).ok();
+    assert_eq!(names(&cloned), ["tinylib-1.0", "tinyutil-1.0"]);
+    assert_eq!(cloned["solveMicros"], 0);
+    assert!(history(&task).ends_with("# update specs: ['tinylib', 'tinyutil=1.0']\n"), "{}", history(&task));
+    let not_empty = env.run(&task, json!({"kind": "clone", "source": base}));
+    assert!(not_empty.error().ends_with("already exists and is not empty"));
+    // The base's file:// channel gone (not bound into the sandbox): the cache serves it.
+    std::fs::remove_dir_all(env.root.join("channel")).expect("remove the channel");
+    let offline = env.prefix("offline");
+    let again = env.run_with(&offline, json!({"kind": "clone", "source": base}), &[], true).ok();
+    assert_eq!(names(&again), ["tinylib-1.0", "tinyutil-1.0"]);
+    std::fs::remove_dir_all(env.root.join("cache")).expect("remove the cache");
+    let neither = env.run_with(&env.prefix("neither"), json!({"kind": "clone", "source": base}), &[], true);
+    assert!(neither.error().contains("could not be read: No such file"), "{}", neither.error());
+}
+
+#[test]
+fn a_prefix_that_cannot_be_made_is_named() {
+    let env = Env::new();
+    let file = env.root.join("a-file");
+    std::fs::write(&file, b"").expect("file");
+    let prefix = file.join("env");
+    let error = env.run(&prefix, json!({"kind": "create", "specs": ["tinyutil"]})).error();
+    assert!(error.starts_with(&format!("Prefix {} is not writable: ", prefix.display())), "{error}");
+}
+
+#[test]
+fn bad_request_exits_2_with_a_response() {
+    let run = provision(b"{not json");
+    assert_eq!(run.code, 2);
+    assert!(
+        run.response["error"]
+            .as_str()
+            .expect("error")
+            .starts_with("the request is not a valid provisioning request")
+    );
+}
+
+/// Serves `dir` over plain HTTP/1.1 on loopback (one request per connection) and counts
+/// the requests; the thread ends with the test process.
+fn serve(dir: PathBuf) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let count = Arc::new(AtomicUsize::new(0));
+    let counter = count.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            counter.fetch_add(1, Ordering::SeqCst);
+            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+            let mut line = String::new();
+            if reader.read_line(&mut line).is_err() {
+                continue;
+            }
+            loop {
+                let mut header = String::new();
+                if reader.read_line(&mut header).map_or(true, |n| n == 0) || header == "\r\n" {
+                    break;
+                }
+            }
+            let mut parts = line.split_whitespace();
+            let method = parts.next().unwrap_or("");
+            let path = parts.next().unwrap_or("/").trim_start_matches('/');
+            let file = dir.join(path);
+            let body = if path.contains("..") { None } else { std::fs::read(&file).ok() };
+            let head = match &body {
+                Some(body) => {
+                    format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
+                }
+                None => {
+                    "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string()
+                }
+            };
+            let _ = stream.write_all(head.as_bytes());
+            if let (Some(body), false) = (body, method == "HEAD") {
+                let _ = stream.write_all(&body);
+            }
+            let _ = stream.flush();
+            let mut rest = Vec::new();
+            let _ = stream.set_read_timeout(Some(std::time::Duration::from_millis(10)));
+            let _ = stream.read_to_end(&mut rest);
+        }
+    });
+    (url, count)
+}
+
+#[test]
+fn http_channel_then_offline_from_the_cache_alone() {
+    let env = Env::new();
+    let (url, requests) = serve(env.root.join("channel"));
+    let online = env.prefix("online");
+    let created = env.run_with(&online, json!({"kind": "create", "specs": ["tinylib"]}), &[&url], false).ok();
+    assert_eq!(names(&created), ["tinylib-1.0", "tinyutil-2.0"]);
+    assert_eq!(created["installed"][0]["channel"], url.as_str());
+    let served = requests.load(Ordering::SeqCst);
+    assert!(served > 0);
+    // The channel's own directory goes away: only the package and repodata caches remain.
+    std::fs::remove_dir_all(env.root.join("channel")).expect("remove the channel");
+    let offline = env.prefix("offline");
+    let again = env.run_with(&offline, json!({"kind": "create", "specs": ["tinylib"]}), &[&url], true).ok();
+    assert_eq!(names(&again), ["tinylib-1.0", "tinyutil-2.0"]);
+    let clone = env.prefix("clone");
+    env.run_with(&clone, json!({"kind": "clone", "source": online}), &[], true).ok();
+    assert_eq!(requests.load(Ordering::SeqCst), served, "offline runs open no connection");
+    let unknown = env.run_with(
+        &env.prefix("x"),
+        json!({"kind": "create", "specs": ["tinylib"]}),
+        &["http://127.0.0.1:9/none"],
+        true,
+    );
+    assert!(
+        unknown.error().starts_with("Channel http://127.0.0.1:9/none could not be read: "),
+        "{}",
+        unknown.error()
+    );
+}
+
+#[test]
+fn python_from_host_runs_as_the_prefix_and_ensurepip_works_offline() {
+    let Some(python) = test_channel::host_python() else {
+        eprintln!("SKIP: no host python3 to package");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut channel = Channel::new(dir.path().join("channel"));
+    channel.python_from_host(&python).expect("python package");
+    channel.stub_r_base("4.4.0").expect("r-base");
+    channel.index().expect("index");
+    let prefix = dir.path().join("env");
+    let request = json!({
+        "op": {"kind": "create", "specs": ["python", "r-base"]},
+        "prefix": prefix,
+        "channels": [channel.url()],
+        "cacheDir": dir.path().join("cache"),
+        "offline": true,
+    });
+    let response = provision(request.to_string().as_bytes()).ok();
+    assert_eq!(response["installed"][0]["name"], "python");
+    assert_eq!(response["installed"][0]["subdir"], "linux-64");
+    let interpreter = prefix.join("bin/python");
+    let run = |args: &[&str]| {
+        let out = Command::new(&interpreter)
+            .args(args)
+            .env_clear()
+            .env("HOME", dir.path())
+            .env("PATH", "/usr/bin:/bin")
+            .output()
+            .expect("run the environment's python");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(run(&["-I", "-c", "import sys; print(sys.prefix)"]), prefix.display().to_string());
+    run(&["-I", "-m", "ensurepip", "--default-pip"]);
+    let pip = run(&["-I", "-m", "pip", "--version"]);
+    assert!(pip.contains(&prefix.display().to_string()), "pip lives in the prefix: {pip}");
+    let r = Command::new(prefix.join("bin/R")).args(["--vanilla", "--slave"]).output().expect("stub R");
+    assert_eq!(r.stdout, b"stub R --vanilla --slave\n");
+}

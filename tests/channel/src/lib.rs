@@ -1,0 +1,415 @@
+//! Tiny conda channels built offline, for the provisioner's and runnerd's tests and for
+//! benchmarks: real `.tar.bz2` and `.conda` archives (written with rattler's own writer) with
+//! `info/index.json`, `info/paths.json` and `info/files`, a corrupt archive, a `python`
+//! package made from the host's interpreter, a stub `r-base`, and `repodata.json` per subdir.
+//!
+//! ```no_run
+//! # use test_channel::*;
+//! let mut channel = Channel::new("/tmp/channel");
+//! channel.package(Pkg::noarch("tinyutil", "1.0").file("bin/tinyutil", b"#!/bin/sh\necho 1\n", true))?;
+//! channel.index()?;
+//! # Ok::<(), ChannelError>(())
+//! ```
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use rattler_conda_types::compression_level::CompressionLevel;
+use rattler_digest::{Md5, Sha256, compute_bytes_digest};
+use serde_json::{Value, json};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    #[error("{0} could not be written")]
+    Write(PathBuf, #[source] std::io::Error),
+    #[error("the interpreter {0} could not be run")]
+    Interpreter(PathBuf, #[source] std::io::Error),
+    #[error("the interpreter {0} did not report its version and executable")]
+    InterpreterOutput(PathBuf),
+    #[error("{0} is not an ELF executable (a shim or script?)")]
+    NotElf(PathBuf),
+}
+
+/// The archive format of a package.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    TarBz2,
+    Conda,
+}
+
+/// One package to write. `files` are `(path in the prefix, bytes, executable)`.
+#[derive(Debug, Clone)]
+pub struct Pkg {
+    pub name: String,
+    pub version: String,
+    pub build: String,
+    pub build_number: u64,
+    pub depends: Vec<String>,
+    /// `noarch` or `linux-64`.
+    pub subdir: String,
+    pub format: Format,
+    pub files: Vec<(String, Vec<u8>, bool)>,
+    /// `(path in the prefix, target)`: symbolic links, relative targets inside the prefix.
+    pub symlinks: Vec<(String, String)>,
+}
+
+impl Pkg {
+    /// A `noarch` `.tar.bz2` package, build `0`, no dependencies, no files.
+    pub fn noarch(name: &str, version: &str) -> Self {
+        Pkg {
+            name: name.into(),
+            version: version.into(),
+            build: "0".into(),
+            build_number: 0,
+            depends: Vec::new(),
+            subdir: "noarch".into(),
+            format: Format::TarBz2,
+            files: Vec::new(),
+            symlinks: Vec::new(),
+        }
+    }
+
+    pub fn depends(mut self, spec: &str) -> Self {
+        self.depends.push(spec.into());
+        self
+    }
+
+    pub fn file(mut self, path: &str, bytes: &[u8], executable: bool) -> Self {
+        self.files.push((path.into(), bytes.to_vec(), executable));
+        self
+    }
+
+    pub fn symlink(mut self, path: &str, target: &str) -> Self {
+        self.symlinks.push((path.into(), target.into()));
+        self
+    }
+
+    pub fn format(mut self, format: Format) -> Self {
+        self.format = format;
+        self
+    }
+
+    pub fn subdir(mut self, subdir: &str) -> Self {
+        self.subdir = subdir.into();
+        self
+    }
+
+    /// `name-version-build.tar.bz2` / `.conda`.
+    pub fn file_name(&self) -> String {
+        let ext = match self.format {
+            Format::TarBz2 => "tar.bz2",
+            Format::Conda => "conda",
+        };
+        format!("{}-{}-{}.{ext}", self.name, self.version, self.build)
+    }
+
+    fn index_json(&self) -> Value {
+        let mut index = json!({
+            "name": self.name,
+            "version": self.version,
+            "build": self.build,
+            "build_number": self.build_number,
+            "depends": self.depends,
+            "subdir": self.subdir,
+        });
+        if self.subdir == "noarch" {
+            index["noarch"] = json!("generic");
+        }
+        index
+    }
+}
+
+/// A channel directory being built; [`Channel::index`] writes the repodata at the end.
+#[derive(Debug)]
+pub struct Channel {
+    dir: PathBuf,
+    /// subdir → file name → repodata record.
+    records: BTreeMap<String, BTreeMap<String, Value>>,
+}
+
+impl Channel {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Channel { dir: dir.into(), records: BTreeMap::new() }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The channel's `file://` URL.
+    pub fn url(&self) -> String {
+        format!("file://{}", self.dir.display())
+    }
+
+    /// Writes `pkg`'s archive into its subdir and records it for the repodata.
+    pub fn package(&mut self, pkg: Pkg) -> Result<PathBuf, ChannelError> {
+        let stage = self.dir.join(".stage").join(pkg.file_name());
+        let _ = fs::remove_dir_all(&stage);
+        let mut paths = Vec::new();
+        let mut entries = Vec::new();
+        for (path, bytes, executable) in &pkg.files {
+            let target = stage.join(path);
+            write(&target, bytes)?;
+            if *executable {
+                use std::os::unix::fs::PermissionsExt;
+                fs::set_permissions(&target, fs::Permissions::from_mode(0o755))
+                    .map_err(|e| ChannelError::Write(target.clone(), e))?;
+            }
+            paths.push(stage.join(path));
+            entries.push(json!({
+                "_path": path,
+                "path_type": "hardlink",
+                "sha256": hex(&compute_bytes_digest::<Sha256>(bytes)),
+                "size_in_bytes": bytes.len(),
+            }));
+        }
+        for (path, target) in &pkg.symlinks {
+            let link = stage.join(path);
+            if let Some(dir) = link.parent() {
+                fs::create_dir_all(dir).map_err(|e| ChannelError::Write(link.clone(), e))?;
+            }
+            std::os::unix::fs::symlink(target, &link).map_err(|e| ChannelError::Write(link.clone(), e))?;
+            paths.push(link);
+            entries.push(json!({ "_path": path, "path_type": "softlink" }));
+        }
+        let files: String = pkg
+            .files
+            .iter()
+            .map(|(p, _, _)| p)
+            .chain(pkg.symlinks.iter().map(|(p, _)| p))
+            .map(|p| format!("{p}\n"))
+            .collect();
+        let info = [
+            ("info/index.json", pkg.index_json().to_string()),
+            ("info/paths.json", json!({ "paths": entries, "paths_version": 1 }).to_string()),
+            ("info/files", files),
+        ];
+        for (path, text) in info {
+            write(&stage.join(path), text.as_bytes())?;
+            paths.push(stage.join(path));
+        }
+        let archive = self.dir.join(&pkg.subdir).join(pkg.file_name());
+        write_archive(&pkg, &stage, &paths, &archive)?;
+        let _ = fs::remove_dir_all(&stage);
+        self.record(&pkg, &archive)?;
+        Ok(archive)
+    }
+
+    /// A `noarch` `.tar.bz2` archive `name-version-0` whose bytes are garbage (not bzip2),
+    /// listed in the repodata with the md5/sha256/size **of the garbage**: the hash check
+    /// passes and the failure is the archive itself, as with a truncated or mangled upload.
+    pub fn corrupt(&mut self, name: &str, version: &str) -> Result<PathBuf, ChannelError> {
+        let pkg = Pkg::noarch(name, version);
+        let archive = self.dir.join("noarch").join(pkg.file_name());
+        write(&archive, b"this is not a bzip2 stream, nor a tar archive\n")?;
+        self.record(&pkg, &archive)?;
+        Ok(archive)
+    }
+
+    /// A `linux-64` `python` package whose version is `interpreter`'s: a **copy** of the real
+    /// interpreter binary as `bin/pythonX.Y` (a symlink would break where runnerd masks the
+    /// host interpreter by binding `/dev/null` onto its real path), `bin/python3` and
+    /// `bin/python` as relative links to it (inside the prefix, so never masked), and a
+    /// `pyvenv.cfg` whose `home` is the host interpreter's directory so that the standard
+    /// library (and `ensurepip`'s bundled pip) come from the host.
+    ///
+    /// `interpreter` is resolved to the real ELF by asking it for `sys.executable` and
+    /// following symlinks (pyenv's `python3` on PATH is a shell shim); see [`host_python`].
+    pub fn python_from_host(&mut self, interpreter: &Path) -> Result<PathBuf, ChannelError> {
+        let (version, real) = interpreter_facts(interpreter)?;
+        let bytes = fs::read(&real).map_err(|e| ChannelError::Interpreter(real.clone(), e))?;
+        if !bytes.starts_with(b"\x7fELF") {
+            return Err(ChannelError::NotElf(real));
+        }
+        let short: String = version.split('.').take(2).collect::<Vec<_>>().join(".");
+        let home = real.parent().unwrap_or(Path::new("/")).display().to_string();
+        let cfg = format!("home = {home}\ninclude-system-site-packages = false\nversion = {version}\n");
+        let pkg = Pkg {
+            name: "python".into(),
+            version: version.clone(),
+            build: "0_host".into(),
+            build_number: 0,
+            depends: Vec::new(),
+            subdir: "linux-64".into(),
+            format: Format::Conda,
+            files: vec![
+                (format!("bin/python{short}"), bytes, true),
+                ("pyvenv.cfg".into(), cfg.into_bytes(), false),
+            ],
+            symlinks: vec![
+                ("bin/python3".into(), format!("python{short}")),
+                ("bin/python".into(), format!("python{short}")),
+            ],
+        };
+        self.package(pkg)
+    }
+
+    /// A stub `r-base` (`noarch`): `bin/R` is a shell script that echoes its arguments, for
+    /// wiring tests on machines without R.
+    pub fn stub_r_base(&mut self, version: &str) -> Result<PathBuf, ChannelError> {
+        let script = b"#!/bin/sh\necho \"stub R $*\"\n";
+        self.package(Pkg::noarch("r-base", version).file("bin/R", script, true))
+    }
+
+    /// Writes `repodata.json` for `noarch` and `linux-64` (empty ones too: a conda channel
+    /// always has both).
+    pub fn index(&self) -> Result<(), ChannelError> {
+        for subdir in ["noarch", "linux-64"] {
+            let mut packages = serde_json::Map::new();
+            let mut conda = serde_json::Map::new();
+            for (file, record) in self.records.get(subdir).into_iter().flatten() {
+                let map = if file.ends_with(".conda") { &mut conda } else { &mut packages };
+                map.insert(file.clone(), record.clone());
+            }
+            let repodata = json!({
+                "info": { "subdir": subdir },
+                "packages": packages,
+                "packages.conda": conda,
+                "repodata_version": 1,
+            });
+            let path = self.dir.join(subdir).join("repodata.json");
+            write(&path, serde_json::to_string_pretty(&repodata).unwrap_or_default().as_bytes())?;
+        }
+        let _ = fs::remove_dir_all(self.dir.join(".stage"));
+        Ok(())
+    }
+
+    fn record(&mut self, pkg: &Pkg, archive: &Path) -> Result<(), ChannelError> {
+        let bytes = fs::read(archive).map_err(|e| ChannelError::Write(archive.to_path_buf(), e))?;
+        let mut record = pkg.index_json();
+        record["md5"] = json!(hex(&compute_bytes_digest::<Md5>(&bytes)));
+        record["sha256"] = json!(hex(&compute_bytes_digest::<Sha256>(&bytes)));
+        record["size"] = json!(bytes.len());
+        self.records.entry(pkg.subdir.clone()).or_default().insert(pkg.file_name(), record);
+        Ok(())
+    }
+}
+
+/// The host interpreter to copy: `/usr/bin/python3` when it exists (the distribution's,
+/// what CI has), else whatever `python3` on PATH reports as `sys.executable`.
+pub fn host_python() -> Option<PathBuf> {
+    let system = Path::new("/usr/bin/python3");
+    if system.exists() {
+        return Some(system.to_path_buf());
+    }
+    interpreter_facts(Path::new("python3")).ok().map(|(_, real)| real)
+}
+
+/// `X.Y.Z` and the real (symlink-free) path of the interpreter's executable.
+fn interpreter_facts(interpreter: &Path) -> Result<(String, PathBuf), ChannelError> {
+    let output = Command::new(interpreter)
+        .args(["-I", "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3]); print(sys.executable)"])
+        .output()
+        .map_err(|e| ChannelError::Interpreter(interpreter.to_path_buf(), e))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let mut lines = text.lines();
+    let (Some(version), Some(executable)) = (lines.next(), lines.next()) else {
+        return Err(ChannelError::InterpreterOutput(interpreter.to_path_buf()));
+    };
+    let real =
+        fs::canonicalize(executable).map_err(|e| ChannelError::Interpreter(PathBuf::from(executable), e))?;
+    Ok((version.to_string(), real))
+}
+
+fn write_archive(pkg: &Pkg, stage: &Path, paths: &[PathBuf], archive: &Path) -> Result<(), ChannelError> {
+    let failed = |e| ChannelError::Write(archive.to_path_buf(), e);
+    if let Some(dir) = archive.parent() {
+        fs::create_dir_all(dir).map_err(failed)?;
+    }
+    let file = fs::File::create(archive).map_err(failed)?;
+    let level = CompressionLevel::Default;
+    match pkg.format {
+        Format::TarBz2 => {
+            rattler_package_streaming::write::write_tar_bz2_package(file, stage, paths, level, None, None)
+        }
+        Format::Conda => {
+            let out_name = format!("{}-{}-{}", pkg.name, pkg.version, pkg.build);
+            rattler_package_streaming::write::write_conda_package(
+                file,
+                stage,
+                paths,
+                level,
+                Some(1),
+                &out_name,
+                None,
+                None,
+            )
+        }
+    }
+    .map_err(failed)
+}
+
+fn write(path: &Path, bytes: &[u8]) -> Result<(), ChannelError> {
+    let failed = |e| ChannelError::Write(path.to_path_buf(), e);
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(failed)?;
+    }
+    fs::write(path, bytes).map_err(failed)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The demo channel of `make-test-channel`: `tinyutil` 1.0 and 2.0 (`.tar.bz2`), `tinylib`
+/// 1.0 (`.conda`) depending on `tinyutil`, `broken` (corrupt), a stub `r-base`, and `python`
+/// from the host when one is found.
+pub fn demo(dir: &Path) -> Result<Channel, ChannelError> {
+    let mut channel = Channel::new(dir);
+    for version in ["1.0", "2.0"] {
+        let script = format!("#!/bin/sh\necho tinyutil {version}\n");
+        channel.package(Pkg::noarch("tinyutil", version).file("bin/tinyutil", script.as_bytes(), true))?;
+    }
+    channel.package(Pkg::noarch("tinylib", "1.0").depends("tinyutil >=1.0").format(Format::Conda).file(
+        "share/tinylib/data.txt",
+        b"tinylib data\n",
+        false,
+    ))?;
+    channel.corrupt("broken", "1.0")?;
+    channel.stub_r_base("4.4.0")?;
+    if let Some(python) = host_python() {
+        channel.python_from_host(&python)?;
+    }
+    channel.index()?;
+    Ok(channel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_archives_and_repodata() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut channel = Channel::new(dir.path());
+        let bz2 = channel.package(Pkg::noarch("a", "1.0").file("bin/a", b"a", true)).expect("bz2");
+        let conda =
+            channel.package(Pkg::noarch("b", "1.0").depends("a").format(Format::Conda)).expect("conda");
+        channel.corrupt("c", "1.0").expect("corrupt");
+        channel.index().expect("index");
+        assert!(fs::read(&bz2).expect("read").starts_with(b"BZh"), "bzip2 magic");
+        assert!(fs::read(&conda).expect("read").starts_with(b"PK"), "zip magic");
+        let repodata: Value =
+            serde_json::from_slice(&fs::read(dir.path().join("noarch/repodata.json")).expect("repodata"))
+                .expect("json");
+        assert_eq!(repodata["packages"]["a-1.0-0.tar.bz2"]["name"], "a");
+        assert_eq!(repodata["packages.conda"]["b-1.0-0.conda"]["depends"][0], "a");
+        assert_eq!(repodata["packages"]["c-1.0-0.tar.bz2"]["size"], 46);
+        assert!(dir.path().join("linux-64/repodata.json").exists());
+    }
+
+    #[test]
+    fn python_from_host_is_a_copy() {
+        let Some(python) = host_python() else {
+            eprintln!("SKIP: no host python3");
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut channel = Channel::new(dir.path());
+        let archive = channel.python_from_host(&python).expect("python");
+        assert!(archive.starts_with(dir.path().join("linux-64")));
+        assert!(fs::metadata(&archive).expect("archive").len() > 1_000_000, "holds the ELF");
+    }
+}
