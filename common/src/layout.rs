@@ -61,10 +61,10 @@ pub const ENV_CATALOG: &str = "catalog.json";
 pub const ENV_SNAPSHOTS: &str = "snapshots";
 /// `<data>/scientific-envs/wheels/<sha256>/<file>.whl`: local wheels, persisted by content.
 pub const ENV_WHEELS: &str = "wheels";
-/// `<data>/scientific-envs/pkgs/`: the conda package cache (extracted packages hard-linked
-/// into the prefixes, so it lives on their filesystem). The original's micromamba kept it
-/// in `provisioner/pkgs/`; we have no micromamba root.
-pub const ENV_PACKAGE_CACHE: &str = "pkgs";
+/// `<data>/scientific-envs/provisioner/`: runner-provisioner's cache, `pkgs/` (extracted
+/// packages, copied into prefixes) and `repodata/`, as the original's micromamba root
+/// (`MAMBA_ROOT_PREFIX`) kept `provisioner/pkgs/`.
+pub const ENV_PACKAGE_CACHE: &str = "provisioner";
 
 /// `<state>/npu-jobs/jobs.json`: the NPU broker's job records (the original kept them in its
 /// data directory; npu-brokerd keeps them in its own state directory, with the same names).
@@ -110,7 +110,7 @@ mod tests {
             (envs.join(ENV_CATALOG), "/d/scientific-envs/catalog.json"),
             (envs.join(ENV_SNAPSHOTS), "/d/scientific-envs/snapshots"),
             (envs.join(ENV_WHEELS), "/d/scientific-envs/wheels"),
-            (envs.join(ENV_PACKAGE_CACHE), "/d/scientific-envs/pkgs"),
+            (envs.join(ENV_PACKAGE_CACHE), "/d/scientific-envs/provisioner"),
             (npu_jobs_file(data), "/d/npu-jobs/jobs.json"),
             (data.join(RUNNER_EXECUTIONS).join(EXECUTIONS_DB), "/d/runner-executions/executions.sqlite"),
             (data.join(RUNNER_EXECUTIONS).join(LEASE_JOURNAL), "/d/runner-executions/active-leases"),

@@ -269,9 +269,15 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         delegated = limits.delegated,
         reasons = %limits.reasons.join("; "),
     );
-    let provisioner = crate::startup::locate_helper(config.scientific.provisioner.clone(), "runner-provisioner");
-    let envs = crate::envs::store::EnvStore::open(&config.data_dir, config.scientific.clone(), provisioner)
-        .with_context(|| format!("opening the scientific environments under {}", config.data_dir.display()))?;
+    let provisioner =
+        crate::startup::locate_helper(config.scientific.provisioner.clone(), "runner-provisioner");
+    let envs = crate::envs::store::EnvStore::open(
+        &config.data_dir,
+        config.scientific.clone(),
+        provisioner,
+        &sandbox.user,
+    )
+    .with_context(|| format!("opening the scientific environments under {}", config.data_dir.display()))?;
     if std::env::var_os("SCIENCE_AGENT_PROVISIONER_PATH").is_some() {
         tracing::warn!(
             event = "setting_ignored",

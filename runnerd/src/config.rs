@@ -196,7 +196,7 @@ impl RunnerConfig {
                 .into(),
             egress_bridge: get("SCIENCE_AGENT_EGRESS_BRIDGE_PATH").map(PathBuf::from),
             accel: crate::accel::AccelConfig::from_vars(&get),
-            limits: crate::limits::LimitSettings::from_vars(&get)?,
+            limits: crate::limits::LimitSettings::from_vars(get)?,
             scientific: crate::envs::settings::EnvSettings::from_vars(get)?,
         })
     }

@@ -192,8 +192,14 @@ fn env_arity(sub: Option<&str>) -> Result<std::ops::RangeInclusive<usize>, Strin
         Some("create" | "rm") => 2..=2,
         Some("revisions") => 1..=2,
         Some("install" | "uninstall") => 3..=usize::MAX,
-        Some(other) => return Err(format!("unknown env command {other:?} (ls, setup, create, install, uninstall, rm, revisions)")),
-        None => return Err("env needs a command (ls, setup, create, install, uninstall, rm, revisions)".into()),
+        Some(other) => {
+            return Err(format!(
+                "unknown env command {other:?} (ls, setup, create, install, uninstall, rm, revisions)"
+            ));
+        }
+        None => {
+            return Err("env needs a command (ls, setup, create, install, uninstall, rm, revisions)".into());
+        }
     })
 }
 
@@ -361,7 +367,8 @@ async fn environments(client: &RunnerClient, o: &Options) -> anyhow::Result<i32>
         }
         "setup" => (client.get("/environment-setup").await?, 200),
         "create" => {
-            let mut body = serde_json::json!({"name": args[1], "language": o.language.as_deref().unwrap_or("python")});
+            let mut body =
+                serde_json::json!({"name": args[1], "language": o.language.as_deref().unwrap_or("python")});
             if let Some(base) = &o.base {
                 body["baseEnvironmentId"] = base.clone().into();
             }
@@ -385,7 +392,10 @@ async fn environments(client: &RunnerClient, o: &Options) -> anyhow::Result<i32>
             let body = serde_json::json!({"packages": args[2..]});
             (client.post_json(&format!("/environments/{}/uninstall", enc(&args[1])), &body).await?, 201)
         }
-        "rm" => (client.send_bytes("DELETE", &format!("/environments/{}", enc(&args[1])), &[], Vec::new()).await?, 200),
+        "rm" => (
+            client.send_bytes("DELETE", &format!("/environments/{}", enc(&args[1])), &[], Vec::new()).await?,
+            200,
+        ),
         _ => {
             let reply = client.get("/environment-revisions").await?;
             if reply.status != 200 {

@@ -128,8 +128,12 @@ try:
     print("write=allowed")
 except OSError:
     print("write=refused")
-r = subprocess.run(["/usr/bin/python3", "-c", "print('host')"], capture_output=True, text=True)
-print("host-python=" + (r.stdout.strip() or "masked"))
+try:
+    r = subprocess.run(["/usr/bin/python3", "-c", "print('host')"], capture_output=True, text=True)
+    print("host-python=" + (r.stdout.strip() or "masked"))
+except OSError:
+    print("host-python=masked")
+print("host-python-size=%d" % os.path.getsize(os.path.realpath("/usr/bin/python3")))
 print("path=" + os.environ["PATH"])
 "#;
 
@@ -161,12 +165,14 @@ async fn setup_creates_the_starter_and_python_runs_in_it_read_only_with_host_int
     assert!(out.contains("executable=/opt/science-env/bin/python"), "{out}");
     assert!(out.contains("tinyutil=tinyutil 1.0\n"), "{out}");
     assert!(out.contains("write=refused\n"), "the prefix is read-only: {out}");
-    assert!(out.contains("host-python=masked\n"), "host interpreters are masked: {out}");
+    assert!(out.contains("host-python=masked\nhost-python-size=0\n"), "host interpreters are masked: {out}");
     assert!(out.contains("path=/opt/science-env/bin:/usr/bin\n"), "{out}");
     assert_eq!(v["environmentRevisionId"], rev.as_str());
     // The prefix is also at its own path (conda prefixes embed it).
     let prefix = s.path(&format!("scientific-envs/revisions/starter-python/{rev}"));
-    let (_, v) = python(s, None, &format!("import os; print(os.path.isdir({:?}))", prefix.display().to_string())).await;
+    let (_, v) =
+        python(s, None, &format!("import os; print(os.path.isdir({:?}))", prefix.display().to_string()))
+            .await;
     assert_eq!(v["stdout"], "True\n", "{v}");
 }
 
@@ -181,7 +187,10 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     assert_eq!(status, 201, "{env}");
     let id = env["id"].as_str().unwrap().to_owned();
     assert!(id.starts_with("task-"), "{env}");
-    assert_eq!((env["kind"].as_str(), env["baseEnvironmentId"].as_str()), (Some("task"), Some("starter-python")));
+    assert_eq!(
+        (env["kind"].as_str(), env["baseEnvironmentId"].as_str()),
+        (Some("task"), Some("starter-python"))
+    );
     let first = env["currentRevisionId"].as_str().unwrap().to_owned();
     let runtime = env["runtimeRevisionId"].as_str().unwrap().to_owned();
     assert_eq!(first, runtime);
@@ -189,15 +198,22 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     assert_eq!(status, 400, "names are unique case-insensitively: {again}");
 
     // Upgrade in place: a new revision, the same prefix.
-    let (status, rev) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil=2.0"]})).await;
+    let (status, rev) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil=2.0"]})).await;
     assert_eq!(status, 201, "{rev}");
     let second = rev["id"].as_str().unwrap().to_owned();
     assert_ne!(second, first);
     assert_eq!(rev["environmentId"], id.as_str());
-    assert!(rev["packages"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("tinyutil=2.0=")), "{rev}");
+    assert!(
+        rev["packages"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("tinyutil=2.0=")),
+        "{rev}"
+    );
     let (_, list) = get(s, "/environments").await;
     let e = environment(&list, &id);
-    assert_eq!((e["currentRevisionId"].as_str(), e["runtimeRevisionId"].as_str()), (Some(second.as_str()), Some(runtime.as_str())));
+    assert_eq!(
+        (e["currentRevisionId"].as_str(), e["runtimeRevisionId"].as_str()),
+        (Some(second.as_str()), Some(runtime.as_str()))
+    );
     let v = shell(s, Some(&id), "tinyutil; echo \"$PATH\"").await;
     assert_eq!(v["stdout"], "tinyutil 2.0\n/opt/science-env/bin:/usr/bin:/bin\n", "{v}");
     assert_eq!(v["environmentRevisionId"], second.as_str());
@@ -206,7 +222,7 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     let reply = s.client().get(&format!("/environment-revisions/{second}/snapshot")).await.unwrap();
     assert_eq!(reply.status, 200);
     assert_eq!(reply.header("content-type"), Some("application/json; charset=utf-8"));
-    let hash = format!("{:x}", sha2::Sha256::digest(&reply.body));
+    let hash: String = sha2::Sha256::digest(&reply.body).iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(rev["snapshot"]["hash"], hash.as_str());
     assert_eq!(rev["snapshot"]["size"], reply.body.len());
     assert_eq!(rev["packageSpecHash"], hash.as_str());
@@ -214,7 +230,10 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     assert_eq!(snap["format"], "sciencediscovery-environment-revision-v2");
     assert_eq!(snap["requestedChanges"], json!(["conda:tinyutil=2.0"]));
     assert_eq!(snap["reconstruction"]["status"], "reference-only");
-    assert!(reply.body.ends_with(b"}\n") && reply.body.starts_with(b"{\n  \""), "2-space pretty with a newline");
+    assert!(
+        reply.body.ends_with(b"}\n") && reply.body.starts_with(b"{\n  \""),
+        "2-space pretty with a newline"
+    );
 
     // Only the current revision runs.
     let (status, v) = python(s, Some(&first), "print(1)").await;
@@ -225,7 +244,8 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     assert_eq!(v["error"], "Unknown environment revision; select a current environment");
 
     // A failed install keeps the revision, fails the environment, and a later one repairs it.
-    let (status, v) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["no-such-package"]})).await;
+    let (status, v) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["no-such-package"]})).await;
     assert_eq!(status, 400, "{v}");
     let (_, list) = get(s, "/environments").await;
     let e = environment(&list, &id);
@@ -238,15 +258,19 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     let reply = s.client().post_signed("/execute-shell", &body).await.unwrap();
     assert_eq!(reply.status, 400);
     assert!(reply.json()["error"].as_str().unwrap().contains("is failed"), "{}", reply.json());
-    let (status, rev3) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinylib"]})).await;
+    let (status, rev3) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinylib"]})).await;
     assert_eq!(status, 201, "{rev3}");
     let (_, list) = get(s, "/environments").await;
     assert_eq!(environment(&list, &id)["status"], "ready");
 
     // Uninstall.
-    let (status, rev4) = post(s, &format!("/environments/{id}/uninstall"), json!({"packages": ["tinylib"]})).await;
+    let (status, rev4) =
+        post(s, &format!("/environments/{id}/uninstall"), json!({"packages": ["tinylib"]})).await;
     assert_eq!(status, 201, "{rev4}");
-    assert!(!rev4["packages"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("tinylib=")));
+    assert!(
+        !rev4["packages"].as_array().unwrap().iter().any(|p| p.as_str().unwrap().starts_with("tinylib="))
+    );
 
     // Tampered snapshot bytes are refused.
     let file = s.path(&format!("scientific-envs/snapshots/{second}.json"));
@@ -260,9 +284,11 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     // Starters are read-only and undeletable; delete keeps revisions and snapshots.
     let (status, _) = post(s, "/environments/starter-python/install", json!({"packages": ["tinylib"]})).await;
     assert_eq!(status, 400);
-    let reply = s.client().send_bytes("DELETE", "/environments/starter-python", &[], Vec::new()).await.unwrap();
+    let reply =
+        s.client().send_bytes("DELETE", "/environments/starter-python", &[], Vec::new()).await.unwrap();
     assert_eq!(reply.status, 400);
-    let reply = s.client().send_bytes("DELETE", &format!("/environments/{id}"), &[], Vec::new()).await.unwrap();
+    let reply =
+        s.client().send_bytes("DELETE", &format!("/environments/{id}"), &[], Vec::new()).await.unwrap();
     assert_eq!((reply.status, reply.json()), (200, json!({"deleted": id})));
     let (_, revisions) = get(s, "/environment-revisions").await;
     let kept = revisions.as_array().unwrap().iter().filter(|r| r["environmentId"] == id.as_str()).count();
@@ -323,8 +349,12 @@ async fn the_catalog_survives_a_restart_and_an_interrupted_update_becomes_failed
     let (_, list) = get(&restarted, "/environments").await;
     let e = environment(&list, &id);
     assert_eq!(e["status"], "failed");
-    assert_eq!(e["error"], "Environment update was interrupted; repair through environment management before execution.");
-    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&catalog_path).unwrap().permissions());
+    assert_eq!(
+        e["error"],
+        "Environment update was interrupted; repair through environment management before execution."
+    );
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&catalog_path).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600);
 }
 
@@ -340,12 +370,23 @@ async fn the_provisioning_sandbox_sees_only_its_prefix_and_never_the_token() {
     let (status, env) = post(s, "/environments", json!({"name": "r-probe", "language": "r"})).await;
     assert_eq!(status, 201, "{env}\n{}", s.stderr());
     let id = env["id"].as_str().unwrap().to_owned();
-    let (status, v) = post(s, &format!("/environments/{id}/install"), json!({"packages": ["survival"], "manager": "cran"})).await;
+    let (status, v) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["survival"], "manager": "cran"}))
+            .await;
     assert_eq!(status, 201, "{v}\n{}", s.stderr());
-    let probe = s.path(&format!("scientific-envs/revisions/{id}/{}/probe.txt", env["runtimeRevisionId"].as_str().unwrap()));
+    let probe = s.path(&format!(
+        "scientific-envs/revisions/{id}/{}/probe.txt",
+        env["runtimeRevisionId"].as_str().unwrap()
+    ));
     let seen = std::fs::read_to_string(&probe).unwrap();
-    for line in ["catalog=missing", "projects=missing", "starter=missing", "runner-variables=unset", "writable-usr=no"] {
-        assert!(seen.contains(&line), "{line:?} not in:\n{seen}");
+    for line in [
+        "catalog=missing",
+        "projects=missing",
+        "starter=missing",
+        "runner-variables=unset",
+        "writable-usr=no",
+    ] {
+        assert!(seen.contains(line), "{line:?} not in:\n{seen}");
     }
     assert!(seen.contains("args: --vanilla --slave -e install.packages"), "{seen}");
 }
@@ -359,10 +400,18 @@ async fn setup_and_routes_refuse_clearly() {
     let s = &envs.server;
     let cases: &[(&str, Value, &str)] = &[
         ("/environment-setup", json!({}), "Scientific environment setup requires explicit confirmation"),
-        ("/environment-setup", json!({"confirmed": "yes"}), "Scientific environment setup requires explicit confirmation"),
+        (
+            "/environment-setup",
+            json!({"confirmed": "yes"}),
+            "Scientific environment setup requires explicit confirmation",
+        ),
         ("/environments", json!({"name": "", "language": "python"}), "Environment name"),
         ("/environments", json!({"name": "-bad", "language": "python"}), "Environment name"),
-        ("/environments", json!({"name": "x", "language": "julia"}), "Unsupported environment language: julia"),
+        (
+            "/environments",
+            json!({"name": "x", "language": "julia"}),
+            "Unsupported environment language: julia",
+        ),
         ("/environments/starter-python/install", json!({"packages": ["x"]}), "read-only"),
         ("/environments/task-0000/install", json!({"packages": ["x"]}), "Environment not found: task-0000"),
     ];
@@ -375,16 +424,25 @@ async fn setup_and_routes_refuse_clearly() {
     let id = env["id"].as_str().unwrap().to_owned();
     let install = format!("/environments/{id}/install");
     let cases: &[(Value, &str)] = &[
-        (json!({"packages": []}), "packages"),
+        (json!({"packages": []}), "At least one package is required"),
         (json!({"packages": ["--extra-index-url=https://x"], "manager": "pip"}), ""),
         (json!({"packages": ["a b"]}), ""),
-        (json!({"packages": ["x"], "channels": ["https://attacker.example/conda"]}), "Package channels are not allowed"),
+        (
+            json!({"packages": ["x"], "channels": ["https://attacker.example/conda"]}),
+            "Package channels are not allowed",
+        ),
         (json!({"packages": ["x"], "manager": "pip", "indexUrl": "http://pypi.example/simple"}), "HTTPS"),
-        (json!({"packages": ["x"], "manager": "npm"}), "Unsupported package manager: npm"),
+        (
+            json!({"packages": ["x"], "manager": "npm"}),
+            "Package manager must be conda, pip, cran or bioconductor: npm",
+        ),
         (json!({"packages": ["../escape.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}), ""),
         (json!({"packages": ["/etc/passwd.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}), ""),
         (json!({"packages": ["x.whl"], "manager": "pip", "runnerWorkspaceKey": "../escape"}), ""),
-        (json!({"packages": ["https://example.org/x-1.0-py3-none-any.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}), ""),
+        (
+            json!({"packages": ["https://example.org/x-1.0-py3-none-any.whl"], "manager": "pip", "runnerWorkspaceKey": "w"}),
+            "",
+        ),
         (json!({"packages": ["survival"], "manager": "cran"}), "not an R environment"),
     ];
     for (body, want) in cases {
@@ -400,7 +458,10 @@ async fn setup_and_routes_refuse_clearly() {
 
 #[tokio::test]
 async fn disabled_by_configuration_answers_as_the_original() {
-    let s = Server::start_with(ServerOptions { env: vec![("SCIENTIFIC_ENVS".into(), "0".into())], ..Default::default() });
+    let s = Server::start_with(ServerOptions {
+        env: vec![("SCIENTIFIC_ENVS".into(), "0".into())],
+        ..Default::default()
+    });
     let (_, health) = get(&s, "/health").await;
     assert_eq!(
         health["scientificEnvs"],
@@ -408,7 +469,10 @@ async fn disabled_by_configuration_answers_as_the_original() {
                "unavailableReason": "Scientific environments are disabled by configuration"})
     );
     let (status, v) = get(&s, "/environments").await;
-    assert_eq!((status, v["error"].as_str()), (400, Some("Scientific environments are disabled by configuration")));
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (400, Some("Scientific environments are disabled by configuration"))
+    );
     assert!(!s.path("scientific-envs").exists(), "nothing is created when disabled");
 }
 

@@ -2,6 +2,7 @@ mod accel;
 mod audit;
 mod config;
 mod damaged_state;
+mod environments;
 mod fail_well_http;
 mod full_disk;
 mod hosts_file;

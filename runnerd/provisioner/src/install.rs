@@ -10,7 +10,9 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use common::provision::{Change, Operation};
-use rattler::install::{InstallationResultRecord, Installer, InstallerError, TransactionOperation};
+use rattler::install::{
+    InstallationResultRecord, Installer, InstallerError, LinkOptions, TransactionOperation,
+};
 use rattler::package_cache::PackageCache;
 use rattler_conda_types::{MatchSpec, PrefixRecord, RepoDataRecord};
 use rattler_networking::LazyClient;
@@ -58,6 +60,14 @@ pub async fn apply(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
         prefetch(record, plan.cache, &client, plan.network).await?;
     }
     let result = Installer::new()
+        // Copies (or copy-on-write reflinks), never hard or symbolic links to the cache: a later pip or R step runs
+        // hostile build code with the prefix writable, and a file hard-linked from the
+        // shared cache would carry its change into every other environment's prefix.
+        .with_link_options(LinkOptions {
+            allow_symbolic_links: Some(false),
+            allow_hard_links: Some(false),
+            allow_ref_links: Some(true),
+        })
         .with_download_client(client)
         .with_package_cache(plan.cache.clone())
         .with_installed_packages(plan.installed)

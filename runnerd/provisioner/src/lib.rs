@@ -113,8 +113,16 @@ fn respond(response: Response) {
 }
 
 fn execute(request: &Request) -> Result<Outcome, Failure> {
-    let runtime =
-        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(Failure::Runtime)?;
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    builder.enable_time();
+    // The I/O driver (and, with tokio's `signal` feature, which the workspace turns on, its
+    // signal pipe: a socketpair) only when a remote channel may be read. Offline, or with
+    // `file://` channels only, the step runs under the baseline seccomp profile, which
+    // refuses every socket: nothing here may need one.
+    if !request.offline && request.channels.iter().any(|c| !c.starts_with("file://")) {
+        builder.enable_io();
+    }
+    let runtime = builder.build().map_err(Failure::Runtime)?;
     runtime.block_on(step(request))
 }
 

@@ -45,8 +45,12 @@ fn strings(obj: &request::Object, field: &str) -> Result<Option<Vec<String>>, Ap
             .map(|i| i.as_str().map(str::to_owned))
             .collect::<Option<Vec<String>>>()
             .map(Some)
-            .ok_or_else(|| ApiError::bad_request("invalid_request", format!("{field} must be an array of strings"))),
-        Some(_) => Err(ApiError::bad_request("invalid_request", format!("{field} must be an array of strings"))),
+            .ok_or_else(|| {
+                ApiError::bad_request("invalid_request", format!("{field} must be an array of strings"))
+            }),
+        Some(_) => {
+            Err(ApiError::bad_request("invalid_request", format!("{field} must be an array of strings")))
+        }
     }
 }
 
@@ -84,8 +88,9 @@ pub(crate) fn start_setup(app: &std::sync::Arc<App>, body: &[u8]) -> Result<ApiR
 /// `GET /environment-revisions/:id/snapshot`: the stored bytes, re-verified.
 pub(crate) async fn snapshot(app: &App, id: &str) -> Result<ApiResponse, ApiError> {
     let bytes = app.envs.snapshot(id).await?;
-    let text = String::from_utf8(bytes)
-        .map_err(|_| ApiError::bad_request("snapshot_corrupt", format!("Environment revision snapshot is corrupt: {id}")))?;
+    let text = String::from_utf8(bytes).map_err(|_| {
+        ApiError::bad_request("snapshot_corrupt", format!("Environment revision snapshot is corrupt: {id}"))
+    })?;
     Ok(ApiResponse {
         status: 200,
         body: String::new(),
@@ -116,7 +121,9 @@ pub(crate) async fn install(app: &App, id: &str, body: &[u8]) -> Result<ApiRespo
     let packages = strings(&obj, "packages")?.unwrap_or_default();
     let manager = match obj.get("manager") {
         None | Some(Value::Null) => Manager::Conda,
-        Some(Value::String(m)) => Manager::parse(m).map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?,
+        Some(Value::String(m)) => {
+            Manager::parse(m).map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?
+        }
         Some(_) => return Err(ApiError::bad_request("invalid_request", "manager must be a string")),
     };
     let index_url = request::non_blank(&obj, "indexUrl").map(str::to_owned);

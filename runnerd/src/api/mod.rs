@@ -1,8 +1,8 @@
 //! The routes (contract §2) and their handlers. Authentication happens before routing:
 //! `GET /health` is the only route answered without a token.
 
-pub mod error;
 mod envs;
+pub mod error;
 mod health;
 mod managed;
 mod npu;

@@ -77,6 +77,8 @@ pub(crate) enum SandboxedError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the {label} step needs {path}, which does not exist")]
+    Missing { label: &'static str, path: PathBuf },
     #[error("the {label} step could not reach its package hosts through egressd")]
     Egress {
         label: &'static str,
@@ -116,19 +118,31 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
         Ok(n)
     };
     let workspace_fds = match by_fd {
-        true => Some(WorkspaceFds { root: slot(open_path(&scratch.0).map_err(prepare)?, &mut slots)?, read_only: None }),
+        true => Some(WorkspaceFds {
+            root: slot(open_path(&scratch.0).map_err(prepare)?, &mut slots)?,
+            read_only: None,
+        }),
         false => None,
     };
     let mut binds = Vec::with_capacity(step.binds.len() + 1);
     for (path, writable) in &step.binds {
+        let opened = open_path(path).map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => SandboxedError::Missing { label, path: path.clone() },
+            _ => prepare(source),
+        })?;
         let fd = match by_fd {
-            true => Some(slot(open_path(path).map_err(prepare)?, &mut slots)?),
+            true => Some(slot(opened, &mut slots)?),
             false => None,
         };
         binds.push(ExtraBind { source: path.clone(), target: path.clone(), writable: *writable, fd });
     }
     if let Some(binary) = &step.provisioner {
-        binds.push(ExtraBind { source: binary.clone(), target: PROVISIONER_MOUNT.into(), writable: false, fd: None });
+        binds.push(ExtraBind {
+            source: binary.clone(),
+            target: PROVISIONER_MOUNT.into(),
+            writable: false,
+            fd: None,
+        });
     }
     let lease = match step.hosts.is_empty() {
         true => None,
@@ -181,7 +195,9 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let code = match outcome.termination {
         Termination::Exited(c) => Some(c),
         Termination::Signaled(_) => None,
-        Termination::TimedOut => return Err(SandboxedError::TimedOut { label, secs: step.timeout.as_secs() }),
+        Termination::TimedOut => {
+            return Err(SandboxedError::TimedOut { label, secs: step.timeout.as_secs() });
+        }
         Termination::Cancelled => return Err(SandboxedError::Cancelled { label }),
     };
     Ok(StepOutput { code, stdout: out.stdout, stderr: out.stderr, truncated: out.truncated })

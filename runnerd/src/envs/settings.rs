@@ -43,7 +43,9 @@ fn list(
 ) -> Result<Vec<String>, ConfigError> {
     match text {
         None => Ok(default.iter().map(|s| (*s).to_owned()).collect()),
-        Some(t) => parse(&t).map_err(|e| ConfigError::Invalid { name: name.to_owned(), reason: e.to_string() }),
+        Some(t) => {
+            parse(&t).map_err(|e| ConfigError::Invalid { name: name.to_owned(), reason: e.to_string() })
+        }
     }
 }
 
@@ -53,7 +55,12 @@ impl EnvSettings {
         Ok(EnvSettings {
             enabled: get(ENABLED_VAR)
                 .is_none_or(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes")),
-            channels: list(CHANNELS_VAR, get(CHANNELS_VAR), ids::parse_channel_list, &[ids::DEFAULT_CHANNEL])?,
+            channels: list(
+                CHANNELS_VAR,
+                get(CHANNELS_VAR),
+                ids::parse_channel_list,
+                &[ids::DEFAULT_CHANNEL],
+            )?,
             package_cache_dir: get(PACKAGE_CACHE_VAR).map(PathBuf::from),
             starter_python: list(
                 STARTER_PYTHON_VAR,
@@ -61,7 +68,12 @@ impl EnvSettings {
                 ids::parse_spec_list,
                 Language::Python.default_starter_specs(),
             )?,
-            starter_r: list(STARTER_R_VAR, get(STARTER_R_VAR), ids::parse_spec_list, Language::R.default_starter_specs())?,
+            starter_r: list(
+                STARTER_R_VAR,
+                get(STARTER_R_VAR),
+                ids::parse_spec_list,
+                Language::R.default_starter_specs(),
+            )?,
             provisioner: get(PROVISIONER_VAR).map(PathBuf::from),
             cran_repo: get(CRAN_VAR).unwrap_or_else(|| DEFAULT_CRAN.to_owned()),
         })
@@ -96,9 +108,15 @@ mod tests {
 
     #[test]
     fn enabled_only_for_the_originals_words() {
-        for (value, on) in
-            [("1", true), ("TRUE", true), ("Yes", true), ("0", false), ("false", false), ("on", false), (" 1", false)]
-        {
+        for (value, on) in [
+            ("1", true),
+            ("TRUE", true),
+            ("Yes", true),
+            ("0", false),
+            ("false", false),
+            ("on", false),
+            (" 1", false),
+        ] {
             assert_eq!(settings(&[(ENABLED_VAR, value)]).enabled, on, "{value:?}");
         }
     }

@@ -71,7 +71,12 @@ pub(crate) enum FailureKind {
 }
 
 /// The next step for a failure, in words an operator can act on.
-pub(crate) fn action(kind: FailureKind, settings: &EnvSettings, provisioner: &str, store_dir: &str) -> String {
+pub(crate) fn action(
+    kind: FailureKind,
+    settings: &EnvSettings,
+    provisioner: &str,
+    store_dir: &str,
+) -> String {
     match kind {
         FailureKind::Provisioner => format!(
             "Verify that {provisioner} exists and is executable by the Runner user (install runner-provisioner next to runnerd or set SCIENCE_AGENT_RUNNER_PROVISIONER_PATH), then POST /environment-setup {{\"confirmed\":true}}"
@@ -156,7 +161,8 @@ impl Setup {
         match self.phase {
             Phase::Provisioner | Phase::Idle => {
                 self.provisioner = failed;
-                self.conda = Component::new(ComponentState::Pending, "not attempted: the provisioner check failed");
+                self.conda =
+                    Component::new(ComponentState::Pending, "not attempted: the provisioner check failed");
             }
             Phase::StarterPython | Phase::Done => self.conda = failed,
         }
@@ -247,7 +253,10 @@ mod tests {
         assert_eq!(setup.health(&s, false)["available"], false);
         setup.begin("t0".into());
         assert_eq!(setup.view(&s)["state"], "installing");
-        assert_eq!(setup.health(&s, false)["unavailableReason"], "Scientific environment setup is still installing");
+        assert_eq!(
+            setup.health(&s, false)["unavailableReason"],
+            "Scientific environment setup is still installing"
+        );
         setup.provisioner_ready("ok".into());
         setup.ready("t1".into(), "starter-python ready".into());
         assert_eq!(setup.health(&s, true)["available"], true);
@@ -264,7 +273,12 @@ mod tests {
         setup.failed("t1".into(), "not found".into(), act);
         let v = setup.view(&s);
         assert_eq!(v["components"]["micromamba"]["state"], "failed");
-        assert!(v["components"]["micromamba"]["action"].as_str().unwrap().contains("executable by the Runner user"));
+        assert!(
+            v["components"]["micromamba"]["action"]
+                .as_str()
+                .unwrap()
+                .contains("executable by the Runner user")
+        );
         assert_eq!(v["components"]["conda"]["state"], "pending");
 
         let mut setup = Setup::initial(true);

@@ -65,7 +65,13 @@ pub(crate) struct CondaPlaces<'a> {
 
 /// A `runner-provisioner` step: the request on stdin; the prefix and the cache writable;
 /// `file://` channels read-only; network only to the remote channels' hosts.
-pub(crate) fn conda(places: &CondaPlaces<'_>, op: Op, prefix: &Path, channels: &[String], extra_ro: &[PathBuf]) -> Step {
+pub(crate) fn conda(
+    places: &CondaPlaces<'_>,
+    op: Op,
+    prefix: &Path,
+    channels: &[String],
+    extra_ro: &[PathBuf],
+) -> Step {
     let request = provision::Request {
         op,
         prefix: prefix.to_path_buf(),
@@ -111,7 +117,8 @@ pub(crate) fn pip(prefix: &Path, source: &PipSource, specs: &[String], wheels: &
 py="$1"; shift
 "$py" -I -c "import pip" 2>/dev/null || "$py" -I -m ensurepip --default-pip >&2
 exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
-    let mut command = vec!["/usr/bin/bash".to_owned(), "-c".to_owned(), script.to_owned(), "pip".to_owned(), python];
+    let mut command =
+        vec!["/usr/bin/bash".to_owned(), "-c".to_owned(), script.to_owned(), "pip".to_owned(), python];
     let mut binds = vec![(prefix.to_path_buf(), true)];
     let mut hosts = Vec::new();
     match source {
@@ -120,7 +127,11 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
             hosts = hosts_of([url.as_str()]);
         }
         PipSource::Offline(cache) => {
-            command.extend(["--no-index".to_owned(), "--find-links".to_owned(), cache.to_string_lossy().into_owned()]);
+            command.extend([
+                "--no-index".to_owned(),
+                "--find-links".to_owned(),
+                cache.to_string_lossy().into_owned(),
+            ]);
             binds.push((cache.clone(), false));
         }
     }
@@ -204,7 +215,12 @@ pub(crate) fn python_inventory(prefix: &Path) -> Step {
         print(json.dumps(sorted(seen.values(), key=lambda e: e['name'].lower())))\n";
     Step {
         label: "inventory",
-        command: vec![prefix.join("bin/python").to_string_lossy().into_owned(), "-I".into(), "-c".into(), script.into()],
+        command: vec![
+            prefix.join("bin/python").to_string_lossy().into_owned(),
+            "-I".into(),
+            "-c".into(),
+            script.into(),
+        ],
         stdin: Vec::new(),
         binds: vec![(prefix.to_path_buf(), false)],
         provisioner: None,
@@ -262,7 +278,13 @@ pub(crate) fn parse_r_inventory(stdout: &str) -> Vec<(String, String, String)> {
             let ok = !name.is_empty()
                 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
                 && version.chars().next().is_some_and(|c| c.is_ascii_digit());
-            ok.then(|| (name.to_owned(), version.to_owned(), if repo == "NA" { String::new() } else { repo.to_owned() }))
+            ok.then(|| {
+                (
+                    name.to_owned(),
+                    version.to_owned(),
+                    if repo == "NA" { String::new() } else { repo.to_owned() },
+                )
+            })
         })
         .collect()
 }
@@ -284,7 +306,10 @@ mod tests {
         ] {
             assert_eq!(url_host(url).as_deref(), host, "{url}");
         }
-        assert_eq!(hosts_of(["https://b.example/x", "https://a.example/", "https://b.example/y"]), ["a.example", "b.example"]);
+        assert_eq!(
+            hosts_of(["https://b.example/x", "https://a.example/", "https://b.example/y"]),
+            ["a.example", "b.example"]
+        );
     }
 
     #[test]
@@ -305,13 +330,27 @@ mod tests {
 
     #[test]
     fn a_conda_step_binds_prefix_and_cache_writable_and_file_channels_read_only() {
-        let places = CondaPlaces { provisioner: Path::new("/usr/lib/runner/runner-provisioner"), cache_dir: Path::new("/d/pkgs"), offline: false };
+        let places = CondaPlaces {
+            provisioner: Path::new("/usr/lib/runner/runner-provisioner"),
+            cache_dir: Path::new("/d/pkgs"),
+            offline: false,
+        };
         let channels = vec!["file:///srv/ch/".to_owned(), "http://127.0.0.1:9/c".to_owned()];
-        let step = conda(&places, Op::Create { specs: vec!["python=3.11".into()] }, Path::new("/d/p"), &channels, &[]);
+        let step = conda(
+            &places,
+            Op::Create { specs: vec!["python=3.11".into()] },
+            Path::new("/d/p"),
+            &channels,
+            &[],
+        );
         assert_eq!(step.command, [PROVISIONER_MOUNT]);
         assert_eq!(
             step.binds,
-            [(PathBuf::from("/d/p"), true), (PathBuf::from("/d/pkgs"), true), (PathBuf::from("/srv/ch"), false)]
+            [
+                (PathBuf::from("/d/p"), true),
+                (PathBuf::from("/d/pkgs"), true),
+                (PathBuf::from("/srv/ch"), false)
+            ]
         );
         assert_eq!(step.hosts, ["127.0.0.1"]);
         assert!(step.allow_private);
@@ -335,7 +374,13 @@ mod tests {
         let tail: Vec<&str> = step.command[4..].iter().map(String::as_str).collect();
         assert_eq!(
             tail,
-            ["/d/p/bin/python", "--index-url", "https://pypi.example/simple", "requests==2.0", "/d/wheels/ab/x-1.0-py3-none-any.whl"]
+            [
+                "/d/p/bin/python",
+                "--index-url",
+                "https://pypi.example/simple",
+                "requests==2.0",
+                "/d/wheels/ab/x-1.0-py3-none-any.whl"
+            ]
         );
         assert!(step.command[2].contains("-I -m pip install --disable-pip-version-check --no-input"));
         assert_eq!(step.hosts, ["pypi.example"]);
@@ -347,9 +392,16 @@ mod tests {
 
     #[test]
     fn r_installs_quote_their_arguments() {
-        let s = r_install(Path::new("/d/p"), false, "https://cloud.r-project.org", &["survival".into(), "a\"b".into()]);
+        let s = r_install(
+            Path::new("/d/p"),
+            false,
+            "https://cloud.r-project.org",
+            &["survival".into(), "a\"b".into()],
+        );
         assert_eq!(s.label, "cran");
-        assert!(s.command[4].starts_with("install.packages(c(\"survival\", \"a\\\"b\"), repos = \"https://cloud.r-project.org\""));
+        assert!(s.command[4].starts_with(
+            "install.packages(c(\"survival\", \"a\\\"b\"), repos = \"https://cloud.r-project.org\""
+        ));
         assert_eq!(s.hosts, ["cloud.r-project.org"]);
         let b = r_install(Path::new("/d/p"), true, "https://cloud.r-project.org", &["DESeq2".into()]);
         assert!(b.command[4].contains("BiocManager::install(c(\"DESeq2\")"));
@@ -358,13 +410,17 @@ mod tests {
 
     #[test]
     fn inventories_parse_and_drop_noise() {
-        let py = parse_python_inventory(r#"[{"name":"pip","version":"23.2.1","installer":"pip"},{"name":"x"}]"#);
+        let py =
+            parse_python_inventory(r#"[{"name":"pip","version":"23.2.1","installer":"pip"},{"name":"x"}]"#);
         assert_eq!(py, [("pip".into(), "23.2.1".into(), "pip".into())]);
         assert!(parse_python_inventory("not json").is_empty());
         let r = parse_r_inventory("survival\t3.5-7\tCRAN\nbase\t4.4.1\tNA\nargs: --vanilla -e x\n");
         assert_eq!(
             r,
-            [("survival".into(), "3.5-7".into(), "CRAN".into()), ("base".into(), "4.4.1".into(), String::new())]
+            [
+                ("survival".into(), "3.5-7".into(), "CRAN".into()),
+                ("base".into(), "4.4.1".into(), String::new())
+            ]
         );
     }
 }

@@ -64,6 +64,7 @@ impl StoreError {
             StoreError::Step { detail, .. } if detail.contains("No space left") => FailureKind::DiskFull,
             StoreError::Step { label: "conda", .. } => FailureKind::Channels,
             StoreError::Step { label: "provisioner", .. } => FailureKind::Provisioner,
+            StoreError::Sandboxed(SandboxedError::Missing { label: "conda", .. }) => FailureKind::Channels,
             StoreError::Sandboxed(_) => FailureKind::Sandbox,
             _ => FailureKind::Other,
         }
@@ -155,7 +156,12 @@ pub(crate) fn is_interpreter_name(name: &str) -> bool {
 impl EnvStore {
     /// Opens the store under `data_dir` (created if absent), loads the catalog and marks an
     /// update interrupted by a crash as failed. Disabled: nothing is touched.
-    pub(crate) fn open(data_dir: &Path, settings: EnvSettings, provisioner: PathBuf) -> Result<EnvStore, StoreError> {
+    pub(crate) fn open(
+        data_dir: &Path,
+        settings: EnvSettings,
+        provisioner: PathBuf,
+        sandbox_user: &crate::sandbox::user::Identity,
+    ) -> Result<EnvStore, StoreError> {
         let mut root = data_dir.join(common::layout::SCIENTIFIC_ENVS);
         let mut catalog = Catalog::default();
         let mut cache_dir = PathBuf::new();
@@ -163,17 +169,27 @@ impl EnvStore {
             // At its canonical path: conda prefixes embed theirs.
             let (path, _) = catalog::open_store(data_dir)?;
             root = path;
-            cache_dir = settings.package_cache_dir.clone().unwrap_or_else(|| root.join(common::layout::ENV_PACKAGE_CACHE));
-            prepare_cache(&cache_dir)?;
+            cache_dir = settings
+                .package_cache_dir
+                .clone()
+                .unwrap_or_else(|| root.join(common::layout::ENV_PACKAGE_CACHE));
+            prepare_cache(&cache_dir, sandbox_user)?;
             let dir = open_dir(&root)?;
             let swept = Catalog::sweep_temporaries(&dir) + wheels::sweep_incoming(&dir);
             if swept > 0 {
-                tracing::info!(event = "environment_temporaries_swept", count = swept, reason = "left by a previous process");
+                tracing::info!(
+                    event = "environment_temporaries_swept",
+                    count = swept,
+                    reason = "left by a previous process"
+                );
             }
             catalog = Catalog::load(&dir)?;
             if catalog.recover_interrupted(&crate::timefmt::now_iso()) {
                 catalog.save(&dir)?;
-                tracing::warn!(event = "environment_update_interrupted", "an environment update was interrupted by a restart; the environment is marked failed");
+                tracing::warn!(
+                    event = "environment_update_interrupted",
+                    "an environment update was interrupted by a restart; the environment is marked failed"
+                );
             }
         }
         let starter_python_ready = starter_ready(&catalog, STARTER_PYTHON);
@@ -219,7 +235,9 @@ impl EnvStore {
     fn require_available(&self) -> Result<(), StoreError> {
         let v = self.lock_view();
         if !self.settings.enabled {
-            return Err(StoreError::Unavailable("Scientific environments are disabled by configuration".into()));
+            return Err(StoreError::Unavailable(
+                "Scientific environments are disabled by configuration".into(),
+            ));
         }
         if v.setup.state == super::setup::State::Ready && v.starter_python_ready {
             return Ok(());
@@ -268,9 +286,8 @@ impl EnvStore {
     }
 
     async fn run_setup(&self, app: &App) -> Result<String, StoreError> {
-        let detail = check_provisioner(&self.provisioner, &app.sandbox.user).map_err(|e| {
-            StoreError::Step { label: "provisioner", detail: e }
-        });
+        let detail = check_provisioner(&self.provisioner, &app.sandbox.user)
+            .map_err(|e| StoreError::Step { label: "provisioner", detail: e });
         let detail = match detail {
             Ok(d) => d,
             Err(e) => {
@@ -288,7 +305,11 @@ impl EnvStore {
 
     /// The conda step's places: the provisioner, the cache, offline or not.
     fn places(&self) -> CondaPlaces<'_> {
-        CondaPlaces { provisioner: &self.provisioner, cache_dir: &self.cache_dir, offline: self.settings.offline() }
+        CondaPlaces {
+            provisioner: &self.provisioner,
+            cache_dir: &self.cache_dir,
+            offline: self.settings.offline(),
+        }
     }
 
     fn channel_urls(&self, channels: &[String]) -> Result<Vec<String>, StoreError> {
@@ -336,7 +357,8 @@ impl EnvStore {
             updated_at: now,
             error: None,
         };
-        let revision = self.record_revision(app, &env, &rev, &prefix, channels, &answer, changes, None).await?;
+        let revision =
+            self.record_revision(app, &env, &rev, &prefix, channels, &answer, changes, None).await?;
         let mut catalog = self.cat();
         catalog.environments.retain(|e| e.id != id);
         catalog.environments.push(env.clone());
@@ -351,9 +373,11 @@ impl EnvStore {
         let prefix = self.prefix_path(env_id, rev);
         let io = |source| StoreError::Io { path: prefix.clone(), source };
         let env_dir = catalog::ensure_env_dir(&open_dir(&self.root)?, env_id)?;
-        let name = std::ffi::CString::new(rev).map_err(|_| io(std::io::Error::from_raw_os_error(libc::EINVAL)))?;
+        let name =
+            std::ffi::CString::new(rev).map_err(|_| io(std::io::Error::from_raw_os_error(libc::EINVAL)))?;
         crate::fsat::mkdir_at(&env_dir, &name, 0o755).map_err(io)?;
-        let fd = crate::fsat::open_at(&env_dir, &name, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
+        let fd = crate::fsat::open_at(&env_dir, &name, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .map_err(io)?;
         app.sandbox.user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)?;
         Ok(prefix)
     }
@@ -362,7 +386,10 @@ impl EnvStore {
     async fn conda(&self, app: &App, step: sandboxed::Step) -> Result<provision::Response, StoreError> {
         let out = sandboxed::run(app, step).await?;
         if out.truncated {
-            return Err(StoreError::Step { label: "conda", detail: "the provisioner's answer was larger than runnerd reads".into() });
+            return Err(StoreError::Step {
+                label: "conda",
+                detail: "the provisioner's answer was larger than runnerd reads".into(),
+            });
         }
         let answer: Option<provision::Response> = serde_json::from_str(out.stdout.trim()).ok();
         match (out.succeeded(), answer) {
@@ -403,8 +430,13 @@ impl EnvStore {
         };
         let installed = Installed {
             conda: answer.installed.iter().map(CondaPackage::from).collect(),
-            python: python.into_iter().map(|(name, version, installer)| PythonPackage { name, version, installer }).collect(),
-            r: r.into_iter().map(|(name, version, repository)| RPackage { name, version, repository }).collect(),
+            python: python
+                .into_iter()
+                .map(|(name, version, installer)| PythonPackage { name, version, installer })
+                .collect(),
+            r: r.into_iter()
+                .map(|(name, version, repository)| RPackage { name, version, repository })
+                .collect(),
         };
         let snap = Snapshot::new(Parts {
             revision_id: rev.to_owned(),
@@ -474,7 +506,13 @@ impl EnvStore {
         let base_rev = self.cat().revision(&base_env.current_revision_id).cloned();
         let channels = base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
         let urls = self.channel_urls(&channels)?;
-        let step = steps::conda(&self.places(), Op::Clone { source: source.clone() }, &prefix, &urls, &[source.clone()]);
+        let step = steps::conda(
+            &self.places(),
+            Op::Clone { source: source.clone() },
+            &prefix,
+            &urls,
+            std::slice::from_ref(&source),
+        );
         let answer = match self.conda(app, step).await {
             Ok(a) => a,
             Err(e) => {
@@ -498,7 +536,16 @@ impl EnvStore {
         };
         let wheels = base_rev.and_then(|r| r.local_wheels);
         let revision = self
-            .record_revision(app, &env, &rev, &prefix, channels, &answer, vec![format!("clone:{base_id}")], wheels)
+            .record_revision(
+                app,
+                &env,
+                &rev,
+                &prefix,
+                channels,
+                &answer,
+                vec![format!("clone:{base_id}")],
+                wheels,
+            )
             .await?;
         let mut catalog = self.cat();
         // Names are unique: a concurrent create may have taken it meanwhile.
@@ -547,7 +594,12 @@ impl EnvStore {
     }
 
     /// `POST /environments/:id/install`.
-    pub(crate) async fn install(&self, app: &App, id: &str, req: InstallRequest) -> Result<EnvironmentRevision, StoreError> {
+    pub(crate) async fn install(
+        &self,
+        app: &App,
+        id: &str,
+        req: InstallRequest,
+    ) -> Result<EnvironmentRevision, StoreError> {
         self.require_available()?;
         let env = self.task_environment(id).await?;
         if req.packages.is_empty() {
@@ -564,7 +616,9 @@ impl EnvStore {
             wheels::parse_request(w)?;
         }
         let channels = match req.manager {
-            Manager::Conda => ids::allowed_channels(req.channels.as_deref().unwrap_or_default(), &self.settings.channels)?,
+            Manager::Conda => {
+                ids::allowed_channels(req.channels.as_deref().unwrap_or_default(), &self.settings.channels)?
+            }
             _ => Vec::new(),
         };
         let offline = self.settings.offline();
@@ -594,8 +648,8 @@ impl EnvStore {
             if req.workspace.key.is_none() && req.workspace.root.is_none() {
                 return Err(wheels::WheelError::NoWorkspace.into());
             }
-            let located = crate::exec::locate(app, &req.workspace)
-                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let located =
+                crate::exec::locate(app, &req.workspace).map_err(|e| StoreError::Invalid(e.to_string()))?;
             let root_fd = crate::exec::workspace::open_beneath(&app.data_dir, &located.root)
                 .map_err(|e| StoreError::Invalid(e.to_string()))?;
             let dir = open_dir(&self.root)?;
@@ -613,15 +667,23 @@ impl EnvStore {
         let outcome = match req.manager {
             Manager::Conda => {
                 let urls = self.channel_urls(&channels)?;
-                self.conda(app, steps::conda(&self.places(), Op::Install { specs: specs.clone() }, &prefix, &urls, &[]))
-                    .await
+                self.conda(
+                    app,
+                    steps::conda(&self.places(), Op::Install { specs: specs.clone() }, &prefix, &urls, &[]),
+                )
+                .await
             }
             Manager::Pip => {
                 let source = pip_source.clone().unwrap_or(PipSource::Index(PYPI.to_owned()));
                 self.run_tool(app, steps::pip(&prefix, &source, &specs, &wheel_files)).await
             }
             Manager::Cran | Manager::Bioconductor => {
-                let step = steps::r_install(&prefix, req.manager == Manager::Bioconductor, &self.settings.cran_repo, &specs);
+                let step = steps::r_install(
+                    &prefix,
+                    req.manager == Manager::Bioconductor,
+                    &self.settings.cran_repo,
+                    &specs,
+                );
                 self.run_tool(app, step).await
             }
         };
@@ -659,7 +721,12 @@ impl EnvStore {
     }
 
     /// `POST /environments/:id/uninstall` (conda packages).
-    pub(crate) async fn uninstall(&self, app: &App, id: &str, packages: Vec<String>) -> Result<EnvironmentRevision, StoreError> {
+    pub(crate) async fn uninstall(
+        &self,
+        app: &App,
+        id: &str,
+        packages: Vec<String>,
+    ) -> Result<EnvironmentRevision, StoreError> {
         self.require_available()?;
         self.task_environment(id).await?;
         ids::check_specs(&packages)?;
@@ -694,7 +761,8 @@ impl EnvStore {
             return Err(StoreError::Step { label, detail: step_failure(&out) });
         }
         let urls: Vec<String> = Vec::new();
-        let list = steps::conda(&CondaPlaces { offline: true, ..self.places() }, Op::List, &prefix, &urls, &[]);
+        let list =
+            steps::conda(&CondaPlaces { offline: true, ..self.places() }, Op::List, &prefix, &urls, &[]);
         self.conda(app, list).await
     }
 
@@ -711,7 +779,8 @@ impl EnvStore {
         wheels: Option<Vec<LocalWheel>>,
     ) -> Result<EnvironmentRevision, StoreError> {
         let rev = ids::new_revision_id();
-        let recorded = self.record_revision(app, env, &rev, prefix, channels, &answer, requested, wheels).await;
+        let recorded =
+            self.record_revision(app, env, &rev, prefix, channels, &answer, requested, wheels).await;
         let revision = match recorded {
             Ok(r) => r,
             Err(e) => {
@@ -850,9 +919,17 @@ fn audit_failed(event: &'static str, environment: &str, e: &StoreError) {
     tracing::warn!(event, environment, error = %crate::error_chain(e));
 }
 
-/// The package cache: the sandbox user unpacks packages into it.
-fn prepare_cache(cache: &Path) -> Result<(), StoreError> {
-    std::fs::create_dir_all(cache).map_err(|source| StoreError::Io { path: cache.to_path_buf(), source })
+/// The package cache: the provisioner (as the sandbox user) unpacks packages into it. One
+/// runnerd made is handed to that user; an operator's is used as it is.
+fn prepare_cache(cache: &Path, user: &crate::sandbox::user::Identity) -> Result<(), StoreError> {
+    let io = |source| StoreError::Io { path: cache.to_path_buf(), source };
+    if cache.exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(cache).map_err(io)?;
+    let fd =
+        crate::fsat::open_path(cache, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
+    user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)
 }
 
 fn open_dir(path: &Path) -> Result<std::os::fd::OwnedFd, StoreError> {

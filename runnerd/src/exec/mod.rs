@@ -499,14 +499,19 @@ fn select_environment(
         Language::R => Err(unavailable("R execution requires the scientific environment capability")),
         Language::Python => {
             if named.is_some() && named != epoch_revision {
-                return Err(unavailable("Named environment execution requires the scientific environment capability"));
+                return Err(unavailable(
+                    "Named environment execution requires the scientific environment capability",
+                ));
             }
             Ok((named.or(epoch_revision).unwrap_or("system-python3-bwrap-v1").to_owned(), None))
         }
         Language::Shell => match req.environment_id.as_deref() {
             None => Ok(("system-shell-bwrap-v1".to_owned(), None)),
             Some(_) if !store.available() => Err(unavailable("Scientific environments are unavailable")),
-            Some(id) => Ok(("system-shell-bwrap-v1".to_owned(), Some(selected(store.select(language, Some(id), None))?))),
+            Some(id) => Ok((
+                "system-shell-bwrap-v1".to_owned(),
+                Some(selected(store.select(language, Some(id), None))?),
+            )),
         },
     }
 }
