@@ -51,6 +51,7 @@ fn start(extra: &[(&str, &str)]) -> Envs {
     let url = demo_channel(&channel_dir);
     runner_tests::hand_tree_to_sandbox(channel.path());
     let mut env = vec![
+        ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
         ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), url),
         ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
         ("SCIENCE_AGENT_STARTER_R_SPECS".to_owned(), "r-base".to_owned()),
@@ -339,6 +340,7 @@ async fn the_catalog_survives_a_restart_and_an_interrupted_update_becomes_failed
     let data_dir = envs.server.data_dir.clone();
     let restarted = Server::start_with(ServerOptions {
         env: vec![
+            ("SCIENTIFIC_ENVS".into(), "1".into()),
             ("SCIENCE_AGENT_DATA_DIR".into(), data_dir.display().to_string()),
             ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
             ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
@@ -496,4 +498,103 @@ async fn a_setup_that_cannot_reach_its_channel_fails_with_an_action() {
     // POST /environment-setup retries (202).
     let (status, v) = post(&envs.server, "/environment-setup", json!({"confirmed": true})).await;
     assert_eq!(status, 202, "{v}");
+}
+
+/// A wheel the test builds with the host's zipfile: one module, METADATA, WHEEL, RECORD.
+fn build_wheel(path: &Path, name: &str, version: &str, value: &str) {
+    let script = r#"
+import sys, zipfile
+path, name, version, value = sys.argv[1:5]
+info = f"{name}-{version}.dist-info"
+files = {
+    f"{name}.py": f"VALUE = {value!r}\n",
+    f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+    f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+with zipfile.ZipFile(path, "w") as z:
+    for k, v in files.items():
+        z.writestr(k, v)
+"#;
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let status = std::process::Command::new("/usr/bin/python3")
+        .args(["-I", "-c", script])
+        .arg(path)
+        .args([name, version, value])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn a_workspace_wheel_installs_with_pip_and_is_kept_by_content() {
+    if !sandbox_or_skip("a_workspace_wheel_installs_with_pip_and_is_kept_by_content") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let (_, env) = post(s, "/environments", json!({"name": "wheels", "language": "python"})).await;
+    let id = env["id"].as_str().unwrap().to_owned();
+    let ws = s.path("remote-workspaces/wheel-ws");
+    let wheel = ws.join("dist/tinywheel-1.0-py3-none-any.whl");
+    build_wheel(&wheel, "tinywheel", "1.0", "from-the-wheel");
+    runner_tests::hand_tree_to_sandbox(&ws);
+    let body = json!({"manager": "pip", "packages": ["dist/tinywheel-1.0-py3-none-any.whl"], "runnerWorkspaceKey": "wheel-ws"});
+    let (status, rev) = post(s, &format!("/environments/{id}/install"), body).await;
+    assert_eq!(status, 201, "{rev}\n{}", s.stderr());
+    let wheels = &rev["localWheels"];
+    assert_eq!(wheels[0]["distribution"], "tinywheel", "{rev}");
+    assert_eq!((wheels[0]["version"].as_str(), wheels[0]["manager"].as_str()), (Some("1.0"), Some("pip")));
+    assert_eq!(wheels[0]["sourcePath"], "dist/tinywheel-1.0-py3-none-any.whl");
+    assert!(rev["packages"].as_array().unwrap().contains(&json!("python:tinywheel==1.0")), "{rev}");
+    let hash = wheels[0]["content"]["hash"].as_str().unwrap();
+    let kept = s.path(&format!("scientific-envs/wheels/{hash}/tinywheel-1.0-py3-none-any.whl"));
+    std::fs::remove_dir_all(&ws).unwrap();
+    assert!(kept.is_file(), "the wheel outlives the workspace");
+
+    let rev_id = rev["id"].as_str().unwrap();
+    let (status, v) =
+        python(s, Some(rev_id), "import tinywheel, sys; print(tinywheel.VALUE); print(tinywheel.__file__)")
+            .await;
+    assert_eq!(status, 200, "{v}");
+    let out = v["stdout"].as_str().unwrap();
+    assert!(out.starts_with("from-the-wheel\n/opt/science-env/lib/python3"), "{v}");
+    // Outside the environment the module does not exist.
+    let v = shell(s, None, "/usr/bin/python3 -c 'import tinywheel' 2>&1 || echo absent").await;
+    assert!(v["stdout"].as_str().unwrap().ends_with("absent\n"), "{v}");
+}
+
+#[tokio::test]
+async fn a_managed_run_uses_the_environment_it_names() {
+    if !sandbox_or_skip("a_managed_run_uses_the_environment_it_names") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let ws = s.project_workspace("managed");
+    let mut body = shell_request("main", "managed", &ws, "tinyutil; echo \"$PATH\"");
+    body["environmentId"] = "starter-python".into();
+    let reply = s.client().post_signed("/shell-executions", &body).await.unwrap();
+    assert_eq!(reply.status, 202, "{}", String::from_utf8_lossy(&reply.body));
+    let id = reply.json()["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let record = loop {
+        let (_, rec) = get(s, &format!("/shell-executions/{id}?sessionId=managed&agentId=main")).await;
+        if matches!(rec["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown")) {
+            break rec;
+        }
+        assert!(Instant::now() < deadline, "{rec}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(record["state"], "completed", "{record}");
+    let (_, logs) =
+        get(s, &format!("/shell-executions/{id}/logs?sessionId=managed&agentId=main&cursor=0")).await;
+    let text: String = logs["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["stream"] == "stdout")
+        .map(|e| e["text"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(text, "tinyutil 1.0\n/opt/science-env/bin:/usr/bin:/bin\n", "{logs}");
 }

@@ -75,6 +75,9 @@ impl Server {
             .env("SCIENCE_AGENT_CONFIG", "/dev/null")
             // No egressd unless a test starts one (never a system egressd by accident).
             .env("SCIENCE_AGENT_EGRESS_SOCKET", dir.path().join("no-egressd/control.sock"))
+            // No scientific-environment setup unless a test asks for it (tests/suite/
+            // environments.rs): with a test's egressd it would try conda-forge through it.
+            .env("SCIENTIFIC_ENVS", "0")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr_log).unwrap());

@@ -101,11 +101,13 @@ pub(crate) fn conda(
     }
 }
 
-/// Where pip gets packages: an HTTPS index, or the offline cache (`--no-index --find-links`).
+/// Where pip gets packages: an HTTPS index, the offline cache (`--no-index --find-links`),
+/// or nowhere (`--no-index`: only local wheels, whose dependencies must be installed).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PipSource {
     Index(String),
     Offline(PathBuf),
+    WheelsOnly,
 }
 
 /// pip through the environment's own interpreter, after `ensurepip` when the environment has
@@ -134,6 +136,7 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
             ]);
             binds.push((cache.clone(), false));
         }
+        PipSource::WheelsOnly => command.push("--no-index".to_owned()),
     }
     command.extend(specs.iter().cloned());
     for w in wheels {

@@ -624,6 +624,8 @@ impl EnvStore {
         let offline = self.settings.offline();
         let pip_source = match (req.manager, &req.index_url) {
             (Manager::Pip, _) if offline => Some(PipSource::Offline(self.cache_dir.clone())),
+            // Only workspace wheels and no index named: nothing is fetched.
+            (Manager::Pip, None) if specs.is_empty() => Some(PipSource::WheelsOnly),
             (Manager::Pip, Some(url)) => {
                 ids::check_index_url(url)?;
                 Some(PipSource::Index(url.clone()))
