@@ -50,6 +50,9 @@ enum Failure {
     EmptySource(String),
     #[error("the async runtime could not be started")]
     Runtime(#[source] std::io::Error),
+    /// A bug in this binary or in rattler; still answered as a Response.
+    #[error("the provisioner failed unexpectedly: {0}")]
+    Panicked(String),
 }
 
 /// What a step did, before the inventory is added.
@@ -70,12 +73,8 @@ pub fn run() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result = std::panic::catch_unwind(|| execute(&request)).unwrap_or_else(|panic| {
-        Err(Failure::Install(install::InstallFailure::Installer {
-            prefix: request.prefix.display().to_string(),
-            cause: panic_text(&panic),
-        }))
-    });
+    let result = std::panic::catch_unwind(|| execute(&request))
+        .unwrap_or_else(|panic| Err(Failure::Panicked(panic_text(&panic))));
     let mut response = Response::default();
     let code = match result {
         Ok(outcome) => {
@@ -173,6 +172,7 @@ async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure>
 }
 
 async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcome, Failure> {
+    solve::parse_specs(specs)?;
     let prefix = &context.request.prefix;
     let installed = inventory::installed(prefix)?;
     let mut wanted = earlier_specs(prefix, &installed)?;
@@ -181,7 +181,6 @@ async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcom
     }
     let all: Vec<String> = wanted.into_values().collect();
     let requested = solve::parse_specs(&all)?;
-    solve::parse_specs(specs)?;
     let excluded = HashSet::new();
     let favoured: Vec<RepoDataRecord> = installed.iter().map(|r| r.repodata_record.clone()).collect();
     let (desired, solve_micros) = query_and_solve(context, requested.clone(), favoured, &excluded).await?;

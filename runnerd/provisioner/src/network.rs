@@ -3,7 +3,7 @@
 //! panics when there are none, even for `file://` packages), so an offline run, or one that
 //! only uses `file://` channels and the cache, never builds one and never opens a socket.
 //!
-//! When built, it uses rustls with the system store (`SSL_CERT_FILE` honoured by the
+//! When built, it uses rustls (ring) with the system store (`SSL_CERT_FILE` honoured by the
 //! platform verifier) and reqwest's own reading of `HTTPS_PROXY`/`HTTP_PROXY`/`NO_PROXY`:
 //! inside runnerd's sandbox those point at the egress bridge on loopback.
 
@@ -29,6 +29,10 @@ pub fn lazy_client(network: Network) -> LazyClient {
             network == Network::Online,
             "runner-provisioner: a network client was requested in an offline run"
         );
+        // reqwest's `rustls-no-provider`: ring is the crypto, installed once per process
+        // (aws-lc-rs, rattler's default, is a cmake build of its own on 2-core CI). An
+        // error only says it is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = reqwest::Client::builder()
             .user_agent(USER_AGENT)
             .build()

@@ -206,6 +206,8 @@ fn unsolvable_request_names_the_solver_text() {
     let error = run.error();
     assert!(error.starts_with("Could not solve for the requested packages: "), "{error}");
     assert!(error.contains("tinyutil"), "{error}");
+    let invalid = env.run(&env.prefix("b"), json!({"kind": "create", "specs": ["="]})).error();
+    assert!(invalid.starts_with("Package spec = is not a valid match spec: "), "{invalid}");
 }
 
 #[test]
