@@ -28,6 +28,26 @@ impl From<StoreError> for ApiError {
     }
 }
 
+/// The audit record of an environment change request (R-OPS-2): who asked, what, and how it
+/// ended (the new revision, or the error).
+fn audit<T>(
+    peer: &str,
+    action: &'static str,
+    environment: &str,
+    what: &str,
+    outcome: &Result<T, StoreError>,
+    revision: impl Fn(&T) -> String,
+) {
+    match outcome {
+        Ok(done) => {
+            tracing::info!(event = "environment_change", action, peer, environment, packages = what, revision = %revision(done))
+        }
+        Err(e) => {
+            tracing::warn!(event = "environment_change_refused", action, peer, environment, packages = what, error = %crate::error_chain(e))
+        }
+    }
+}
+
 fn created(body: Value) -> Result<ApiResponse, ApiError> {
     Ok(ApiResponse::json(201, body.to_string()))
 }
@@ -67,7 +87,11 @@ pub(crate) fn setup(app: &App) -> Result<ApiResponse, ApiError> {
 }
 
 /// `POST /environment-setup`: `{confirmed: true}` starts (or retries) setup; 202.
-pub(crate) fn start_setup(app: &std::sync::Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+pub(crate) fn start_setup(
+    app: &std::sync::Arc<App>,
+    peer: &str,
+    body: &[u8],
+) -> Result<ApiResponse, ApiError> {
     let obj = request::parse_object(body)?;
     if obj.get("confirmed") != Some(&Value::Bool(true)) {
         return Err(ApiError::bad_request(
@@ -81,7 +105,8 @@ pub(crate) fn start_setup(app: &std::sync::Arc<App>, body: &[u8]) -> Result<ApiR
             "Scientific environments are disabled by configuration",
         ));
     }
-    crate::envs::store::EnvStore::start_setup(app);
+    let started = crate::envs::store::EnvStore::start_setup(app);
+    tracing::info!(event = "environment_setup_requested", peer, started);
     Ok(ApiResponse::json(202, app.envs.setup_view().to_string()))
 }
 
@@ -98,7 +123,7 @@ pub(crate) async fn snapshot(app: &App, id: &str) -> Result<ApiResponse, ApiErro
     })
 }
 
-pub(crate) async fn create(app: &App, body: &[u8]) -> Result<ApiResponse, ApiError> {
+pub(crate) async fn create(app: &App, peer: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let obj = request::parse_object(body)?;
     let name = obj.get("name").and_then(Value::as_str).unwrap_or("");
     let language = match obj.get("language").and_then(Value::as_str) {
@@ -112,11 +137,14 @@ pub(crate) async fn create(app: &App, body: &[u8]) -> Result<ApiResponse, ApiErr
         }
     };
     let base = request::non_blank(&obj, "baseEnvironmentId");
-    let env = app.envs.create(app, name, language, base).await?;
-    created(to_value(&env))
+    let env = app.envs.create(app, name, language, base).await;
+    audit(peer, "create", base.unwrap_or("(starter)"), name, &env, |e| {
+        format!("{} {}", e.id, e.current_revision_id)
+    });
+    created(to_value(&env?))
 }
 
-pub(crate) async fn install(app: &App, id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
+pub(crate) async fn install(app: &App, peer: &str, id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let obj = request::parse_object(body)?;
     let packages = strings(&obj, "packages")?.unwrap_or_default();
     let manager = match obj.get("manager") {
@@ -134,18 +162,56 @@ pub(crate) async fn install(app: &App, id: &str, body: &[u8]) -> Result<ApiRespo
         index_url,
         workspace: WorkspaceRef::from_object(&obj),
     };
-    let revision = app.envs.install(app, id, req).await?;
-    created(to_value(&revision))
+    let what = format!("{}:{}", manager.as_str(), req.packages.join(","));
+    let revision = app.envs.install(app, id, req).await;
+    audit(peer, "install", id, &what, &revision, |r| r.id.clone());
+    created(to_value(&revision?))
 }
 
-pub(crate) async fn uninstall(app: &App, id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
+pub(crate) async fn uninstall(app: &App, peer: &str, id: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let obj = request::parse_object(body)?;
     let packages = strings(&obj, "packages")?.unwrap_or_default();
-    let revision = app.envs.uninstall(app, id, packages).await?;
-    created(to_value(&revision))
+    let what = packages.join(",");
+    let revision = app.envs.uninstall(app, id, packages).await;
+    audit(peer, "uninstall", id, &what, &revision, |r| r.id.clone());
+    created(to_value(&revision?))
 }
 
-pub(crate) async fn delete(app: &App, id: &str) -> Result<ApiResponse, ApiError> {
-    let deleted = app.envs.delete(id).await?;
-    ok(json!({"deleted": deleted}))
+pub(crate) async fn delete(app: &App, peer: &str, id: &str) -> Result<ApiResponse, ApiError> {
+    let deleted = app.envs.delete(id).await;
+    audit(peer, "delete", id, "", &deleted, |_| String::new());
+    ok(json!({"deleted": deleted?}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envs::ids::IdError;
+
+    #[test]
+    fn every_store_failure_is_a_400_with_its_own_code_and_the_stores_text() {
+        let cases: Vec<(StoreError, &str, &str)> = vec![
+            (
+                StoreError::Unavailable("Scientific environments are disabled by configuration".into()),
+                "environments_unavailable",
+                "Scientific environments are disabled by configuration",
+            ),
+            (
+                StoreError::Invalid("Starter environment x is read-only".into()),
+                "invalid_request",
+                "Starter environment x is read-only",
+            ),
+            (StoreError::NotFound("task-1".into()), "environment_not_found", "Environment not found: task-1"),
+            (StoreError::Ids(IdError::NoPackages), "invalid_request", "At least one package is required"),
+            (
+                StoreError::Step { label: "conda", detail: "Could not solve".into() },
+                "provisioning_failed",
+                "conda step failed: Could not solve",
+            ),
+        ];
+        for (e, code, text) in cases {
+            let api = ApiError::from(e);
+            assert_eq!((api.status, api.code, api.message.as_str()), (400, code, text));
+        }
+    }
 }

@@ -208,21 +208,23 @@ pub async fn handle(
         }
         ("POST", ["npu", "jobs", id, "cancel"]) => npu::cancel(&app, percent_decode(id), &req.body).await,
         ("GET", ["environments"]) => envs::list(&app).await,
-        ("POST", ["environments"]) => detached(async move { envs::create(&app, &req.body).await }).await,
+        ("POST", ["environments"]) => {
+            detached(async move { envs::create(&app, &req.peer, &req.body).await }).await
+        }
         ("DELETE", ["environments", id]) => {
             let id = percent_decode(id);
-            detached(async move { envs::delete(&app, &id).await }).await
+            detached(async move { envs::delete(&app, &req.peer, &id).await }).await
         }
         ("POST", ["environments", id, "install"]) => {
             let id = percent_decode(id);
-            detached(async move { envs::install(&app, &id, &req.body).await }).await
+            detached(async move { envs::install(&app, &req.peer, &id, &req.body).await }).await
         }
         ("POST", ["environments", id, "uninstall"]) => {
             let id = percent_decode(id);
-            detached(async move { envs::uninstall(&app, &id, &req.body).await }).await
+            detached(async move { envs::uninstall(&app, &req.peer, &id, &req.body).await }).await
         }
         ("GET", ["environment-setup"]) => envs::setup(&app),
-        ("POST", ["environment-setup"]) => envs::start_setup(&app, &req.body),
+        ("POST", ["environment-setup"]) => envs::start_setup(&app, &req.peer, &req.body),
         ("GET", ["environment-revisions"]) => envs::revisions(&app).await,
         ("GET", ["environment-revisions", id, "snapshot"]) => envs::snapshot(&app, &percent_decode(id)).await,
         _ => Err(ApiError::not_found()),
