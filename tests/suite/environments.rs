@@ -598,3 +598,84 @@ async fn a_managed_run_uses_the_environment_it_names() {
         .collect();
     assert_eq!(text, "tinyutil 1.0\n/opt/science-env/bin:/usr/bin:/bin\n", "{logs}");
 }
+
+/// Serves `dir` over plain HTTP on loopback (GET only), as an offline site's mirror would.
+fn serve_channel(dir: PathBuf) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = requests.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                if reader.read_line(&mut line).is_err() {
+                    return;
+                }
+                // The rest of the head.
+                let mut header = String::new();
+                while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+                    header.clear();
+                }
+                let target = line.split_whitespace().nth(1).unwrap_or("/");
+                // Absolute-form through a proxy (`http://host:port/path`) or origin-form.
+                let path = target
+                    .strip_prefix("http://")
+                    .map_or(target, |rest| rest.find('/').map_or("/", |i| &rest[i..]));
+                let file = dir.join(path.trim_start_matches('/'));
+                let mut out = stream;
+                let safe = !path.contains("..");
+                match std::fs::read(&file).ok().filter(|_| safe && file.is_file()) {
+                    Some(body) => {
+                        let _ = write!(
+                            out,
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                            body.len()
+                        );
+                        let _ = out.write_all(&body);
+                    }
+                    None => {
+                        let _ = out.write_all(
+                            b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                        );
+                    }
+                }
+            });
+        }
+    });
+    (port, requests)
+}
+
+#[tokio::test]
+async fn a_channel_over_plain_http_is_reached_through_egressd_only() {
+    if !sandbox_or_skip("a_channel_over_plain_http_is_reached_through_egressd_only") {
+        return;
+    }
+    let channel = runner_tests::scratch_dir();
+    let dir = channel.path().join("channel");
+    demo_channel(&dir);
+    let (port, requests) = serve_channel(dir.clone());
+    // egressd allowlists names only: the mirror is a name on a private (loopback) address,
+    // allowed because the operator configured it.
+    let dns = runner_tests::egress::FakeDns::start(&[("channel.test", &["127.0.0.1"])]);
+    let egressd = runner_tests::egress::Egressd::start(dns.addr, &[]);
+    let mut env: Vec<(String, String)> = egressd.runner_env();
+    env.extend([
+        ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
+        ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), format!("http://channel.test:{port}")),
+        ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
+    ]);
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    let setup = setup_outcome(&server).await;
+    assert_eq!(setup["state"], "ready", "{setup}\n{}\n{}", server.stderr(), egressd.log());
+    assert!(requests.load(std::sync::atomic::Ordering::SeqCst) > 0, "the channel was read over HTTP");
+    // The provisioning sandbox reached it through a gateway of its own policy.
+    let log = egressd.log();
+    assert!(log.contains("host=channel.test") && log.contains("decision=\"allowed\""), "{log}");
+    let v = shell(&server, Some("starter-python"), "tinyutil").await;
+    assert_eq!(v["stdout"], "tinyutil 1.0\n", "{v}");
+}

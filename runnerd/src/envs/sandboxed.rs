@@ -147,8 +147,13 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let lease = match step.hosts.is_empty() {
         true => None,
         false => {
+            // egressd refuses a revision named again with another policy: the revision
+            // names this step's own allowlist.
+            let mut hosts = step.hosts.join(",");
+            hosts.push_str(if step.allow_private { ";private" } else { ";public" });
+            let digest = crate::versioning::names::sha256_hex(hosts.as_bytes());
             let policy = GatewayPolicy {
-                revision: format!("env-provision-{label}"),
+                revision: format!("env-provision-{}", &digest[..16]),
                 allowed_domains: step.hosts.clone(),
                 allow_private_network: step.allow_private,
             };

@@ -303,6 +303,28 @@ impl EnvStore {
         Ok("starter-python was created".into())
     }
 
+    /// A conda step over `channels`: when every host it reaches belongs to a channel the
+    /// operator configured, that host may resolve to a private address (an offline site's
+    /// mirror on the LAN is allowed as configured); a request's preset mirror may not.
+    fn conda_step(
+        &self,
+        op: Op,
+        prefix: &Path,
+        channels: &[String],
+        extra_ro: &[PathBuf],
+    ) -> sandboxed::Step {
+        let mut step = steps::conda(&self.places(), op, prefix, channels, extra_ro);
+        let configured: Vec<String> = self
+            .settings
+            .channels
+            .iter()
+            .filter_map(|c| ids::channel_url(c).ok())
+            .filter_map(|u| steps::url_host(&u))
+            .collect();
+        step.allow_private |= !step.hosts.is_empty() && step.hosts.iter().all(|h| configured.contains(h));
+        step
+    }
+
     /// The conda step's places: the provisioner, the cache, offline or not.
     fn places(&self) -> CondaPlaces<'_> {
         CondaPlaces {
@@ -333,7 +355,7 @@ impl EnvStore {
         let rev = ids::new_revision_id();
         let prefix = self.fresh_prefix(app, id, &rev)?;
         let channels = self.channel_urls(&self.settings.channels)?;
-        let step = steps::conda(&self.places(), Op::Create { specs: specs.clone() }, &prefix, &channels, &[]);
+        let step = self.conda_step(Op::Create { specs: specs.clone() }, &prefix, &channels, &[]);
         let answer = self.conda(app, step).await;
         let answer = match answer {
             Ok(a) => a,
@@ -506,8 +528,7 @@ impl EnvStore {
         let base_rev = self.cat().revision(&base_env.current_revision_id).cloned();
         let channels = base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
         let urls = self.channel_urls(&channels)?;
-        let step = steps::conda(
-            &self.places(),
+        let step = self.conda_step(
             Op::Clone { source: source.clone() },
             &prefix,
             &urls,
@@ -669,11 +690,8 @@ impl EnvStore {
         let outcome = match req.manager {
             Manager::Conda => {
                 let urls = self.channel_urls(&channels)?;
-                self.conda(
-                    app,
-                    steps::conda(&self.places(), Op::Install { specs: specs.clone() }, &prefix, &urls, &[]),
-                )
-                .await
+                self.conda(app, self.conda_step(Op::Install { specs: specs.clone() }, &prefix, &urls, &[]))
+                    .await
             }
             Manager::Pip => {
                 let source = pip_source.clone().unwrap_or(PipSource::Index(PYPI.to_owned()));
@@ -739,7 +757,7 @@ impl EnvStore {
         let prefix = self.root.join(env.prefix_rel()?);
         let channels = current.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
         let urls = self.channel_urls(&channels)?;
-        let step = steps::conda(&self.places(), Op::Remove { names: packages.clone() }, &prefix, &urls, &[]);
+        let step = self.conda_step(Op::Remove { names: packages.clone() }, &prefix, &urls, &[]);
         let answer = match self.conda(app, step).await {
             Ok(a) => a,
             Err(e) => {
