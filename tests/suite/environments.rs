@@ -26,6 +26,9 @@ echo "args: $*"
 env | grep -q SCIENCE_AGENT && echo "runner-variables=set" || echo "runner-variables=unset"
 touch /usr/probe 2>/dev/null && echo "writable-usr=yes" || echo "writable-usr=no"
 } > "$prefix/probe.txt"
+# Plants a link to where the package cache is (as hostile build code could), for the next
+# conda step of this environment to refuse.
+ln -s "$store/provisioner" "$prefix/lib-planted" 2>/dev/null
 "#;
 
 /// Builds the demo channel (`tinyutil` 1.0/2.0, `tinylib` → `tinyutil`, `broken`, a stub
@@ -391,6 +394,14 @@ async fn the_provisioning_sandbox_sees_only_its_prefix_and_never_the_token() {
         assert!(seen.contains(line), "{line:?} not in:\n{seen}");
     }
     assert!(seen.contains("args: --vanilla --slave -e install.packages"), "{seen}");
+
+    // The link the R step planted (to the package cache's path) stops the next conda step
+    // before it writes anything.
+    let (status, v) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil"]})).await;
+    assert_eq!(status, 400, "{v}");
+    let error = v["error"].as_str().unwrap();
+    assert!(error.contains("holds a link that leaves it (lib-planted -> "), "{error}");
 }
 
 #[tokio::test]

@@ -16,6 +16,7 @@ mod channels;
 mod history;
 mod install;
 mod inventory;
+mod links;
 mod network;
 mod request;
 mod solve;
@@ -44,6 +45,8 @@ enum Failure {
     Inventory(#[from] inventory::InventoryError),
     #[error(transparent)]
     History(#[from] history::HistoryError),
+    #[error(transparent)]
+    Links(#[from] links::LinkError),
     #[error("Package is not installed: {0}")]
     NotInstalled(String),
     #[error("Source prefix {0} has no conda packages to clone")]
@@ -174,6 +177,7 @@ async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure>
 async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcome, Failure> {
     solve::parse_specs(specs)?;
     let prefix = &context.request.prefix;
+    links::check(prefix)?;
     let installed = inventory::installed(prefix)?;
     let mut wanted = earlier_specs(prefix, &installed)?;
     for spec in specs {
@@ -191,6 +195,7 @@ async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcom
 
 async fn remove(context: &Context<'_>, names: &[String]) -> Result<Outcome, Failure> {
     let prefix = &context.request.prefix;
+    links::check(prefix)?;
     let installed = inventory::installed(prefix)?;
     let installed_names: HashSet<&str> =
         installed.iter().map(|r| r.repodata_record.package_record.name.as_normalized()).collect();

@@ -1,0 +1,119 @@
+//! Refuses to change a prefix that holds a symbolic link leading out of it.
+//!
+//! A pip or R step runs hostile build code with the prefix writable (and nothing else of the
+//! data directory). It could plant `lib -> /<data>/scientific-envs/provisioner/pkgs/…`; the
+//! next conda step sees the package cache writable at that same path, and the installer,
+//! which creates files beneath the prefix's directories, would write through the link into
+//! the cache every other environment is copied from. Links that packages bring are relative
+//! and stay inside their prefix; one that leaves it is refused before anything is written.
+
+use std::path::{Component, Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error(
+        "The prefix {prefix} holds a link that leaves it ({link} -> {target}); a package step put it there. Nothing was changed: delete the environment and create it again"
+    )]
+    Escapes { prefix: String, link: String, target: String },
+    #[error("The prefix {prefix} could not be read")]
+    Read {
+        prefix: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `base.join(target)` with `.` and `..` resolved lexically; `None` when `..` would climb
+/// above the root.
+fn lexical(base: &Path, target: &Path) -> Option<PathBuf> {
+    let mut out = PathBuf::new();
+    for c in base.join(target).components() {
+        match c {
+            Component::RootDir => out.push("/"),
+            Component::CurDir => {}
+            Component::ParentDir => {
+                if !out.pop() {
+                    return None;
+                }
+            }
+            Component::Normal(n) => out.push(n),
+            Component::Prefix(_) => return None,
+        }
+    }
+    Some(out)
+}
+
+/// Whether a link at `link` (inside `prefix`) with `target` stays inside `prefix`, judged
+/// lexically: every directory it passes through must be the prefix's own (a link through
+/// another link is checked when that one is).
+pub fn stays_inside(prefix: &Path, link: &Path, target: &Path) -> bool {
+    let parent = link.parent().unwrap_or(prefix);
+    lexical(parent, target).is_some_and(|resolved| resolved.starts_with(prefix))
+}
+
+/// Walks `prefix` without following links; the first link that leaves it is the error.
+pub fn check(prefix: &Path) -> Result<(), LinkError> {
+    let read = |source| LinkError::Read { prefix: prefix.display().to_string(), source };
+    let mut pending = vec![prefix.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir == prefix => return Ok(()),
+            Err(e) => return Err(read(e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(read)?;
+            let path = entry.path();
+            let kind = entry.file_type().map_err(read)?;
+            if kind.is_symlink() {
+                let target = std::fs::read_link(&path).map_err(read)?;
+                if !stays_inside(prefix, &path, &target) {
+                    return Err(LinkError::Escapes {
+                        prefix: prefix.display().to_string(),
+                        link: path.strip_prefix(prefix).unwrap_or(&path).display().to_string(),
+                        target: target.display().to_string(),
+                    });
+                }
+            } else if kind.is_dir() {
+                pending.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_inside_are_kept_and_links_out_are_refused() {
+        let p = Path::new("/d/envs/e/rev");
+        for (link, target, inside) in [
+            ("/d/envs/e/rev/bin/python3", "python3.11", true),
+            ("/d/envs/e/rev/lib/libz.so", "libz.so.1", true),
+            ("/d/envs/e/rev/lib/a/b", "../../share/x", true),
+            ("/d/envs/e/rev/bin/x", "/d/envs/e/rev/lib/x", true),
+            ("/d/envs/e/rev/lib", "/d/provisioner/pkgs", false),
+            ("/d/envs/e/rev/lib/x", "../../other", false),
+            ("/d/envs/e/rev/x", "../rev2", false),
+            ("/d/envs/e/rev/x", "../../../../../../..", false),
+            ("/d/envs/e/rev/x", "/etc/passwd", false),
+        ] {
+            assert_eq!(stays_inside(p, Path::new(link), Path::new(target)), inside, "{link} -> {target}");
+        }
+    }
+
+    #[test]
+    fn a_planted_directory_link_is_found_anywhere_in_the_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("rev");
+        std::fs::create_dir_all(prefix.join("lib/python3.11/site-packages")).unwrap();
+        std::os::unix::fs::symlink("python3.11", prefix.join("lib/python3")).unwrap();
+        check(&prefix).unwrap();
+        std::os::unix::fs::symlink(dir.path(), prefix.join("lib/python3.11/site-packages/evil")).unwrap();
+        let e = check(&prefix).unwrap_err().to_string();
+        assert!(e.contains("lib/python3.11/site-packages/evil -> "), "{e}");
+        assert!(check(&dir.path().join("absent")).is_ok(), "an absent prefix has no links");
+    }
+}
