@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 use common::provision::{Change, Operation};
 use rattler::install::{
-    InstallationResultRecord, Installer, InstallerError, LinkOptions, TransactionOperation,
+    ExternalSymlinkPolicy, InstallationResultRecord, Installer, InstallerError, LinkOptions,
+    TransactionOperation,
 };
 use rattler::package_cache::PackageCache;
 use rattler_conda_types::{MatchSpec, PrefixRecord, RepoDataRecord};
@@ -68,6 +69,8 @@ pub async fn apply(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
             allow_hard_links: Some(false),
             allow_ref_links: Some(true),
         })
+        // A package whose links point outside the prefix is refused, not warned about.
+        .with_external_symlink_policy(ExternalSymlinkPolicy::Deny)
         .with_download_client(client)
         .with_package_cache(plan.cache.clone())
         .with_installed_packages(plan.installed)

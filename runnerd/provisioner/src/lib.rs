@@ -166,6 +166,8 @@ async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure>
     if records.is_empty() {
         return Err(Failure::EmptySource(source.display().to_string()));
     }
+    links::check_records(source, &records)?;
+    links::check_origins(&records, &context.request.channels)?;
     let specs: Vec<String> = earlier_specs(source, &records)?.into_values().collect();
     let requested = solve::parse_specs(&specs)?;
     let desired: Vec<RepoDataRecord> = records.into_iter().map(|r| r.repodata_record).collect();
@@ -179,6 +181,7 @@ async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcom
     let prefix = &context.request.prefix;
     links::check(prefix)?;
     let installed = inventory::installed(prefix)?;
+    links::check_records(prefix, &installed)?;
     let mut wanted = earlier_specs(prefix, &installed)?;
     for spec in specs {
         wanted.insert(history::spec_name(spec).to_string(), spec.clone());
@@ -197,6 +200,7 @@ async fn remove(context: &Context<'_>, names: &[String]) -> Result<Outcome, Fail
     let prefix = &context.request.prefix;
     links::check(prefix)?;
     let installed = inventory::installed(prefix)?;
+    links::check_records(prefix, &installed)?;
     let installed_names: HashSet<&str> =
         installed.iter().map(|r| r.repodata_record.package_record.name.as_normalized()).collect();
     if let Some(missing) = names.iter().find(|n| !installed_names.contains(n.to_lowercase().as_str())) {

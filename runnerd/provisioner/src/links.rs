@@ -1,4 +1,5 @@
-//! Refuses to change a prefix that holds a symbolic link leading out of it.
+//! Refuses to change a prefix that holds what a hostile step could plant to reach outside it:
+//! a symbolic link leading out of it, or a package record naming a path outside it.
 //!
 //! A pip or R step runs hostile build code with the prefix writable (and nothing else of the
 //! data directory). It could plant `lib -> /<data>/scientific-envs/provisioner/pkgs/…`; the
@@ -6,6 +7,10 @@
 //! which creates files beneath the prefix's directories, would write through the link into
 //! the cache every other environment is copied from. Links that packages bring are relative
 //! and stay inside their prefix; one that leaves it is refused before anything is written.
+//! Links are resolved by the kernel (`..` after a link climbs from the link's target), and
+//! judged by their text only where they resolve to nothing. Likewise a forged
+//! `conda-meta/*.json` whose paths climb out would make the installer delete cache files when
+//! it unlinks that package.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -15,6 +20,14 @@ pub enum LinkError {
         "The prefix {prefix} holds a link that leaves it ({link} -> {target}); a package step put it there. Nothing was changed: delete the environment and create it again"
     )]
     Escapes { prefix: String, link: String, target: String },
+    #[error(
+        "The prefix {prefix} holds a package record for {package} that names a path outside it ({path}); a package step put it there. Nothing was changed: delete the environment and create it again"
+    )]
+    Record { prefix: String, package: String, path: String },
+    #[error(
+        "Package {package} is recorded from {url}, which is not one of the environment's channels; it is not copied"
+    )]
+    Foreign { package: String, url: String },
     #[error("The prefix {prefix} could not be read")]
     Read {
         prefix: String,
@@ -54,6 +67,11 @@ pub fn stays_inside(prefix: &Path, link: &Path, target: &Path) -> bool {
 /// Walks `prefix` without following links; the first link that leaves it is the error.
 pub fn check(prefix: &Path) -> Result<(), LinkError> {
     let read = |source| LinkError::Read { prefix: prefix.display().to_string(), source };
+    let real_prefix = match std::fs::canonicalize(prefix) {
+        Ok(p) => p,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(read(e)),
+    };
     let mut pending = vec![prefix.to_path_buf()];
     while let Some(dir) = pending.pop() {
         let entries = match std::fs::read_dir(&dir) {
@@ -67,7 +85,11 @@ pub fn check(prefix: &Path) -> Result<(), LinkError> {
             let kind = entry.file_type().map_err(read)?;
             if kind.is_symlink() {
                 let target = std::fs::read_link(&path).map_err(read)?;
-                if !stays_inside(prefix, &path, &target) {
+                let inside = match std::fs::canonicalize(&path) {
+                    Ok(real) => real.starts_with(&real_prefix),
+                    Err(_) => stays_inside(prefix, &path, &target),
+                };
+                if !inside {
                     return Err(LinkError::Escapes {
                         prefix: prefix.display().to_string(),
                         link: path.strip_prefix(prefix).unwrap_or(&path).display().to_string(),
@@ -77,6 +99,50 @@ pub fn check(prefix: &Path) -> Result<(), LinkError> {
             } else if kind.is_dir() {
                 pending.push(path);
             }
+        }
+    }
+    Ok(())
+}
+
+/// A record path that stays inside its prefix: relative, and only names (no `..`, no root).
+fn plain_relative(path: &Path) -> bool {
+    path.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+/// The installed records runnerd's next step will trust: every path they name relative and
+/// inside, no system menus (whose removal deletes outside the prefix).
+pub fn check_records(prefix: &Path, records: &[rattler_conda_types::PrefixRecord]) -> Result<(), LinkError> {
+    for r in records {
+        let package = r.repodata_record.package_record.name.as_normalized().to_owned();
+        let bad = r
+            .files
+            .iter()
+            .chain(r.paths_data.paths.iter().map(|p| &p.relative_path))
+            .find(|p| !plain_relative(p))
+            .map(|p| p.display().to_string())
+            .or_else(|| (!r.installed_system_menus.is_empty()).then(|| "(system menus)".to_owned()));
+        if let Some(path) = bad {
+            return Err(LinkError::Record { prefix: prefix.display().to_string(), package, path });
+        }
+    }
+    Ok(())
+}
+
+/// A clone copies the packages its source records: each must come from one of `channels`
+/// (the source prefix may have been written by a hostile step; its records are not trusted
+/// to name an archive anywhere else, such as one it planted itself).
+pub fn check_origins(
+    records: &[rattler_conda_types::PrefixRecord],
+    channels: &[String],
+) -> Result<(), LinkError> {
+    for r in records {
+        let url = r.repodata_record.url.as_str();
+        let known = channels.iter().any(|c| url.starts_with(&format!("{}/", c.trim_end_matches('/'))));
+        if !known {
+            return Err(LinkError::Foreign {
+                package: r.repodata_record.package_record.name.as_normalized().to_owned(),
+                url: url.to_owned(),
+            });
         }
     }
     Ok(())
@@ -115,5 +181,35 @@ mod tests {
         let e = check(&prefix).unwrap_err().to_string();
         assert!(e.contains("lib/python3.11/site-packages/evil -> "), "{e}");
         assert!(check(&dir.path().join("absent")).is_ok(), "an absent prefix has no links");
+    }
+
+    /// `..` after a link climbs from the link's target: `l -> ..` makes `l/b/l/../..` read
+    /// inside lexically while the kernel lands outside.
+    #[test]
+    fn a_link_that_escapes_only_through_another_link_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("rev");
+        std::fs::create_dir_all(prefix.join("a/b")).unwrap();
+        std::fs::create_dir_all(dir.path().join("cache/pkgs")).unwrap();
+        std::os::unix::fs::symlink("..", prefix.join("a/b/l")).unwrap();
+        check(&prefix).unwrap();
+        std::os::unix::fs::symlink("l/b/l/../../cache/pkgs", prefix.join("a/b/x")).unwrap();
+        let lexically = stays_inside(&prefix, &prefix.join("a/b/x"), Path::new("l/b/l/../../cache/pkgs"));
+        assert!(lexically, "reads as inside");
+        let e = check(&prefix).unwrap_err().to_string();
+        assert!(e.contains("a/b/x -> "), "{e}");
+    }
+
+    #[test]
+    fn record_paths_must_be_plain_relative() {
+        for (p, ok) in [
+            ("lib/x.so", true),
+            ("./bin/a", true),
+            ("../pkgs/x", false),
+            ("/etc/x", false),
+            ("a/../../b", false),
+        ] {
+            assert_eq!(plain_relative(Path::new(p)), ok, "{p}");
+        }
     }
 }

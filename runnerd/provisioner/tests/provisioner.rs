@@ -237,14 +237,33 @@ fn clone_copies_the_records_and_specs() {
     assert_eq!(cloned["solveMicros"], 0);
     assert!(history(&task).ends_with("# update specs: ['tinylib', 'tinyutil=1.0']\n"), "{}", history(&task));
     let not_empty = env.run(&task, json!({"kind": "clone", "source": base}));
+    // A clone copies only what its channels serve: a record naming another origin (as a
+    // hostile step could forge in the source) is refused.
+    let foreign = env.run_with(
+        &env.prefix("foreign"),
+        json!({"kind": "clone", "source": base}),
+        &["file:///elsewhere"],
+        true,
+    );
+    assert!(
+        foreign.error().contains("which is not one of the environment's channels"),
+        "{}",
+        foreign.error()
+    );
     assert!(not_empty.error().ends_with("already exists and is not empty"));
     // The base's file:// channel gone (not bound into the sandbox): the cache serves it.
     std::fs::remove_dir_all(env.root.join("channel")).expect("remove the channel");
     let offline = env.prefix("offline");
-    let again = env.run_with(&offline, json!({"kind": "clone", "source": base}), &[], true).ok();
+    let again =
+        env.run_with(&offline, json!({"kind": "clone", "source": base}), &[env.channel.as_str()], true).ok();
     assert_eq!(names(&again), ["tinylib-1.0", "tinyutil-1.0"]);
     std::fs::remove_dir_all(env.root.join("cache")).expect("remove the cache");
-    let neither = env.run_with(&env.prefix("neither"), json!({"kind": "clone", "source": base}), &[], true);
+    let neither = env.run_with(
+        &env.prefix("neither"),
+        json!({"kind": "clone", "source": base}),
+        &[env.channel.as_str()],
+        true,
+    );
     assert!(neither.error().contains("could not be read: No such file"), "{}", neither.error());
 }
 
@@ -334,7 +353,7 @@ fn http_channel_then_offline_from_the_cache_alone() {
     let again = env.run_with(&offline, json!({"kind": "create", "specs": ["tinylib"]}), &[&url], true).ok();
     assert_eq!(names(&again), ["tinylib-1.0", "tinyutil-2.0"]);
     let clone = env.prefix("clone");
-    env.run_with(&clone, json!({"kind": "clone", "source": online}), &[], true).ok();
+    env.run_with(&clone, json!({"kind": "clone", "source": online}), &[&url], true).ok();
     assert_eq!(requests.load(Ordering::SeqCst), served, "offline runs open no connection");
     let unknown = env.run_with(
         &env.prefix("x"),

@@ -101,6 +101,10 @@ pub(crate) fn conda(
     }
 }
 
+/// pip's default index, and the host PyPI serves its files from.
+pub(crate) const PYPI: &str = "https://pypi.org/simple";
+pub(crate) const PYPI_FILES: &str = "files.pythonhosted.org";
+
 /// Where pip gets packages: an HTTPS index, the offline cache (`--no-index --find-links`),
 /// or nowhere (`--no-index`: only local wheels, whose dependencies must be installed).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,6 +131,10 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
         PipSource::Index(url) => {
             command.extend(["--index-url".to_owned(), url.clone()]);
             hosts = hosts_of([url.as_str()]);
+            // PyPI's index links its files on another host.
+            if url.trim_end_matches('/') == PYPI {
+                hosts.push(PYPI_FILES.to_owned());
+            }
         }
         PipSource::Offline(cache) => {
             command.extend([
@@ -145,7 +153,6 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
             binds.push((dir.to_path_buf(), false));
         }
     }
-    let allow_private = hosts.iter().any(|h| is_private_host(h));
     Step {
         label: "pip",
         command,
@@ -154,7 +161,8 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
         provisioner: None,
         env: vec![("PIP_NO_CACHE_DIR".into(), "1".into())],
         hosts,
-        allow_private,
+        // The index is the request's: never a private address (not even `localhost`).
+        allow_private: false,
         timeout: PIP_TIMEOUT,
     }
 }
@@ -391,6 +399,11 @@ mod tests {
         let off = pip(Path::new("/d/p"), &PipSource::Offline("/cache".into()), &["x".into()], &[]);
         assert!(off.command.windows(3).any(|w| w == ["--no-index", "--find-links", "/cache"]));
         assert!(off.hosts.is_empty());
+        let pypi = pip(Path::new("/d/p"), &PipSource::Index(PYPI.into()), &["x".into()], &[]);
+        assert_eq!(pypi.hosts, ["pypi.org", "files.pythonhosted.org"]);
+        let local =
+            pip(Path::new("/d/p"), &PipSource::Index("https://localhost/simple".into()), &["x".into()], &[]);
+        assert!(!local.allow_private, "a request's index never reaches private addresses");
     }
 
     #[test]

@@ -22,7 +22,7 @@ use super::{ids, wheels};
 use crate::app::App;
 use crate::sandbox::Language;
 
-const PYPI: &str = "https://pypi.org/simple";
+use super::steps::PYPI;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum StoreError {
@@ -325,6 +325,22 @@ impl EnvStore {
         step
     }
 
+    /// The conda channels of a step that does not name its own (an uninstall, a clone): the
+    /// ones a revision recorded that are still allowed, else the configured ones. A pip or
+    /// CRAN revision records its index or repository, which must never be read as a conda
+    /// channel (nor opened to egress for one).
+    fn conda_channels(&self, recorded: &[String]) -> Vec<String> {
+        let allowed: Vec<String> = recorded
+            .iter()
+            .filter(|c| ids::allowed_channels(std::slice::from_ref(*c), &self.settings.channels).is_ok())
+            .cloned()
+            .collect();
+        match allowed.is_empty() {
+            true => self.settings.channels.clone(),
+            false => allowed,
+        }
+    }
+
     /// The conda step's places: the provisioner, the cache, offline or not.
     fn places(&self) -> CondaPlaces<'_> {
         CondaPlaces {
@@ -526,7 +542,8 @@ impl EnvStore {
         let rev = ids::new_revision_id();
         let prefix = self.fresh_prefix(app, &id, &rev)?;
         let base_rev = self.cat().revision(&base_env.current_revision_id).cloned();
-        let channels = base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
+        let channels =
+            self.conda_channels(&base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default());
         let urls = self.channel_urls(&channels)?;
         let step = self.conda_step(
             Op::Clone { source: source.clone() },
@@ -684,12 +701,13 @@ impl EnvStore {
         // The record may have changed while this waited.
         let env = self.task_environment(id).await?;
         let current = self.cat().revision(&env.current_revision_id).cloned();
-        self.begin_update(id).await?;
+        // Everything that can fail before a package is touched, before `updating`.
         let prefix = self.root.join(env.prefix_rel()?);
         let wheel_files = new_wheels.iter().map(|w| self.wheel_path(w)).collect::<Result<Vec<_>, _>>()?;
+        let urls = self.channel_urls(&channels)?;
+        self.begin_update(id).await?;
         let outcome = match req.manager {
             Manager::Conda => {
-                let urls = self.channel_urls(&channels)?;
                 self.conda(app, self.conda_step(Op::Install { specs: specs.clone() }, &prefix, &urls, &[]))
                     .await
             }
@@ -753,10 +771,10 @@ impl EnvStore {
         let _w = self.gates.write(id).await;
         let env = self.task_environment(id).await?;
         let current = self.cat().revision(&env.current_revision_id).cloned();
-        self.begin_update(id).await?;
         let prefix = self.root.join(env.prefix_rel()?);
-        let channels = current.as_ref().map(|r| r.channels.clone()).unwrap_or_default();
+        let channels = self.conda_channels(&current.as_ref().map(|r| r.channels.clone()).unwrap_or_default());
         let urls = self.channel_urls(&channels)?;
+        self.begin_update(id).await?;
         let step = self.conda_step(Op::Remove { names: packages.clone() }, &prefix, &urls, &[]);
         let answer = match self.conda(app, step).await {
             Ok(a) => a,
