@@ -340,6 +340,9 @@ async fn the_catalog_survives_a_restart_and_an_interrupted_update_becomes_failed
         }
     }
     std::fs::write(&catalog_path, serde_json::to_vec_pretty(&catalog).unwrap()).unwrap();
+    // And as a crash in the middle of a create leaves it: a prefix no environment names.
+    let orphan = envs.server.path("scientific-envs/revisions/task-0000/rev-0000");
+    std::fs::create_dir_all(orphan.join("bin")).unwrap();
     let data_dir = envs.server.data_dir.clone();
     let restarted = Server::start_with(ServerOptions {
         env: vec![

@@ -184,6 +184,14 @@ impl EnvStore {
                 );
             }
             catalog = Catalog::load(&dir)?;
+            let orphans = sweep_orphan_prefixes(&root.join(common::layout::ENV_REVISIONS), &catalog);
+            if orphans > 0 {
+                tracing::info!(
+                    event = "environment_prefixes_swept",
+                    count = orphans,
+                    reason = "left by a create a crash interrupted, or a delete"
+                );
+            }
             if catalog.recover_interrupted(&crate::timefmt::now_iso()) {
                 catalog.save(&dir)?;
                 tracing::warn!(
@@ -204,6 +212,22 @@ impl EnvStore {
             view: Mutex::new(view),
             gates: Gates::default(),
         })
+    }
+
+    /// Changes the catalog durably: `change` is applied to a copy, the copy is written, and
+    /// only then does it replace the catalog in memory, so memory never runs ahead of the
+    /// disk (a failed write leaves both as they were).
+    fn persist<T>(
+        &self,
+        change: impl FnOnce(&mut Catalog) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let dir = open_dir(&self.root)?;
+        let mut catalog = self.cat();
+        let mut next = catalog.clone();
+        let out = change(&mut next)?;
+        next.save(&dir)?;
+        *catalog = next;
+        Ok(out)
     }
 
     /// The catalog, held only between awaits (a std lock: never across one).
@@ -397,11 +421,16 @@ impl EnvStore {
         };
         let revision =
             self.record_revision(app, &env, &rev, &prefix, channels, &answer, changes, None).await?;
-        let mut catalog = self.cat();
-        catalog.environments.retain(|e| e.id != id);
-        catalog.environments.push(env.clone());
-        catalog.revisions.push(revision);
-        catalog.save(&open_dir(&self.root)?)?;
+        let saved = self.persist(|catalog| {
+            catalog.environments.retain(|e| e.id != id);
+            catalog.environments.push(env.clone());
+            catalog.revisions.push(revision);
+            Ok(())
+        });
+        if let Err(e) = saved {
+            let _ = remove_prefix(&prefix);
+            return Err(e);
+        }
         audit("environment_created", id, &rev, "starter");
         Ok(env)
     }
@@ -585,16 +614,17 @@ impl EnvStore {
                 wheels,
             )
             .await?;
-        let mut catalog = self.cat();
-        // Names are unique: a concurrent create may have taken it meanwhile.
-        if let Err(e) = ids::check_new_name(name, catalog.names()) {
-            drop(catalog);
+        let saved = self.persist(|catalog| {
+            // Names are unique: a concurrent create may have taken it meanwhile.
+            ids::check_new_name(name, catalog.names())?;
+            catalog.environments.push(env.clone());
+            catalog.revisions.push(revision);
+            Ok(())
+        });
+        if let Err(e) = saved {
             let _ = remove_prefix(&prefix);
-            return Err(e.into());
+            return Err(e);
         }
-        catalog.environments.push(env.clone());
-        catalog.revisions.push(revision);
-        catalog.save(&open_dir(&self.root)?)?;
         audit("environment_created", &id, &rev, name);
         Ok(env)
     }
@@ -614,19 +644,20 @@ impl EnvStore {
 
     /// Marks the environment `updating` on disk before any package is touched.
     async fn begin_update(&self, id: &str) -> Result<(), StoreError> {
-        let mut catalog = self.cat();
-        catalog.begin_update(id, &crate::timefmt::now_iso());
-        catalog.save(&open_dir(&self.root)?)?;
-        Ok(())
+        self.persist(|catalog| {
+            catalog.begin_update(id, &crate::timefmt::now_iso());
+            Ok(())
+        })
     }
 
     /// `failed` with the original's text, keeping the current revision.
     async fn fail_update(&self, id: &str) {
-        let mut catalog = self.cat();
-        catalog.fail_update(id, &crate::timefmt::now_iso());
-        if let Ok(dir) = open_dir(&self.root)
-            && let Err(e) = catalog.save(&dir)
-        {
+        let failed = self.persist(|catalog| {
+            catalog.fail_update(id, &crate::timefmt::now_iso());
+            Ok(())
+        });
+        if let Err(e) = failed {
+            // The disk still says `updating`: a restart marks it failed ("interrupted").
             tracing::error!(event = "environment_catalog_write_failed", environment = id, error = %crate::error_chain(&e));
         }
     }
@@ -826,9 +857,14 @@ impl EnvStore {
                 return Err(e);
             }
         };
-        let mut catalog = self.cat();
-        catalog.commit_revision(revision.clone(), &crate::timefmt::now_iso());
-        catalog.save(&open_dir(&self.root)?)?;
+        let committed = self.persist(|catalog| {
+            catalog.commit_revision(revision.clone(), &crate::timefmt::now_iso());
+            Ok(())
+        });
+        if let Err(e) = committed {
+            self.fail_update(&env.id).await;
+            return Err(e);
+        }
         audit("environment_changed", &env.id, &rev, &revision.packages.len().to_string());
         Ok(revision)
     }
@@ -845,14 +881,13 @@ impl EnvStore {
         }
         self.task_environment(id).await?;
         let _w = self.gates.write(id).await;
-        let mut catalog = self.cat();
-        if catalog.environment(id).is_none() {
-            return Err(StoreError::NotFound(id.to_owned()));
-        }
-        catalog.environments.retain(|e| e.id != id);
-        catalog.save(&open_dir(&self.root)?)?;
-        let kept = catalog.revisions_of(id).count();
-        drop(catalog);
+        let kept = self.persist(|catalog| {
+            if catalog.environment(id).is_none() {
+                return Err(StoreError::NotFound(id.to_owned()));
+            }
+            catalog.environments.retain(|e| e.id != id);
+            Ok(catalog.revisions_of(id).count())
+        })?;
         if let Err(e) = catalog::remove_env_dir(&open_dir(&self.root)?, id) {
             tracing::warn!(event = "environment_prefix_left", environment = id, error = %crate::error_chain(&e));
         }
@@ -957,6 +992,43 @@ fn audit_failed(event: &'static str, environment: &str, e: &StoreError) {
     tracing::warn!(event, environment, error = %crate::error_chain(e));
 }
 
+/// Removes every `revisions/<env>/<rev>/` that no environment's prefix is (a create that a
+/// crash interrupted, a delete that stopped half way); revision records and snapshots are
+/// elsewhere and stay. Links are removed, never followed. Returns how many went.
+fn sweep_orphan_prefixes(revisions: &Path, catalog: &Catalog) -> usize {
+    let live: std::collections::HashSet<(String, String)> =
+        catalog.environments.iter().map(|e| (e.id.clone(), e.runtime_revision().to_owned())).collect();
+    let Ok(top) = crate::fsat::open_path(revisions, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+    else {
+        return 0;
+    };
+    let mut swept = 0;
+    for (env, env_c) in crate::fsat::names(&top).unwrap_or_default() {
+        let env = env.to_string_lossy().into_owned();
+        let keep_env = live.iter().any(|(e, _)| *e == env);
+        let Ok(env_dir) = crate::fsat::open_dir_at(&top, &env_c) else {
+            // Not a directory (or a link): nothing the store made.
+            if crate::fsat::unlink_at(&top, &env_c).is_ok() {
+                swept += 1;
+            }
+            continue;
+        };
+        for (rev, rev_c) in crate::fsat::names(&env_dir).unwrap_or_default() {
+            let rev = rev.to_string_lossy().into_owned();
+            if keep_env && live.contains(&(env.clone(), rev)) {
+                continue;
+            }
+            if crate::fsat::remove_tree_at(&env_dir, &rev_c).is_ok() {
+                swept += 1;
+            }
+        }
+        if !keep_env {
+            let _ = crate::fsat::rmdir_at(&top, &env_c);
+        }
+    }
+    swept
+}
+
 /// The package cache: the provisioner (as the sandbox user) unpacks packages into it. One
 /// runnerd made is handed to that user; an operator's is used as it is.
 fn prepare_cache(cache: &Path, user: &crate::sandbox::user::Identity) -> Result<(), StoreError> {
@@ -1028,6 +1100,31 @@ mod tests {
         ] {
             assert_eq!(is_interpreter_name(name), yes, "{name}");
         }
+    }
+
+    #[test]
+    fn prefixes_no_environment_names_are_swept_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let revisions = dir.path().join("revisions");
+        for p in ["task-a/rev-1/bin", "task-a/rev-2", "task-gone/rev-3", "starter-python/rev-4"] {
+            std::fs::create_dir_all(revisions.join(p)).unwrap();
+        }
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("keep"), b"x").unwrap();
+        std::os::unix::fs::symlink(&outside, revisions.join("task-a/rev-link")).unwrap();
+        let mut catalog = Catalog::default();
+        for (id, rev) in [("task-a", "rev-1"), ("starter-python", "rev-4")] {
+            let mut e = catalog::tests::environment(id, rev);
+            e.runtime_revision_id = Some(rev.to_owned());
+            catalog.environments.push(e);
+        }
+        assert_eq!(sweep_orphan_prefixes(&revisions, &catalog), 3);
+        assert!(revisions.join("task-a/rev-1/bin").is_dir());
+        assert!(revisions.join("starter-python/rev-4").is_dir());
+        assert!(!revisions.join("task-a/rev-2").exists() && !revisions.join("task-gone").exists());
+        assert!(outside.join("keep").exists(), "a link is removed, not followed");
+        assert_eq!(sweep_orphan_prefixes(&revisions, &catalog), 0);
     }
 
     #[test]
