@@ -15,6 +15,8 @@ use sha2::Digest;
 /// A stub `r-base` whose `bin/R` writes what the sandbox it runs in can see into its
 /// prefix (`probe.txt`): the CRAN step runs it in the provisioning sandbox.
 const PROBE_R: &str = r#"#!/bin/sh
+# A CRAN install of "slow" hangs, for a test to kill runnerd in the middle of an update.
+case "$*" in *'"slow"'*) sleep 60; exit 1 ;; esac
 prefix="$(cd "$(dirname "$0")/.." && pwd)"
 store="$(cd "$prefix/../../.." && pwd)"
 data="$(cd "$store/.." && pwd)"
@@ -692,4 +694,75 @@ async fn a_channel_over_plain_http_is_reached_through_egressd_only() {
     assert!(log.contains("host=channel.test") && log.contains("decision=\"allowed\""), "{log}");
     let v = shell(&server, Some("starter-python"), "tinyutil").await;
     assert_eq!(v["stdout"], "tinyutil 1.0\n", "{v}");
+}
+
+#[tokio::test]
+async fn runnerd_killed_during_an_install_restarts_with_the_environment_failed_and_repairable() {
+    if !sandbox_or_skip("runnerd_killed_during_an_install_restarts_with_the_environment_failed") {
+        return;
+    }
+    let mut envs = ready(&[]).await;
+    let (status, env) = post(&envs.server, "/environments", json!({"name": "killed", "language": "r"})).await;
+    assert_eq!(status, 201, "{env}");
+    let id = env["id"].as_str().unwrap().to_owned();
+    let before = env["currentRevisionId"].as_str().unwrap().to_owned();
+    let client = envs.server.client();
+    let path = format!("/environments/{id}/install");
+    let hung = tokio::spawn(async move {
+        client.post_json(&path, &json!({"packages": ["slow"], "manager": "cran"})).await.map(|r| r.status)
+    });
+    // `updating` is on disk before the step runs.
+    let catalog_path = envs.server.path("scientific-envs/catalog.json");
+    let status_on_disk = || -> String {
+        let c: Value = serde_json::from_slice(&std::fs::read(&catalog_path).unwrap()).unwrap();
+        c["environments"].as_array().unwrap().iter().find(|e| e["id"] == id.as_str()).unwrap()["status"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while status_on_disk() != "updating" {
+        assert!(Instant::now() < deadline, "never updating");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    envs.server.child.kill().unwrap();
+    envs.server.child.wait().unwrap();
+    assert!(hung.await.unwrap().is_err(), "the request died with runnerd");
+
+    let restarted = Server::start_with(ServerOptions {
+        env: vec![
+            ("SCIENTIFIC_ENVS".into(), "1".into()),
+            ("SCIENCE_AGENT_DATA_DIR".into(), envs.server.data_dir.display().to_string()),
+            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
+            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
+            ("SCIENCE_AGENT_CRAN_REPO".into(), "file:///nonexistent-cran".into()),
+        ],
+        ..Default::default()
+    });
+    assert_eq!(setup_outcome(&restarted).await["state"], "ready");
+    let (_, list) = get(&restarted, "/environments").await;
+    let e = environment(&list, &id);
+    assert_eq!(e["status"], "failed", "{e}");
+    assert_eq!(e["currentRevisionId"], before.as_str(), "the last good revision stays current");
+    assert!(e["error"].as_str().unwrap().contains("interrupted"), "{e}");
+    // Runs are refused until a change repairs it (the workspace is in the data directory the
+    // restarted runnerd serves, the first server's).
+    let ws = envs.server.project_workspace("envs");
+    let run = |code: &str| {
+        let mut body = shell_request("main", "envs", &ws, code);
+        body["environmentId"] = id.clone().into();
+        body
+    };
+    let reply = restarted.client().post_signed("/execute-shell", &run("true")).await.unwrap();
+    assert_eq!(reply.status, 400, "{}", String::from_utf8_lossy(&reply.body));
+    assert!(reply.json()["error"].as_str().unwrap().contains("is failed; repair it"), "{}", reply.json());
+    let (status, rev) =
+        post(&restarted, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil"]})).await;
+    assert_eq!(status, 201, "{rev}");
+    let (_, list) = get(&restarted, "/environments").await;
+    assert_eq!(environment(&list, &id)["status"], "ready");
+    let reply = restarted.client().post_signed("/execute-shell", &run("tinyutil")).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert!(reply.json()["stdout"].as_str().unwrap().starts_with("tinyutil "), "{}", reply.json());
 }
