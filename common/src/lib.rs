@@ -48,7 +48,7 @@ pub mod settings;
 pub mod sys;
 #[cfg(feature = "daemon")]
 pub mod systemd;
-#[cfg(feature = "daemon")]
+#[cfg(any(feature = "daemon", feature = "provision"))]
 pub mod timefmt;
 
 /// The full chain of an error, `outer: inner: root`, for reports and logs.

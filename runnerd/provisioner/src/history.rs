@@ -132,24 +132,10 @@ pub fn now_secs() -> u64 {
 }
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC), conda's history timestamp.
+/// conda's `YYYY-MM-DD HH:MM:SS` (UTC): the ISO form the daemons write, reshaped.
 fn timestamp(secs: u64) -> String {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, m, d) = civil_from_days(days as i64);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, (rem % 3600) / 60, rem % 60)
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
+    let iso = common::timefmt::iso8601(secs.saturating_mul(1000));
+    format!("{} {}", &iso[..10], &iso[11..19])
 }
 
 #[cfg(test)]
