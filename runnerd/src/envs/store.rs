@@ -404,34 +404,46 @@ impl EnvStore {
                 return Err(e);
             }
         };
-        let changes: Vec<String> = specs.iter().map(|s| format!("conda:{s}")).collect();
-        let now = crate::timefmt::now_iso();
-        let env = Environment {
-            id: id.to_owned(),
-            name: id.to_owned(),
-            kind: Kind::Starter,
-            language: env_language(language),
-            status: Status::Ready,
-            current_revision_id: rev.clone(),
-            runtime_revision_id: Some(rev.clone()),
-            base_environment_id: None,
-            created_at: now.clone(),
-            updated_at: now,
-            error: None,
-        };
-        let revision =
-            self.record_revision(app, &env, &rev, &prefix, channels, &answer, changes, None).await?;
-        let saved = self.persist(|catalog| {
-            catalog.environments.retain(|e| e.id != id);
-            catalog.environments.push(env.clone());
-            catalog.revisions.push(revision);
-            Ok(())
-        });
-        if let Err(e) = saved {
-            let _ = remove_prefix(&prefix);
+        let env = new_environment(id, id, Kind::Starter, env_language(language), &rev, None);
+        let requested = snapshot::requested_install(Manager::Conda, &specs);
+        let env = self.publish_new(app, env, &prefix, channels, &answer, requested, None).await?;
+        audit("environment_created", id, &rev, "starter");
+        Ok(env)
+    }
+
+    /// A new environment's first revision and its catalog entry (a starter replaces an entry
+    /// of its id; a task environment's name must still be free). On any failure the prefix
+    /// goes, so nothing is left that no record names.
+    #[allow(clippy::too_many_arguments)]
+    async fn publish_new(
+        &self,
+        app: &App,
+        env: Environment,
+        prefix: &Path,
+        channels: Vec<String>,
+        answer: &provision::Response,
+        requested: Vec<String>,
+        wheels: Option<Vec<LocalWheel>>,
+    ) -> Result<Environment, StoreError> {
+        let rev = env.current_revision_id.clone();
+        let published =
+            match self.record_revision(app, &env, &rev, prefix, channels, answer, requested, wheels).await {
+                Ok(revision) => self.persist(|catalog| {
+                    match env.kind {
+                        Kind::Starter => catalog.environments.retain(|e| e.id != env.id),
+                        // Names are unique: a concurrent create may have taken it meanwhile.
+                        Kind::Task => ids::check_new_name(&env.name, catalog.names())?,
+                    }
+                    catalog.environments.push(env.clone());
+                    catalog.revisions.push(revision);
+                    Ok(())
+                }),
+                Err(e) => Err(e),
+            };
+        if let Err(e) = published {
+            let _ = remove_prefix(prefix);
             return Err(e);
         }
-        audit("environment_created", id, &rev, "starter");
         Ok(env)
     }
 
@@ -481,14 +493,17 @@ impl EnvStore {
         requested: Vec<String>,
         wheels: Option<Vec<LocalWheel>>,
     ) -> Result<EnvironmentRevision, StoreError> {
-        let python = match prefix.join("bin/python").exists() {
+        // Which interpreters the prefix has, from the provisioner's answer: never a look at
+        // the prefix from the host, where a pip or R step may have planted links.
+        let has = |name: &str| answer.installed.iter().any(|p| p.name == name);
+        let python = match has("python") {
             true => match sandboxed::run(app, steps::python_inventory(prefix)).await {
                 Ok(out) => steps::parse_python_inventory(&out.stdout),
                 Err(_) => Vec::new(),
             },
             false => Vec::new(),
         };
-        let r = match env.language == catalog::Language::R && prefix.join("bin/R").exists() {
+        let r = match env.language == catalog::Language::R && has("r-base") {
             true => match sandboxed::run(app, steps::r_inventory(prefix)).await {
                 Ok(out) => steps::parse_r_inventory(&out.stdout),
                 Err(_) => Vec::new(),
@@ -587,44 +602,10 @@ impl EnvStore {
                 return Err(e);
             }
         };
-        let now = crate::timefmt::now_iso();
-        let env = Environment {
-            id: id.clone(),
-            name: name.to_owned(),
-            kind: Kind::Task,
-            language: lang,
-            status: Status::Ready,
-            current_revision_id: rev.clone(),
-            runtime_revision_id: Some(rev.clone()),
-            base_environment_id: Some(base_id.to_owned()),
-            created_at: now.clone(),
-            updated_at: now,
-            error: None,
-        };
+        let env = new_environment(&id, name, Kind::Task, lang, &rev, Some(base_id));
         let wheels = base_rev.and_then(|r| r.local_wheels);
-        let revision = self
-            .record_revision(
-                app,
-                &env,
-                &rev,
-                &prefix,
-                channels,
-                &answer,
-                vec![format!("clone:{base_id}")],
-                wheels,
-            )
-            .await?;
-        let saved = self.persist(|catalog| {
-            // Names are unique: a concurrent create may have taken it meanwhile.
-            ids::check_new_name(name, catalog.names())?;
-            catalog.environments.push(env.clone());
-            catalog.revisions.push(revision);
-            Ok(())
-        });
-        if let Err(e) = saved {
-            let _ = remove_prefix(&prefix);
-            return Err(e);
-        }
+        let requested = vec![format!("clone:{base_id}")];
+        let env = self.publish_new(app, env, &prefix, channels, &answer, requested, wheels).await?;
         audit("environment_created", &id, &rev, name);
         Ok(env)
     }
@@ -956,6 +937,31 @@ impl EnvStore {
             masks,
             _guard: guard,
         })
+    }
+}
+
+/// A new environment, ready on its first revision (which is also its prefix's).
+fn new_environment(
+    id: &str,
+    name: &str,
+    kind: Kind,
+    language: catalog::Language,
+    rev: &str,
+    base: Option<&str>,
+) -> Environment {
+    let now = crate::timefmt::now_iso();
+    Environment {
+        id: id.to_owned(),
+        name: name.to_owned(),
+        kind,
+        language,
+        status: Status::Ready,
+        current_revision_id: rev.to_owned(),
+        runtime_revision_id: Some(rev.to_owned()),
+        base_environment_id: base.map(str::to_owned),
+        created_at: now.clone(),
+        updated_at: now,
+        error: None,
     }
 }
 
