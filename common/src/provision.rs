@@ -11,8 +11,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-/// The largest request runnerd writes and the provisioner reads.
-pub const MAX_REQUEST_BYTES: usize = 1 << 20;
+/// The largest request runnerd writes and the provisioner reads (a link request carries the
+/// fetch step's solution, which is bounded by the response's limit).
+pub const MAX_REQUEST_BYTES: usize = MAX_RESPONSE_BYTES + (1 << 20);
 /// The largest response the provisioner writes and runnerd reads.
 pub const MAX_RESPONSE_BYTES: usize = 8 << 20;
 
@@ -27,11 +28,33 @@ pub struct Request {
     /// already turned names such as `conda-forge` into URLs and checked them against the
     /// allowlist. Strict priority: a package is taken from the first channel that has it.
     pub channels: Vec<String>,
-    /// The package cache (extracted packages, hard-linked into prefixes: keep it on the
-    /// prefix's filesystem) and the repodata cache beneath it.
+    /// The package cache (`pkgs/`: extracted packages, copied or reflinked into prefixes:
+    /// keep it on the prefix's filesystem) and the repodata cache (`repodata/`) beneath it.
     pub cache_dir: PathBuf,
-    /// Use only what the cache and `file://` channels hold; open no connection.
+    /// Package caches searched before `cache_dir`'s and never written: the operator's
+    /// offline cache, laid out as conda's `pkgs_dirs` (an extracted package per directory).
+    #[serde(default)]
+    pub read_only_caches: Vec<PathBuf>,
+    /// Use only what the caches and `file://` channels hold; open no connection.
     pub offline: bool,
+    /// Which half of a change this step is; see [`Stage`].
+    pub stage: Stage,
+}
+
+/// A change runs as two steps, so that no step ever has both the shared package cache and a
+/// prefix writable: a pip or R step may have planted links in the prefix, and a step that
+/// could write both would carry its writes through them into the cache that every other
+/// environment is copied from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind")]
+pub enum Stage {
+    /// Solve, and put every package the change links into the cache: the prefix is only
+    /// read. The answer's `solution` is what [`Stage::Link`] is then given. `List` is
+    /// always this stage (it writes nothing).
+    Fetch,
+    /// Link `solution` (the fetch step's, unchanged) into the prefix: the caches are only
+    /// read, nothing is downloaded, and a package the caches lack is an error.
+    Link { solution: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +89,9 @@ pub struct Response {
     pub solve_micros: u64,
     /// The provisioner's peak resident set in KiB (`getrusage`'s `ru_maxrss`).
     pub peak_rss_kib: u64,
+    /// A fetch step's solution: the package records to link, opaque to runnerd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub solution: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -766,3 +766,96 @@ async fn runnerd_killed_during_an_install_restarts_with_the_environment_failed_a
     assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
     assert!(reply.json()["stdout"].as_str().unwrap().starts_with("tinyutil "), "{}", reply.json());
 }
+
+/// The whole tree's (relative path, length, mode) list, without following links.
+fn tree(dir: &Path) -> Vec<(PathBuf, u64, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            if meta.is_dir() {
+                pending.push(path.clone());
+            }
+            let rel = path.strip_prefix(dir).unwrap().to_path_buf();
+            out.push((rel, meta.len(), meta.permissions().mode()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn offline_mode_serves_conda_from_an_operators_read_only_cache_in_condas_layout() {
+    if !sandbox_or_skip("offline_mode_from_a_read_only_cache") {
+        return;
+    }
+    // Online once, to fill a cache: the starter, and tinylib in a task environment.
+    let mut first = ready(&[]).await;
+    let (status, env) =
+        post(&first.server, "/environments", json!({"name": "fill", "language": "python"})).await;
+    assert_eq!(status, 201, "{env}");
+    let id = env["id"].as_str().unwrap().to_owned();
+    let (status, rev) =
+        post(&first.server, &format!("/environments/{id}/install"), json!({"packages": ["tinylib"]})).await;
+    assert_eq!(status, 201, "{rev}");
+    first.server.stop();
+
+    // The operator's cache: extracted packages directly in it (micromamba's CONDA_PKGS_DIRS),
+    // every write bit removed; the channel keeps its repodata but loses every archive.
+    let operator = runner_tests::scratch_dir();
+    let cache = operator.path().join("conda-pkgs");
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(first.server.path("scientific-envs/provisioner/pkgs"))
+        .arg(&cache)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    assert!(cache.join("tinylib-1.0-0/info/index.json").exists(), "the cache holds tinylib");
+    let chmod = std::process::Command::new("chmod").args(["-R", "a-w,a+rX"]).arg(&cache).status().unwrap();
+    assert!(chmod.success());
+    for subdir in ["noarch", "linux-64"] {
+        for entry in std::fs::read_dir(first.channel_dir.join(subdir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.file_name().unwrap() != "repodata.json" {
+                std::fs::remove_file(&path).unwrap();
+            }
+        }
+    }
+    let before = tree(&cache);
+
+    let url = format!("file://{}", first.channel_dir.display());
+    let mut env = vec![
+        ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
+        ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), url),
+        ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
+        ("SCIENCE_AGENT_PACKAGE_CACHE_DIR".to_owned(), cache.display().to_string()),
+    ];
+    env.push(("SCIENCE_AGENT_CRAN_REPO".to_owned(), "file:///nonexistent-cran".to_owned()));
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    let setup = setup_outcome(&server).await;
+    assert_eq!(setup["state"], "ready", "the starter is created offline: {setup}\n{}", server.stderr());
+    let (status, env) =
+        post(&server, "/environments", json!({"name": "offline", "language": "python"})).await;
+    assert_eq!(status, 201, "{env}");
+    let id = env["id"].as_str().unwrap().to_owned();
+    let (status, rev) =
+        post(&server, &format!("/environments/{id}/install"), json!({"packages": ["tinylib"]})).await;
+    assert_eq!(status, 201, "tinylib from the operator's cache: {rev}\n{}", server.stderr());
+    let v = shell(&server, Some(&id), "cat /opt/science-env/share/tinylib/data.txt; tinyutil").await;
+    assert_eq!(v["stdout"], "tinylib data\ntinyutil 1.0\n", "{v}");
+    // A package neither the cache nor the channel holds fails, and says so.
+    let (status, failed) =
+        post(&server, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil=2.0"]})).await;
+    assert_eq!(status, 400, "{failed}");
+    let text = failed["error"].as_str().unwrap_or_default();
+    assert!(text.contains("tinyutil-2.0-0.tar.bz2") && text.contains("could not be read"), "{failed}");
+    assert_eq!(tree(&cache), before, "the operator's cache is never written");
+    let own = server.path("scientific-envs/provisioner/pkgs");
+    assert!(!own.join("tinylib-1.0-0").exists(), "nothing was copied into the store's own cache");
+    let chmod = std::process::Command::new("chmod").args(["-R", "u+w"]).arg(&cache).status().unwrap();
+    assert!(chmod.success());
+}

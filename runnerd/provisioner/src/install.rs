@@ -1,10 +1,11 @@
-//! Applying a solution to a prefix with rattler's installer.
+//! Applying a solution to a prefix with rattler's installer, in two steps that never run
+//! with both the package cache and the prefix writable ([`common::provision::Stage`]).
 //!
-//! Every package the transaction will link is put into the package cache *first*, before the
-//! installer is started: the installer unlinks old packages while it is still fetching new
-//! ones, so a corrupt or unreachable archive found half-way would leave the prefix with the
-//! old version removed and the new one missing. Fetched up front, such a failure leaves the
-//! prefix exactly as it was, and the installer then only links from the cache.
+//! [`fetch`] puts every package the transaction will link into the package cache, before any
+//! prefix is touched (and with the prefix read-only): a corrupt or unreachable archive then
+//! fails the change while the prefix is exactly as it was. [`link`] only links from the
+//! caches (read-only by then): a package they lack is an error, never a download, and the
+//! installer takes its cache lock in a scratch layer of its own.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -21,6 +22,7 @@ use rattler_networking::retry_policies::default_retry_policy;
 
 use crate::error_chain;
 use crate::inventory;
+use crate::links;
 use crate::network::{self, Network};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +35,10 @@ pub enum InstallFailure {
     Download { file: String, channel: String, cause: String },
     #[error("Package {file} from {channel} is not in the package cache, and this run is offline")]
     NotCached { file: String, channel: String },
+    #[error("Package {file} from {channel} was not fetched before linking; nothing was changed")]
+    NotFetched { file: String, channel: String },
+    #[error(transparent)]
+    Foreign(#[from] links::LinkError),
     #[error("Prefix {prefix} is not writable: {cause}")]
     PrefixNotWritable { prefix: String, cause: String },
     #[error("Prefix {0} already exists and is not empty")]
@@ -51,19 +57,42 @@ pub struct Plan<'a> {
     pub requested: Vec<MatchSpec>,
     pub cache: &'a PackageCache,
     pub network: Network,
+    /// The request's channels: every package fetched or linked comes from one of them.
+    pub channels: &'a [String],
 }
 
-/// Fetches what is missing, then links and unlinks; the operations in transaction order.
-pub async fn apply(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
-    let installed_urls: HashSet<&url::Url> = plan.installed.iter().map(|r| &r.repodata_record.url).collect();
+impl Plan<'_> {
+    /// What the transaction adds: the desired records the prefix does not hold yet.
+    fn incoming(&self) -> impl Iterator<Item = &RepoDataRecord> {
+        let installed: HashSet<&url::Url> = self.installed.iter().map(|r| &r.repodata_record.url).collect();
+        self.desired.iter().filter(move |r| !installed.contains(&r.url))
+    }
+}
+
+/// Puts every package the plan adds into the cache; the prefix is not touched.
+pub async fn fetch(plan: &Plan<'_>) -> Result<(), InstallFailure> {
+    links::check_origins(plan.incoming(), plan.channels)?;
     let client = network::lazy_client(plan.network);
-    for record in plan.desired.iter().filter(|r| !installed_urls.contains(&r.url)) {
+    for record in plan.incoming() {
         prefetch(record, plan.cache, &client, plan.network).await?;
     }
+    Ok(())
+}
+
+/// Links and unlinks from the caches alone; the operations in transaction order.
+pub async fn link(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
+    links::check_origins(plan.incoming(), plan.channels)?;
+    for record in plan.incoming() {
+        from_cache_only(record, plan.cache).await.map_err(|_| InstallFailure::NotFetched {
+            file: file_name(record),
+            channel: inventory::package(record).channel,
+        })?;
+    }
     let result = Installer::new()
-        // Copies (or copy-on-write reflinks), never hard or symbolic links to the cache: a later pip or R step runs
-        // hostile build code with the prefix writable, and a file hard-linked from the
-        // shared cache would carry its change into every other environment's prefix.
+        // Copies (or copy-on-write reflinks), never hard or symbolic links to the cache: a
+        // later pip or R step runs hostile build code with the prefix writable, and a file
+        // hard-linked from the shared cache would carry its change into every other
+        // environment's prefix.
         .with_link_options(LinkOptions {
             allow_symbolic_links: Some(false),
             allow_hard_links: Some(false),
@@ -71,7 +100,8 @@ pub async fn apply(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
         })
         // A package whose links point outside the prefix is refused, not warned about.
         .with_external_symlink_policy(ExternalSymlinkPolicy::Deny)
-        .with_download_client(client)
+        // Every package is in the caches already (checked above): never built offline.
+        .with_download_client(network::lazy_client(Network::Offline))
         .with_package_cache(plan.cache.clone())
         .with_installed_packages(plan.installed)
         .with_requested_specs(plan.requested)
@@ -106,7 +136,7 @@ async fn prefetch(
     if record.url.scheme() == "file" {
         let path: PathBuf = record.url.to_file_path().unwrap_or_default();
         if let Err(err) = std::fs::metadata(&path) {
-            // A clone's source channel need not be visible any more: the cache may hold it.
+            // A clone's source channel need not be visible any more: the caches may hold it.
             return from_cache_only(record, cache).await.map_err(|_| InstallFailure::Unreadable {
                 file,
                 channel,

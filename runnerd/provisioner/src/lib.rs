@@ -6,11 +6,16 @@
 //! one JSON `Response` on stdout, one short progress line per step on stderr. Exit status 0 on
 //! success, 1 when the step failed (`error` says why), 2 when the request could not be read.
 //!
-//! Layout under the request's `cacheDir`: `pkgs/` (extracted packages, hard-linked into the
-//! prefixes) and `repodata/` (the gateway's repodata cache).
+//! Layout under the request's `cacheDir`: `pkgs/` (extracted packages, copied or reflinked
+//! into the prefixes) and `repodata/` (the gateway's repodata cache). `readOnlyCaches` are
+//! searched after `pkgs/` and never written.
+//!
+//! Every change runs twice, as two steps ([`Stage`]): `fetch` solves and fills the cache
+//! with the prefix read-only; `link` is given that solution and links it with the caches
+//! read-only. runnerd's sandbox makes each read-only; this binary relies on neither.
 //!
 //! Nothing here needs `/proc`, writes outside the prefix, the cache and `/tmp`, or opens a
-//! socket unless a remote channel is actually read (see [`network`]).
+//! socket unless a remote channel is actually read in a fetch step (see [`network`]).
 
 mod channels;
 mod history;
@@ -26,8 +31,9 @@ use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
-use common::provision::{Op, Operation, Request, Response};
+use common::provision::{Op, Operation, Request, Response, Stage};
 use rattler::package_cache::PackageCache;
+use rattler_cache::validation::ValidationMode;
 use rattler_conda_types::{MatchSpec, PackageName, PrefixRecord, RepoDataRecord};
 
 use crate::network::Network;
@@ -51,6 +57,10 @@ enum Failure {
     NotInstalled(String),
     #[error("Source prefix {0} has no conda packages to clone")]
     EmptySource(String),
+    #[error("the link step's solution is not the fetch step's")]
+    Solution(#[source] serde_json::Error),
+    #[error("the link step's scratch cache {0} could not be made")]
+    Scratch(String, #[source] std::io::Error),
     #[error("the async runtime could not be started")]
     Runtime(#[source] std::io::Error),
     /// A bug in this binary or in rattler; still answered as a Response.
@@ -63,6 +73,8 @@ enum Failure {
 struct Outcome {
     operations: Vec<Operation>,
     solve_micros: u64,
+    /// A fetch step's solution, for the link step.
+    solution: Option<String>,
 }
 
 /// The binary: read, do, answer.
@@ -83,6 +95,7 @@ pub fn run() -> ExitCode {
         Ok(outcome) => {
             response.operations = outcome.operations;
             response.solve_micros = outcome.solve_micros;
+            response.solution = outcome.solution;
             ExitCode::SUCCESS
         }
         Err(err) => {
@@ -118,14 +131,23 @@ fn execute(request: &Request) -> Result<Outcome, Failure> {
     let mut builder = tokio::runtime::Builder::new_current_thread();
     builder.enable_time();
     // The I/O driver (and, with tokio's `signal` feature, which the workspace turns on, its
-    // signal pipe: a socketpair) only when a remote channel may be read. Offline, or with
-    // `file://` channels only, the step runs under the baseline seccomp profile, which
-    // refuses every socket: nothing here may need one.
-    if !request.offline && request.channels.iter().any(|c| !c.starts_with("file://")) {
+    // signal pipe: a socketpair) only when a remote channel may be read. Offline, with
+    // `file://` channels only, or linking, the step runs under the baseline seccomp profile,
+    // which refuses every socket: nothing here may need one.
+    if network(request) == Network::Online {
         builder.enable_io();
     }
     let runtime = builder.build().map_err(Failure::Runtime)?;
     runtime.block_on(step(request))
+}
+
+/// Whether this step may open connections: a fetch step, not offline, with a remote channel.
+fn network(request: &Request) -> Network {
+    let remote = request.channels.iter().any(|c| !c.starts_with("file://"));
+    match (&request.stage, request.offline, remote) {
+        (Stage::Fetch, false, true) => Network::Online,
+        _ => Network::Offline,
+    }
 }
 
 /// The shared pieces of one step.
@@ -137,9 +159,25 @@ struct Context<'a> {
 }
 
 async fn step(request: &Request) -> Result<Outcome, Failure> {
-    let network = if request.offline { Network::Offline } else { Network::Online };
-    let cache = PackageCache::new(request.cache_dir.join("pkgs"));
-    let context = Context { request, network, cache };
+    // A link step's cache lock (rattler takes one in the first writable layer, even to
+    // read) goes into a scratch layer of its own: the shared caches are read-only then.
+    let scratch = match request.stage {
+        Stage::Link { .. } => Some(Scratch::make()?),
+        Stage::Fetch => None,
+    };
+    let mut layers = vec![request.cache_dir.join("pkgs")];
+    for dir in &request.read_only_caches {
+        // conda's `pkgs_dirs` layout (a package per directory), or ours (`pkgs/` inside).
+        layers.extend([dir.clone(), dir.join("pkgs")]);
+    }
+    if scratch.is_some() {
+        // rattler takes a layer it cannot stat for a writable one; a missing layer holds
+        // nothing to link anyway.
+        layers.retain(|layer| layer.is_dir());
+    }
+    layers.extend(scratch.as_ref().map(|s| s.0.clone()));
+    let cache = PackageCache::new_layered(layers, false, ValidationMode::default());
+    let context = Context { request, network: network(request), cache };
     match &request.op {
         Op::Create { specs } => create(&context, specs).await,
         Op::Clone { source } => clone(&context, source).await,
@@ -149,14 +187,31 @@ async fn step(request: &Request) -> Result<Outcome, Failure> {
     }
 }
 
+/// A link step's own empty cache layer under `/tmp`, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn make() -> Result<Scratch, Failure> {
+        let dir = std::env::temp_dir().join(format!("runner-provisioner-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| Failure::Scratch(dir.display().to_string(), e))?;
+        Ok(Scratch(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 async fn create(context: &Context<'_>, specs: &[String]) -> Result<Outcome, Failure> {
     install::require_new_prefix(&context.request.prefix)?;
     let requested = solve::parse_specs(specs)?;
     let excluded = HashSet::new();
-    let (desired, solve_micros) = query_and_solve(context, requested.clone(), Vec::new(), &excluded).await?;
-    let operations = apply(context, Vec::new(), desired, requested).await?;
-    record(context, "create", &operations, history::Specs::Update(specs.to_vec()))?;
-    Ok(Outcome { operations, solve_micros })
+    let (desired, solve_micros) = solved(context, requested.clone(), Vec::new(), &excluded).await?;
+    let change = Change { op: "create", installed: Vec::new(), desired, requested, solve_micros };
+    finish(context, change, history::Specs::Update(specs.to_vec())).await
 }
 
 async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure> {
@@ -167,13 +222,15 @@ async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure>
         return Err(Failure::EmptySource(source.display().to_string()));
     }
     links::check_records(source, &records)?;
-    links::check_origins(&records, &context.request.channels)?;
+    links::check_origins(records.iter().map(|r| &r.repodata_record), &context.request.channels)?;
     let specs: Vec<String> = earlier_specs(source, &records)?.into_values().collect();
     let requested = solve::parse_specs(&specs)?;
-    let desired: Vec<RepoDataRecord> = records.into_iter().map(|r| r.repodata_record).collect();
-    let operations = apply(context, Vec::new(), desired, requested).await?;
-    record(context, "clone", &operations, history::Specs::Update(specs))?;
-    Ok(Outcome { operations, solve_micros: 0 })
+    let desired = match &context.request.stage {
+        Stage::Fetch => records.into_iter().map(|r| r.repodata_record).collect(),
+        Stage::Link { solution } => parse_solution(solution)?,
+    };
+    let change = Change { op: "clone", installed: Vec::new(), desired, requested, solve_micros: 0 };
+    finish(context, change, history::Specs::Update(specs)).await
 }
 
 async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcome, Failure> {
@@ -190,10 +247,9 @@ async fn install_specs(context: &Context<'_>, specs: &[String]) -> Result<Outcom
     let requested = solve::parse_specs(&all)?;
     let excluded = HashSet::new();
     let favoured: Vec<RepoDataRecord> = installed.iter().map(|r| r.repodata_record.clone()).collect();
-    let (desired, solve_micros) = query_and_solve(context, requested.clone(), favoured, &excluded).await?;
-    let operations = apply(context, installed, desired, requested).await?;
-    record(context, "install", &operations, history::Specs::Update(specs.to_vec()))?;
-    Ok(Outcome { operations, solve_micros })
+    let (desired, solve_micros) = solved(context, requested.clone(), favoured, &excluded).await?;
+    let change = Change { op: "install", installed, desired, requested, solve_micros };
+    finish(context, change, history::Specs::Update(specs.to_vec())).await
 }
 
 async fn remove(context: &Context<'_>, names: &[String]) -> Result<Outcome, Failure> {
@@ -227,16 +283,78 @@ async fn remove(context: &Context<'_>, names: &[String]) -> Result<Outcome, Fail
         .filter(|r| !removed.contains(r.repodata_record.package_record.name.as_normalized()))
         .map(|r| r.repodata_record.clone())
         .collect();
-    let (desired, solve_micros) = if solve_specs.is_empty() {
-        (Vec::new(), 0)
-    } else {
-        query_and_solve(context, solve_specs, favoured, &excluded).await?
+    let (desired, solve_micros) = match (&context.request.stage, solve_specs.is_empty()) {
+        (Stage::Fetch, true) => (Vec::new(), 0),
+        _ => solved(context, solve_specs, favoured, &excluded).await?,
     };
-    let operations = apply(context, installed, desired, requested).await?;
     let mut removed: Vec<String> = removed.into_iter().collect();
     removed.sort();
-    record(context, "remove", &operations, history::Specs::Remove(removed))?;
-    Ok(Outcome { operations, solve_micros })
+    let change = Change { op: "remove", installed, desired, requested, solve_micros };
+    finish(context, change, history::Specs::Remove(removed)).await
+}
+
+/// One change, solved: what the prefix holds and what it is to hold.
+#[derive(Debug)]
+struct Change {
+    /// conda's history name for it.
+    op: &'static str,
+    installed: Vec<PrefixRecord>,
+    desired: Vec<RepoDataRecord>,
+    /// Recorded in each linked package's `requested_spec(s)`.
+    requested: Vec<MatchSpec>,
+    solve_micros: u64,
+}
+
+/// The stage's half of a change: a fetch step fills the cache and answers the solution; a
+/// link step links it and appends the history.
+async fn finish(context: &Context<'_>, change: Change, specs: history::Specs) -> Result<Outcome, Failure> {
+    let plan = install::Plan {
+        prefix: &context.request.prefix,
+        installed: change.installed,
+        desired: change.desired,
+        requested: change.requested,
+        cache: &context.cache,
+        network: context.network,
+        channels: &context.request.channels,
+    };
+    match context.request.stage {
+        Stage::Fetch => {
+            eprintln!("runner-provisioner: fetching for {} package(s)", plan.desired.len());
+            install::fetch(&plan).await?;
+            // Serialising records rattler itself read cannot fail.
+            let solution = serde_json::to_string(&plan.desired).unwrap_or_default();
+            Ok(Outcome {
+                operations: Vec::new(),
+                solve_micros: change.solve_micros,
+                solution: Some(solution),
+            })
+        }
+        Stage::Link { .. } => {
+            eprintln!("runner-provisioner: linking {} package(s)", plan.desired.len());
+            let operations = install::link(plan).await?;
+            record(context, change.op, &operations, specs)?;
+            Ok(Outcome { operations, solve_micros: 0, solution: None })
+        }
+    }
+}
+
+/// The records to install: solved in a fetch step; in a link step, the fetch step's
+/// solution as given (the prefix has not changed in between: runnerd holds the
+/// environment's write gate across both).
+async fn solved(
+    context: &Context<'_>,
+    specs: Vec<MatchSpec>,
+    favoured: Vec<RepoDataRecord>,
+    excluded: &HashSet<PackageName>,
+) -> Result<(Vec<RepoDataRecord>, u64), Failure> {
+    match &context.request.stage {
+        Stage::Fetch => query_and_solve(context, specs, favoured, excluded).await,
+        Stage::Link { solution } => Ok((parse_solution(solution)?, 0)),
+    }
+}
+
+fn parse_solution(solution: &str) -> Result<Vec<RepoDataRecord>, Failure> {
+    serde_json::from_str(solution).map_err(Failure::Solution)
 }
 
 /// `names` and every installed package that depends on one of them, transitively: removing
@@ -288,24 +406,6 @@ async fn query_and_solve(
     eprintln!("runner-provisioner: solving {} spec(s)", specs.len());
     let task = solve::Task { repodata: &repodata, specs, favoured: favoured.iter().collect(), excluded };
     Ok(solve::solve(task)?)
-}
-
-async fn apply(
-    context: &Context<'_>,
-    installed: Vec<PrefixRecord>,
-    desired: Vec<RepoDataRecord>,
-    requested: Vec<MatchSpec>,
-) -> Result<Vec<Operation>, Failure> {
-    eprintln!("runner-provisioner: linking {} package(s)", desired.len());
-    let plan = install::Plan {
-        prefix: &context.request.prefix,
-        installed,
-        desired,
-        requested,
-        cache: &context.cache,
-        network: context.network,
-    };
-    Ok(install::apply(plan).await?)
 }
 
 /// Appends the step to `conda-meta/history` when it changed anything.

@@ -25,7 +25,7 @@ pub enum LinkError {
     )]
     Record { prefix: String, package: String, path: String },
     #[error(
-        "Package {package} is recorded from {url}, which is not one of the environment's channels; it is not copied"
+        "Package {package} is recorded from {url}, which is not one of the environment's channels; it is not installed"
     )]
     Foreign { package: String, url: String },
     #[error("The prefix {prefix} could not be read")]
@@ -128,19 +128,20 @@ pub fn check_records(prefix: &Path, records: &[rattler_conda_types::PrefixRecord
     Ok(())
 }
 
-/// A clone copies the packages its source records: each must come from one of `channels`
-/// (the source prefix may have been written by a hostile step; its records are not trusted
-/// to name an archive anywhere else, such as one it planted itself).
-pub fn check_origins(
-    records: &[rattler_conda_types::PrefixRecord],
+/// Every package a step fetches or links must come from one of `channels`: the records may
+/// have been read from a prefix a hostile step wrote (a clone's source, an installed record
+/// the solver kept), and are not trusted to name an archive anywhere else, such as one that
+/// step planted itself.
+pub fn check_origins<'a>(
+    records: impl IntoIterator<Item = &'a rattler_conda_types::RepoDataRecord>,
     channels: &[String],
 ) -> Result<(), LinkError> {
     for r in records {
-        let url = r.repodata_record.url.as_str();
+        let url = r.url.as_str();
         let known = channels.iter().any(|c| url.starts_with(&format!("{}/", c.trim_end_matches('/'))));
         if !known {
             return Err(LinkError::Foreign {
-                package: r.repodata_record.package_record.name.as_normalized().to_owned(),
+                package: r.package_record.name.as_normalized().to_owned(),
                 url: url.to_owned(),
             });
         }

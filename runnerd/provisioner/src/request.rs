@@ -37,7 +37,7 @@ mod tests {
 
     #[test]
     fn table() {
-        let ok = br#"{"op":{"kind":"list"},"prefix":"/p","channels":[],"cacheDir":"/c","offline":true}"#;
+        let ok = br#"{"op":{"kind":"list"},"prefix":"/p","channels":[],"cacheDir":"/c","offline":true,"stage":{"kind":"fetch"}}"#;
         let request = parse(ok).expect("valid");
         assert_eq!(request.op, Op::List);
         assert!(request.offline);

@@ -69,15 +69,31 @@ impl Env {
         self.run_with(prefix, op, &[self.channel.as_str()], false)
     }
 
-    fn run_with(&self, prefix: &Path, op: Value, channels: &[&str], offline: bool) -> Run {
-        let request = json!({
+    fn request(&self, prefix: &Path, op: &Value, channels: &[&str], offline: bool, stage: Value) -> Value {
+        json!({
             "op": op,
             "prefix": prefix,
             "channels": channels,
             "cacheDir": self.root.join("cache"),
             "offline": offline,
-        });
-        provision(request.to_string().as_bytes())
+            "stage": stage,
+        })
+    }
+
+    /// A change as runnerd makes it: the fetch step, then (if it succeeded) the link step
+    /// with its solution; the link step's answer, with the fetch step's solve time.
+    fn run_with(&self, prefix: &Path, op: Value, channels: &[&str], offline: bool) -> Run {
+        let fetch = self.request(prefix, &op, channels, offline, json!({"kind": "fetch"}));
+        let fetched = provision(fetch.to_string().as_bytes());
+        if fetched.code != 0 || op["kind"] == "list" {
+            return fetched;
+        }
+        let solution = fetched.response["solution"].as_str().expect("a fetch step's solution").to_owned();
+        let link =
+            self.request(prefix, &op, channels, offline, json!({"kind": "link", "solution": solution}));
+        let mut linked = provision(link.to_string().as_bytes());
+        linked.response["solveMicros"] = fetched.response["solveMicros"].clone();
+        linked
     }
 }
 
@@ -386,7 +402,11 @@ fn python_from_host_runs_as_the_prefix_and_ensurepip_works_offline() {
         "channels": [channel.url()],
         "cacheDir": dir.path().join("cache"),
         "offline": true,
+        "stage": {"kind": "fetch"},
     });
+    let fetched = provision(request.to_string().as_bytes()).ok();
+    let mut request = request;
+    request["stage"] = json!({"kind": "link", "solution": fetched["solution"]});
     let response = provision(request.to_string().as_bytes()).ok();
     assert_eq!(response["installed"][0]["name"], "python");
     assert_eq!(response["installed"][0]["subdir"], "linux-64");
@@ -408,4 +428,167 @@ fn python_from_host_runs_as_the_prefix_and_ensurepip_works_offline() {
     assert!(pip.contains(&prefix.display().to_string()), "pip lives in the prefix: {pip}");
     let r = Command::new(prefix.join("bin/R")).args(["--vanilla", "--slave"]).output().expect("stub R");
     assert_eq!(r.stdout, b"stub R --vanilla --slave\n");
+}
+
+/// Every file and directory under `dir` made read-only (as the sandbox's read-only bind makes
+/// them to the sandbox user; rattler also reads a layer without write bits as read-only), or
+/// writable by its owner again (so that the temporary directory can be removed).
+fn set_writable(dir: &Path, writable: bool) {
+    use std::os::unix::fs::PermissionsExt;
+    let chmod = |path: &Path, meta: &std::fs::Metadata| {
+        let mode = meta.permissions().mode();
+        let mode = if writable { mode | 0o200 } else { mode & !0o222 };
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    };
+    let meta = std::fs::metadata(dir).expect("metadata");
+    if writable {
+        chmod(dir, &meta);
+    }
+    for entry in std::fs::read_dir(dir).expect("read dir") {
+        let path = entry.expect("entry").path();
+        let meta = std::fs::symlink_metadata(&path).expect("metadata");
+        if meta.is_dir() {
+            set_writable(&path, writable);
+        } else if !meta.file_type().is_symlink() {
+            chmod(&path, &meta);
+        }
+    }
+    if !writable {
+        chmod(dir, &meta);
+    }
+}
+
+fn make_read_only(dir: &Path) {
+    set_writable(dir, false);
+}
+
+/// The whole tree's (path, length, modified) list: what "unchanged" is checked against.
+fn tree(dir: &Path) -> Vec<(PathBuf, u64, std::time::SystemTime)> {
+    let mut out = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for entry in entries {
+            let path = entry.expect("entry").path();
+            let meta = std::fs::symlink_metadata(&path).expect("metadata");
+            if meta.is_dir() {
+                pending.push(path.clone());
+            }
+            out.push((path, meta.len(), meta.modified().expect("mtime")));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_fetch_step_fills_the_cache_and_leaves_the_prefix_as_it_was() {
+    let env = Env::new();
+    let prefix = env.prefix("a");
+    env.run(&prefix, json!({"kind": "create", "specs": ["tinyutil=1.0"]})).ok();
+    let before = tree(&prefix);
+    let op = json!({"kind": "install", "specs": ["tinylib", "tinyutil>=2"]});
+    let fetch = env.request(&prefix, &op, &[env.channel.as_str()], false, json!({"kind": "fetch"}));
+    let fetched = provision(fetch.to_string().as_bytes()).ok();
+    assert_eq!(fetched["operations"], json!([]), "a fetch step changes no prefix");
+    assert_eq!(names(&fetched), ["tinyutil-1.0"]);
+    assert_eq!(tree(&prefix), before, "the prefix is untouched");
+    let solution: Value =
+        serde_json::from_str(fetched["solution"].as_str().expect("solution")).expect("JSON");
+    let files: Vec<&str> =
+        solution.as_array().expect("records").iter().filter_map(|r| r["fn"].as_str()).collect();
+    assert!(files.contains(&"tinylib-1.0-0.conda") && files.contains(&"tinyutil-2.0-0.tar.bz2"), "{files:?}");
+    assert!(env.root.join("cache/pkgs/tinylib-1.0-0/info/index.json").exists(), "fetched into the cache");
+}
+
+#[test]
+fn a_link_step_links_from_read_only_caches_and_refuses_what_was_not_fetched() {
+    let env = Env::new();
+    let prefix = env.prefix("a");
+    let op = json!({"kind": "create", "specs": ["tinylib"]});
+    let fetch = env.request(&prefix, &op, &[env.channel.as_str()], false, json!({"kind": "fetch"}));
+    let fetched = provision(fetch.to_string().as_bytes()).ok();
+    let solution = fetched["solution"].as_str().expect("solution").to_owned();
+    // The cache read-only, as the link step's sandbox binds it; the channel gone, so that
+    // nothing could be read from anywhere but the cache.
+    std::fs::remove_dir_all(env.root.join("channel")).expect("remove the channel");
+    make_read_only(&env.root.join("cache"));
+    let cache_before = tree(&env.root.join("cache"));
+    let link = |solution: &str| {
+        env.request(
+            &prefix,
+            &op,
+            &[env.channel.as_str()],
+            false,
+            json!({"kind": "link", "solution": solution}),
+        )
+    };
+    let linked = provision(link(&solution).to_string().as_bytes()).ok();
+    assert_eq!(names(&linked), ["tinylib-1.0", "tinyutil-2.0"]);
+    assert_eq!(std::fs::read(prefix.join("share/tinylib/data.txt")).expect("linked"), b"tinylib data\n");
+    assert_eq!(tree(&env.root.join("cache")), cache_before, "the link step wrote nothing to the cache");
+    // A solution naming a package the cache does not hold is refused before anything is linked.
+    let other = env.prefix("b");
+    let mut forged: Value = serde_json::from_str(&solution).expect("JSON");
+    for record in forged.as_array_mut().expect("records") {
+        if record["name"] == "tinylib" {
+            record["version"] = json!("9.9");
+            record["fn"] = json!("tinylib-9.9-0.conda");
+            let url = record["url"].as_str().expect("url").replace("tinylib-1.0-0", "tinylib-9.9-0");
+            record["url"] = json!(url);
+        }
+    }
+    let request = json!({
+        "op": op, "prefix": other, "channels": [env.channel], "cacheDir": env.root.join("cache"),
+        "offline": false, "stage": {"kind": "link", "solution": forged.to_string()},
+    });
+    let refused = provision(request.to_string().as_bytes());
+    assert!(refused.error().contains("was not fetched before linking"), "{}", refused.error());
+    assert!(!other.join("conda-meta").exists(), "nothing was linked");
+    // And one naming an archive outside the request's channels.
+    let foreign = solution.replace(&env.channel, "file:///elsewhere");
+    let request = json!({
+        "op": op, "prefix": other, "channels": [env.channel], "cacheDir": env.root.join("cache"),
+        "offline": false, "stage": {"kind": "link", "solution": foreign},
+    });
+    let refused = provision(request.to_string().as_bytes());
+    assert!(
+        refused.error().contains("which is not one of the environment's channels"),
+        "{}",
+        refused.error()
+    );
+    let mut garbage = link("[{");
+    garbage["prefix"] = json!(other);
+    let garbage = provision(garbage.to_string().as_bytes());
+    assert!(
+        garbage.error().starts_with("the link step's solution is not the fetch step's"),
+        "{}",
+        garbage.error()
+    );
+    set_writable(&env.root.join("cache"), true);
+}
+
+#[test]
+fn an_operators_read_only_cache_in_condas_layout_serves_an_offline_change() {
+    let env = Env::new();
+    // A cache as micromamba's `CONDA_PKGS_DIRS` holds it: extracted packages directly in it.
+    env.run(&env.prefix("seed"), json!({"kind": "create", "specs": ["tinylib"]})).ok();
+    let operator = env.root.join("operator-cache");
+    std::fs::rename(env.root.join("cache/pkgs"), &operator).expect("move the packages");
+    std::fs::remove_dir_all(env.root.join("channel/noarch")).expect("remove the archives");
+    make_read_only(&operator);
+    let before = tree(&operator);
+    let prefix = env.prefix("offline");
+    let op = json!({"kind": "clone", "source": env.prefix("seed")});
+    let mut stage = json!({"kind": "fetch"});
+    let mut last = Value::Null;
+    for _ in 0..2 {
+        let mut request = env.request(&prefix, &op, &[env.channel.as_str()], true, stage.clone());
+        request["readOnlyCaches"] = json!([operator]);
+        last = provision(request.to_string().as_bytes()).ok();
+        stage = json!({"kind": "link", "solution": last["solution"]});
+    }
+    assert_eq!(names(&last), ["tinylib-1.0", "tinyutil-2.0"]);
+    assert_eq!(tree(&operator), before, "the operator's cache is never written");
+    set_writable(&operator, true);
 }

@@ -56,33 +56,49 @@ pub(crate) fn is_private_host(host: &str) -> bool {
     }
 }
 
-/// Where conda's package cache lives: the operator's offline cache, or the store's own `pkgs/`.
+/// Where conda's packages are cached: the store's own cache (written by fetch steps), and the
+/// operator's offline cache (never written).
 pub(crate) struct CondaPlaces<'a> {
     pub provisioner: &'a Path,
     pub cache_dir: &'a Path,
+    pub read_only_caches: &'a [PathBuf],
     pub offline: bool,
 }
 
-/// A `runner-provisioner` step: the request on stdin; the prefix and the cache writable;
-/// `file://` channels read-only; network only to the remote channels' hosts.
+/// A `runner-provisioner` step: the request on stdin. No step has both the cache and the
+/// prefix writable (see [`provision::Stage`]): a fetch step (and `List`) sees the prefix
+/// read-only and, for a change, the cache writable, `file://` channels read-only and network
+/// only to the remote channels' hosts; a link step sees the prefix writable, the caches
+/// read-only, no channel and no network.
 pub(crate) fn conda(
     places: &CondaPlaces<'_>,
     op: Op,
     prefix: &Path,
     channels: &[String],
     extra_ro: &[PathBuf],
+    stage: provision::Stage,
 ) -> Step {
+    let linking = matches!(stage, provision::Stage::Link { .. });
+    let listing = op == Op::List;
     let request = provision::Request {
         op,
         prefix: prefix.to_path_buf(),
         channels: channels.to_vec(),
         cache_dir: places.cache_dir.to_path_buf(),
+        read_only_caches: places.read_only_caches.to_vec(),
         offline: places.offline,
+        stage,
     };
-    let mut binds = vec![(prefix.to_path_buf(), true), (places.cache_dir.to_path_buf(), true)];
-    binds.extend(channels.iter().filter_map(|c| file_channel_dir(c)).map(|d| (d, false)));
+    let mut binds = vec![(prefix.to_path_buf(), linking)];
+    if !listing {
+        binds.push((places.cache_dir.to_path_buf(), !linking));
+        binds.extend(places.read_only_caches.iter().map(|d| (d.clone(), false)));
+    }
+    if !linking && !listing {
+        binds.extend(channels.iter().filter_map(|c| file_channel_dir(c)).map(|d| (d, false)));
+    }
     binds.extend(extra_ro.iter().map(|p| (p.clone(), false)));
-    let hosts = match places.offline {
+    let hosts = match places.offline || linking || listing {
         true => Vec::new(),
         false => hosts_of(channels.iter().map(String::as_str)),
     };
@@ -340,37 +356,53 @@ mod tests {
     }
 
     #[test]
-    fn a_conda_step_binds_prefix_and_cache_writable_and_file_channels_read_only() {
+    fn no_conda_step_has_both_the_cache_and_the_prefix_writable() {
+        let ro_caches = [PathBuf::from("/srv/offline-pkgs")];
         let places = CondaPlaces {
             provisioner: Path::new("/usr/lib/runner/runner-provisioner"),
             cache_dir: Path::new("/d/pkgs"),
+            read_only_caches: &ro_caches,
             offline: false,
         };
         let channels = vec!["file:///srv/ch/".to_owned(), "http://127.0.0.1:9/c".to_owned()];
-        let step = conda(
-            &places,
-            Op::Create { specs: vec!["python=3.11".into()] },
-            Path::new("/d/p"),
-            &channels,
-            &[],
-        );
-        assert_eq!(step.command, [PROVISIONER_MOUNT]);
-        assert_eq!(
-            step.binds,
-            [
-                (PathBuf::from("/d/p"), true),
-                (PathBuf::from("/d/pkgs"), true),
-                (PathBuf::from("/srv/ch"), false)
-            ]
-        );
-        assert_eq!(step.hosts, ["127.0.0.1"]);
-        assert!(step.allow_private);
-        let req: provision::Request = serde_json::from_slice(&step.stdin).unwrap();
-        assert_eq!(req.channels, channels);
-        assert!(!req.offline);
-
+        let create = || Op::Create { specs: vec!["python=3.11".into()] };
+        let p = |s: &str| PathBuf::from(s);
+        let link = provision::Stage::Link { solution: "[]".into() };
+        for (op, stage, binds, hosts) in [
+            (
+                create(),
+                provision::Stage::Fetch,
+                vec![
+                    (p("/d/p"), false),
+                    (p("/d/pkgs"), true),
+                    (p("/srv/offline-pkgs"), false),
+                    (p("/srv/ch"), false),
+                ],
+                vec!["127.0.0.1"],
+            ),
+            (
+                create(),
+                link.clone(),
+                vec![(p("/d/p"), true), (p("/d/pkgs"), false), (p("/srv/offline-pkgs"), false)],
+                vec![],
+            ),
+            (Op::List, provision::Stage::Fetch, vec![(p("/d/p"), false)], vec![]),
+        ] {
+            let step = conda(&places, op.clone(), Path::new("/d/p"), &channels, &[], stage.clone());
+            assert_eq!(step.command, [PROVISIONER_MOUNT]);
+            assert_eq!(step.binds, binds, "{op:?} {stage:?}");
+            assert!(step.binds.iter().filter(|(_, w)| *w).count() <= 1, "one writable place at most");
+            assert_eq!(step.hosts, hosts, "{op:?} {stage:?}");
+            assert_eq!(step.allow_private, !hosts.is_empty());
+            let req: provision::Request = serde_json::from_slice(&step.stdin).unwrap();
+            assert_eq!(
+                (req.channels, req.stage, req.read_only_caches),
+                (channels.clone(), stage, ro_caches.to_vec())
+            );
+            assert!(!req.offline);
+        }
         let offline = CondaPlaces { offline: true, ..places };
-        let step = conda(&offline, Op::List, Path::new("/d/p"), &channels, &[]);
+        let step = conda(&offline, create(), Path::new("/d/p"), &channels, &[], provision::Stage::Fetch);
         assert!(step.hosts.is_empty(), "offline opens no connection");
     }
 

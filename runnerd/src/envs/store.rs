@@ -106,7 +106,10 @@ pub struct EnvStore {
     /// `<dataDir>/scientific-envs`, absolute.
     root: PathBuf,
     provisioner: PathBuf,
+    /// The package cache conda fetch steps write (`scientific-envs/provisioner`).
     cache_dir: PathBuf,
+    /// The operator's offline cache (`SCIENCE_AGENT_PACKAGE_CACHE_DIR`), only ever read.
+    read_only_caches: Vec<PathBuf>,
     masks: Vec<PathBuf>,
     catalog: Mutex<Catalog>,
     view: Mutex<View>,
@@ -169,10 +172,9 @@ impl EnvStore {
             // At its canonical path: conda prefixes embed theirs.
             let (path, _) = catalog::open_store(data_dir)?;
             root = path;
-            cache_dir = settings
-                .package_cache_dir
-                .clone()
-                .unwrap_or_else(|| root.join(common::layout::ENV_PACKAGE_CACHE));
+            // The operator's offline cache is only ever read (it may be read-only, or shared);
+            // what the store fetches itself goes into its own.
+            cache_dir = root.join(common::layout::ENV_PACKAGE_CACHE);
             prepare_cache(&cache_dir, sandbox_user)?;
             let dir = open_dir(&root)?;
             let swept = Catalog::sweep_temporaries(&dir) + wheels::sweep_incoming(&dir);
@@ -200,6 +202,7 @@ impl EnvStore {
                 );
             }
         }
+        let read_only_caches = settings.package_cache_dir.iter().cloned().collect();
         let starter_python_ready = starter_ready(&catalog, STARTER_PYTHON);
         let view = View { setup: Setup::initial(settings.enabled), starter_python_ready, running: false };
         Ok(EnvStore {
@@ -208,6 +211,7 @@ impl EnvStore {
             root,
             provisioner,
             cache_dir,
+            read_only_caches,
             catalog: Mutex::new(catalog),
             view: Mutex::new(view),
             gates: Gates::default(),
@@ -336,8 +340,9 @@ impl EnvStore {
         prefix: &Path,
         channels: &[String],
         extra_ro: &[PathBuf],
+        stage: provision::Stage,
     ) -> sandboxed::Step {
-        let mut step = steps::conda(&self.places(), op, prefix, channels, extra_ro);
+        let mut step = steps::conda(&self.places(), op, prefix, channels, extra_ro, stage);
         let configured: Vec<String> = self
             .settings
             .channels
@@ -370,6 +375,7 @@ impl EnvStore {
         CondaPlaces {
             provisioner: &self.provisioner,
             cache_dir: &self.cache_dir,
+            read_only_caches: &self.read_only_caches,
             offline: self.settings.offline(),
         }
     }
@@ -395,8 +401,8 @@ impl EnvStore {
         let rev = ids::new_revision_id();
         let prefix = self.fresh_prefix(app, id, &rev)?;
         let channels = self.channel_urls(&self.settings.channels)?;
-        let step = self.conda_step(Op::Create { specs: specs.clone() }, &prefix, &channels, &[]);
-        let answer = self.conda(app, step).await;
+        let answer =
+            self.conda_change(app, Op::Create { specs: specs.clone() }, &prefix, &channels, &[]).await;
         let answer = match answer {
             Ok(a) => a,
             Err(e) => {
@@ -459,6 +465,31 @@ impl EnvStore {
             .map_err(io)?;
         app.sandbox.user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)?;
         Ok(prefix)
+    }
+
+    /// A conda change as its two steps (`provision::Stage`): fetch with the prefix read-only,
+    /// then link that solution with the caches read-only. The caller holds the environment's
+    /// write gate across both, so the prefix the link step finds is the one the fetch step
+    /// solved for. A fetch that fails has changed no prefix.
+    async fn conda_change(
+        &self,
+        app: &App,
+        op: Op,
+        prefix: &Path,
+        channels: &[String],
+        extra_ro: &[PathBuf],
+    ) -> Result<provision::Response, StoreError> {
+        let fetch = self.conda_step(op.clone(), prefix, channels, extra_ro, provision::Stage::Fetch);
+        let fetched = self.conda(app, fetch).await?;
+        let solution = fetched.solution.ok_or_else(|| StoreError::Step {
+            label: "conda",
+            detail: "the provisioner's fetch step answered no solution".into(),
+        })?;
+        let link = self.conda_step(op, prefix, channels, extra_ro, provision::Stage::Link { solution });
+        let mut linked = self.conda(app, link).await?;
+        linked.solve_micros = fetched.solve_micros;
+        linked.peak_rss_kib = linked.peak_rss_kib.max(fetched.peak_rss_kib);
+        Ok(linked)
     }
 
     /// Runs a provisioner step and reads its answer.
@@ -589,13 +620,9 @@ impl EnvStore {
         let channels =
             self.conda_channels(&base_rev.as_ref().map(|r| r.channels.clone()).unwrap_or_default());
         let urls = self.channel_urls(&channels)?;
-        let step = self.conda_step(
-            Op::Clone { source: source.clone() },
-            &prefix,
-            &urls,
-            std::slice::from_ref(&source),
-        );
-        let answer = match self.conda(app, step).await {
+        let clone = Op::Clone { source: source.clone() };
+        let answer = match self.conda_change(app, clone, &prefix, &urls, std::slice::from_ref(&source)).await
+        {
             Ok(a) => a,
             Err(e) => {
                 let _ = remove_prefix(&prefix);
@@ -673,7 +700,7 @@ impl EnvStore {
         };
         let offline = self.settings.offline();
         let pip_source = match (req.manager, &req.index_url) {
-            (Manager::Pip, _) if offline => Some(PipSource::Offline(self.cache_dir.clone())),
+            (Manager::Pip, _) if offline => self.settings.package_cache_dir.clone().map(PipSource::Offline),
             // Only workspace wheels and no index named: nothing is fetched.
             (Manager::Pip, None) if specs.is_empty() => Some(PipSource::WheelsOnly),
             (Manager::Pip, Some(url)) => {
@@ -720,8 +747,7 @@ impl EnvStore {
         self.begin_update(id).await?;
         let outcome = match req.manager {
             Manager::Conda => {
-                self.conda(app, self.conda_step(Op::Install { specs: specs.clone() }, &prefix, &urls, &[]))
-                    .await
+                self.conda_change(app, Op::Install { specs: specs.clone() }, &prefix, &urls, &[]).await
             }
             Manager::Pip => {
                 let source = pip_source.clone().unwrap_or(PipSource::Index(PYPI.to_owned()));
@@ -787,8 +813,8 @@ impl EnvStore {
         let channels = self.conda_channels(&current.as_ref().map(|r| r.channels.clone()).unwrap_or_default());
         let urls = self.channel_urls(&channels)?;
         self.begin_update(id).await?;
-        let step = self.conda_step(Op::Remove { names: packages.clone() }, &prefix, &urls, &[]);
-        let answer = match self.conda(app, step).await {
+        let remove = Op::Remove { names: packages.clone() };
+        let answer = match self.conda_change(app, remove, &prefix, &urls, &[]).await {
             Ok(a) => a,
             Err(e) => {
                 self.fail_update(id).await;
@@ -811,8 +837,8 @@ impl EnvStore {
             return Err(StoreError::Step { label, detail: step_failure(&out) });
         }
         let urls: Vec<String> = Vec::new();
-        let list =
-            steps::conda(&CondaPlaces { offline: true, ..self.places() }, Op::List, &prefix, &urls, &[]);
+        let places = CondaPlaces { offline: true, ..self.places() };
+        let list = steps::conda(&places, Op::List, &prefix, &urls, &[], provision::Stage::Fetch);
         self.conda(app, list).await
     }
 
@@ -1038,14 +1064,19 @@ fn sweep_orphan_prefixes(revisions: &Path, catalog: &Catalog) -> usize {
 /// The package cache: the provisioner (as the sandbox user) unpacks packages into it. One
 /// runnerd made is handed to that user; an operator's is used as it is.
 fn prepare_cache(cache: &Path, user: &crate::sandbox::user::Identity) -> Result<(), StoreError> {
-    let io = |source| StoreError::Io { path: cache.to_path_buf(), source };
-    if cache.exists() {
-        return Ok(());
+    // `pkgs/` too: a link step (the cache read-only) must find the layer there, even when
+    // every package came from the operator's cache and no fetch step wrote one.
+    for dir in [cache.to_path_buf(), cache.join("pkgs")] {
+        let io = |source| StoreError::Io { path: dir.clone(), source };
+        if dir.exists() {
+            continue;
+        }
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let fd =
+            crate::fsat::open_path(&dir, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
+        user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)?;
     }
-    std::fs::create_dir_all(cache).map_err(io)?;
-    let fd =
-        crate::fsat::open_path(cache, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW).map_err(io)?;
-    user.hand_over(std::os::fd::AsFd::as_fd(&fd)).map_err(io)
+    Ok(())
 }
 
 fn open_dir(path: &Path) -> Result<std::os::fd::OwnedFd, StoreError> {
