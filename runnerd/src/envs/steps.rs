@@ -56,6 +56,15 @@ pub(crate) fn is_private_host(host: &str) -> bool {
     }
 }
 
+/// Whether a conda step may reach private addresses: only when it reaches something, and
+/// every host it reaches is one of the operator's configured channel hosts (`configured`)
+/// or a literal private address (which only a configured channel can name: a request names
+/// configured channels or preset mirrors). A preset mirror a request names resolves to
+/// public addresses only, so a poisoned name cannot point a step into the LAN.
+pub(crate) fn conda_private_allowed(hosts: &[String], configured: &[String]) -> bool {
+    !hosts.is_empty() && hosts.iter().all(|h| configured.contains(h) || is_private_host(h))
+}
+
 /// Where conda's packages are cached: the store's own cache (written by fetch steps), and the
 /// operator's offline cache (never written).
 pub(crate) struct CondaPlaces<'a> {
@@ -102,7 +111,7 @@ pub(crate) fn conda(
         true => Vec::new(),
         false => hosts_of(channels.iter().map(String::as_str)),
     };
-    let allow_private = hosts.iter().any(|h| is_private_host(h));
+    let allow_private = conda_private_allowed(&hosts, &[]);
     Step {
         label: "conda",
         command: vec![PROVISIONER_MOUNT.to_owned()],
@@ -352,6 +361,23 @@ mod tests {
             ("conda.anaconda.org", false),
         ] {
             assert_eq!(is_private_host(h), private, "{h}");
+        }
+    }
+
+    #[test]
+    fn only_configured_channel_hosts_may_resolve_privately() {
+        let v = |hs: &[&str]| hs.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>();
+        let configured = v(&["mirror.lan", "conda.anaconda.org"]);
+        for (hosts, allowed) in [
+            (v(&[]), false),
+            (v(&["mirror.lan"]), true),
+            (v(&["mirror.lan", "conda.anaconda.org"]), true),
+            (v(&["127.0.0.1"]), true),
+            (v(&["mirrors.tuna.tsinghua.edu.cn"]), false),
+            (v(&["mirror.lan", "mirrors.tuna.tsinghua.edu.cn"]), false),
+            (v(&["mirror.lan.evil"]), false),
+        ] {
+            assert_eq!(conda_private_allowed(&hosts, &configured), allowed, "{hosts:?}");
         }
     }
 

@@ -350,7 +350,7 @@ impl EnvStore {
             .filter_map(|c| ids::channel_url(c).ok())
             .filter_map(|u| steps::url_host(&u))
             .collect();
-        step.allow_private |= !step.hosts.is_empty() && step.hosts.iter().all(|h| configured.contains(h));
+        step.allow_private = steps::conda_private_allowed(&step.hosts, &configured);
         step
     }
 
