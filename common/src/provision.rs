@@ -11,9 +11,12 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-/// The largest request runnerd writes and the provisioner reads (a link request carries the
-/// fetch step's solution, which is bounded by the response's limit).
-pub const MAX_REQUEST_BYTES: usize = MAX_RESPONSE_BYTES + (1 << 20);
+/// The largest request runnerd writes and the provisioner reads: a link request carries the
+/// fetch step's solution (at most [`MAX_SOLUTION_BYTES`]) as a JSON string, which escaping
+/// may double.
+pub const MAX_REQUEST_BYTES: usize = 2 * MAX_SOLUTION_BYTES + (1 << 20);
+/// The largest solution a fetch step answers (it refuses a larger one with a clear error).
+pub const MAX_SOLUTION_BYTES: usize = MAX_RESPONSE_BYTES / 2;
 /// The largest response the provisioner writes and runnerd reads.
 pub const MAX_RESPONSE_BYTES: usize = 8 << 20;
 

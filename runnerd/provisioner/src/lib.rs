@@ -57,6 +57,11 @@ enum Failure {
     NotInstalled(String),
     #[error("Source prefix {0} has no conda packages to clone")]
     EmptySource(String),
+    #[error(
+        "The solution is {0} bytes, more than the {max} a link step takes: install fewer packages at once",
+        max = common::provision::MAX_SOLUTION_BYTES
+    )]
+    SolutionTooLarge(usize),
     #[error("the link step's solution is not the fetch step's")]
     Solution(#[source] serde_json::Error),
     #[error("the link step's scratch cache {0} could not be made")]
@@ -226,7 +231,7 @@ async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure>
     let specs: Vec<String> = earlier_specs(source, &records)?.into_values().collect();
     let requested = solve::parse_specs(&specs)?;
     let desired = match &context.request.stage {
-        Stage::Fetch => records.into_iter().map(|r| r.repodata_record).collect(),
+        Stage::Fetch => from_channels(context, &records).await?,
         Stage::Link { solution } => parse_solution(solution)?,
     };
     let change = Change { op: "clone", installed: Vec::new(), desired, requested, solve_micros: 0 };
@@ -293,6 +298,51 @@ async fn remove(context: &Context<'_>, names: &[String]) -> Result<Outcome, Fail
     finish(context, change, history::Specs::Remove(removed)).await
 }
 
+/// The channels' own records for what a source prefix holds, matched by channel, subdir and
+/// file name: the source's `conda-meta` may have been written by a hostile step, so its
+/// records only say *which* package to copy; the URL, hash and name-version-build (the cache
+/// key every environment shares) come from the channel's index. A package no channel of the
+/// request serves any more is refused.
+async fn from_channels(
+    context: &Context<'_>,
+    records: &[PrefixRecord],
+) -> Result<Vec<RepoDataRecord>, Failure> {
+    let specs: Vec<MatchSpec> =
+        records.iter().map(|r| MatchSpec::from(r.repodata_record.package_record.name.clone())).collect();
+    let sources = channels::parse(&context.request.channels)?;
+    let gateway = channels::gateway(
+        &context.request.cache_dir.join("repodata"),
+        context.cache.clone(),
+        context.network,
+    );
+    let repodata = channels::query(&gateway, &sources, specs).await?;
+    let key = |channel: Option<&str>, subdir: &str, file: String| {
+        (channel.unwrap_or("").trim_end_matches('/').to_owned(), subdir.to_owned(), file)
+    };
+    let served: std::collections::HashMap<_, &RepoDataRecord> = repodata
+        .iter()
+        .flat_map(|r| r.iter())
+        .map(|r| (key(r.channel.as_deref(), &r.package_record.subdir, r.identifier.to_string()), r))
+        .collect();
+    records
+        .iter()
+        .map(|r| {
+            let wanted = &r.repodata_record;
+            let found = served.get(&key(
+                wanted.channel.as_deref(),
+                &wanted.package_record.subdir,
+                wanted.identifier.to_string(),
+            ));
+            found.map(|r| (*r).clone()).ok_or_else(|| {
+                Failure::Links(links::LinkError::Foreign {
+                    package: wanted.package_record.name.as_normalized().to_owned(),
+                    url: wanted.url.to_string(),
+                })
+            })
+        })
+        .collect()
+}
+
 /// One change, solved: what the prefix holds and what it is to hold.
 #[derive(Debug)]
 struct Change {
@@ -323,6 +373,9 @@ async fn finish(context: &Context<'_>, change: Change, specs: history::Specs) ->
             install::fetch(&plan).await?;
             // Serialising records rattler itself read cannot fail.
             let solution = serde_json::to_string(&plan.desired).unwrap_or_default();
+            if solution.len() > common::provision::MAX_SOLUTION_BYTES {
+                return Err(Failure::SolutionTooLarge(solution.len()));
+            }
             Ok(Outcome {
                 operations: Vec::new(),
                 solve_micros: change.solve_micros,

@@ -129,29 +129,79 @@ pub fn check_records(prefix: &Path, records: &[rattler_conda_types::PrefixRecord
 }
 
 /// Every package a step fetches or links must come from one of `channels`: the records may
-/// have been read from a prefix a hostile step wrote (a clone's source, an installed record
-/// the solver kept), and are not trusted to name an archive anywhere else, such as one that
-/// step planted itself.
+/// have been read from a prefix a hostile step wrote (an installed record the solver kept),
+/// and are not trusted to name an archive anywhere else, such as one that step planted
+/// itself. Judged on the parsed URL, never its text alone: a `%2F` in a segment passes a
+/// text prefix check and becomes a `/` (and `..%2F` a climb) when a `file:` URL is turned
+/// into a path, so any encoded separator or dot is refused outright.
 pub fn check_origins<'a>(
     records: impl IntoIterator<Item = &'a rattler_conda_types::RepoDataRecord>,
     channels: &[String],
 ) -> Result<(), LinkError> {
     for r in records {
-        let url = r.url.as_str();
-        let known = channels.iter().any(|c| url.starts_with(&format!("{}/", c.trim_end_matches('/'))));
-        if !known {
+        if !served_by(&r.url, channels) {
             return Err(LinkError::Foreign {
                 package: r.package_record.name.as_normalized().to_owned(),
-                url: url.to_owned(),
+                url: r.url.to_string(),
             });
         }
     }
     Ok(())
 }
 
+/// Whether `url` names a file beneath one of `channels` (same scheme, host and port, a path
+/// under the channel's path), with no encoded separator, backslash or dot anywhere in it.
+pub fn served_by(url: &url::Url, channels: &[String]) -> bool {
+    let path = url.path();
+    let lowered = path.to_ascii_lowercase();
+    if ["%2f", "%5c", "%2e", "%00", "\\"].iter().any(|bad| lowered.contains(bad))
+        || url.query().is_some()
+        || url.fragment().is_some()
+        || !url.username().is_empty()
+        || url.password().is_some()
+        || path.split('/').any(|segment| segment == "." || segment == "..")
+    {
+        return false;
+    }
+    channels.iter().filter_map(|c| url::Url::parse(c).ok()).any(|channel| {
+        let base = channel.path().trim_end_matches('/');
+        channel.scheme() == url.scheme()
+            && channel.host_str() == url.host_str()
+            && channel.port_or_known_default() == url.port_or_known_default()
+            && path.strip_prefix(base).is_some_and(|rest| rest.starts_with('/') && rest.len() > 1)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_files_beneath_a_channel_are_served_by_it() {
+        let channels = ["file:///srv/ch".to_owned(), "https://mirror.example/conda-forge/".to_owned()];
+        for (url, served) in [
+            ("file:///srv/ch/noarch/a-1-0.conda", true),
+            ("https://mirror.example/conda-forge/linux-64/a-1-0.tar.bz2", true),
+            ("file:///srv/ch/..%2F..%2Fdata%2Fevil.conda", false),
+            ("file:///srv/ch/noarch/..%2fevil.conda", false),
+            ("file:///srv/ch/noarch/%2e%2e/%2e%2e/evil.conda", false),
+            // The url crate folds dot segments when it parses: this one stays inside.
+            ("file:///srv/ch/noarch/%2e%2e/evil.conda", true),
+            ("file:///srv/ch/noarch/a%5C..%5Cb.conda", false),
+            ("file:///srv/channel-other/noarch/a-1-0.conda", false),
+            ("file:///srv/ch", false),
+            ("file:///srv/ch/", false),
+            ("https://mirror.example/conda-forge-evil/noarch/a.conda", false),
+            ("https://mirror.example:8443/conda-forge/noarch/a.conda", false),
+            ("http://mirror.example/conda-forge/noarch/a.conda", false),
+            ("https://user@mirror.example/conda-forge/noarch/a.conda", false),
+            ("https://mirror.example/conda-forge/noarch/a.conda?x=1", false),
+            ("https://other.example/conda-forge/noarch/a.conda", false),
+        ] {
+            let parsed = url::Url::parse(url).unwrap();
+            assert_eq!(served_by(&parsed, &channels), served, "{url}");
+        }
+    }
 
     #[test]
     fn links_inside_are_kept_and_links_out_are_refused() {

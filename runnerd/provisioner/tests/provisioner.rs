@@ -267,8 +267,8 @@ fn clone_copies_the_records_and_specs() {
         foreign.error()
     );
     assert!(not_empty.error().ends_with("already exists and is not empty"));
-    // The base's file:// channel gone (not bound into the sandbox): the cache serves it.
-    std::fs::remove_dir_all(env.root.join("channel")).expect("remove the channel");
+    // The base's archives gone (only the channel's index left): the cache serves them.
+    remove_archives(&env.root.join("channel"));
     let offline = env.prefix("offline");
     let again =
         env.run_with(&offline, json!({"kind": "clone", "source": base}), &[env.channel.as_str()], true).ok();
@@ -281,6 +281,83 @@ fn clone_copies_the_records_and_specs() {
         true,
     );
     assert!(neither.error().contains("could not be read: No such file"), "{}", neither.error());
+}
+
+/// Removes a channel's package archives, keeping its index (`repodata.json`).
+fn remove_archives(channel: &Path) {
+    for subdir in std::fs::read_dir(channel).expect("channel") {
+        let subdir = subdir.expect("entry").path();
+        for file in std::fs::read_dir(&subdir).expect("subdir") {
+            let file = file.expect("entry").path();
+            if file.file_name().is_some_and(|n| n != "repodata.json") {
+                std::fs::remove_file(&file).expect("remove an archive");
+            }
+        }
+    }
+}
+
+/// Rewrites one field of the `conda-meta` record of `package` in `prefix`, as a hostile
+/// pip or R step with the prefix writable could.
+fn forge_record(prefix: &Path, package: &str, field: &str, value: Value) {
+    for entry in std::fs::read_dir(prefix.join("conda-meta")).expect("conda-meta") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("").to_owned();
+        if name.starts_with(&format!("{package}-")) && name.ends_with(".json") {
+            let mut record: Value =
+                serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("JSON");
+            record[field] = value;
+            std::fs::write(&path, record.to_string()).expect("write");
+            return;
+        }
+    }
+    panic!("no record of {package} in {}", prefix.display());
+}
+
+#[test]
+fn a_clone_takes_url_hash_and_name_from_the_channel_never_from_the_source_records() {
+    let env = Env::new();
+    let base = env.prefix("base");
+    env.run(&base, json!({"kind": "create", "specs": ["tinylib"]})).ok();
+    // The record of tinyutil 2.0 forged to name the 1.0 archive and its hash: without the
+    // channel's own record, the fetch would file 1.0's files under the shared cache key
+    // `tinyutil-2.0-0`, for every environment that installs 2.0 later.
+    let index: Value = serde_json::from_slice(
+        &std::fs::read(env.root.join("channel/noarch/repodata.json")).expect("repodata"),
+    )
+    .expect("JSON");
+    let old = &index["packages"]["tinyutil-1.0-0.tar.bz2"];
+    forge_record(&base, "tinyutil", "url", json!(format!("{}/noarch/tinyutil-1.0-0.tar.bz2", env.channel)));
+    forge_record(&base, "tinyutil", "sha256", old["sha256"].clone());
+    forge_record(&base, "tinyutil", "md5", old["md5"].clone());
+    let task = env.prefix("task");
+    env.run(&task, json!({"kind": "clone", "source": base})).ok();
+    let out = Command::new(task.join("bin/tinyutil")).output().expect("run tinyutil");
+    assert_eq!(out.stdout, b"tinyutil 2.0\n", "the channel's 2.0 was copied");
+    let cached =
+        std::fs::read_to_string(env.root.join("cache/pkgs/tinyutil-2.0-0/bin/tinyutil")).expect("cache");
+    assert!(cached.contains("tinyutil 2.0"), "the cache key holds what it names: {cached}");
+    // A URL that climbs out of the channel through an encoded separator (it passes a text
+    // prefix check) is refused, and so is an archive the channel does not serve.
+    forge_record(
+        &base,
+        "tinyutil",
+        "url",
+        json!(format!("{}/..%2F..%2Fenvs%2Fbase%2Fevil.conda", env.channel)),
+    );
+    let refused = env.run(&env.prefix("other"), json!({"kind": "clone", "source": base}));
+    assert!(
+        refused.error().contains("which is not one of the environment's channels"),
+        "{}",
+        refused.error()
+    );
+    forge_record(&base, "tinyutil", "url", json!(format!("{}/noarch/tinyutil-2.0-0.tar.bz2", env.channel)));
+    forge_record(&base, "tinylib", "fn", json!("evil-1.0-0.conda"));
+    let refused = env.run(&env.prefix("other"), json!({"kind": "clone", "source": base}));
+    assert!(
+        refused.error().contains("which is not one of the environment's channels"),
+        "{}",
+        refused.error()
+    );
 }
 
 #[test]
@@ -575,7 +652,7 @@ fn an_operators_read_only_cache_in_condas_layout_serves_an_offline_change() {
     env.run(&env.prefix("seed"), json!({"kind": "create", "specs": ["tinylib"]})).ok();
     let operator = env.root.join("operator-cache");
     std::fs::rename(env.root.join("cache/pkgs"), &operator).expect("move the packages");
-    std::fs::remove_dir_all(env.root.join("channel/noarch")).expect("remove the archives");
+    remove_archives(&env.root.join("channel"));
     make_read_only(&operator);
     let before = tree(&operator);
     let prefix = env.prefix("offline");

@@ -56,13 +56,32 @@ pub(crate) fn is_private_host(host: &str) -> bool {
     }
 }
 
-/// Whether a conda step may reach private addresses: only when it reaches something, and
-/// every host it reaches is one of the operator's configured channel hosts (`configured`)
-/// or a literal private address (which only a configured channel can name: a request names
-/// configured channels or preset mirrors). A preset mirror a request names resolves to
-/// public addresses only, so a poisoned name cannot point a step into the LAN.
-pub(crate) fn conda_private_allowed(hosts: &[String], configured: &[String]) -> bool {
-    !hosts.is_empty() && hosts.iter().all(|h| configured.contains(h) || is_private_host(h))
+/// Hosts that serve the public channels and indexes (anaconda.org, the preset mirrors,
+/// PyPI, CRAN, Bioconductor): never on a private address, whoever configured them.
+pub(crate) const PUBLIC_HOSTS: [&str; 9] = [
+    "conda.anaconda.org",
+    "repo.anaconda.com",
+    "mirrors.tuna.tsinghua.edu.cn",
+    "mirrors.bfsu.edu.cn",
+    "mirrors.ustc.edu.cn",
+    "pypi.org",
+    PYPI_FILES,
+    "cloud.r-project.org",
+    "bioconductor.org",
+];
+
+/// Whether a step may reach private addresses (egressd's policy is one switch for all the
+/// step's hosts): only when it reaches something, and every host it reaches is a literal
+/// private address (which only the operator's configuration can name: a request names
+/// configured channels or preset mirrors) or a host of the operator's own configuration
+/// (`configured`: a LAN mirror allowed as configured) that is not one of the public
+/// [`PUBLIC_HOSTS`]. A preset mirror or a default public host resolves to public addresses
+/// only, so a poisoned name cannot point a step into the LAN.
+pub(crate) fn private_allowed(hosts: &[String], configured: &[String]) -> bool {
+    !hosts.is_empty()
+        && hosts
+            .iter()
+            .all(|h| is_private_host(h) || (configured.contains(h) && !PUBLIC_HOSTS.contains(&h.as_str())))
 }
 
 /// Where conda's packages are cached: the store's own cache (written by fetch steps), and the
@@ -111,7 +130,7 @@ pub(crate) fn conda(
         true => Vec::new(),
         false => hosts_of(channels.iter().map(String::as_str)),
     };
-    let allow_private = conda_private_allowed(&hosts, &[]);
+    let allow_private = private_allowed(&hosts, &[]);
     Step {
         label: "conda",
         command: vec![PROVISIONER_MOUNT.to_owned()],
@@ -365,19 +384,22 @@ mod tests {
     }
 
     #[test]
-    fn only_configured_channel_hosts_may_resolve_privately() {
+    fn only_configured_private_hosts_may_resolve_privately() {
         let v = |hs: &[&str]| hs.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>();
-        let configured = v(&["mirror.lan", "conda.anaconda.org"]);
+        let configured = v(&["mirror.lan", "conda.anaconda.org", "mirrors.tuna.tsinghua.edu.cn"]);
         for (hosts, allowed) in [
             (v(&[]), false),
             (v(&["mirror.lan"]), true),
-            (v(&["mirror.lan", "conda.anaconda.org"]), true),
             (v(&["127.0.0.1"]), true),
+            (v(&["mirror.lan", "10.0.0.7"]), true),
+            // The default channel and the preset mirrors are public, even when configured.
+            (v(&["conda.anaconda.org"]), false),
+            (v(&["mirror.lan", "conda.anaconda.org"]), false),
             (v(&["mirrors.tuna.tsinghua.edu.cn"]), false),
-            (v(&["mirror.lan", "mirrors.tuna.tsinghua.edu.cn"]), false),
+            (v(&["mirror.lan", "bioconductor.org"]), false),
             (v(&["mirror.lan.evil"]), false),
         ] {
-            assert_eq!(conda_private_allowed(&hosts, &configured), allowed, "{hosts:?}");
+            assert_eq!(private_allowed(&hosts, &configured), allowed, "{hosts:?}");
         }
     }
 

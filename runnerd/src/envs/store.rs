@@ -114,6 +114,9 @@ pub struct EnvStore {
     catalog: Mutex<Catalog>,
     view: Mutex<View>,
     gates: Gates,
+    /// The package cache: fetch steps (which may replace an entry) write, link steps (which
+    /// copy from it, their rattler lock in a scratch layer of their own) read.
+    cache_gate: tokio::sync::RwLock<()>,
 }
 
 /// The install body, read by the route.
@@ -215,6 +218,7 @@ impl EnvStore {
             catalog: Mutex::new(catalog),
             view: Mutex::new(view),
             gates: Gates::default(),
+            cache_gate: tokio::sync::RwLock::new(()),
         })
     }
 
@@ -350,7 +354,7 @@ impl EnvStore {
             .filter_map(|c| ids::channel_url(c).ok())
             .filter_map(|u| steps::url_host(&u))
             .collect();
-        step.allow_private = steps::conda_private_allowed(&step.hosts, &configured);
+        step.allow_private = steps::private_allowed(&step.hosts, &configured);
         step
     }
 
@@ -480,13 +484,19 @@ impl EnvStore {
         extra_ro: &[PathBuf],
     ) -> Result<provision::Response, StoreError> {
         let fetch = self.conda_step(op.clone(), prefix, channels, extra_ro, provision::Stage::Fetch);
-        let fetched = self.conda(app, fetch).await?;
+        let fetched = {
+            let _writing = self.cache_gate.write().await;
+            self.conda(app, fetch).await?
+        };
         let solution = fetched.solution.ok_or_else(|| StoreError::Step {
             label: "conda",
             detail: "the provisioner's fetch step answered no solution".into(),
         })?;
         let link = self.conda_step(op, prefix, channels, extra_ro, provision::Stage::Link { solution });
-        let mut linked = self.conda(app, link).await?;
+        let mut linked = {
+            let _reading = self.cache_gate.read().await;
+            self.conda(app, link).await?
+        };
         linked.solve_micros = fetched.solve_micros;
         linked.peak_rss_kib = linked.peak_rss_kib.max(fetched.peak_rss_kib);
         Ok(linked)

@@ -37,6 +37,14 @@ pub use records::{execution_value, mutation_value};
 pub use refs::Refs;
 pub use store::{Record, Store};
 
+/// The cores this process may use, read once: `available_parallelism` reads the affinity
+/// mask and the cgroup's CPU quota files on every call, and a snapshot asks once per
+/// directory it hashes.
+pub(crate) fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// The mediaType of every record blob (`RECORD_MEDIA_TYPE` in the original).
 pub const RECORD_MEDIA_TYPE: &str = "application/vnd.sciencediscovery.record.v1+json";
 /// The mediaType of streamed workspace files and of `put` without an explicit type.

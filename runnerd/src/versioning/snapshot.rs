@@ -217,8 +217,11 @@ impl Store {
                     && self.cache.lookup((st.dev, st.ino), Stamp::of(st)).is_none()
             })
             .collect();
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(PREHASH_THREADS);
-        if workers < 2 || work.len() < PREHASH_MIN_FILES {
+        if work.len() < PREHASH_MIN_FILES {
+            return results;
+        }
+        let workers = super::cores().min(PREHASH_THREADS);
+        if workers < 2 {
             return results;
         }
         let next = std::sync::atomic::AtomicUsize::new(0);

@@ -502,8 +502,8 @@ impl Store {
                 })
                 .collect()
         };
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4);
-        if workers < 2 || refs.len() < 1024 {
+        let workers = if refs.len() < 1024 { 1 } else { super::cores().min(4) };
+        if workers < 2 {
             return check(refs);
         }
         let size = refs.len().div_ceil(workers);
