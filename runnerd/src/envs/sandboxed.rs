@@ -95,6 +95,10 @@ pub(crate) enum SandboxedError {
     TimedOut { label: &'static str, secs: u64 },
     #[error("the {label} step was cancelled")]
     Cancelled { label: &'static str },
+    #[error(
+        "the {label} step ran out of memory (limit {limit_bytes} bytes, SCIENCE_AGENT_LIMIT_MEMORY_BYTES) and was killed"
+    )]
+    OutOfMemory { label: &'static str, limit_bytes: u64 },
 }
 
 /// The combined output a step may print (the provisioner's answer is at most
@@ -191,12 +195,27 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
     launch.timeout = Some(step.timeout);
     launch.stdin = step.stdin;
+    // An execution's default limits (memory, processes, CPU), as enforced for executions:
+    // a hostile setup.py or R install script must not take the host down for every tenant.
+    let limits = &app.config.limits.default;
+    let millis = u64::try_from(step.timeout.as_millis()).unwrap_or(u64::MAX);
+    launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, limits, millis));
+    let cgroup =
+        app.limits.create(limits).map_err(|e| prepare(std::io::Error::other(crate::error_chain(&e))))?;
+    if let Some(c) = &cgroup {
+        launch.cgroup_procs =
+            c.procs_fds().map_err(|e| prepare(std::io::Error::other(crate::error_chain(&e))))?;
+    }
     let mut output = OutputBudget::pooled(MAX_STEP_OUTPUT, &app.output_pool);
     let ran = app.sandbox.launcher.run(launch, &mut output).await;
+    let usage = crate::limits::finish(cgroup).await;
     drop(held);
     drop(lease);
     let out = output.finish();
     let outcome = ran.map_err(|source| SandboxedError::Launch { label, source })?;
+    if usage.is_some_and(|u| u.oom_kills > 0) {
+        return Err(SandboxedError::OutOfMemory { label, limit_bytes: limits.memory_bytes });
+    }
     let code = match outcome.termination {
         Termination::Exited(c) => Some(c),
         Termination::Signaled(_) => None,
