@@ -398,7 +398,14 @@ async fn the_provisioning_sandbox_sees_only_its_prefix_and_never_the_token() {
     ] {
         assert!(seen.contains(line), "{line:?} not in:\n{seen}");
     }
-    assert!(seen.contains("args: --vanilla --slave -e install.packages"), "{seen}");
+    assert!(
+        seen.contains("args: --vanilla --slave -e options(warn = 1); pkgs <- c(\"survival\");"),
+        "{seen}"
+    );
+    assert!(
+        seen.contains("install.packages(pkgs, repos = \"file:///nonexistent-cran\", Ncpus = 1)"),
+        "{seen}"
+    );
 
     // The link the R step planted (to the package cache's path) stops the next conda step
     // before it writes anything.
