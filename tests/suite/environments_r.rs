@@ -148,6 +148,7 @@ cat("host-R-size=", file.info("/usr/bin/R")$size, "\n", sep = "")
 cat("host-Rscript-size=", file.info("/usr/bin/Rscript")$size, "\n", sep = "")
 cat("write-prefix=", suppressWarnings(file.create("/opt/science-env/lib/R/library/planted")), "\n", sep = "")
 cat("stats=", stats::median(c(1, 5, 9)), "\n", sep = "")
+cat("etc-R=", file.exists("/etc/R"), "\n", sep = "")
 "#;
 
 #[tokio::test]
@@ -181,7 +182,7 @@ async fn r_runs_for_real_from_starter_r_read_only_with_the_host_r_masked() {
         format!("version={}\n", envs.version),
         "home=/opt/science-env/lib/R\n".to_owned(),
         "libpaths=/opt/science-env/lib/R/library\n".to_owned(),
-        // The run starts R with R_ENVIRON_USER=/dev/null (below); R's own front end empties it
+        // The run starts R with R_ENVIRON_USER=/dev/null (above); R's own front end empties it
         // for `--vanilla` (no user environ file either way), as conda's r-base does.
         "environ-user=[]\n".to_owned(),
         // The interpreter is the prefix's copy, not the host's /usr/lib/R.
@@ -189,6 +190,8 @@ async fn r_runs_for_real_from_starter_r_read_only_with_the_host_r_masked() {
         "host-R-size=0\nhost-Rscript-size=0\n".to_owned(),
         "write-prefix=FALSE\n".to_owned(),
         "stats=5\n".to_owned(),
+        // The sandbox shows no /etc/R: what R needs from it is in the prefix's lib/R/etc.
+        "etc-R=FALSE\n".to_owned(),
     ] {
         assert!(out.contains(&line), "{line:?} in\n{out}\n{v}");
     }
