@@ -12,14 +12,23 @@ ensure_prereqs() {
     if [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -m ensurepip --version >/dev/null 2>&1; then
         missing+=(python3-venv)
     fi
-    if [ "${#missing[@]}" -gt 0 ]; then
+    # r-base-core (without recommends): the distribution's R, which the R environment tests
+    # copy into a real r-base conda package; without it they skip (and fail in CI).
+    local lean=()
+    [ -x /usr/lib/R/bin/exec/R ] || lean+=(r-base-core)
+    if [ "${#missing[@]}" -gt 0 ] || [ "${#lean[@]}" -gt 0 ]; then
         local sudo=()
         [ "$(id -u)" = 0 ] || sudo=(sudo)
         if command -v apt-get >/dev/null; then
-            echo "installing ${missing[*]} ..." >&2
-            "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+            echo "installing ${missing[*]} ${lean[*]} ..." >&2
+            if [ "${#missing[@]}" -gt 0 ]; then
+                "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+            fi
+            if [ "${#lean[@]}" -gt 0 ]; then
+                "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${lean[@]}" >&2
+            fi
         else
-            echo "please install: ${missing[*]}" >&2
+            echo "please install: ${missing[*]} ${lean[*]}" >&2
             return 1
         fi
     fi

@@ -68,7 +68,7 @@ fn start(extra: &[(&str, &str)]) -> Envs {
 }
 
 /// Polls `GET /environment-setup` until it leaves `installing`.
-async fn setup_outcome(server: &Server) -> Value {
+pub(super) async fn setup_outcome(server: &Server) -> Value {
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let reply = server.client().get("/environment-setup").await.unwrap();
@@ -89,12 +89,12 @@ async fn ready(extra: &[(&str, &str)]) -> Envs {
     envs
 }
 
-async fn get(server: &Server, path: &str) -> (u16, Value) {
+pub(super) async fn get(server: &Server, path: &str) -> (u16, Value) {
     let reply = server.client().get(path).await.unwrap();
     (reply.status, reply.json())
 }
 
-async fn post(server: &Server, path: &str, body: Value) -> (u16, Value) {
+pub(super) async fn post(server: &Server, path: &str, body: Value) -> (u16, Value) {
     let reply = server.client().post_json(path, &body).await.unwrap();
     (reply.status, reply.json())
 }
@@ -120,7 +120,7 @@ async fn python(server: &Server, revision: Option<&str>, code: &str) -> (u16, Va
     (reply.status, reply.json())
 }
 
-fn environment<'a>(list: &'a Value, id: &str) -> &'a Value {
+pub(super) fn environment<'a>(list: &'a Value, id: &str) -> &'a Value {
     list.as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no {id} in {list}"))
 }
 
@@ -398,7 +398,14 @@ async fn the_provisioning_sandbox_sees_only_its_prefix_and_never_the_token() {
     ] {
         assert!(seen.contains(line), "{line:?} not in:\n{seen}");
     }
-    assert!(seen.contains("args: --vanilla --slave -e install.packages"), "{seen}");
+    assert!(
+        seen.contains("args: --vanilla --slave -e options(warn = 1); pkgs <- c(\"survival\");"),
+        "{seen}"
+    );
+    assert!(
+        seen.contains("install.packages(pkgs, repos = \"file:///nonexistent-cran\", Ncpus = 1)"),
+        "{seen}"
+    );
 
     // The link the R step planted (to the package cache's path) stops the next conda step
     // before it writes anything.
@@ -616,7 +623,7 @@ async fn a_managed_run_uses_the_environment_it_names() {
 }
 
 /// Serves `dir` over plain HTTP on loopback (GET only), as an offline site's mirror would.
-fn serve_channel(dir: PathBuf) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+pub(super) fn serve_channel(dir: PathBuf) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::io::{BufRead, BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();

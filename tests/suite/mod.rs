@@ -3,6 +3,7 @@ mod audit;
 mod config;
 mod damaged_state;
 mod environments;
+mod environments_r;
 mod fail_well_http;
 mod full_disk;
 mod hosts_file;

@@ -230,15 +230,33 @@ fn r_string(s: &str) -> String {
 
 /// CRAN (`install.packages`) or Bioconductor (`BiocManager::install`) through the
 /// environment's R, with `R_ENVIRON_USER=/dev/null` and `--vanilla`.
+///
+/// R only warns, and exits 0, when a package is not in the repository, its download fails
+/// or its build fails; the original then records a revision as if it had landed. Here the
+/// step fails unless every requested package's `DESCRIPTION` in the library R installs into
+/// was written during the step (R CMD INSTALL writes it last, reinstalls included), and
+/// `warn = 1` prints R's own warnings as they happen, so the failure carries R's words.
+///
+/// `cran` is the operator's repository (`SCIENCE_AGENT_CRAN_REPO`, never a request's): like
+/// a configured conda channel, its host may resolve to a private address (an offline site's
+/// mirror), unless it is a public one ([`private_allowed`]). A Bioconductor step also
+/// reaches `bioconductor.org`, which never may; egressd's switch is per step, so such a step
+/// reaches no private address at all.
 pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages: &[String]) -> Step {
     let list = packages.iter().map(|p| r_string(p)).collect::<Vec<_>>().join(", ");
-    let expr = match bioconductor {
-        false => format!("install.packages(c({list}), repos = {}, Ncpus = 1)", r_string(cran)),
+    let install = match bioconductor {
+        false => format!("install.packages(pkgs, repos = {}, Ncpus = 1)", r_string(cran)),
         true => format!(
-            "options(repos = c(CRAN = {})); if (!requireNamespace(\"BiocManager\", quietly = TRUE)) install.packages(\"BiocManager\", Ncpus = 1); BiocManager::install(c({list}), ask = FALSE, update = FALSE, Ncpus = 1)",
+            "options(repos = c(CRAN = {})); if (!requireNamespace(\"BiocManager\", quietly = TRUE)) install.packages(\"BiocManager\", Ncpus = 1); BiocManager::install(pkgs, ask = FALSE, update = FALSE, Ncpus = 1)",
             r_string(cran)
         ),
     };
+    let expr = format!(
+        "options(warn = 1); pkgs <- c({list}); since <- Sys.time() - 1; {install}; \
+         written <- file.mtime(file.path(.libPaths()[1], pkgs, \"DESCRIPTION\")); \
+         missed <- pkgs[is.na(written) | written < since]; \
+         if (length(missed)) stop(\"not installed: \", paste(missed, collapse = \", \"), call. = FALSE)"
+    );
     let r = prefix.join("bin/R").to_string_lossy().into_owned();
     let mut hosts = hosts_of([cran]);
     if bioconductor {
@@ -253,7 +271,7 @@ pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages:
         binds: vec![(prefix.to_path_buf(), true)],
         provisioner: None,
         env: vec![("R_ENVIRON_USER".into(), "/dev/null".into())],
-        allow_private: hosts.iter().any(|h| is_private_host(h)),
+        allow_private: private_allowed(&hosts, &hosts_of([cran])),
         hosts,
         timeout: R_TIMEOUT,
     }
@@ -495,13 +513,26 @@ mod tests {
             &["survival".into(), "a\"b".into()],
         );
         assert_eq!(s.label, "cran");
-        assert!(s.command[4].starts_with(
-            "install.packages(c(\"survival\", \"a\\\"b\"), repos = \"https://cloud.r-project.org\""
+        assert_eq!(&s.command[..4], ["/d/p/bin/R", "--vanilla", "--slave", "-e"]);
+        assert!(s.command[4].starts_with("options(warn = 1); pkgs <- c(\"survival\", \"a\\\"b\"); "));
+        assert!(
+            s.command[4]
+                .contains("install.packages(pkgs, repos = \"https://cloud.r-project.org\", Ncpus = 1)")
+        );
+        assert!(s.command[4].ends_with(
+            "if (length(missed)) stop(\"not installed: \", paste(missed, collapse = \", \"), call. = FALSE)"
         ));
         assert_eq!(s.hosts, ["cloud.r-project.org"]);
+        assert!(!s.allow_private, "CRAN's own host is public");
+        let mirror = r_install(Path::new("/d/p"), false, "http://cran.lan:8080/", &["x".into()]);
+        assert!(mirror.allow_private, "the operator's own mirror is allowed as configured");
         let b = r_install(Path::new("/d/p"), true, "https://cloud.r-project.org", &["DESeq2".into()]);
-        assert!(b.command[4].contains("BiocManager::install(c(\"DESeq2\")"));
+        assert!(b.command[4].contains("pkgs <- c(\"DESeq2\")"));
+        assert!(b.command[4].contains("BiocManager::install(pkgs, ask = FALSE, update = FALSE, Ncpus = 1)"));
         assert_eq!(b.hosts, ["bioconductor.org", "cloud.r-project.org"]);
+        assert!(!b.allow_private, "bioconductor.org never resolves to a private address");
+        let lan = r_install(Path::new("/d/p"), true, "http://10.0.0.5/cran", &["DESeq2".into()]);
+        assert!(!lan.allow_private, "one switch for the step: bioconductor.org keeps it off");
     }
 
     #[test]

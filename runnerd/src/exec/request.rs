@@ -535,7 +535,7 @@ pub struct ExecRequest {
     pub code: String,
     /// Shell: `environmentId`, when non-blank.
     pub environment_id: Option<String>,
-    /// Python: `environmentRevisionId`, when non-blank.
+    /// Python and R: `environmentRevisionId`, when non-blank.
     pub environment_revision_id: Option<String>,
     /// `permissionEpoch.environmentRevisionId`.
     pub epoch_environment_revision_id: Option<String>,
@@ -592,8 +592,10 @@ pub fn parse(route: Route, mut obj: Object) -> Result<ExecRequest, EngineError> 
         agent_id: owned(&obj, "agentId").unwrap_or_default(),
         code,
         environment_id: non_blank(&obj, "environmentId").filter(|_| shell).map(str::to_owned),
+        // Python and R alike (contract §2A: `resolveRuntime(environmentRevisionId, language)`):
+        // without it an R run could only ever use starter-r, never a task environment.
         environment_revision_id: non_blank(&obj, "environmentRevisionId")
-            .filter(|_| language == Language::Python)
+            .filter(|_| matches!(language, Language::Python | Language::R))
             .map(str::to_owned),
         epoch_environment_revision_id: epoch_string("environmentRevisionId"),
         network: network_access(&obj),
@@ -661,6 +663,24 @@ mod tests {
 
     fn obj(v: Value) -> Object {
         v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn python_and_r_runs_name_their_revision_shell_runs_do_not() {
+        for (route, language, named) in [
+            (Route::Execute, None, true),
+            (Route::Execute, Some("python"), true),
+            (Route::Execute, Some("r"), true),
+            (Route::ExecuteShell, None, false),
+        ] {
+            let mut o = valid_request();
+            o.insert("environmentRevisionId".into(), json!("rev-1"));
+            if let Some(l) = language {
+                o.insert("language".into(), json!(l));
+            }
+            let req = parse(route, o).unwrap_or_else(|e| panic!("{route:?} {language:?}: {e:?}"));
+            assert_eq!(req.environment_revision_id.is_some(), named, "{route:?} {language:?}");
+        }
     }
 
     fn valid_request() -> Object {

@@ -1,7 +1,8 @@
 //! Tiny conda channels built offline, for the provisioner's and runnerd's tests and for
 //! benchmarks: real `.tar.bz2` and `.conda` archives (written with rattler's own writer) with
 //! `info/index.json`, `info/paths.json` and `info/files`, a corrupt archive, a `python`
-//! package made from the host's interpreter, a stub `r-base`, and `repodata.json` per subdir.
+//! package made from the host's interpreter, a stub `r-base`, a real `r-base` made from the
+//! host's R when it has one, and `repodata.json` per subdir.
 //!
 //! ```no_run
 //! # use test_channel::*;
@@ -30,6 +31,10 @@ pub enum ChannelError {
     InterpreterOutput(PathBuf),
     #[error("{0} is not an ELF executable (a shim or script?)")]
     NotElf(PathBuf),
+    #[error("{0} could not be read")]
+    Read(PathBuf, #[source] std::io::Error),
+    #[error("the R front end {0} is not the one this builder knows how to relocate")]
+    RFrontEnd(PathBuf),
 }
 
 /// The archive format of a package.
@@ -53,6 +58,10 @@ pub struct Pkg {
     pub files: Vec<(String, Vec<u8>, bool)>,
     /// `(path in the prefix, target)`: symbolic links, relative targets inside the prefix.
     pub symlinks: Vec<(String, String)>,
+    /// Compress at the lowest level: for large packages of already-compressed files (R's
+    /// lazy-load databases), where the default level costs seconds in a debug build and
+    /// saves little.
+    pub quick: bool,
 }
 
 impl Pkg {
@@ -68,6 +77,7 @@ impl Pkg {
             format: Format::TarBz2,
             files: Vec::new(),
             symlinks: Vec::new(),
+            quick: false,
         }
     }
 
@@ -242,6 +252,7 @@ impl Channel {
                 ("bin/python3".into(), format!("python{short}")),
                 ("bin/python".into(), format!("python{short}")),
             ],
+            quick: false,
         };
         self.package(pkg)
     }
@@ -251,6 +262,73 @@ impl Channel {
     pub fn stub_r_base(&mut self, version: &str) -> Result<PathBuf, ChannelError> {
         let script = b"#!/bin/sh\necho \"stub R $*\"\n";
         self.package(Pkg::noarch("r-base", version).file("bin/R", script, true))
+    }
+
+    /// A real `linux-64` `r-base` made from the host's R home (Debian's layout:
+    /// [`HOST_R_HOME`] with `etc` linking into `/etc/R` and `share`, `include` and `doc` in
+    /// `/usr/share/R`), laid out as conda's is: `lib/R` is the R home, **copied** (the sandbox
+    /// sees neither `/etc/R` nor, when masking binds `/dev/null` there, the host's front end),
+    /// `bin/R` the front end, base packages and installed ones in `lib/R/library`. Version:
+    /// the host R's; build `0_copy_of_host_r`.
+    ///
+    /// Three changes make the copy the prefix's own: the front ends (`bin/R`, `lib/R/bin/R`)
+    /// find the R home from where they are instead of the hard-coded `/usr/lib/R`, so it
+    /// works at the prefix's path and at `/opt/science-env`; `etc/Renviron` keeps site
+    /// libraries inside the prefix (Debian's names `/usr/local/lib/R/site-library`, which
+    /// would come before the prefix in `.libPaths()`); `etc/Renviron.site` is empty (Debian's
+    /// adds the host's site libraries and its own `/usr/lib/R/library`). `bin/Rscript` asks
+    /// the copied `Rscript` to use this R home (`RHOME`). The `translations` package (8 MiB
+    /// of message catalogues) is left out: R speaks English without it.
+    pub fn r_from_host(&mut self, r_home: &Path) -> Result<PathBuf, ChannelError> {
+        let front = r_home.join("bin/R");
+        let version = host_r_version(r_home)?;
+        let mut files = Vec::new();
+        for dir in ["bin", "etc", "lib", "library", "modules"] {
+            collect(&r_home.join(dir), &format!("lib/R/{dir}"), &mut files)?;
+        }
+        for dir in ["share", "include", "doc"] {
+            collect(&Path::new(HOST_R_SHARE).join(dir), &format!("lib/R/{dir}"), &mut files)?;
+        }
+        files.retain(|(path, _, _)| {
+            !path.starts_with("lib/R/library/translations/") && path != "lib/R/etc/Renviron.ucf"
+        });
+        let script =
+            String::from_utf8_lossy(&fs::read(&front).map_err(|e| ChannelError::Read(front.clone(), e))?)
+                .into_owned();
+        let relocated = |home: &str| {
+            relocate_front_end(&script, home).ok_or_else(|| ChannelError::RFrontEnd(front.clone()))
+        };
+        let lib_front = relocated("$(cd \"$(dirname \"$0\")/..\" && pwd)")?;
+        let bin_front = relocated("$(cd \"$(dirname \"$0\")/../lib/R\" && pwd)")?;
+        for (path, bytes, _) in files.iter_mut() {
+            match path.as_str() {
+                "lib/R/bin/R" => *bytes = lib_front.clone().into_bytes(),
+                "lib/R/etc/Renviron" => {
+                    *bytes = prefix_site_libraries(&String::from_utf8_lossy(bytes)).into_bytes()
+                }
+                "lib/R/etc/Renviron.site" => {
+                    *bytes = b"## The prefix's R has no site-wide environment: its libraries are in lib/R.\n"
+                        .to_vec()
+                }
+                _ => {}
+            }
+        }
+        files.push(("bin/R".into(), bin_front.into_bytes(), true));
+        let rscript = "#!/bin/sh\n# Rscript of this prefix: the copied binary, told which R home to start.\n\
+            RHOME=\"$(cd \"$(dirname \"$0\")/../lib/R\" && pwd)\"\nexport RHOME\nexec \"$RHOME/bin/Rscript\" \"$@\"\n";
+        files.push(("bin/Rscript".into(), rscript.as_bytes().to_vec(), true));
+        self.package(Pkg {
+            name: "r-base".into(),
+            version,
+            build: "0_copy_of_host_r".into(),
+            build_number: 0,
+            depends: Vec::new(),
+            subdir: "linux-64".into(),
+            format: Format::Conda,
+            files,
+            symlinks: Vec::new(),
+            quick: true,
+        })
     }
 
     /// Writes `repodata.json` for `noarch` and `linux-64` (empty ones too: a conda channel
@@ -297,6 +375,91 @@ pub fn host_python() -> Option<PathBuf> {
     interpreter_facts(Path::new("python3")).ok().map(|(_, real)| real)
 }
 
+/// Where Debian's R keeps its home and its architecture-independent parts.
+pub const HOST_R_HOME: &str = "/usr/lib/R";
+const HOST_R_SHARE: &str = "/usr/share/R";
+
+/// The host's R home when the distribution's R is installed (`r-base-core`).
+pub fn host_r_home() -> Option<PathBuf> {
+    let home = Path::new(HOST_R_HOME);
+    home.join("bin/exec/R").is_file().then(|| home.to_path_buf())
+}
+
+/// The host R's `X.Y.Z`, asked of R itself.
+pub fn host_r_version(r_home: &Path) -> Result<String, ChannelError> {
+    let front = r_home.join("bin/R");
+    let output = Command::new(&front)
+        .args(["--vanilla", "--slave", "-e", "cat(format(getRversion()))"])
+        .env("R_ENVIRON_USER", "/dev/null")
+        .output()
+        .map_err(|e| ChannelError::Interpreter(front.clone(), e))?;
+    let version = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    match version.split('.').count() == 3 && version.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        true => Ok(version),
+        false => Err(ChannelError::InterpreterOutput(front)),
+    }
+}
+
+/// The R front-end script with its R home found from `home` (a shell expression) instead of
+/// the configured `R_HOME_DIR=/usr/lib/R`, and its share, include and doc directories inside
+/// that home (conda's layout) instead of `/usr/share/R`. `None` when the script does not
+/// have the lines this rewrites.
+fn relocate_front_end(script: &str, home: &str) -> Option<String> {
+    let mut found = 0;
+    let lines: Vec<String> = script
+        .lines()
+        .map(|line| {
+            if line.starts_with("R_HOME_DIR=") && !line.starts_with("R_HOME_DIR=\"") {
+                found += 1;
+                return format!("R_HOME_DIR=\"{home}\"");
+            }
+            for dir in ["SHARE", "INCLUDE", "DOC"] {
+                if line.starts_with(&format!("R_{dir}_DIR=/")) {
+                    found += 1;
+                    return format!("R_{dir}_DIR=\"${{R_HOME_DIR}}/{}\"", dir.to_ascii_lowercase());
+                }
+            }
+            line.to_owned()
+        })
+        .collect();
+    (found == 4).then(|| lines.join("\n") + "\n")
+}
+
+/// `etc/Renviron` with site libraries inside the R home (`%S`, `lib/R/site-library`).
+fn prefix_site_libraries(renviron: &str) -> String {
+    renviron
+        .lines()
+        .map(|line| match line.starts_with("R_LIBS_SITE=") {
+            true => "R_LIBS_SITE=${R_LIBS_SITE:-'%S'}",
+            false => line,
+        })
+        .map(|line| format!("{line}\n"))
+        .collect()
+}
+
+/// Every file under `dir` (symbolic links followed: Debian's R home links into `/etc/R`)
+/// as `(prefix/relative, bytes, executable)`, sorted.
+fn collect(dir: &Path, prefix: &str, out: &mut Vec<(String, Vec<u8>, bool)>) -> Result<(), ChannelError> {
+    use std::os::unix::fs::PermissionsExt;
+    let read = |e| ChannelError::Read(dir.to_path_buf(), e);
+    let mut entries: Vec<_> = fs::read_dir(dir).map_err(read)?.collect::<Result<_, _>>().map_err(read)?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let path = entry.path();
+        let Ok(meta) = fs::metadata(&path) else {
+            continue; // a dangling link: nothing to copy
+        };
+        let name = format!("{prefix}/{}", entry.file_name().to_string_lossy());
+        if meta.is_dir() {
+            collect(&path, &name, out)?;
+        } else if meta.is_file() {
+            let bytes = fs::read(&path).map_err(|e| ChannelError::Read(path.clone(), e))?;
+            out.push((name, bytes, meta.permissions().mode() & 0o111 != 0));
+        }
+    }
+    Ok(())
+}
+
 /// `X.Y.Z` and the real (symlink-free) path of the interpreter's executable.
 fn interpreter_facts(interpreter: &Path) -> Result<(String, PathBuf), ChannelError> {
     let output = Command::new(interpreter)
@@ -319,7 +482,7 @@ fn write_archive(pkg: &Pkg, stage: &Path, paths: &[PathBuf], archive: &Path) -> 
         fs::create_dir_all(dir).map_err(failed)?;
     }
     let file = fs::File::create(archive).map_err(failed)?;
-    let level = CompressionLevel::Default;
+    let level = if pkg.quick { CompressionLevel::Lowest } else { CompressionLevel::Default };
     match pkg.format {
         Format::TarBz2 => {
             rattler_package_streaming::write::write_tar_bz2_package(file, stage, paths, level, None, None)
@@ -411,5 +574,58 @@ mod tests {
         let archive = channel.python_from_host(&python).expect("python");
         assert!(archive.starts_with(dir.path().join("linux-64")));
         assert!(fs::metadata(&archive).expect("archive").len() > 1_000_000, "holds the ELF");
+    }
+
+    const FRONT_END: &str = "#!/bin/bash\n# Shell wrapper for R executable.\n\nR_HOME_DIR=/usr/lib/R\n\
+        if test \"${R_HOME_DIR}\" = \"/usr/lib/R\"; then\n  :\nfi\nR_HOME=\"${R_HOME_DIR}\"\n\
+        R_SHARE_DIR=/usr/share/R/share\nexport R_SHARE_DIR\nR_INCLUDE_DIR=/usr/share/R/include\n\
+        R_DOC_DIR=/usr/share/R/doc\nexec \"${R_HOME}/bin/exec/R\"\n";
+
+    #[test]
+    fn the_r_front_end_finds_its_home_where_it_is() {
+        let out = relocate_front_end(FRONT_END, "$(cd \"$(dirname \"$0\")/..\" && pwd)").expect("relocates");
+        for line in [
+            "R_HOME_DIR=\"$(cd \"$(dirname \"$0\")/..\" && pwd)\"\n",
+            "R_SHARE_DIR=\"${R_HOME_DIR}/share\"\n",
+            "R_INCLUDE_DIR=\"${R_HOME_DIR}/include\"\n",
+            "R_DOC_DIR=\"${R_HOME_DIR}/doc\"\n",
+            // Only assignments change: the test of the configured home stays (and is false).
+            "if test \"${R_HOME_DIR}\" = \"/usr/lib/R\"; then\n",
+        ] {
+            assert!(out.contains(line), "{line:?} in {out}");
+        }
+        assert!(!out.contains("=/usr/share/R"), "{out}");
+        // A front end without the lines (another distribution's, a wrapper) is refused.
+        assert_eq!(relocate_front_end("#!/bin/sh\nexec /opt/R/bin/R \"$@\"\n", "x"), None);
+        let without_doc = FRONT_END.replace("R_DOC_DIR=/usr/share/R/doc\n", "");
+        assert_eq!(relocate_front_end(&without_doc, "x"), None);
+    }
+
+    #[test]
+    fn site_libraries_stay_in_the_prefix() {
+        let renviron = "R_LIBS_USER=${R_LIBS_USER:-'%U'}\nR_LIBS_SITE=${R_LIBS_SITE:-'/usr/local/lib/R/site-library:%S'}\nTAR=${TAR-'/bin/tar'}\n";
+        assert_eq!(
+            prefix_site_libraries(renviron),
+            "R_LIBS_USER=${R_LIBS_USER:-'%U'}\nR_LIBS_SITE=${R_LIBS_SITE:-'%S'}\nTAR=${TAR-'/bin/tar'}\n"
+        );
+    }
+
+    #[test]
+    fn r_from_host_is_a_relocated_copy() {
+        let Some(home) = host_r_home() else {
+            eprintln!("SKIP: no host R (apt-get install --no-install-recommends r-base-core)");
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut channel = Channel::new(dir.path());
+        let archive = channel.r_from_host(&home).expect("r-base");
+        channel.index().expect("index");
+        let name = archive.file_name().expect("name").to_string_lossy().into_owned();
+        assert!(name.starts_with("r-base-") && name.ends_with("-0_copy_of_host_r.conda"), "{name}");
+        let repodata: Value =
+            serde_json::from_slice(&fs::read(dir.path().join("linux-64/repodata.json")).expect("repodata"))
+                .expect("json");
+        let version = repodata["packages.conda"][&name]["version"].as_str().expect("version").to_owned();
+        assert_eq!(version.split('.').count(), 3, "{version}");
     }
 }
