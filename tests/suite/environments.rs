@@ -18,6 +18,13 @@ const PROBE_R: &str = r#"#!/bin/sh
 # A CRAN install of "slow" hangs, for a test to kill runnerd in the middle of an update.
 case "$*" in *'"slow"'*) sleep 60; exit 1 ;; esac
 prefix="$(cd "$(dirname "$0")/.." && pwd)"
+# A CRAN install of "hog" holds 600 MB in one process (tail buffers the one long line), for
+# a test to see the provisioning step's memory limit stop it.
+case "$*" in *'"hog"'*)
+    head -c 600000000 /dev/zero | tail -n 1 > /dev/null && echo "hog=unlimited" > "$prefix/hog.txt" \
+        || echo "hog=limited" > "$prefix/hog.txt"
+    exit 1 ;;
+esac
 store="$(cd "$prefix/../../.." && pwd)"
 data="$(cd "$store/.." && pwd)"
 {
@@ -865,4 +872,30 @@ async fn offline_mode_serves_conda_from_an_operators_read_only_cache_in_condas_l
     assert!(!own.join("tinylib-1.0-0").exists(), "nothing was copied into the store's own cache");
     let chmod = std::process::Command::new("chmod").args(["-R", "u+w"]).arg(&cache).status().unwrap();
     assert!(chmod.success());
+}
+
+#[tokio::test]
+async fn a_provisioning_step_runs_under_the_execution_memory_limit() {
+    if !sandbox_or_skip("a_provisioning_step_runs_under_the_execution_memory_limit") {
+        return;
+    }
+    let envs = ready(&[("SCIENCE_AGENT_LIMIT_MEMORY_BYTES", "268435456")]).await;
+    let s = &envs.server;
+    let (status, env) = post(s, "/environments", json!({"name": "r-hog", "language": "r"})).await;
+    assert_eq!(status, 201, "{env}\n{}", s.stderr());
+    let id = env["id"].as_str().unwrap().to_owned();
+    let (status, v) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["hog"], "manager": "cran"}))
+            .await;
+    assert_eq!(status, 400, "{v}");
+    let hog = s.path(&format!(
+        "scientific-envs/revisions/{id}/{}/hog.txt",
+        env["runtimeRevisionId"].as_str().unwrap()
+    ));
+    // Killed by the cgroup's OOM killer (the file is never written), or refused its memory
+    // by the address-space rlimit where there is no cgroup: never 600 MB granted.
+    let seen = std::fs::read_to_string(&hog).unwrap_or_else(|_| "hog=killed".into());
+    assert!(seen.trim() == "hog=limited" || seen.trim() == "hog=killed", "{seen} ({v})");
+    let text = v["error"].as_str().unwrap_or_default();
+    assert!(text.contains("cran step"), "{v}");
 }
