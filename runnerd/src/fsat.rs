@@ -168,29 +168,51 @@ pub fn rmdir_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
     Ok(())
 }
 
+/// Levels of [`remove_tree_at`] that keep their descriptor open; deeper ones close theirs
+/// and are reopened through `..` on the way back up.
+const REMOVE_OPEN_LEVELS: usize = 64;
+/// Names of one directory [`remove_tree_at`] holds in memory at a time.
+const REMOVE_BATCH: usize = 4096;
+
 /// Removes `name` below `dir`, and when it is a directory everything in it, by descriptor:
-/// each level opened `O_DIRECTORY | O_NOFOLLOW` from its parent and listed once, anything
-/// else (a symlink included: removed, never followed) unlinked. No recursion, since a
-/// sandbox can nest directories deeper than a thread's stack; one descriptor per level.
-/// Entries that vanish meanwhile are not an error.
+/// each level opened `O_DIRECTORY | O_NOFOLLOW` from its parent, anything else (a symlink
+/// included: removed, never followed) unlinked. The tree may have been built by a sandbox to
+/// hurt whoever removes it, so nothing grows with it: no recursion (a chain deeper than a
+/// thread's stack), at most [`REMOVE_OPEN_LEVELS`] descriptors (a level above them is
+/// reopened through `..` of its child, and must still be the directory it was, by dev/ino),
+/// and at most [`REMOVE_BATCH`] names of a directory listed at a time (a directory is listed
+/// again until it is empty). Entries that vanish meanwhile are not an error.
 pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
+    struct Level {
+        fd: Option<OwnedFd>,
+        name: CString,
+        id: (u64, u64),
+        pending: Vec<CString>,
+    }
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
     let not_dir = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP));
+    let batch = |fd: &OwnedFd| -> io::Result<Vec<CString>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(fd_dir_path(fd))?.take(REMOVE_BATCH) {
+            let name = entry?.file_name();
+            out.push(
+                CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()))
+                    .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
+            );
+        }
+        Ok(out)
+    };
     let open_level = |parent: &dyn AsRawFd, name: &CStr| -> io::Result<Option<Level>> {
         match open_dir_at(&parent.as_raw_fd(), name) {
             Ok(fd) => {
-                let pending = names(&fd)?.into_iter().map(|(_, c)| c).collect();
-                Ok(Some(Level { fd, name: name.to_owned(), pending }))
+                let st = Stat::of_fd(&fd)?;
+                let pending = batch(&fd)?;
+                Ok(Some(Level { fd: Some(fd), name: name.to_owned(), id: (st.dev, st.ino), pending }))
             }
             Err(e) if not_dir(&e) => unlink_at(&parent.as_raw_fd(), name).map(|()| None),
             Err(e) => Err(e),
         }
     };
-    struct Level {
-        fd: OwnedFd,
-        name: CString,
-        pending: Vec<CString>,
-    }
     let mut stack: Vec<Level> = match open_level(dir, name) {
         Ok(Some(top)) => vec![top],
         Ok(None) => return Ok(()),
@@ -198,17 +220,43 @@ pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
         Err(e) => return Err(e),
     };
     while let Some(level) = stack.last_mut() {
+        // The deepest level's descriptor is always open.
+        let Some(fd) = level.fd.as_ref() else { return Err(io::Error::other("remove_tree_at lost a level")) };
         if let Some(child) = level.pending.pop() {
-            match open_level(&level.fd, &child) {
-                Ok(Some(sub)) => stack.push(sub),
+            match open_level(fd, &child) {
+                Ok(Some(sub)) => {
+                    stack.push(sub);
+                    if let Some(far) = stack.len().checked_sub(REMOVE_OPEN_LEVELS + 1) {
+                        stack[far].fd = None;
+                    }
+                }
                 Ok(None) => {}
                 Err(e) if gone(&e) => {}
                 Err(e) => return Err(e),
             }
             continue;
         }
+        let more = batch(fd)?;
+        if !more.is_empty() {
+            level.pending = more;
+            continue;
+        }
         let done = stack.pop().expect("a level is on the stack");
-        let parent = stack.last().map_or(dir.as_raw_fd(), |l| l.fd.as_raw_fd());
+        let parent = match stack.last_mut() {
+            None => dir.as_raw_fd(),
+            Some(up) => {
+                if up.fd.is_none() {
+                    let child = done.fd.as_ref().expect("the deepest level is open");
+                    let reopened = open_dir_at(child, c"..")?;
+                    let st = Stat::of_fd(&reopened)?;
+                    if (st.dev, st.ino) != up.id {
+                        return Err(io::Error::other("a directory being removed was moved meanwhile"));
+                    }
+                    up.fd = Some(reopened);
+                }
+                up.fd.as_ref().map_or(dir.as_raw_fd(), |fd| fd.as_raw_fd())
+            }
+        };
         match rmdir_at(&parent, &done.name) {
             Err(e) if !gone(&e) => return Err(e),
             _ => {}
@@ -361,6 +409,46 @@ mod tests {
         remove_tree_at(&fd, c"absent").unwrap();
         assert!(std::fs::read_dir(&root).unwrap().next().is_none());
         assert_eq!(std::fs::read_to_string(outside.join("keep")).unwrap(), "k");
+    }
+
+    #[test]
+    fn removing_a_deep_wide_tree_holds_few_descriptors() {
+        const CHILD: &str = "FSAT_REMOVE_TREE_CHILD_ROOT";
+        let open_root = |root: &Path| {
+            open_at(&std::fs::File::open(root).unwrap(), c".", libc::O_PATH | libc::O_DIRECTORY).unwrap()
+        };
+        if let Some(root) = std::env::var_os(CHILD) {
+            // The child: descriptors capped a little above what the removal may hold (the
+            // tree is three times deeper than that).
+            let cap = (REMOVE_OPEN_LEVELS + 40) as libc::rlim_t;
+            let limit = libc::rlimit { rlim_cur: cap, rlim_max: cap };
+            // SAFETY: setrlimit reads the struct; lowering our own limit is always allowed.
+            cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }).unwrap();
+            remove_tree_at(&open_root(Path::new(&root)), c"t").unwrap();
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let mut deep = root.join("t");
+        for _ in 0..(REMOVE_OPEN_LEVELS * 3) {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        for i in 0..(REMOVE_BATCH + 10) {
+            std::fs::write(root.join("t").join(format!("f{i}")), "").unwrap();
+        }
+        std::fs::write(deep.join("f"), "x").unwrap();
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "fsat::tests::removing_a_deep_wide_tree_holds_few_descriptors",
+                "--test-threads=1",
+            ])
+            .env(CHILD, &root)
+            .status()
+            .unwrap();
+        assert!(status.success(), "the removal ran out of descriptors or failed");
+        assert!(std::fs::read_dir(&root).unwrap().next().is_none());
     }
 
     #[test]

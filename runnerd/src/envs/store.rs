@@ -905,8 +905,17 @@ impl EnvStore {
             catalog.environments.retain(|e| e.id != id);
             Ok(catalog.revisions_of(id).count())
         })?;
-        if let Err(e) = catalog::remove_env_dir(&open_dir(&self.root)?, id) {
-            tracing::warn!(event = "environment_prefix_left", environment = id, error = %crate::error_chain(&e));
+        // A prefix may hold whatever a pip or R step left (millions of files): removed on the
+        // blocking pool, never on an async worker.
+        let root = open_dir(&self.root)?;
+        let owned = id.to_owned();
+        let removed = tokio::task::spawn_blocking(move || catalog::remove_env_dir(&root, &owned)).await;
+        match removed {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(event = "environment_prefix_left", environment = id, error = %crate::error_chain(&e))
+            }
+            Err(e) => tracing::warn!(event = "environment_prefix_left", environment = id, error = %e),
         }
         audit("environment_deleted", id, "", &format!("{kept} revisions and their snapshots kept"));
         Ok(id.to_owned())
