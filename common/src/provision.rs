@@ -34,7 +34,7 @@ pub struct Request {
     /// The package cache (`pkgs/`: extracted packages, copied or reflinked into prefixes:
     /// keep it on the prefix's filesystem) and the repodata cache (`repodata/`) beneath it.
     pub cache_dir: PathBuf,
-    /// Package caches searched before `cache_dir`'s and never written: the operator's
+    /// Package caches searched after `cache_dir`'s and never written: the operator's
     /// offline cache, laid out as conda's `pkgs_dirs` (an extracted package per directory).
     #[serde(default)]
     pub read_only_caches: Vec<PathBuf>,

@@ -180,8 +180,8 @@ const REMOVE_BATCH: usize = 4096;
 /// hurt whoever removes it, so nothing grows with it: no recursion (a chain deeper than a
 /// thread's stack), at most [`REMOVE_OPEN_LEVELS`] descriptors (a level above them is
 /// reopened through `..` of its child, and must still be the directory it was, by dev/ino),
-/// and at most [`REMOVE_BATCH`] names of a directory listed at a time (a directory is listed
-/// again until it is empty). Entries that vanish meanwhile are not an error.
+/// and at most [`REMOVE_BATCH`] names of each open level in memory (a level is listed again
+/// until it is empty; a closed one keeps none). Entries that vanish meanwhile are not an error.
 pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
     struct Level {
         fd: Option<OwnedFd>,
@@ -227,7 +227,10 @@ pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
                 Ok(Some(sub)) => {
                     stack.push(sub);
                     if let Some(far) = stack.len().checked_sub(REMOVE_OPEN_LEVELS + 1) {
+                        // Its names go too (it is listed again when reopened): memory stays
+                        // bounded by the open levels, not by the depth.
                         stack[far].fd = None;
+                        stack[far].pending = Vec::new();
                     }
                 }
                 Ok(None) => {}

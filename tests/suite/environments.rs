@@ -20,6 +20,8 @@ case "$*" in *'"slow"'*) sleep 60; exit 1 ;; esac
 prefix="$(cd "$(dirname "$0")/.." && pwd)"
 # A CRAN install of "hog" holds 600 MB in one process (tail buffers the one long line), for
 # a test to see the provisioning step's memory limit stop it.
+# A CRAN install of "fifo" leaves a FIFO where the provisioner reads the conda history.
+case "$*" in *'"fifo"'*) rm -f "$prefix/conda-meta/history"; mkfifo "$prefix/conda-meta/history"; exit 0 ;; esac
 case "$*" in *'"hog"'*)
     head -c 600000000 /dev/zero | tail -n 1 > /dev/null && echo "hog=unlimited" > "$prefix/hog.txt" \
         || echo "hog=limited" > "$prefix/hog.txt"
@@ -879,7 +881,11 @@ async fn a_provisioning_step_runs_under_the_execution_memory_limit() {
     if !sandbox_or_skip("a_provisioning_step_runs_under_the_execution_memory_limit") {
         return;
     }
-    let envs = ready(&[("SCIENCE_AGENT_LIMIT_MEMORY_BYTES", "268435456")]).await;
+    let envs = ready(&[
+        ("SCIENCE_AGENT_LIMIT_MAX_MEMORY_BYTES", "268435456"),
+        ("SCIENCE_AGENT_LIMIT_MEMORY_BYTES", "268435456"),
+    ])
+    .await;
     let s = &envs.server;
     let (status, env) = post(s, "/environments", json!({"name": "r-hog", "language": "r"})).await;
     assert_eq!(status, 201, "{env}\n{}", s.stderr());
@@ -898,4 +904,35 @@ async fn a_provisioning_step_runs_under_the_execution_memory_limit() {
     assert!(seen.trim() == "hog=limited" || seen.trim() == "hog=killed", "{seen} ({v})");
     let text = v["error"].as_str().unwrap_or_default();
     assert!(text.contains("cran step"), "{v}");
+}
+
+#[tokio::test]
+async fn a_fifo_a_package_step_plants_in_a_prefix_is_refused_not_waited_on() {
+    if !sandbox_or_skip("a_fifo_a_package_step_plants_in_a_prefix_is_refused_not_waited_on") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let (status, env) = post(s, "/environments", json!({"name": "r-fifo", "language": "r"})).await;
+    assert_eq!(status, 201, "{env}\n{}", s.stderr());
+    let id = env["id"].as_str().unwrap().to_owned();
+    // The listing after the R step would block on the FIFO (and a conda fetch holding the
+    // package cache for every tenant would): both refuse it at once instead.
+    let (status, v) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["fifo"], "manager": "cran"}))
+            .await;
+    assert_eq!(status, 400, "{v}");
+    let text = v["error"].as_str().unwrap_or_default();
+    assert!(text.contains("holds conda-meta/history, which is not a file, a directory or a link"), "{v}");
+    let (status, v) =
+        post(s, &format!("/environments/{id}/install"), json!({"packages": ["tinyutil"]})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"].as_str().unwrap_or_default().contains("which is not a file"), "{v}");
+    // Another tenant's conda change goes on.
+    let (status, other) = post(s, "/environments", json!({"name": "other", "language": "python"})).await;
+    assert_eq!(status, 201, "{other}");
+    let other_id = other["id"].as_str().unwrap();
+    let (status, v) =
+        post(s, &format!("/environments/{other_id}/install"), json!({"packages": ["tinylib"]})).await;
+    assert_eq!(status, 201, "{v}");
 }

@@ -173,6 +173,14 @@ async fn prefetch(
         })
 }
 
+/// Whether the caches hold `record` (its hash checked when it has one); nothing is fetched.
+pub async fn cached(record: &RepoDataRecord, cache: &PackageCache) -> Result<(), InstallFailure> {
+    from_cache_only(record, cache).await.map_err(|_| InstallFailure::NotCached {
+        file: file_name(record),
+        channel: inventory::package(record).channel,
+    })
+}
+
 /// The package from the cache, or an error: the fetch closure is the "not cached" answer.
 async fn from_cache_only(
     record: &RepoDataRecord,

@@ -55,6 +55,10 @@ enum Failure {
     Links(#[from] links::LinkError),
     #[error("Package is not installed: {0}")]
     NotInstalled(String),
+    #[error(
+        "Package {package} is no longer served by {channel}, and the package cache does not hold it: it cannot be copied"
+    )]
+    NoLongerServed { package: String, channel: String },
     #[error("Source prefix {0} has no conda packages to clone")]
     EmptySource(String),
     #[error(
@@ -96,6 +100,9 @@ pub fn run() -> ExitCode {
     let result = std::panic::catch_unwind(|| execute(&request))
         .unwrap_or_else(|panic| Err(Failure::Panicked(panic_text(&panic))));
     let mut response = Response::default();
+    // A prefix the link check refused holds what a hostile step planted (a FIFO where the
+    // records are read would hang the inventory): it is not read again.
+    let readable = !matches!(result, Err(Failure::Links(_)));
     let code = match result {
         Ok(outcome) => {
             response.operations = outcome.operations;
@@ -111,6 +118,11 @@ pub fn run() -> ExitCode {
         }
     };
     // Whatever happened, report what the prefix holds now.
+    if !readable {
+        response.peak_rss_kib = peak_rss_kib();
+        respond(response);
+        return code;
+    }
     match inventory::installed(&request.prefix) {
         Ok(records) => response.installed = inventory::packages(&records),
         Err(err) if response.error.is_none() => {
@@ -188,7 +200,10 @@ async fn step(request: &Request) -> Result<Outcome, Failure> {
         Op::Clone { source } => clone(&context, source).await,
         Op::Install { specs } => install_specs(&context, specs).await,
         Op::Remove { names } => remove(&context, names).await,
-        Op::List => Ok(Outcome::default()),
+        // What a pip or R step left is read next (the records): nothing there may hang it.
+        Op::List => {
+            links::check_readable(&request.prefix).map(|()| Outcome::default()).map_err(Failure::from)
+        }
     }
 }
 
@@ -222,6 +237,7 @@ async fn create(context: &Context<'_>, specs: &[String]) -> Result<Outcome, Fail
 async fn clone(context: &Context<'_>, source: &Path) -> Result<Outcome, Failure> {
     install::require_new_prefix(&context.request.prefix)?;
     eprintln!("runner-provisioner: reading {}", source.display());
+    links::check(source)?;
     let records = inventory::installed(source)?;
     if records.is_empty() {
         return Err(Failure::EmptySource(source.display().to_string()));
@@ -324,23 +340,33 @@ async fn from_channels(
         .flat_map(|r| r.iter())
         .map(|r| (key(r.channel.as_deref(), &r.package_record.subdir, r.identifier.to_string()), r))
         .collect();
-    records
-        .iter()
-        .map(|r| {
-            let wanted = &r.repodata_record;
-            let found = served.get(&key(
-                wanted.channel.as_deref(),
-                &wanted.package_record.subdir,
-                wanted.identifier.to_string(),
-            ));
-            found.map(|r| (*r).clone()).ok_or_else(|| {
-                Failure::Links(links::LinkError::Foreign {
-                    package: wanted.package_record.name.as_normalized().to_owned(),
-                    url: wanted.url.to_string(),
-                })
-            })
-        })
-        .collect()
+    let mut out = Vec::with_capacity(records.len());
+    for record in records {
+        let wanted = &record.repodata_record;
+        let at = key(wanted.channel.as_deref(), &wanted.package_record.subdir, wanted.identifier.to_string());
+        if let Some(found) = served.get(&at) {
+            out.push((*found).clone());
+            continue;
+        }
+        // No longer listed (moved to a `broken` label, or stale repodata offline): copied
+        // only when the caches already hold that build with the recorded hash. Nothing is
+        // then fetched, so the source's record cannot bring bytes into the cache.
+        if !links::served_by(&wanted.url, &context.request.channels) {
+            return Err(Failure::Links(links::LinkError::Foreign {
+                package: wanted.package_record.name.as_normalized().to_owned(),
+                url: wanted.url.to_string(),
+            }));
+        }
+        let package = &wanted.package_record;
+        if package.sha256.is_none() || install::cached(wanted, &context.cache).await.is_err() {
+            return Err(Failure::NoLongerServed {
+                package: format!("{}-{}-{}", package.name.as_normalized(), package.version, package.build),
+                channel: wanted.channel.clone().unwrap_or_default(),
+            });
+        }
+        out.push(wanted.clone());
+    }
+    Ok(out)
 }
 
 /// One change, solved: what the prefix holds and what it is to hold.

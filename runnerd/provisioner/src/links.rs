@@ -28,6 +28,14 @@ pub enum LinkError {
         "Package {package} is recorded from {url}, which is not one of the environment's channels; it is not installed"
     )]
     Foreign { package: String, url: String },
+    #[error(
+        "The prefix {prefix} holds {path}, which is not a file, a directory or a link (a FIFO, socket or device); a package step put it there. Nothing was changed: delete the environment and create it again"
+    )]
+    Special { prefix: String, path: String },
+    #[error(
+        "The prefix {prefix} holds more than {MAX_PREFIX_ENTRIES} entries; nothing was changed: delete the environment and create it again"
+    )]
+    TooMany { prefix: String },
     #[error("The prefix {prefix} could not be read")]
     Read {
         prefix: String,
@@ -64,8 +72,25 @@ pub fn stays_inside(prefix: &Path, link: &Path, target: &Path) -> bool {
     lexical(parent, target).is_some_and(|resolved| resolved.starts_with(prefix))
 }
 
-/// Walks `prefix` without following links; the first link that leaves it is the error.
+/// The most entries a prefix may hold (the largest conda environments hold a few hundred
+/// thousand): a step with the shared package cache locked walks it.
+pub const MAX_PREFIX_ENTRIES: usize = 2_000_000;
+
+/// Walks `prefix` without following links; the first link that leaves it is the error, and
+/// so is anything but a file, a directory or a link (a FIFO planted where the provisioner
+/// reads, such as `conda-meta/history`, would hang the step), or more than
+/// [`MAX_PREFIX_ENTRIES`] entries.
 pub fn check(prefix: &Path) -> Result<(), LinkError> {
+    walk(prefix, true)
+}
+
+/// [`check`] without judging links: what a listing needs before it reads the records (a
+/// link that leaves the prefix matters to the next change, which refuses it, not to a read).
+pub fn check_readable(prefix: &Path) -> Result<(), LinkError> {
+    walk(prefix, false)
+}
+
+fn walk(prefix: &Path, judge_links: bool) -> Result<(), LinkError> {
     let read = |source| LinkError::Read { prefix: prefix.display().to_string(), source };
     let real_prefix = match std::fs::canonicalize(prefix) {
         Ok(p) => p,
@@ -73,6 +98,7 @@ pub fn check(prefix: &Path) -> Result<(), LinkError> {
         Err(e) => return Err(read(e)),
     };
     let mut pending = vec![prefix.to_path_buf()];
+    let mut seen = 0usize;
     while let Some(dir) = pending.pop() {
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
@@ -83,7 +109,17 @@ pub fn check(prefix: &Path) -> Result<(), LinkError> {
             let entry = entry.map_err(read)?;
             let path = entry.path();
             let kind = entry.file_type().map_err(read)?;
-            if kind.is_symlink() {
+            seen += 1;
+            if seen > MAX_PREFIX_ENTRIES {
+                return Err(LinkError::TooMany { prefix: prefix.display().to_string() });
+            }
+            if !(kind.is_symlink() || kind.is_dir() || kind.is_file()) {
+                return Err(LinkError::Special {
+                    prefix: prefix.display().to_string(),
+                    path: path.strip_prefix(prefix).unwrap_or(&path).display().to_string(),
+                });
+            }
+            if kind.is_symlink() && judge_links {
                 let target = std::fs::read_link(&path).map_err(read)?;
                 let inside = match std::fs::canonicalize(&path) {
                     Ok(real) => real.starts_with(&real_prefix),
@@ -232,6 +268,22 @@ mod tests {
         let e = check(&prefix).unwrap_err().to_string();
         assert!(e.contains("lib/python3.11/site-packages/evil -> "), "{e}");
         assert!(check(&dir.path().join("absent")).is_ok(), "an absent prefix has no links");
+    }
+
+    #[test]
+    fn a_planted_fifo_is_refused_before_anything_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("rev");
+        std::fs::create_dir_all(prefix.join("conda-meta")).unwrap();
+        std::fs::write(prefix.join("conda-meta/a-1-0.json"), "{}").unwrap();
+        check(&prefix).unwrap();
+        let fifo =
+            std::ffi::CString::new(prefix.join("conda-meta/history").into_os_string().into_encoded_bytes())
+                .unwrap();
+        // SAFETY: mkfifo reads the NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let e = check(&prefix).unwrap_err().to_string();
+        assert!(e.contains("holds conda-meta/history, which is not a file"), "{e}");
     }
 
     /// `..` after a link climbs from the link's target: `l -> ..` makes `l/b/l/../..` read

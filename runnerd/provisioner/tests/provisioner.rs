@@ -351,12 +351,35 @@ fn a_clone_takes_url_hash_and_name_from_the_channel_never_from_the_source_record
         refused.error()
     );
     forge_record(&base, "tinyutil", "url", json!(format!("{}/noarch/tinyutil-2.0-0.tar.bz2", env.channel)));
+    // An archive name the channel does not list: only the cache's own copy of that build (its
+    // hash checked) can be copied, and nothing is fetched for it.
     forge_record(&base, "tinylib", "fn", json!("evil-1.0-0.conda"));
-    let refused = env.run(&env.prefix("other"), json!({"kind": "clone", "source": base}));
+    let before = tree(&env.root.join("cache/pkgs"));
+    let copied = env.run(&env.prefix("other2"), json!({"kind": "clone", "source": base})).ok();
+    assert_eq!(names(&copied), ["tinylib-1.0", "tinyutil-2.0"]);
+    assert_eq!(tree(&env.root.join("cache/pkgs")), before, "nothing was fetched into the cache");
+}
+
+#[test]
+fn a_clone_of_a_package_the_channel_no_longer_lists_comes_from_the_cache_or_not_at_all() {
+    let env = Env::new();
+    let base = env.prefix("base");
+    env.run(&base, json!({"kind": "create", "specs": ["tinylib"]})).ok();
+    // tinyutil 2.0 leaves the channel's index (as a build moved to conda-forge's `broken`).
+    let index_path = env.root.join("channel/noarch/repodata.json");
+    let mut index: Value =
+        serde_json::from_slice(&std::fs::read(&index_path).expect("repodata")).expect("JSON");
+    index["packages"].as_object_mut().expect("packages").remove("tinyutil-2.0-0.tar.bz2");
+    std::fs::write(&index_path, index.to_string()).expect("write repodata");
+    let task = env.prefix("task");
+    let cloned = env.run(&task, json!({"kind": "clone", "source": base})).ok();
+    assert_eq!(names(&cloned), ["tinylib-1.0", "tinyutil-2.0"], "copied from the cache");
+    std::fs::remove_dir_all(env.root.join("cache")).expect("remove the cache");
+    let refused = env.run(&env.prefix("other"), json!({"kind": "clone", "source": base})).error();
     assert!(
-        refused.error().contains("which is not one of the environment's channels"),
-        "{}",
-        refused.error()
+        refused.starts_with("Package tinyutil-2.0-0 is no longer served by ")
+            && refused.ends_with("and the package cache does not hold it: it cannot be copied"),
+        "{refused}"
     );
 }
 

@@ -96,7 +96,7 @@ pub(crate) enum SandboxedError {
     #[error("the {label} step was cancelled")]
     Cancelled { label: &'static str },
     #[error(
-        "the {label} step ran out of memory (limit {limit_bytes} bytes, SCIENCE_AGENT_LIMIT_MEMORY_BYTES) and was killed"
+        "the {label} step ran out of memory (limit {limit_bytes} bytes, SCIENCE_AGENT_LIMIT_MAX_MEMORY_BYTES) and was killed"
     )]
     OutOfMemory { label: &'static str, limit_bytes: u64 },
 }
@@ -195,9 +195,11 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
     launch.timeout = Some(step.timeout);
     launch.stdin = step.stdin;
-    // An execution's default limits (memory, processes, CPU), as enforced for executions:
-    // a hostile setup.py or R install script must not take the host down for every tenant.
-    let limits = &app.config.limits.default;
+    // The most an execution may ask for (memory, processes, CPU; the default where there is
+    // no maximum), enforced as for executions: a solve or a build needs more than a default
+    // run, and a hostile setup.py or R install script must not take the host down for every
+    // tenant.
+    let limits = &provisioning_limits(&app.config.limits);
     let millis = u64::try_from(step.timeout.as_millis()).unwrap_or(u64::MAX);
     launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, limits, millis));
     let cgroup =
@@ -213,7 +215,8 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     drop(lease);
     let out = output.finish();
     let outcome = ran.map_err(|source| SandboxedError::Launch { label, source })?;
-    if usage.is_some_and(|u| u.oom_kills > 0) {
+    let failed = !matches!(outcome.termination, Termination::Exited(0));
+    if failed && usage.is_some_and(|u| u.oom_kills > 0) {
         return Err(SandboxedError::OutOfMemory { label, limit_bytes: limits.memory_bytes });
     }
     let code = match outcome.termination {
@@ -225,6 +228,19 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
         Termination::Cancelled => return Err(SandboxedError::Cancelled { label }),
     };
     Ok(StepOutput { code, stdout: out.stdout, stderr: out.stderr, truncated: out.truncated })
+}
+
+/// A provisioning step's limits: each the execution maximum, or the default where there is
+/// no maximum (0).
+fn provisioning_limits(settings: &crate::limits::LimitSettings) -> crate::limits::Limits {
+    let pick = |max: u64, default: u64| if max > 0 { max } else { default };
+    let (d, m) = (&settings.default, &settings.max);
+    crate::limits::Limits {
+        memory_bytes: pick(m.memory_bytes, d.memory_bytes),
+        pids: pick(m.pids, d.pids),
+        cpu_millicores: pick(m.cpu_millicores, d.cpu_millicores),
+        tmp_bytes: pick(m.tmp_bytes, d.tmp_bytes),
+    }
 }
 
 /// `O_PATH` descriptor of a path runnerd made (its last component is not followed).

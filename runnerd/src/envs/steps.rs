@@ -233,9 +233,11 @@ fn r_string(s: &str) -> String {
 ///
 /// R only warns, and exits 0, when a package is not in the repository, its download fails
 /// or its build fails; the original then records a revision as if it had landed. Here the
-/// step fails unless every requested package's `DESCRIPTION` in the library R installs into
-/// was written during the step (R CMD INSTALL writes it last, reinstalls included), and
-/// `warn = 1` prints R's own warnings as they happen, so the failure carries R's words.
+/// step fails when a requested package is not in the library R installs into afterwards, or
+/// when one of those warnings names it (a reinstall or an upgrade that failed leaves the old
+/// copy in place); `warn = 1` prints R's own warnings as they happen, so the failure
+/// carries R's words. A package already current that Bioconductor skips is a success, as in
+/// the original. The warnings are R's English ones: the step's environment sets no locale.
 ///
 /// `cran` is the operator's repository (`SCIENCE_AGENT_CRAN_REPO`, never a request's): like
 /// a configured conda channel, its host may resolve to a private address (an offline site's
@@ -252,9 +254,11 @@ pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages:
         ),
     };
     let expr = format!(
-        "options(warn = 1); pkgs <- c({list}); since <- Sys.time() - 1; {install}; \
-         written <- file.mtime(file.path(.libPaths()[1], pkgs, \"DESCRIPTION\")); \
-         missed <- pkgs[is.na(written) | written < since]; \
+        "options(warn = 1); pkgs <- c({list}); failed <- character(); \
+         named <- function(m) pkgs[vapply(pkgs, function(p) grepl(paste0(\"'\", p, \"'\"), m, fixed = TRUE) || grepl(paste0(\"\\u2018\", p, \"\\u2019\"), m, fixed = TRUE), logical(1))]; \
+         withCallingHandlers({install}, warning = function(w) {{ m <- conditionMessage(w); \
+         if (grepl(\"is not available|non-zero exit status|download of package|cannot open URL\", m)) failed <<- c(failed, named(m)) }}); \
+         missed <- unique(c(failed, pkgs[!file.exists(file.path(.libPaths()[1], pkgs, \"DESCRIPTION\"))])); \
          if (length(missed)) stop(\"not installed: \", paste(missed, collapse = \", \"), call. = FALSE)"
     );
     let r = prefix.join("bin/R").to_string_lossy().into_owned();
@@ -514,7 +518,11 @@ mod tests {
         );
         assert_eq!(s.label, "cran");
         assert_eq!(&s.command[..4], ["/d/p/bin/R", "--vanilla", "--slave", "-e"]);
-        assert!(s.command[4].starts_with("options(warn = 1); pkgs <- c(\"survival\", \"a\\\"b\"); "));
+        assert!(
+            s.command[4].starts_with(
+                "options(warn = 1); pkgs <- c(\"survival\", \"a\\\"b\"); failed <- character(); "
+            )
+        );
         assert!(
             s.command[4]
                 .contains("install.packages(pkgs, repos = \"https://cloud.r-project.org\", Ncpus = 1)")

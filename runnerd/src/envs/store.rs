@@ -115,7 +115,10 @@ pub struct EnvStore {
     view: Mutex<View>,
     gates: Gates,
     /// The package cache: fetch steps (which may replace an entry) write, link steps (which
-    /// copy from it, their rattler lock in a scratch layer of their own) read.
+    /// copy from it, their rattler lock in a scratch layer of their own) read; a change holds
+    /// it from its fetch to the end of its link (downgraded in between). A fetch step reads
+    /// a prefix a pip or R step wrote while it holds this: the provisioner refuses what
+    /// could hang it there (FIFOs, devices, more than two million entries) before reading.
     cache_gate: tokio::sync::RwLock<()>,
 }
 
@@ -484,19 +487,18 @@ impl EnvStore {
         extra_ro: &[PathBuf],
     ) -> Result<provision::Response, StoreError> {
         let fetch = self.conda_step(op.clone(), prefix, channels, extra_ro, provision::Stage::Fetch);
-        let fetched = {
-            let _writing = self.cache_gate.write().await;
-            self.conda(app, fetch).await?
-        };
+        let writing = self.cache_gate.write().await;
+        let fetched = self.conda(app, fetch).await?;
         let solution = fetched.solution.ok_or_else(|| StoreError::Step {
             label: "conda",
             detail: "the provisioner's fetch step answered no solution".into(),
         })?;
         let link = self.conda_step(op, prefix, channels, extra_ro, provision::Stage::Link { solution });
-        let mut linked = {
-            let _reading = self.cache_gate.read().await;
-            self.conda(app, link).await?
-        };
+        // Downgraded, not released: no other fetch may replace an entry this solution links
+        // before the link step has copied it; other link steps may run meanwhile.
+        let reading = writing.downgrade();
+        let mut linked = self.conda(app, link).await?;
+        drop(reading);
         linked.solve_micros = fetched.solve_micros;
         linked.peak_rss_kib = linked.peak_rss_kib.max(fetched.peak_rss_kib);
         Ok(linked)
