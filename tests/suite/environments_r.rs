@@ -45,10 +45,14 @@ fn real_r_or_skip(test: &str) -> Option<PathBuf> {
     }
 }
 
+/// An R function (called at install time) that writes, into the R home of the environment,
+/// whether each of two URLs could be read (`<R home>/egress-probe.txt`: `channel=…`, `other=…`).
+const EGRESS_PROBE: &str = "(function(channel, other) { probe <- function(u) tryCatch({ con <- url(u); on.exit(close(con)); readLines(con, warn = FALSE); \"reached\" }, error = function(e) \"refused\", warning = function(w) \"refused\"); writeLines(c(paste0(\"channel=\", probe(channel)), paste0(\"other=\", probe(other))), file.path(R.home(), \"egress-probe.txt\")) })";
+
 /// A CRAN-like repository in `dir`: `src/contrib/tinyr_1.0.2.tar.gz` (DESCRIPTION,
 /// NAMESPACE, R/answer.R, as `R CMD build` lays a pure-R package out) and its
 /// `src/contrib/PACKAGES` index.
-fn build_cran_repo(dir: &Path) {
+fn build_cran_repo(dir: &Path, port: u16) {
     let source = dir.join("build").join(PKG);
     let description = format!(
         "Package: {PKG}\nVersion: {PKG_VERSION}\nTitle: A Tiny Test Package\nDescription: One function, for the runner's tests.\n\
@@ -59,6 +63,15 @@ fn build_cran_repo(dir: &Path) {
         ("DESCRIPTION", description),
         ("NAMESPACE", "export(answer)\n".to_owned()),
         ("R/answer.R", format!("answer <- function() \"{ANSWER}\"\n")),
+        // Top-level code, run while R CMD INSTALL builds the lazy-load database: that is,
+        // inside the provisioning sandbox, as a hostile package's would be. It tries the
+        // repository's host and one the step was not given.
+        (
+            "R/probe.R",
+            format!(
+                "{EGRESS_PROBE}(\"http://cran.test:{port}/src/contrib/PACKAGES\", \"http://blocked.test:{port}/src/contrib/PACKAGES\")\n"
+            ),
+        ),
     ] {
         let file = source.join(path);
         std::fs::create_dir_all(file.parent().unwrap()).unwrap();
@@ -103,12 +116,14 @@ async fn start_real_r(r_home: &Path) -> RealR {
     let url = channel.url();
     let version = test_channel::host_r_version(r_home).expect("the host R reports its version");
     let cran_dir = scratch.path().join("cran");
-    build_cran_repo(&cran_dir);
+    std::fs::create_dir_all(&cran_dir).unwrap();
     runner_tests::hand_tree_to_sandbox(scratch.path());
-    let (port, cran_requests) = serve_channel(cran_dir);
+    let (port, cran_requests) = serve_channel(cran_dir.clone());
+    build_cran_repo(&cran_dir, port);
+    runner_tests::hand_tree_to_sandbox(&cran_dir);
     // A name on loopback, as an offline site's CRAN mirror on its LAN would be: allowed
     // because the operator configured it.
-    let dns = FakeDns::start(&[("cran.test", &["127.0.0.1"])]);
+    let dns = FakeDns::start(&[("cran.test", &["127.0.0.1"]), ("blocked.test", &["127.0.0.1"])]);
     let egressd = Egressd::start(dns.addr, &[]);
     let mut env = egressd.runner_env();
     env.extend([
@@ -232,6 +247,16 @@ async fn a_cran_install_lands_in_a_new_revision_and_loads_from_the_environment()
     assert!(envs.cran_requests.load(std::sync::atomic::Ordering::SeqCst) > 0, "the repository was read");
     let log = envs.egressd.log();
     assert!(log.contains("host=cran.test") && log.contains("decision=\"allowed\""), "{log}");
+    // From inside the provisioning sandbox, the package's own install-time code reached the
+    // repository and nothing else, though both names lead to the same server.
+    let probe = s.path(&format!(
+        "scientific-envs/revisions/{id}/{}/lib/R/egress-probe.txt",
+        env["runtimeRevisionId"].as_str().unwrap()
+    ));
+    let seen = std::fs::read_to_string(&probe).unwrap_or_else(|e| panic!("{}: {e}", probe.display()));
+    assert_eq!(seen, "channel=reached\nother=refused\n", "{log}");
+    let denied = log.lines().find(|l| l.contains("host=blocked.test")).unwrap_or_default();
+    assert!(denied.contains("decision=\"denied\""), "{log}");
 
     // The snapshot's R inventory is real R's `installed.packages()`.
     let (status, snap) = get(s, &format!("/environment-revisions/{rev_id}/snapshot")).await;
