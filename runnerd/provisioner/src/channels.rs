@@ -71,6 +71,25 @@ pub fn gateway(repodata_cache: &Path, packages: PackageCache, network: Network) 
         .finish()
 }
 
+/// Copies the regular files of `from` (an operator's repodata cache; absent is fine) into
+/// `into` where `into` has no file of that name; links and anything else are skipped.
+pub fn seed_repodata(into: &Path, from: &Path) -> std::io::Result<()> {
+    let entries = match std::fs::read_dir(from) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(err),
+    };
+    std::fs::create_dir_all(into)?;
+    for entry in entries {
+        let entry = entry?;
+        let target = into.join(entry.file_name());
+        if entry.file_type()?.is_file() && std::fs::symlink_metadata(&target).is_err() {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
 /// The subdirs every query reads: the host's and `noarch`.
 pub fn subdirs() -> Result<[Subdir; 2], ChannelError> {
     Ok([Subdir::current().ok_or(ChannelError::UnknownPlatform)?, Subdir::NoArch])

@@ -326,11 +326,7 @@ async fn from_channels(
     let specs: Vec<MatchSpec> =
         records.iter().map(|r| MatchSpec::from(r.repodata_record.package_record.name.clone())).collect();
     let sources = channels::parse(&context.request.channels)?;
-    let gateway = channels::gateway(
-        &context.request.cache_dir.join("repodata"),
-        context.cache.clone(),
-        context.network,
-    );
+    let gateway = gateway(context);
     let repodata = channels::query(&gateway, &sources, specs).await?;
     let key = |channel: Option<&str>, subdir: &str, file: String| {
         (channel.unwrap_or("").trim_end_matches('/').to_owned(), subdir.to_owned(), file)
@@ -466,6 +462,22 @@ fn earlier_specs(prefix: &Path, installed: &[PrefixRecord]) -> Result<BTreeMap<S
     Ok(specs)
 }
 
+/// The step's repodata gateway over `cacheDir/repodata/`. Offline, what the operator's
+/// caches hold in a `repodata/` of their own (the layout runnerd's earlier releases read
+/// there) is copied in first where the store's cache lacks it: the operator's caches are
+/// never written, and offline the gateway reads only its own cache.
+fn gateway(context: &Context<'_>) -> rattler_repodata_gateway::Gateway {
+    let own = context.request.cache_dir.join("repodata");
+    if context.request.offline && context.request.stage == Stage::Fetch {
+        for dir in &context.request.read_only_caches {
+            if let Err(err) = channels::seed_repodata(&own, &dir.join("repodata")) {
+                eprintln!("runner-provisioner: the repodata in {} could not be used: {err}", dir.display());
+            }
+        }
+    }
+    channels::gateway(&own, context.cache.clone(), context.network)
+}
+
 async fn query_and_solve(
     context: &Context<'_>,
     specs: Vec<MatchSpec>,
@@ -473,11 +485,7 @@ async fn query_and_solve(
     excluded: &HashSet<PackageName>,
 ) -> Result<(Vec<RepoDataRecord>, u64), Failure> {
     let sources = channels::parse(&context.request.channels)?;
-    let gateway = channels::gateway(
-        &context.request.cache_dir.join("repodata"),
-        context.cache.clone(),
-        context.network,
-    );
+    let gateway = gateway(context);
     eprintln!("runner-provisioner: reading {} channel(s)", sources.len());
     let mut query_specs = specs.clone();
     query_specs.extend(favoured.iter().map(|r| MatchSpec::from(r.package_record.name.clone())));

@@ -485,6 +485,32 @@ fn http_channel_then_offline_from_the_cache_alone() {
 }
 
 #[test]
+fn offline_a_remote_channel_is_read_from_the_operators_cache_of_an_earlier_layout() {
+    let env = Env::new();
+    let (url, requests) = serve(env.root.join("channel"));
+    env.run_with(&env.prefix("online"), json!({"kind": "create", "specs": ["tinylib"]}), &[&url], false).ok();
+    // The whole cache (pkgs/ and repodata/ inside, as runnerd's earlier releases laid the
+    // operator's cache out) becomes the operator's, read-only; the store's own is empty.
+    let operator = env.root.join("operator-cache");
+    std::fs::rename(env.root.join("cache"), &operator).expect("move the cache");
+    set_writable(&operator, false);
+    let served = requests.load(Ordering::SeqCst);
+    let prefix = env.prefix("offline");
+    let op = json!({"kind": "create", "specs": ["tinylib"]});
+    let mut stage = json!({"kind": "fetch"});
+    let mut last = Value::Null;
+    for _ in 0..2 {
+        let mut request = env.request(&prefix, &op, &[url.as_str()], true, stage.clone());
+        request["readOnlyCaches"] = json!([operator]);
+        last = provision(request.to_string().as_bytes()).ok();
+        stage = json!({"kind": "link", "solution": last["solution"]});
+    }
+    assert_eq!(names(&last), ["tinylib-1.0", "tinyutil-2.0"]);
+    assert_eq!(requests.load(Ordering::SeqCst), served, "offline: no connection");
+    set_writable(&operator, true);
+}
+
+#[test]
 fn python_from_host_runs_as_the_prefix_and_ensurepip_works_offline() {
     let Some(python) = test_channel::host_python() else {
         eprintln!("SKIP: no host python3 to package");

@@ -701,6 +701,12 @@ impl EnvStore {
         for s in &specs {
             ids::check_spec(s)?;
         }
+        if wheel_paths.len() > wheels::MAX_WHEELS_PER_INSTALL {
+            return Err(StoreError::Invalid(format!(
+                "At most {} local wheels may be installed at once",
+                wheels::MAX_WHEELS_PER_INSTALL
+            )));
+        }
         for w in &wheel_paths {
             wheels::parse_request(w)?;
         }
@@ -744,9 +750,13 @@ impl EnvStore {
             let root_fd = crate::exec::workspace::open_beneath(&app.data_dir, &located.root)
                 .map_err(|e| StoreError::Invalid(e.to_string()))?;
             let dir = open_dir(&self.root)?;
-            for p in &wheel_paths {
-                new_wheels.push(wheels::persist(&dir, &root_fd, p)?);
-            }
+            // Copied and hashed (up to gigabytes each) on the blocking pool.
+            let paths = wheel_paths.clone();
+            new_wheels = tokio::task::spawn_blocking(move || {
+                paths.iter().map(|p| wheels::persist(&dir, &root_fd, p)).collect::<Result<Vec<_>, _>>()
+            })
+            .await
+            .map_err(|e| StoreError::Invalid(format!("Local wheels could not be copied: {e}")))??;
         }
         let _w = self.gates.write(id).await;
         // The record may have changed while this waited.

@@ -25,6 +25,11 @@ use crate::versioning::new_uuid_v4;
 
 /// The temporaries' prefix in `wheels/`.
 const INCOMING_PREFIX: &str = ".incoming-";
+/// The largest wheel persisted (the largest on PyPI, CUDA builds of torch, are under 3 GiB):
+/// each is kept by content, so a caller must not be able to fill the store's disk with one.
+pub(crate) const MAX_WHEEL_BYTES: u64 = 4 << 30;
+/// The most local wheels one install may name.
+pub(crate) const MAX_WHEELS_PER_INSTALL: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum WheelError {
@@ -46,6 +51,8 @@ pub(crate) enum WheelError {
     Missing(String),
     #[error("Local wheel path contains a symbolic link: {0}")]
     Symlink(String),
+    #[error("Local wheel is larger than {MAX_WHEEL_BYTES} bytes: {0}")]
+    TooLarge(String),
     #[error("Local wheel is not a regular file: {0}")]
     NotRegular(String),
     #[error("Local wheel changed while it was copied: {0}")]
@@ -219,6 +226,7 @@ fn open_source(
     let seen = match fsat::Stat::at(&parent, &name) {
         Ok(st) if st.kind() == libc::S_IFLNK => return Err(WheelError::Symlink(path.to_owned())),
         Ok(st) if st.kind() != libc::S_IFREG => return Err(WheelError::NotRegular(path.to_owned())),
+        Ok(st) if st.size > MAX_WHEEL_BYTES => return Err(WheelError::TooLarge(path.to_owned())),
         Ok(st) => st,
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Err(missing()),
         Err(e) => return Err(WheelError::Io("inspect", e)),
@@ -251,7 +259,9 @@ fn copy_in(
     let fd = fsat::create_new_at(wheels, incoming, 0o644).map_err(io("create"))?;
     disk::fchmod(&fd, 0o644).map_err(io("create"))?;
     let mut dst = File::from(fd);
-    let content = hash_copy(src, &mut dst).map_err(io("copy"))?;
+    // Never more than the size it had (plus one byte, to notice growth): a file that grows
+    // while it is copied is refused below, not copied without end.
+    let content = hash_copy(std::io::Read::take(src, before.size + 1), &mut dst).map_err(io("copy"))?;
     dst.sync_all().map_err(io("sync"))?;
     let after = fsat::Stat::of_fd(src).map_err(io("inspect"))?;
     if (after.size, after.mtime_ns, after.ctime_ns) != (before.size, before.mtime_ns, before.ctime_ns)
@@ -409,6 +419,21 @@ mod tests {
             out.sort();
             out
         }
+    }
+
+    #[test]
+    fn a_wheel_larger_than_the_store_keeps_is_refused_before_a_byte_is_copied() {
+        let f = Fixture::new();
+        let big = "huge_pkg-1.0-py3-none-any.whl";
+        // Sparse: the size is what is judged, before anything is read.
+        let file = std::fs::File::create(f.path("ws/wheels").join(big)).unwrap();
+        file.set_len(MAX_WHEEL_BYTES + 1).unwrap();
+        let err = f.persist(&format!("wheels/{big}")).unwrap_err();
+        assert!(matches!(err, WheelError::TooLarge(_)), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("Local wheel is larger than {MAX_WHEEL_BYTES} bytes: wheels/{big}")
+        );
     }
 
     #[test]
