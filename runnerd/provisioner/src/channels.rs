@@ -85,6 +85,10 @@ pub fn seed_repodata(into: &Path, from: &Path) -> std::io::Result<()> {
         let target = into.join(entry.file_name());
         if entry.file_type()?.is_file() && std::fs::symlink_metadata(&target).is_err() {
             std::fs::copy(entry.path(), &target)?;
+            // `copy` keeps the operator's mode (read-only, perhaps); the gateway updates
+            // what it owns.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644))?;
         }
     }
     Ok(())
