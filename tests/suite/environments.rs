@@ -27,6 +27,21 @@ case "$*" in *'"hog"'*)
         || echo "hog=limited" > "$prefix/hog.txt"
     exit 1 ;;
 esac
+# A CRAN install of "deep" leaves a chain of 2,000 directories in the step's scratch
+# workspace (hostile build code could leave 70,000), for a test to see it removed.
+case "$*" in *'"deep"'*)
+    cd /workspace || exit 1
+    i=0
+    while [ "$i" -lt 2000 ] && mkdir d && cd d; do i=$((i + 1)); done
+    echo "$i" > "$prefix/deep.txt"
+    exit 0 ;;
+esac
+# A CRAN install of "biginv" makes this R's inventory list 20,001 packages from then on.
+case "$*" in *'"biginv"'*) touch "$prefix/biginv"; exit 0 ;; esac
+case "$*" in *installed.packages*)
+    [ -e "$prefix/biginv" ] && awk 'BEGIN { for (i = 0; i <= 20000; i++) printf "p%d\t1.0\tCRAN\n", i }'
+    exit 0 ;;
+esac
 store="$(cd "$prefix/../../.." && pwd)"
 data="$(cd "$store/.." && pwd)"
 {
@@ -935,4 +950,83 @@ async fn a_fifo_a_package_step_plants_in_a_prefix_is_refused_not_waited_on() {
     let (status, v) =
         post(s, &format!("/environments/{other_id}/install"), json!({"packages": ["tinylib"]})).await;
     assert_eq!(status, 201, "{v}");
+}
+
+/// Entries of a directory (none when it is absent).
+fn entries(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// Waits up to 60 s for `dir` to hold no entry.
+async fn emptied(dir: &Path) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = entries(dir);
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_package_steps_scratch_is_removed_however_deep_and_an_oversized_inventory_fails_the_change() {
+    if !sandbox_or_skip("a_package_steps_scratch_is_removed_however_deep") {
+        return;
+    }
+    let mut envs = ready(&[]).await;
+    let s = &envs.server;
+    let (status, env) = post(s, "/environments", json!({"name": "r-scratch", "language": "r"})).await;
+    assert_eq!(status, 201, "{env}\n{}", s.stderr());
+    let id = env["id"].as_str().unwrap().to_owned();
+    let install = format!("/environments/{id}/install");
+    let (status, v) = post(s, &install, json!({"packages": ["deep"], "manager": "cran"})).await;
+    assert_eq!(status, 201, "{v}\n{}", s.stderr());
+    let prefix =
+        s.path(&format!("scientific-envs/revisions/{id}/{}", env["runtimeRevisionId"].as_str().unwrap()));
+    assert_eq!(std::fs::read_to_string(prefix.join("deep.txt")).unwrap().trim(), "2000");
+    // The chain the step left in its scratch workspace goes with it (by descriptor, with
+    // bounded descriptors and memory, off runnerd's workers).
+    let scratch = s.path("runner-runtime/provision");
+    assert!(scratch.is_dir(), "{}", scratch.display());
+    assert_eq!(emptied(&scratch).await, Vec::<String>::new(), "{}", s.stderr());
+
+    // An inventory of 20,001 packages (this R prints it) fails the change: the catalog,
+    // which keeps every revision's list, does not grow by it.
+    let catalog = s.path("scientific-envs/catalog.json");
+    let before = std::fs::metadata(&catalog).unwrap().len();
+    let (status, v) = post(s, &install, json!({"packages": ["biginv"], "manager": "cran"})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"].as_str().unwrap_or_default().contains("inventory lists more than 20000 packages"),
+        "{v}"
+    );
+    let after = std::fs::metadata(&catalog).unwrap().len();
+    assert!(after < before + 64 * 1024, "the catalog grew from {before} to {after} bytes");
+
+    // A scratch an earlier process left (killed in the middle of a step) is swept by the
+    // next process's first step.
+    envs.server.stop();
+    let stale = scratch.join("0f0e-stale-7/d/d/d");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("left.txt"), "x").unwrap();
+    let data_dir = envs.server.data_dir.clone();
+    let restarted = Server::start_with(ServerOptions {
+        env: vec![
+            ("SCIENTIFIC_ENVS".into(), "1".into()),
+            ("SCIENCE_AGENT_DATA_DIR".into(), data_dir.display().to_string()),
+            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
+            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
+            ("SCIENCE_AGENT_STARTER_R_SPECS".into(), "r-base".into()),
+            ("SCIENCE_AGENT_CRAN_REPO".into(), "file:///nonexistent-cran".into()),
+        ],
+        ..Default::default()
+    });
+    assert_eq!(setup_outcome(&restarted).await["state"], "ready");
+    let (status, other) =
+        post(&restarted, "/environments", json!({"name": "after", "language": "python"})).await;
+    assert_eq!(status, 201, "{other}\n{}", restarted.stderr());
+    assert_eq!(emptied(&scratch).await, Vec::<String>::new(), "{}", restarted.stderr());
 }

@@ -338,12 +338,17 @@ impl Catalog {
         bytes
     }
 
-    /// Replaces `catalog.json` below `dir` atomically and durably. Ids are checked first:
-    /// a catalog that could not be loaded again is never written.
+    /// Replaces `catalog.json` below `dir` atomically and durably. Ids and the size are
+    /// checked first: a catalog that could not be loaded again (at the next start) is never
+    /// written.
     pub(crate) fn save(&self, dir: &impl AsRawFd) -> Result<(), CatalogError> {
         self.check_ids()?;
+        let bytes = self.to_bytes();
+        if bytes.len() as u64 > MAX_CATALOG_BYTES {
+            return Err(CatalogError::TooLarge);
+        }
         let tmp = format!("{}.{}.{}.tmp", common::layout::ENV_CATALOG, std::process::id(), new_uuid_v4());
-        disk::write_new(dir, &tmp, &self.to_bytes(), 0o600).map_err(|e| CatalogError::Io("write", e))?;
+        disk::write_new(dir, &tmp, &bytes, 0o600).map_err(|e| CatalogError::Io("write", e))?;
         let renamed = disk::cstr(&tmp)
             .and_then(|from| {
                 let to = disk::cstr(common::layout::ENV_CATALOG)?;
@@ -558,6 +563,22 @@ pub(crate) mod tests {
         assert_eq!(Catalog::load(&dir).unwrap().environments[0].name, "renamed");
         let names: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["catalog.json"]);
+    }
+
+    #[test]
+    fn a_catalog_too_large_to_load_again_is_never_written() {
+        let (tmp, dir) = store();
+        let mut c = Catalog::default();
+        c.environments.push(environment("task-ab", "rev-01"));
+        c.revisions.push(revision("task-ab", "rev-01"));
+        c.save(&dir).unwrap();
+        let kept = std::fs::read(tmp.path().join("catalog.json")).unwrap();
+        let mut big = c.clone();
+        big.revisions[0].packages = vec!["p".repeat(1 << 20); (MAX_CATALOG_BYTES >> 20) as usize + 1];
+        assert!(matches!(big.save(&dir), Err(CatalogError::TooLarge)));
+        // What was on disk stays, and still loads (a restart is not refused).
+        assert_eq!(std::fs::read(tmp.path().join("catalog.json")).unwrap(), kept);
+        assert_eq!(Catalog::load(&dir).unwrap(), c);
     }
 
     #[test]

@@ -123,7 +123,7 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     };
     let workspace_fds = match by_fd {
         true => Some(WorkspaceFds {
-            root: slot(open_path(&scratch.0).map_err(prepare)?, &mut slots)?,
+            root: slot(open_path(&scratch.path).map_err(prepare)?, &mut slots)?,
             read_only: None,
         }),
         false => None,
@@ -181,7 +181,7 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
         }),
         None => None,
     };
-    let layout = WorkspaceLayout::new(scratch.0.clone(), None);
+    let layout = WorkspaceLayout::new(scratch.path.clone(), None);
     let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
     spec.workspace_fds = workspace_fds;
     spec.command = Some(&step.command);
@@ -249,27 +249,127 @@ fn open_path(path: &Path) -> std::io::Result<OwnedFd> {
 }
 
 /// A fresh, empty directory that is the step's workspace, removed when dropped.
-struct Scratch(PathBuf);
+///
+/// The step had it writable at `/workspace`, so whatever is in it was made by hostile code
+/// (a 70,000-deep chain of directories, say): it is removed with [`crate::fsat::remove_tree_at`]
+/// (bounded descriptors and memory, no recursion, no link followed), on the blocking pool.
+/// Names carry this process's tag, so the first step of a process can sweep what an earlier
+/// one (killed, or stopped mid-removal) left, without touching its own.
+struct Scratch {
+    path: PathBuf,
+    parent: OwnedFd,
+    name: std::ffi::CString,
+}
+
+/// This process's scratch names' prefix.
+fn scratch_tag() -> &'static str {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TAG.get_or_init(crate::versioning::names::new_uuid_v4)
+}
 
 impl Scratch {
     fn make(data_dir: &Path, owner: &crate::sandbox::user::Identity) -> std::io::Result<Scratch> {
         use std::os::unix::fs::PermissionsExt;
+        static SWEPT: std::sync::Once = std::sync::Once::new();
         let n = SCRATCH.fetch_add(1, Ordering::Relaxed);
         let runtime = data_dir.join(common::layout::RUNTIME);
-        let parent = runtime.join(common::layout::PROVISION_SCRATCH);
-        let dir = parent.join(format!("{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        for p in [&runtime, &parent] {
+        let parent_path = runtime.join(common::layout::PROVISION_SCRATCH);
+        std::fs::create_dir_all(&parent_path)?;
+        for p in [&runtime, &parent_path] {
             std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))?;
         }
+        let parent =
+            crate::fsat::open_path(&parent_path, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)?;
+        SWEPT.call_once(|| {
+            if let Ok(dir) = crate::fsat::dup(&parent) {
+                remove_in_background(dir, None);
+            }
+        });
+        let name = format!("{}-{n}", scratch_tag());
+        let dir = parent_path.join(&name);
+        std::fs::create_dir(&dir)?;
+        let name =
+            std::ffi::CString::new(name).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        let scratch = Scratch { path: std::fs::canonicalize(&dir)?, parent, name };
         owner.hand_over(open_path(&dir)?.as_fd())?;
-        Ok(Scratch(std::fs::canonicalize(&dir)?))
+        Ok(scratch)
     }
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if let Ok(dir) = crate::fsat::dup(&self.parent) {
+            remove_in_background(dir, Some(std::mem::take(&mut self.name)));
+        }
+    }
+}
+
+/// Removes `name` below `parent` — or, for `None`, every entry of another process's tag —
+/// on the blocking pool (inline outside a runtime); a failure is logged, and the next
+/// process's first step sweeps what is left.
+fn remove_in_background(parent: OwnedFd, name: Option<std::ffi::CString>) {
+    let remove = move || {
+        let sweep = name.is_none();
+        let names = match name {
+            Some(n) => vec![n],
+            None => match crate::fsat::names(&parent) {
+                Ok(names) => names
+                    .into_iter()
+                    .filter(|(n, _)| !n.to_string_lossy().starts_with(scratch_tag()))
+                    .map(|(_, c)| c)
+                    .collect(),
+                Err(e) => {
+                    tracing::warn!(event = "provision_scratch_left", error = %e, "the provisioning scratch directory could not be listed");
+                    Vec::new()
+                }
+            },
+        };
+        let mut removed = 0usize;
+        for n in names {
+            match crate::fsat::remove_tree_at(&parent, &n) {
+                Ok(()) => removed += 1,
+                Err(e) => tracing::warn!(
+                    event = "provision_scratch_left",
+                    name = %n.to_string_lossy(),
+                    error = %e,
+                    "a provisioning step's scratch directory could not be removed; the next start sweeps it"
+                ),
+            }
+        }
+        if sweep && removed > 0 {
+            tracing::info!(
+                event = "provision_scratch_swept",
+                count = removed,
+                reason = "left by a previous process"
+            );
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => drop(handle.spawn_blocking(remove)),
+        Err(_) => remove(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sweep_removes_other_processes_scratches_however_deep_and_keeps_its_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut deep = tmp.path().join("0f0e-stale-7");
+        for _ in 0..300 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("left.txt"), "x").unwrap();
+        let own = format!("{}-3", scratch_tag());
+        std::fs::create_dir(tmp.path().join(&own)).unwrap();
+        let dir = || crate::fsat::open_path(tmp.path(), libc::O_RDONLY | libc::O_DIRECTORY).unwrap();
+        remove_in_background(dir(), None);
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, [std::ffi::OsString::from(&own)]);
+        remove_in_background(dir(), Some(std::ffi::CString::new(own).unwrap()));
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     }
 }

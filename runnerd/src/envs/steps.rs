@@ -330,45 +330,93 @@ pub(crate) fn r_inventory(prefix: &Path) -> Step {
     }
 }
 
-/// `{name, version, installer}` entries of the Python inventory; anything else is dropped.
-pub(crate) fn parse_python_inventory(stdout: &str) -> Vec<(String, String, String)> {
+/// The most packages one inventory may list (the largest real environments hold a few
+/// thousand). The interpreter that prints it lives in the prefix, where a pip or R step may
+/// have replaced it, and every revision's list is kept in the catalog for good: an
+/// inventory past this fails the change instead of growing the catalog by megabytes.
+pub(crate) const MAX_INVENTORY_ENTRIES: usize = 20_000;
+/// The longest name (PyPI's limit) and version (no real one comes near) an entry may have.
+const MAX_NAME_BYTES: usize = 214;
+const MAX_VERSION_BYTES: usize = 128;
+/// The longest installer or repository text kept.
+const MAX_SOURCE_BYTES: usize = 256;
+
+/// An inventory that lists more than [`MAX_INVENTORY_ENTRIES`] packages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the environment's {language} inventory lists more than {MAX_INVENTORY_ENTRIES} packages; a package step may have replaced its interpreter"
+)]
+pub(crate) struct InventoryTooLarge {
+    pub language: &'static str,
+}
+
+/// Whether an inventory entry looks like a package: a name of letters, digits and `._-+`,
+/// a printable version, and a short printable source, each within its length.
+fn plausible(name: &str, version: &str, source: &str) -> bool {
+    (1..=MAX_NAME_BYTES).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+".contains(&b))
+        && (1..=MAX_VERSION_BYTES).contains(&version.len())
+        && version.bytes().all(|b| b.is_ascii_graphic())
+        && source.len() <= MAX_SOURCE_BYTES
+        && source.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+}
+
+/// At most [`MAX_INVENTORY_ENTRIES`] of `entries`.
+fn bounded(
+    entries: Vec<(String, String, String)>,
+    language: &'static str,
+) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
+    match entries.len() > MAX_INVENTORY_ENTRIES {
+        true => Err(InventoryTooLarge { language }),
+        false => Ok(entries),
+    }
+}
+
+/// `{name, version, installer}` entries of the Python inventory; anything else, and any
+/// entry that does not look like a package ([`plausible`]), is dropped.
+pub(crate) fn parse_python_inventory(
+    stdout: &str,
+) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
     let Ok(serde_json::Value::Array(items)) = serde_json::from_str::<serde_json::Value>(stdout.trim()) else {
-        return Vec::new();
+        return Ok(Vec::new());
     };
-    items
+    if items.len() > MAX_INVENTORY_ENTRIES {
+        return Err(InventoryTooLarge { language: "Python" });
+    }
+    let entries = items
         .iter()
         .filter_map(|i| {
             let s = |k: &str| i.get(k).and_then(|v| v.as_str()).map(str::to_owned);
             Some((s("name")?, s("version")?, s("installer").unwrap_or_default()))
         })
-        .collect()
+        .filter(|(n, v, i)| plausible(n, v, i))
+        .collect();
+    bounded(entries, "Python")
 }
 
 /// `Package<TAB>Version<TAB>Repository` lines; malformed lines are dropped.
-pub(crate) fn parse_r_inventory(stdout: &str) -> Vec<(String, String, String)> {
-    stdout
+pub(crate) fn parse_r_inventory(stdout: &str) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
+    let entries = stdout
         .lines()
         .filter_map(|l| {
             let mut f = l.split('\t');
             let (name, version) = (f.next()?.trim(), f.next()?.trim());
             let repo = f.next().unwrap_or("").trim();
-            let ok = !name.is_empty()
-                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
-                && version.chars().next().is_some_and(|c| c.is_ascii_digit());
-            ok.then(|| {
-                (
-                    name.to_owned(),
-                    version.to_owned(),
-                    if repo == "NA" { String::new() } else { repo.to_owned() },
-                )
-            })
+            let repo = if repo == "NA" { "" } else { repo };
+            let ok = name.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
+                && version.chars().next().is_some_and(|c| c.is_ascii_digit())
+                && plausible(name, version, repo);
+            ok.then(|| (name.to_owned(), version.to_owned(), repo.to_owned()))
         })
-        .collect()
+        .take(MAX_INVENTORY_ENTRIES + 1)
+        .collect();
+    bounded(entries, "R")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn hosts_come_from_http_urls_only() {
@@ -546,10 +594,11 @@ mod tests {
     #[test]
     fn inventories_parse_and_drop_noise() {
         let py =
-            parse_python_inventory(r#"[{"name":"pip","version":"23.2.1","installer":"pip"},{"name":"x"}]"#);
+            parse_python_inventory(r#"[{"name":"pip","version":"23.2.1","installer":"pip"},{"name":"x"}]"#)
+                .unwrap();
         assert_eq!(py, [("pip".into(), "23.2.1".into(), "pip".into())]);
-        assert!(parse_python_inventory("not json").is_empty());
-        let r = parse_r_inventory("survival\t3.5-7\tCRAN\nbase\t4.4.1\tNA\nargs: --vanilla -e x\n");
+        assert!(parse_python_inventory("not json").unwrap().is_empty());
+        let r = parse_r_inventory("survival\t3.5-7\tCRAN\nbase\t4.4.1\tNA\nargs: --vanilla -e x\n").unwrap();
         assert_eq!(
             r,
             [
@@ -557,5 +606,42 @@ mod tests {
                 ("base".into(), "4.4.1".into(), String::new())
             ]
         );
+    }
+
+    #[test]
+    fn inventory_entries_that_are_no_package_are_dropped() {
+        let long = "a".repeat(215);
+        let cases = [
+            (json!({"name": "numpy", "version": "2.1.0", "installer": "pip"}), true),
+            (json!({"name": "zope.interface", "version": "6.0", "installer": ""}), true),
+            (json!({"name": "a".repeat(214), "version": "1", "installer": "pip"}), true),
+            (json!({"name": long, "version": "1", "installer": "pip"}), false),
+            (json!({"name": "x y", "version": "1", "installer": "pip"}), false),
+            (json!({"name": "x\n", "version": "1", "installer": "pip"}), false),
+            (json!({"name": "", "version": "1", "installer": "pip"}), false),
+            (json!({"name": "x", "version": "1".repeat(129), "installer": "pip"}), false),
+            (json!({"name": "x", "version": "1 2", "installer": "pip"}), false),
+            (json!({"name": "x", "version": "1", "installer": "p".repeat(257)}), false),
+        ];
+        for (entry, kept) in cases {
+            let text = serde_json::to_string(&vec![entry.clone()]).unwrap();
+            assert_eq!(parse_python_inventory(&text).unwrap().len(), usize::from(kept), "{entry}");
+        }
+        assert!(parse_r_inventory(&format!("{long}\t1.0\tCRAN\n")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_inventory_of_more_than_the_most_packages_is_refused() {
+        let entry = json!({"name": "p", "version": "1", "installer": "pip"});
+        let at_most = serde_json::to_string(&vec![entry.clone(); MAX_INVENTORY_ENTRIES]).unwrap();
+        assert_eq!(parse_python_inventory(&at_most).unwrap().len(), MAX_INVENTORY_ENTRIES);
+        let over = serde_json::to_string(&vec![entry; MAX_INVENTORY_ENTRIES + 1]).unwrap();
+        let err = parse_python_inventory(&over).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the environment's Python inventory lists more than 20000 packages; a package step may have replaced its interpreter"
+        );
+        let lines = "p\t1.0\tCRAN\n".repeat(MAX_INVENTORY_ENTRIES + 1);
+        assert_eq!(parse_r_inventory(&lines).unwrap_err(), InventoryTooLarge { language: "R" });
     }
 }

@@ -24,6 +24,10 @@ use crate::sandbox::Language;
 
 use super::steps::PYPI;
 
+/// The most one revision's package list may take, serialised (a real environment of a few
+/// thousand packages takes a few hundred kilobytes).
+pub(crate) const MAX_INSTALLED_BYTES: usize = 4 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum StoreError {
     /// The store cannot be used now (disabled, setup not ready): the reason is the text.
@@ -539,20 +543,25 @@ impl EnvStore {
         // Which interpreters the prefix has, from the provisioner's answer: never a look at
         // the prefix from the host, where a pip or R step may have planted links.
         let has = |name: &str| answer.installed.iter().any(|p| p.name == name);
+        let too_large =
+            |e: steps::InventoryTooLarge| StoreError::Step { label: "inventory", detail: e.to_string() };
         let python = match has("python") {
             true => match sandboxed::run(app, steps::python_inventory(prefix)).await {
-                Ok(out) => steps::parse_python_inventory(&out.stdout),
+                Ok(out) => steps::parse_python_inventory(&out.stdout).map_err(too_large)?,
                 Err(_) => Vec::new(),
             },
             false => Vec::new(),
         };
         let r = match env.language == catalog::Language::R && has("r-base") {
             true => match sandboxed::run(app, steps::r_inventory(prefix)).await {
-                Ok(out) => steps::parse_r_inventory(&out.stdout),
+                Ok(out) => steps::parse_r_inventory(&out.stdout).map_err(too_large)?,
                 Err(_) => Vec::new(),
             },
             false => Vec::new(),
         };
+        if answer.installed.len() > steps::MAX_INVENTORY_ENTRIES {
+            return Err(too_large(steps::InventoryTooLarge { language: "conda" }));
+        }
         let installed = Installed {
             conda: answer.installed.iter().map(CondaPackage::from).collect(),
             python: python
@@ -563,6 +572,17 @@ impl EnvStore {
                 .map(|(name, version, repository)| RPackage { name, version, repository })
                 .collect(),
         };
+        // Every revision's list stays in the catalog: a forged one (long channel or build
+        // texts in conda records a package step wrote) fails the change, not the catalog.
+        let bytes = serde_json::to_vec(&installed).map_or(usize::MAX, |b| b.len());
+        if bytes > MAX_INSTALLED_BYTES {
+            return Err(StoreError::Step {
+                label: "inventory",
+                detail: format!(
+                    "the environment's package list takes {bytes} bytes, more than {MAX_INSTALLED_BYTES}; a package step may have forged its records"
+                ),
+            });
+        }
         let snap = Snapshot::new(Parts {
             revision_id: rev.to_owned(),
             environment_id: env.id.clone(),
