@@ -12,6 +12,7 @@
 //! `conda-meta/*.json` whose paths climb out would make the installer delete cache files when
 //! it unlinks that package.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +37,22 @@ pub enum LinkError {
         "The prefix {prefix} holds more than {MAX_PREFIX_ENTRIES} entries; nothing was changed: delete the environment and create it again"
     )]
     TooMany { prefix: String },
+    #[error(
+        "The prefix {prefix} holds more than {MAX_PREFIX_LINKS} symbolic links; nothing was changed: delete the environment and create it again"
+    )]
+    TooManyLinks { prefix: String },
+    #[error(
+        "The prefix {prefix} nests directories more than {MAX_PREFIX_DEPTH} deep ({path}); nothing was changed: delete the environment and create it again"
+    )]
+    TooDeep { prefix: String, path: String },
+    #[error(
+        "The prefix {prefix} holds {path} in conda-meta, which is not a file (the package records are only ever files); a package step put it there. Nothing was changed: delete the environment and create it again"
+    )]
+    MetaNotFile { prefix: String, path: String },
+    #[error(
+        "The prefix {prefix} holds more than {MAX_META_BYTES} bytes of package records (conda-meta); nothing was changed: delete the environment and create it again"
+    )]
+    MetaTooLarge { prefix: String },
     #[error("The prefix {prefix} could not be read")]
     Read {
         prefix: String,
@@ -75,11 +92,23 @@ pub fn stays_inside(prefix: &Path, link: &Path, target: &Path) -> bool {
 /// The most entries a prefix may hold (the largest conda environments hold a few hundred
 /// thousand): a step with the shared package cache locked walks it.
 pub const MAX_PREFIX_ENTRIES: usize = 2_000_000;
+/// The most symbolic links a prefix may hold (real environments hold a few thousand): each
+/// is resolved by the kernel, at a cost that grows with its depth.
+pub const MAX_PREFIX_LINKS: usize = 200_000;
+/// The deepest a prefix's directories may nest (packages stay far below): a link deep in a
+/// chain of 1,900 one-letter directories costs millions of lookups to resolve by path.
+pub const MAX_PREFIX_DEPTH: usize = 128;
+/// The most bytes `conda-meta/` may hold, records and history together (a large
+/// environment's take tens of megabytes): the provisioner reads and parses all of it, with
+/// the package cache locked, and one file hard-linked 8,000 times would be read 8,000 times.
+pub const MAX_META_BYTES: u64 = 512 << 20;
 
 /// Walks `prefix` without following links; the first link that leaves it is the error, and
 /// so is anything but a file, a directory or a link (a FIFO planted where the provisioner
-/// reads, such as `conda-meta/history`, would hang the step), or more than
-/// [`MAX_PREFIX_ENTRIES`] entries.
+/// reads, such as `conda-meta/history`, would hang the step), anything but a file in
+/// `conda-meta/`, or more than [`MAX_PREFIX_ENTRIES`] entries, [`MAX_PREFIX_LINKS`] links,
+/// [`MAX_PREFIX_DEPTH`] levels or [`MAX_META_BYTES`] of records: the walk, and what the
+/// step reads after it, stay bounded whatever a package step left.
 pub fn check(prefix: &Path) -> Result<(), LinkError> {
     walk(prefix, true)
 }
@@ -91,53 +120,166 @@ pub fn check_readable(prefix: &Path) -> Result<(), LinkError> {
 }
 
 fn walk(prefix: &Path, judge_links: bool) -> Result<(), LinkError> {
-    let read = |source| LinkError::Read { prefix: prefix.display().to_string(), source };
+    let shown = || prefix.display().to_string();
+    let read = |source| LinkError::Read { prefix: shown(), source };
     let real_prefix = match std::fs::canonicalize(prefix) {
         Ok(p) => p,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(read(e)),
     };
-    let mut pending = vec![prefix.to_path_buf()];
-    let mut seen = 0usize;
-    while let Some(dir) = pending.pop() {
+    let beneath = Beneath::open(prefix).map_err(read)?;
+    let meta = prefix.join("conda-meta");
+    let (mut entries_seen, mut links_seen, mut meta_bytes) = (0usize, 0usize, 0u64);
+    let mut pending = vec![(prefix.to_path_buf(), 0usize)];
+    while let Some((dir, depth)) = pending.pop() {
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir == prefix => return Ok(()),
             Err(e) => return Err(read(e)),
         };
+        let in_meta = dir == meta;
         for entry in entries {
             let entry = entry.map_err(read)?;
             let path = entry.path();
+            let relative = || path.strip_prefix(prefix).unwrap_or(&path).display().to_string();
             let kind = entry.file_type().map_err(read)?;
-            seen += 1;
-            if seen > MAX_PREFIX_ENTRIES {
-                return Err(LinkError::TooMany { prefix: prefix.display().to_string() });
+            entries_seen += 1;
+            if entries_seen > MAX_PREFIX_ENTRIES {
+                return Err(LinkError::TooMany { prefix: shown() });
             }
             if !(kind.is_symlink() || kind.is_dir() || kind.is_file()) {
-                return Err(LinkError::Special {
-                    prefix: prefix.display().to_string(),
-                    path: path.strip_prefix(prefix).unwrap_or(&path).display().to_string(),
-                });
+                return Err(LinkError::Special { prefix: shown(), path: relative() });
             }
-            if kind.is_symlink() && judge_links {
-                let target = std::fs::read_link(&path).map_err(read)?;
-                let inside = match std::fs::canonicalize(&path) {
-                    Ok(real) => real.starts_with(&real_prefix),
-                    Err(_) => stays_inside(prefix, &path, &target),
-                };
-                if !inside {
+            if in_meta {
+                if !kind.is_file() {
+                    return Err(LinkError::MetaNotFile { prefix: shown(), path: relative() });
+                }
+                meta_bytes = meta_bytes.saturating_add(entry.metadata().map_err(read)?.len());
+                if meta_bytes > MAX_META_BYTES {
+                    return Err(LinkError::MetaTooLarge { prefix: shown() });
+                }
+            }
+            if kind.is_symlink() {
+                links_seen += 1;
+                if links_seen > MAX_PREFIX_LINKS {
+                    return Err(LinkError::TooManyLinks { prefix: shown() });
+                }
+                if judge_links && !link_stays_inside(&beneath, prefix, &real_prefix, &path).map_err(read)? {
+                    let target = std::fs::read_link(&path).map_err(read)?;
                     return Err(LinkError::Escapes {
-                        prefix: prefix.display().to_string(),
-                        link: path.strip_prefix(prefix).unwrap_or(&path).display().to_string(),
+                        prefix: shown(),
+                        link: relative(),
                         target: target.display().to_string(),
                     });
                 }
             } else if kind.is_dir() {
-                pending.push(path);
+                if depth + 1 > MAX_PREFIX_DEPTH {
+                    return Err(LinkError::TooDeep { prefix: shown(), path: relative() });
+                }
+                pending.push((path, depth + 1));
             }
         }
     }
     Ok(())
+}
+
+/// Whether the link at `path` resolves inside the prefix, as the kernel resolves it.
+///
+/// `openat2(RESOLVE_BENEATH)` from the prefix resolves the link's whole path in one call and
+/// fails with `EXDEV` the moment anything climbs out or is absolute. An absolute link is then
+/// judged by its target: inside when that names a path under the prefix which itself
+/// resolves beneath it. A link that resolves to nothing (dangling, a loop) is judged by its
+/// text ([`stays_inside`]). Where the kernel has no `openat2`, `realpath` decides, as before.
+fn link_stays_inside(
+    beneath: &Beneath,
+    prefix: &Path,
+    real_prefix: &Path,
+    path: &Path,
+) -> std::io::Result<bool> {
+    let relative = path.strip_prefix(prefix).unwrap_or(path);
+    match beneath.resolve(relative) {
+        Resolved::Inside => Ok(true),
+        Resolved::Unsupported => {
+            let target = std::fs::read_link(path)?;
+            Ok(match std::fs::canonicalize(path) {
+                Ok(real) => real.starts_with(real_prefix),
+                Err(_) => stays_inside(prefix, path, &target),
+            })
+        }
+        Resolved::Nothing => Ok(stays_inside(prefix, path, &std::fs::read_link(path)?)),
+        Resolved::Outside => {
+            let target = std::fs::read_link(path)?;
+            let under = [prefix, real_prefix].into_iter().find_map(|p| target.strip_prefix(p).ok());
+            Ok(match under {
+                Some(rest) => match beneath.resolve(rest) {
+                    Resolved::Inside => true,
+                    Resolved::Nothing => stays_inside(prefix, path, &target),
+                    Resolved::Outside | Resolved::Unsupported => false,
+                },
+                None => false,
+            })
+        }
+    }
+}
+
+/// The prefix's directory, for resolving paths beneath it.
+struct Beneath(std::os::fd::OwnedFd);
+
+/// What resolving a path beneath the prefix gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resolved {
+    Inside,
+    /// It climbed out, or passed an absolute link (`EXDEV`).
+    Outside,
+    /// It names nothing (dangling, a loop, a file used as a directory).
+    Nothing,
+    /// No `openat2` here (kernel before 5.6, or a filter refusing it).
+    Unsupported,
+}
+
+impl Beneath {
+    fn open(prefix: &Path) -> std::io::Result<Beneath> {
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(prefix)?;
+        Ok(Beneath(dir.into()))
+    }
+
+    fn resolve(&self, relative: &Path) -> Resolved {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(relative.as_os_str()))
+        else {
+            return Resolved::Nothing;
+        };
+        // SAFETY: open_how is plain integers, for which all zeroes is a valid value.
+        let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+        how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+        how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
+        // SAFETY: openat2(2) with a live directory descriptor, a NUL-terminated path and a
+        // fully initialised open_how of the size passed; the result is checked.
+        let ret = common::sys::cvt(unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                self.0.as_raw_fd(),
+                c.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        });
+        match ret {
+            Ok(fd) => {
+                // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+                drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+                Resolved::Inside
+            }
+            Err(e) => match e.raw_os_error() {
+                Some(libc::EXDEV) => Resolved::Outside,
+                Some(libc::ENOSYS | libc::EPERM | libc::E2BIG) => Resolved::Unsupported,
+                _ => Resolved::Nothing,
+            },
+        }
+    }
 }
 
 /// A record path that stays inside its prefix: relative, and only names (no `..`, no root).
@@ -301,6 +443,73 @@ mod tests {
         assert!(lexically, "reads as inside");
         let e = check(&prefix).unwrap_err().to_string();
         assert!(e.contains("a/b/x -> "), "{e}");
+    }
+
+    #[test]
+    fn links_are_judged_by_where_the_kernel_resolves_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("rev");
+        std::fs::create_dir_all(prefix.join("lib/deep/er")).unwrap();
+        std::fs::create_dir_all(dir.path().join("cache")).unwrap();
+        let real = std::fs::canonicalize(&prefix).unwrap();
+        for (link, target, inside) in [
+            ("lib/libz.so", "libz.so.1".to_owned(), true),
+            ("lib/deep/er/up", "../../../lib".to_owned(), true),
+            ("bin", format!("{}/lib", prefix.display()), true),
+            ("bin2", format!("{}/lib/deep", real.display()), true),
+            ("gone", format!("{}/nothing/here", prefix.display()), true),
+            ("out", format!("{}/cache", dir.path().display()), false),
+            ("climb", "../cache".to_owned(), false),
+            ("abs-through", format!("{}/bin/../../cache", prefix.display()), false),
+            ("etc", "/etc".to_owned(), false),
+        ] {
+            let at = prefix.join(link);
+            std::os::unix::fs::symlink(&target, &at).unwrap();
+            let result = check(&prefix);
+            assert_eq!(result.is_ok(), inside, "{link} -> {target}: {result:?}");
+            std::fs::remove_file(&at).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_prefix_nested_deeper_than_the_most_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("rev");
+        let mut deepest = prefix.clone();
+        for _ in 0..MAX_PREFIX_DEPTH {
+            deepest.push("d");
+        }
+        std::fs::create_dir_all(&deepest).unwrap();
+        std::os::unix::fs::symlink(".", deepest.join("l")).unwrap();
+        check(&prefix).unwrap();
+        std::fs::create_dir(deepest.join("d")).unwrap();
+        let e = check(&prefix).unwrap_err();
+        assert!(matches!(e, LinkError::TooDeep { .. }), "{e}");
+        assert!(matches!(check_readable(&prefix), Err(LinkError::TooDeep { .. })));
+    }
+
+    #[test]
+    fn conda_meta_holds_only_files_and_at_most_the_most_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("rev");
+        let meta = prefix.join("conda-meta");
+        std::fs::create_dir_all(&meta).unwrap();
+        std::fs::write(meta.join("a-1-0.json"), "{}").unwrap();
+        check_readable(&prefix).unwrap();
+        // A link there (to a record elsewhere, read once per link) is no record.
+        std::os::unix::fs::symlink("a-1-0.json", meta.join("b-1-0.json")).unwrap();
+        assert!(matches!(check_readable(&prefix), Err(LinkError::MetaNotFile { .. })));
+        std::fs::remove_file(meta.join("b-1-0.json")).unwrap();
+        std::fs::create_dir(meta.join("sub")).unwrap();
+        assert!(matches!(check(&prefix), Err(LinkError::MetaNotFile { .. })));
+        std::fs::remove_dir(meta.join("sub")).unwrap();
+        // Sparse: the size counts, not the blocks.
+        let big = std::fs::File::create(meta.join("big-1-0.json")).unwrap();
+        big.set_len(MAX_META_BYTES - 2).unwrap();
+        check_readable(&prefix).unwrap();
+        std::fs::hard_link(meta.join("a-1-0.json"), meta.join("c-1-0.json")).unwrap();
+        let e = check(&prefix).unwrap_err();
+        assert!(matches!(e, LinkError::MetaTooLarge { .. }), "{e}");
     }
 
     #[test]
