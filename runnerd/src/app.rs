@@ -47,6 +47,10 @@ pub struct App {
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// The scientific environments (`crate::envs`).
     pub envs: crate::envs::store::EnvStore,
+    /// Sandbox slots for provisioning steps: as many as executions may run at once, and
+    /// their own (an install holding its environment's write gate and waiting for a slot
+    /// that runs waiting for that environment hold would never get one).
+    pub provisioning_steps: tokio::sync::Semaphore,
 }
 
 impl App {
@@ -60,6 +64,7 @@ impl App {
         envs: crate::envs::store::EnvStore,
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
+        let config_max_concurrent = config.max_concurrent;
         let data_dir = config.data_dir.clone();
         let execution_user = sandbox.user.name.clone();
         let accel = crate::accel::select::Accelerators::new(config.accel.clone());
@@ -90,6 +95,7 @@ impl App {
             limits,
             metrics: std::sync::Arc::default(),
             envs,
+            provisioning_steps: tokio::sync::Semaphore::new(config_max_concurrent),
         }
     }
 }

@@ -36,6 +36,10 @@ case "$*" in *'"deep"'*)
     echo "$i" > "$prefix/deep.txt"
     exit 0 ;;
 esac
+# A CRAN install of "pause" takes a second, and says when it ran.
+case "$*" in *'"pause"'*)
+    date +%s.%N > "$prefix/pause.start"; sleep 1; date +%s.%N > "$prefix/pause.end"; exit 0 ;;
+esac
 # A CRAN install of "biginv" makes this R's inventory list 20,001 packages from then on.
 case "$*" in *'"biginv"'*) touch "$prefix/biginv"; exit 0 ;; esac
 case "$*" in *installed.packages*)
@@ -1029,4 +1033,35 @@ async fn a_package_steps_scratch_is_removed_however_deep_and_an_oversized_invent
         post(&restarted, "/environments", json!({"name": "after", "language": "python"})).await;
     assert_eq!(status, 201, "{other}\n{}", restarted.stderr());
     assert_eq!(emptied(&scratch).await, Vec::<String>::new(), "{}", restarted.stderr());
+}
+
+#[tokio::test]
+async fn provisioning_steps_take_sandbox_slots_as_executions_do() {
+    if !sandbox_or_skip("provisioning_steps_take_sandbox_slots_as_executions_do") {
+        return;
+    }
+    let envs = ready(&[("SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", "1")]).await;
+    let s = &envs.server;
+    let mut prefixes = Vec::new();
+    let mut installs = Vec::new();
+    for name in ["r-slot-a", "r-slot-b"] {
+        let (status, env) = post(s, "/environments", json!({"name": name, "language": "r"})).await;
+        assert_eq!(status, 201, "{env}\n{}", s.stderr());
+        let id = env["id"].as_str().unwrap().to_owned();
+        let runtime = env["runtimeRevisionId"].as_str().unwrap();
+        prefixes.push(s.path(&format!("scientific-envs/revisions/{id}/{runtime}")));
+        installs.push(format!("/environments/{id}/install"));
+    }
+    let body = json!({"packages": ["pause"], "manager": "cran"});
+    let (a, b) = tokio::join!(post(s, &installs[0], body.clone()), post(s, &installs[1], body.clone()));
+    assert_eq!((a.0, b.0), (201, 201), "{a:?} {b:?}");
+    let when = |prefix: &Path, end: &str| -> f64 {
+        std::fs::read_to_string(prefix.join(format!("pause.{end}"))).unwrap().trim().parse().unwrap()
+    };
+    let (a, b) = (
+        (when(&prefixes[0], "start"), when(&prefixes[0], "end")),
+        (when(&prefixes[1], "start"), when(&prefixes[1], "end")),
+    );
+    // One slot: two environments' steps ran one after the other, never side by side.
+    assert!(a.1 <= b.0 || b.1 <= a.0, "the steps overlapped: {a:?} and {b:?}");
 }

@@ -112,6 +112,9 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let shape = app.sandbox.capability.shape().ok_or_else(|| {
         SandboxedError::Unavailable(app.sandbox.capability.detail.clone().unwrap_or_default())
     })?;
+    // Bounded like executions (each step may take the execution maximums), waited for
+    // before anything is made.
+    let _slot = app.provisioning_steps.acquire().await.map_err(|_| SandboxedError::Cancelled { label })?;
     let scratch = Scratch::make(&app.data_dir, &app.sandbox.user).map_err(prepare)?;
     let by_fd = app.sandbox.features.bind_fd;
     let mut slots = FdSlots::default();
