@@ -785,6 +785,13 @@ impl EnvStore {
         // Everything that can fail before a package is touched, before `updating`.
         let prefix = self.root.join(env.prefix_rel()?);
         let wheel_files = new_wheels.iter().map(|w| self.wheel_path(w)).collect::<Result<Vec<_>, _>>()?;
+        let kept = current.as_ref().and_then(|r| r.local_wheels.as_deref()).unwrap_or_default();
+        if wheels::carried_after(kept, &new_wheels) > wheels::MAX_WHEELS_PER_REVISION {
+            return Err(StoreError::Invalid(format!(
+                "Environment {id} would carry more than {} local wheels; create a new environment for more",
+                wheels::MAX_WHEELS_PER_REVISION
+            )));
+        }
         let urls = self.channel_urls(&channels)?;
         self.begin_update(id).await?;
         let outcome = match req.manager {

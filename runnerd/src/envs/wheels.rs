@@ -30,6 +30,9 @@ const INCOMING_PREFIX: &str = ".incoming-";
 pub(crate) const MAX_WHEEL_BYTES: u64 = 4 << 30;
 /// The most local wheels one install may name.
 pub(crate) const MAX_WHEELS_PER_INSTALL: usize = 64;
+/// The most local wheels one revision may carry: each revision records every wheel its
+/// environment got (earlier ones included), and every record stays in the catalog.
+pub(crate) const MAX_WHEELS_PER_REVISION: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum WheelError {
@@ -170,6 +173,12 @@ fn normalize_distribution(name: &str) -> String {
         out.push(c.to_ascii_lowercase());
     }
     out
+}
+
+/// How many wheels a revision carries after an install of `new` on top of `kept`: a new
+/// wheel replaces a kept one of the same file name.
+pub(crate) fn carried_after(kept: &[LocalWheel], new: &[LocalWheel]) -> usize {
+    kept.iter().filter(|k| !new.iter().any(|w| w.filename == k.filename)).count() + new.len()
 }
 
 /// Copies the workspace wheel `path` into the store below `store` (the
@@ -603,6 +612,23 @@ mod tests {
         for (package, want) in cases {
             assert_eq!(is_wheel_request(package), *want, "{package}");
         }
+    }
+
+    #[test]
+    fn a_new_wheel_replaces_a_carried_one_of_its_name() {
+        let wheel = |name: &str| LocalWheel {
+            content: ContentRef { hash: "ab".repeat(32), size: 1 },
+            distribution: name.into(),
+            filename: format!("{name}-1.0-py3-none-any.whl"),
+            manager: WheelManager::Pip,
+            source_path: format!("{name}-1.0-py3-none-any.whl"),
+            version: "1.0".into(),
+        };
+        let kept = [wheel("a"), wheel("b")];
+        assert_eq!(carried_after(&kept, &[]), 2);
+        assert_eq!(carried_after(&kept, &[wheel("b")]), 2);
+        assert_eq!(carried_after(&kept, &[wheel("b"), wheel("c")]), 3);
+        assert_eq!(carried_after(&[], &[wheel("c")]), 1);
     }
 
     #[test]
