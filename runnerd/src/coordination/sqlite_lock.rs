@@ -237,6 +237,39 @@ mod tests {
         LockFile { dir: dir.into(), name: CString::new(name).unwrap(), shown: name.to_owned() }
     }
 
+    /// A sandbox that owns the coordination directory (it encloses the workspace) plants a
+    /// non-empty lock database and a FIFO as its "hot" journal or WAL: the lock fails at
+    /// once instead of blocking a thread on the FIFO forever (review helper).
+    #[test]
+    fn a_planted_journal_or_wal_fails_the_lock_and_never_blocks() {
+        for (suffix, header) in [
+            ("-journal", [0u8; 100]),
+            ("-wal", {
+                // A WAL-mode header: file format versions 2.
+                let mut h = [0u8; 100];
+                h[..16].copy_from_slice(b"SQLite format 3\0");
+                h[16..18].copy_from_slice(&4096u16.to_be_bytes());
+                (h[18], h[19]) = (2, 2);
+                h
+            }),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut db = vec![0u8; 4096];
+            db[..100].copy_from_slice(&header);
+            std::fs::write(dir.path().join("x.sqlite"), &db).unwrap();
+            let fifo = CString::new(format!("{}/x.sqlite{suffix}", dir.path().display())).unwrap();
+            // SAFETY: mkfifo reads the NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+            let path = dir.path().to_owned();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(SqliteLock::try_take(lock_file(&path, "x.sqlite")).map(|l| l.is_some()));
+            });
+            let got = rx.recv_timeout(Duration::from_secs(5)).expect("the lock blocked on the planted FIFO");
+            assert!(got.is_err(), "{suffix}: {got:?}");
+        }
+    }
+
     #[tokio::test]
     async fn a_held_lock_excludes_a_second_connection_until_dropped() {
         let dir = tempfile::tempdir().unwrap();

@@ -116,9 +116,15 @@ unsafe extern "C" fn x_open(
     out_flags: *mut c_int,
 ) -> c_int {
     let Some(reg) = registered() else { return ffi::SQLITE_CANTOPEN };
-    // Temporary files have no name; every named file must be descriptor-relative.
+    // Temporary files have no name; every named file must be descriptor-relative. No
+    // journal or WAL file is ever opened: a lock database is never written (its journal is
+    // in memory), so one found beside it was planted, by an enclosing workspace's sandbox
+    // that owns the coordination directory, and SQLite opens a "hot" journal without
+    // O_NONBLOCK to roll it back: a FIFO there would hang the thread for good. Refused, the
+    // lock fails with an error instead.
+    let planted = ffi::SQLITE_OPEN_SUPER_JOURNAL | ffi::SQLITE_OPEN_MAIN_JOURNAL | ffi::SQLITE_OPEN_WAL;
     // SAFETY: SQLite passes a NUL-terminated name or NULL.
-    if flags & ffi::SQLITE_OPEN_SUPER_JOURNAL != 0 || (!name.is_null() && !unsafe { name_ok(name) }) {
+    if flags & planted != 0 || (!name.is_null() && !unsafe { name_ok(name) }) {
         return ffi::SQLITE_CANTOPEN;
     }
     // SAFETY: the base VFS's own xOpen with SQLite's arguments; `vfs` is our copy, whose
