@@ -245,6 +245,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     let versions = Arc::new(Versions::open(&config.data_dir).with_context(|| {
         format!("opening the workspace version store under {}", config.data_dir.display())
     })?);
+    versions.limit_snapshots_by_default(config.max_workspace_bytes);
     let swept = crate::api::stream::sweep_staging(&config.data_dir.join(crate::api::remote::STAGING));
     crate::skills::store::sweep_staging(&config.data_dir);
     if swept > 0 {

@@ -5,7 +5,7 @@
 //! and never fails a parent's commit when it sits in a nested workspace.
 
 use runner_tests::sandbox_or_skip;
-use runner_tests::server::{Server, keyed_shell_request, shell_request};
+use runner_tests::server::{Server, ServerOptions, keyed_shell_request, shell_request};
 use runnerd::client::{Reply, RunnerClient};
 use serde_json::{Value, json};
 
@@ -95,6 +95,47 @@ async fn sparse_files_count_their_apparent_size_and_stay_out_of_the_store() {
     assert_quota_error(&r, quota);
     let r = run(&client, &in_key("t/sparse", "rm s*; echo clean", Some(0))).await;
     assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("clean\n")), "{}", r.json());
+}
+
+/// A tree a run left over the quota (sparse files of distinct contents, which neither count
+/// their holes against the disk nor share a blob) is never written out into the version
+/// store by another route: the snapshot route and an upload's commit take the configured
+/// quota too (review helper: they stored all 570 MB).
+#[tokio::test]
+async fn the_workspace_routes_never_store_a_tree_over_the_quota() {
+    if !sandbox_or_skip("the_workspace_routes_never_store_a_tree_over_the_quota") {
+        return;
+    }
+    let quota: u64 = 20_000_000;
+    let server = Server::start_with(ServerOptions {
+        env: vec![("SCIENCE_AGENT_MAX_WORKSPACE_BYTES".into(), quota.to_string())],
+        ..Default::default()
+    });
+    let client = server.client();
+    let code = "for i in $(seq 1 30); do printf %08d $i > s$i; truncate -s 19M s$i; done; echo done";
+    let r = run(&client, &in_key("t/left", code, None)).await;
+    assert_quota_error(&r, quota);
+    assert!(bytes_under(&server.path("versioning")) < quota);
+    let left = server.path("remote-workspaces/t/left");
+    assert!(std::fs::read_dir(&left).unwrap().count() > 1, "the run left its files");
+    let snap =
+        client.post_json("/remote-workspace/snapshots", &json!({"workspace": "t/left"})).await.unwrap();
+    assert_ne!(snap.status, 201, "{}", snap.json());
+    let put = client
+        .send_bytes("PUT", "/remote-workspace/file?workspace=t/left&path=tiny", &[], b"x".to_vec())
+        .await
+        .unwrap();
+    assert_ne!(put.status, 201, "{}", put.json());
+    let stored = bytes_under(&server.path("versioning"));
+    assert!(stored < quota, "the version store took {stored} bytes");
+    // Not poisoned: once the files are gone the workspace works again.
+    let r = run(&client, &in_key("t/left", "rm s*; echo clean", Some(0))).await;
+    assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("clean\n")), "{}", r.json());
+    let put = client
+        .send_bytes("PUT", "/remote-workspace/file?workspace=t/left&path=tiny", &[], b"x".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(put.status, 201, "{}", put.json());
 }
 
 /// Hole 5: blocks `fallocate`d past the end of a file (its size stays 0, RLIMIT_FSIZE does

@@ -26,10 +26,19 @@ pub type Fingerprints = BTreeMap<String, (u64, i128)>;
 /// reported as unreadable, so the quota fails closed; snapshots stop at 256 levels anyway.
 pub const MAX_WALK_DEPTH: usize = 1024;
 
+/// The most path text one walk keeps (every file's and every pending directory's
+/// workspace-relative path): 50,000 empty files below 250 directories of 255-byte names
+/// would otherwise cost gigabytes per walk, before a run, after it and at every poll. Past
+/// it the walk stops and fails closed (the quota refuses; an unlimited run lists what it
+/// kept).
+pub const MAX_WALK_PATH_BYTES: usize = 128 << 20;
+
 /// One walk over a workspace.
 #[derive(Debug, Default)]
 pub struct Measured {
     pub prints: Fingerprints,
+    /// Path text kept so far ([`MAX_WALK_PATH_BYTES`]).
+    path_bytes: usize,
     /// What the regular files cost, each `max(size, blocks × 512)` ([`charged`]).
     pub bytes: u64,
     /// The first thing the walk could not read; what it holds is unknown.
@@ -138,6 +147,11 @@ pub async fn measure_blocking(root: &OwnedFd) -> Measured {
 /// were read and before anything below it is opened: the seam a test uses to swap a
 /// directory for a symlink at exactly the moment a racing sandbox would.
 fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
+    walk_within(root, listed, MAX_WALK_PATH_BYTES)
+}
+
+/// [`walk`] keeping at most `max_path_bytes` of path text.
+fn walk_within(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str), max_path_bytes: usize) -> Measured {
     let mut m = Measured::default();
     let root = match fsat::open_dir_at(&root, c".") {
         Ok(fd) => fd,
@@ -149,9 +163,12 @@ fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
     // Pending directories: the open parent, the name, the relative path, the depth. Parents
     // are shared, so a depth-first walk holds about one descriptor per level.
     let mut stack: Vec<(Rc<OwnedFd>, CString, String, usize)> = Vec::new();
-    list(&Rc::new(root), "", 0, &mut m, &mut stack);
+    list(&Rc::new(root), "", 0, &mut m, &mut stack, max_path_bytes);
     listed("");
     while let Some((parent, name, rel, depth)) = stack.pop() {
+        if m.path_bytes > max_path_bytes {
+            break;
+        }
         if depth > MAX_WALK_DEPTH {
             m.fail(&rel, io::Error::other(format!("nests directories deeper than {MAX_WALK_DEPTH} levels")));
             continue;
@@ -161,7 +178,7 @@ fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
         // (a rename since the listing), and counting what is there now is right.
         match fsat::open_dir_at(&parent, &name) {
             Ok(dir) => {
-                list(&Rc::new(dir), &rel, depth, &mut m, &mut stack);
+                list(&Rc::new(dir), &rel, depth, &mut m, &mut stack, max_path_bytes);
                 listed(&rel);
             }
             // Gone, or swapped for a symlink or a file since it was listed: nothing to count.
@@ -178,6 +195,7 @@ fn list(
     depth: usize,
     m: &mut Measured,
     stack: &mut Vec<(Rc<OwnedFd>, CString, String, usize)>,
+    max_path_bytes: usize,
 ) {
     let names = match fsat::names(dir) {
         Ok(names) => names,
@@ -186,6 +204,11 @@ fn list(
     for (name, cname) in names {
         let name = name.to_string_lossy();
         let child = if rel.is_empty() { name.into_owned() } else { format!("{rel}/{name}") };
+        m.path_bytes = m.path_bytes.saturating_add(child.len());
+        if m.path_bytes > max_path_bytes {
+            let error = format!("holds more than {max_path_bytes} bytes of file paths");
+            return m.fail(rel, io::Error::other(error));
+        }
         let st = match Stat::at(dir, &cname) {
             Ok(st) => st,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
@@ -258,6 +281,26 @@ mod tests {
     fn walk(root: &Path) -> Measured {
         let dir = fs::File::open(root).unwrap();
         measure(dir.as_fd())
+    }
+
+    #[test]
+    fn a_walk_keeps_at_most_its_path_text_and_then_fails_closed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let long = "n".repeat(200);
+        let deep = tmp.path().join(&long).join(&long);
+        fs::create_dir_all(&deep).unwrap();
+        for i in 0..50 {
+            fs::write(deep.join(format!("{i}")), "").unwrap();
+        }
+        let dir = fs::File::open(tmp.path()).unwrap();
+        let all = walk_within(dir.as_fd(), &mut |_| {}, 1 << 20);
+        assert_eq!((all.prints.len(), all.unreadable.is_none()), (50, true));
+        // 50 paths of about 400 bytes: a 4 KiB budget stops the walk part way.
+        let cut = walk_within(dir.as_fd(), &mut |_| {}, 4096);
+        assert!(cut.prints.len() < 50, "{}", cut.prints.len());
+        let u = cut.unreadable.as_ref().expect("fails closed");
+        assert_eq!(u.error.to_string(), "holds more than 4096 bytes of file paths");
+        assert!(matches!(check(cut, 1 << 30), Err(Breach::Unreadable(_))));
     }
 
     #[test]
