@@ -72,6 +72,19 @@ fn workspace_root(app: &App, key: &str) -> Result<(PathBuf, OwnedFd), ApiError> 
     Ok((root, fd))
 }
 
+/// Listings walking at once: each holds a descriptor per level and its paths in memory, and
+/// hundreds of concurrent ones over a deep tree would take runnerd's descriptors from every
+/// commit (review helper).
+static LISTINGS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+
+/// [`blocking`] for a listing: waits for one of [`LISTINGS`].
+async fn listing_walk<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let _slot = LISTINGS.acquire().await.map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
+    blocking(f).await
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
@@ -92,7 +105,7 @@ fn listing(files: Vec<files::Listed>) -> Value {
 /// `GET /remote-workspace/files?workspace=K`
 pub async fn list_all(app: &App, q: Option<&str>) -> Result<ApiResponse, ApiError> {
     let (_, fd) = workspace_root(app, &named(q, "workspace")?)?;
-    let listed = blocking(move || files::list(&fd, None).map_err(remote_err)).await?;
+    let listed = listing_walk(move || files::list(&fd, None).map_err(remote_err)).await?;
     json_reply(200, listing(listed))
 }
 
@@ -124,7 +137,7 @@ pub async fn list_selected(app: &App, q: Option<&str>, body: &[u8]) -> Result<Ap
                 .collect::<Result<_, _>>()
         })
         .transpose()?;
-    let listed = blocking(move || {
+    let listed = listing_walk(move || {
         let segs: Option<Vec<Vec<&str>>> = selection
             .as_ref()
             .map(|paths| paths.iter().map(|p| paths::segments(p).map_err(path_err)).collect::<Result<_, _>>())

@@ -244,7 +244,23 @@ fn listed(path: String, st: &Stat) -> Listed {
 
 /// Regular files below the directory `dir` (named `rel`), by descriptor: symlinks are
 /// skipped and never followed, even one swapped in mid-walk.
+/// The most path text one listing holds: a sandbox can make every path 64 KB long (250
+/// levels of 255-byte names), and 50,000 empty files would then take gigabytes of runnerd's
+/// memory per request. Past it the listing fails and says so.
+pub const MAX_LIST_PATH_BYTES: usize = 64 << 20;
+
 fn walk(dir: &OwnedFd, rel: &str, out: &mut Vec<Listed>, depth: usize) -> io::Result<()> {
+    walk_within(dir, rel, out, depth, &mut 0, MAX_LIST_PATH_BYTES)
+}
+
+fn walk_within(
+    dir: &OwnedFd,
+    rel: &str,
+    out: &mut Vec<Listed>,
+    depth: usize,
+    held: &mut usize,
+    max_path_bytes: usize,
+) -> io::Result<()> {
     if depth >= MAX_LIST_DEPTH {
         return Ok(());
     }
@@ -253,10 +269,16 @@ fn walk(dir: &OwnedFd, rel: &str, out: &mut Vec<Listed>, depth: usize) -> io::Re
     for (name, cname) in names {
         let Some(name) = name.to_str() else { continue };
         let Ok(st) = Stat::at(dir, &cname) else { continue };
+        *held = held.saturating_add(rel.len() + name.len() + 1);
+        if *held > max_path_bytes {
+            return Err(io::Error::other(format!(
+                "the workspace holds more than {max_path_bytes} bytes of file paths; list a directory of it instead"
+            )));
+        }
         match st.kind() {
             libc::S_IFDIR => {
                 if let Ok(sub) = fsat::open_dir_at(dir, &cname) {
-                    walk(&sub, &child_path(rel, name), out, depth + 1)?;
+                    walk_within(&sub, &child_path(rel, name), out, depth + 1, held, max_path_bytes)?;
                 }
             }
             libc::S_IFREG => out.push(listed(child_path(rel, name), &st)),
@@ -333,6 +355,24 @@ mod tests {
 
     fn root(dir: &Path) -> OwnedFd {
         fsat::open_path(dir, DIR_FLAGS).unwrap_or_else(|e| panic!("open {}: {e}", dir.display()))
+    }
+
+    #[test]
+    fn a_listing_holds_at_most_its_path_text() {
+        let t = tempfile::tempdir().unwrap();
+        let long = "n".repeat(200);
+        let deep = t.path().join(&long).join(&long);
+        std::fs::create_dir_all(&deep).unwrap();
+        for i in 0..50 {
+            std::fs::write(deep.join(format!("{i}")), "").unwrap();
+        }
+        let fd = root(t.path());
+        let mut out = Vec::new();
+        walk_within(&fd, "", &mut out, 0, &mut 0, 1 << 20).unwrap();
+        assert_eq!(out.len(), 50);
+        let mut out = Vec::new();
+        let e = walk_within(&fd, "", &mut out, 0, &mut 0, 4096).unwrap_err();
+        assert!(e.to_string().starts_with("the workspace holds more than 4096 bytes of file paths"), "{e}");
     }
 
     #[test]
