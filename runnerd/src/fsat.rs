@@ -203,9 +203,22 @@ pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
         Ok(out)
     };
     let open_level = |parent: &dyn AsRawFd, name: &CStr| -> io::Result<Option<Level>> {
-        match open_dir_at(&parent.as_raw_fd(), name) {
+        let opened = match open_dir_at(&parent.as_raw_fd(), name) {
+            // A directory its owner cannot read or search (a sandbox's `chmod 000`, which an
+            // unprivileged runnerd, the same user, cannot pass): made the owner's again.
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                own_again_at(&parent.as_raw_fd(), name)?;
+                open_dir_at(&parent.as_raw_fd(), name)
+            }
+            other => other,
+        };
+        match opened {
             Ok(fd) => {
                 let st = Stat::of_fd(&fd)?;
+                if st.mode & 0o300 != 0o300 {
+                    // Its entries could not be unlinked (no write or search for its owner).
+                    chmod_fd(&fd, 0o700)?;
+                }
                 let pending = batch(&fd)?;
                 Ok(Some(Level { fd: Some(fd), name: name.to_owned(), id: (st.dev, st.ino), pending }))
             }
@@ -266,6 +279,22 @@ pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Gives the directory `name` below `dir` mode 0700 without following a link: opened
+/// `O_PATH` (which needs no permission on it), then changed through its descriptor. The
+/// kernel allows it only to the owner (or root).
+fn own_again_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
+    let fd = open_at(dir, name, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)?;
+    chmod_fd(&fd, 0o700)
+}
+
+/// `chmod` of what `fd` names (an `O_PATH` descriptor included: fchmod refuses those, the
+/// `/proc/self/fd` link reaches the same inode and nothing else).
+fn chmod_fd(fd: &OwnedFd, mode: libc::mode_t) -> io::Result<()> {
+    let path = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("no NUL in a number");
+    // SAFETY: chmod(2) of a NUL-terminated path; the result is checked.
+    cvt(unsafe { libc::chmod(path.as_ptr(), mode) }).map(drop)
 }
 
 /// `dup` with close-on-exec.
@@ -386,6 +415,27 @@ mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
     use std::path::Path;
+
+    /// A sandbox's `chmod 000` (and `chmod 500`) on directories it made: an unprivileged
+    /// runnerd, the same user, removes them all the same (as root it always could).
+    #[test]
+    fn removing_a_tree_passes_directories_their_owner_locked() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("t/locked/readonly/inner")).unwrap();
+        std::fs::write(root.join("t/locked/readonly/inner/f"), "x").unwrap();
+        std::fs::write(root.join("t/locked/readonly/g"), "y").unwrap();
+        let mode =
+            |p: &str, m: u32| std::fs::set_permissions(root.join(p), std::fs::Permissions::from_mode(m));
+        mode("t/locked/readonly/inner", 0o000).unwrap();
+        mode("t/locked/readonly", 0o500).unwrap();
+        mode("t/locked", 0o000).unwrap();
+        let fd =
+            open_at(&std::fs::File::open(&root).unwrap(), c".", libc::O_PATH | libc::O_DIRECTORY).unwrap();
+        remove_tree_at(&fd, c"t").unwrap();
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0);
+    }
 
     #[test]
     fn removing_a_tree_removes_links_not_their_targets() {
