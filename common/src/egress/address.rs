@@ -130,6 +130,24 @@ fn in_prefix(value: u128, net: u128, len: u32, bits: u32) -> bool {
 mod tests {
     use super::*;
 
+    /// egressd's unit asks the kernel to refuse exactly the addresses the policy classes as
+    /// cloud metadata: a second wall that must not fall behind the first.
+    #[test]
+    fn the_units_address_deny_list_is_the_metadata_rows() {
+        let unit = include_str!("../../../systemd/egressd.service");
+        let line = unit.lines().find_map(|l| l.strip_prefix("IPAddressDeny=")).expect("IPAddressDeny= line");
+        let mut denied: Vec<IpAddr> = line.split_whitespace().map(|a| a.parse().unwrap()).collect();
+        let mut metadata: Vec<IpAddr> = V4
+            .iter()
+            .filter(|(_, _, c)| *c == Class::Never(METADATA))
+            .map(|(a, _, _)| IpAddr::V4(*a))
+            .chain(V6.iter().filter(|(_, _, c)| *c == Class::Never(METADATA)).map(|(a, _, _)| IpAddr::V6(*a)))
+            .collect();
+        denied.sort();
+        metadata.sort();
+        assert_eq!(denied, metadata);
+    }
+
     const PUBLIC: Class = Class::Public;
 
     fn private(label: &'static str) -> Class {
