@@ -78,18 +78,23 @@ struct Envs {
     channel_dir: PathBuf,
 }
 
-fn start(extra: &[(&str, &str)]) -> Envs {
-    let channel = runner_tests::scratch_dir();
-    let channel_dir = channel.path().join("channel");
-    let url = demo_channel(&channel_dir);
-    runner_tests::hand_tree_to_sandbox(channel.path());
-    let mut env = vec![
+/// The environment every server of these tests runs with, for the channel at `url`.
+fn base_env(url: String) -> Vec<(String, String)> {
+    vec![
         ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
         ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), url),
         ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
         ("SCIENCE_AGENT_STARTER_R_SPECS".to_owned(), "r-base".to_owned()),
         ("SCIENCE_AGENT_CRAN_REPO".to_owned(), "file:///nonexistent-cran".to_owned()),
-    ];
+    ]
+}
+
+fn start(extra: &[(&str, &str)]) -> Envs {
+    let channel = runner_tests::scratch_dir();
+    let channel_dir = channel.path().join("channel");
+    let url = demo_channel(&channel_dir);
+    runner_tests::hand_tree_to_sandbox(channel.path());
+    let mut env = base_env(url);
     env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     let server = Server::start_with(ServerOptions { env, ..Default::default() });
     Envs { server, _channel: channel, channel_dir }
@@ -115,6 +120,21 @@ async fn ready(extra: &[(&str, &str)]) -> Envs {
     let setup = setup_outcome(&envs.server).await;
     assert_eq!(setup["state"], "ready", "{setup}\n{}", envs.server.stderr());
     envs
+}
+
+/// Another runnerd on `envs`' data directory and channel, configured as [`start`] does
+/// (the first one stopped or killed beforehand).
+fn restart(envs: &Envs) -> Server {
+    let mut env = base_env(format!("file://{}", envs.channel_dir.display()));
+    env.push(("SCIENCE_AGENT_DATA_DIR".to_owned(), envs.server.data_dir.display().to_string()));
+    Server::start_with(ServerOptions { env, ..Default::default() })
+}
+
+/// A task R environment named `name` (from the probing stub `r-base`): its id and record.
+async fn r_environment(server: &Server, name: &str) -> (String, Value) {
+    let (status, env) = post(server, "/environments", json!({"name": name, "language": "r"})).await;
+    assert_eq!(status, 201, "{env}\n{}", server.stderr());
+    (env["id"].as_str().unwrap().to_owned(), env)
 }
 
 pub(super) async fn get(server: &Server, path: &str) -> (u16, Value) {
@@ -373,16 +393,7 @@ async fn the_catalog_survives_a_restart_and_an_interrupted_update_becomes_failed
     // And as a crash in the middle of a create leaves it: a prefix no environment names.
     let orphan = envs.server.path("scientific-envs/revisions/task-0000/rev-0000");
     std::fs::create_dir_all(orphan.join("bin")).unwrap();
-    let data_dir = envs.server.data_dir.clone();
-    let restarted = Server::start_with(ServerOptions {
-        env: vec![
-            ("SCIENTIFIC_ENVS".into(), "1".into()),
-            ("SCIENCE_AGENT_DATA_DIR".into(), data_dir.display().to_string()),
-            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
-            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
-        ],
-        ..Default::default()
-    });
+    let restarted = restart(&envs);
     assert_eq!(setup_outcome(&restarted).await["state"], "ready");
     let (_, list) = get(&restarted, "/environments").await;
     let e = environment(&list, &id);
@@ -405,9 +416,7 @@ async fn the_provisioning_sandbox_sees_only_its_prefix_and_never_the_token() {
     let s = &envs.server;
     // An R environment from the stub r-base: its `bin/R` is a script of the test channel that
     // writes what it can see into its prefix when the CRAN step runs it.
-    let (status, env) = post(s, "/environments", json!({"name": "r-probe", "language": "r"})).await;
-    assert_eq!(status, 201, "{env}\n{}", s.stderr());
-    let id = env["id"].as_str().unwrap().to_owned();
+    let (id, env) = r_environment(s, "r-probe").await;
     let (status, v) =
         post(s, &format!("/environments/{id}/install"), json!({"packages": ["survival"], "manager": "cran"}))
             .await;
@@ -737,9 +746,7 @@ async fn runnerd_killed_during_an_install_restarts_with_the_environment_failed_a
         return;
     }
     let mut envs = ready(&[]).await;
-    let (status, env) = post(&envs.server, "/environments", json!({"name": "killed", "language": "r"})).await;
-    assert_eq!(status, 201, "{env}");
-    let id = env["id"].as_str().unwrap().to_owned();
+    let (id, env) = r_environment(&envs.server, "killed").await;
     let before = env["currentRevisionId"].as_str().unwrap().to_owned();
     let client = envs.server.client();
     let path = format!("/environments/{id}/install");
@@ -765,16 +772,7 @@ async fn runnerd_killed_during_an_install_restarts_with_the_environment_failed_a
     envs.server.child.wait().unwrap();
     assert!(hung.await.unwrap().is_err(), "the request died with runnerd");
 
-    let restarted = Server::start_with(ServerOptions {
-        env: vec![
-            ("SCIENTIFIC_ENVS".into(), "1".into()),
-            ("SCIENCE_AGENT_DATA_DIR".into(), envs.server.data_dir.display().to_string()),
-            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
-            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
-            ("SCIENCE_AGENT_CRAN_REPO".into(), "file:///nonexistent-cran".into()),
-        ],
-        ..Default::default()
-    });
+    let restarted = restart(&envs);
     assert_eq!(setup_outcome(&restarted).await["state"], "ready");
     let (_, list) = get(&restarted, "/environments").await;
     let e = environment(&list, &id);
@@ -906,9 +904,7 @@ async fn a_provisioning_step_runs_under_the_execution_memory_limit() {
     ])
     .await;
     let s = &envs.server;
-    let (status, env) = post(s, "/environments", json!({"name": "r-hog", "language": "r"})).await;
-    assert_eq!(status, 201, "{env}\n{}", s.stderr());
-    let id = env["id"].as_str().unwrap().to_owned();
+    let (id, env) = r_environment(s, "r-hog").await;
     let (status, v) =
         post(s, &format!("/environments/{id}/install"), json!({"packages": ["hog"], "manager": "cran"}))
             .await;
@@ -932,9 +928,7 @@ async fn a_fifo_a_package_step_plants_in_a_prefix_is_refused_not_waited_on() {
     }
     let envs = ready(&[]).await;
     let s = &envs.server;
-    let (status, env) = post(s, "/environments", json!({"name": "r-fifo", "language": "r"})).await;
-    assert_eq!(status, 201, "{env}\n{}", s.stderr());
-    let id = env["id"].as_str().unwrap().to_owned();
+    let (id, _) = r_environment(s, "r-fifo").await;
     // The listing after the R step would block on the FIFO (and a conda fetch holding the
     // package cache for every tenant would): both refuse it at once instead.
     let (status, v) =
@@ -982,9 +976,7 @@ async fn a_package_steps_scratch_is_removed_however_deep_and_an_oversized_invent
     }
     let mut envs = ready(&[]).await;
     let s = &envs.server;
-    let (status, env) = post(s, "/environments", json!({"name": "r-scratch", "language": "r"})).await;
-    assert_eq!(status, 201, "{env}\n{}", s.stderr());
-    let id = env["id"].as_str().unwrap().to_owned();
+    let (id, env) = r_environment(s, "r-scratch").await;
     let install = format!("/environments/{id}/install");
     let (status, v) = post(s, &install, json!({"packages": ["deep"], "manager": "cran"})).await;
     assert_eq!(status, 201, "{v}\n{}", s.stderr());
@@ -1016,18 +1008,7 @@ async fn a_package_steps_scratch_is_removed_however_deep_and_an_oversized_invent
     let stale = scratch.join("0f0e-stale-7/d/d/d");
     std::fs::create_dir_all(&stale).unwrap();
     std::fs::write(stale.join("left.txt"), "x").unwrap();
-    let data_dir = envs.server.data_dir.clone();
-    let restarted = Server::start_with(ServerOptions {
-        env: vec![
-            ("SCIENTIFIC_ENVS".into(), "1".into()),
-            ("SCIENCE_AGENT_DATA_DIR".into(), data_dir.display().to_string()),
-            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".into(), format!("file://{}", envs.channel_dir.display())),
-            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".into(), "python,tinyutil=1.0".into()),
-            ("SCIENCE_AGENT_STARTER_R_SPECS".into(), "r-base".into()),
-            ("SCIENCE_AGENT_CRAN_REPO".into(), "file:///nonexistent-cran".into()),
-        ],
-        ..Default::default()
-    });
+    let restarted = restart(&envs);
     assert_eq!(setup_outcome(&restarted).await["state"], "ready");
     let (status, other) =
         post(&restarted, "/environments", json!({"name": "after", "language": "python"})).await;
@@ -1045,9 +1026,7 @@ async fn provisioning_steps_take_sandbox_slots_as_executions_do() {
     let mut prefixes = Vec::new();
     let mut installs = Vec::new();
     for name in ["r-slot-a", "r-slot-b"] {
-        let (status, env) = post(s, "/environments", json!({"name": name, "language": "r"})).await;
-        assert_eq!(status, 201, "{env}\n{}", s.stderr());
-        let id = env["id"].as_str().unwrap().to_owned();
+        let (id, env) = r_environment(s, name).await;
         let runtime = env["runtimeRevisionId"].as_str().unwrap();
         prefixes.push(s.path(&format!("scientific-envs/revisions/{id}/{runtime}")));
         installs.push(format!("/environments/{id}/install"));
