@@ -242,10 +242,10 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     startup::log_confinement();
     let address = listener.describe();
     let usable = sandbox.capability.sandbox_usable;
-    let versions = Arc::new(Versions::open(&config.data_dir).with_context(|| {
+    let versions = Versions::open(&config.data_dir).with_context(|| {
         format!("opening the workspace version store under {}", config.data_dir.display())
-    })?);
-    versions.limit_snapshots_by_default(config.max_workspace_bytes);
+    })?;
+    let versions = Arc::new(versions.with_default_snapshot_limit(config.max_workspace_bytes));
     let swept = crate::api::stream::sweep_staging(&config.data_dir.join(crate::api::remote::STAGING));
     crate::skills::store::sweep_staging(&config.data_dir);
     if swept > 0 {

@@ -74,7 +74,7 @@ pub struct Versions {
     /// an observed tree, a workspace route's commit): the configured workspace quota, so
     /// that a tree a run left over it (sparse files of distinct contents, say) is never
     /// written out into the shared store by another route (0: none).
-    default_max_bytes: std::sync::atomic::AtomicU64,
+    default_max_bytes: u64,
 }
 
 impl std::fmt::Debug for Versions {
@@ -182,17 +182,13 @@ impl Versions {
             refs: Mutex::new(refs),
             lifecycle,
             data_dir: data_dir.to_owned(),
-            default_max_bytes: std::sync::atomic::AtomicU64::new(0),
+            default_max_bytes: 0,
         })
     }
 
-    /// Sets [`Versions::default_max_bytes`]: the workspace quota (0: none).
-    pub fn limit_snapshots_by_default(&self, bytes: u64) {
-        self.default_max_bytes.store(bytes, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn default_max_bytes(&self) -> u64 {
-        self.default_max_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    /// With [`Versions::default_max_bytes`] set: the workspace quota (0: none).
+    pub fn with_default_snapshot_limit(self, bytes: u64) -> Versions {
+        Versions { default_max_bytes: bytes, ..self }
     }
 
     pub fn store(&self) -> &Store {
@@ -243,7 +239,7 @@ impl Versions {
             root: canonical.to_owned(),
             head: workspace_head_name(canonical),
             pinned,
-            max_bytes: self.default_max_bytes(),
+            max_bytes: self.default_max_bytes,
             _lease: lease,
             _admitted: admitted,
         };
@@ -450,7 +446,7 @@ impl Versions {
         let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(pinned));
         let observed = blocking_retry(self.clone(), move || {
             let name = workspace_head_name(&root);
-            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes() };
+            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes };
             let tree = me.snapshot_live(&dir, &scope)?;
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
                 return Ok(tree);
@@ -521,7 +517,7 @@ impl Versions {
                 let name = workspace_head_name(&r);
                 let tree = me.snapshot_live(
                     &dir,
-                    &SnapshotScope { canonical: Some(r.clone()), max_bytes: me.default_max_bytes() },
+                    &SnapshotScope { canonical: Some(r.clone()), max_bytes: me.default_max_bytes },
                 )?;
                 let head = me.refs().head(&name)?;
                 let (id, kind) = match head {
@@ -586,7 +582,7 @@ impl Versions {
                 let verified = me.store.validate_closure(&h).map_err(|e| crate::error_chain(&e));
                 (h, verified)
             });
-            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes() };
+            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes };
             let tree = me.snapshot_live(&dir, &scope)?;
             let id = new_uuid_v4();
             let record = me.commit_mutation_record(
