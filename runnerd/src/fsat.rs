@@ -115,6 +115,28 @@ pub fn rename_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
     Ok(())
 }
 
+/// `renameat2(dir, from, dir, to, RENAME_NOREPLACE)`: moves a name (never following a
+/// symlink at either) only if `to` does not exist; an existing `to` is `AlreadyExists`.
+pub fn rename_noreplace_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
+    // SAFETY: renameat2 between NUL-terminated names in one directory descriptor we own.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            dir.as_raw_fd(),
+            from.as_ptr(),
+            dir.as_raw_fd(),
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    match cvt(r) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
+            Err(io::Error::from_raw_os_error(libc::EEXIST))
+        }
+        r => r.map(|_| ()),
+    }
+}
+
 /// `renameat(from_dir, from, to_dir, to)`: moves a name into another directory (both held
 /// by descriptor), replacing `to`; neither name is followed.
 pub fn rename_between(

@@ -9,7 +9,10 @@
 //! The entry's *content* says whether it is held: the root's path while held, empty once
 //! released. The file itself stays, one per root like the lock database, so a lease
 //! creates and removes no inode of ours (issue #18: ext4 inode churn was the launch path's
-//! largest kernel cost); only the protocol's `.active` marker comes and goes.
+//! largest kernel cost). Nor does the protocol's `.active` marker: a released lease renames
+//! it to `<H>.active-idle`, and the next lease renames that back without replacing anything
+//! (`RENAME_NOREPLACE`, as exclusive as the original's `O_EXCL`), so the name comes and goes
+//! but the inode stays.
 
 use std::ffi::CString;
 use std::fs::OpenOptions;
@@ -57,6 +60,8 @@ pub struct LeaseNames {
     pub lock: String,
     pub active: String,
     pub failed: String,
+    /// Ours: the released marker, kept for the next lease ([`LeaseDir::place_marker`]).
+    pub spare: String,
     pub hex: String,
 }
 
@@ -67,6 +72,7 @@ impl LeaseNames {
             lock: format!("{hex}.sqlite"),
             active: format!("{hex}.active"),
             failed: format!("{hex}.failed"),
+            spare: format!("{hex}.active-idle"),
             hex,
         }
     }
@@ -102,6 +108,49 @@ impl LeaseDir {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
             Err(e) => Err(CoordError::io("inspect", &LeaseNames::shown(name), e)),
+        }
+    }
+
+    /// Puts `.active` in place with the marker text: the spare a released lease kept,
+    /// renamed without replacing anything, else a new file (`O_CREAT|O_EXCL`). An existing
+    /// marker is [`CoordError::Interrupted`] either way. A spare that is not a marker of its
+    /// own (this directory is writable by the sandbox of an enclosing workspace) is removed
+    /// from the marker's name and a new one made.
+    fn place_marker(&self) -> Result<(), CoordError> {
+        let (active, spare) = (self.c(&self.names.active)?, self.c(&self.names.spare)?);
+        let shown = LeaseNames::shown(&self.names.active);
+        match fsat::rename_noreplace_at(&self.fd, &spare, &active) {
+            Ok(()) => {
+                let ours = Stat::at(&self.fd, &active).is_ok_and(|st| {
+                    st.kind() == libc::S_IFREG && st.nlink == 1 && st.size == ACTIVE_TEXT.len() as u64
+                });
+                if ours {
+                    return Ok(());
+                }
+                fsat::unlink_at(&self.fd, &active)
+                    .map_err(|e| CoordError::io("replace the lease marker", &shown, e))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(CoordError::Interrupted),
+            // No spare yet (or a filesystem without `renameat2`): a new marker.
+            Err(_) => {}
+        }
+        match fsat::create_new_at(&self.fd, &active, 0o600) {
+            Ok(fd) => std::fs::File::from(fd).write_all(ACTIVE_TEXT.as_bytes()).map_err(|e| {
+                // Ours and not yet a lease's: it must not refuse the next writer.
+                let _ = fsat::unlink_at(&self.fd, &active);
+                CoordError::io("create the lease marker", &shown, e)
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(CoordError::Interrupted),
+            Err(e) => Err(CoordError::io("create the lease marker", &shown, e)),
+        }
+    }
+
+    /// Takes `.active` away (the entry itself, whatever it is now; never followed): renamed
+    /// to the spare for the next lease, or unlinked where that fails.
+    fn remove_marker(&self) {
+        let (Ok(active), Ok(spare)) = (self.c(&self.names.active), self.c(&self.names.spare)) else { return };
+        if fsat::rename_at(&self.fd, &active, &spare).is_err() {
+            let _ = fsat::unlink_at(&self.fd, &active);
         }
     }
 
@@ -201,18 +250,8 @@ impl Lease {
                 Err(e) => return Err(CoordError::io("record the lease in", "the lease journal", e)),
             }
         }
-        let active = lease.dir.names.active.clone();
-        let shown = LeaseNames::shown(&active);
-        match fsat::create_new_at(&lease.dir.fd, &lease.dir.c(&active)?, 0o600) {
-            Ok(fd) => {
-                lease.created_active = true;
-                std::fs::File::from(fd)
-                    .write_all(ACTIVE_TEXT.as_bytes())
-                    .map_err(|e| CoordError::io("create the lease marker", &shown, e))?;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(CoordError::Interrupted),
-            Err(e) => return Err(CoordError::io("create the lease marker", &shown, e)),
-        }
+        lease.dir.place_marker()?;
+        lease.created_active = true;
         Ok(lease)
     }
 
@@ -238,11 +277,8 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.created_active
-            && let Ok(name) = self.dir.c(&self.dir.names.active)
-        {
-            // unlinkat removes the entry itself, whatever it is now (never a target).
-            let _ = fsat::unlink_at(&self.dir.fd, &name);
+        if self.created_active {
+            self.dir.remove_marker();
         }
         match &self.journal {
             Some(JournalEntry::Held(file)) => {

@@ -341,6 +341,48 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_marker_keeps_its_inode_across_leases_and_a_planted_spare_is_never_used() {
+        use std::os::unix::fs::MetadataExt;
+        let (d, life, root) = fixture();
+        let paths = LeasePaths::for_root(&root);
+        let spare = paths.dir.join(format!("{}.active-idle", paths.hex));
+        let first = life.lease(&root, None).await.unwrap();
+        let ino = std::fs::metadata(&paths.active).unwrap().ino();
+        drop(first);
+        assert!(!paths.active.exists());
+        assert_eq!(std::fs::symlink_metadata(&spare).unwrap().ino(), ino, "kept as the spare");
+        let second = life.lease(&root, None).await.unwrap();
+        assert_eq!(std::fs::metadata(&paths.active).unwrap().ino(), ino, "no new inode");
+        assert_eq!(std::fs::read_to_string(&paths.active).unwrap(), ACTIVE_TEXT);
+        assert!(!spare.exists());
+        drop(second);
+
+        // A spare swapped for a symlink to a host file, a hard link or a FIFO: the marker
+        // is a new file of its own with the exact text, and nothing outside is touched.
+        let host = d.path().join("host-file");
+        std::fs::write(&host, "host").unwrap();
+        for plant in ["symlink", "hard link", "fifo"] {
+            std::fs::remove_file(&spare).unwrap();
+            match plant {
+                "symlink" => std::os::unix::fs::symlink(&host, &spare).unwrap(),
+                "hard link" => std::fs::hard_link(&host, &spare).unwrap(),
+                _ => nix::unistd::mkfifo(&spare, nix::sys::stat::Mode::S_IRWXU).unwrap(),
+            }
+            let lease = life.lease(&root, None).await.unwrap();
+            let st = std::fs::symlink_metadata(&paths.active).unwrap();
+            assert!(st.is_file() && st.nlink() == 1);
+            assert_eq!(std::fs::read_to_string(&paths.active).unwrap(), ACTIVE_TEXT);
+            drop(lease);
+            assert!(!paths.active.exists());
+            assert_eq!(std::fs::read_to_string(&host).unwrap(), "host");
+        }
+        // With a marker present the spare changes nothing: still interrupted.
+        std::fs::write(&paths.active, ACTIVE_TEXT).unwrap();
+        assert_eq!(life.lease(&root, None).await.unwrap_err().to_string(), INTERRUPTED);
+        assert!(paths.active.exists() && spare.exists());
+    }
+
+    #[tokio::test]
     async fn lease_markers_follow_the_original() {
         let (_d, life, root) = fixture();
         let paths = LeasePaths::for_root(&root);

@@ -147,20 +147,9 @@ pub fn publish(data_dir: &Path, bundle: &Bundle) -> Result<PathBuf, StoreError> 
 
 /// `true` when renamed, `false` when `to` already exists.
 fn rename_noreplace(dir: &OwnedFd, from: &CStr, to: &CStr) -> io::Result<bool> {
-    // SAFETY: renameat2 on two names relative to a descriptor we hold; both NUL-terminated.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_renameat2,
-            dir.as_raw_fd(),
-            from.as_ptr(),
-            dir.as_raw_fd(),
-            to.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    match common::sys::cvt(r) {
-        Ok(_) => Ok(true),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST | libc::ENOTEMPTY)) => Ok(false),
+    match fsat::rename_noreplace_at(dir, from, to) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
         Err(e) => Err(e),
     }
 }
