@@ -327,6 +327,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     };
     http::serve(app.clone(), listener, shutdown).await;
     app.managed.close(MANAGED_GRACE).await;
+    app.limits.remove_spares();
     tracing::info!(event = "stopped");
     Ok(0)
 }

@@ -116,6 +116,49 @@ fn exec_cgroups_left(root: &Path, prefix: &str) -> Vec<PathBuf> {
     }
 }
 
+/// Whether the v1 memory cgroup `dir` is an unused spare: no task in it and no memory ever
+/// charged to it (runnerd makes the next run's cgroup ahead, issue #18).
+fn unused_spare(dir: &Path) -> bool {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_else(|_| "?".into());
+    read("tasks").trim().is_empty() && read("memory.max_usage_in_bytes").trim() == "0"
+}
+
+/// [`exec_cgroups_left`] that are not unused spares.
+fn used_exec_cgroups_left(root: &Path, prefix: &str) -> Vec<PathBuf> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let left: Vec<_> = exec_cgroups(root)
+            .into_iter()
+            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix) && !unused_spare(p))
+            .collect();
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// The unused spares named `<prefix>…` under the v1 memory hierarchy `root` limited to
+/// `limit` bytes, once one has had up to 5 s to be made.
+fn spares_limited_to(root: &Path, prefix: &str, limit: u64) -> Vec<PathBuf> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let found: Vec<_> = exec_cgroups(root)
+            .into_iter()
+            .filter(|p| {
+                p.file_name().unwrap().to_string_lossy().starts_with(prefix)
+                    && unused_spare(p)
+                    && std::fs::read_to_string(p.join("memory.limit_in_bytes"))
+                        .is_ok_and(|t| t.trim() == (limit & !4095).to_string())
+            })
+            .collect();
+        if !found.is_empty() || std::time::Instant::now() > deadline {
+            return found;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// The execution cgroups under `root` right now.
 fn exec_cgroups(root: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(root)
@@ -151,14 +194,28 @@ async fn v1_as_root_kills_a_memory_hog_and_says_so() {
     assert_eq!(r["resourceLimits"]["memoryBytes"], limit);
     assert_eq!(r["resourceLimits"]["enforced"]["memoryBytes"], true, "{r}");
     assert_eq!(r["resourceLimits"]["enforced"]["pids"], true, "{r}");
-    // The runner goes on serving, and its cgroups are gone.
+    // The run's end made the next run's cgroup ahead, with the same limits: no task ever
+    // in it. A run with those limits takes it, and the limit holds there as well.
+    let mine = format!("exec-{}-", server.pid().unwrap());
+    let spares = spares_limited_to(&root, &mine, limit);
+    assert_eq!(spares.len(), 1, "{spares:?} in {:?}", exec_cgroups(&root));
+    let again = run(&server, &ws, HOG, json!({"memoryBytes": limit})).await;
+    assert_oom(&again, limit);
+    assert!(!spares[0].exists(), "the spare was used (and removed after its run)");
+    // The runner goes on serving; the only cgroups of its left are unused spares, at most
+    // two, and none once it stopped.
     let ok = run(&server, &ws, "echo fine", Value::Null).await;
     assert_eq!(ok["stdout"], "fine\n");
     assert_eq!(ok["oomKilled"], false);
     assert!(ok["resourceUsage"]["cpuTimeMs"].is_u64(), "{ok}");
-    let mine = format!("exec-{}-", server.pid().unwrap());
-    let left = exec_cgroups_left(&root, &mine);
+    let left = used_exec_cgroups_left(&root, &mine);
     assert!(left.is_empty(), "cgroups left behind: {left:?}");
+    let mine_now = exec_cgroups(&root).into_iter().filter(|p| p.to_string_lossy().contains(&mine)).count();
+    assert!(mine_now <= 2, "{:?}", exec_cgroups(&root));
+    let mut server = server;
+    assert!(server.stop().success());
+    let left = exec_cgroups_left(&root, &mine);
+    assert!(left.is_empty(), "cgroups left after a graceful stop: {left:?}");
 }
 
 #[tokio::test]

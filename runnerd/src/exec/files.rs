@@ -132,15 +132,22 @@ pub fn measure(root: BorrowedFd<'_>) -> Measured {
 /// [`measure`] on the blocking pool (it makes a syscall per entry), on a duplicate of `root`
 /// that the walk owns; a walk that could not start or run fails closed.
 pub async fn measure_blocking(root: &OwnedFd) -> Measured {
-    let unreadable =
-        |error| Measured { unreadable: Some(Unreadable { path: ".".into(), error }), ..Default::default() };
     let root = match root.try_clone() {
         Ok(fd) => fd,
         Err(e) => return unreadable(e),
     };
     tokio::task::spawn_blocking(move || measure(root.as_fd()))
         .await
-        .unwrap_or_else(|e| unreadable(io::Error::other(e.to_string())))
+        .unwrap_or_else(|e| unmeasured(&e.to_string()))
+}
+
+/// A walk that could not run, failing closed (the workspace reads as unreadable).
+pub fn unmeasured(why: &str) -> Measured {
+    unreadable(io::Error::other(why.to_owned()))
+}
+
+fn unreadable(error: io::Error) -> Measured {
+    Measured { unreadable: Some(Unreadable { path: ".".into(), error }), ..Default::default() }
 }
 
 /// [`measure`], calling `listed` with each directory's relative path right after its names

@@ -880,7 +880,14 @@ async fn sandbox_run(
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
     let outcome = app.sandbox.launcher.run(launch, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
-    let usage = crate::limits::finish(cgroup).await;
+    // The workspace as the run left it, measured once the cgroup's last process is dead
+    // (nothing writes after), in the same blocking task as the cgroup's end.
+    let walked = root_fd.try_clone().map_err(EngineError::internal)?;
+    let (usage, after) = app
+        .limits
+        .finish_execution(cgroup, move || files::measure(std::os::fd::AsFd::as_fd(&walked)))
+        .await
+        .unwrap_or_else(|| (None, files::unmeasured("the measuring task stopped")));
     let outcome = match outcome {
         Ok(o) => {
             if let Some(latency) = o.launch_latency {
@@ -908,7 +915,6 @@ async fn sandbox_run(
         }
     };
 
-    let after = files::measure_blocking(root_fd).await;
     let finish = |outcome_name: &str, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };

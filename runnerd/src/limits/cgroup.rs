@@ -116,6 +116,8 @@ pub struct ExecCgroup {
     flavor: Flavor,
     /// (directory, its hierarchy's controllers), in the order sandbox-init joins them.
     dirs: Vec<(PathBuf, Vec<String>)>,
+    /// What it was limited to (a spare made ahead serves only a run with these).
+    limits: Limits,
     removed: bool,
 }
 
@@ -175,7 +177,7 @@ impl ExecCgroup {
         name: &str,
         limits: &Limits,
     ) -> Result<ExecCgroup, CgroupError> {
-        let mut group = ExecCgroup { flavor, dirs: Vec::new(), removed: false };
+        let mut group = ExecCgroup { flavor, dirs: Vec::new(), limits: *limits, removed: false };
         for h in hierarchies {
             let dir = h.dir.join(name);
             std::fs::create_dir(&dir).map_err(|source| CgroupError::Create { path: dir.clone(), source })?;
@@ -236,6 +238,11 @@ impl ExecCgroup {
             }
         }
         Ok(())
+    }
+
+    /// The limits it was made with.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// The join file of each directory ([`join_file`]), opened for writing and

@@ -7,8 +7,9 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use super::cgroup::{self, CgroupError, ExecCgroup, Flavor, Hierarchy};
+use super::cgroup::{self, CgroupError, ExecCgroup, Flavor, Hierarchy, Usage};
 use super::{LimitSettings, Limits, ModeChoice};
 
 /// How this runner enforces memory, pids and CPU limits.
@@ -43,7 +44,90 @@ pub struct Enforcement {
     pub hierarchies: Vec<Hierarchy>,
     /// Why better modes were not taken; empty when the best one was.
     pub reasons: Vec<String>,
+    maker: Arc<Maker>,
+}
+
+/// How many execution cgroups are kept made ahead ([`Enforcement::finish_execution`]): one
+/// for the next sequential run, one more for a second client.
+pub const SPARES: usize = 2;
+
+/// Names and makes execution cgroups, and keeps up to [`SPARES`] of them made ahead: the
+/// `mkdir` in every hierarchy and the verified limit writes cost a launch about half a
+/// millisecond on a v1 host (issue #18), so the end of each run makes the next run's while
+/// its answer goes out. A spare is made, limited and verified exactly as on the launch path,
+/// and no process has ever been in it: its counters start at zero like a new one's.
+#[derive(Debug, Default)]
+struct Maker {
+    flavor: Option<Flavor>,
+    hierarchies: Vec<Hierarchy>,
     counter: AtomicU64,
+    spares: Mutex<Vec<ExecCgroup>>,
+}
+
+impl Maker {
+    fn new(flavor: Flavor, hierarchies: &[Hierarchy]) -> Arc<Maker> {
+        Arc::new(Maker { flavor: Some(flavor), hierarchies: hierarchies.to_vec(), ..Maker::default() })
+    }
+
+    fn spares(&self) -> std::sync::MutexGuard<'_, Vec<ExecCgroup>> {
+        self.spares.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fresh name: this runnerd's pid (so that a later runnerd can tell a crashed one's
+    /// leftovers from a live one's) and a counter.
+    fn next_name(&self) -> String {
+        format!("exec-{}-{}", std::process::id(), self.counter.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn make(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
+        match self.flavor {
+            Some(flavor) => {
+                ExecCgroup::create(flavor, &self.hierarchies, &self.next_name(), limits).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// A spare with exactly these limits, else a new cgroup.
+    fn take(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
+        let spare = {
+            let mut spares = self.spares();
+            spares.iter().position(|c| c.limits() == limits).map(|i| spares.swap_remove(i))
+        };
+        match spare {
+            Some(c) => Ok(Some(c)),
+            None => self.make(limits),
+        }
+    }
+
+    /// Makes a spare with `limits` unless one is waiting; the oldest spare beyond
+    /// [`SPARES`] is removed (its limits are the ones least recently asked for).
+    fn refill(&self, limits: &Limits) {
+        if self.spares().iter().any(|c| c.limits() == limits) {
+            return;
+        }
+        match self.make(limits) {
+            Ok(Some(made)) => {
+                let evicted = {
+                    let mut spares = self.spares();
+                    spares.push(made);
+                    (spares.len() > SPARES).then(|| spares.remove(0))
+                };
+                if let Some(old) = evicted {
+                    remove_or_warn(old);
+                }
+            }
+            Ok(None) => {}
+            // Not an error of any run: the next launch makes its own and reports a failure.
+            Err(e) => tracing::debug!(event = "cgroup_spare_failed", error = %crate::error_chain(&e)),
+        }
+    }
+}
+
+fn remove_or_warn(cgroup: ExecCgroup) {
+    if let Err(e) = cgroup.remove_blocking() {
+        tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +148,7 @@ impl Enforcement {
             root: PathBuf::new(),
             hierarchies: Vec::new(),
             reasons,
-            counter: AtomicU64::new(0),
+            maker: Arc::default(),
         }
     }
 
@@ -107,23 +191,41 @@ impl Enforcement {
         Ok(Enforcement::rlimits_only(reasons))
     }
 
-    /// A fresh cgroup name for one execution: this runnerd's pid (so that a later runnerd
-    /// can tell a crashed one's leftovers from a live one's) and a counter.
-    pub fn next_name(&self) -> String {
-        format!("exec-{}-{}", std::process::id(), self.counter.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Creates, limits and verifies the cgroup(s) of one execution; `None` in rlimits-only.
+    /// The cgroup(s) of one execution, limited and verified: a spare made ahead with these
+    /// limits, else new ones; `None` in rlimits-only.
     pub fn create(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
         match self.mode {
             Mode::RlimitsOnly => Ok(None),
-            Mode::CgroupV2 => {
-                ExecCgroup::create(Flavor::V2, &self.hierarchies, &self.next_name(), limits).map(Some)
-            }
-            Mode::CgroupV1 => {
-                ExecCgroup::create(Flavor::V1, &self.hierarchies, &self.next_name(), limits).map(Some)
-            }
+            Mode::CgroupV2 | Mode::CgroupV1 => self.maker.take(limits),
         }
+    }
+
+    /// An execution's end ([`super::finish_then`]: its cgroup ended and measured, then
+    /// `then`, then the removal), and then a spare with the same limits made for the next.
+    pub async fn finish_execution<T: Send + 'static>(
+        &self,
+        cgroup: Option<ExecCgroup>,
+        then: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<(Option<Usage>, T)> {
+        let ahead = cgroup.as_ref().map(|c| (self.maker.clone(), *c.limits()));
+        super::end(cgroup, then, move || {
+            if let Some((maker, limits)) = ahead {
+                maker.refill(&limits);
+            }
+        })
+        .await
+    }
+
+    /// Removes the spares (at a graceful stop; a killed runnerd's are removed by the next
+    /// start, as any cgroup named for a dead pid).
+    pub fn remove_spares(&self) {
+        let spares = std::mem::take(&mut *self.maker.spares());
+        spares.into_iter().for_each(remove_or_warn);
+    }
+
+    /// How many spares are waiting (tests and `/health`).
+    pub fn spares_waiting(&self) -> usize {
+        self.maker.spares().len()
     }
 }
 
@@ -239,9 +341,9 @@ fn try_v2(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
         mode: Mode::CgroupV2,
         delegated: true,
         root: parent,
-        hierarchies,
         reasons: Vec::new(),
-        counter: AtomicU64::new(0),
+        maker: Maker::new(Flavor::V2, &hierarchies),
+        hierarchies,
     })
 }
 
@@ -295,9 +397,9 @@ fn try_v1(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
         mode: Mode::CgroupV1,
         delegated: !euid_is_root(),
         root: root_dir,
-        hierarchies,
         reasons: Vec::new(),
-        counter: AtomicU64::new(0),
+        maker: Maker::new(Flavor::V1, &hierarchies),
+        hierarchies,
     })
 }
 

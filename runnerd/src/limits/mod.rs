@@ -345,17 +345,41 @@ mod tests;
 /// result waits for those. Removing the directories (which may wait for the kernel to reap)
 /// happens afterwards in the blocking pool, off the answer's path; what a runnerd that dies
 /// meanwhile leaves is removed at its next start (`remove_stale`).
-/// One blocking task does all of it (a hop to the blocking pool costs a context switch
-/// each way); the counters come back through a channel before the removal starts.
 pub async fn finish(cgroup: Option<ExecCgroup>) -> Option<Usage> {
-    let cgroup = cgroup?;
+    cgroup.as_ref()?;
+    finish_then(cgroup, || ()).await.and_then(|(usage, ())| usage)
+}
+
+/// [`finish`], then `then` (work that must see the sandbox ended: the workspace's
+/// measurement), in one blocking task: a hop to the blocking pool costs a context switch each
+/// way, and this is the answer's path. The counters and `then`'s result come back through a
+/// channel before the removal starts; `None` if the task died.
+pub async fn finish_then<T: Send + 'static>(
+    cgroup: Option<ExecCgroup>,
+    then: impl FnOnce() -> T + Send + 'static,
+) -> Option<(Option<Usage>, T)> {
+    end(cgroup, then, || ()).await
+}
+
+/// [`finish_then`], with `afterwards` run in the same task after the removal.
+async fn end<T: Send + 'static>(
+    cgroup: Option<ExecCgroup>,
+    then: impl FnOnce() -> T + Send + 'static,
+    afterwards: impl FnOnce() + Send + 'static,
+) -> Option<(Option<Usage>, T)> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::task::spawn_blocking(move || {
-        cgroup.kill();
-        let _ = tx.send(cgroup.usage());
-        if let Err(e) = cgroup.remove_blocking() {
+        let usage = cgroup.as_ref().map(|c| {
+            c.kill();
+            c.usage()
+        });
+        let _ = tx.send((usage, then()));
+        if let Some(c) = cgroup
+            && let Err(e) = c.remove_blocking()
+        {
             tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
         }
+        afterwards();
     });
     rx.await.ok()
 }
