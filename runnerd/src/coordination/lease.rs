@@ -127,8 +127,12 @@ impl LeaseDir {
                 if ours {
                     return Ok(());
                 }
-                fsat::unlink_at(&self.fd, &active)
-                    .map_err(|e| CoordError::io("replace the lease marker", &shown, e))?;
+                // Moved back where it was when it cannot be unlinked (a directory), so that
+                // it never stands at the marker's name.
+                if fsat::unlink_at(&self.fd, &active).is_err() {
+                    fsat::rename_at(&self.fd, &active, &spare)
+                        .map_err(|e| CoordError::io("replace the lease marker", &shown, e))?;
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(CoordError::Interrupted),
             // No spare yet (or a filesystem without `renameat2`): a new marker.

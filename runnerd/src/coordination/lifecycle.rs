@@ -361,12 +361,16 @@ mod tests {
         // is a new file of its own with the exact text, and nothing outside is touched.
         let host = d.path().join("host-file");
         std::fs::write(&host, "host").unwrap();
-        for plant in ["symlink", "hard link", "fifo"] {
-            std::fs::remove_file(&spare).unwrap();
+        for plant in ["symlink", "hard link", "fifo", "directory"] {
+            match std::fs::symlink_metadata(&spare) {
+                Ok(m) if m.is_dir() => std::fs::remove_dir(&spare).unwrap(),
+                _ => std::fs::remove_file(&spare).unwrap(),
+            }
             match plant {
                 "symlink" => std::os::unix::fs::symlink(&host, &spare).unwrap(),
                 "hard link" => std::fs::hard_link(&host, &spare).unwrap(),
-                _ => nix::unistd::mkfifo(&spare, nix::sys::stat::Mode::S_IRWXU).unwrap(),
+                "fifo" => nix::unistd::mkfifo(&spare, nix::sys::stat::Mode::S_IRWXU).unwrap(),
+                _ => std::fs::create_dir(&spare).unwrap(),
             }
             let lease = life.lease(&root, None).await.unwrap();
             let st = std::fs::symlink_metadata(&paths.active).unwrap();

@@ -880,14 +880,22 @@ async fn sandbox_run(
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
     let outcome = app.sandbox.launcher.run(launch, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
-    // The workspace as the run left it, measured once the cgroup's last process is dead
-    // (nothing writes after), in the same blocking task as the cgroup's end.
-    let walked = root_fd.try_clone().map_err(EngineError::internal)?;
+    // The workspace as the run left it (`createdFiles`), measured in the cgroup's blocking
+    // task right after its kill rather than on a hop of its own; only for a run that ended
+    // (the launcher saw the sandbox end). A launch failure, an unresponsive sandbox, a
+    // timeout or a cancel answers without it, so nothing waits on a walk of a workspace a
+    // live sandbox may still be writing.
+    let ended = matches!(&outcome, Ok(o) if matches!(o.termination, Termination::Exited(_) | Termination::Signaled(_)));
+    let walked = root_fd.try_clone();
     let (usage, after) = app
         .limits
-        .finish_execution(cgroup, move || files::measure(std::os::fd::AsFd::as_fd(&walked)))
+        .finish_execution(cgroup, move || match (ended, walked) {
+            (true, Ok(fd)) => Some(files::measure(std::os::fd::AsFd::as_fd(&fd))),
+            (true, Err(e)) => Some(files::unmeasured(&format!("cannot open the workspace again: {e}"))),
+            (false, _) => None,
+        })
         .await
-        .unwrap_or_else(|| (None, files::unmeasured("the measuring task stopped")));
+        .unwrap_or_else(|| (None, Some(files::unmeasured("the measuring task stopped"))));
     let outcome = match outcome {
         Ok(o) => {
             if let Some(latency) = o.launch_latency {
@@ -938,6 +946,7 @@ async fn sandbox_run(
             });
         }
     };
+    let after = after.unwrap_or_else(|| files::unmeasured("the run's end was not measured"));
     let after = match files::check(after, p.max_workspace) {
         Ok(m) => m.prints,
         Err(breach) => {

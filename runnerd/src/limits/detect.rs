@@ -62,6 +62,8 @@ struct Maker {
     hierarchies: Vec<Hierarchy>,
     counter: AtomicU64,
     spares: Mutex<Vec<ExecCgroup>>,
+    /// Set at a graceful stop: a run ending after it makes no spare.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Maker {
@@ -103,15 +105,19 @@ impl Maker {
     /// Makes a spare with `limits` unless one is waiting; the oldest spare beyond
     /// [`SPARES`] is removed (its limits are the ones least recently asked for).
     fn refill(&self, limits: &Limits) {
-        if self.spares().iter().any(|c| c.limits() == limits) {
+        if self.closed.load(Ordering::Acquire) || self.spares().iter().any(|c| c.limits() == limits) {
             return;
         }
         match self.make(limits) {
             Ok(Some(made)) => {
                 let evicted = {
                     let mut spares = self.spares();
-                    spares.push(made);
-                    (spares.len() > SPARES).then(|| spares.remove(0))
+                    if self.closed.load(Ordering::Acquire) {
+                        Some(made)
+                    } else {
+                        spares.push(made);
+                        (spares.len() > SPARES).then(|| spares.remove(0))
+                    }
                 };
                 if let Some(old) = evicted {
                     remove_or_warn(old);
@@ -219,7 +225,11 @@ impl Enforcement {
     /// Removes the spares (at a graceful stop; a killed runnerd's are removed by the next
     /// start, as any cgroup named for a dead pid).
     pub fn remove_spares(&self) {
-        let spares = std::mem::take(&mut *self.maker.spares());
+        let spares = {
+            let mut held = self.maker.spares();
+            self.maker.closed.store(true, Ordering::Release);
+            std::mem::take(&mut *held)
+        };
         spares.into_iter().for_each(remove_or_warn);
     }
 
