@@ -44,7 +44,8 @@ pub struct Enforcement {
     pub hierarchies: Vec<Hierarchy>,
     /// Why better modes were not taken; empty when the best one was.
     pub reasons: Vec<String>,
-    maker: Arc<Maker>,
+    /// `None` in rlimits-only.
+    maker: Option<Arc<Maker>>,
 }
 
 /// How many execution cgroups are kept made ahead ([`Enforcement::finish_execution`]): one
@@ -56,9 +57,9 @@ pub const SPARES: usize = 2;
 /// millisecond on a v1 host (issue #18), so the end of each run makes the next run's while
 /// its answer goes out. A spare is made, limited and verified exactly as on the launch path,
 /// and no process has ever been in it: its counters start at zero like a new one's.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Maker {
-    flavor: Option<Flavor>,
+    flavor: Flavor,
     hierarchies: Vec<Hierarchy>,
     counter: AtomicU64,
     spares: Mutex<Vec<ExecCgroup>>,
@@ -67,8 +68,14 @@ struct Maker {
 }
 
 impl Maker {
-    fn new(flavor: Flavor, hierarchies: &[Hierarchy]) -> Arc<Maker> {
-        Arc::new(Maker { flavor: Some(flavor), hierarchies: hierarchies.to_vec(), ..Maker::default() })
+    fn new(flavor: Flavor, hierarchies: &[Hierarchy]) -> Option<Arc<Maker>> {
+        Some(Arc::new(Maker {
+            flavor,
+            hierarchies: hierarchies.to_vec(),
+            counter: AtomicU64::new(0),
+            spares: Mutex::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
+        }))
     }
 
     fn spares(&self) -> std::sync::MutexGuard<'_, Vec<ExecCgroup>> {
@@ -81,25 +88,17 @@ impl Maker {
         format!("exec-{}-{}", std::process::id(), self.counter.fetch_add(1, Ordering::Relaxed))
     }
 
-    fn make(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
-        match self.flavor {
-            Some(flavor) => {
-                ExecCgroup::create(flavor, &self.hierarchies, &self.next_name(), limits).map(Some)
-            }
-            None => Ok(None),
-        }
+    fn make(&self, limits: &Limits) -> Result<ExecCgroup, CgroupError> {
+        ExecCgroup::create(self.flavor, &self.hierarchies, &self.next_name(), limits)
     }
 
     /// A spare with exactly these limits, else a new cgroup.
-    fn take(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
+    fn take(&self, limits: &Limits) -> Result<ExecCgroup, CgroupError> {
         let spare = {
             let mut spares = self.spares();
             spares.iter().position(|c| c.limits() == limits).map(|i| spares.swap_remove(i))
         };
-        match spare {
-            Some(c) => Ok(Some(c)),
-            None => self.make(limits),
-        }
+        spare.map_or_else(|| self.make(limits), Ok)
     }
 
     /// Makes a spare with `limits` unless one is waiting; the oldest spare beyond
@@ -109,7 +108,7 @@ impl Maker {
             return;
         }
         match self.make(limits) {
-            Ok(Some(made)) => {
+            Ok(made) => {
                 let evicted = {
                     let mut spares = self.spares();
                     if self.closed.load(Ordering::Acquire) {
@@ -123,7 +122,6 @@ impl Maker {
                     remove_or_warn(old);
                 }
             }
-            Ok(None) => {}
             // Not an error of any run: the next launch makes its own and reports a failure.
             Err(e) => tracing::debug!(event = "cgroup_spare_failed", error = %crate::error_chain(&e)),
         }
@@ -154,7 +152,7 @@ impl Enforcement {
             root: PathBuf::new(),
             hierarchies: Vec::new(),
             reasons,
-            maker: Arc::default(),
+            maker: None,
         }
     }
 
@@ -200,20 +198,18 @@ impl Enforcement {
     /// The cgroup(s) of one execution, limited and verified: a spare made ahead with these
     /// limits, else new ones; `None` in rlimits-only.
     pub fn create(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
-        match self.mode {
-            Mode::RlimitsOnly => Ok(None),
-            Mode::CgroupV2 | Mode::CgroupV1 => self.maker.take(limits),
-        }
+        self.maker.as_ref().map(|m| m.take(limits)).transpose()
     }
 
-    /// An execution's end ([`super::finish_then`]: its cgroup ended and measured, then
-    /// `then`, then the removal), and then a spare with the same limits made for the next.
+    /// An execution's end in one blocking task ([`super::end`]): its cgroup ended and its
+    /// counters read, then `then`, both answered; then the removal, and a spare with the same
+    /// limits made for the next run.
     pub async fn finish_execution<T: Send + 'static>(
         &self,
         cgroup: Option<ExecCgroup>,
         then: impl FnOnce() -> T + Send + 'static,
     ) -> Option<(Option<Usage>, T)> {
-        let ahead = cgroup.as_ref().map(|c| (self.maker.clone(), *c.limits()));
+        let ahead = self.maker.clone().zip(cgroup.as_ref().map(|c| *c.limits()));
         super::end(cgroup, then, move || {
             if let Some((maker, limits)) = ahead {
                 maker.refill(&limits);
@@ -225,17 +221,13 @@ impl Enforcement {
     /// Removes the spares (at a graceful stop; a killed runnerd's are removed by the next
     /// start, as any cgroup named for a dead pid).
     pub fn remove_spares(&self) {
+        let Some(maker) = &self.maker else { return };
         let spares = {
-            let mut held = self.maker.spares();
-            self.maker.closed.store(true, Ordering::Release);
+            let mut held = maker.spares();
+            maker.closed.store(true, Ordering::Release);
             std::mem::take(&mut *held)
         };
         spares.into_iter().for_each(remove_or_warn);
-    }
-
-    /// How many spares are waiting (tests and `/health`).
-    pub fn spares_waiting(&self) -> usize {
-        self.maker.spares().len()
     }
 }
 

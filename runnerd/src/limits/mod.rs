@@ -347,21 +347,13 @@ mod tests;
 /// meanwhile leaves is removed at its next start (`remove_stale`).
 pub async fn finish(cgroup: Option<ExecCgroup>) -> Option<Usage> {
     cgroup.as_ref()?;
-    finish_then(cgroup, || ()).await.and_then(|(usage, ())| usage)
+    end(cgroup, || (), || ()).await.and_then(|(usage, ())| usage)
 }
 
 /// [`finish`], then `then` (work that must see the sandbox ended: the workspace's
 /// measurement), in one blocking task: a hop to the blocking pool costs a context switch each
 /// way, and this is the answer's path. The counters and `then`'s result come back through a
-/// channel before the removal starts; `None` if the task died.
-pub async fn finish_then<T: Send + 'static>(
-    cgroup: Option<ExecCgroup>,
-    then: impl FnOnce() -> T + Send + 'static,
-) -> Option<(Option<Usage>, T)> {
-    end(cgroup, then, || ()).await
-}
-
-/// [`finish_then`], with `afterwards` run in the same task after the removal.
+/// channel before the removal starts, and `afterwards` runs after it; `None` if the task died.
 async fn end<T: Send + 'static>(
     cgroup: Option<ExecCgroup>,
     then: impl FnOnce() -> T + Send + 'static,
