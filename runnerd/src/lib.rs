@@ -16,6 +16,7 @@ pub(crate) mod api;
 pub(crate) mod app;
 pub use common::audit;
 pub mod auth;
+pub(crate) mod blocking;
 pub(crate) mod check;
 pub mod cli;
 pub mod client;

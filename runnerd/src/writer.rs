@@ -223,7 +223,7 @@ impl Versions {
             Quick::Busy
         } else {
             let (me, root) = (self.clone(), canonical.to_owned());
-            tokio::task::spawn_blocking(move || me.try_hold(&root))
+            crate::blocking::run(move || me.try_hold(&root))
                 .await
                 .map_err(|e| WriteError::Task(e.to_string()))??
         };
@@ -635,7 +635,7 @@ impl Versions {
 /// Snapshots retried after `Workspace changed during snapshot` before the write fails.
 const SNAPSHOT_RETRIES: u32 = 3;
 
-/// Runs store work on the blocking pool. An object found missing (deleted behind the
+/// Runs store work for the awaiting task ([`crate::blocking::run`]). An object found missing (deleted behind the
 /// store's caches) makes it forget every cache and try once more, re-reading and re-storing
 /// what it needs, so a damaged pool heals instead of failing the write; a tree that changed
 /// under the walk is walked again (a few times, briefly apart).
@@ -643,7 +643,7 @@ async fn blocking_retry<T: Send + 'static>(
     versions: Arc<Versions>,
     f: impl Fn() -> Result<T, WriteError> + Send + 'static,
 ) -> Result<T, WriteError> {
-    tokio::task::spawn_blocking(move || {
+    crate::blocking::run(move || {
         let mut changed = 0;
         loop {
             match f() {

@@ -351,21 +351,24 @@ pub async fn finish(cgroup: Option<ExecCgroup>) -> Option<Usage> {
 }
 
 /// [`finish`], then `then` (work that must see the sandbox ended: the workspace's
-/// measurement), in one blocking task: a hop to the blocking pool costs a context switch each
-/// way, and this is the answer's path. The counters and `then`'s result come back through a
-/// channel before the removal starts, and `afterwards` runs after it; `None` if the task died.
+/// measurement), as blocking work of the awaiting task ([`crate::blocking::run`]: no hop,
+/// this is the answer's path). The removal, which may wait for the kernel to reap, then
+/// runs on the blocking pool, and `afterwards` after it; `None` if the work panicked.
 async fn end<T: Send + 'static>(
     cgroup: Option<ExecCgroup>,
     then: impl FnOnce() -> T + Send + 'static,
     afterwards: impl FnOnce() + Send + 'static,
 ) -> Option<(Option<Usage>, T)> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::task::spawn_blocking(move || {
+    let (cgroup, usage, done) = crate::blocking::run(move || {
         let usage = cgroup.as_ref().map(|c| {
             c.kill();
             c.usage()
         });
-        let _ = tx.send((usage, then()));
+        (cgroup, usage, then())
+    })
+    .await
+    .ok()?;
+    tokio::task::spawn_blocking(move || {
         if let Some(c) = cgroup
             && let Err(e) = c.remove_blocking()
         {
@@ -373,7 +376,7 @@ async fn end<T: Send + 'static>(
         }
         afterwards();
     });
-    rx.await.ok()
+    Some((usage, done))
 }
 
 /// The additive result fields of issue #8, flattened into the execution result.
