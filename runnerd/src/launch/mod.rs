@@ -305,6 +305,7 @@ impl Launcher {
         let handed_over = std::sync::Mutex::new(None);
         let work = async {
             handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
+            self.spawner.prepare_next();
             *handed_over.lock().unwrap_or_else(|p| p.into_inner()) = Some(started.elapsed());
             let stdin = pipe::Sender::from_owned_fd(stdin_w).map_err(io_err("open the stdin pipe"))?;
             let feeder = tokio::spawn(feed_stdin(stdin, launch.stdin));

@@ -4,23 +4,28 @@
 //! when the *thread* that forked the process exits, not the process. tokio's blocking pool
 //! retires idle threads after ten seconds, which would kill every sandbox spawned from one.
 //! So all spawns happen on this one thread, which lives as long as the [`Spawner`].
-//! It also sends each plan and its descriptors, so runnerd's copies of the sandbox's ends
-//! are closed right after the hand-over.
+//! Whoever sends a plan and its descriptors closes runnerd's copies of the sandbox's ends
+//! right after the hand-over.
 //!
-//! After each hand-over the thread starts the next sandbox-init ahead of its request, off
-//! the launch's critical path: the next launch then skips the fork and exec (issue #18).
+//! Once a launch has reached bubblewrap, the thread starts the next sandbox-init ahead of its
+//! request, off the launch's critical path: the next launch then skips the fork and exec
+//! (issue #18). Not right after the hand-over: on two cores that fork and exec competed with
+//! the sandbox-init being handed the plan, and the launch waited for both (1.4 ms measured).
+//! The launch hands its plan to the waiting one itself, on its own thread: only a fork needs
+//! this thread, and each round trip to it cost two cross-thread wake-ups.
 //! The one idle sandbox-init only waits for a plan on its channel; nothing it does before
 //! the plan depends on the launch (its death signal, the staging room, the channel check).
 //! It is spawned from this thread, so it dies with it (its step 0 arms `PR_SET_PDEATHSIG`),
 //! it is killed when the thread ends, and a launch that finds it dead starts a fresh one.
 //! The first is started after the first launch, so it inherits runnerd's settled state.
+//! Launches that overlap may find none waiting: each starts its own, as the first does.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 
 use common::channel::{self, ChannelError};
 use tokio::process::{Child, Command};
@@ -60,10 +65,20 @@ pub enum SpawnError {
     Stopped,
 }
 
+/// What the spawner thread is asked to do.
+#[derive(Debug)]
+enum Job {
+    Launch(SpawnJob),
+    /// Start the next sandbox-init ahead, unless one is already waiting.
+    Prepare,
+}
+
 /// Handle to the spawner thread; the thread ends when the last handle is dropped.
 #[derive(Debug, Clone)]
 pub struct Spawner {
-    jobs: mpsc::Sender<SpawnJob>,
+    jobs: mpsc::Sender<Job>,
+    /// The sandbox-init started ahead, waiting for a plan.
+    idle: Arc<Mutex<Option<Waiting>>>,
 }
 
 impl std::fmt::Debug for SpawnJob {
@@ -80,32 +95,62 @@ impl Spawner {
     /// `Child`ren, reaped by that runtime).
     pub fn start(init_path: PathBuf) -> io::Result<Spawner> {
         let handle = Handle::current();
-        let (tx, rx) = mpsc::channel::<SpawnJob>();
+        let (tx, rx) = mpsc::channel::<Job>();
+        let idle: Arc<Mutex<Option<Waiting>>> = Arc::default();
+        let slot = idle.clone();
         std::thread::Builder::new().name("sandbox-spawner".into()).spawn(move || {
             let _runtime = handle.enter();
-            let mut idle: Option<Waiting> = None;
             for job in rx {
-                let result = launch_one(&init_path, idle.take(), job.frame, job.fds);
-                let _ = job.reply.send(result);
-                // A failure here is not reported: the next launch starts its own and says why.
-                idle = Waiting::start(&init_path).ok();
+                match job {
+                    Job::Launch(job) => {
+                        let result =
+                            Waiting::start(&init_path).map(|waiting| waiting.hand_over(job.frame, job.fds));
+                        let _ = job.reply.send(result);
+                    }
+                    Job::Prepare => {
+                        let mut idle = lock(&slot);
+                        if idle.is_none() {
+                            // A failure here is not reported: the next launch starts its
+                            // own and says why.
+                            *idle = Waiting::start(&init_path).ok();
+                        }
+                    }
+                }
             }
-            if let Some(mut waiting) = idle {
+            if let Some(mut waiting) = lock(&slot).take() {
                 // Never handed a plan; dropping the Child leaves it to tokio to reap.
                 let _ = waiting.child.start_kill();
             }
         })?;
-        Ok(Spawner { jobs: tx })
+        Ok(Spawner { jobs: tx, idle })
     }
 
+    /// Hands the plan to the sandbox-init waiting for one, on this thread, when it is still
+    /// alive (it may have been killed while idle); otherwise the spawner thread starts one.
     pub async fn spawn(&self, frame: Vec<u8>, fds: Vec<OwnedFd>) -> Result<Spawned, SpawnError> {
+        let waiting = lock(&self.idle).take();
+        if let Some(waiting) = waiting.and_then(|mut waiting| waiting.alive().then_some(waiting)) {
+            return Ok(waiting.hand_over(frame, fds));
+        }
         let (reply, answer) = oneshot::channel();
-        self.jobs.send(SpawnJob { frame, fds, reply }).map_err(|_| SpawnError::Stopped)?;
+        self.jobs.send(Job::Launch(SpawnJob { frame, fds, reply })).map_err(|_| SpawnError::Stopped)?;
         answer.await.map_err(|_| SpawnError::Stopped)?
+    }
+
+    /// Asks for the next sandbox-init to be started ahead of its launch (call once a launch
+    /// no longer needs the CPU for its own hand-over: bubblewrap runs).
+    pub fn prepare_next(&self) {
+        // A stopped thread has nothing to prepare; the next launch says so.
+        let _ = self.jobs.send(Job::Prepare);
     }
 }
 
-/// A sandbox-init started ahead of its launch, waiting for a plan on `channel`.
+fn lock(idle: &Mutex<Option<Waiting>>) -> std::sync::MutexGuard<'_, Option<Waiting>> {
+    idle.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A sandbox-init started and waiting for a plan on `channel`.
+#[derive(Debug)]
 struct Waiting {
     child: Child,
     channel: UnixStream,
@@ -128,39 +173,71 @@ impl Waiting {
         Ok(Waiting { child, channel: ours })
     }
 
-    /// Whether it is still waiting (it may have been killed while idle).
+    /// Whether it is still waiting (it may have been killed while idle; a dead one is
+    /// dropped, and tokio reaps it).
     fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
-}
 
-/// Hands the plan to the idle sandbox-init when it is still alive, else to a fresh one.
-fn launch_one(
-    init_path: &PathBuf,
-    idle: Option<Waiting>,
-    frame: Vec<u8>,
-    fds: Vec<OwnedFd>,
-) -> Result<Spawned, SpawnError> {
-    // A dead one is dropped (tokio reaps it) and replaced.
-    let waiting = match idle.and_then(|mut waiting| waiting.alive().then_some(waiting)) {
-        Some(waiting) => waiting,
-        None => Waiting::start(init_path)?,
-    };
-    let Waiting { child, channel: ours } = waiting;
-    let hand_over = hand_over(&ours, &frame, &fds);
-    drop(fds);
-    if hand_over.is_err() {
-        // sandbox-init may be waiting for the rest; end-of-file makes it report and exit.
-        let _ = ours.shutdown(std::net::Shutdown::Write);
+    /// Sends the plan and its descriptors; runnerd's copies are closed right after.
+    fn hand_over(self, frame: Vec<u8>, fds: Vec<OwnedFd>) -> Spawned {
+        let Waiting { child, channel: ours } = self;
+        let hand_over = hand_over(&ours, &frame, &fds);
+        drop(fds);
+        if hand_over.is_err() {
+            // sandbox-init may be waiting for the rest; end-of-file makes it report and exit.
+            let _ = ours.shutdown(std::net::Shutdown::Write);
+        }
+        Spawned { child, channel: ours, hand_over }
     }
-    Ok(Spawned { child, channel: ours, hand_over })
 }
 
-/// Sends the plan and the descriptors. A stuck sandbox-init cannot pin this thread: the
-/// frame is far smaller than a socket buffer, and writes time out regardless.
+/// Sends the plan and the descriptors. A stuck sandbox-init cannot pin the sending thread
+/// (a runtime worker, or the spawner thread): the frame and the descriptors are far
+/// smaller than a socket buffer, and writes time out regardless.
 fn hand_over(ours: &UnixStream, frame: &[u8], fds: &[OwnedFd]) -> Result<(), ChannelError> {
     ours.set_write_timeout(Some(HAND_OVER_TIMEOUT)).map_err(ChannelError::Write)?;
     std::io::Write::write_all(&mut &*ours, frame).map_err(ChannelError::Write)?;
     let borrowed: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
     channel::send_fds(ours.as_fd(), &borrowed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle_pid(spawner: &Spawner) -> Option<u32> {
+        lock(&spawner.idle).as_ref().and_then(|w| w.child.id())
+    }
+
+    /// `cat` stands in for sandbox-init: it reads the plan off its channel and ignores it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_next_init_starts_only_when_asked_and_takes_the_next_plan_directly() {
+        let spawner = Spawner::start(PathBuf::from("/bin/cat")).unwrap();
+        let (r, w) = std::io::pipe().unwrap();
+        let first = spawner.spawn(b"plan one".to_vec(), vec![OwnedFd::from(r)]).await.unwrap();
+        first.hand_over.unwrap();
+        // Nothing is started ahead until the launch says it no longer needs the CPU.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(idle_pid(&spawner), None);
+        spawner.prepare_next();
+        let started = std::time::Instant::now();
+        let waiting = loop {
+            if let Some(pid) = idle_pid(&spawner) {
+                break pid;
+            }
+            assert!(started.elapsed() < std::time::Duration::from_secs(10), "no init was started ahead");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        // Asking again while one waits keeps that one.
+        spawner.prepare_next();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(idle_pid(&spawner), Some(waiting));
+        let second = spawner.spawn(b"plan two".to_vec(), vec![OwnedFd::from(w)]).await.unwrap();
+        second.hand_over.unwrap();
+        assert_eq!(second.child.id(), Some(waiting), "the plan did not go to the init waiting for it");
+        assert_ne!(first.child.id(), Some(waiting));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(idle_pid(&spawner), None, "an init was started ahead unasked");
+    }
 }
