@@ -305,7 +305,6 @@ impl Launcher {
         let handed_over = std::sync::Mutex::new(None);
         let work = async {
             handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
-            self.spawner.prepare_next();
             *handed_over.lock().unwrap_or_else(|p| p.into_inner()) = Some(started.elapsed());
             let stdin = pipe::Sender::from_owned_fd(stdin_w).map_err(io_err("open the stdin pipe"))?;
             let feeder = tokio::spawn(feed_stdin(stdin, launch.stdin));
@@ -347,6 +346,9 @@ impl Launcher {
                 }
             }
         };
+        // The next launch's sandbox-init is started now that this one no longer needs the
+        // CPU: the commit that follows mostly waits for fsync.
+        self.spawner.prepare_next();
         // The namespace must be empty before anyone looks at the workspace (R-RUN-4).
         sandbox.ensure_ended(DRAIN_LIMIT).await;
         let mut guard = guard;
