@@ -158,38 +158,6 @@ pub fn link_at(dir: &impl AsRawFd, from: &CStr, to: &CStr) -> io::Result<()> {
     Ok(())
 }
 
-/// `open(dir, O_TMPFILE|O_WRONLY|O_CLOEXEC, mode)` of a store's own directory: a file
-/// without a name, which no other process can open and whose inode goes with its last
-/// descriptor; [`link_unnamed`] names it. `Unsupported` where the filesystem has no
-/// `O_TMPFILE` (`EOPNOTSUPP`, or `EISDIR` from a kernel before 3.11).
-pub fn create_unnamed_in(dir: &std::path::Path, mode: libc::mode_t) -> io::Result<OwnedFd> {
-    let c = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str()))
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: open(2) of a NUL-terminated path with a mode; the result is checked.
-    match cvt(unsafe { libc::open(c.as_ptr(), libc::O_TMPFILE | libc::O_WRONLY | libc::O_CLOEXEC, mode) }) {
-        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        Ok(fd) => Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR)) => {
-            Err(io::Error::new(io::ErrorKind::Unsupported, e))
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// `linkat` of `/proc/self/fd/N` with `AT_SYMLINK_FOLLOW`: names a file made by
-/// [`create_unnamed_in`] at `to`, never replacing a name (`EEXIST`). Through `/proc`
-/// because `AT_EMPTY_PATH` needs `CAP_DAC_READ_SEARCH`.
-pub fn link_unnamed(fd: &impl AsRawFd, to: &std::path::Path) -> io::Result<()> {
-    let from = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("no NUL in a number");
-    let to = CString::new(std::os::unix::ffi::OsStrExt::as_bytes(to.as_os_str()))
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: linkat between two NUL-terminated absolute paths; the result is checked.
-    cvt(unsafe {
-        libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW)
-    })?;
-    Ok(())
-}
-
 /// `mkdirat(dir, name, mode)`; an existing entry (of any kind) is `AlreadyExists`.
 pub fn mkdir_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
     // SAFETY: mkdirat relative to a directory descriptor we own, NUL-terminated name.

@@ -328,15 +328,8 @@ impl Versions {
         if let Err(e) = &committed {
             self.fail_commit(&writer.root, e);
         }
-        self.prepare_next_record();
         let snapshot = *snapshot_took.lock().unwrap_or_else(|p| p.into_inner());
         (committed, snapshot)
-    }
-
-    /// Makes the next record's temp ahead, on the blocking pool: off the answer's path.
-    fn prepare_next_record(self: &Arc<Self>) {
-        let me = self.clone();
-        drop(tokio::task::spawn_blocking(move || me.store.prepare_spare(Pool::AgentState)));
     }
 
     /// Snapshots the workspace and commits a `WorkspaceExecution` as its head; returns the
@@ -349,7 +342,7 @@ impl Versions {
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
         let (dir, head, scope) = (writer.snapshot_dir(), writer.head.clone(), writer.scope());
-        let committed = blocking_retry(self.clone(), move || {
+        blocking_retry(self.clone(), move || {
             let tree = me.snapshot_live(&dir, &scope)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
@@ -369,9 +362,7 @@ impl Versions {
             me.commit_head(&head, &record)?;
             Ok((record, tree))
         })
-        .await;
-        self.prepare_next_record();
-        committed
+        .await
     }
 
     /// Snapshots a pinned workspace directory, refusing one that was deleted meanwhile (its

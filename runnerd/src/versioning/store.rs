@@ -1,11 +1,7 @@
 //! The two blob pools and the record envelope on top of them (§1, §2.3 of the format).
 //!
 //! Blobs are immutable: they are published by hard-linking a fully written and fsynced temp
-//! file to the digest name, so an existing object is never replaced, only verified. A buffer
-//! (a record, say) is written into an unnamed temp (`O_TMPFILE`) where the filesystem has
-//! them, and one such temp is made ahead of the next write ([`Store::prepare_spare`]): the
-//! inode allocation, which on an ext4 without a journal scans past every inode freed in the
-//! last minute, was half of a record's write on the answer's path.
+//! file to the digest name, so an existing object is never replaced, only verified.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -55,16 +51,6 @@ pub struct Store {
     deps_held: std::sync::atomic::AtomicUsize,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
-    /// An unnamed temp made ahead in a blob directory, for the next buffer published there.
-    spare: Mutex<Option<Unnamed>>,
-    /// Set once the filesystem refused `O_TMPFILE`: named temps from then on.
-    no_unnamed: std::sync::atomic::AtomicBool,
-}
-
-/// An unnamed temp (`O_TMPFILE`, 0600) and the directory it was made in.
-struct Unnamed {
-    dir: PathBuf,
-    file: File,
 }
 
 /// (dev, ino, size, mtime ns, ctime ns) of a blob file.
@@ -192,8 +178,6 @@ impl Store {
             record_deps: Mutex::default(),
             deps_held: std::sync::atomic::AtomicUsize::new(0),
             blob_dir_fds: Default::default(),
-            spare: Mutex::default(),
-            no_unnamed: Default::default(),
         };
         for pool in [Pool::Data, Pool::AgentState] {
             let pool_dir = store.root.join(pool.as_str());
@@ -273,9 +257,7 @@ impl Store {
             self.defer_dir_sync(dir);
             return Ok(false);
         }
-        if let Some(unnamed) = self.take_unnamed(dir)? {
-            return self.publish_unnamed(unnamed, final_path, bytes);
-        }
+        fs::create_dir_all(dir).map_err(io_err("create the directory", dir))?;
         let mut tmp = final_path.as_os_str().to_owned();
         tmp.push(format!(".{}{}", new_uuid_v4(), super::sweep::own_suffix()));
         let tmp = TempFile(PathBuf::from(tmp));
@@ -283,71 +265,22 @@ impl Store {
         file.write_all(bytes).map_err(io_err("write the temporary object", &tmp.0))?;
         file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
         drop(file);
-        let fresh = link_or_verify(fs::hard_link(&tmp.0, final_path), final_path, bytes)?;
+        let mut fresh = false;
+        match fs::hard_link(&tmp.0, final_path) {
+            Ok(()) => fresh = true,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let existing =
+                    fs::read(final_path).map_err(io_err("read the existing object", final_path))?;
+                if existing != bytes {
+                    return Err(VersionError::Corrupt { path: final_path.to_path_buf() });
+                }
+            }
+            Err(e) => return Err(io_err("publish the object", final_path)(e)),
+        }
         self.defer_dir_sync(dir);
         // Removing the temp name changes the inode's ctime: stamp the object after it.
         drop(tmp);
         Ok(fresh)
-    }
-
-    /// [`Store::publish_bytes`] through an unnamed temp: write, fsync, name it. A temp that
-    /// is not named (a failure, or the object already there) vanishes with its descriptor.
-    fn publish_unnamed(
-        &self,
-        unnamed: Unnamed,
-        final_path: &Path,
-        bytes: &[u8],
-    ) -> Result<bool, VersionError> {
-        let Unnamed { dir, mut file } = unnamed;
-        file.write_all(bytes).map_err(io_err("write the temporary object in", &dir))?;
-        file.sync_all().map_err(io_err("fsync the temporary object in", &dir))?;
-        let fresh = link_or_verify(crate::fsat::link_unnamed(&file, final_path), final_path, bytes)?;
-        self.defer_dir_sync(&dir);
-        Ok(fresh)
-    }
-
-    /// The spare when it was made in `dir`, else a new unnamed temp there (creating `dir`);
-    /// `None` where the filesystem has no `O_TMPFILE`.
-    fn take_unnamed(&self, dir: &Path) -> Result<Option<Unnamed>, VersionError> {
-        if self.no_unnamed.load(AtomicOrdering::Relaxed) {
-            fs::create_dir_all(dir).map_err(io_err("create the directory", dir))?;
-            return Ok(None);
-        }
-        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).take_if(|s| s.dir == dir);
-        if spare.is_some() {
-            return Ok(spare);
-        }
-        fs::create_dir_all(dir).map_err(io_err("create the directory", dir))?;
-        self.make_unnamed(dir)
-    }
-
-    fn make_unnamed(&self, dir: &Path) -> Result<Option<Unnamed>, VersionError> {
-        match crate::fsat::create_unnamed_in(dir, 0o600) {
-            Ok(fd) => Ok(Some(Unnamed { dir: dir.to_owned(), file: File::from(fd) })),
-            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
-                self.no_unnamed.store(true, AtomicOrdering::Relaxed);
-                Ok(None)
-            }
-            Err(e) => Err(io_err("create an unnamed temporary object in", dir)(e)),
-        }
-    }
-
-    /// Makes the unnamed temp the next buffer published in `pool` will be written into,
-    /// unless one waits already (call it off the answer's path, after a commit).
-    pub fn prepare_spare(&self, pool: Pool) {
-        if self.no_unnamed.load(AtomicOrdering::Relaxed)
-            || self.spare.lock().unwrap_or_else(|p| p.into_inner()).is_some()
-        {
-            return;
-        }
-        let dir = self.blob_dir(pool);
-        // A failure here is not reported: the next write makes its own temp and says why.
-        if let Ok(Some(made)) = self.make_unnamed(&dir) {
-            let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
-            if spare.is_none() {
-                *spare = Some(made);
-            }
-        }
     }
 
     /// Streams content into `pool` without buffering it whole (the original's `putStream`);
@@ -818,22 +751,6 @@ impl Drop for TempFile {
     }
 }
 
-/// A temp's link to its digest name: `true` when this call created the object; an existing
-/// object must hold exactly these bytes.
-fn link_or_verify(linked: io::Result<()>, final_path: &Path, bytes: &[u8]) -> Result<bool, VersionError> {
-    match linked {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            let existing = fs::read(final_path).map_err(io_err("read the existing object", final_path))?;
-            if existing != bytes {
-                return Err(VersionError::Corrupt { path: final_path.to_path_buf() });
-            }
-            Ok(false)
-        }
-        Err(e) => Err(io_err("publish the object", final_path)(e)),
-    }
-}
-
 /// `open(path, O_CREAT|O_EXCL|O_WRONLY, 0600)`.
 fn create_exclusive(path: &Path) -> Result<File, VersionError> {
     OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io_err("create", path))
@@ -944,65 +861,6 @@ mod tests {
         let names: Vec<_> =
             fs::read_dir(store.blob_dir(Pool::Data)).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from(refs[0].hex())], "no temp files left");
-    }
-
-    #[test]
-    fn a_buffer_goes_into_the_spare_made_ahead_and_either_way_leaves_no_temp() {
-        use std::os::unix::fs::MetadataExt;
-        let (_dir, store) = temp_store();
-        store.prepare_spare(Pool::AgentState);
-        let spare_ino = {
-            let spare = store.spare.lock().unwrap();
-            let spare = spare.as_ref().expect("this filesystem has O_TMPFILE: a spare was made");
-            assert_eq!(spare.dir, store.blob_dir(Pool::AgentState));
-            spare.file.metadata().unwrap().ino()
-        };
-        // Made once: a second call keeps the spare that waits.
-        store.prepare_spare(Pool::AgentState);
-        assert_eq!(store.spare.lock().unwrap().as_ref().unwrap().file.metadata().unwrap().ino(), spare_ino);
-        let record = store.put_record("Test", json!({"n": 1})).unwrap();
-        let path = store.blob_path(Pool::AgentState, record.hex());
-        assert_eq!(
-            fs::metadata(&path).unwrap().ino(),
-            spare_ino,
-            "the record was not written into the spare"
-        );
-        assert_eq!(mode(&path), 0o600);
-        assert!(store.spare.lock().unwrap().is_none());
-        assert_eq!(store.read_record(&record, Some("Test")).unwrap().value, json!({"n": 1}));
-        // Without a spare (and with the filesystem's O_TMPFILE refused) it still publishes.
-        let unnamed = store.put_record("Test", json!({"n": 2})).unwrap();
-        store.no_unnamed.store(true, AtomicOrdering::Relaxed);
-        let named = store.put_record("Test", json!({"n": 3})).unwrap();
-        store.prepare_spare(Pool::AgentState);
-        assert!(store.spare.lock().unwrap().is_none(), "a spare without O_TMPFILE");
-        // Publishing bytes already there verifies them and names nothing new.
-        assert_eq!(store.put_record("Test", json!({"n": 1})).unwrap(), record);
-        let mut names: Vec<String> = fs::read_dir(store.blob_dir(Pool::AgentState))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        names.sort();
-        let mut expected: Vec<String> =
-            [&record, &unnamed, &named].iter().map(|r| r.hex().to_owned()).collect();
-        expected.sort();
-        assert_eq!(names, expected, "no temp files left");
-    }
-
-    #[test]
-    fn a_planted_object_with_other_bytes_is_corrupt_through_the_spare_too() {
-        let (_dir, store) = temp_store();
-        let text = r#"{"dependencies":[],"kind":"Test","schemaVersion":1,"value":{"n":1}}"#;
-        let hex = sha256_hex(text.as_bytes());
-        let path = store.blob_path(Pool::AgentState, &hex);
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        store.prepare_spare(Pool::AgentState);
-        // Planted between the existence check and the link: the link finds it and compares.
-        let unnamed = store.take_unnamed(&store.blob_dir(Pool::AgentState)).unwrap().unwrap();
-        fs::write(&path, b"planted").unwrap();
-        let e = store.publish_unnamed(unnamed, &path, text.as_bytes()).unwrap_err();
-        assert!(matches!(e, VersionError::Corrupt { .. }), "{e}");
-        assert_eq!(fs::read(&path).unwrap(), b"planted", "an existing object was replaced");
     }
 
     #[test]
