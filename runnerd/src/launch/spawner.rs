@@ -109,14 +109,16 @@ impl Spawner {
                             Waiting::start(&init_path).map(|waiting| waiting.hand_over(job.frame, job.fds));
                         let _ = job.reply.send(result);
                     }
-                    Job::Prepare => {
-                        let mut idle = lock(&slot);
-                        if idle.is_none() {
-                            // A failure here is not reported: the next launch starts its
-                            // own and says why.
-                            *idle = Waiting::start(&init_path).ok();
+                    // Forked outside the slot's lock, which a launch takes on a runtime
+                    // worker. Only this thread fills the slot, so the check stays true.
+                    // A failure here is not reported: the next launch starts its own and
+                    // says why.
+                    Job::Prepare if lock(&slot).is_none() => {
+                        if let Ok(started) = Waiting::start(&init_path) {
+                            *lock(&slot) = Some(started);
                         }
                     }
+                    Job::Prepare => {}
                 }
             }
             if let Some(mut waiting) = lock(&slot).take() {
