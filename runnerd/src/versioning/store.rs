@@ -41,8 +41,9 @@ pub struct Store {
     /// Blob directories with entries not yet fsynced. The original fsyncs the directory
     /// after every object; we fsync each directory once, before any ref that can reach its
     /// objects is committed ([`Store::sync_pending`]) — the same guarantee for everything
-    /// reachable, without one flush per file (a 10,000-file commit paid 10,000).
-    pending_dirs: Mutex<HashSet<PathBuf>>,
+    /// reachable, without one flush per file (a 10,000-file commit paid 10,000). Each
+    /// directory has a count of the entries deferred to it: see [`Store::sync_pending`].
+    pending_dirs: Mutex<HashMap<PathBuf, u64>>,
     /// The dependencies of record blobs read (or written) by this process, valid while the
     /// blob's entry in `verified` matches its file: closure checks then walk the graph with
     /// one stat per record instead of a read, a parse and a re-canonicalisation.
@@ -562,23 +563,40 @@ impl Store {
 
     fn defer_dir_sync(&self, dir: &Path) {
         let mut pending = self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner());
-        if !pending.contains(dir) {
-            pending.insert(dir.to_owned());
+        match pending.get_mut(dir) {
+            Some(deferred) => *deferred += 1,
+            None => drop(pending.insert(dir.to_owned(), 1)),
         }
     }
 
     /// Makes every object published so far durable by name: fsyncs the blob directories
     /// that gained (or were relied on for) entries. Call before committing a ref.
     pub fn sync_pending(&self) -> Result<(), VersionError> {
-        // A directory leaves the set only once its fsync has returned: a concurrent caller
-        // that relies on it syncs it again rather than trusting a sync still in flight.
-        let dirs: Vec<PathBuf> =
-            self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
-        for dir in dirs {
+        // A directory leaves the set only once its fsync has returned, and only if nothing
+        // was deferred to it since this call read the set: an entry linked while that fsync
+        // was in flight may not be covered by it, so its writer (which found the directory
+        // already pending) syncs it again rather than trusting this sync.
+        let dirs: Vec<(PathBuf, u64)> = self
+            .pending_dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(dir, deferred)| (dir.clone(), *deferred))
+            .collect();
+        for (dir, deferred) in dirs {
             fsync_dir(&dir)?;
-            self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
+            self.synced(&dir, deferred);
         }
         Ok(())
+    }
+
+    /// Marks `dir` durable up to its first `deferred` entries: it leaves the pending set
+    /// unless more were deferred meanwhile.
+    fn synced(&self, dir: &Path, deferred: u64) {
+        let mut pending = self.pending_dirs.lock().unwrap_or_else(|p| p.into_inner());
+        if pending.get(dir) == Some(&deferred) {
+            pending.remove(dir);
+        }
     }
 
     /// How many blobs `validate_closure` has re-hashed (for tests and the benchmark).
@@ -861,6 +879,22 @@ mod tests {
         let names: Vec<_> =
             fs::read_dir(store.blob_dir(Pool::Data)).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from(refs[0].hex())], "no temp files left");
+    }
+
+    #[test]
+    fn an_entry_deferred_while_its_directory_syncs_keeps_the_directory_pending() {
+        let (_dir, store) = temp_store();
+        let r = store.put(Pool::Data, b"first", OCTET_STREAM).unwrap();
+        let dir = store.blob_path(Pool::Data, r.hex()).parent().unwrap().to_owned();
+        let pending = |store: &Store| store.pending_dirs.lock().unwrap().get(&dir).copied();
+        // What a sync_pending in flight read before a second writer linked its object:
+        let read = pending(&store).expect("the first object's directory is pending");
+        store.put(Pool::Data, b"second", OCTET_STREAM).unwrap();
+        // That sync returns: it may not cover the second link, so the directory stays.
+        store.synced(&dir, read);
+        assert!(pending(&store).is_some(), "a directory left the set with a link its fsync may have missed");
+        store.sync_pending().unwrap();
+        assert_eq!(pending(&store), None);
     }
 
     #[test]
