@@ -104,10 +104,14 @@ impl Spawner {
             let _runtime = handle.enter();
             for job in rx {
                 match job {
+                    // A Prepare queued ahead of this launch may have filled the slot since
+                    // the launch found it empty: that one is used, not a second fork.
                     Job::Launch(job) => {
-                        let result =
-                            Waiting::start(&init_path).map(|waiting| waiting.hand_over(job.frame, job.fds));
-                        let _ = job.reply.send(result);
+                        let waiting = match take_alive(&slot) {
+                            Some(waiting) => Ok(waiting),
+                            None => Waiting::start(&init_path),
+                        };
+                        let _ = job.reply.send(waiting.map(|waiting| waiting.hand_over(job.frame, job.fds)));
                     }
                     // Forked outside the slot's lock, which a launch takes on a runtime
                     // worker. Only this thread fills the slot, so the check stays true.
@@ -132,8 +136,7 @@ impl Spawner {
     /// Hands the plan to the sandbox-init waiting for one, on this thread, when it is still
     /// alive (it may have been killed while idle); otherwise the spawner thread starts one.
     pub async fn spawn(&self, frame: Vec<u8>, fds: Vec<OwnedFd>) -> Result<Spawned, SpawnError> {
-        let waiting = lock(&self.idle).take();
-        if let Some(waiting) = waiting.and_then(|mut waiting| waiting.alive().then_some(waiting)) {
+        if let Some(waiting) = take_alive(&self.idle) {
             return Ok(waiting.hand_over(frame, fds));
         }
         let (reply, answer) = oneshot::channel();
@@ -151,6 +154,13 @@ impl Spawner {
 
 fn lock(idle: &Mutex<Option<Waiting>>) -> std::sync::MutexGuard<'_, Option<Waiting>> {
     idle.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The waiting sandbox-init, unless there is none or it died while idle (dropped then,
+/// and tokio reaps it).
+fn take_alive(idle: &Mutex<Option<Waiting>>) -> Option<Waiting> {
+    let waiting = lock(idle).take();
+    waiting.and_then(|mut waiting| waiting.alive().then_some(waiting))
 }
 
 /// A sandbox-init started and waiting for a plan on `channel`.
@@ -177,8 +187,7 @@ impl Waiting {
         Ok(Waiting { child, channel: ours })
     }
 
-    /// Whether it is still waiting (it may have been killed while idle; a dead one is
-    /// dropped, and tokio reaps it).
+    /// Whether it is still waiting (it may have been killed while idle).
     fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
@@ -243,5 +252,25 @@ mod tests {
         assert_ne!(first.child.id(), Some(waiting));
         std::thread::sleep(std::time::Duration::from_millis(100));
         assert_eq!(idle_pid(&spawner), None, "an init was started ahead unasked");
+    }
+
+    /// A launch that finds the slot empty while a Prepare is still forking gets that init
+    /// (whichever of the two the thread or the launch gets to first): no second fork is
+    /// made, and none is left waiting unasked.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_launch_right_after_a_prepare_uses_the_prepared_init() {
+        let spawner = Spawner::start(PathBuf::from("/bin/cat")).unwrap();
+        for _ in 0..5 {
+            spawner.prepare_next();
+            let (r, _w) = std::io::pipe().unwrap();
+            let spawned = spawner.spawn(b"plan".to_vec(), vec![OwnedFd::from(r)]).await.unwrap();
+            spawned.hand_over.unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert_eq!(
+                idle_pid(&spawner),
+                None,
+                "the prepared init was left waiting and a second one forked"
+            );
+        }
     }
 }
