@@ -635,10 +635,11 @@ impl Versions {
 /// Snapshots retried after `Workspace changed during snapshot` before the write fails.
 const SNAPSHOT_RETRIES: u32 = 3;
 
-/// Runs store work for the awaiting task ([`crate::blocking::run`]). An object found missing (deleted behind the
-/// store's caches) makes it forget every cache and try once more, re-reading and re-storing
-/// what it needs, so a damaged pool heals instead of failing the write; a tree that changed
-/// under the walk is walked again (a few times, briefly apart).
+/// Runs store work for the awaiting task ([`crate::blocking::run`]). An object found
+/// missing (deleted behind the store's caches) makes it forget every cache and try once
+/// more, re-reading and re-storing what it needs, so a damaged pool heals instead of
+/// failing the write; a tree that changed under the walk is walked again (a few times,
+/// briefly apart).
 async fn blocking_retry<T: Send + 'static>(
     versions: Arc<Versions>,
     f: impl Fn() -> Result<T, WriteError> + Send + 'static,
