@@ -132,7 +132,7 @@ enum Quick {
 /// What a commit compares the head with.
 #[derive(Debug)]
 enum Expected {
-    /// The head as it is just before the commit (the lease serialises writers).
+    /// The head as the commit's transaction finds it (the lease serialises writers).
     Current,
     /// This head (none: the ref must not exist yet).
     Exactly(Option<Ref>),
@@ -387,11 +387,10 @@ impl Versions {
         self.store.validate_closure(record)?;
         self.store.sync_pending()?;
         let mut refs = self.refs();
-        let expected = match expected {
-            Expected::Current => refs.head(name)?,
-            Expected::Exactly(r) => r,
-        };
-        refs.commit_validated(name, expected.as_ref(), record)?;
+        match expected {
+            Expected::Current => refs.commit_over_current(name, record)?,
+            Expected::Exactly(r) => refs.commit_validated(name, r.as_ref(), record)?,
+        }
         Ok(())
     }
 

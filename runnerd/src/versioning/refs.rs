@@ -17,6 +17,15 @@ const SCHEMA: &str = "
     CREATE INDEX IF NOT EXISTS history_by_name ON history_refs(name, id);
 ";
 
+/// What a commit's transaction compares the head with.
+#[derive(Debug, Clone, Copy)]
+enum Over<'a> {
+    /// Whatever it is (the caller's lease serialises the head's writers).
+    Current,
+    /// This head (`None`: the ref must not exist yet), else [`VersionError::HeadChanged`].
+    Exactly(Option<&'a Ref>),
+}
+
 /// One connection to the refs database. Send, not Sync: give each thread its own.
 #[derive(Debug)]
 pub struct Refs {
@@ -79,6 +88,17 @@ impl Refs {
         expected: Option<&Ref>,
         target: &Ref,
     ) -> Result<(), VersionError> {
+        self.commit_over(name, Over::Exactly(expected), target)
+    }
+
+    /// [`Refs::commit_validated`] over whatever head `name` has: for a writer that holds the
+    /// workspace lease, which serialises every writer of the head, so reading the head in a
+    /// transaction of its own first would only repeat this one's read.
+    pub fn commit_over_current(&mut self, name: &str, target: &Ref) -> Result<(), VersionError> {
+        self.commit_over(name, Over::Current, target)
+    }
+
+    fn commit_over(&mut self, name: &str, expected: Over<'_>, target: &Ref) -> Result<(), VersionError> {
         validate_name(name)?;
         target.require_pool(Pool::AgentState)?;
         let path = self.path.clone();
@@ -86,19 +106,21 @@ impl Refs {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(sql("begin a commit", &path))?;
-        let current: Option<String> = tx
-            .prepare_cached("SELECT target FROM live_refs WHERE name=?")
-            .and_then(|mut s| s.query_row([name], |row| row.get(0)).optional())
-            .map_err(sql("read a head", &path))?;
-        let current = match current {
-            Some(text) => jcs::canonicalize(
-                &serde_json::from_str::<Value>(&text).map_err(|_| VersionError::InvalidRef)?,
-            )?,
-            None => "null".to_string(),
-        };
-        let expected = expected.map_or_else(|| "null".to_string(), Ref::jcs);
-        if current != expected {
-            return Err(VersionError::HeadChanged);
+        if let Over::Exactly(expected) = expected {
+            let current: Option<String> = tx
+                .prepare_cached("SELECT target FROM live_refs WHERE name=?")
+                .and_then(|mut s| s.query_row([name], |row| row.get(0)).optional())
+                .map_err(sql("read a head", &path))?;
+            let current = match current {
+                Some(text) => jcs::canonicalize(
+                    &serde_json::from_str::<Value>(&text).map_err(|_| VersionError::InvalidRef)?,
+                )?,
+                None => "null".to_string(),
+            };
+            let expected = expected.map_or_else(|| "null".to_string(), Ref::jcs);
+            if current != expected {
+                return Err(VersionError::HeadChanged);
+            }
         }
         let text = target.jcs();
         // Cached statements: every commit runs the same three (parsed once per connection).
@@ -236,6 +258,21 @@ mod tests {
         assert!(matches!(two.commit(&store, "agent/x", None, &b).unwrap_err(), VersionError::HeadChanged));
         assert_eq!(two.head("agent/x").unwrap(), Some(a.clone()));
         assert_eq!(two.history("agent/x").unwrap(), vec![base, a]);
+    }
+
+    #[test]
+    fn a_commit_over_the_current_head_creates_or_moves_it_and_keeps_the_history() {
+        let (_dir, store) = temp_store();
+        let (first, second) = (record_with_leaf(&store, b"first"), record_with_leaf(&store, b"second"));
+        let mut one = Refs::open(&store).unwrap();
+        let mut two = Refs::open(&store).unwrap();
+        one.commit_over_current("agent/y", &first).unwrap();
+        // Whatever another connection committed meanwhile is the head it moves from.
+        two.commit_over_current("agent/y", &second).unwrap();
+        assert_eq!(one.head("agent/y").unwrap(), Some(second.clone()));
+        assert_eq!(one.history("agent/y").unwrap(), vec![first.clone(), second]);
+        let refused = one.commit_over_current("bad\u{1}name", &first);
+        assert!(matches!(refused, Err(VersionError::InvalidRefName)), "{refused:?}");
     }
 
     #[test]
