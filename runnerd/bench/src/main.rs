@@ -7,11 +7,14 @@
 //!
 //! each sequentially (a and b interleaved, so drift hits both alike) and with 2 parallel
 //! launchers; then through a real runnerd: (c) sequential signed `POST /execute-shell` of
-//! `true`, (d) 2, 4 and 8 concurrent clients over distinct workspaces. It prints p50/p95
+//! `true`, (d) 2, 4 and 8 concurrent clients of one agent over distinct workspaces (they
+//! queue: one execution at a time per session-agent), (e) 2 agents side by side, and (f) the
+//! commit the on-disk format requires, alone (its durable floor). It prints p50/p95
 //! per case, executions per second, the ratios against bare bwrap, sandbox-init's peak RSS
 //! and runnerd's RSS idle and through concurrency 8.
 //! Figures, never pass/fail: tests do not time anything.
 
+mod floor;
 mod limits;
 mod memory;
 mod metrics;
@@ -518,10 +521,16 @@ pub(crate) fn rss_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// One signed `POST /execute-shell` of `true` in the remote workspace `key`.
+/// One signed `POST /execute-shell` of `true` in the remote workspace `key`, as agent `bench`.
 pub(crate) async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Result<Duration> {
+    http_once_as(client, key, "bench").await
+}
+
+/// The same, as `agent`: one session-agent runs one execution at a time (contract §2A), so
+/// only distinct agents can run side by side.
+async fn http_once_as(client: &RunnerClient, key: &str, agent: &str) -> anyhow::Result<Duration> {
     let body = serde_json::json!({
-        "agentId": "bench",
+        "agentId": agent,
         "code": "true",
         "executionId": new_execution_id(),
         "permissionEpoch": permission_epoch(key),
@@ -613,8 +622,9 @@ struct Subject {
 const ROUNDS: usize = 4;
 
 /// (c) sequential signed executions through runnerd, with runnerd's own CPU per execution
-/// and the per-phase breakdown its metrics give; (d) 2, 4 and 8 concurrent clients over
-/// distinct workspaces; runnerd's RSS idle and at concurrency 8. With a baseline runnerd,
+/// and the per-phase breakdown its metrics give; (d) 2, 4 and 8 concurrent clients of one
+/// agent over distinct workspaces, (e) 2 agents; (f) the format's durable commit alone, in
+/// the sequential rounds; runnerd's RSS idle and at concurrency 8. With a baseline runnerd,
 /// every case runs against both, sequential rounds interleaved.
 async fn http_cases(
     n: usize,
@@ -652,6 +662,8 @@ async fn http_cases(
     // Bare bwrap with the same shell, in the same rounds: the ratio the target names, with
     // the machine's drift shared.
     let (mut shell_rounds, mut shell_wall) = (Vec::with_capacity(n), Duration::ZERO);
+    // The format's durable commit alone, in the same rounds (see `floor`).
+    let mut floor = floor::Floor::default();
     for _ in 0..ROUNDS {
         let start = Instant::now();
         for _ in 0..per_round {
@@ -663,6 +675,7 @@ async fn http_cases(
             )?);
         }
         shell_wall += start.elapsed();
+        floor.add(floor::durable_commit_floor(&std::env::temp_dir(), per_round)?);
         for s in &mut subjects {
             let pid = s.daemon.child.id();
             let before = scrape(&s.client).await;
@@ -688,20 +701,23 @@ async fn http_cases(
         }
     }
 
+    // (d) one agent from several clients (its executions queue, contract §2A), then (e) two
+    // agents side by side: the case two parallel bare launchers compare with.
     let mut concurrent: Vec<Vec<Stats>> = Vec::new();
     for s in &subjects {
         let mut rows = Vec::new();
-        for clients in [2usize, 4, 8] {
+        for (clients, agents) in [(2usize, false), (4, false), (8, false), (2, true)] {
             let start = Instant::now();
             let tasks: Vec<_> = (0..clients)
                 .map(|i| {
                     let client = s.client.clone();
                     let per = (n / clients).max(1);
+                    let agent = if agents { format!("bench-{i}") } else { "bench".to_owned() };
                     tokio::spawn(async move {
-                        let key = format!("bench/c{clients}-{i}");
+                        let key = format!("bench/c{clients}-{i}{}", if agents { "-agent" } else { "" });
                         let mut v = Vec::with_capacity(per);
                         for _ in 0..per {
-                            v.push(http_once(&client, &key).await?);
+                            v.push(http_once_as(&client, &key, &agent).await?);
                         }
                         Ok::<_, anyhow::Error>(v)
                     })
@@ -734,16 +750,34 @@ async fn http_cases(
             seq.p95,
             seq.per_sec
         );
-        for (clients, r) in [2, 4, 8].iter().zip(rows) {
+        for (label, r) in [
+            "(d) runnerd HTTP, 2 clients",
+            "(d) runnerd HTTP, 4 clients",
+            "(d) runnerd HTTP, 8 clients",
+            "(e) runnerd HTTP, 2 agents",
+        ]
+        .iter()
+        .zip(rows)
+        {
             println!(
                 "{:<44} {:>9.2} {:>9.2} {:>11.1}",
-                format!("(d) runnerd HTTP, {clients} clients [{}]", s.name),
+                format!("{label} [{}]", s.name),
                 r.p50,
                 r.p95,
                 r.per_sec
             );
         }
     }
+    let floor_stats = floor.stats();
+    println!(
+        "{:<44} {:>9.2} {:>9.2} {:>11.1}",
+        "(f) the format's durable commit alone", floor_stats.p50, floor_stats.p95, floor_stats.per_sec
+    );
+    println!(
+        "    (f): temp, fsync, link, directory fsync, refs transaction (WAL, synchronous=FULL); mean {:.3} ms, {:.3} ms CPU per commit",
+        floor.mean_ms(),
+        floor.cpu_per_commit_ms()
+    );
     for (s, rows) in subjects.iter().zip(&concurrent) {
         let seq = stats(s.samples.clone(), s.wall);
         let pid = s.daemon.child.id();
@@ -760,7 +794,12 @@ async fn http_cases(
             s.samples.len()
         );
         println!(
-            "  throughput at 2 clients / 2 parallel bare launchers: {:.3} against `true`, {:.3} against `bash -s`  (target >= 0.8)",
+            "  throughput at 2 agents (e) / 2 parallel bare launchers: {:.3} against `true`, {:.3} against `bash -s`  (target >= 0.8)",
+            rows[3].per_sec / a_par.per_sec,
+            rows[3].per_sec / a_shell_par.per_sec
+        );
+        println!(
+            "  throughput at 2 clients of one agent (d), whose executions queue: {:.3} against `true`, {:.3} against `bash -s`",
             rows[0].per_sec / a_par.per_sec,
             rows[0].per_sec / a_shell_par.per_sec
         );
@@ -778,7 +817,14 @@ async fn http_cases(
             println!("  one execution by phase (mean ms, server-side; {:.2} ms in all):", total * 1000.0);
             for (phase, sum, count) in &s.phases {
                 let mean = if *count > 0.0 { sum / count * 1000.0 } else { 0.0 };
-                println!("    {phase:<10} {mean:>8.3}");
+                if phase == "commit" {
+                    println!(
+                        "    {phase:<10} {mean:>8.3}  ((f), the format's durable floor: {:.3})",
+                        floor.mean_ms()
+                    );
+                } else {
+                    println!("    {phase:<10} {mean:>8.3}");
+                }
             }
         }
     }
