@@ -116,9 +116,51 @@ pub struct ExecCgroup {
     flavor: Flavor,
     /// (directory, its hierarchy's controllers), in the order sandbox-init joins them.
     dirs: Vec<(PathBuf, Vec<String>)>,
+    /// The counter files [`ExecCgroup::usage`] reads, opened when the cgroup is made (ahead of
+    /// the run, for a spare): the answer then waits for reads only, not for a path walk and an
+    /// open and close of each file in the cgroup filesystem.
+    counters: Vec<(&'static str, std::fs::File)>,
     /// What it was limited to (a spare made ahead serves only a run with these).
     limits: Limits,
     removed: bool,
+}
+
+/// The counter files of `flavor` that [`ExecCgroup::usage`] reads: (controller, file).
+fn counter_files(flavor: Flavor) -> &'static [(&'static str, &'static str)] {
+    match flavor {
+        Flavor::V2 => &[
+            ("memory", "memory.events"),
+            ("memory", "memory.peak"),
+            ("cpu", "cpu.stat"),
+            ("pids", "pids.events"),
+            ("pids", "pids.peak"),
+        ],
+        Flavor::V1 => &[
+            ("memory", "memory.oom_control"),
+            ("memory", "memory.max_usage_in_bytes"),
+            ("cpuacct", "cpuacct.usage"),
+            ("cpu", "cpu.stat"),
+            ("pids", "pids.events"),
+            ("pids", "pids.peak"),
+        ],
+    }
+}
+
+/// The whole of a small file in the cgroup filesystem, read afresh from offset 0 through a
+/// descriptor opened earlier (a read at offset 0 regenerates the kernel's text).
+fn read_again(file: &std::fs::File) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mut text = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        match file.read_at(&mut buf, text.len() as u64) {
+            Ok(0) => break,
+            Ok(n) => text.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    String::from_utf8(text).ok()
 }
 
 /// What an execution used and hit, as the cgroup counted it.
@@ -177,7 +219,8 @@ impl ExecCgroup {
         name: &str,
         limits: &Limits,
     ) -> Result<ExecCgroup, CgroupError> {
-        let mut group = ExecCgroup { flavor, dirs: Vec::new(), limits: *limits, removed: false };
+        let mut group =
+            ExecCgroup { flavor, dirs: Vec::new(), counters: Vec::new(), limits: *limits, removed: false };
         for h in hierarchies {
             let dir = h.dir.join(name);
             std::fs::create_dir(&dir).map_err(|source| CgroupError::Create { path: dir.clone(), source })?;
@@ -185,6 +228,13 @@ impl ExecCgroup {
             group.dirs.push((dir, h.controllers.clone()));
         }
         group.apply(limits)?;
+        for (controller, file) in counter_files(flavor) {
+            // A counter this kernel lacks is reported absent, as a failed read was before.
+            let opened = group.dir_with(controller).and_then(|d| std::fs::File::open(d.join(file)).ok());
+            if let Some(opened) = opened {
+                group.counters.push((file, opened));
+            }
+        }
         Ok(group)
     }
 
@@ -269,28 +319,27 @@ impl ExecCgroup {
     /// high-water mark, CPU time and throttled periods.
     pub fn usage(&self) -> Usage {
         let mut u = Usage::default();
-        let at = |controller: &str, file: &str| self.dir_with(controller).and_then(|d| read(&d.join(file)));
+        let at = |file: &str| {
+            self.counters.iter().find(|(name, _)| *name == file).and_then(|(_, f)| read_again(f))
+        };
         match self.flavor {
             Flavor::V2 => {
-                u.oom_kills = at("memory", "memory.events").and_then(|t| keyed(&t, "oom_kill")).unwrap_or(0);
-                u.peak_memory_bytes = at("memory", "memory.peak").and_then(|t| t.trim().parse().ok());
-                let cpu = at("cpu", "cpu.stat").unwrap_or_default();
+                u.oom_kills = at("memory.events").and_then(|t| keyed(&t, "oom_kill")).unwrap_or(0);
+                u.peak_memory_bytes = at("memory.peak").and_then(|t| t.trim().parse().ok());
+                let cpu = at("cpu.stat").unwrap_or_default();
                 u.cpu_time_ms = keyed(&cpu, "usage_usec").map(|us| us / 1000);
                 u.cpu_throttled_periods = keyed(&cpu, "nr_throttled");
             }
             Flavor::V1 => {
-                u.oom_kills =
-                    at("memory", "memory.oom_control").and_then(|t| keyed(&t, "oom_kill")).unwrap_or(0);
-                u.peak_memory_bytes =
-                    at("memory", "memory.max_usage_in_bytes").and_then(|t| t.trim().parse().ok());
-                u.cpu_time_ms = at("cpuacct", "cpuacct.usage")
-                    .and_then(|t| t.trim().parse::<u64>().ok())
-                    .map(|ns| ns / 1_000_000);
-                u.cpu_throttled_periods = at("cpu", "cpu.stat").and_then(|t| keyed(&t, "nr_throttled"));
+                u.oom_kills = at("memory.oom_control").and_then(|t| keyed(&t, "oom_kill")).unwrap_or(0);
+                u.peak_memory_bytes = at("memory.max_usage_in_bytes").and_then(|t| t.trim().parse().ok());
+                u.cpu_time_ms =
+                    at("cpuacct.usage").and_then(|t| t.trim().parse::<u64>().ok()).map(|ns| ns / 1_000_000);
+                u.cpu_throttled_periods = at("cpu.stat").and_then(|t| keyed(&t, "nr_throttled"));
             }
         }
-        u.pids_max_hits = at("pids", "pids.events").and_then(|t| keyed(&t, "max")).unwrap_or(0);
-        u.pids_peak = at("pids", "pids.peak").and_then(|t| t.trim().parse().ok());
+        u.pids_max_hits = at("pids.events").and_then(|t| keyed(&t, "max")).unwrap_or(0);
+        u.pids_peak = at("pids.peak").and_then(|t| t.trim().parse().ok());
         u
     }
 
@@ -299,6 +348,7 @@ impl ExecCgroup {
     /// the directories can be removed. Blocking: call it off the async runtime.
     pub fn remove_blocking(mut self) -> Result<(), CgroupError> {
         self.removed = true;
+        self.counters.clear();
         kill_and_remove(self.flavor, &self.dirs.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>())
     }
 
@@ -307,9 +357,14 @@ impl ExecCgroup {
         self.dirs.iter().map(|(d, _)| d.as_path())
     }
 
-    /// Ends the processes in the cgroup now (the sandbox's end, whatever its state).
+    /// Ends the processes in the cgroup now (the sandbox's end, whatever its state). On v1
+    /// one hierarchy's list is enough: sandbox-init joins every hierarchy before it execs and
+    /// its descendants inherit them all, and nothing in a sandbox can move a process (the
+    /// cgroup filesystem is never in one). A sandbox-init that failed to join them all is
+    /// listed in the first it joined; the removal then kills per hierarchy until each
+    /// directory is empty.
     pub fn kill(&self) {
-        for (dir, _) in &self.dirs {
+        if let Some((dir, _)) = self.dirs.first() {
             kill_dir(self.flavor, dir);
         }
     }
@@ -318,6 +373,7 @@ impl ExecCgroup {
 impl Drop for ExecCgroup {
     fn drop(&mut self) {
         if !self.removed {
+            self.counters.clear();
             let dirs: Vec<PathBuf> = self.dirs.iter().map(|(d, _)| d.clone()).collect();
             if let Err(e) = kill_and_remove(self.flavor, &dirs) {
                 tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
