@@ -375,14 +375,15 @@ impl Versions {
         }
     }
 
-    /// Compare-and-swap from the head read just before (the lease serialises writers).
+    /// Commits over the current head: the lease this writer holds serialises the head's
+    /// writers ([`Expected::Current`]).
     fn commit_head(&self, name: &str, record: &Ref) -> Result<(), WriteError> {
         self.commit_ref(name, Expected::Current, record)
     }
 
     /// Validates `record`'s closure and makes its objects durable — without the refs lock,
     /// so one commit's checks do not hold up other workspaces' commits — then commits it
-    /// under the lock (compare-and-swap against `expected`).
+    /// under the lock (compare-and-swap against `expected`, or over the current head).
     fn commit_ref(&self, name: &str, expected: Expected, record: &Ref) -> Result<(), WriteError> {
         self.store.validate_closure(record)?;
         self.store.sync_pending()?;

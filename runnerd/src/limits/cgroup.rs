@@ -55,6 +55,12 @@ pub enum CgroupError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot open the counter file {path}")]
+    OpenCounter {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot remove the cgroup {path}: processes are still in it")]
     Remove {
         path: PathBuf,
@@ -70,6 +76,7 @@ impl CgroupError {
             CgroupError::Create { source, .. }
             | CgroupError::Write { source, .. }
             | CgroupError::Open { source, .. }
+            | CgroupError::OpenCounter { source, .. }
             | CgroupError::Remove { source, .. } => source,
             CgroupError::NotHeld { .. } => return false,
         };
@@ -229,10 +236,14 @@ impl ExecCgroup {
         }
         group.apply(limits)?;
         for (controller, file) in counter_files(flavor) {
-            // A counter this kernel lacks is reported absent, as a failed read was before.
-            let opened = group.dir_with(controller).and_then(|d| std::fs::File::open(d.join(file)).ok());
-            if let Some(opened) = opened {
-                group.counters.push((file, opened));
+            let Some(path) = group.dir_with(controller).map(|d| d.join(file)) else { continue };
+            match std::fs::File::open(&path) {
+                Ok(opened) => group.counters.push((file, opened)),
+                // A counter this kernel lacks is reported absent, as a failed read was before.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                // Anything else would report a counter as zero for the whole run (a spare is
+                // made long before it): no cgroup rather than one that cannot be read.
+                Err(source) => return Err(CgroupError::OpenCounter { path, source }),
             }
         }
         Ok(group)
@@ -358,11 +369,13 @@ impl ExecCgroup {
     }
 
     /// Ends the processes in the cgroup now (the sandbox's end, whatever its state). On v1
-    /// one hierarchy's list is enough: sandbox-init joins every hierarchy before it execs and
-    /// its descendants inherit them all, and nothing in a sandbox can move a process (the
-    /// cgroup filesystem is never in one). A sandbox-init that failed to join them all is
-    /// listed in the first it joined; the removal then kills per hierarchy until each
-    /// directory is empty.
+    /// one hierarchy's list is enough: sandbox-init joins every hierarchy, in this order,
+    /// before it execs, and its descendants inherit them all; nothing in a sandbox can move a
+    /// process (no cgroup filesystem is bound in, capabilities are dropped, and seccomp
+    /// refuses `mount`, `unshare` and new user namespaces, so none can be mounted either). A
+    /// sandbox-init that failed to join them all stopped at the first refusal, so it is
+    /// listed in the first; the removal then kills per hierarchy until each directory is
+    /// empty.
     pub fn kill(&self) {
         if let Some((dir, _)) = self.dirs.first() {
             kill_dir(self.flavor, dir);

@@ -106,20 +106,29 @@ impl Refs {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(sql("begin a commit", &path))?;
-        if let Over::Exactly(expected) = expected {
-            let current: Option<String> = tx
-                .prepare_cached("SELECT target FROM live_refs WHERE name=?")
-                .and_then(|mut s| s.query_row([name], |row| row.get(0)).optional())
-                .map_err(sql("read a head", &path))?;
-            let current = match current {
-                Some(text) => jcs::canonicalize(
-                    &serde_json::from_str::<Value>(&text).map_err(|_| VersionError::InvalidRef)?,
-                )?,
-                None => "null".to_string(),
-            };
-            let expected = expected.map_or_else(|| "null".to_string(), Ref::jcs);
-            if current != expected {
-                return Err(VersionError::HeadChanged);
+        let current: Option<String> = tx
+            .prepare_cached("SELECT target FROM live_refs WHERE name=?")
+            .and_then(|mut s| s.query_row([name], |row| row.get(0)).optional())
+            .map_err(sql("read a head", &path))?;
+        match expected {
+            // Over any head, but an unreadable one fails the commit (which poisons the
+            // workspace) rather than being written over unnoticed.
+            Over::Current => {
+                if let Some(text) = &current {
+                    parse_target(text)?;
+                }
+            }
+            Over::Exactly(expected) => {
+                let current = match current {
+                    Some(text) => jcs::canonicalize(
+                        &serde_json::from_str::<Value>(&text).map_err(|_| VersionError::InvalidRef)?,
+                    )?,
+                    None => "null".to_string(),
+                };
+                let expected = expected.map_or_else(|| "null".to_string(), Ref::jcs);
+                if current != expected {
+                    return Err(VersionError::HeadChanged);
+                }
             }
         }
         let text = target.jcs();
@@ -273,6 +282,14 @@ mod tests {
         assert_eq!(one.history("agent/y").unwrap(), vec![first.clone(), second]);
         let refused = one.commit_over_current("bad\u{1}name", &first);
         assert!(matches!(refused, Err(VersionError::InvalidRefName)), "{refused:?}");
+        // An unreadable head is not written over.
+        let conn = Connection::open(store.root().join("refs.sqlite")).unwrap();
+        conn.execute("UPDATE live_refs SET target='not a ref' WHERE name='agent/y'", []).unwrap();
+        let refused = one.commit_over_current("agent/y", &first);
+        assert!(matches!(refused, Err(VersionError::InvalidRef)), "{refused:?}");
+        let target: String =
+            conn.query_row("SELECT target FROM live_refs WHERE name='agent/y'", [], |r| r.get(0)).unwrap();
+        assert_eq!(target, "not a ref");
     }
 
     #[test]
