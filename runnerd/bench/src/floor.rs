@@ -47,12 +47,15 @@ impl Floor {
     }
 }
 
-/// The size of the `WorkspaceExecution` record each benchmark execution commits.
+/// The size of the `WorkspaceMutation` record (`legacy-execution`) each benchmark execution
+/// commits.
 const RECORD_BYTES: usize = 532;
 
 /// `n` commits in a fresh directory under `parent` (removed afterwards).
 pub(crate) fn durable_commit_floor(parent: &Path, n: usize) -> anyhow::Result<Floor> {
-    let root = parent.join(format!("runnerd-bench-floor-{}", std::process::id()));
+    static ROUND: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let round = ROUND.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let root = parent.join(format!("runnerd-bench-floor-{}-{round}", std::process::id()));
     let blobs = root.join("blobs/sha256");
     std::fs::create_dir_all(&blobs).with_context(|| format!("creating {}", blobs.display()))?;
     let measured = measure(&root, &blobs, n);
@@ -102,12 +105,14 @@ fn commit_once(
     std::fs::remove_file(&temp)?;
     let target = format!("{{\"digest\":\"sha256:{i:064x}\"}}");
     let tx = rusqlite::Transaction::new_unchecked(db, rusqlite::TransactionBehavior::Immediate)?;
-    tx.execute(
+    // Cached statements, as runnerd's (parsed once per connection).
+    tx.prepare_cached(
         "INSERT INTO live_refs(name, target) VALUES('workspace', ?1) \
          ON CONFLICT(name) DO UPDATE SET target=excluded.target",
-        [&target],
-    )?;
-    tx.execute("INSERT INTO history_refs(name, target) VALUES('workspace', ?1)", [&target])?;
+    )?
+    .execute([&target])?;
+    tx.prepare_cached("INSERT INTO history_refs(name, target) VALUES('workspace', ?1)")?
+        .execute([&target])?;
     tx.commit()?;
     Ok(())
 }

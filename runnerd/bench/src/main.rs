@@ -804,7 +804,7 @@ async fn http_cases(
             rows[0].per_sec / a_shell_par.per_sec
         );
         println!(
-            "  runnerd RSS idle: {} KiB ({:.1} MiB, target <= 15 MiB); peak through concurrency 8: {} KiB",
+            "  runnerd RSS idle: {} KiB ({:.1} MiB, target <= 15 MiB); peak through the concurrent cases: {} KiB",
             s.idle_rss,
             s.idle_rss as f64 / 1024.0,
             rss_kib(pid, "VmHWM:")
