@@ -251,7 +251,7 @@ impl Store {
         let dir = final_path.parent().expect("object paths have a parent directory");
         // Already stored (the common case for unchanged directories' records): compare and
         // stop, without the temp file and its fsync. Same outcome as the link's EEXIST path.
-        if let Ok(existing) = fs::read(final_path) {
+        if let Some(existing) = read_existing(final_path)? {
             if existing != bytes {
                 return Err(VersionError::Corrupt { path: final_path.to_path_buf() });
             }
@@ -270,8 +270,9 @@ impl Store {
         match fs::hard_link(&tmp.0, final_path) {
             Ok(()) => fresh = true,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                let existing =
-                    fs::read(final_path).map_err(io_err("read the existing object", final_path))?;
+                let existing = read_existing(final_path)?.ok_or_else(|| {
+                    io_err("read the existing object", final_path)(io::ErrorKind::NotFound.into())
+                })?;
                 if existing != bytes {
                     return Err(VersionError::Corrupt { path: final_path.to_path_buf() });
                 }
@@ -312,8 +313,10 @@ impl Store {
         match fs::hard_link(&tmp.0, &final_path) {
             Ok(()) => fresh = true,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                let file =
-                    File::open(&final_path).map_err(io_err("open the existing object", &final_path))?;
+                let file = open_regular(&final_path).map_err(|e| match planted(&e) {
+                    true => VersionError::Corrupt { path: final_path.clone() },
+                    false => io_err("open the existing object", &final_path)(e),
+                })?;
                 let mut check = VerifiedReader::new(file, &final_path, size, &hex);
                 io::copy(&mut check, &mut io::sink()).map_err(|e| integrity_or_io(e, &final_path))?;
             }
@@ -335,9 +338,11 @@ impl Store {
         let hex = r.hex();
         for path in [self.blob_path(r.pool, hex), self.blob_path(r.pool.other(), hex), self.legacy_path(hex)]
         {
-            match File::open(&path) {
+            match open_regular(&path) {
                 Ok(file) => return Ok((file, path)),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                // Something other than a file of ours holds the object's name.
+                Err(e) if planted(&e) => return Err(VersionError::Integrity),
                 Err(e) => return Err(io_err("open the object", &path)(e)),
             }
         }
@@ -770,6 +775,37 @@ impl Drop for TempFile {
 }
 
 /// `open(path, O_CREAT|O_EXCL|O_WRONLY, 0600)`.
+/// Opens an object or layout file for reading without following a symbolic link or blocking
+/// on a FIFO that holds its name, and refuses anything but a regular file (errors
+/// [`planted`] tells apart). Only runnerd writes these directories, so such an entry is
+/// damage, never content.
+fn open_regular(path: &Path) -> io::Result<File> {
+    let file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
+    if !file.metadata()?.file_type().is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "not a regular file"));
+    }
+    Ok(file)
+}
+
+/// Whether [`open_regular`] met a symbolic link or a non-regular file at the name.
+fn planted(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::ELOOP) || e.kind() == io::ErrorKind::InvalidData
+}
+
+/// The bytes already stored under `path`, `None` if nothing is; anything but a regular file
+/// there is `Corrupt`.
+fn read_existing(path: &Path) -> Result<Option<Vec<u8>>, VersionError> {
+    let mut file = match open_regular(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if planted(&e) => return Err(VersionError::Corrupt { path: path.to_path_buf() }),
+        Err(e) => return Err(io_err("read the existing object", path)(e)),
+    };
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).map_err(io_err("read the existing object", path))?;
+    Ok(Some(bytes))
+}
+
 fn create_exclusive(path: &Path) -> Result<File, VersionError> {
     OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io_err("create", path))
 }
@@ -914,6 +950,32 @@ mod tests {
         );
         let e = store.read_record(&a, Some("Other")).unwrap_err();
         assert!(matches!(e, VersionError::KindMismatch { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_symlink_or_fifo_at_an_objects_name_is_damage_and_never_followed_or_waited_on() {
+        let (_dir, store) = temp_store();
+        let outside = tempfile::TempDir::new().unwrap();
+        let target = outside.path().join("same");
+        fs::write(&target, b"same").unwrap();
+        let hex = hex(&Sha256::digest(b"same"));
+        let path = store.blob_path(Pool::Data, &hex);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        // A link to a file with exactly the object's bytes is still not the object.
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        let e = store.put(Pool::Data, b"same", OCTET_STREAM).unwrap_err();
+        assert!(matches!(e, VersionError::Corrupt { .. }), "{e}");
+        let e = store.put_stream(Pool::Data, &mut &b"same"[..]).unwrap_err();
+        assert!(matches!(e, VersionError::Corrupt { .. }), "{e}");
+        let r = Ref::new(Pool::Data, &hex, 4, OCTET_STREAM);
+        assert!(matches!(store.read(&r), Err(VersionError::Integrity)));
+        // A FIFO would block a plain open for ever: refused at once.
+        fs::remove_file(&path).unwrap();
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = store.put(Pool::Data, b"same", OCTET_STREAM).unwrap_err();
+        assert!(matches!(e, VersionError::Corrupt { .. }), "{e}");
+        assert!(matches!(store.read(&r), Err(VersionError::Integrity)));
+        assert_eq!(fs::read(&target).unwrap(), b"same", "the link's target is untouched");
     }
 
     #[test]
