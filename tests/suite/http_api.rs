@@ -548,6 +548,50 @@ async fn the_sandbox_init_waiting_ahead_is_replaced_and_dies_with_runnerd() {
     }
 }
 
+/// A run that timed out and one whose caller went away (the stop token's cancel) each still
+/// start the next sandbox-init (issue #18; the test above covers a run that ended by itself):
+/// the one waiting before the run took its plan, and a fresh one waits after it.
+#[tokio::test]
+async fn a_timed_out_or_abandoned_run_still_starts_the_next_sandbox_init() {
+    if !sandbox_or_skip("a_timed_out_or_abandoned_run_still_starts_the_next_sandbox_init") {
+        return;
+    }
+    let server = Server::start();
+    let client = std::sync::Arc::new(server.client());
+    let ws = server.project_workspace("next-init");
+    let reply = client.post_signed("/execute-shell", &shell_request("main", "s", &ws, "true")).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    let runnerd = server.pid().expect("runnerd's pid");
+    let m = marker(700_000);
+    let mut waiting = sandbox_init_waiting_ahead(runnerd, None).await;
+    for how in ["timed out", "abandoned"] {
+        let used = common::sys::pidfd_open(waiting as i32).expect("the idle sandbox-init is alive");
+        let mut body = shell_request("main", "s", &ws, &format!("echo started; sleep 4{m}"));
+        if how == "timed out" {
+            body["executionTimeoutMs"] = json!(500);
+            let r = client.post_signed("/execute-shell", &body).await.unwrap();
+            assert_eq!(r.json()["error"], "Shell execution timed out after 500 ms", "{}", r.json());
+        } else {
+            let c = client.clone();
+            let call = tokio::spawn(async move { c.post_signed("/execute-shell", &body).await });
+            // The sandbox runs (it took the plan) before its caller goes.
+            let start = std::time::Instant::now();
+            while processes_matching(&format!("sleep 4{m}")).is_empty() {
+                assert!(start.elapsed() < IDLE_DEADLINE, "the sandbox never started");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            call.abort();
+            wait_for_status(&client, |a| a.is_empty()).await;
+        }
+        assert!(
+            exits_within(&used, IDLE_DEADLINE).await,
+            "the {how} run did not end the sandbox-init it took"
+        );
+        assert!(processes_matching(&format!("sleep 4{m}")).is_empty(), "the {how} run left its sandbox");
+        waiting = sandbox_init_waiting_ahead(runnerd, None).await;
+    }
+}
+
 /// Whether the process behind `pidfd` exits (its pidfd turns readable) within `limit`.
 async fn exits_within(pidfd: &std::os::fd::OwnedFd, limit: Duration) -> bool {
     let start = std::time::Instant::now();
