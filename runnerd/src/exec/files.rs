@@ -129,16 +129,15 @@ pub fn measure(root: BorrowedFd<'_>) -> Measured {
     walk(root, &mut |_| {})
 }
 
-/// [`measure`] on the blocking pool (it makes a syscall per entry), on a duplicate of `root`
-/// that the walk owns; a walk that could not start or run fails closed.
+/// [`measure`] as blocking work of the awaiting task (it makes a syscall per entry;
+/// [`crate::blocking::run`]: no thread hop before a launch), on a duplicate of `root` that
+/// the walk owns; a walk that could not start or run fails closed.
 pub async fn measure_blocking(root: &OwnedFd) -> Measured {
     let root = match root.try_clone() {
         Ok(fd) => fd,
         Err(e) => return unreadable(e),
     };
-    tokio::task::spawn_blocking(move || measure(root.as_fd()))
-        .await
-        .unwrap_or_else(|e| unmeasured(&e.to_string()))
+    crate::blocking::run(move || measure(root.as_fd())).await.unwrap_or_else(|e| unmeasured(&e.to_string()))
 }
 
 /// A walk that could not run, failing closed (the workspace reads as unreadable).
