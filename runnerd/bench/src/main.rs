@@ -423,7 +423,8 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         "(a') bare bwrap, `bash -s`, 2 parallel launchers: p50 {:.2} ms, {:.1} launches/s\n",
         a_shell_par.p50, a_shell_par.per_sec
     );
-    http_cases(n, &setup, init, &a_seq, &a_shell, &a_par, &a_shell_par).await
+    let launcher_extra_ms = b_seq.p50 - a_seq.p50;
+    http_cases(n, &setup, init, &a_seq, &a_shell, &a_par, &a_shell_par, launcher_extra_ms).await
 }
 
 /// The version benchmark: commit cost on a scratch tree, then log throughput through a
@@ -572,15 +573,29 @@ fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
     Ok((ticks(14)? + ticks(15)?) as f64 * 1000.0 / hz as f64)
 }
 
+/// The least (c)/(a') possible: bare bwrap with the same shell, plus what sandbox-init and
+/// the launcher add to it, plus the commit the format requires (each at p50, in ms).
+fn floor_ratio(bare_shell: f64, launcher_extra: f64, durable_commit: f64) -> f64 {
+    (bare_shell + launcher_extra.max(0.0) + durable_commit) / bare_shell
+}
+
+/// The phases in the order an execution passes them (a phase this list does not know
+/// comes last, as scraped), so that two runs' breakdowns read side by side.
+fn in_pipeline_order(phases: &[(String, f64, f64)]) -> Vec<(&str, f64, f64)> {
+    const ORDER: [&str; 8] = ["parse", "admit", "lease", "launch", "wait", "snapshot", "commit", "answer"];
+    let rank = |p: &str| ORDER.iter().position(|o| *o == p).unwrap_or(ORDER.len());
+    let mut out: Vec<(&str, f64, f64)> = phases.iter().map(|(p, s, c)| (p.as_str(), *s, *c)).collect();
+    out.sort_by_key(|(p, ..)| rank(p));
+    out
+}
+
 /// `runner_execution_phase_seconds` sums and counts by phase, from a scrape.
 fn phase_totals(text: &str) -> Vec<(String, f64, f64)> {
     let mut out: Vec<(String, f64, f64)> = Vec::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("runner_execution_phase_seconds_") else { continue };
-        let (which, rest) = match rest.split_once("{phase=\"") {
-            Some(x) => x,
-            None => continue,
-        };
+        // Only the sums and counts: a bucket line carries an `le` label after the phase.
+        let Some((which @ ("sum" | "count"), rest)) = rest.split_once("{phase=\"") else { continue };
         let Some((phase, value)) = rest.split_once("\"} ") else { continue };
         let Ok(value) = value.trim().parse::<f64>() else { continue };
         let at = match out.iter().position(|(p, ..)| p == phase) {
@@ -590,10 +605,10 @@ fn phase_totals(text: &str) -> Vec<(String, f64, f64)> {
                 out.len() - 1
             }
         };
-        match which {
-            "sum" => out[at].1 = value,
-            "count" => out[at].2 = value,
-            _ => {}
+        if which == "sum" {
+            out[at].1 = value;
+        } else {
+            out[at].2 = value;
         }
     }
     out
@@ -625,7 +640,9 @@ const ROUNDS: usize = 4;
 /// and the per-phase breakdown its metrics give; (d) 2, 4 and 8 concurrent clients of one
 /// agent over distinct workspaces, (e) 2 agents; (f) the format's durable commit alone, in
 /// the sequential rounds; runnerd's RSS idle and at concurrency 8. With a baseline runnerd,
-/// every case runs against both, sequential rounds interleaved.
+/// every case runs against both, sequential rounds interleaved. `launcher_extra_ms` is what
+/// sandbox-init and the launcher add to bare bwrap at p50 ((b) − (a)), for the floor of (c).
+#[allow(clippy::too_many_arguments)]
 async fn http_cases(
     n: usize,
     setup: &Setup,
@@ -634,6 +651,7 @@ async fn http_cases(
     a_shell: &Stats,
     a_par: &Stats,
     a_shell_par: &Stats,
+    launcher_extra_ms: f64,
 ) -> anyhow::Result<()> {
     let mut subjects = Vec::new();
     for (name, exe) in runnerds_measured() {
@@ -778,6 +796,14 @@ async fn http_cases(
         floor.mean_ms(),
         floor.cpu_per_commit_ms()
     );
+    println!(
+        "    the least (c)/(a') the launcher and the format allow here, before HTTP, the lease, cgroups and the workspace walks: ((a') + ((b)-(a)) + (f)) / (a') = ({:.2} + {:.2} + {:.2}) / {:.2} = {:.3}",
+        a_shell_rounds.p50,
+        launcher_extra_ms,
+        floor_stats.p50,
+        a_shell_rounds.p50,
+        floor_ratio(a_shell_rounds.p50, launcher_extra_ms, floor_stats.p50)
+    );
     for (s, rows) in subjects.iter().zip(&concurrent) {
         let seq = stats(s.samples.clone(), s.wall);
         let pid = s.daemon.child.id();
@@ -815,8 +841,8 @@ async fn http_cases(
             let total: f64 =
                 s.phases.iter().map(|(_, sum, count)| if *count > 0.0 { sum / count } else { 0.0 }).sum();
             println!("  one execution by phase (mean ms, server-side; {:.2} ms in all):", total * 1000.0);
-            for (phase, sum, count) in &s.phases {
-                let mean = if *count > 0.0 { sum / count * 1000.0 } else { 0.0 };
+            for (phase, sum, count) in in_pipeline_order(&s.phases) {
+                let mean = if count > 0.0 { sum / count * 1000.0 } else { 0.0 };
                 if phase == "commit" {
                     println!(
                         "    {phase:<10} {mean:>8.3}  ((f), the format's durable floor: {:.3})",
@@ -884,4 +910,42 @@ fn sandbox_init_peak_rss_kib(init: &Path, args: &[String]) -> anyhow::Result<u64
         child.wait()?;
     }
     Ok(worst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_floor_of_c_adds_the_launcher_and_the_commit_to_bare_bwrap() {
+        // (bare shell, launcher's excess, durable commit) -> least (c)/(a')
+        for (bare, extra, commit, want) in [
+            (8.0, 0.5, 1.0, 1.1875),
+            (10.0, 0.0, 0.0, 1.0),
+            // A launcher that came out faster than bare bwrap (noise) adds nothing.
+            (8.0, -0.3, 2.0, 1.25),
+        ] {
+            let got = floor_ratio(bare, extra, commit);
+            assert!((got - want).abs() < 1e-9, "{bare} {extra} {commit}: {got} != {want}");
+        }
+    }
+
+    #[test]
+    fn phases_print_in_the_order_an_execution_passes_them() {
+        let scraped: Vec<(String, f64, f64)> = ["commit", "zzz-new", "wait", "parse", "answer", "lease"]
+            .iter()
+            .map(|p| ((*p).to_owned(), 1.0, 1.0))
+            .collect();
+        let order: Vec<&str> = in_pipeline_order(&scraped).iter().map(|(p, ..)| *p).collect();
+        assert_eq!(order, ["parse", "lease", "wait", "commit", "answer", "zzz-new"]);
+    }
+
+    #[test]
+    fn phase_totals_reads_sums_and_counts_by_phase() {
+        let text = "runner_execution_phase_seconds_sum{phase=\"lease\"} 0.5\n\
+                    runner_execution_phase_seconds_count{phase=\"lease\"} 2\n\
+                    runner_execution_phase_seconds_bucket{phase=\"lease\",le=\"0.1\"} 1\n\
+                    runner_other_total 3\n";
+        assert_eq!(phase_totals(text), vec![("lease".to_owned(), 0.5, 2.0)]);
+    }
 }
