@@ -237,17 +237,18 @@ impl Store {
             return Err(VersionError::InvalidRef);
         }
         let hex = hex(&Sha256::digest(bytes));
-        if self.publish_bytes(&self.blob_path(pool, &hex), bytes)? {
+        if let Some(stamp) = self.publish_bytes(&self.blob_path(pool, &hex), bytes)? {
             // These are the bytes we computed, in our own 0600 file.
-            self.remember_fresh(pool, &hex);
+            self.remember_verified(pool, &hex, stamp);
         }
         Ok(Ref::new(pool, &hex, bytes.len() as u64, media_type))
     }
 
     /// Atomic no-clobber write of a buffer: temp `<final>.<uuid>.tmp` (0600, O_EXCL), fsync,
     /// hard link, verify on EEXIST, fsync the directory, always remove the temp.
-    /// Returns whether this call created the object.
-    fn publish_bytes(&self, final_path: &Path, bytes: &[u8]) -> Result<bool, VersionError> {
+    /// Returns the stamp of the object this call created ([`fresh_stamp`]), `None` if it
+    /// was there already.
+    fn publish_bytes(&self, final_path: &Path, bytes: &[u8]) -> Result<Option<BlobStamp>, VersionError> {
         let dir = final_path.parent().expect("object paths have a parent directory");
         // Already stored (the common case for unchanged directories' records): compare and
         // stop, without the temp file and its fsync. Same outcome as the link's EEXIST path.
@@ -256,7 +257,7 @@ impl Store {
                 return Err(VersionError::Corrupt { path: final_path.to_path_buf() });
             }
             self.defer_dir_sync(dir);
-            return Ok(false);
+            return Ok(None);
         }
         fs::create_dir_all(dir).map_err(io_err("create the directory", dir))?;
         let mut tmp = final_path.as_os_str().to_owned();
@@ -265,7 +266,6 @@ impl Store {
         let mut file = create_exclusive(&tmp.0)?;
         file.write_all(bytes).map_err(io_err("write the temporary object", &tmp.0))?;
         file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
-        drop(file);
         let mut fresh = false;
         match fs::hard_link(&tmp.0, final_path) {
             Ok(()) => fresh = true,
@@ -280,9 +280,7 @@ impl Store {
             Err(e) => return Err(io_err("publish the object", final_path)(e)),
         }
         self.defer_dir_sync(dir);
-        // Removing the temp name changes the inode's ctime: stamp the object after it.
-        drop(tmp);
-        Ok(fresh)
+        Ok(if fresh { fresh_stamp(tmp, &file) } else { None })
     }
 
     /// Streams content into `pool` without buffering it whole (the original's `putStream`);
@@ -306,7 +304,6 @@ impl Store {
             size += n as u64;
         }
         file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
-        drop(file);
         let hex = hex(&hasher.finalize());
         let final_path = dir.join(&hex);
         let mut fresh = false;
@@ -323,11 +320,9 @@ impl Store {
             Err(e) => return Err(io_err("publish the object", &final_path)(e)),
         }
         self.defer_dir_sync(&dir);
-        // Removing the temp name changes the inode's ctime: stamp the blob after it.
-        drop(tmp);
-        if fresh {
+        if let Some(stamp) = if fresh { fresh_stamp(tmp, &file) } else { None } {
             // We hashed these bytes as we wrote them into our own 0600 file.
-            self.remember_fresh(pool, &hex);
+            self.remember_verified(pool, &hex, stamp);
         }
         Ok(Ref::new(pool, &hex, size, OCTET_STREAM))
     }
@@ -634,13 +629,6 @@ impl Store {
         }
         map.insert(key, deps);
     }
-
-    /// An object this call created from bytes it hashed: trusted as it is now.
-    fn remember_fresh(&self, pool: Pool, hex: &str) {
-        if let Some(stamp) = self.stat_blob(pool, hex) {
-            self.remember_verified(pool, hex, stamp);
-        }
-    }
 }
 
 /// `JSON.parse` accepts escaped lone surrogates and the original's re-canonicalisation then
@@ -767,6 +755,15 @@ fn integrity_or_io(e: io::Error, path: &Path) -> VersionError {
 
 /// A temp file that is always removed when dropped (the original's `finally`), ENOENT ignored.
 struct TempFile(PathBuf);
+
+/// The stamp of an object this call just linked from `tmp`, taken from the descriptor its
+/// bytes were written through (not by name: whatever holds the name then is not what was
+/// hashed), after the temp name is removed (which changes the inode's ctime). `None` if the
+/// descriptor cannot be read: the object is then verified when it is next read.
+fn fresh_stamp(tmp: TempFile, written: &File) -> Option<BlobStamp> {
+    drop(tmp);
+    written.metadata().ok().map(|m| blob_stamp(&m))
+}
 
 impl Drop for TempFile {
     fn drop(&mut self) {
@@ -1015,6 +1012,24 @@ mod tests {
         fs::write(&x, b"a,b\n1,3\n").unwrap();
         assert_eq!(store.validate_closure(&root).unwrap_err().to_string(), "Object integrity failure");
         assert_eq!(store.blobs_reverified(), 1);
+    }
+
+    #[test]
+    fn a_fresh_objects_stamp_is_of_the_file_written_not_of_what_holds_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tmp_path, name) = (dir.path().join("obj.tmp"), dir.path().join("obj"));
+        let mut written = create_exclusive(&tmp_path).unwrap();
+        written.write_all(b"hashed bytes").unwrap();
+        fs::hard_link(&tmp_path, &name).unwrap();
+        // Something else takes the name before the stamp is taken.
+        let other = dir.path().join("other");
+        fs::write(&other, b"other bytes!").unwrap();
+        fs::rename(&other, &name).unwrap();
+        let stamp = fresh_stamp(TempFile(tmp_path.clone()), &written).unwrap();
+        assert!(!tmp_path.exists(), "the temp name is removed first");
+        let held = blob_stamp(&fs::symlink_metadata(&name).unwrap());
+        assert_ne!(stamp.1, held.1, "stamped the file now at the name");
+        assert_eq!(stamp, blob_stamp(&written.metadata().unwrap()));
     }
 
     #[test]
