@@ -127,6 +127,9 @@ pub struct ExecCgroup {
     /// the run, for a spare): the answer then waits for reads only, not for a path walk and an
     /// open and close of each file in the cgroup filesystem.
     counters: Vec<(&'static str, std::fs::File)>,
+    /// The join file of each directory ([`join_file`]), opened for writing when the cgroup
+    /// is made (ahead of the run, for a spare), in the order of `dirs`.
+    joins: Vec<(PathBuf, OwnedFd)>,
     /// What it was limited to (a spare made ahead serves only a run with these).
     limits: Limits,
     removed: bool,
@@ -226,8 +229,14 @@ impl ExecCgroup {
         name: &str,
         limits: &Limits,
     ) -> Result<ExecCgroup, CgroupError> {
-        let mut group =
-            ExecCgroup { flavor, dirs: Vec::new(), counters: Vec::new(), limits: *limits, removed: false };
+        let mut group = ExecCgroup {
+            flavor,
+            dirs: Vec::new(),
+            counters: Vec::new(),
+            joins: Vec::new(),
+            limits: *limits,
+            removed: false,
+        };
         for h in hierarchies {
             let dir = h.dir.join(name);
             std::fs::create_dir(&dir).map_err(|source| CgroupError::Create { path: dir.clone(), source })?;
@@ -244,6 +253,13 @@ impl ExecCgroup {
                 // Anything else would report a counter as zero for the whole run (a spare is
                 // made long before it): no cgroup rather than one that cannot be read.
                 Err(source) => return Err(CgroupError::OpenCounter { path, source }),
+            }
+        }
+        for (dir, _) in &group.dirs {
+            let path = dir.join(join_file(flavor));
+            match std::fs::OpenOptions::new().write(true).open(&path) {
+                Ok(file) => group.joins.push((path, OwnedFd::from(file))),
+                Err(source) => return Err(CgroupError::Open { path, source }),
             }
         }
         Ok(group)
@@ -306,18 +322,14 @@ impl ExecCgroup {
         &self.limits
     }
 
-    /// The join file of each directory ([`join_file`]), opened for writing and
-    /// close-on-exec, for sandbox-init to write itself into.
+    /// The join file of each directory ([`join_file`]), open for writing and close-on-exec,
+    /// for sandbox-init to write itself into: duplicates of the descriptors opened when the
+    /// cgroup was made (no path walk in the cgroup filesystem on the launch path).
     pub fn procs_fds(&self) -> Result<Vec<OwnedFd>, CgroupError> {
-        self.dirs
+        self.joins
             .iter()
-            .map(|(dir, _)| {
-                let path = dir.join(join_file(self.flavor));
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .map(OwnedFd::from)
-                    .map_err(|source| CgroupError::Open { path, source })
+            .map(|(path, fd)| {
+                fd.try_clone().map_err(|source| CgroupError::Open { path: path.clone(), source })
             })
             .collect()
     }
@@ -360,6 +372,7 @@ impl ExecCgroup {
     pub fn remove_blocking(mut self) -> Result<(), CgroupError> {
         self.removed = true;
         self.counters.clear();
+        self.joins.clear();
         kill_and_remove(self.flavor, &self.dirs.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>())
     }
 
@@ -387,6 +400,7 @@ impl Drop for ExecCgroup {
     fn drop(&mut self) {
         if !self.removed {
             self.counters.clear();
+            self.joins.clear();
             let dirs: Vec<PathBuf> = self.dirs.iter().map(|(d, _)| d.clone()).collect();
             if let Err(e) = kill_and_remove(self.flavor, &dirs) {
                 tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
