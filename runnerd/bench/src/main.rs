@@ -247,6 +247,16 @@ enum Until {
     NamespaceGone,
 }
 
+/// `n` bare launches of the API's `bash -s` with `true` on stdin (the baseline of (c)), one
+/// after another: each one's time, and the wall time of all.
+fn bare_shell_runs(setup: &Setup, n: usize, until: Until) -> anyhow::Result<(Vec<Duration>, Duration)> {
+    let start = Instant::now();
+    let runs = (0..n)
+        .map(|_| bare_with_stdin(&setup.bwrap, &setup.shell_args, &setup.program, Some(b"true"), until))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok((runs, start.elapsed()))
+}
+
 /// (a) with `stdin` fed to the command (for the shell baseline of (c)).
 fn bare_with_stdin(
     bwrap: &Path,
@@ -436,18 +446,8 @@ async fn bench(n: usize) -> anyhow::Result<()> {
     );
     println!();
     // The API runs `bash -s` with the code on stdin: its bare-bwrap baseline, same argv.
-    let mut shell = Vec::with_capacity(n);
-    let start = Instant::now();
-    for _ in 0..n {
-        shell.push(bare_with_stdin(
-            &setup.bwrap,
-            &setup.shell_args,
-            &setup.program,
-            Some(b"true"),
-            Until::BwrapExits,
-        )?);
-    }
-    let a_shell = stats(shell, start.elapsed());
+    let (shell, wall) = bare_shell_runs(&setup, n, Until::BwrapExits)?;
+    let a_shell = stats(shell, wall);
     println!(
         "(a') bare bwrap, `bash -s` with `true` on stdin: p50 {:.2} ms, p95 {:.2} ms",
         a_shell.p50, a_shell.p95
@@ -722,28 +722,14 @@ async fn http_cases(
     // The format's durable commit alone, in the same rounds (see `floor`).
     let mut floor = floor::Floor::default();
     for _ in 0..ROUNDS {
-        let start = Instant::now();
-        for _ in 0..per_round {
-            shell_rounds.push(bare_with_stdin(
-                &setup.bwrap,
-                &setup.shell_args,
-                &setup.program,
-                Some(b"true"),
-                Until::BwrapExits,
-            )?);
+        for (until, runs, wall) in [
+            (Until::BwrapExits, &mut shell_rounds, &mut shell_wall),
+            (Until::NamespaceGone, &mut gone_rounds, &mut gone_wall),
+        ] {
+            let (round, took) = bare_shell_runs(setup, per_round, until)?;
+            runs.extend(round);
+            *wall += took;
         }
-        shell_wall += start.elapsed();
-        let start = Instant::now();
-        for _ in 0..per_round {
-            gone_rounds.push(bare_with_stdin(
-                &setup.bwrap,
-                &setup.shell_args,
-                &setup.program,
-                Some(b"true"),
-                Until::NamespaceGone,
-            )?);
-        }
-        gone_wall += start.elapsed();
         floor.add(floor::durable_commit_floor(&std::env::temp_dir(), per_round)?);
         for s in &mut subjects {
             let pid = s.daemon.child.id();
