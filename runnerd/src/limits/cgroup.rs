@@ -129,7 +129,7 @@ pub struct ExecCgroup {
     counters: Vec<(&'static str, std::fs::File)>,
     /// The join file of each directory ([`join_file`]), opened for writing when the cgroup
     /// is made (ahead of the run, for a spare), in the order of `dirs`.
-    joins: Vec<(PathBuf, OwnedFd)>,
+    joins: Vec<OwnedFd>,
     /// What it was limited to (a spare made ahead serves only a run with these).
     limits: Limits,
     removed: bool,
@@ -258,7 +258,7 @@ impl ExecCgroup {
         for (dir, _) in &group.dirs {
             let path = dir.join(join_file(flavor));
             match std::fs::OpenOptions::new().write(true).open(&path) {
-                Ok(file) => group.joins.push((path, OwnedFd::from(file))),
+                Ok(file) => group.joins.push(OwnedFd::from(file)),
                 Err(source) => return Err(CgroupError::Open { path, source }),
             }
         }
@@ -328,8 +328,10 @@ impl ExecCgroup {
     pub fn procs_fds(&self) -> Result<Vec<OwnedFd>, CgroupError> {
         self.joins
             .iter()
-            .map(|(path, fd)| {
-                fd.try_clone().map_err(|source| CgroupError::Open { path: path.clone(), source })
+            .zip(&self.dirs)
+            .map(|(fd, (dir, _))| {
+                fd.try_clone()
+                    .map_err(|source| CgroupError::Open { path: dir.join(join_file(self.flavor)), source })
             })
             .collect()
     }
