@@ -280,7 +280,7 @@ impl Store {
             Err(e) => return Err(io_err("publish the object", final_path)(e)),
         }
         self.defer_dir_sync(dir);
-        Ok(if fresh { fresh_stamp(tmp, &file) } else { None })
+        Ok(fresh.then(|| fresh_stamp(tmp, &file)).flatten())
     }
 
     /// Streams content into `pool` without buffering it whole (the original's `putStream`);
@@ -320,7 +320,7 @@ impl Store {
             Err(e) => return Err(io_err("publish the object", &final_path)(e)),
         }
         self.defer_dir_sync(&dir);
-        if let Some(stamp) = if fresh { fresh_stamp(tmp, &file) } else { None } {
+        if let Some(stamp) = fresh.then(|| fresh_stamp(tmp, &file)).flatten() {
             // We hashed these bytes as we wrote them into our own 0600 file.
             self.remember_verified(pool, &hex, stamp);
         }
