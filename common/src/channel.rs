@@ -147,6 +147,7 @@ mod tests {
             rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
             join_cgroups: 0,
             user: None,
+            idmaps: Vec::new(),
         }
     }
 

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever a message layout on the runnerd ↔ sandbox-init channel changes.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// bwrap reads the seccomp program from this descriptor (`--seccomp 3`).
 pub const SECCOMP_FD: i32 = 3;
@@ -78,6 +78,29 @@ pub struct LaunchPlan {
     /// started as root, switches to it after joining the cgroups; `None` keeps the caller's
     /// user, which must not be root: sandbox-init never execs bwrap as host uid 0.
     pub user: Option<SandboxUser>,
+    /// Directories to mount idmapped before bwrap binds them; needs `user`.
+    pub idmaps: Vec<Idmap>,
+}
+
+/// A placed directory descriptor that bwrap binds (`--bind-fd`/`--ro-bind-fd`) and that must
+/// be seen through an idmapped mount (issue #30): its files owned by `owner` appear owned by
+/// the plan's sandbox user, and what the sandbox writes lands on disk owned by `owner`.
+/// sandbox-init, still root, unshares its own mount namespace, attaches an idmapped clone of
+/// the directory over the directory itself there, and puts the clone's descriptor at `fd`;
+/// the mount dies with the sandbox's namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Idmap {
+    /// The target number of the placed descriptor (one of [`LaunchPlan::fds`]).
+    pub fd: i32,
+    /// The directory's owner and group on disk.
+    pub owner: IdPair,
+}
+
+/// A host user id and group id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdPair {
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// A host user and primary group for the sandbox; never 0 (checked by [`LaunchPlan::validate`]).
@@ -108,6 +131,12 @@ pub enum PlanError {
     TooManyCgroups(usize),
     #[error("the plan names uid {uid} / gid {gid} for the sandbox; sandboxes never run as host root")]
     RootSandboxUser { uid: u32, gid: u32 },
+    #[error("the plan idmaps descriptor {0}, which it does not place")]
+    IdmapUnplaced(i32),
+    #[error("the plan idmaps descriptor {0} twice")]
+    IdmapTwice(i32),
+    #[error("the plan idmaps a directory but names no sandbox user to map its owner to")]
+    IdmapWithoutUser,
 }
 
 impl LaunchPlan {
@@ -137,6 +166,17 @@ impl LaunchPlan {
             && (uid == 0 || gid == 0)
         {
             return Err(PlanError::RootSandboxUser { uid, gid });
+        }
+        for (i, map) in self.idmaps.iter().enumerate() {
+            if self.user.is_none() {
+                return Err(PlanError::IdmapWithoutUser);
+            }
+            if !self.fds.contains(&map.fd) || map.fd < FIRST_EXTRA_FD {
+                return Err(PlanError::IdmapUnplaced(map.fd));
+            }
+            if self.idmaps[..i].iter().any(|m| m.fd == map.fd) {
+                return Err(PlanError::IdmapTwice(map.fd));
+            }
         }
         for (i, limit) in self.rlimits.iter().enumerate() {
             if self.rlimits[..i].iter().any(|l| l.resource == limit.resource) {
@@ -171,6 +211,7 @@ pub enum InitStep {
     ArrangeFds,
     CloseFds,
     JoinCgroups,
+    Idmap,
     Rlimits,
     Signals,
     SwitchUser,
@@ -186,6 +227,7 @@ impl InitStep {
             InitStep::ArrangeFds => "placing the file descriptors",
             InitStep::CloseFds => "closing inherited file descriptors",
             InitStep::JoinCgroups => "joining the execution's cgroups",
+            InitStep::Idmap => "mounting a workspace idmapped for the sandbox user",
             InitStep::Rlimits => "applying resource limits",
             InitStep::Signals => "resetting signal dispositions",
             InitStep::SwitchUser => "switching to the unprivileged sandbox user",
@@ -220,6 +262,7 @@ mod tests {
             rlimits: vec![Rlimit::fixed(Resource::Core, 0)],
             join_cgroups: 0,
             user: Some(SandboxUser { uid: 1000, gid: 1000 }),
+            idmaps: vec![],
         }
     }
 
@@ -240,6 +283,36 @@ mod tests {
                 Some(PlanError::TooManyCgroups(MAX_CGROUPS + 1)),
             ),
             (Box::new(|p| p.user = None), None),
+            (
+                Box::new(|p| {
+                    p.fds.push(5);
+                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } })
+                }),
+                None,
+            ),
+            (
+                Box::new(|p| p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } })),
+                Some(PlanError::IdmapUnplaced(5)),
+            ),
+            (
+                Box::new(|p| p.idmaps.push(Idmap { fd: 0, owner: IdPair { uid: 0, gid: 0 } })),
+                Some(PlanError::IdmapUnplaced(0)),
+            ),
+            (
+                Box::new(|p| {
+                    p.fds.push(5);
+                    p.idmaps = vec![Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } }; 2]
+                }),
+                Some(PlanError::IdmapTwice(5)),
+            ),
+            (
+                Box::new(|p| {
+                    p.fds.push(5);
+                    p.user = None;
+                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } })
+                }),
+                Some(PlanError::IdmapWithoutUser),
+            ),
             (
                 Box::new(|p| p.user = Some(SandboxUser { uid: 0, gid: 1000 })),
                 Some(PlanError::RootSandboxUser { uid: 0, gid: 1000 }),

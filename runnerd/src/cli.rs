@@ -233,6 +233,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         sandbox_uid = sandbox.user.uid,
         sandbox_gid = sandbox.user.gid,
         sandbox_user = %sandbox.user.describe(),
+        workspace_idmap = %sandbox.idmap.describe(),
         sandbox_usable = sandbox.capability.sandbox_usable,
         proc_mode = ?sandbox.capability.proc_mode,
         disable_userns = sandbox.capability.disable_userns,
@@ -302,6 +303,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
             app.config.max_output_bytes,
             app.config.exec_timeout_ms,
         )?;
+        writeln!(out, "caller-made workspaces: idmapped mounts {}", app.sandbox.idmap.describe())?;
         if let Some(note) = app.managed.startup_note() {
             writeln!(out, "{note}")?;
         }

@@ -49,6 +49,8 @@ Usage:
   runnerctl env revisions [ENV]         list revisions (of ENV)
 Options:
   --workspace KEY        remote workspace key (default: runnerctl/default)
+  --workspace-root PATH  exec, run: a workspace directory under <data>/projects instead
+  --read-only-root PATH  exec, run: a parent of it, mounted read-only
   --timeout MS           executionTimeoutMs (exec)
   --python               run SCRIPT with /execute (Python) instead of /execute-shell
   --env ENV              run in scientific environment ENV (exec, run)
@@ -82,6 +84,8 @@ struct Options {
     url: Option<String>,
     socket: Option<PathBuf>,
     workspace: String,
+    workspace_root: Option<String>,
+    read_only_root: Option<String>,
     timeout: Option<u64>,
     python: bool,
     session: String,
@@ -107,6 +111,8 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
         url: None,
         socket: None,
         workspace: "runnerctl/default".into(),
+        workspace_root: None,
+        read_only_root: None,
         timeout: None,
         python: false,
         session: "runnerctl".into(),
@@ -132,6 +138,8 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
             "--url" => o.url = Some(value("--url")?),
             "--socket" => o.socket = Some(PathBuf::from(value("--socket")?)),
             "--workspace" => o.workspace = value("--workspace")?,
+            "--workspace-root" => o.workspace_root = Some(value("--workspace-root")?),
+            "--read-only-root" => o.read_only_root = Some(value("--read-only-root")?),
             "--timeout" => {
                 o.timeout =
                     Some(value("--timeout")?.parse().map_err(|_| "--timeout takes milliseconds".to_owned())?)
@@ -296,6 +304,14 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
                 "permissionEpoch": permission_epoch(&o.session),
                 "runnerWorkspaceKey": o.workspace,
             });
+            // A caller-made workspace under projects/ instead of the remote workspace.
+            if let Some(root) = &o.workspace_root {
+                body.as_object_mut().expect("an object").remove("runnerWorkspaceKey");
+                body["workspaceRoot"] = root.clone().into();
+            }
+            if let Some(root) = &o.read_only_root {
+                body["readOnlyWorkspaceRoot"] = root.clone().into();
+            }
             if let Some(ms) = o.timeout {
                 body["executionTimeoutMs"] = ms.into();
             }

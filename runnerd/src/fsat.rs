@@ -17,6 +17,8 @@ pub struct Stat {
     pub dev: u64,
     pub ino: u64,
     pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
     pub size: u64,
     pub nlink: u64,
     /// 512-byte blocks allocated (`st_blocks`): what the file really takes on disk.
@@ -32,6 +34,8 @@ impl Stat {
             dev: st.st_dev,
             ino: st.st_ino,
             mode: st.st_mode,
+            uid: st.st_uid,
+            gid: st.st_gid,
             size: st.st_size as u64,
             nlink: st.st_nlink,
             blocks: st.st_blocks as u64,

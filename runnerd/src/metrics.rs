@@ -406,6 +406,7 @@ pub fn step_name(step: common::plan::InitStep) -> &'static str {
         ArrangeFds => "arrange_fds",
         CloseFds => "close_fds",
         JoinCgroups => "join_cgroups",
+        Idmap => "idmap",
         Rlimits => "rlimits",
         Signals => "signals",
         SwitchUser => "switch_user",

@@ -36,6 +36,8 @@ pub struct SandboxRuntime {
     pub user: Identity,
     pub capability: Capability,
     pub features: preflight::BwrapFeatures,
+    /// Whether workspaces owned by another user can be mounted idmapped (issue #30).
+    pub idmap: crate::sandbox::ownership::IdmapSupport,
     pub warnings: Vec<Warning>,
     pub seccomp_files: Vec<PathBuf>,
     pub probes: CapabilityCache,
@@ -124,7 +126,30 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
             ),
         });
     }
-    Ok(SandboxRuntime { launcher, bwrap, host, user, capability, features, warnings, seccomp_files, probes })
+    // Caller-made workspaces live under projects/ (which the API may not have made yet).
+    let projects = config.data_dir.join(common::layout::PROJECTS);
+    let probed = if projects.is_dir() { projects } else { config.data_dir.clone() };
+    let idmap =
+        crate::sandbox::ownership::probe(&launcher, &bwrap, &capability, features.bind_fd, &user, &probed)
+            .await;
+    if let crate::sandbox::ownership::IdmapSupport::Unavailable(_) = &idmap {
+        warnings.push(Warning {
+            event: "workspace_idmap_unavailable",
+            text: format!("idmapped workspaces: {}", idmap.describe()),
+        });
+    }
+    Ok(SandboxRuntime {
+        launcher,
+        bwrap,
+        host,
+        user,
+        capability,
+        features,
+        idmap,
+        warnings,
+        seccomp_files,
+        probes,
+    })
 }
 
 /// Publishes every profile for this machine's architecture.

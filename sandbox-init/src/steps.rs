@@ -7,7 +7,8 @@ use std::os::unix::net::UnixStream;
 
 use common::channel::{self, ChannelError};
 use common::plan::{
-    InitFailure, InitReport, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit, SandboxUser,
+    IdPair, Idmap, InitFailure, InitReport, InitStep, LaunchPlan, MAX_TARGET_FD, Resource, Rlimit,
+    SandboxUser,
 };
 use common::sys::{self, cvt};
 
@@ -111,6 +112,7 @@ fn prepare_and_exec(channel: &UnixStream) -> Result<Never, InitFailure> {
     let cgroups = fds.split_off(plan.fds.len());
     join_cgroups(cgroups)?;
     place_fds(fds, &plan.fds)?;
+    idmap_dirs(&plan.idmaps, plan.user)?;
     close_other_fds(&plan.fds, channel.as_fd())?;
     apply_rlimits(&plan.rlimits)?;
     reset_signals()?;
@@ -156,6 +158,160 @@ fn place_fds(fds: Vec<OwnedFd>, targets: &[RawFd]) -> Result<(), InitFailure> {
             .map_err(|e| os_failure(InitStep::ArrangeFds, &e, format!("placing descriptor {target}")))?;
     }
     Ok(())
+}
+
+/// Step 5b (issue #30): for each directory the plan idmaps, while still root: in a mount
+/// namespace of our own (private, so nothing propagates back to the host), attach an
+/// idmapped clone of it on top of the directory itself, and put the clone's descriptor
+/// at the target number. bwrap, started in this namespace, re-resolves a `--bind-fd`
+/// descriptor by its path and checks the inode it finds (its copy of our namespace then
+/// finds the idmapped mount on top); its bind copies the mount with its idmap. The
+/// mount is `nosuid` and `nodev`. Deeper directories are attached first: a mount cannot be
+/// idmapped twice, so a nested workspace gets its own mapping on the original mount, and its
+/// parent's recursive clone carries that mount along beneath its own mapping.
+fn idmap_dirs(maps: &[Idmap], user: Option<SandboxUser>) -> Result<(), InitFailure> {
+    let step = InitStep::Idmap;
+    let Some(user) = user else {
+        return match maps.is_empty() {
+            true => Ok(()),
+            false => Err(failure(step, 0, "an idmap needs a sandbox user")),
+        };
+    };
+    if maps.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: unshare with a flag only; affects this (single-threaded) process.
+    cvt(unsafe { libc::unshare(libc::CLONE_NEWNS) })
+        .map_err(|e| os_failure(step, &e, "unsharing the mount namespace"))?;
+    // SAFETY: the path is a NUL-terminated literal; the other pointers may be NULL for a
+    // propagation change.
+    cvt(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    })
+    .map_err(|e| os_failure(step, &e, "making the mount namespace private"))?;
+    let mut depths = maps
+        .iter()
+        .map(|map| {
+            let link = format!("/proc/self/fd/{}", map.fd);
+            let path =
+                std::fs::read_link(&link).map_err(|e| os_failure(step, &e, format!("reading {link}")))?;
+            Ok((path.components().count(), *map))
+        })
+        .collect::<Result<Vec<_>, InitFailure>>()?;
+    depths.sort_by_key(|(depth, _)| std::cmp::Reverse(*depth));
+    let mut namespaces: Vec<(IdPair, OwnedFd)> = Vec::new();
+    for (_, map) in &depths {
+        // SAFETY: the target was placed in step 5 and stays open for this step.
+        let placed = unsafe { BorrowedFd::borrow_raw(map.fd) };
+        let (path, here) = reopen_here(placed)?;
+        let userns = match namespaces.iter().position(|(owner, _)| *owner == map.owner) {
+            Some(i) => i,
+            None => {
+                namespaces.push((map.owner, user_namespace(map.owner, user)?));
+                namespaces.len() - 1
+            }
+        };
+        let tree = sys::open_tree_clone(here.as_fd())
+            .map_err(|e| os_failure(step, &e, format!("cloning the mount of {path}")))?;
+        let attrs = sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+        sys::mount_setattr_idmap(tree.as_fd(), namespaces[userns].1.as_fd(), attrs).map_err(|e| {
+            os_failure(
+                step,
+                &e,
+                format!("idmapping {path} (the kernel or its filesystem may not support idmapped mounts)"),
+            )
+        })?;
+        sys::move_mount_onto(tree.as_fd(), here.as_fd())
+            .map_err(|e| os_failure(step, &e, format!("attaching the idmapped mount over {path}")))?;
+        // SAFETY: dup2 onto the plan's target number, which the placed descriptor held.
+        cvt(unsafe { libc::dup2(tree.as_raw_fd(), map.fd) })
+            .map_err(|e| os_failure(step, &e, format!("placing the idmapped mount at {}", map.fd)))?;
+    }
+    Ok(())
+}
+
+/// The directory behind `placed` (opened in runnerd's mount namespace), opened again by its
+/// path in ours: a mount can only be attached there. The path may have been renamed since;
+/// the inode must be the one runnerd opened, else the launch fails.
+fn reopen_here(placed: BorrowedFd<'_>) -> Result<(String, OwnedFd), InitFailure> {
+    let step = InitStep::Idmap;
+    let link = format!("/proc/self/fd/{}", placed.as_raw_fd());
+    let path = std::fs::read_link(&link).map_err(|e| os_failure(step, &e, format!("reading {link}")))?;
+    let path_text = path.to_string_lossy().into_owned();
+    let c_path = CString::new(path.into_os_string().into_encoded_bytes())
+        .map_err(|_| failure(step, 0, "a workspace path with a NUL byte"))?;
+    // SAFETY: open reads a NUL-terminated path we own.
+    let fd = cvt(unsafe {
+        libc::open(c_path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+    })
+    .map_err(|e| os_failure(step, &e, format!("opening {path_text} again")))?;
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    let here = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (a, b) = (fstat(placed)?, fstat(here.as_fd())?);
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+        return Err(failure(step, 0, format!("{path_text} was replaced after runnerd opened it")));
+    }
+    Ok((path_text, here))
+}
+
+fn fstat(fd: BorrowedFd<'_>) -> Result<libc::stat, InitFailure> {
+    // SAFETY: an all-zero stat is a valid out-buffer.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into the buffer we own.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })
+        .map_err(|e| os_failure(InitStep::Idmap, &e, "fstat of a workspace descriptor"))?;
+    Ok(st)
+}
+
+/// A user namespace whose only mapping is `owner` → `user` (uid and gid), for
+/// `MOUNT_ATTR_IDMAP`: a child is cloned into a new user namespace and waits on a pipe
+/// while we, still root in ours, write its maps and open its namespace; it then exits.
+fn user_namespace(owner: IdPair, user: SandboxUser) -> Result<OwnedFd, InitFailure> {
+    let step = InitStep::Idmap;
+    let mut ends = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array we own.
+    cvt(unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) })
+        .map_err(|e| os_failure(step, &e, "making a pipe"))?;
+    // SAFETY: fresh descriptors, owned by nobody else.
+    let (wait_end, release_end) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
+    let flags = (libc::CLONE_NEWUSER | libc::SIGCHLD) as libc::c_ulong;
+    // SAFETY: a raw clone without CLONE_VM is a fork into a new user namespace: the child
+    // has a copy of our memory and, below, makes only raw calls (close, read, _exit).
+    let pid = cvt(unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) })
+        .map_err(|e| os_failure(step, &e, "cloning a process into a new user namespace"))?;
+    if pid == 0 {
+        let mut byte = 0u8;
+        // SAFETY: the child closes its copy of the release end, blocks until ours closes,
+        // and exits without running any of our code.
+        unsafe {
+            libc::close(release_end.as_raw_fd());
+            libc::read(wait_end.as_raw_fd(), (&raw mut byte).cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    let pid = pid as libc::pid_t;
+    let made = (|| {
+        let write = |name: &str, text: String| {
+            std::fs::write(format!("/proc/{pid}/{name}"), text)
+                .map_err(|e| os_failure(step, &e, format!("writing the namespace's {name}")))
+        };
+        write("uid_map", format!("{} {} 1\n", owner.uid, user.uid))?;
+        write("gid_map", format!("{} {} 1\n", owner.gid, user.gid))?;
+        std::fs::File::open(format!("/proc/{pid}/ns/user"))
+            .map(OwnedFd::from)
+            .map_err(|e| os_failure(step, &e, "opening the user namespace"))
+    })();
+    drop(release_end);
+    let mut status = 0;
+    // SAFETY: reaps the child we cloned; status is ours.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    made
 }
 
 /// Step 6: close everything but the targets and the channel.

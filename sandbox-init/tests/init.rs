@@ -86,6 +86,7 @@ fn plan(script: &str) -> LaunchPlan {
         ],
         join_cgroups: 0,
         user: test_user(),
+        idmaps: Vec::new(),
     }
 }
 

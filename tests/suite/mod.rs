@@ -1,5 +1,6 @@
 mod accel;
 mod audit;
+mod caller_workspaces;
 mod config;
 mod damaged_state;
 mod environments;

@@ -16,6 +16,25 @@ pub const CLONE_NEWUSER: u32 = 0x1000_0000;
 /// The x32 ABI marks its syscall numbers with this bit; x32 calls bypass per-number rules.
 pub const X32_SYSCALL_BIT: u32 = 0x4000_0000;
 
+/// Mode bits that make an executable run with its file's owner or group (`S_ISUID`,
+/// `S_ISGID`).
+pub const SET_ID_BITS: [u32; 2] = [0o4000, 0o2000];
+/// Calls that set a file's mode, and the argument that carries it. A sandbox that writes
+/// into a caller-made workspace through an idmapped mount writes files owned on disk by the
+/// directory's owner, root included (issue #30): a set-user-ID bit there would be a
+/// set-user-ID root program on the host, whatever `nosuid` does inside the sandbox.
+const MODE_ARGUMENTS: &[(Syscall, u8)] = &[
+    (sc::CHMOD, 1),
+    (sc::FCHMOD, 1),
+    (sc::FCHMODAT, 2),
+    (sc::FCHMODAT2, 2),
+    (sc::OPEN, 2),
+    (sc::OPENAT, 3),
+    (sc::CREAT, 1),
+    (sc::MKNOD, 1),
+    (sc::MKNODAT, 2),
+];
+
 pub const AF_UNIX: u32 = 1;
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -205,6 +224,15 @@ pub fn rules(profile: Profile, arch: Arch) -> Vec<Rule> {
     // the workspace quota's poll can see (issue #14). EOPNOTSUPP, what a filesystem without
     // it answers: glibc's posix_fallocate then writes the blocks, which RLIMIT_FSIZE caps.
     push(Rule { syscall: sc::FALLOCATE, when: When::Always, errno: libc::EOPNOTSUPP });
+    // No set-user-ID or set-group-ID file is made from inside (see MODE_ARGUMENTS); the
+    // kernel refuses the bits in mkdir's mode by itself. openat2 passes its mode in a
+    // struct that seccomp cannot read: ENOSYS makes callers fall back to openat.
+    for (syscall, arg) in MODE_ARGUMENTS {
+        for mask in SET_ID_BITS {
+            push(Rule::deny_when(*syscall, When::ArgHasBits { arg: *arg, mask }));
+        }
+    }
+    push(Rule { syscall: sc::OPENAT2, when: When::Always, errno: libc::ENOSYS });
     // Terminal input injection.
     push(Rule::deny_when(sc::IOCTL, When::ArgEquals { arg: 1, value: TIOCSTI }));
     push(Rule::deny_when(sc::IOCTL, When::ArgEquals { arg: 1, value: TIOCLINUX }));
@@ -268,6 +296,12 @@ mod tests {
         let cases: &[(&str, When, i32)] = &[
             ("clone", When::ArgHasBits { arg: 0, mask: CLONE_NEWUSER }, libc::EPERM),
             ("clone3", When::Always, libc::ENOSYS),
+            ("openat2", When::Always, libc::ENOSYS),
+            ("fchmodat", When::ArgHasBits { arg: 2, mask: 0o4000 }, libc::EPERM),
+            ("fchmodat", When::ArgHasBits { arg: 2, mask: 0o2000 }, libc::EPERM),
+            ("fchmod", When::ArgHasBits { arg: 1, mask: 0o4000 }, libc::EPERM),
+            ("openat", When::ArgHasBits { arg: 3, mask: 0o4000 }, libc::EPERM),
+            ("mknodat", When::ArgHasBits { arg: 2, mask: 0o2000 }, libc::EPERM),
             ("fallocate", When::Always, libc::EOPNOTSUPP),
             ("ioctl", When::ArgEquals { arg: 1, value: TIOCSTI }, libc::EPERM),
             ("ioctl", When::ArgEquals { arg: 1, value: TIOCLINUX }, libc::EPERM),

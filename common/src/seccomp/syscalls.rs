@@ -94,6 +94,17 @@ syscalls! {
     USELIB = "uselib": Some(134), None;
     IOPL = "iopl": Some(172), None;
     IOPERM = "ioperm": Some(173), None;
+    // Calls whose mode argument may carry set-user-ID or set-group-ID bits.
+    CHMOD = "chmod": Some(90), None;
+    FCHMOD = "fchmod": Some(91), Some(52);
+    FCHMODAT = "fchmodat": Some(268), Some(53);
+    FCHMODAT2 = "fchmodat2": Some(452), Some(452);
+    OPEN = "open": Some(2), None;
+    OPENAT = "openat": Some(257), Some(56);
+    OPENAT2 = "openat2": Some(437), Some(437);
+    CREAT = "creat": Some(85), None;
+    MKNOD = "mknod": Some(133), None;
+    MKNODAT = "mknodat": Some(259), Some(33);
 }
 
 /// Looks a syscall up by name.
@@ -183,6 +194,12 @@ mod tests {
             ("kexec_file_load", libc::SYS_kexec_file_load),
             ("pidfd_getfd", libc::SYS_pidfd_getfd),
             ("process_madvise", libc::SYS_process_madvise),
+            ("fchmod", libc::SYS_fchmod),
+            ("fchmodat", libc::SYS_fchmodat),
+            ("fchmodat2", libc::SYS_fchmodat2),
+            ("openat", libc::SYS_openat),
+            ("openat2", libc::SYS_openat2),
+            ("mknodat", libc::SYS_mknodat),
         ];
         for (name, number) in libc_table {
             let ours = by_name(name).and_then(|s| s.number(host));
@@ -203,6 +220,10 @@ mod tests {
                     assert_eq!(USELIB.x86_64, u32::try_from(libc::SYS_uselib).ok());
                     assert_eq!(IOPL.x86_64, u32::try_from(libc::SYS_iopl).ok());
                     assert_eq!(IOPERM.x86_64, u32::try_from(libc::SYS_ioperm).ok());
+                    assert_eq!(CHMOD.x86_64, u32::try_from(libc::SYS_chmod).ok());
+                    assert_eq!(OPEN.x86_64, u32::try_from(libc::SYS_open).ok());
+                    assert_eq!(CREAT.x86_64, u32::try_from(libc::SYS_creat).ok());
+                    assert_eq!(MKNOD.x86_64, u32::try_from(libc::SYS_mknod).ok());
                 }
                 only.len()
             }

@@ -923,6 +923,7 @@ fn sandbox_init_peak_rss_kib(init: &Path, args: &[String]) -> anyhow::Result<u64
             rlimits: default_rlimits(Some(1 << 30)),
             join_cgroups: 0,
             user: None,
+            idmaps: Vec::new(),
         };
         std::io::Write::write_all(&mut &ours, &encode_frame(PROTOCOL_VERSION, &plan)?)?;
         let null = std::fs::File::open("/dev/null")?;

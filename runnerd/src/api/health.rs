@@ -124,6 +124,13 @@ pub fn health(
             "disableUserns": cap.disable_userns,
             "reason": cap.reason,
             "warnings": warnings,
+            "workspaceIdmap": app.sandbox.idmap,
+            "callerWorkspaces": format!(
+                "workspaces owned by the sandbox user ({}) are bound as they are; those owned by another user: \
+                 idmapped mounts {}",
+                app.sandbox.user.name,
+                app.sandbox.idmap.describe()
+            ),
         },
         "egressd": egressd,
         "npuBrokerd": npu_brokerd,

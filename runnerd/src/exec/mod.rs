@@ -26,12 +26,13 @@ use crate::app::{App, runner_version};
 use crate::coordination::CoordError;
 use crate::launch::{Launch, OutputBudget, OutputSink, OutputText, Stream, Termination, default_rlimits};
 use crate::sandbox::{
-    EgressMount, FdSlots, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, preflight,
+    EgressMount, FdSlots, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, ownership, preflight,
 };
 use crate::timefmt;
 use crate::writer::WriteError;
 use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;
+use common::plan::IdPair;
 use common::seccomp::Profile;
 pub use error::EngineError;
 use registry::ActiveExecution;
@@ -716,12 +717,21 @@ fn sandbox_command(
     runtime: Option<&crate::envs::store::Runtime>,
 ) -> Result<(crate::sandbox::SandboxCommand, FdSlots), EngineError> {
     let by_fd = app.sandbox.features.bind_fd;
+    let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
+    let (root_owner, parent_owner) = workspace_owners(app, p, &layout, root_fd, parent_fd)?;
     let mut slots = FdSlots::default();
-    let mut slot = |fd: &OwnedFd| slots.push(fd).map_err(EngineError::internal);
     let workspace_fds = match by_fd {
-        true => Some(WorkspaceFds { root: slot(root_fd)?, read_only: parent_fd.map(&mut slot).transpose()? }),
+        true => {
+            let root = slots.push_dir(root_fd, root_owner).map_err(EngineError::internal)?;
+            let read_only = parent_fd
+                .map(|fd| slots.push_dir(fd, parent_owner))
+                .transpose()
+                .map_err(EngineError::internal)?;
+            Some(WorkspaceFds { root, read_only })
+        }
         false => None,
     };
+    let mut slot = |fd: &OwnedFd| slots.push(fd).map_err(EngineError::internal);
     let egress_mount = match (&p.egress, p.network.mode.as_str()) {
         (Some(lease), _) => Some(EgressMount {
             bridge: app.egress.bridge.clone(),
@@ -752,7 +762,6 @@ fn sandbox_command(
         &app.config.python_path,
         &app.sandbox.user,
     );
-    let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
     let cmd = argv::build(&SandboxSpec {
         shape,
         host: &app.sandbox.host,
@@ -774,6 +783,31 @@ fn sandbox_command(
         extra_env: &[],
     });
     Ok((cmd, slots))
+}
+
+/// Whose ids the workspace and its read-only parent are seen with (issue #30): `Some(owner)`
+/// for a directory sandbox-init mounts idmapped. A writable workspace that the sandbox user
+/// could not write is refused here, before anything runs.
+fn workspace_owners(
+    app: &App,
+    p: &Prepared,
+    layout: &WorkspaceLayout,
+    root_fd: &OwnedFd,
+    parent_fd: Option<&OwnedFd>,
+) -> Result<(Option<IdPair>, Option<IdPair>), EngineError> {
+    let (who, support) = (&app.sandbox.user, &app.sandbox.idmap);
+    let refused =
+        |e: ownership::Unwritable| EngineError::unavailable("workspace_not_writable", e.to_string());
+    let parent = match (parent_fd, p.read_only.as_deref()) {
+        (Some(fd), Some(path)) => {
+            ownership::access_of(fd, path, who, support, false, false).map_err(refused)?.owner()
+        }
+        _ => None,
+    };
+    let under_idmapped = matches!(layout, WorkspaceLayout::Nested { .. }) && parent.is_some();
+    let root =
+        ownership::access_of(root_fd, &p.root, who, support, true, under_idmapped).map_err(refused)?.owner();
+    Ok((root, parent))
 }
 
 async fn sandbox_run(
@@ -918,6 +952,20 @@ async fn sandbox_run(
             if unresponsive {
                 tracing::error!(event = "workspace_locked", workspace = %p.root.display(), reason = "a sandbox did not die");
                 return Err(EngineError::Unresponsive(error));
+            }
+            if let crate::launch::LaunchError::Init(f) = &e
+                && f.step == common::plan::InitStep::Idmap
+            {
+                // The start-up probe passed, but this workspace's filesystem refused.
+                return Err(EngineError::unavailable(
+                    "workspace_not_writable",
+                    format!(
+                        "Runner workspace {} could not be mounted for the sandbox user ({f}); nothing was run. Run \
+                         runnerd as the data directory's owner, or keep workspaces on a filesystem that supports \
+                         idmapped mounts",
+                        p.root.display()
+                    ),
+                ));
             }
             return Err(EngineError::LaunchFailed(error));
         }

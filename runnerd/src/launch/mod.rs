@@ -266,6 +266,7 @@ impl Launcher {
             targets.push(SECCOMP_FD);
         }
         let mut next_fd = launch.extra_fds.next();
+        let idmaps = launch.extra_fds.idmaps().to_vec();
         for (slot, fd) in launch.extra_fds.into_placed() {
             fds.push(fd);
             targets.push(slot);
@@ -291,6 +292,7 @@ impl Launcher {
             rlimits: launch.rlimits,
             join_cgroups,
             user: self.identity.user,
+            idmaps,
         };
         let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;

@@ -4,6 +4,7 @@
 
 pub mod argv;
 pub mod host;
+pub mod ownership;
 pub mod preflight;
 pub mod user;
 
@@ -19,6 +20,8 @@ pub use host::HostRuntime;
 #[derive(Debug, Default)]
 pub struct FdSlots {
     fds: Vec<std::os::fd::OwnedFd>,
+    /// Slots sandbox-init mounts idmapped before bwrap binds them (issue #30).
+    idmaps: Vec<common::plan::Idmap>,
 }
 
 impl FdSlots {
@@ -27,6 +30,25 @@ impl FdSlots {
         let slot = common::plan::FIRST_EXTRA_FD + self.fds.len() as i32;
         self.fds.push(fd.try_clone()?);
         Ok(slot)
+    }
+
+    /// Like [`FdSlots::push`], the directory to be seen through an idmapped mount when
+    /// `owner` is `Some` (see [`ownership`]).
+    pub fn push_dir(
+        &mut self,
+        fd: &std::os::fd::OwnedFd,
+        owner: Option<common::plan::IdPair>,
+    ) -> std::io::Result<i32> {
+        let slot = self.push(fd)?;
+        if let Some(owner) = owner {
+            self.idmaps.push(common::plan::Idmap { fd: slot, owner });
+        }
+        Ok(slot)
+    }
+
+    /// The idmapped slots.
+    pub fn idmaps(&self) -> &[common::plan::Idmap] {
+        &self.idmaps
     }
 
     /// The first number after the slots (where the launcher's own descriptors go).
