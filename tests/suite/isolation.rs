@@ -286,7 +286,7 @@ async fn no_network_in_the_baseline() {
 /// Issue #14 hole 1: started as root, sandbox code ran as host uid 0 — it changed a host-wide
 /// sysctl, read 0400 root files of /proc, and left a setuid-root binary in the workspace.
 /// Whoever runs the tests, the sandbox must be a non-root host user with nothing writable
-/// under /proc/sys, no writable /, /dev or unsized tmpfs, and no way to plant setuid root.
+/// under /proc/sys, no writable /, /dev or unsized tmpfs, and no way to plant a setuid file.
 #[tokio::test]
 async fn sandbox_code_is_never_host_root_and_proc_sys_is_read_only() {
     if !sandbox_or_skip("sandbox_code_is_never_host_root_and_proc_sys_is_read_only") {
@@ -299,7 +299,8 @@ echo start
 echo 7 > /proc/sys/fs/lease-break-time 2>/dev/null && echo sysctl-written || echo sysctl-refused
 echo '|/bin/false' > /proc/sys/kernel/core_pattern 2>/dev/null && echo core-written || echo core-refused
 head -c 8 /proc/kpageflags >/dev/null 2>&1 && echo kpageflags-read || echo kpageflags-refused
-cp /usr/bin/id /workspace/id-copy && chmod 4755 /workspace/id-copy && echo copied
+cp /usr/bin/id /workspace/id-copy && echo copied
+chmod 4755 /workspace/id-copy 2>/dev/null && echo setuid-set || echo setuid-refused
 touch /planted 2>/dev/null && echo root-writable || echo root-readonly
 touch /dev/planted 2>/dev/null && echo dev-writable || echo dev-readonly
 grep -E ' /(tmp|dev/shm) ' /proc/self/mountinfo | grep -c 'size='
@@ -311,12 +312,13 @@ head -c 80000000 /dev/zero > /dev/shm/fill 2>/dev/null && echo shm-unbounded || 
     let lines: Vec<&str> = out.stdout.lines().collect();
     assert_eq!(lines[0], "start");
     assert_eq!(
-        &lines[1..9],
+        &lines[1..10],
         [
             "sysctl-refused",
             "core-refused",
             "kpageflags-refused",
             "copied",
+            "setuid-refused",
             "root-readonly",
             "dev-readonly",
             "2",
@@ -326,12 +328,14 @@ head -c 80000000 /dev/zero > /dev/shm/fill 2>/dev/null && echo shm-unbounded || 
         out.stderr
     );
     // /dev/shm fills to its size (64 MiB at the fallback /tmp size) and no further.
-    assert_eq!(lines[9], (64u64 << 20).to_string(), "{}", out.stdout);
+    assert_eq!(lines[10], (64u64 << 20).to_string(), "{}", out.stdout);
     assert_eq!(std::fs::read_to_string("/proc/sys/fs/lease-break-time").unwrap(), before);
-    // What the sandbox wrote belongs on the host to the sandbox user, never to root: the
-    // copy it marked setuid gives nobody root.
+    // What the sandbox wrote belongs on the host to the sandbox user, never to root, and
+    // seccomp refused the set-user-ID bit (issue #30: through an idmapped mount the file
+    // would be the directory owner's, root's).
     use std::os::unix::fs::MetadataExt;
     let copy = std::fs::metadata(f.workspace.join("id-copy")).unwrap();
     assert_ne!(copy.uid(), 0, "sandbox code runs as host root");
     assert_eq!(copy.uid(), runner_tests::sandbox_user().uid);
+    assert_eq!(copy.mode() & 0o6000, 0, "mode {:o}", copy.mode());
 }
