@@ -23,6 +23,8 @@ pub struct Stat {
     pub nlink: u64,
     /// 512-byte blocks allocated (`st_blocks`): what the file really takes on disk.
     pub blocks: u64,
+    /// The filesystem's block size for this file (`st_blksize`).
+    pub blksize: u64,
     pub mtime_ns: i128,
     pub ctime_ns: i128,
 }
@@ -39,6 +41,7 @@ impl Stat {
             size: st.st_size as u64,
             nlink: st.st_nlink,
             blocks: st.st_blocks as u64,
+            blksize: st.st_blksize as u64,
             mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
             ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
         }

@@ -309,9 +309,53 @@ async fn health_states_how_the_workspace_quota_holds() {
     let h = server.client().get("/health").await.unwrap().json();
     assert_eq!(h["enforced"]["workspaceBytes"], "partial", "{h}");
     let reason = h["reasons"]["workspaceBytes"].as_str().unwrap();
-    for part in
-        ["RLIMIT_FSIZE = quota + 1", "fallocate refused", "max(size, allocated blocks)", "every 25 ms"]
-    {
+    for part in [
+        "RLIMIT_FSIZE = quota + 1",
+        "fallocate refused",
+        "plus the blocks allocated beyond it",
+        "every 25 ms",
+    ] {
         assert!(reason.contains(part), "{reason}");
     }
+}
+
+/// Issue #30: the quota counts as the original (`stat.size` summed), plus what is allocated
+/// beyond the size: a 500-byte file under a 1000-byte quota passes (it used to count its 4 KiB
+/// block), a 5000-byte one fails with the original's text, and a 1 GiB preallocation past the
+/// end (`fallocate -n`, made on the host since seccomp refuses fallocate inside) under a
+/// 10 MiB quota fails the next run.
+#[tokio::test]
+async fn the_quota_counts_sizes_as_the_original_and_preallocation_beyond_them() {
+    if !sandbox_or_skip("the_quota_counts_sizes_as_the_original_and_preallocation_beyond_them") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let r = run(&client, &in_key("t/sizes", "head -c 500 /dev/zero > small; echo ok", Some(1000))).await;
+    assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("ok\n")), "{}", r.json());
+    let r = run(&client, &in_key("t/sizes", "echo again", Some(1000))).await;
+    assert_eq!((r.status, r.json()["stdout"].as_str()), (200, Some("again\n")), "{}", r.json());
+    let r = run(
+        &client,
+        &in_key("t/sizes", "head -c 5000 /dev/zero > big 2>/dev/null; echo written", Some(1000)),
+    )
+    .await;
+    assert_quota_error(&r, 1000);
+    let r = run(&client, &in_key("t/sizes", "rm -f big; echo clean", Some(0))).await;
+    assert_eq!(r.status, 200, "{}", r.json());
+
+    let dir = server.path("remote-workspaces/t/sizes");
+    let status =
+        std::process::Command::new("fallocate").args(["-n", "-l", "1G"]).arg(dir.join("pre")).status();
+    match status {
+        Ok(s) if s.success() => {}
+        other => {
+            assert!(!runner_tests::in_ci(), "fallocate -n failed in CI: {other:?}");
+            eprintln!("SKIP the preallocated half: fallocate -n failed ({other:?})");
+            return;
+        }
+    }
+    assert_eq!(std::fs::metadata(dir.join("pre")).unwrap().len(), 0);
+    let r = run(&client, &in_key("t/sizes", "echo never", Some(10 << 20))).await;
+    assert_quota_error(&r, 10 << 20);
 }

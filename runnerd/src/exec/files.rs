@@ -3,9 +3,11 @@
 //! followed; nothing is hashed (the content-addressed receipt is the versioning store's job).
 //!
 //! Ours, beyond the original (issue #14, hole 5): the walk goes by descriptor
-//! (`openat(O_NOFOLLOW)`, `fstatat`), a file is charged what it really costs —
-//! `max(apparent size, allocated blocks)`, so neither a sparse file (which the version store
-//! would write out in full) nor blocks `fallocate`d past the end hide — and a directory the
+//! (`openat(O_NOFOLLOW)`, `fstatat`), a file is charged its size as the original counts it
+//! (`stat.size`, so a sparse file, which the version store would write out in full, counts
+//! in full) plus the blocks allocated beyond that size rounded up to the filesystem's block
+//! (issue #30: a 500-byte file is 500 bytes, and blocks `fallocate`d past the end still
+//! count) — and a directory the
 //! walk cannot read fails closed: its contents are unknown, so the quota check refuses rather
 //! than count them as nothing.
 
@@ -39,7 +41,7 @@ pub struct Measured {
     pub prints: Fingerprints,
     /// Path text kept so far ([`MAX_WALK_PATH_BYTES`]).
     path_bytes: usize,
-    /// What the regular files cost, each `max(size, blocks × 512)` ([`charged`]).
+    /// What the regular files cost, each its size plus blocks allocated beyond it ([`charged`]).
     pub bytes: u64,
     /// The first thing the walk could not read; what it holds is unknown.
     pub unreadable: Option<Unreadable>,
@@ -61,10 +63,15 @@ impl Measured {
     }
 }
 
-/// What one regular file costs against the quota: its apparent size (what a snapshot stores)
-/// or its allocated blocks (what the disk holds), whichever is more.
-pub fn charged(size: u64, blocks: u64) -> u64 {
-    size.max(blocks.saturating_mul(512))
+/// What one regular file costs against the quota: its apparent size, as the original sums
+/// `stat.size` (and what a snapshot stores), plus whatever is allocated beyond that size
+/// rounded up to whole blocks of `block_size` (`st_blksize`): preallocation past the end
+/// (`fallocate` with `KEEP_SIZE`), which the size does not show. The last, partly used block
+/// of an ordinary file is not charged.
+pub fn charged(size: u64, blocks: u64, block_size: u64) -> u64 {
+    let unit = block_size.max(512);
+    let used_blocks = size.div_ceil(unit).saturating_mul(unit);
+    size.saturating_add(blocks.saturating_mul(512).saturating_sub(used_blocks))
 }
 
 /// `RLIMIT_FSIZE` for a run under `limit` (0: none). One byte above the quota, so a write the
@@ -86,7 +93,7 @@ pub fn quota_enforcement(limit: u64) -> (Value, String) {
         json!("partial"),
         format!(
             "per file hard (RLIMIT_FSIZE = quota + 1 byte; fallocate refused by seccomp); the total, \
-             each file charged max(size, allocated blocks), is measured before, every {poll} ms during \
+             each file charged its size plus the blocks allocated beyond it, is measured before, every {poll} ms during \
              (or the last walk's duration, if longer) and after a run, failing closed on what it cannot \
              read: a run can exceed it by what it writes between two measurements (about 1.5-3x a 20 MB \
              quota at ~1 GB/s), which stays on disk and makes the next run's pre-check refuse; a commit \
@@ -226,7 +233,7 @@ fn list(
         match st.kind() {
             libc::S_IFDIR => stack.push((dir.clone(), cname, child, depth + 1)),
             libc::S_IFREG => {
-                m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks));
+                m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks, st.blksize));
                 m.prints.insert(child, (st.size, st.mtime_ns));
             }
             // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
@@ -327,7 +334,11 @@ mod tests {
             .iter()
             .map(|p| {
                 let m = fs::metadata(root.join(p)).unwrap();
-                charged(std::os::unix::fs::MetadataExt::size(&m), std::os::unix::fs::MetadataExt::blocks(&m))
+                charged(
+                    std::os::unix::fs::MetadataExt::size(&m),
+                    std::os::unix::fs::MetadataExt::blocks(&m),
+                    std::os::unix::fs::MetadataExt::blksize(&m),
+                )
             })
             .sum();
         assert_eq!(before.bytes, blocks);
@@ -394,15 +405,20 @@ mod tests {
     }
 
     #[test]
-    fn charges_are_the_larger_of_size_and_blocks() {
-        for (size, blocks, want) in [
-            (0, 0, 0),
-            (5, 8, 4096),
-            (1 << 28, 16, 1 << 28),
-            (0, 2048, 1 << 20),
-            (u64::MAX, u64::MAX, u64::MAX),
+    fn charges_are_the_size_plus_blocks_beyond_it() {
+        for (size, blocks, block_size, want) in [
+            (0, 0, 4096, 0),
+            (5, 8, 4096, 5),
+            (500, 8, 4096, 500),
+            (5000, 16, 4096, 5000),
+            (4096, 16, 4096, 8192),
+            (1 << 28, 16, 4096, 1 << 28),
+            (0, 2048, 4096, 1 << 20),
+            (100, 2048, 4096, 100 + (1 << 20) - 4096),
+            (700, 2, 0, 700),
+            (u64::MAX, u64::MAX, 4096, u64::MAX),
         ] {
-            assert_eq!(charged(size, blocks), want, "{size} {blocks}");
+            assert_eq!(charged(size, blocks, block_size), want, "{size} {blocks} {block_size}");
         }
         assert_eq!(file_size_cap(0), None);
         assert_eq!(file_size_cap(1000), Some(1001));

@@ -138,7 +138,12 @@ pub fn parent_for_write(root: &OwnedFd, parents: &[&str], owner: &Identity) -> R
 pub fn replaced_size(parent: &OwnedFd, name: &str) -> Result<u64, RemoteError> {
     match lstat_at(parent, name) {
         Ok(m) if m.file_type().is_symlink() => Err(RemoteError::TargetSymlink),
-        Ok(m) if m.file_type().is_file() => Ok(m.len()),
+        Ok(m) if m.file_type().is_file() => {
+            use std::os::unix::fs::MetadataExt;
+            // The quota's own measure, so what the upload replaces is taken off exactly what
+            // the workspace's measurement charged for it.
+            Ok(crate::exec::files::charged(m.size(), m.blocks(), m.blksize()))
+        }
         Ok(_) => Err(RemoteError::NotRegular),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
         Err(e) => {
