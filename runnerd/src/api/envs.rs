@@ -18,7 +18,7 @@ impl From<StoreError> for ApiError {
         let code = match &e {
             StoreError::Unavailable(_) => "environments_unavailable",
             StoreError::Invalid(_) | StoreError::Ids(_) | StoreError::Wheel(_) => "invalid_request",
-            StoreError::NotFound(_) => "environment_not_found",
+            StoreError::NotFound(_) | StoreError::UnknownRevision(_) => "environment_not_found",
             StoreError::Snapshot(_) => "snapshot_corrupt",
             StoreError::Step { .. } => "provisioning_failed",
             StoreError::Sandboxed(_) => "provisioning_unavailable",
@@ -202,6 +202,11 @@ mod tests {
                 "Starter environment x is read-only",
             ),
             (StoreError::NotFound("task-1".into()), "environment_not_found", "Environment not found: task-1"),
+            (
+                StoreError::UnknownRevision("rev-9".into()),
+                "environment_not_found",
+                "Unknown environment revision: rev-9",
+            ),
             (StoreError::Ids(IdError::NoPackages), "invalid_request", "At least one package is required"),
             (
                 StoreError::Step { label: "conda", detail: "Could not solve".into() },

@@ -27,7 +27,7 @@ pub(crate) enum IdError {
     DuplicateName(String),
     #[error("At least one package is required")]
     NoPackages,
-    #[error("Invalid package spec: {0}")]
+    #[error("Invalid package specification: {0}")]
     InvalidSpec(String),
     /// The refused channels, in request order, joined with `, `.
     #[error("Package channels are not allowed: {0}")]
@@ -375,7 +375,7 @@ mod tests {
         }
         assert_eq!(
             check_specs(&["numpy", "--extra-index-url="]).unwrap_err().to_string(),
-            "Invalid package spec: --extra-index-url="
+            "Invalid package specification: --extra-index-url="
         );
         assert_eq!(check_specs::<&str>(&[]), Err(IdError::NoPackages));
         check_specs(&["numpy", "pandas=2.2"]).unwrap();

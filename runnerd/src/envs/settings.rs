@@ -133,7 +133,7 @@ mod tests {
         assert!(s.offline());
         for (var, value, want) in [
             (STARTER_R_VAR, " , ", "SCIENCE_AGENT_STARTER_R_SPECS: At least one package is required"),
-            (STARTER_PYTHON_VAR, "numpy,--pre", "Invalid package spec: --pre"),
+            (STARTER_PYTHON_VAR, "numpy,--pre", "Invalid package specification: --pre"),
             (CHANNELS_VAR, "ftp://x", "neither a channel name nor"),
         ] {
             let err = EnvSettings::from_vars(|k| (k == var).then(|| value.to_owned())).unwrap_err();

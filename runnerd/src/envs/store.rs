@@ -38,6 +38,9 @@ pub(crate) enum StoreError {
     Invalid(String),
     #[error("Environment not found: {0}")]
     NotFound(String),
+    /// The original's text for a revision id that names nothing.
+    #[error("Unknown environment revision: {0}")]
+    UnknownRevision(String),
     #[error(transparent)]
     Ids(#[from] ids::IdError),
     #[error(transparent)]
@@ -612,7 +615,7 @@ impl EnvStore {
     pub(crate) async fn snapshot(&self, id: &str) -> Result<Vec<u8>, StoreError> {
         self.require_available()?;
         let revision = self.cat().revision(id).cloned();
-        let revision = revision.ok_or_else(|| StoreError::NotFound(format!("revision {id}")))?;
+        let revision = revision.ok_or_else(|| StoreError::UnknownRevision(id.to_owned()))?;
         let dir = open_dir(&self.root)?;
         Ok(snapshot::read_verified(&dir, &revision.id, &revision.snapshot)?)
     }
@@ -992,7 +995,7 @@ impl EnvStore {
         let guard = self.gates.read(&selection.environment_id).await;
         let catalog = self.cat();
         let env = catalog.environment(&selection.environment_id).cloned().ok_or_else(|| {
-            StoreError::Invalid(format!("Unknown environment: {}", selection.environment_id))
+            StoreError::Invalid(format!("Unknown scientific environment: {}", selection.environment_id))
         })?;
         drop(catalog);
         if let Some(rev) = &selection.revision_id

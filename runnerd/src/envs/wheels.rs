@@ -38,13 +38,13 @@ pub(crate) const MAX_WHEELS_PER_REVISION: usize = 256;
 pub(crate) enum WheelError {
     #[error("Local wheels require a workspace: give workspaceRoot or runnerWorkspaceKey")]
     NoWorkspace,
-    #[error("Wheel URLs are not allowed; upload the wheel into the workspace and name its path: {0}")]
+    #[error("Remote pip URLs are not allowed; upload the wheel into the workspace and name its path: {0}")]
     Remote(String),
     #[error("Local wheel path is empty")]
     Empty,
     #[error("Local wheel paths must be relative to the workspace: {0}")]
     Absolute(String),
-    #[error("Local wheel paths must stay inside the workspace: {0}")]
+    #[error("Local wheel path escapes the Session workspace: {0}")]
     Traversal(String),
     #[error("Local wheel must be a .whl file: {0}")]
     NotWheel(String),
@@ -518,19 +518,19 @@ mod tests {
             ),
             (
                 "../outside/example_pkg-1.2.3-py3-none-any.whl",
-                "Local wheel paths must stay inside the workspace: ../outside/example_pkg-1.2.3-py3-none-any.whl",
+                "Local wheel path escapes the Session workspace: ../outside/example_pkg-1.2.3-py3-none-any.whl",
             ),
             (
                 "wheels/../../x-1.0-py3-none-any.whl",
-                "Local wheel paths must stay inside the workspace: wheels/../../x-1.0-py3-none-any.whl",
+                "Local wheel path escapes the Session workspace: wheels/../../x-1.0-py3-none-any.whl",
             ),
             (
                 "https://files.example/example_pkg-1.2.3-py3-none-any.whl",
-                "Wheel URLs are not allowed; upload the wheel into the workspace and name its path: https://files.example/example_pkg-1.2.3-py3-none-any.whl",
+                "Remote pip URLs are not allowed; upload the wheel into the workspace and name its path: https://files.example/example_pkg-1.2.3-py3-none-any.whl",
             ),
             (
                 "http://x/y.whl",
-                "Wheel URLs are not allowed; upload the wheel into the workspace and name its path: http://x/y.whl",
+                "Remote pip URLs are not allowed; upload the wheel into the workspace and name its path: http://x/y.whl",
             ),
             (
                 "wheels/absent-1.0-py3-none-any.whl",

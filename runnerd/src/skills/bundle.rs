@@ -255,6 +255,13 @@ fn parse_file(skill: &str, f: &Value, content: Content) -> Result<SkillFile, Bun
                 BundleError::Integrity(format!("skill {skill:?}: {path:?}: the content is not valid base64"))
             };
             let bytes = base64_decode(text).ok_or_else(corrupt)?;
+            // Only the canonical form (padded, no stray bits), as the original checks by
+            // encoding again: two texts must never stand for the same bytes.
+            if common::egress::route::base64(&bytes) != text {
+                return Err(BundleError::Integrity(format!(
+                    "skill {skill:?}: {path:?}: the content is not canonical base64"
+                )));
+            }
             if bytes.len() as u64 != size {
                 return Err(BundleError::Integrity(format!(
                     "skill {skill:?}: {path:?}: the content is not {size} bytes"
@@ -445,6 +452,28 @@ mod tests {
         assert!(with(&|s| s["hash"] = json!("0".repeat(64))).contains("integrity"));
         assert!(with(&|s| s["files"][1]["content"] = json!(base64(b"exit 8"))).contains("integrity"));
         assert!(with(&|s| s["files"][1]["content"] = json!("!!!")).contains("integrity"));
+        // Non-canonical encodings of the right bytes (hash and size still match): unpadded,
+        // and with stray low bits.
+        let padded = skill("demo", &[("SKILL.md", b"# demo"), ("run.sh", b"exit 77")]);
+        let canonical = padded["files"][1]["content"].as_str().unwrap().to_owned();
+        assert!(canonical.ends_with('='), "{canonical}");
+        assert!(parse(&json!({"skills": [padded.clone()]}), Content::Inline).is_ok());
+        let unpadded = canonical.trim_end_matches('=').to_owned();
+        let mut stray = canonical.clone().into_bytes();
+        let last = stray.iter().rposition(|b| *b != b'=').unwrap();
+        stray[last] += 1;
+        let stray = String::from_utf8(stray).unwrap();
+        for text in [unpadded, stray] {
+            assert_eq!(
+                base64_decode(&text).as_deref(),
+                Some(&b"exit 77"[..]),
+                "{text} decodes to the same bytes"
+            );
+            let mut s = padded.clone();
+            s["files"][1]["content"] = json!(text);
+            let e = parse(&json!({"skills": [s]}), Content::Inline).unwrap_err().to_string();
+            assert!(e.contains("integrity") && e.contains("canonical"), "{e}");
+        }
         assert!(with(&|s| s["files"][1]["size"] = json!(99)).contains("integrity"));
         assert!(with(&|s| s["files"][1]["path"] = json!("../escape")).contains("path"));
         assert!(with(&|s| s["files"][1]["path"] = json!("SKILL.md")).contains("path"));
