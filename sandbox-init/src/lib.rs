@@ -19,7 +19,10 @@
 //!    by writing `0` into each passed join file (`cgroup.procs`, or v1's `tasks`: this
 //!    program is single-threaded, so its thread is the process), and close those.
 //! 5. Place them at their target numbers (0–2 stdio, 3 seccomp program, 4 bwrap info);
-//!    `dup2` leaves the targets inheritable.
+//!    `dup2` leaves the targets inheritable. Then, for each directory the plan idmaps (a
+//!    caller-made workspace, issue #30), while still root: in a private mount namespace of
+//!    our own, attach an idmapped clone of it (its owner mapped to the sandbox user) over the
+//!    directory itself, and place the clone's descriptor where bwrap's `--bind-fd` expects it.
 //! 6. Close every other descriptor, whatever runnerd's environment leaked into us.
 //! 7. Apply the resource limits (core 0, nofile, fsize; nproc/as when configured).
 //! 8. Reset every signal disposition to default and unblock all signals (Rust ignores
