@@ -345,6 +345,8 @@ async fn the_quota_counts_sizes_as_the_original_and_preallocation_beyond_them() 
     assert_eq!(r.status, 200, "{}", r.json());
 
     let dir = server.path("remote-workspaces/t/sizes");
+    // `fallocate -n` opens without creating.
+    std::fs::File::create(dir.join("pre")).unwrap();
     let status =
         std::process::Command::new("fallocate").args(["-n", "-l", "1G"]).arg(dir.join("pre")).status();
     match status {
