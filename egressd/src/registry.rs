@@ -283,7 +283,8 @@ impl Registry {
         sandbox_uid: u32,
     ) -> Result<Lease, RegistryError> {
         let (allowlist, rejected) = Allowlist::parse(&policy.allowed_domains);
-        let derived = PolicyIdentity::of_allowlist(&allowlist, policy.allow_private_network);
+        let (pinned, rejected_origins) = common::egress::origin::parse_all(&policy.pinned_origins);
+        let derived = PolicyIdentity::of_parts(&allowlist, &pinned, policy.allow_private_network);
         if &derived != identity {
             return Err(RegistryError::IdentityMismatch {
                 sent: identity.to_string(),
@@ -297,10 +298,14 @@ impl Registry {
                     for e in &rejected {
                         tracing::warn!(event = "allowlist_entry_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
                     }
+                    for e in &rejected_origins {
+                        tracing::warn!(event = "pinned_origin_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
+                    }
                     let normalized = allowlist.normalized().join(",");
+                    let origins = pinned.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
                     let gateway = Arc::new(Gateway {
                         identity: identity.clone(),
-                        policy: Policy { allowlist, allow_private_network: policy.allow_private_network },
+                        policy: Policy { allowlist, allow_private_network: policy.allow_private_network, pinned },
                         caps: self.caps,
                         leases: AtomicUsize::new(0),
                         connections: AtomicUsize::new(0),
@@ -312,6 +317,7 @@ impl Registry {
                         gateway = %identity,
                         revision = %policy.revision,
                         allowed_domains = %normalized,
+                        pinned_origins = %origins,
                         allow_private_network = policy.allow_private_network,
                     );
                     gateway

@@ -253,8 +253,12 @@ mod tests {
             EgressClient { control_socket: dir.path().join("none.sock"), bridge: dir.path().join("bridge") };
         let err = client.status().await.unwrap_err().to_string();
         assert!(err.contains("egressd is not reachable at") && err.contains("none.sock"), "{err}");
-        let policy =
-            GatewayPolicy { revision: "r".into(), allowed_domains: vec![], allow_private_network: false };
+        let policy = GatewayPolicy {
+            revision: "r".into(),
+            allowed_domains: vec![],
+            allow_private_network: false,
+            pinned_origins: vec![],
+        };
         let err = client.acquire(policy, ProxySetting::Direct, 1000).await.unwrap_err().to_string();
         assert!(err.contains("egress bridge was not found"), "{err}");
     }

@@ -149,6 +149,7 @@ async fn network(
         revision: "runnerd-selftest-v1".into(),
         allowed_domains: vec![ALLOWED_NAME.into()],
         allow_private_network: true,
+        pinned_origins: Vec::new(),
     };
     let lease = match client.acquire(policy, ProxySetting::Direct, runtime.user.uid).await {
         Ok(lease) => lease,

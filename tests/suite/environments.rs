@@ -740,6 +740,79 @@ async fn a_channel_over_plain_http_is_reached_through_egressd_only() {
     assert_eq!(v["stdout"], "tinyutil 1.0\n", "{v}");
 }
 
+/// Issue #30: a channel the operator configured by IP literal (`http://127.0.0.1:<port>`) is
+/// reached by the provisioning step as configured — a pinned origin of its gateway — and the
+/// same gateway refuses another port of the same host, the same host over a tunnel, and any
+/// other IP literal.
+#[tokio::test]
+async fn a_channel_configured_by_ip_literal_is_reached_exactly_as_configured() {
+    if !sandbox_or_skip("a_channel_configured_by_ip_literal_is_reached_exactly_as_configured") {
+        return;
+    }
+    let channel = runner_tests::scratch_dir();
+    let dir = channel.path().join("channel");
+    demo_channel(&dir);
+    let (port, requests) = serve_channel(dir.clone());
+    let dns = runner_tests::egress::FakeDns::start(&[]);
+    let egressd = runner_tests::egress::Egressd::start(dns.addr, &[]);
+    let mut env: Vec<(String, String)> = egressd.runner_env();
+    let configured = format!("http://127.0.0.1:{port}");
+    env.extend([
+        ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
+        ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), configured.clone()),
+        ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
+    ]);
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    let setup = setup_outcome(&server).await;
+    assert_eq!(setup["state"], "ready", "{setup}\n{}\n{}", server.stderr(), egressd.log());
+    assert!(requests.load(std::sync::atomic::Ordering::SeqCst) > 0, "the channel was read over HTTP");
+    let log = egressd.log();
+    assert!(log.contains(&format!("pinned_origins={configured}")), "{log}");
+    assert!(log.contains("host=127.0.0.1") && log.contains("decision=\"allowed\""), "{log}");
+    let v = shell(&server, Some("starter-python"), "tinyutil").await;
+    assert_eq!(v["stdout"], "tinyutil 1.0\n", "{v}");
+
+    // The same policy's gateway, asked directly: exactly that origin, nothing beside it.
+    use common::egress::protocol::{ControlRequest, ControlResponse, GatewayPolicy};
+    let policy = GatewayPolicy {
+        revision: "pinned-test".into(),
+        allowed_domains: Vec::new(),
+        allow_private_network: false,
+        pinned_origins: vec![configured.clone()],
+    };
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let request = ControlRequest::Acquire {
+        identity: policy.identity(),
+        policy,
+        route: common::egress::ProxySetting::Direct,
+        sandbox_uid: uid,
+    };
+    // The lease lives as long as this connection.
+    let mut control = std::os::unix::net::UnixStream::connect(&egressd.control_socket).unwrap();
+    common::channel::write_message(&mut control, &request).unwrap();
+    let socket = match common::channel::read_message::<ControlResponse>(&mut control).unwrap() {
+        ControlResponse::Gateway { socket_path } => socket_path,
+        other => panic!("{other:?}"),
+    };
+    let ask = |request: String| {
+        runner_tests::egress::exchange(&socket, request.as_bytes(), Duration::from_secs(10))
+    };
+    let allowed = ask(format!(
+        "GET http://127.0.0.1:{port}/noarch/repodata.json HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(allowed.starts_with("HTTP/1.1 200"), "{allowed}");
+    let other_port = port.checked_add(1).unwrap_or(port - 1);
+    for request in [
+        format!("GET http://127.0.0.1:{other_port}/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n"),
+        format!("GET http://127.0.0.2:{port}/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+    ] {
+        let refused = ask(request.clone());
+        assert!(refused.starts_with("HTTP/1.1 403"), "{request:?} -> {refused}");
+    }
+}
+
 #[tokio::test]
 async fn runnerd_killed_during_an_install_restarts_with_the_environment_failed_and_repairable() {
     if !sandbox_or_skip("runnerd_killed_during_an_install_restarts_with_the_environment_failed") {

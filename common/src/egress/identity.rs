@@ -8,7 +8,10 @@
 //! exactly when their normalised policies are equal, whatever revision they name.
 //!
 //! The hashed text is `sciencediscovery-egress-policy-v1\n`, `allowPrivateNetwork=<bool>\n`,
-//! then each normalised allowlist entry (formatted, deduplicated, sorted) followed by `\n`.
+//! then each normalised allowlist entry (formatted, deduplicated, sorted) followed by `\n`,
+//! then, only when there are any, each pinned origin ([`super::origin`]) as
+//! `origin=<scheme>://<host>:<port>\n` (sorted, deduplicated): a policy without pinned
+//! origins keeps the identity it always had.
 //! Entries never contain a newline (whitespace is refused by the parser), so the text is
 //! unambiguous. Entries that do not parse are skipped, as the gateway skips them: they
 //! change nothing that is enforced, so they change nothing in the identity.
@@ -31,6 +34,31 @@ impl PolicyIdentity {
     pub fn of<S: AsRef<str>>(allowed_domains: &[S], allow_private_network: bool) -> PolicyIdentity {
         let (allowlist, _rejected) = Allowlist::parse(allowed_domains);
         PolicyIdentity::of_allowlist(&allowlist, allow_private_network)
+    }
+
+    /// The identity of a policy with pinned origins (unparsable ones skipped, as the
+    /// gateway skips them).
+    pub fn of_pinned<S: AsRef<str>, O: AsRef<str>>(
+        allowed_domains: &[S],
+        pinned_origins: &[O],
+        allow_private_network: bool,
+    ) -> PolicyIdentity {
+        let (allowlist, _rejected) = Allowlist::parse(allowed_domains);
+        let (origins, _rejected) = super::origin::parse_all(pinned_origins);
+        PolicyIdentity::of_parts(&allowlist, &origins, allow_private_network)
+    }
+
+    /// The identity of a parsed allowlist and parsed, sorted, deduplicated origins.
+    pub fn of_parts(
+        allowlist: &Allowlist,
+        origins: &[super::origin::Origin],
+        allow_private_network: bool,
+    ) -> PolicyIdentity {
+        let mut text = canonical(&allowlist.normalized(), allow_private_network);
+        for origin in origins {
+            text.push_str(&format!("origin={origin}\n"));
+        }
+        PolicyIdentity(hex(&Sha256::digest(text.as_bytes())))
     }
 
     /// The identity of an already parsed allowlist.
@@ -74,6 +102,25 @@ fn hex(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn pinned_origins_change_the_identity_only_when_present() {
+        let none: &[&str] = &[];
+        assert_eq!(
+            PolicyIdentity::of_pinned(&["a.example"], none, false),
+            PolicyIdentity::of(&["a.example"], false)
+        );
+        let one = PolicyIdentity::of_pinned(&["a.example"], &["http://127.0.0.1:8080/ch"], false);
+        assert_ne!(one, PolicyIdentity::of(&["a.example"], false));
+        let again = PolicyIdentity::of_pinned(
+            &["a.example"],
+            &["HTTP://127.0.0.1:8080", "http://127.0.0.1:8080/x"],
+            false,
+        );
+        assert_eq!(one, again, "normalised, deduplicated");
+        let other_port = PolicyIdentity::of_pinned(&["a.example"], &["http://127.0.0.1:8081/ch"], false);
+        assert_ne!(one, other_port);
+    }
+
     use super::*;
 
     fn id(domains: &[&str], private: bool) -> PolicyIdentity {

@@ -17,6 +17,7 @@
 pub mod address;
 pub mod allowlist;
 pub mod identity;
+pub mod origin;
 pub mod protocol;
 pub mod route;
 pub mod target;

@@ -13,7 +13,8 @@
 //!
 //! Layout changes bump [`crate::plan::PROTOCOL_VERSION`] (the framing's version): 4 added
 //! `identity` and `sandbox_uid` to [`ControlRequest::Acquire`]; 5 added `decisions` to
-//! [`EgressStatus`].
+//! [`EgressStatus`]; 6 added `pinned_origins` to [`GatewayPolicy`] (and the launch plan's
+//! `idmaps`).
 
 use std::path::PathBuf;
 
@@ -30,12 +31,16 @@ pub struct GatewayPolicy {
     pub revision: String,
     pub allowed_domains: Vec<String>,
     pub allow_private_network: bool,
+    /// Origins admitted exactly, whatever the allowlist says ([`super::origin`]): the
+    /// operator's mirrors named by IP literal or single-label name, for provisioning steps.
+    /// Executions never send any.
+    pub pinned_origins: Vec<String>,
 }
 
 impl GatewayPolicy {
     /// The gateway identity of this policy.
     pub fn identity(&self) -> PolicyIdentity {
-        PolicyIdentity::of(&self.allowed_domains, self.allow_private_network)
+        PolicyIdentity::of_pinned(&self.allowed_domains, &self.pinned_origins, self.allow_private_network)
     }
 }
 
@@ -104,6 +109,7 @@ mod tests {
                     revision: "r1".into(),
                     allowed_domains: vec!["pypi.org".into(), "*.example.com:8443".into()],
                     allow_private_network: true,
+                    pinned_origins: vec!["http://127.0.0.1:8080".into()],
                 },
                 route: ProxySetting::Url("http://proxy:3128".into()),
                 sandbox_uid: 1234,

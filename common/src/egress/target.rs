@@ -221,7 +221,7 @@ pub fn classify_host(text: &str) -> Result<Host, TargetError> {
 
 /// What an empty port after `:` means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum EmptyPort {
+pub(super) enum EmptyPort {
     /// CONNECT `host:` is malformed (the original answers 400).
     Refuse,
     /// `http://host:/` means the default port (RFC 3986, WHATWG).
@@ -229,7 +229,11 @@ enum EmptyPort {
 }
 
 /// `host[:port]` or `[v6][:port]`.
-fn parse_host_port(text: &str, default_port: u16, empty: EmptyPort) -> Result<Target, TargetError> {
+pub(super) fn parse_host_port(
+    text: &str,
+    default_port: u16,
+    empty: EmptyPort,
+) -> Result<Target, TargetError> {
     if text.is_empty() {
         return Err(TargetError::EmptyHost);
     }

@@ -144,6 +144,7 @@ impl Egressd {
             revision: "bench".into(),
             allowed_domains: vec![super::BENCH_NAME.into()],
             allow_private_network: true,
+            pinned_origins: Vec::new(),
         };
         let request = ControlRequest::Acquire {
             identity: policy.identity(),

@@ -1,5 +1,7 @@
 //! The verdict on one request target (internals §3.4, research "Allowlist semantics"):
-//! IP literals are refused, then the allowlist decides — before any DNS query, so a denied
+//! a pinned origin (issue #30: an operator's mirror by IP literal or single-label name, for
+//! provisioning steps) is admitted exactly — its scheme, host and port; then IP literals are
+//! refused, then the allowlist decides — before any DNS query, so a denied
 //! name causes no lookup — then the name is resolved once, every answer is classified, and
 //! the first permitted address is the one dialled (never re-resolved: no rebinding window).
 
@@ -8,6 +10,7 @@ use std::time::Duration;
 
 use common::egress::address::{self, Class};
 use common::egress::allowlist::Allowlist;
+use common::egress::origin::{Origin, Scheme};
 use common::egress::target::{Host, Target};
 
 use crate::dns::Resolve;
@@ -17,6 +20,9 @@ use crate::dns::Resolve;
 pub struct Policy {
     pub allowlist: Allowlist,
     pub allow_private_network: bool,
+    /// Admitted exactly, whatever the allowlist and the private switch say; never an
+    /// address no sandbox may reach (cloud metadata, unspecified, …).
+    pub pinned: Vec<Origin>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,12 +36,16 @@ pub enum Verdict {
 /// Decides. `own` is this host's interface addresses; `timeout` bounds the lookup.
 pub async fn decide(
     policy: &Policy,
+    scheme: Scheme,
     target: &Target,
     resolver: &dyn Resolve,
     own: &[IpAddr],
     timeout: Duration,
 ) -> Verdict {
     let deny = |reason: String| Verdict::Deny { reason };
+    if policy.pinned.iter().any(|o| o.admits(scheme, target)) {
+        return pinned(target, resolver, own, timeout).await;
+    }
     let name = match &target.host {
         Host::Name(name) => name,
         Host::Ip(_) | Host::NumericName(_) => {
@@ -77,6 +87,33 @@ pub async fn decide(
     }
 }
 
+/// A pinned origin's address: the literal itself, or the name's first answer, unless it is
+/// one no sandbox may ever reach.
+async fn pinned(target: &Target, resolver: &dyn Resolve, own: &[IpAddr], timeout: Duration) -> Verdict {
+    let deny = |reason: String| Verdict::Deny { reason };
+    let answers = match &target.host {
+        Host::Ip(ip) => vec![*ip],
+        Host::Name(name) => match tokio::time::timeout(timeout, resolver.lookup(name)).await {
+            Ok(Ok(answers)) => answers,
+            Ok(Err(e)) => return deny(format!("{name} could not be resolved: {e}")),
+            Err(_) => {
+                return deny(format!(
+                    "{name} could not be resolved: no answer within {} ms",
+                    timeout.as_millis()
+                ));
+            }
+        },
+        Host::NumericName(n) => return deny(format!("{n} is an IP address in a numeric spelling")),
+    };
+    for ip in &answers {
+        match address::classify(*ip, own) {
+            Class::Never(_) => {}
+            Class::Public | Class::Private(_) => return Verdict::Allow { address: *ip },
+        }
+    }
+    deny(format!("{} resolves only to addresses a sandbox may never reach", target.host_text()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,12 +148,44 @@ mod tests {
     }
 
     fn policy(entries: &[&str], private: bool) -> Policy {
-        Policy { allowlist: Allowlist::parse(entries).0, allow_private_network: private }
+        Policy { allowlist: Allowlist::parse(entries).0, allow_private_network: private, pinned: Vec::new() }
     }
 
     async fn verdict(p: &Policy, t: &Table, authority: &str) -> Verdict {
         let target = parse_connect_authority(authority).unwrap();
-        decide(p, &target, t, &[], Duration::from_secs(1)).await
+        decide(p, Scheme::Https, &target, t, &[], Duration::from_secs(1)).await
+    }
+
+    #[tokio::test]
+    async fn pinned_origins_are_admitted_exactly() {
+        let t = table(&[("mirror", &["10.0.0.7"]), ("meta", &["169.254.169.254"])]);
+        let mut p = policy(&["allowed.example"], false);
+        p.pinned = common::egress::origin::parse_all(&[
+            "http://127.0.0.1:8080/ch",
+            "http://10.1.2.3/conda",
+            "https://mirror:3128",
+            "http://meta:80",
+        ])
+        .0;
+        let plain = |url: &str| common::egress::target::parse_absolute_url(url).unwrap().0;
+        let decide_plain = |url: &'static str| {
+            let (p, t) = (&p, &t);
+            async move { decide(p, Scheme::Http, &plain(url), t, &[], Duration::from_secs(1)).await }
+        };
+        let allowed = |v: &Verdict, ip: &str| matches!(v, Verdict::Allow { address } if *address == ip.parse::<IpAddr>().unwrap());
+        assert!(allowed(&decide_plain("http://127.0.0.1:8080/ch/repodata.json").await, "127.0.0.1"));
+        assert!(allowed(&decide_plain("http://10.1.2.3/conda/x").await, "10.1.2.3"));
+        assert!(allowed(&verdict(&p, &t, "mirror:3128").await, "10.0.0.7"));
+        // Another port, another scheme, another host: the allowlist decides, and refuses.
+        assert!(denied_with(&decide_plain("http://127.0.0.1:8081/ch").await, "IP address"));
+        assert!(denied_with(&verdict(&p, &t, "127.0.0.1:8080").await, "IP address"));
+        assert!(denied_with(&decide_plain("http://10.1.2.4/").await, "IP address"));
+        assert!(denied_with(
+            &decide_plain("http://mirror:3128/").await,
+            "not in the sandbox network allowed domains"
+        ));
+        // Never a cloud metadata address, even pinned.
+        assert!(denied_with(&decide_plain("http://meta/").await, "never reach"));
     }
 
     fn denied_with(v: &Verdict, needle: &str) -> bool {

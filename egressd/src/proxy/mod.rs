@@ -18,6 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::egress::origin::Scheme;
 use common::egress::route::{self, ProxySetting, Route};
 use common::egress::target::{self, Host, Target};
 use tokio::io::{AsyncBufRead, AsyncWrite, AsyncWriteExt, BufReader};
@@ -107,9 +108,9 @@ fn describe(t: &Target) -> String {
     t.host_text()
 }
 
-async fn verdict(policy: &Policy, t: &Target, shared: &Shared) -> Verdict {
+async fn verdict(policy: &Policy, scheme: Scheme, t: &Target, shared: &Shared) -> Verdict {
     let own = shared.own.get();
-    decide::decide(policy, t, &*shared.resolver, &own, shared.dns_timeout).await
+    decide::decide(policy, scheme, t, &*shared.resolver, &own, shared.dns_timeout).await
 }
 
 /// The name to dial or hand to a proxy: `decide` allows names only.
@@ -177,7 +178,7 @@ async fn connect(
         }
     };
     (rec.host, rec.port) = (describe(&t), t.port);
-    let address = match verdict(policy, &t, shared).await {
+    let address = match verdict(policy, Scheme::Https, &t, shared).await {
         Verdict::Deny { reason } => {
             let _ = w.write_all(&reply::connect(403, Some(&reason))).await;
             rec.refuse("denied", 403, reason);
@@ -243,7 +244,7 @@ async fn plain(
             return;
         }
     };
-    let address = match verdict(policy, &t, shared).await {
+    let address = match verdict(policy, Scheme::Http, &t, shared).await {
         Verdict::Deny { reason } => {
             let _ = w.write_all(&reply::plain(403, &reason)).await;
             rec.refuse("denied", 403, reason);

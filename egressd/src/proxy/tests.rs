@@ -136,7 +136,11 @@ impl Harness {
             dns_timeout: Duration::from_secs(2),
             tunnel_idle: Duration::from_secs(2),
         });
-        let policy = Policy { allowlist: Allowlist::parse(entries).0, allow_private_network: private };
+        let policy = Policy {
+            allowlist: Allowlist::parse(entries).0,
+            allow_private_network: private,
+            pinned: Vec::new(),
+        };
         Harness { shared, table, policy, setting: ProxySetting::Direct }
     }
 

@@ -60,6 +60,7 @@ fn policy(revision: &str, domains: &[&str]) -> GatewayPolicy {
         revision: revision.into(),
         allowed_domains: domains.iter().map(|d| d.to_string()).collect(),
         allow_private_network: false,
+        pinned_origins: Vec::new(),
     }
 }
 

@@ -37,8 +37,12 @@ pub(crate) struct Step {
     /// Bind the provisioner binary at [`PROVISIONER_MOUNT`].
     pub provisioner: Option<PathBuf>,
     pub env: Vec<(String, String)>,
-    /// Hosts the step may reach through egressd (empty: no network at all, baseline seccomp).
+    /// Hosts the step may reach through egressd (with `origins` empty: no network at all,
+    /// baseline seccomp).
     pub hosts: Vec<String>,
+    /// Origins admitted exactly (`scheme://host:port`): the operator's own mirrors named by
+    /// IP literal or single-label name, which no allowlist entry can name (issue #30).
+    pub origins: Vec<String>,
     /// A channel the operator configured on a private address is allowed as configured.
     pub allow_private: bool,
     pub timeout: Duration,
@@ -151,18 +155,22 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
             fd: None,
         });
     }
-    let lease = match step.hosts.is_empty() {
+    let lease = match step.hosts.is_empty() && step.origins.is_empty() {
         true => None,
         false => {
             // egressd refuses a revision named again with another policy: the revision
             // names this step's own allowlist.
             let mut hosts = step.hosts.join(",");
             hosts.push_str(if step.allow_private { ";private" } else { ";public" });
+            if !step.origins.is_empty() {
+                hosts.push_str(&format!(";{}", step.origins.join(",")));
+            }
             let digest = crate::versioning::names::sha256_hex(hosts.as_bytes());
             let policy = GatewayPolicy {
                 revision: format!("env-provision-{}", &digest[..16]),
                 allowed_domains: step.hosts.clone(),
                 allow_private_network: step.allow_private,
+                pinned_origins: step.origins.clone(),
             };
             let route = ProxySetting::Direct;
             Some(

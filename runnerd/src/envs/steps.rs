@@ -84,6 +84,31 @@ pub(crate) fn private_allowed(hosts: &[String], configured: &[String]) -> bool {
             .all(|h| is_private_host(h) || (configured.contains(h) && !PUBLIC_HOSTS.contains(&h.as_str())))
 }
 
+/// Pins the origins of `configured` URLs (the operator's channels or CRAN mirror) whose host
+/// no allowlist entry can name — an IP literal (`http://10.1.2.3/conda`,
+/// `http://127.0.0.1:8080/ch`) or a single-label name (`http://mirror:3128/`) — and takes
+/// their hosts off `hosts` (issue #30): egressd then admits exactly that scheme, host and
+/// port, as the original's host-side tools reached them. A URL a request named is never
+/// pinned. The private switch is then decided on the hosts left.
+pub(crate) fn pin_configured(step: &mut Step, configured: &[String]) {
+    let mut hosts_left = step.hosts.clone();
+    for url in configured {
+        let (Some(host), Ok(origin)) = (url_host(url), common::egress::origin::Origin::of_url(url)) else {
+            continue;
+        };
+        if !step.hosts.contains(&host) || common::egress::Entry::parse(&host).is_ok() {
+            continue;
+        }
+        hosts_left.retain(|h| *h != host);
+        let text = origin.to_string();
+        if !step.origins.contains(&text) {
+            step.origins.push(text);
+        }
+    }
+    step.origins.sort();
+    step.hosts = hosts_left;
+}
+
 /// Where conda's packages are cached: the store's own cache (written by fetch steps), and the
 /// operator's offline cache (never written).
 pub(crate) struct CondaPlaces<'a> {
@@ -140,6 +165,7 @@ pub(crate) fn conda(
         provisioner: Some(places.provisioner.to_path_buf()),
         env: Vec::new(),
         hosts,
+        origins: Vec::new(),
         allow_private,
         timeout: CONDA_TIMEOUT,
     }
@@ -205,6 +231,9 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
         provisioner: None,
         env: vec![("PIP_NO_CACHE_DIR".into(), "1".into())],
         hosts,
+        // The index is the request's, never pinned: an origin a request names would let a
+        // tenant tunnel to any address and port.
+        origins: Vec::new(),
         // The index is the request's: never a private address (not even `localhost`).
         allow_private: false,
         timeout: PIP_TIMEOUT,
@@ -277,6 +306,7 @@ pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages:
         env: vec![("R_ENVIRON_USER".into(), "/dev/null".into())],
         allow_private: private_allowed(&hosts, &hosts_of([cran])),
         hosts,
+        origins: Vec::new(),
         timeout: R_TIMEOUT,
     }
 }
@@ -303,6 +333,7 @@ pub(crate) fn python_inventory(prefix: &Path) -> Step {
         provisioner: None,
         env: Vec::new(),
         hosts: Vec::new(),
+        origins: Vec::new(),
         allow_private: false,
         timeout: INVENTORY_TIMEOUT,
     }
@@ -325,6 +356,7 @@ pub(crate) fn r_inventory(prefix: &Path) -> Step {
         provisioner: None,
         env: vec![("R_ENVIRON_USER".into(), "/dev/null".into())],
         hosts: Vec::new(),
+        origins: Vec::new(),
         allow_private: false,
         timeout: INVENTORY_TIMEOUT,
     }
@@ -643,5 +675,36 @@ mod tests {
         );
         let lines = "p\t1.0\tCRAN\n".repeat(MAX_INVENTORY_ENTRIES + 1);
         assert_eq!(parse_r_inventory(&lines).unwrap_err(), InventoryTooLarge { language: "R" });
+    }
+
+    #[test]
+    fn configured_mirrors_by_ip_literal_or_single_label_are_pinned() {
+        let places = CondaPlaces {
+            provisioner: Path::new("/p"),
+            cache_dir: Path::new("/c"),
+            read_only_caches: &[],
+            offline: false,
+        };
+        let channels: Vec<String> = [
+            "http://127.0.0.1:8080/ch",
+            "http://10.1.2.3/conda",
+            "https://mirror/c",
+            "https://conda.anaconda.org/conda-forge",
+            "http://10.9.9.9/requested",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut step = conda(&places, Op::List, Path::new("/d/p"), &channels, &[], provision::Stage::Fetch);
+        step = Step { hosts: hosts_of(channels.iter().map(String::as_str)), ..step };
+        // The request's own 10.9.9.9 is not configured: never pinned, left to the allowlist.
+        pin_configured(&mut step, &channels[..4]);
+        assert_eq!(step.origins, ["http://10.1.2.3:80", "http://127.0.0.1:8080", "https://mirror:443"]);
+        assert_eq!(step.hosts, ["10.9.9.9", "conda.anaconda.org"]);
+        let mut cran = r_install(Path::new("/d/p"), false, "http://192.168.0.5:3838/cran", &["x".into()]);
+        pin_configured(&mut cran, &["http://192.168.0.5:3838/cran".to_owned()]);
+        assert_eq!(
+            (cran.hosts.len(), cran.origins.as_slice()),
+            (0, &["http://192.168.0.5:3838".to_owned()][..])
+        );
     }
 }

@@ -357,13 +357,10 @@ impl EnvStore {
         stage: provision::Stage,
     ) -> sandboxed::Step {
         let mut step = steps::conda(&self.places(), op, prefix, channels, extra_ro, stage);
-        let configured: Vec<String> = self
-            .settings
-            .channels
-            .iter()
-            .filter_map(|c| ids::channel_url(c).ok())
-            .filter_map(|u| steps::url_host(&u))
-            .collect();
+        let configured_urls: Vec<String> =
+            self.settings.channels.iter().filter_map(|c| ids::channel_url(c).ok()).collect();
+        steps::pin_configured(&mut step, &configured_urls);
+        let configured: Vec<String> = configured_urls.iter().filter_map(|u| steps::url_host(u)).collect();
         step.allow_private = steps::private_allowed(&step.hosts, &configured);
         step
     }
@@ -806,12 +803,15 @@ impl EnvStore {
                 self.run_tool(app, steps::pip(&prefix, &source, &specs, &wheel_files)).await
             }
             Manager::Cran | Manager::Bioconductor => {
-                let step = steps::r_install(
+                let mut step = steps::r_install(
                     &prefix,
                     req.manager == Manager::Bioconductor,
                     &self.settings.cran_repo,
                     &specs,
                 );
+                steps::pin_configured(&mut step, std::slice::from_ref(&self.settings.cran_repo));
+                step.allow_private =
+                    steps::private_allowed(&step.hosts, &steps::hosts_of([self.settings.cran_repo.as_str()]));
                 self.run_tool(app, step).await
             }
         };

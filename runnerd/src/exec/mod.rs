@@ -626,6 +626,7 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineErro
         revision: p.network.revision.clone(),
         allowed_domains: p.network.allowed_domains.clone(),
         allow_private_network: p.network.allow_private_network,
+        pinned_origins: Vec::new(),
     };
     // The host uid the sandbox runs as (runnerd's own, or the user a root runnerd hands
     // sandboxes to): the only uid the lease's socket admits.
