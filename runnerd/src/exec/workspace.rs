@@ -242,6 +242,17 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, Engi
     })?;
     fsat::walk_beneath(&data_fd, rest()).map_err(|stopped| match stopped {
         Stopped::Missing(e) => realpath_error(path, &e),
+        // The original resolves links with realpath and answers where it lands: a link
+        // leading outside both roots gets its text; one staying inside, our stricter refusal.
+        Stopped::Symlink
+            if link_leads_outside(
+                &data_real,
+                rest(),
+                &[&data_real.join(PROJECTS), &data_real.join(REMOTE_WORKSPACES)],
+            ) =>
+        {
+            outside()
+        }
         Stopped::Symlink => EngineError::invalid("workspace_symlink", WORKSPACE_SYMLINK),
         Stopped::NotDirectory => {
             EngineError::invalid("workspace_not_directory", "Runner workspace must be a directory")
@@ -262,12 +273,65 @@ pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, En
     let (_, names) =
         fsat::walk_beneath(&root_fd, Path::new(cwd).components()).map_err(|stopped| match stopped {
             Stopped::Missing(e) => realpath_error(Path::new(cwd), &e),
+            // As for the workspace: a link leading out of it gets the original's text.
+            Stopped::Symlink if link_leads_outside(root, Path::new(cwd).components(), &[root]) => outside(),
             Stopped::Symlink => invalid("cwd must not contain symbolic links"),
             Stopped::NotDirectory => invalid("cwd must be a directory"),
             Stopped::Escapes => outside(),
         })?;
     let rel: PathBuf = names.iter().collect();
     Ok(rel.to_string_lossy().into_owned())
+}
+
+/// Whether `rest`, walked from `base` (canonical), meets a symbolic link whose text — with
+/// the components after it — leads outside every one of `inside`. Decided on the link's text
+/// alone (`lstat` and `readlink` of the link, nothing resolved through it): only the error's
+/// wording depends on it, and a tenant must not learn from it whether a host path exists.
+fn link_leads_outside<'a>(
+    base: &Path,
+    rest: impl IntoIterator<Item = Component<'a>>,
+    inside: &[&Path],
+) -> bool {
+    let rest: Vec<Component> = rest.into_iter().collect();
+    let mut current = base.to_path_buf();
+    for (i, component) in rest.iter().enumerate() {
+        match component {
+            Component::Normal(name) => {
+                let next = current.join(name);
+                match fs::symlink_metadata(&next) {
+                    Ok(m) if m.file_type().is_symlink() => {
+                        let Ok(target) = fs::read_link(&next) else { return false };
+                        let mut landed = current.join(target);
+                        landed.extend(&rest[i + 1..]);
+                        let landed = lexically_normal(&landed);
+                        return !inside.iter().any(|dir| landed.starts_with(dir));
+                    }
+                    Ok(_) => current = next,
+                    Err(_) => return false,
+                }
+            }
+            Component::ParentDir => {
+                current.pop();
+            }
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+        }
+    }
+    false
+}
+
+/// `path` with `.` dropped and each `..` taking off the component before it (never above `/`).
+fn lexically_normal(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for component in path.components() {
+        match component {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+        }
+    }
+    out
 }
 
 /// The checks of a `cwd` that need no filesystem: workspace-relative, never above the root
@@ -453,16 +517,16 @@ mod tests {
         fs::create_dir_all(&other).unwrap();
         symlink(&other, project_ws.join("proj")).unwrap();
         symlink(&other, data.join("projects/p/sessions/alias")).unwrap();
-        for bad in [project_ws.join("link"), project_ws.join("proj"), data.join("projects/p/sessions/alias")]
-        {
+        // One leading outside both roots answers the original's text (its realpath lands
+        // there); one staying inside keeps our stricter refusal.
+        for (bad, code, text) in [
+            (project_ws.join("link"), "workspace_outside_roots", OUTSIDE_ROOTS),
+            (project_ws.join("proj"), "workspace_symlink", WORKSPACE_SYMLINK),
+            (data.join("projects/p/sessions/alias"), "workspace_symlink", WORKSPACE_SYMLINK),
+        ] {
             let err =
                 validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
-            assert_eq!(
-                (err.code, err.message.as_str()),
-                ("workspace_symlink", WORKSPACE_SYMLINK),
-                "{}",
-                bad.display()
-            );
+            assert_eq!((err.code, err.message.as_str()), (code, text), "{}", bad.display());
         }
         // Entering the data tree through a symlink that does not name the data dir itself.
         symlink(&other, dir.path().join("alias-into-data")).unwrap();
@@ -536,6 +600,7 @@ mod tests {
         fs::write(root.join("file.txt"), "").unwrap();
         symlink(dir.path(), root.join("up")).unwrap();
         symlink(root.join("analysis"), root.join("inside-link")).unwrap();
+        symlink("/nonexistent-cwd-target", root.join("gone")).unwrap();
         let root = root.canonicalize().unwrap();
         let data = dir.path().canonicalize().unwrap();
         let cwd = |c: &str| resolve_cwd(&data, &root, c);
@@ -547,7 +612,10 @@ mod tests {
             ("/etc", "cwd must be workspace-relative"),
             ("../../..", "cwd must remain inside the writable workspace"),
             ("analysis/../..", "cwd must remain inside the writable workspace"),
-            ("up", "cwd must not contain symbolic links"),
+            // A link leading out of the workspace: the original's text, whether its target
+            // exists or not (no oracle on host paths); one inside: ours.
+            ("up", "cwd must remain inside the writable workspace"),
+            ("gone", "cwd must remain inside the writable workspace"),
             ("up/ws", "cwd must not contain symbolic links"),
             ("inside-link", "cwd must not contain symbolic links"),
             ("file.txt", "cwd must be a directory"),
