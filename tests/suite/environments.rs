@@ -352,6 +352,70 @@ async fn task_environments_change_in_place_with_a_revision_and_a_verified_snapsh
     assert_eq!(get(s, &format!("/environment-revisions/{rev4_id}/snapshot")).await.0, 200);
 }
 
+/// Issue #30: the original's behaviour and shapes — a ready store's setup is not redone, the
+/// setup view's fields, starter names, the full language version, no invented requested
+/// change on a first revision, and a source the manager does not use refused.
+#[tokio::test]
+async fn environments_answer_with_the_originals_shapes() {
+    if !sandbox_or_skip("environments_answer_with_the_originals_shapes") {
+        return;
+    }
+    let envs = ready(&[]).await;
+    let s = &envs.server;
+    let (_, setup) = get(s, "/environment-setup").await;
+    assert_eq!(
+        (setup["state"].as_str(), setup["phase"].as_str()),
+        (Some("ready"), Some("complete")),
+        "{setup}"
+    );
+    assert!(setup["completedAt"].is_string(), "{setup}");
+    assert_eq!(setup["allowedChannels"], setup["channels"], "{setup}");
+    let (_, before) = get(s, "/environments").await;
+    let starter = environment(&before, "starter-python").clone();
+    assert_eq!(starter["name"], "Starter Python", "{starter}");
+
+    // A confirmed setup on a ready store answers `ready` and changes nothing.
+    let (status, again) = post(s, "/environment-setup", json!({"confirmed": true})).await;
+    assert_eq!((status, again["state"].as_str()), (202, Some("ready")), "{again}");
+    assert_eq!(again["startedAt"], setup["startedAt"], "{again}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, after) = get(s, "/environments").await;
+    assert_eq!(after, before);
+
+    // The starter's and a clone's first revisions record no requested change, and the
+    // language version is the full one.
+    let (status, env) = post(s, "/environments", json!({"name": "shapes", "language": "python"})).await;
+    assert_eq!(status, 201, "{env}");
+    let id = env["id"].as_str().unwrap().to_owned();
+    for rev in [starter["currentRevisionId"].as_str().unwrap(), env["currentRevisionId"].as_str().unwrap()] {
+        let reply = s.client().get(&format!("/environment-revisions/{rev}/snapshot")).await.unwrap();
+        let snap: Value = serde_json::from_slice(&reply.body).unwrap();
+        assert_eq!(snap["requestedChanges"], json!([]), "{snap}");
+    }
+    let (_, revisions) = get(s, "/environment-revisions").await;
+    for r in revisions.as_array().unwrap() {
+        let version = r["languageVersion"].as_str().unwrap_or_default();
+        assert_eq!(version.matches('.').count(), 2, "a full X.Y.Z version: {r}");
+    }
+
+    // A source the manager does not use.
+    let path = format!("/environments/{id}/install");
+    let body = json!({"packages": ["tinyutil=2.0"], "indexUrl": "https://pypi.example/simple"});
+    let (status, v) = post(s, &path, body).await;
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (400, Some("indexUrl is only supported for pip installs")),
+        "{v}"
+    );
+    let body = json!({"packages": ["tinyutil"], "manager": "pip", "channels": ["conda-forge"]});
+    let (status, v) = post(s, &path, body).await;
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (400, Some("channels are only supported for conda installs")),
+        "{v}"
+    );
+}
+
 #[tokio::test]
 async fn concurrent_installs_into_one_environment_both_land() {
     if !sandbox_or_skip("concurrent_installs_into_one_environment_both_land") {

@@ -174,6 +174,18 @@ async fn r_runs_for_real_from_starter_r_read_only_with_the_host_r_masked() {
     };
     let envs = start_real_r(&home).await;
     let s = &envs.server;
+    // As the original: `language: "r"` runs only once an R environment exists, and an
+    // execution never installs starter-r by itself (issue #30).
+    let (status, v) = r(s, None, R_PROBE).await;
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (400, Some("Unknown scientific environment: starter-r")),
+        "{v}"
+    );
+    let (_, list) = get(s, "/environments").await;
+    assert!(!list.to_string().contains("\"starter-r\""), "{list}");
+    let (status, env) = post(s, "/environments", json!({"name": "r-first", "language": "r"})).await;
+    assert_eq!(status, 201, "{env}\n{}", s.stderr());
     let (status, v) = r(s, None, R_PROBE).await;
     assert_eq!(status, 200, "{v}\n{}", s.stderr());
     let out = v["stdout"].as_str().unwrap();

@@ -27,6 +27,8 @@ pub(crate) enum Phase {
     Idle,
     Provisioner,
     StarterPython,
+    /// The original's name for the end of setup.
+    #[serde(rename = "complete")]
     Done,
 }
 
@@ -179,10 +181,13 @@ impl Setup {
             "components": {"micromamba": self.provisioner, "conda": self.conda},
             "provisioner": settings.enabled.then_some(super::sandboxed::PROVISIONER_NAME),
             "channels": settings.channels,
+            // The original's name for the channels a change may name.
+            "allowedChannels": settings.channels,
             "offline": settings.offline(),
             "starterPackages": {"python": settings.starter_python, "r": settings.starter_r},
             "startedAt": self.started_at,
             "finishedAt": self.finished_at,
+            "completedAt": self.finished_at.as_ref().filter(|_| self.state == State::Ready),
         });
         if let Some(e) = &self.error {
             v["error"] = Value::from(e.clone());

@@ -220,12 +220,8 @@ pub(crate) fn language_version(language: Language, conda: &[CondaPackage]) -> Op
         Language::Python => "python",
         Language::R => "r-base",
     };
-    let version = &conda.iter().find(|p| p.name == name)?.version;
-    let mut parts = version.split('.');
-    match (parts.next(), parts.next()) {
-        (Some(major), Some(minor)) => Some(format!("{major}.{minor}")),
-        _ => Some(version.clone()),
-    }
+    // The full version, as the original records it (`3.11.2`, not `3.11`: issue #30).
+    conda.iter().find(|p| p.name == name).map(|p| p.version.clone())
 }
 
 /// `<revId>.json`, the id checked.
@@ -412,9 +408,9 @@ mod tests {
         };
         assert_eq!(package_strings(&installed), ["r-base=4.4.1=h1", "r:survival==3.7-0", "zlib=1.3"]);
         let cases: &[(Language, &[CondaPackage], Option<&str>)] = &[
-            (Language::R, &installed.conda, Some("4.4")),
+            (Language::R, &installed.conda, Some("4.4.1")),
             (Language::Python, &installed.conda, None),
-            (Language::Python, &[conda("python", "3.13.0rc1", "h")], Some("3.13")),
+            (Language::Python, &[conda("python", "3.13.0rc1", "h")], Some("3.13.0rc1")),
             (Language::Python, &[conda("python", "3", "h")], Some("3")),
             (Language::R, &[], None),
         ];
@@ -442,7 +438,7 @@ mod tests {
         assert_eq!(rev.snapshot, ContentRef::of(&bytes));
         assert_eq!(rev.package_spec_hash, rev.snapshot.hash);
         assert_eq!(rev.snapshot.hash.len(), 64);
-        assert_eq!(rev.language_version.as_deref(), Some("3.12"));
+        assert_eq!(rev.language_version.as_deref(), Some("3.12.7"));
         assert_eq!(rev.channels, ["conda-forge", "https://z.example/ch"]);
         assert_eq!(rev.packages, s.packages);
         assert_eq!((rev.id.as_str(), rev.environment_id.as_str()), ("rev-0a", "task-ab"));

@@ -24,6 +24,26 @@ use crate::sandbox::Language;
 
 use super::steps::PYPI;
 
+/// The original refuses a package source the manager does not use: `indexUrl` is pip's,
+/// `channels` conda's (an empty list names nothing and passes).
+fn check_sources(
+    manager: Manager,
+    channels: Option<&[String]>,
+    index_url: Option<&str>,
+) -> Result<(), StoreError> {
+    if index_url.is_some() && manager != Manager::Pip {
+        return Err(StoreError::Invalid("indexUrl is only supported for pip installs".into()));
+    }
+    if channels.is_some_and(|c| !c.is_empty()) && manager != Manager::Conda {
+        return Err(StoreError::Invalid("channels are only supported for conda installs".into()));
+    }
+    Ok(())
+}
+
+/// The starters' display names, as the original's.
+const STARTER_PYTHON_NAME: &str = "Starter Python";
+const STARTER_R_NAME: &str = "Starter R";
+
 /// The most one revision's package list may take, serialised (a real environment of a few
 /// thousand packages takes a few hundred kilobytes).
 pub(crate) const MAX_INSTALLED_BYTES: usize = 4 << 20;
@@ -292,7 +312,11 @@ impl EnvStore {
         let store = &app.envs;
         {
             let mut v = store.lock_view();
-            if !store.settings.enabled || v.running {
+            // A ready store answers `ready` and changes nothing, as the original's.
+            if !store.settings.enabled
+                || v.running
+                || (v.setup.state == super::setup::State::Ready && v.starter_python_ready)
+            {
                 return false;
             }
             v.running = true;
@@ -399,7 +423,8 @@ impl EnvStore {
         self.root.join(common::layout::ENV_REVISIONS).join(env).join(rev)
     }
 
-    /// Creates a starter (`starter-python` at setup, `starter-r` when first needed).
+    /// Creates a starter (`starter-python` at setup, `starter-r` as the base of the first R
+    /// environment), named as the original names them.
     async fn create_starter(&self, app: &App, language: Language) -> Result<Environment, StoreError> {
         let (id, specs) = match language {
             Language::R => (STARTER_R, self.settings.starter_r.clone()),
@@ -421,8 +446,13 @@ impl EnvStore {
                 return Err(e);
             }
         };
-        let env = new_environment(id, id, Kind::Starter, env_language(language), &rev, None);
-        let requested = snapshot::requested_install(Manager::Conda, &specs);
+        let name = match language {
+            Language::R => STARTER_R_NAME,
+            _ => STARTER_PYTHON_NAME,
+        };
+        let env = new_environment(id, name, Kind::Starter, env_language(language), &rev, None);
+        // As the original: a starter's first revision records no requested change.
+        let requested = Vec::new();
         let env = self.publish_new(app, env, &prefix, channels, &answer, requested, None).await?;
         audit("environment_created", id, &rev, "starter");
         Ok(env)
@@ -663,7 +693,8 @@ impl EnvStore {
         };
         let env = new_environment(&id, name, Kind::Task, lang, &rev, Some(base_id));
         let wheels = base_rev.and_then(|r| r.local_wheels);
-        let requested = vec![format!("clone:{base_id}")];
+        // As the original: a clone records no requested change (its base is in the record).
+        let requested = Vec::new();
         let env = self.publish_new(app, env, &prefix, channels, &answer, requested, wheels).await?;
         audit("environment_created", &id, &rev, name);
         Ok(env)
@@ -714,6 +745,7 @@ impl EnvStore {
         if req.packages.is_empty() {
             return Err(ids::IdError::NoPackages.into());
         }
+        check_sources(req.manager, req.channels.as_deref(), req.index_url.as_deref())?;
         let (wheel_paths, specs): (Vec<String>, Vec<String>) = match req.manager {
             Manager::Pip => req.packages.iter().cloned().partition(|p| wheels::is_wheel_request(p)),
             _ => (Vec::new(), req.packages.clone()),
@@ -980,7 +1012,8 @@ impl EnvStore {
                 })?;
                 revision.environment_id.clone()
             }
-            // Created when first needed, at the lease.
+            // There once an R environment was created (starter-r is its base); an execution
+            // never installs it (issue #30: the original answers 400 until then).
             (None, None) if language == Language::R => STARTER_R.to_owned(),
             (None, None) => STARTER_PYTHON.to_owned(),
         };
@@ -988,10 +1021,7 @@ impl EnvStore {
     }
 
     /// The read lease for a run that is about to start.
-    pub(crate) async fn lease(&self, app: &App, selection: &Selection) -> Result<Runtime, StoreError> {
-        if selection.environment_id == STARTER_R && self.cat().environment(STARTER_R).is_none() {
-            self.create_starter(app, Language::R).await?;
-        }
+    pub(crate) async fn lease(&self, selection: &Selection) -> Result<Runtime, StoreError> {
         let guard = self.gates.read(&selection.environment_id).await;
         let catalog = self.cat();
         let env = catalog.environment(&selection.environment_id).cloned().ok_or_else(|| {
@@ -1237,5 +1267,34 @@ mod tests {
         std::fs::write(bin.join("pythonic-tool"), b"x").unwrap();
         let real = std::fs::canonicalize(bin.join("python3.11")).unwrap();
         assert_eq!(host_interpreters(bin), [real]);
+    }
+
+    #[test]
+    fn a_source_the_manager_does_not_use_is_refused() {
+        let ch = vec!["conda-forge".to_owned()];
+        type Case<'a> = (Manager, Option<&'a [String]>, Option<&'a str>, Option<&'a str>);
+        let cases: &[Case] = &[
+            (Manager::Conda, Some(&ch), None, None),
+            (Manager::Pip, None, Some("https://x/simple"), None),
+            (Manager::Pip, Some(&[]), None, None),
+            (
+                Manager::Conda,
+                None,
+                Some("https://x/simple"),
+                Some("indexUrl is only supported for pip installs"),
+            ),
+            (
+                Manager::Cran,
+                None,
+                Some("https://x/simple"),
+                Some("indexUrl is only supported for pip installs"),
+            ),
+            (Manager::Pip, Some(&ch), None, Some("channels are only supported for conda installs")),
+            (Manager::Cran, Some(&ch), None, Some("channels are only supported for conda installs")),
+        ];
+        for (manager, channels, index, want) in cases {
+            let got = check_sources(*manager, *channels, *index).err().map(|e| e.to_string());
+            assert_eq!(got.as_deref(), *want, "{manager:?} {channels:?} {index:?}");
+        }
     }
 }

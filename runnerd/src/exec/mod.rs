@@ -861,7 +861,7 @@ async fn sandbox_run(
     // The environment's read lease, held until the run ends: after the agent queue and the
     // workspace lease (a writer queued on the environment cannot wait on this run's locks).
     let runtime = match &p.environment {
-        Some(selection) => Some(app.envs.lease(app, selection).await.map_err(|e| {
+        Some(selection) => Some(app.envs.lease(selection).await.map_err(|e| {
             audit.finished("environment_unavailable", None, None, Some(&e.to_string()));
             EngineError::invalid("environment_unavailable", e.to_string())
         })?),
