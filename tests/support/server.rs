@@ -146,10 +146,22 @@ impl Server {
     }
 
     /// A project workspace under the data directory (created).
+    /// A workspace under `projects/` made as the API makes it: by the caller (this process),
+    /// never handed to the sandbox user. A root runnerd mounts it idmapped (issue #30).
+    /// Its directories are 0755, as an API with the usual umask makes them, whatever this
+    /// process's umask.
     pub fn project_workspace(&self, name: &str) -> PathBuf {
-        let ws = self.data_dir.join("projects/project/sessions").join(name).join("workspace");
-        std::fs::create_dir_all(&ws).unwrap();
-        crate::hand_to_sandbox(&ws);
+        use std::os::unix::fs::DirBuilderExt;
+        let mut ws = self.data_dir.clone();
+        for part in ["projects", "project", "sessions", name, "workspace"] {
+            ws.push(part);
+            match std::fs::DirBuilder::new().mode(0o755).create(&ws) {
+                Ok(()) => std::fs::set_permissions(&ws, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                    .unwrap(),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => panic!("{}: {e}", ws.display()),
+            }
+        }
         ws
     }
 

@@ -713,13 +713,13 @@ fn sandbox_command(
     p: &Prepared,
     root_fd: &OwnedFd,
     parent_fd: Option<&OwnedFd>,
+    (root_owner, parent_owner): (Option<IdPair>, Option<IdPair>),
     accel: Option<&crate::accel::mount::AccelMount>,
     skills: Option<&crate::skills::Mount>,
     runtime: Option<&crate::envs::store::Runtime>,
 ) -> Result<(crate::sandbox::SandboxCommand, FdSlots), EngineError> {
     let by_fd = app.sandbox.features.bind_fd;
     let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
-    let (root_owner, parent_owner) = workspace_owners(app, p, &layout, root_fd, parent_fd)?;
     let mut slots = FdSlots::default();
     let workspace_fds = match by_fd {
         true => {
@@ -792,10 +792,10 @@ fn sandbox_command(
 fn workspace_owners(
     app: &App,
     p: &Prepared,
-    layout: &WorkspaceLayout,
     root_fd: &OwnedFd,
     parent_fd: Option<&OwnedFd>,
 ) -> Result<(Option<IdPair>, Option<IdPair>), EngineError> {
+    let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
     let (who, support) = (&app.sandbox.user, &app.sandbox.idmap);
     let refused =
         |e: ownership::Unwritable| EngineError::unavailable("workspace_not_writable", e.to_string());
@@ -826,6 +826,7 @@ async fn sandbox_run(
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
         None => None,
     };
+    let owners = workspace_owners(app, p, root_fd, parent_fd.as_ref())?;
     let before = match files::check(files::measure_blocking(root_fd).await, p.max_workspace) {
         Ok(m) => m.prints,
         Err(breach) => {
@@ -853,7 +854,7 @@ async fn sandbox_run(
             ));
         }
         Some(req) => Some(
-            crate::skills::prepare_mount(&app.data_dir, req, root_fd, &p.root, &app.sandbox.user)
+            crate::skills::prepare_mount(&app.data_dir, req, root_fd, &p.root, &app.sandbox.user, owners.0)
                 .map_err(EngineError::Skill)?,
         ),
         None => None,
@@ -873,6 +874,7 @@ async fn sandbox_run(
         p,
         root_fd,
         parent_fd.as_ref(),
+        owners,
         accel.as_ref(),
         skills.as_ref(),
         runtime.as_ref(),

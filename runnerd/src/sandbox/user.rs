@@ -74,6 +74,19 @@ impl Identity {
         .map(drop)
     }
 
+    /// Like [`Identity::hand_over`], to `uid`/`gid` (the owner of an idmapped workspace the
+    /// entry lies in); a no-op when runnerd runs as the sandbox user.
+    pub fn hand_over_to(&self, fd: BorrowedFd<'_>, uid: u32, gid: u32) -> std::io::Result<()> {
+        if !self.switches() {
+            return Ok(());
+        }
+        // SAFETY: as in hand_over: fchownat on a borrowed descriptor with AT_EMPTY_PATH.
+        common::sys::cvt(unsafe {
+            libc::fchownat(fd.as_raw_fd(), c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH)
+        })
+        .map(drop)
+    }
+
     /// One line for the start-up banner.
     pub fn describe(&self) -> String {
         let why = match self.origin {

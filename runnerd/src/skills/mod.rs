@@ -150,13 +150,17 @@ pub struct Mount {
 
 /// Right before the launch: verifies the package again, in full, and opens (creating when
 /// missing, handed to the sandbox user) `<workspace>/.sciencediscovery/skill-extensions`
-/// below the pinned workspace descriptor, with no symlink followed.
+/// below the pinned workspace descriptor, with no symlink followed. In a workspace mounted
+/// idmapped (`idmapped`: its owner, issue #30) the directories are made owned like it
+/// instead: the sandbox reaches them through the workspace's map, which shows that owner's
+/// files as the sandbox user's.
 pub fn prepare_mount(
     data_dir: &Path,
     req: &Requested,
     workspace_fd: &OwnedFd,
     workspace_path: &Path,
     owner: &Identity,
+    idmapped: Option<common::plan::IdPair>,
 ) -> Result<Mount, SkillError> {
     let (packages_path, packages) =
         store::lookup(data_dir, &req.id)?.ok_or_else(|| SkillError::NotPublished(req.id.clone()))?;
@@ -165,13 +169,18 @@ pub fn prepare_mount(
     if let Some((path, mode)) = crate::sandbox::user::unreachable_component(owner, &packages_path) {
         return Err(SkillError::Unreachable { path, mode });
     }
-    let parent = ensure_dir(workspace_fd, EXTENSIONS_PARENT, owner)?;
-    let extensions = ensure_dir(&parent, EXTENSIONS_DIR, owner)?;
+    let parent = ensure_dir(workspace_fd, EXTENSIONS_PARENT, owner, idmapped)?;
+    let extensions = ensure_dir(&parent, EXTENSIONS_DIR, owner, idmapped)?;
     let extensions_path = workspace_path.join(".sciencediscovery").join("skill-extensions");
     Ok(Mount { packages, packages_path, extensions, extensions_path })
 }
 
-fn ensure_dir(dir: &OwnedFd, name: &CStr, owner: &Identity) -> Result<OwnedFd, SkillError> {
+fn ensure_dir(
+    dir: &OwnedFd,
+    name: &CStr,
+    owner: &Identity,
+    idmapped: Option<common::plan::IdPair>,
+) -> Result<OwnedFd, SkillError> {
     let created = match fsat::mkdir_at(dir, name, 0o755) {
         Ok(()) => true,
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => false,
@@ -185,7 +194,11 @@ fn ensure_dir(dir: &OwnedFd, name: &CStr, owner: &Identity) -> Result<OwnedFd, S
         Err(e) => return Err(SkillError::Extensions(e)),
     };
     if created {
-        owner.hand_over(fd.as_fd()).map_err(SkillError::Extensions)?;
+        match idmapped {
+            Some(ids) => owner.hand_over_to(fd.as_fd(), ids.uid, ids.gid),
+            None => owner.hand_over(fd.as_fd()),
+        }
+        .map_err(SkillError::Extensions)?;
     }
     Ok(fd)
 }
