@@ -779,29 +779,50 @@ async fn a_channel_over_plain_http_is_reached_through_egressd_only() {
     if !sandbox_or_skip("a_channel_over_plain_http_is_reached_through_egressd_only") {
         return;
     }
-    let channel = runner_tests::scratch_dir();
-    let dir = channel.path().join("channel");
-    demo_channel(&dir);
-    let (port, requests) = serve_channel(dir.clone());
     // egressd allowlists names only: the mirror is a name on a private (loopback) address,
     // allowed because the operator configured it.
-    let dns = runner_tests::egress::FakeDns::start(&[("channel.test", &["127.0.0.1"])]);
-    let egressd = runner_tests::egress::Egressd::start(dns.addr, &[]);
-    let mut env: Vec<(String, String)> = egressd.runner_env();
-    env.extend([
-        ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
-        ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), format!("http://channel.test:{port}")),
-        ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
-    ]);
-    let server = Server::start_with(ServerOptions { env, ..Default::default() });
-    let setup = setup_outcome(&server).await;
-    assert_eq!(setup["state"], "ready", "{setup}\n{}\n{}", server.stderr(), egressd.log());
-    assert!(requests.load(std::sync::atomic::Ordering::SeqCst) > 0, "the channel was read over HTTP");
+    let served = ServedChannel::ready(&[("channel.test", &["127.0.0.1"])], |port| {
+        format!("http://channel.test:{port}")
+    })
+    .await;
+    let (server, egressd) = (&served.server, &served.egressd);
     // The provisioning sandbox reached it through a gateway of its own policy.
     let log = egressd.log();
     assert!(log.contains("host=channel.test") && log.contains("decision=\"allowed\""), "{log}");
-    let v = shell(&server, Some("starter-python"), "tinyutil").await;
+    let v = shell(server, Some("starter-python"), "tinyutil").await;
     assert_eq!(v["stdout"], "tinyutil 1.0\n", "{v}");
+}
+
+/// runnerd whose only channel is the demo channel served over HTTP at `url(port)`, with
+/// egressd on a fake DNS of `names`; setup ready, and the channel read over HTTP.
+struct ServedChannel {
+    server: Server,
+    egressd: runner_tests::egress::Egressd,
+    port: u16,
+    _dns: runner_tests::egress::FakeDns,
+    _channel: tempfile::TempDir,
+}
+
+impl ServedChannel {
+    async fn ready(names: &[(&str, &[&str])], url: impl Fn(u16) -> String) -> ServedChannel {
+        let channel = runner_tests::scratch_dir();
+        let dir = channel.path().join("channel");
+        demo_channel(&dir);
+        let (port, requests) = serve_channel(dir.clone());
+        let dns = runner_tests::egress::FakeDns::start(names);
+        let egressd = runner_tests::egress::Egressd::start(dns.addr, &[]);
+        let mut env: Vec<(String, String)> = egressd.runner_env();
+        env.extend([
+            ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
+            ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), url(port)),
+            ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
+        ]);
+        let server = Server::start_with(ServerOptions { env, ..Default::default() });
+        let setup = setup_outcome(&server).await;
+        assert_eq!(setup["state"], "ready", "{setup}\n{}\n{}", server.stderr(), egressd.log());
+        assert!(requests.load(std::sync::atomic::Ordering::SeqCst) > 0, "the channel was read over HTTP");
+        ServedChannel { server, egressd, port, _dns: dns, _channel: channel }
+    }
 }
 
 /// Issue #30: a channel the operator configured by IP literal (`http://127.0.0.1:<port>`) is
@@ -813,27 +834,13 @@ async fn a_channel_configured_by_ip_literal_is_reached_exactly_as_configured() {
     if !sandbox_or_skip("a_channel_configured_by_ip_literal_is_reached_exactly_as_configured") {
         return;
     }
-    let channel = runner_tests::scratch_dir();
-    let dir = channel.path().join("channel");
-    demo_channel(&dir);
-    let (port, requests) = serve_channel(dir.clone());
-    let dns = runner_tests::egress::FakeDns::start(&[]);
-    let egressd = runner_tests::egress::Egressd::start(dns.addr, &[]);
-    let mut env: Vec<(String, String)> = egressd.runner_env();
+    let served = ServedChannel::ready(&[], |port| format!("http://127.0.0.1:{port}")).await;
+    let (server, egressd, port) = (&served.server, &served.egressd, served.port);
     let configured = format!("http://127.0.0.1:{port}");
-    env.extend([
-        ("SCIENTIFIC_ENVS".to_owned(), "1".to_owned()),
-        ("SCIENCE_AGENT_SCIENTIFIC_CHANNELS".to_owned(), configured.clone()),
-        ("SCIENCE_AGENT_STARTER_PYTHON_SPECS".to_owned(), "python,tinyutil=1.0".to_owned()),
-    ]);
-    let server = Server::start_with(ServerOptions { env, ..Default::default() });
-    let setup = setup_outcome(&server).await;
-    assert_eq!(setup["state"], "ready", "{setup}\n{}\n{}", server.stderr(), egressd.log());
-    assert!(requests.load(std::sync::atomic::Ordering::SeqCst) > 0, "the channel was read over HTTP");
     let log = egressd.log();
     assert!(log.contains(&format!("pinned_origins={configured}")), "{log}");
     assert!(log.contains("host=127.0.0.1") && log.contains("decision=\"allowed\""), "{log}");
-    let v = shell(&server, Some("starter-python"), "tinyutil").await;
+    let v = shell(server, Some("starter-python"), "tinyutil").await;
     assert_eq!(v["stdout"], "tinyutil 1.0\n", "{v}");
 
     // The same policy's gateway, asked directly: exactly that origin, nothing beside it.

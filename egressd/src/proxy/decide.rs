@@ -58,15 +58,9 @@ pub async fn decide(
     if !policy.allowlist.allows(name, target.port) {
         return deny(format!("{name}:{} is not in the sandbox network allowed domains", target.port));
     }
-    let answers = match tokio::time::timeout(timeout, resolver.lookup(name)).await {
-        Ok(Ok(answers)) => answers,
-        Ok(Err(e)) => return deny(format!("{name} could not be resolved: {e}")),
-        Err(_) => {
-            return deny(format!(
-                "{name} could not be resolved: no answer within {} ms",
-                timeout.as_millis()
-            ));
-        }
+    let answers = match lookup(resolver, name, timeout).await {
+        Ok(answers) => answers,
+        Err(reason) => return deny(reason),
     };
     let mut never: Option<&'static str> = None;
     for ip in &answers {
@@ -87,21 +81,24 @@ pub async fn decide(
     }
 }
 
+/// One lookup of `name`, bounded by `timeout`; the error is the 403 reason.
+async fn lookup(resolver: &dyn Resolve, name: &str, timeout: Duration) -> Result<Vec<IpAddr>, String> {
+    match tokio::time::timeout(timeout, resolver.lookup(name)).await {
+        Ok(Ok(answers)) => Ok(answers),
+        Ok(Err(e)) => Err(format!("{name} could not be resolved: {e}")),
+        Err(_) => Err(format!("{name} could not be resolved: no answer within {} ms", timeout.as_millis())),
+    }
+}
+
 /// A pinned origin's address: the literal itself, or the name's first answer, unless it is
 /// one no sandbox may ever reach.
 async fn pinned(target: &Target, resolver: &dyn Resolve, own: &[IpAddr], timeout: Duration) -> Verdict {
     let deny = |reason: String| Verdict::Deny { reason };
     let answers = match &target.host {
         Host::Ip(ip) => vec![*ip],
-        Host::Name(name) => match tokio::time::timeout(timeout, resolver.lookup(name)).await {
-            Ok(Ok(answers)) => answers,
-            Ok(Err(e)) => return deny(format!("{name} could not be resolved: {e}")),
-            Err(_) => {
-                return deny(format!(
-                    "{name} could not be resolved: no answer within {} ms",
-                    timeout.as_millis()
-                ));
-            }
+        Host::Name(name) => match lookup(resolver, name, timeout).await {
+            Ok(answers) => answers,
+            Err(reason) => return deny(reason),
         },
         Host::NumericName(n) => return deny(format!("{n} is an IP address in a numeric spelling")),
     };
