@@ -139,3 +139,38 @@ pub fn move_mount_onto(tree: BorrowedFd<'_>, onto: BorrowedFd<'_>) -> io::Result
     })?;
     Ok(())
 }
+
+/// The kernel's `struct open_how` (`linux/openat2.h`).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Opens the absolute `path` as an `O_PATH` directory without following any symbolic link
+/// (or magic link) in any component: `openat2(RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)`
+/// (Linux ≥ 5.6). Close-on-exec.
+pub fn open_dir_no_symlinks(path: &std::ffi::CStr) -> io::Result<OwnedFd> {
+    const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
+    const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: openat2 reads the NUL-terminated path and `size` bytes of the struct we own,
+    // and returns a new descriptor or -1.
+    let fd = cvt(unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            &raw const how,
+            std::mem::size_of::<OpenHow>(),
+        )
+    })?;
+    let fd = libc::c_int::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}

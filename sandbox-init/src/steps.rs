@@ -237,8 +237,9 @@ fn idmap_dirs(maps: &[Idmap], user: Option<SandboxUser>) -> Result<(), InitFailu
 }
 
 /// The directory behind `placed` (opened in runnerd's mount namespace), opened again by its
-/// path in ours: a mount can only be attached there. The path may have been renamed since;
-/// the inode must be the one runnerd opened, else the launch fails.
+/// path in ours, following no symbolic link: a mount can only be attached there. The path
+/// may have been renamed since; the inode must be the one runnerd opened, else the launch
+/// fails.
 fn reopen_here(placed: BorrowedFd<'_>) -> Result<(String, OwnedFd), InitFailure> {
     let step = InitStep::Idmap;
     let link = format!("/proc/self/fd/{}", placed.as_raw_fd());
@@ -246,13 +247,10 @@ fn reopen_here(placed: BorrowedFd<'_>) -> Result<(String, OwnedFd), InitFailure>
     let path_text = path.to_string_lossy().into_owned();
     let c_path = CString::new(path.into_os_string().into_encoded_bytes())
         .map_err(|_| failure(step, 0, "a workspace path with a NUL byte"))?;
-    // SAFETY: open reads a NUL-terminated path we own.
-    let fd = cvt(unsafe {
-        libc::open(c_path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-    })
-    .map_err(|e| os_failure(step, &e, format!("opening {path_text} again")))?;
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    let here = unsafe { OwnedFd::from_raw_fd(fd) };
+    // No link followed in any component, as root: the inode is checked below anyway, but a
+    // link could send the lookup through an automount or a stale network path.
+    let here = sys::open_dir_no_symlinks(&c_path)
+        .map_err(|e| os_failure(step, &e, format!("opening {path_text} again")))?;
     let (a, b) = (fstat(placed)?, fstat(here.as_fd())?);
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
         return Err(failure(step, 0, format!("{path_text} was replaced after runnerd opened it")));

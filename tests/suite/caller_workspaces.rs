@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use runner_tests::server::{Server, shell_request};
-use runner_tests::{is_root, sandbox_or_skip, sandbox_user};
+use runner_tests::{idmap_or_skip, idmapped_workspaces, is_root, sandbox_or_skip, sandbox_user};
 use serde_json::{Value, json};
 
 /// A workspace made as the caller would: by this process, mode 0755, with one file of its own.
@@ -53,7 +53,9 @@ fn names(v: &Value) -> Vec<String> {
 
 #[tokio::test]
 async fn a_caller_made_workspace_is_written_as_its_owner() {
-    if !sandbox_or_skip("a_caller_made_workspace_is_written_as_its_owner") {
+    if !sandbox_or_skip("a_caller_made_workspace_is_written_as_its_owner")
+        || !idmap_or_skip("a_caller_made_workspace_is_written_as_its_owner")
+    {
         return;
     }
     let server = Server::start();
@@ -87,7 +89,9 @@ async fn a_caller_made_workspace_is_written_as_its_owner() {
 
 #[tokio::test]
 async fn a_nested_workspace_under_a_caller_made_read_only_parent() {
-    if !sandbox_or_skip("a_nested_workspace_under_a_caller_made_read_only_parent") {
+    if !sandbox_or_skip("a_nested_workspace_under_a_caller_made_read_only_parent")
+        || !idmap_or_skip("a_nested_workspace_under_a_caller_made_read_only_parent")
+    {
         return;
     }
     let server = Server::start();
@@ -114,7 +118,9 @@ async fn a_nested_workspace_under_a_caller_made_read_only_parent() {
 
 #[tokio::test]
 async fn a_managed_run_writes_a_caller_made_workspace_as_its_owner() {
-    if !sandbox_or_skip("a_managed_run_writes_a_caller_made_workspace_as_its_owner") {
+    if !sandbox_or_skip("a_managed_run_writes_a_caller_made_workspace_as_its_owner")
+        || !idmap_or_skip("a_managed_run_writes_a_caller_made_workspace_as_its_owner")
+    {
         return;
     }
     let server = Server::start();
@@ -147,7 +153,9 @@ async fn a_managed_run_writes_a_caller_made_workspace_as_its_owner() {
 /// be owned by the directory's owner on disk (root, here), a set-user-ID root program.
 #[tokio::test]
 async fn no_set_id_file_is_made_from_inside() {
-    if !sandbox_or_skip("no_set_id_file_is_made_from_inside") {
+    if !sandbox_or_skip("no_set_id_file_is_made_from_inside")
+        || !idmap_or_skip("no_set_id_file_is_made_from_inside")
+    {
         return;
     }
     let server = Server::start();
@@ -180,7 +188,13 @@ async fn health_says_how_caller_made_workspaces_are_served() {
     let server = Server::start();
     let health = server.client().get("/health").await.unwrap().json();
     let state = health["sandboxProfile"]["workspaceIdmap"]["state"].as_str();
-    assert_eq!(state, Some(if is_root() { "available" } else { "unprivileged" }), "{health}");
+    let expected = match (is_root(), idmapped_workspaces()) {
+        (false, _) => "unprivileged",
+        (true, true) => "available",
+        // A shared sandbox user (nobody) is never an idmap target.
+        (true, false) => "unavailable",
+    };
+    assert_eq!(state, Some(expected), "{health}");
     assert!(
         health["sandboxProfile"]["callerWorkspaces"].as_str().unwrap().contains("idmapped mounts"),
         "{health}"
@@ -191,7 +205,9 @@ async fn health_says_how_caller_made_workspaces_are_served() {
 /// refused with the remedy, nothing runs, nothing is written; never a silent read-only run.
 #[tokio::test]
 async fn a_filesystem_without_idmap_support_is_refused_with_the_remedy() {
-    if !sandbox_or_skip("a_filesystem_without_idmap_support_is_refused_with_the_remedy") {
+    if !sandbox_or_skip("a_filesystem_without_idmap_support_is_refused_with_the_remedy")
+        || !idmap_or_skip("a_filesystem_without_idmap_support_is_refused_with_the_remedy")
+    {
         return;
     }
     if !is_root() {
@@ -232,4 +248,67 @@ async fn a_filesystem_without_idmap_support_is_refused_with_the_remedy() {
     assert!(error.contains("Run runnerd as the data directory's owner"), "{error}");
     assert!(error.contains("nothing was run"), "{error}");
     assert!(!ws.join("f").exists());
+}
+
+/// A set-user-ID file already in a caller-made workspace: through the map a sandbox could
+/// rewrite it as its owner through a shared mapping (which keeps the bit), so an idmapped
+/// workspace holding one is refused, naming the file; unmapped, it runs as before.
+#[tokio::test]
+async fn a_set_id_file_in_an_idmapped_workspace_is_refused() {
+    if !sandbox_or_skip("a_set_id_file_in_an_idmapped_workspace_is_refused")
+        || !idmap_or_skip("a_set_id_file_in_an_idmapped_workspace_is_refused")
+    {
+        return;
+    }
+    let server = Server::start();
+    let ws = caller_workspace(&server, "setid-present");
+    std::fs::write(ws.join("tool"), "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(ws.join("tool"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let r = server
+        .client()
+        .post_signed("/execute-shell", &shell_request("main", "s", &ws, "echo ran"))
+        .await
+        .unwrap();
+    let body = r.json();
+    if idmapped_workspaces() {
+        assert_eq!((r.status, body["code"].as_str()), (400, Some("workspace_not_writable")), "{body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains("set-user-ID") && error.contains("tool"), "{error}");
+    } else {
+        assert_eq!((r.status, body["stdout"].as_str()), (200, Some("ran\n")), "{body}");
+    }
+}
+
+/// A read-only root that lies inside the writable one is reached through the writable
+/// root's bind too: it is never idmapped, so a directory the sandbox user could not write
+/// before stays so (review of issue #30).
+#[tokio::test]
+async fn a_read_only_root_inside_the_writable_one_is_not_idmapped() {
+    if !sandbox_or_skip("a_read_only_root_inside_the_writable_one_is_not_idmapped")
+        || !idmap_or_skip("a_read_only_root_inside_the_writable_one_is_not_idmapped")
+    {
+        return;
+    }
+    if !is_root() {
+        eprintln!("a_read_only_root_inside_the_writable_one_is_not_idmapped: root only (chown)");
+        return;
+    }
+    let server = Server::start();
+    let ws = caller_workspace(&server, "ro-inside");
+    runner_tests::hand_to_sandbox(&ws);
+    let sub = ws.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut body = shell_request(
+        "main",
+        "s",
+        &ws,
+        "echo x > /workspace/sub/f 2>/dev/null && echo sub-written || echo sub-refused; \
+         echo y > /parent_workspace/g 2>/dev/null && echo parent-written || echo parent-refused",
+    );
+    body["readOnlyWorkspaceRoot"] = json!(sub);
+    let r = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    let body = r.json();
+    assert_eq!((r.status, body["stdout"].as_str()), (200, Some("sub-refused\nparent-refused\n")), "{body}");
+    assert!(!sub.join("f").exists() && !sub.join("g").exists());
 }

@@ -43,9 +43,15 @@ pub fn is_root() -> bool {
 }
 
 /// The user a runnerd started by these tests runs sandboxes as: itself when unprivileged;
-/// as root, `$RUNNER_TEST_SANDBOX_USER`, else `nobody` (what `--dev` picks).
+/// as root, `$RUNNER_TEST_SANDBOX_USER`, else [`DEDICATED_SANDBOX_USER`] when it exists
+/// (`scripts/test` makes it), else `nobody` (what `--dev` picks).
 pub fn sandbox_user() -> runnerd::sandbox::user::Identity {
-    let configured = std::env::var(SANDBOX_USER_VAR).ok();
+    let dedicated = || {
+        runnerd::sandbox::user::resolve(Some(DEDICATED_SANDBOX_USER), true)
+            .is_ok_and(|who| who.name == DEDICATED_SANDBOX_USER)
+            .then(|| DEDICATED_SANDBOX_USER.to_owned())
+    };
+    let configured = std::env::var(SANDBOX_USER_VAR).ok().or_else(|| is_root().then(dedicated).flatten());
     runnerd::sandbox::user::resolve(
         Some(configured.as_deref().unwrap_or("nobody")).filter(|_| is_root()),
         true,
@@ -54,6 +60,32 @@ pub fn sandbox_user() -> runnerd::sandbox::user::Identity {
 }
 
 const SANDBOX_USER_VAR: &str = "RUNNER_TEST_SANDBOX_USER";
+/// A system user only the tests' sandboxes run as (made by `scripts/test` as root): caller-
+/// made workspaces are idmapped only for a sandbox user of its own (issue #30).
+pub const DEDICATED_SANDBOX_USER: &str = "sciencediscovery-sbx";
+
+/// Whether a runnerd started by these tests mounts caller-made workspaces idmapped: as root
+/// with a sandbox user of its own (never `nobody`, which other services share).
+pub fn idmapped_workspaces() -> bool {
+    is_root() && runnerd::sandbox::ownership::shared_user(&sandbox_user()).is_none()
+}
+
+/// For tests that need [`idmapped_workspaces`] as root: fails in CI without it, else skips
+/// loudly. Unprivileged (no idmap to test), true.
+pub fn idmap_or_skip(test: &str) -> bool {
+    if !is_root() || idmapped_workspaces() {
+        return true;
+    }
+    let why = format!(
+        "the sandbox user {} is shared; run scripts/test (which makes {DEDICATED_SANDBOX_USER}) or set {SANDBOX_USER_VAR}",
+        sandbox_user().name
+    );
+    if in_ci() {
+        panic!("{test}: {why}");
+    }
+    eprintln!("\n!!! SKIPPING {test}: {why} !!!\n");
+    false
+}
 
 /// Gives a directory a test made (as root) to the sandbox user, as runnerd does with the
 /// workspaces it creates; a no-op when unprivileged.

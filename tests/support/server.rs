@@ -147,7 +147,8 @@ impl Server {
 
     /// A project workspace under the data directory (created).
     /// A workspace under `projects/` made as the API makes it: by the caller (this process),
-    /// never handed to the sandbox user. A root runnerd mounts it idmapped (issue #30).
+    /// not handed to the sandbox user; a root runnerd mounts it idmapped (issue #30). Only
+    /// where it cannot (a shared sandbox user such as `nobody`) is it handed over, as before.
     /// Its directories are 0755, as an API with the usual umask makes them, whatever this
     /// process's umask.
     pub fn project_workspace(&self, name: &str) -> PathBuf {
@@ -161,6 +162,9 @@ impl Server {
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
                 Err(e) => panic!("{}: {e}", ws.display()),
             }
+        }
+        if !crate::idmapped_workspaces() {
+            crate::hand_to_sandbox(&ws);
         }
         ws
     }

@@ -45,6 +45,10 @@ pub struct Measured {
     pub bytes: u64,
     /// The first thing the walk could not read; what it holds is unknown.
     pub unreadable: Option<Unreadable>,
+    /// The first regular file with a set-user-ID or set-group-ID bit (workspace-relative):
+    /// in an idmapped workspace a sandbox could rewrite it through a shared mapping, which
+    /// keeps the bit, as its owner (issue #30).
+    pub set_id: Option<String>,
 }
 
 /// A path (workspace-relative) the walk could not read, and why.
@@ -234,6 +238,9 @@ fn list(
             libc::S_IFDIR => stack.push((dir.clone(), cname, child, depth + 1)),
             libc::S_IFREG => {
                 m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks, st.blksize));
+                if st.mode & (libc::S_ISUID | libc::S_ISGID) != 0 && m.set_id.is_none() {
+                    m.set_id = Some(child.clone());
+                }
                 m.prints.insert(child, (st.size, st.mtime_ns));
             }
             // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit

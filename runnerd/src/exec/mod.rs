@@ -799,7 +799,12 @@ fn workspace_owners(
     let (who, support) = (&app.sandbox.user, &app.sandbox.idmap);
     let refused =
         |e: ownership::Unwritable| EngineError::unavailable("workspace_not_writable", e.to_string());
+    // A read-only directory at or inside the writable root is reached through the root's
+    // own bind too: idmapping it would make it writable there as its owner. It is bound as
+    // it is, as before issue #30.
+    let parent_inside_root = p.read_only.as_deref().is_some_and(|ro| ro.starts_with(&p.root));
     let parent = match (parent_fd, p.read_only.as_deref()) {
+        (Some(_), Some(_)) if parent_inside_root => None,
         (Some(fd), Some(path)) => {
             ownership::access_of(fd, path, who, support, false, false).map_err(refused)?.owner()
         }
@@ -828,6 +833,24 @@ async fn sandbox_run(
     };
     let owners = workspace_owners(app, p, root_fd, parent_fd.as_ref())?;
     let before = match files::check(files::measure_blocking(root_fd).await, p.max_workspace) {
+        Ok(m) if owners.0.is_some() && m.set_id.is_some() => {
+            let path = m.set_id.unwrap_or_default();
+            audit.finished(
+                "workspace_not_writable",
+                None,
+                None,
+                Some("a set-ID file in an idmapped workspace"),
+            );
+            return Err(EngineError::unavailable(
+                "workspace_not_writable",
+                format!(
+                    "Runner workspace {} holds a set-user-ID or set-group-ID file ({path}), which a sandbox \
+                     writing as the workspace's owner could rewrite; nothing was run. Clear the bit (chmod u-s,g-s) \
+                     to run here",
+                    p.root.display()
+                ),
+            ));
+        }
         Ok(m) => m.prints,
         Err(breach) => {
             audit.finished("workspace_quota_exceeded_before_run", None, None, None);

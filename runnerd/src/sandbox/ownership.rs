@@ -183,6 +183,9 @@ pub async fn probe(
     if !who.switches() {
         return IdmapSupport::Unprivileged;
     }
+    if let Some(why) = shared_user(who) {
+        return IdmapSupport::Unavailable(why);
+    }
     let Some(shape) = capability.shape() else {
         return IdmapSupport::Unavailable("no usable sandbox to try it in".into());
     };
@@ -240,6 +243,21 @@ pub async fn probe(
         )),
         Err(e) => IdmapSupport::Unavailable(crate::error_chain(&e)),
     }
+}
+
+/// Why `who` may not be the target of an idmap, when it is a user other services share.
+/// Every process of the sandbox user can reach a running sandbox's workspace through
+/// `/proc/<pid>/root`, and through the map it writes there as the workspace's owner: only
+/// sandboxes (under seccomp, which refuses set-ID bits) may run as that user.
+pub fn shared_user(who: &Identity) -> Option<String> {
+    (who.name == super::user::DEV_USER || who.uid == 65534).then(|| {
+        format!(
+            "the sandbox user {} (uid {}) is shared with other services, and every process of that user could \
+             write a running sandbox's workspace as its owner: give sandboxes a user of their own \
+             (SCIENCE_AGENT_SANDBOX_USER)",
+            who.name, who.uid
+        )
+    })
 }
 
 fn facts(fd: &OwnedFd) -> std::io::Result<DirFacts> {
@@ -388,5 +406,20 @@ mod tests {
         assert!(!may_write(0o757, IdPair { uid: 1, gid: 65534 }, 65534, 65534));
         assert!(may_write(0o777, ROOT, 65534, 65534));
         assert!(!may_write(0o775, ROOT, 65534, 65534));
+    }
+
+    #[test]
+    fn nobody_is_never_an_idmap_target() {
+        let nobody = who(Origin::DevDefault);
+        assert!(shared_user(&nobody).unwrap().contains("SCIENCE_AGENT_SANDBOX_USER"));
+        let numbered = Identity { uid: 65534, gid: 65534, name: "65534".into(), origin: Origin::Configured };
+        assert!(shared_user(&numbered).is_some());
+        let own = Identity {
+            uid: 990,
+            gid: 990,
+            name: "sciencediscovery-sandbox".into(),
+            origin: Origin::Configured,
+        };
+        assert_eq!(shared_user(&own), None);
     }
 }
