@@ -94,6 +94,9 @@ pub struct Idmap {
     pub fd: i32,
     /// The directory's owner and group on disk.
     pub owner: IdPair,
+    /// Bound read-only: the staged mount is made read-only too (`MOUNT_ATTR_RDONLY`), so it
+    /// is never a writable path, even where only sandbox-init's namespace sees it.
+    pub read_only: bool,
 }
 
 /// A host user id and group id.
@@ -286,22 +289,26 @@ mod tests {
             (
                 Box::new(|p| {
                     p.fds.push(5);
-                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } })
+                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 }, read_only: false })
                 }),
                 None,
             ),
             (
-                Box::new(|p| p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } })),
+                Box::new(|p| {
+                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 }, read_only: false })
+                }),
                 Some(PlanError::IdmapUnplaced(5)),
             ),
             (
-                Box::new(|p| p.idmaps.push(Idmap { fd: 0, owner: IdPair { uid: 0, gid: 0 } })),
+                Box::new(|p| {
+                    p.idmaps.push(Idmap { fd: 0, owner: IdPair { uid: 0, gid: 0 }, read_only: false })
+                }),
                 Some(PlanError::IdmapUnplaced(0)),
             ),
             (
                 Box::new(|p| {
                     p.fds.push(5);
-                    p.idmaps = vec![Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } }; 2]
+                    p.idmaps = vec![Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 }, read_only: false }; 2]
                 }),
                 Some(PlanError::IdmapTwice(5)),
             ),
@@ -309,7 +316,7 @@ mod tests {
                 Box::new(|p| {
                     p.fds.push(5);
                     p.user = None;
-                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 } })
+                    p.idmaps.push(Idmap { fd: 5, owner: IdPair { uid: 0, gid: 0 }, read_only: false })
                 }),
                 Some(PlanError::IdmapWithoutUser),
             ),

@@ -93,6 +93,8 @@ struct MountAttr {
 
 /// `MOUNT_ATTR_IDMAP`: ids seen through the mount are mapped by a user namespace.
 pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+/// `MOUNT_ATTR_RDONLY`.
+pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
 /// `MOUNT_ATTR_NOSUID`.
 pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
 /// `MOUNT_ATTR_NODEV`.

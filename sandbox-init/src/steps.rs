@@ -219,7 +219,10 @@ fn idmap_dirs(maps: &[Idmap], user: Option<SandboxUser>) -> Result<(), InitFailu
         };
         let tree = sys::open_tree_clone(here.as_fd())
             .map_err(|e| os_failure(step, &e, format!("cloning the mount of {path}")))?;
-        let attrs = sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+        let mut attrs = sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+        if map.read_only {
+            attrs |= sys::MOUNT_ATTR_RDONLY;
+        }
         sys::mount_setattr_idmap(tree.as_fd(), namespaces[userns].1.as_fd(), attrs).map_err(|e| {
             os_failure(
                 step,

@@ -723,9 +723,9 @@ fn sandbox_command(
     let mut slots = FdSlots::default();
     let workspace_fds = match by_fd {
         true => {
-            let root = slots.push_dir(root_fd, root_owner).map_err(EngineError::internal)?;
+            let root = slots.push_dir(root_fd, root_owner, false).map_err(EngineError::internal)?;
             let read_only = parent_fd
-                .map(|fd| slots.push_dir(fd, parent_owner))
+                .map(|fd| slots.push_dir(fd, parent_owner, true))
                 .transpose()
                 .map_err(EngineError::internal)?;
             Some(WorkspaceFds { root, read_only })

@@ -33,15 +33,16 @@ impl FdSlots {
     }
 
     /// Like [`FdSlots::push`], the directory to be seen through an idmapped mount when
-    /// `owner` is `Some` (see [`ownership`]).
+    /// `owner` is `Some` (see [`ownership`]); `read_only` as it is bound.
     pub fn push_dir(
         &mut self,
         fd: &std::os::fd::OwnedFd,
         owner: Option<common::plan::IdPair>,
+        read_only: bool,
     ) -> std::io::Result<i32> {
         let slot = self.push(fd)?;
         if let Some(owner) = owner {
-            self.idmaps.push(common::plan::Idmap { fd: slot, owner });
+            self.idmaps.push(common::plan::Idmap { fd: slot, owner, read_only });
         }
         Ok(slot)
     }

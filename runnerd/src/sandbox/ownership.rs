@@ -201,7 +201,7 @@ pub async fn probe(
         Err(e) => return IdmapSupport::Unavailable(format!("cannot inspect {}: {e}", data_dir.display())),
     };
     let mut slots = super::FdSlots::default();
-    let slot = match slots.push_dir(&dir, Some(owner)) {
+    let slot = match slots.push_dir(&dir, Some(owner), true) {
         Ok(slot) => slot,
         Err(e) => return IdmapSupport::Unavailable(format!("cannot duplicate a descriptor: {e}")),
     };
