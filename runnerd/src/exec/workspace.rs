@@ -285,35 +285,47 @@ pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, En
 
 /// Whether `rest`, walked from `base` (canonical), meets a symbolic link whose text — with
 /// the components after it — leads outside every one of `inside`. Decided on the link's text
-/// alone (`lstat` and `readlink` of the link, nothing resolved through it): only the error's
-/// wording depends on it, and a tenant must not learn from it whether a host path exists.
+/// alone (`fstatat` and `readlinkat` of the link, nothing resolved through it): only the
+/// error's wording depends on it, and a tenant must not learn from it whether a host path
+/// exists.
 fn link_leads_outside<'a>(
     base: &Path,
     rest: impl IntoIterator<Item = Component<'a>>,
     inside: &[&Path],
 ) -> bool {
     let rest: Vec<Component> = rest.into_iter().collect();
+    // Walked by descriptor, no link followed (a directory swapped for a link meanwhile is
+    // read as that link, never traversed); the path text only keeps the lexical position.
+    let Ok(mut dir) = fsat::open_path(base, libc::O_PATH | libc::O_DIRECTORY) else { return false };
     let mut current = base.to_path_buf();
     for (i, component) in rest.iter().enumerate() {
-        match component {
-            Component::Normal(name) => {
-                let next = current.join(name);
-                match fs::symlink_metadata(&next) {
-                    Ok(m) if m.file_type().is_symlink() => {
-                        let Ok(target) = fs::read_link(&next) else { return false };
-                        let mut landed = current.join(target);
-                        landed.extend(&rest[i + 1..]);
-                        let landed = lexically_normal(&landed);
-                        return !inside.iter().any(|dir| landed.starts_with(dir));
+        let name = match component {
+            Component::Normal(name) => *name,
+            Component::ParentDir => OsStr::new(".."),
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => continue,
+        };
+        let Ok(cname) = std::ffi::CString::new(name.as_bytes()) else { return false };
+        match fsat::Stat::at(&dir, &cname) {
+            Ok(st) if st.kind() == libc::S_IFLNK => {
+                let Ok(target) = fsat::readlink_at(&dir, &cname) else { return false };
+                let mut landed = current.join(OsStr::from_bytes(&target));
+                landed.extend(&rest[i + 1..]);
+                let landed = lexically_normal(&landed);
+                return !inside.iter().any(|inner| landed.starts_with(inner));
+            }
+            Ok(_) => match fsat::open_at(&dir, &cname, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW) {
+                Ok(next) => {
+                    dir = next;
+                    match component {
+                        Component::ParentDir => {
+                            current.pop();
+                        }
+                        _ => current.push(name),
                     }
-                    Ok(_) => current = next,
-                    Err(_) => return false,
                 }
-            }
-            Component::ParentDir => {
-                current.pop();
-            }
-            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+                Err(_) => return false,
+            },
+            Err(_) => return false,
         }
     }
     false
