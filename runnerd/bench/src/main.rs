@@ -19,6 +19,7 @@ mod limits;
 mod memory;
 mod metrics;
 mod output;
+mod scale;
 mod versions;
 
 use std::io::Read;
@@ -61,6 +62,10 @@ Usage:
                                         (default 64) against the output and answer sizes
   runnerd-bench metrics [--iterations N] signed executions without and with GET /metrics
                                         scraped every second, interleaved (default 200)
+  runnerd-bench workspace-scale         `true` p50 and runnerd CPU per execution in remote
+                                        workspaces of 0, 1k, 10k, 100k files, and runnerd CPU
+                                        during `sleep 3` in 20k files, quota on and off
+                                        (issue #31's baseline), bare bwrap in the same run
   runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
                                         runnerd's RSS idle, at peak and S s after N
                                         concurrent requests and after M sequential
@@ -79,6 +84,7 @@ fn run() -> i32 {
     let mut output = None;
     let mut memory = None;
     let mut metrics = false;
+    let mut scale = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -92,6 +98,7 @@ fn run() -> i32 {
             "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
             "limits" => limits = true,
             "metrics" => metrics = true,
+            "workspace-scale" => scale = true,
             "output" => output = Some(64u64),
             "--mib" if output.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
@@ -148,6 +155,7 @@ fn run() -> i32 {
         }
         None if limits => rt.block_on(crate::limits::bench(iterations)),
         None if metrics => rt.block_on(bench_metrics(iterations)),
+        None if scale => rt.block_on(bench_scale()),
         None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
     };
@@ -232,7 +240,7 @@ fn pipe() -> anyhow::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// (a): bwrap spawned directly, fds 3 and 4 placed in the child before exec.
-fn bare_once(bwrap: &Path, args: &[String], program: &[u8]) -> anyhow::Result<Duration> {
+pub(crate) fn bare_once(bwrap: &Path, args: &[String], program: &[u8]) -> anyhow::Result<Duration> {
     bare_with_stdin(bwrap, args, program, None, Until::BwrapExits)
 }
 
@@ -487,6 +495,11 @@ async fn bench_output(mib: u64) -> anyhow::Result<()> {
 }
 
 /// The cost of `GET /metrics` scrapes on execution latency (sandbox-init as for `versions`).
+async fn bench_scale() -> anyhow::Result<()> {
+    let setup = setup().await?;
+    crate::scale::bench(setup.launcher.init_path()).await
+}
+
 async fn bench_metrics(n: usize) -> anyhow::Result<()> {
     let setup = setup().await?;
     crate::metrics::bench(setup.launcher.init_path(), n).await
@@ -498,6 +511,13 @@ pub(crate) struct Daemon {
     pub(crate) endpoint: Endpoint,
     exe: PathBuf,
     _scratch: Scratch,
+}
+
+impl Daemon {
+    /// Its `SCIENCE_AGENT_DATA_DIR`.
+    pub(crate) fn data_dir(&self) -> PathBuf {
+        self._scratch.0.join("data")
+    }
 }
 
 impl Drop for Daemon {
@@ -593,7 +613,7 @@ fn runnerds_measured() -> Vec<(String, PathBuf)> {
 
 /// runnerd's own CPU time so far (utime + stime of the process, fields 14 and 15 of
 /// `/proc/PID/stat`; its children's `cutime`/`cstime` are not counted), in ms.
-fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
+pub(crate) fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) may hold spaces; the fields after its `)` start at 3.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no ')' in /proc/PID/stat")?;
