@@ -126,12 +126,15 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
             ),
         });
     }
-    // Caller-made workspaces live under projects/ (which the API may not have made yet).
-    let projects = config.data_dir.join(common::layout::PROJECTS);
-    let probed = if projects.is_dir() { projects } else { config.data_dir.clone() };
-    let idmap =
-        crate::sandbox::ownership::probe(&launcher, &bwrap, &capability, features.bind_fd, &user, &probed)
-            .await;
+    let idmap = crate::sandbox::ownership::probe(
+        &launcher,
+        &bwrap,
+        &capability,
+        features.bind_fd,
+        &user,
+        &config.data_dir,
+    )
+    .await;
     if let crate::sandbox::ownership::IdmapSupport::Unavailable(_) = &idmap {
         warnings.push(Warning {
             event: "workspace_idmap_unavailable",

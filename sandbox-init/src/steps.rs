@@ -171,15 +171,11 @@ fn place_fds(fds: Vec<OwnedFd>, targets: &[RawFd]) -> Result<(), InitFailure> {
 /// parent's recursive clone carries that mount along beneath its own mapping.
 fn idmap_dirs(maps: &[Idmap], user: Option<SandboxUser>) -> Result<(), InitFailure> {
     let step = InitStep::Idmap;
-    let Some(user) = user else {
-        return match maps.is_empty() {
-            true => Ok(()),
-            false => Err(failure(step, 0, "an idmap needs a sandbox user")),
-        };
-    };
     if maps.is_empty() {
         return Ok(());
     }
+    // The plan was validated: idmaps come with a user.
+    let user = user.ok_or_else(|| failure(step, 0, "an idmap needs a sandbox user"))?;
     // SAFETY: unshare with a flag only; affects this (single-threaded) process.
     cvt(unsafe { libc::unshare(libc::CLONE_NEWNS) })
         .map_err(|e| os_failure(step, &e, "unsharing the mount namespace"))?;
@@ -195,21 +191,21 @@ fn idmap_dirs(maps: &[Idmap], user: Option<SandboxUser>) -> Result<(), InitFailu
         )
     })
     .map_err(|e| os_failure(step, &e, "making the mount namespace private"))?;
-    let mut depths = maps
+    let mut dirs = maps
         .iter()
         .map(|map| {
             let link = format!("/proc/self/fd/{}", map.fd);
             let path =
                 std::fs::read_link(&link).map_err(|e| os_failure(step, &e, format!("reading {link}")))?;
-            Ok((path.components().count(), *map))
+            Ok((path, *map))
         })
         .collect::<Result<Vec<_>, InitFailure>>()?;
-    depths.sort_by_key(|(depth, _)| std::cmp::Reverse(*depth));
+    dirs.sort_by_key(|(path, _)| std::cmp::Reverse(path.components().count()));
     let mut namespaces: Vec<(IdPair, OwnedFd)> = Vec::new();
-    for (_, map) in &depths {
+    for (path, map) in dirs {
         // SAFETY: the target was placed in step 5 and stays open for this step.
         let placed = unsafe { BorrowedFd::borrow_raw(map.fd) };
-        let (path, here) = reopen_here(placed)?;
+        let (path, here) = reopen_here(placed, path)?;
         let userns = match namespaces.iter().position(|(owner, _)| *owner == map.owner) {
             Some(i) => i,
             None => {
@@ -239,14 +235,12 @@ fn idmap_dirs(maps: &[Idmap], user: Option<SandboxUser>) -> Result<(), InitFailu
     Ok(())
 }
 
-/// The directory behind `placed` (opened in runnerd's mount namespace), opened again by its
-/// path in ours, following no symbolic link: a mount can only be attached there. The path
+/// The directory behind `placed` (opened in runnerd's mount namespace; `path` is what its
+/// `/proc/self/fd` link read), opened again by that path in ours, following no symbolic link: a mount can only be attached there. The path
 /// may have been renamed since; the inode must be the one runnerd opened, else the launch
 /// fails.
-fn reopen_here(placed: BorrowedFd<'_>) -> Result<(String, OwnedFd), InitFailure> {
+fn reopen_here(placed: BorrowedFd<'_>, path: std::path::PathBuf) -> Result<(String, OwnedFd), InitFailure> {
     let step = InitStep::Idmap;
-    let link = format!("/proc/self/fd/{}", placed.as_raw_fd());
-    let path = std::fs::read_link(&link).map_err(|e| os_failure(step, &e, format!("reading {link}")))?;
     let path_text = path.to_string_lossy().into_owned();
     let c_path = CString::new(path.into_os_string().into_encoded_bytes())
         .map_err(|_| failure(step, 0, "a workspace path with a NUL byte"))?;

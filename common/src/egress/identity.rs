@@ -32,12 +32,11 @@ pub struct PolicyIdentity(String);
 impl PolicyIdentity {
     /// The identity of an allowlist as a request states it (unparsable entries skipped).
     pub fn of<S: AsRef<str>>(allowed_domains: &[S], allow_private_network: bool) -> PolicyIdentity {
-        let (allowlist, _rejected) = Allowlist::parse(allowed_domains);
-        PolicyIdentity::of_allowlist(&allowlist, allow_private_network)
+        PolicyIdentity::of_pinned::<S, &str>(allowed_domains, &[], allow_private_network)
     }
 
-    /// The identity of a policy with pinned origins (unparsable ones skipped, as the
-    /// gateway skips them).
+    /// The identity of a policy with pinned origins (unparsable entries and origins
+    /// skipped, as the gateway skips them).
     pub fn of_pinned<S: AsRef<str>, O: AsRef<str>>(
         allowed_domains: &[S],
         pinned_origins: &[O],
@@ -54,20 +53,15 @@ impl PolicyIdentity {
         origins: &[super::origin::Origin],
         allow_private_network: bool,
     ) -> PolicyIdentity {
-        let mut text = canonical(&allowlist.normalized(), allow_private_network);
-        for origin in origins {
-            text.push_str(&format!("origin={origin}\n"));
-        }
-        PolicyIdentity(hex(&Sha256::digest(text.as_bytes())))
+        PolicyIdentity::of_normalized(&allowlist.normalized(), origins, allow_private_network)
     }
 
-    /// The identity of an already parsed allowlist.
-    pub fn of_allowlist(allowlist: &Allowlist, allow_private_network: bool) -> PolicyIdentity {
-        PolicyIdentity::of_normalized(&allowlist.normalized(), allow_private_network)
-    }
-
-    fn of_normalized(entries: &[String], allow_private_network: bool) -> PolicyIdentity {
-        PolicyIdentity(hex(&Sha256::digest(canonical(entries, allow_private_network).as_bytes())))
+    fn of_normalized(
+        entries: &[String],
+        origins: &[super::origin::Origin],
+        allow_private_network: bool,
+    ) -> PolicyIdentity {
+        PolicyIdentity(hex(&Sha256::digest(canonical(entries, origins, allow_private_network).as_bytes())))
     }
 
     pub fn as_str(&self) -> &str {
@@ -87,11 +81,14 @@ impl fmt::Display for PolicyIdentity {
 }
 
 /// The hashed text (see the module documentation).
-fn canonical(entries: &[String], allow_private_network: bool) -> String {
+fn canonical(entries: &[String], origins: &[super::origin::Origin], allow_private_network: bool) -> String {
     let mut text = format!("{DOMAIN}\nallowPrivateNetwork={allow_private_network}\n");
     for entry in entries {
         text.push_str(entry);
         text.push('\n');
+    }
+    for origin in origins {
+        text.push_str(&format!("origin={origin}\n"));
     }
     text
 }
@@ -158,13 +155,13 @@ mod tests {
     #[test]
     fn the_hashed_text_is_stated_and_unambiguous() {
         assert_eq!(
-            canonical(&["a.example".into(), "*.b.example:8443".into()], true),
+            canonical(&["a.example".into(), "*.b.example:8443".into()], &[], true),
             "sciencediscovery-egress-policy-v1\nallowPrivateNetwork=true\na.example\n*.b.example:8443\n"
         );
         // A known answer (`printf '…' | sha256sum`), so a change of the derivation is a
         // visible, deliberate one.
         assert_eq!(
-            PolicyIdentity::of_normalized(&[], false).as_str(),
+            PolicyIdentity::of_normalized(&[], &[], false).as_str(),
             "e0a644b5f7ba6b9224b6372a89a280d04a48aac9be85363419f065c8b8245ce0"
         );
     }

@@ -84,11 +84,6 @@ impl Origin {
         Ok(Origin { scheme, host, port: parsed.port })
     }
 
-    /// Parses what [`fmt::Display`] wrote (the wire and identity form).
-    pub fn parse(text: &str) -> Result<Origin, OriginError> {
-        Origin::of_url(text)
-    }
-
     /// Whether a request of `scheme` for `target` is exactly this origin.
     pub fn admits(&self, scheme: Scheme, target: &Target) -> bool {
         if scheme != self.scheme || target.port != self.port {
@@ -118,7 +113,7 @@ pub fn parse_all<S: AsRef<str>>(texts: &[S]) -> (Vec<Origin>, Vec<OriginError>) 
     let mut origins = Vec::new();
     let mut rejected = Vec::new();
     for t in texts {
-        match Origin::parse(t.as_ref()) {
+        match Origin::of_url(t.as_ref()) {
             Ok(o) => origins.push(o),
             Err(e) => rejected.push(e),
         }
@@ -147,7 +142,7 @@ mod tests {
         for (url, want) in cases {
             let o = Origin::of_url(url).unwrap_or_else(|e| panic!("{url}: {e}"));
             assert_eq!(o.to_string(), *want, "{url}");
-            assert_eq!(Origin::parse(&o.to_string()).unwrap(), o, "{url} round trip");
+            assert_eq!(Origin::of_url(&o.to_string()).unwrap(), o, "{url} round trip");
         }
         for bad in ["ftp://x/", "file:///srv/ch", "http://", "http://0x7f.1/", "http://a b/", "mirror:80"] {
             assert!(Origin::of_url(bad).is_err(), "{bad}");

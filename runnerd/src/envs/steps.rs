@@ -89,7 +89,8 @@ pub(crate) fn private_allowed(hosts: &[String], configured: &[String]) -> bool {
 /// `http://127.0.0.1:8080/ch`) or a single-label name (`http://mirror:3128/`) — and takes
 /// their hosts off `hosts` (issue #30): egressd then admits exactly that scheme, host and
 /// port, as the original's host-side tools reached them. A URL a request named is never
-/// pinned. The private switch is then decided on the hosts left.
+/// pinned. The private switch is then decided on the hosts left ([`private_allowed`], the
+/// configured URLs' hosts as the operator's).
 pub(crate) fn pin_configured(step: &mut Step, configured: &[String]) {
     let mut hosts_left = step.hosts.clone();
     for url in configured {
@@ -107,6 +108,7 @@ pub(crate) fn pin_configured(step: &mut Step, configured: &[String]) {
     }
     step.origins.sort();
     step.hosts = hosts_left;
+    step.allow_private = private_allowed(&step.hosts, &hosts_of(configured.iter().map(String::as_str)));
 }
 
 /// Where conda's packages are cached: the store's own cache (written by fetch steps), and the

@@ -384,8 +384,6 @@ impl EnvStore {
         let configured_urls: Vec<String> =
             self.settings.channels.iter().filter_map(|c| ids::channel_url(c).ok()).collect();
         steps::pin_configured(&mut step, &configured_urls);
-        let configured: Vec<String> = configured_urls.iter().filter_map(|u| steps::url_host(u)).collect();
-        step.allow_private = steps::private_allowed(&step.hosts, &configured);
         step
     }
 
@@ -842,8 +840,6 @@ impl EnvStore {
                     &specs,
                 );
                 steps::pin_configured(&mut step, std::slice::from_ref(&self.settings.cran_repo));
-                step.allow_private =
-                    steps::private_allowed(&step.hosts, &steps::hosts_of([self.settings.cran_repo.as_str()]));
                 self.run_tool(app, step).await
             }
         };

@@ -78,6 +78,29 @@ pub struct Launch {
 }
 
 impl Launch {
+    /// A start-up probe: no seccomp filter (the original probes without one), no limits,
+    /// no input, ended after `timeout`.
+    pub fn probe(
+        bwrap: PathBuf,
+        options: Vec<String>,
+        command: Vec<String>,
+        extra_fds: crate::sandbox::FdSlots,
+        timeout: Duration,
+    ) -> Launch {
+        Launch {
+            bwrap,
+            options,
+            command,
+            filter: None,
+            rlimits: Vec::new(),
+            stdin: Vec::new(),
+            timeout: Some(timeout),
+            cancel: None,
+            extra_fds,
+            cgroup_procs: Vec::new(),
+        }
+    }
+
     /// A launch of `cmd` under its seccomp profile with the default limits; callers set
     /// stdin, timeout and cancellation.
     pub fn sandboxed(

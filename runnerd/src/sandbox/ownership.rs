@@ -140,36 +140,24 @@ pub fn access_of(
     writable: bool,
     under_idmapped: bool,
 ) -> Result<Access, Unwritable> {
-    let facts = facts(fd);
-    let facts = match facts {
-        Ok(f) => f,
-        // Fails closed: a directory that cannot even be inspected is not handed over.
-        Err(e) => {
-            return Err(Unwritable {
-                path: path.display().to_string(),
-                owner_uid: u32::MAX,
-                owner_gid: u32::MAX,
-                mode: 0,
-                user: who.name.clone(),
-                user_uid: who.uid,
-                why: format!("it cannot be inspected ({e})"),
-            });
-        }
-    };
-    decide(facts, who, support, writable, under_idmapped).map_err(|why| Unwritable {
+    let refused = |facts: Option<DirFacts>, why: String| Unwritable {
         path: path.display().to_string(),
-        owner_uid: facts.owner.uid,
-        owner_gid: facts.owner.gid,
-        mode: facts.mode & 0o7777,
+        owner_uid: facts.map_or(u32::MAX, |f| f.owner.uid),
+        owner_gid: facts.map_or(u32::MAX, |f| f.owner.gid),
+        mode: facts.map_or(0, |f| f.mode & 0o7777),
         user: who.name.clone(),
         user_uid: who.uid,
         why,
-    })
+    };
+    // Fails closed: a directory that cannot even be inspected is not handed over.
+    let facts = facts(fd).map_err(|e| refused(None, format!("it cannot be inspected ({e})")))?;
+    decide(facts, who, support, writable, under_idmapped).map_err(|why| refused(Some(facts), why))
 }
 
 /// Start-up: can this host idmap what lies under `data_dir`? A probe sandbox (no seccomp,
-/// as the preflight probes) binds the data directory read-only through an idmapped mount
-/// mapping its owner to the sandbox user, and lists it. Only a root runnerd that switches
+/// as the preflight probes) binds `projects/` (or, before the API made it, the data
+/// directory) read-only through an idmapped mount mapping its owner to the sandbox user,
+/// and lists it. Only a root runnerd that switches
 /// sandboxes to another user can idmap at all.
 pub async fn probe(
     launcher: &crate::launch::Launcher,
@@ -192,10 +180,22 @@ pub async fn probe(
     if !bind_fd {
         return IdmapSupport::Unavailable("bubblewrap has no --bind-fd (0.8 or later is needed)".into());
     }
-    let dir = match crate::fsat::open_path(data_dir, libc::O_PATH | libc::O_DIRECTORY) {
-        Ok(dir) => dir,
+    // Caller-made workspaces live under projects/, which the API may not have made yet; a
+    // link there is never followed (the data directory itself is the operator's choice).
+    let projects = data_dir.join(common::layout::PROJECTS);
+    let opened = match crate::fsat::open_path(&projects, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            crate::fsat::open_path(data_dir, libc::O_PATH | libc::O_DIRECTORY)
+                .map(|d| (d, data_dir.to_owned()))
+        }
+        other => other.map(|d| (d, projects)),
+    };
+    let (dir, data_dir) = match opened {
+        Ok(opened) => opened,
         Err(e) => return IdmapSupport::Unavailable(format!("cannot open {}: {e}", data_dir.display())),
     };
+    let data_dir = data_dir.as_path();
     let owner = match facts(&dir) {
         Ok(f) => f.owner,
         Err(e) => return IdmapSupport::Unavailable(format!("cannot inspect {}: {e}", data_dir.display())),
@@ -208,18 +208,8 @@ pub async fn probe(
     let mut options = super::preflight::probe_args(shape.proc_mode, shape.disable_userns);
     options.pop();
     options.extend(["--ro-bind-fd".into(), slot.to_string(), "/mnt".into()]);
-    let launch = Launch {
-        bwrap: bwrap.to_owned(),
-        options,
-        command: vec!["/usr/bin/ls".into(), "-dn".into(), "/mnt".into()],
-        filter: None,
-        rlimits: Vec::new(),
-        stdin: Vec::new(),
-        timeout: Some(std::time::Duration::from_secs(15)),
-        cancel: None,
-        extra_fds: slots,
-        cgroup_procs: Vec::new(),
-    };
+    let command = vec!["/usr/bin/ls".into(), "-dn".into(), "/mnt".into()];
+    let launch = Launch::probe(bwrap.to_owned(), options, command, slots, super::preflight::PROBE_TIMEOUT);
     let mut output = OutputBudget::new(64 * 1024);
     let outcome = launcher.run(launch, &mut output).await;
     let text = output.finish();

@@ -246,18 +246,8 @@ impl Prober for LaunchProber<'_> {
     async fn probe(&self, proc_mode: ProcMode, disable_userns: bool) -> Result<(), String> {
         let mut options = probe_args(proc_mode, disable_userns);
         let command = options.split_off(options.len() - 1);
-        let launch = Launch {
-            bwrap: self.bwrap.to_owned(),
-            options,
-            command,
-            filter: None,
-            rlimits: Vec::new(),
-            stdin: Vec::new(),
-            timeout: Some(PROBE_TIMEOUT),
-            cancel: None,
-            extra_fds: Default::default(),
-            cgroup_procs: Vec::new(),
-        };
+        let launch =
+            Launch::probe(self.bwrap.to_owned(), options, command, Default::default(), PROBE_TIMEOUT);
         let mut output = OutputBudget::new(PROBE_OUTPUT_BYTES);
         match self.launcher.run(launch, &mut output).await {
             Ok(outcome) => {

@@ -63,15 +63,7 @@ impl Identity {
     /// directory, an uploaded file) to the sandbox user, so the sandbox can write it. A
     /// no-op when runnerd itself is the sandbox user. Works on `O_PATH` descriptors.
     pub fn hand_over(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
-        if !self.switches() {
-            return Ok(());
-        }
-        // SAFETY: fchownat on a descriptor we borrow, with an empty NUL-terminated path and
-        // AT_EMPTY_PATH: it changes exactly that inode and follows nothing.
-        common::sys::cvt(unsafe {
-            libc::fchownat(fd.as_raw_fd(), c"".as_ptr(), self.uid, self.gid, libc::AT_EMPTY_PATH)
-        })
-        .map(drop)
+        self.hand_over_to(fd, self.uid, self.gid)
     }
 
     /// Like [`Identity::hand_over`], to `uid`/`gid` (the owner of an idmapped workspace the
@@ -80,7 +72,8 @@ impl Identity {
         if !self.switches() {
             return Ok(());
         }
-        // SAFETY: as in hand_over: fchownat on a borrowed descriptor with AT_EMPTY_PATH.
+        // SAFETY: fchownat on a descriptor we borrow, with an empty NUL-terminated path and
+        // AT_EMPTY_PATH: it changes exactly that inode and follows nothing.
         common::sys::cvt(unsafe {
             libc::fchownat(fd.as_raw_fd(), c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH)
         })
