@@ -15,6 +15,20 @@ use runner_tests::server::{Server, shell_request};
 use runner_tests::{idmap_or_skip, idmapped_workspaces, is_root, sandbox_or_skip, sandbox_user};
 use serde_json::{Value, json};
 
+/// The sandbox works and, as root, caller-made workspaces are idmapped (else CI fails).
+fn ready(test: &str) -> bool {
+    sandbox_or_skip(test) && idmap_or_skip(test)
+}
+
+/// Tests that make mounts or owners only root can: an unprivileged runnerd maps nothing (its
+/// own directories need no map), so they say so and pass.
+fn root_only(test: &str, why: &str) -> bool {
+    if !is_root() {
+        eprintln!("{test}: root only ({why})");
+    }
+    is_root()
+}
+
 /// A workspace made as the caller would: by this process, mode 0755, with one file of its own.
 fn caller_workspace(server: &Server, name: &str) -> PathBuf {
     let ws = server.path("projects/caller").join(name);
@@ -53,9 +67,7 @@ fn names(v: &Value) -> Vec<String> {
 
 #[tokio::test]
 async fn a_caller_made_workspace_is_written_as_its_owner() {
-    if !sandbox_or_skip("a_caller_made_workspace_is_written_as_its_owner")
-        || !idmap_or_skip("a_caller_made_workspace_is_written_as_its_owner")
-    {
+    if !ready("a_caller_made_workspace_is_written_as_its_owner") {
         return;
     }
     let server = Server::start();
@@ -89,9 +101,7 @@ async fn a_caller_made_workspace_is_written_as_its_owner() {
 
 #[tokio::test]
 async fn a_nested_workspace_under_a_caller_made_read_only_parent() {
-    if !sandbox_or_skip("a_nested_workspace_under_a_caller_made_read_only_parent")
-        || !idmap_or_skip("a_nested_workspace_under_a_caller_made_read_only_parent")
-    {
+    if !ready("a_nested_workspace_under_a_caller_made_read_only_parent") {
         return;
     }
     let server = Server::start();
@@ -118,9 +128,7 @@ async fn a_nested_workspace_under_a_caller_made_read_only_parent() {
 
 #[tokio::test]
 async fn a_managed_run_writes_a_caller_made_workspace_as_its_owner() {
-    if !sandbox_or_skip("a_managed_run_writes_a_caller_made_workspace_as_its_owner")
-        || !idmap_or_skip("a_managed_run_writes_a_caller_made_workspace_as_its_owner")
-    {
+    if !ready("a_managed_run_writes_a_caller_made_workspace_as_its_owner") {
         return;
     }
     let server = Server::start();
@@ -153,9 +161,7 @@ async fn a_managed_run_writes_a_caller_made_workspace_as_its_owner() {
 /// be owned by the directory's owner on disk (root, here), a set-user-ID root program.
 #[tokio::test]
 async fn no_set_id_file_is_made_from_inside() {
-    if !sandbox_or_skip("no_set_id_file_is_made_from_inside")
-        || !idmap_or_skip("no_set_id_file_is_made_from_inside")
-    {
+    if !ready("no_set_id_file_is_made_from_inside") {
         return;
     }
     let server = Server::start();
@@ -205,15 +211,10 @@ async fn health_says_how_caller_made_workspaces_are_served() {
 /// refused with the remedy, nothing runs, nothing is written; never a silent read-only run.
 #[tokio::test]
 async fn a_filesystem_without_idmap_support_is_refused_with_the_remedy() {
-    if !sandbox_or_skip("a_filesystem_without_idmap_support_is_refused_with_the_remedy")
-        || !idmap_or_skip("a_filesystem_without_idmap_support_is_refused_with_the_remedy")
-    {
+    if !ready("a_filesystem_without_idmap_support_is_refused_with_the_remedy") {
         return;
     }
-    if !is_root() {
-        // An unprivileged runnerd maps nothing: its own directories need no map, and it
-        // cannot mount a filesystem to try; health_says_how… covers what it reports.
-        eprintln!("a_filesystem_without_idmap_support_is_refused_with_the_remedy: root only (mounts ramfs)");
+    if !root_only("a_filesystem_without_idmap_support_is_refused_with_the_remedy", "mounts ramfs") {
         return;
     }
     let server = Server::start();
@@ -255,9 +256,7 @@ async fn a_filesystem_without_idmap_support_is_refused_with_the_remedy() {
 /// workspace holding one is refused, naming the file; unmapped, it runs as before.
 #[tokio::test]
 async fn a_set_id_file_in_an_idmapped_workspace_is_refused() {
-    if !sandbox_or_skip("a_set_id_file_in_an_idmapped_workspace_is_refused")
-        || !idmap_or_skip("a_set_id_file_in_an_idmapped_workspace_is_refused")
-    {
+    if !ready("a_set_id_file_in_an_idmapped_workspace_is_refused") {
         return;
     }
     let server = Server::start();
@@ -284,13 +283,10 @@ async fn a_set_id_file_in_an_idmapped_workspace_is_refused() {
 /// before stays so (review of issue #30).
 #[tokio::test]
 async fn a_read_only_root_inside_the_writable_one_is_not_idmapped() {
-    if !sandbox_or_skip("a_read_only_root_inside_the_writable_one_is_not_idmapped")
-        || !idmap_or_skip("a_read_only_root_inside_the_writable_one_is_not_idmapped")
-    {
+    if !ready("a_read_only_root_inside_the_writable_one_is_not_idmapped") {
         return;
     }
-    if !is_root() {
-        eprintln!("a_read_only_root_inside_the_writable_one_is_not_idmapped: root only (chown)");
+    if !root_only("a_read_only_root_inside_the_writable_one_is_not_idmapped", "chown") {
         return;
     }
     let server = Server::start();
@@ -311,4 +307,53 @@ async fn a_read_only_root_inside_the_writable_one_is_not_idmapped() {
     let body = r.json();
     assert_eq!((r.status, body["stdout"].as_str()), (200, Some("sub-refused\nparent-refused\n")), "{body}");
     assert!(!sub.join("f").exists() && !sub.join("g").exists());
+}
+
+/// The mounts sandbox-init stages in its own namespace, as bwrap's monitor (which stays there
+/// for the run) shows them: the workspace idmapped and writable, a read-only parent idmapped
+/// and read-only, both `nosuid` — so the staged parent is never a writable path, even there.
+#[tokio::test]
+async fn the_staged_mounts_are_idmapped_and_a_read_only_parent_stays_read_only() {
+    let test = "the_staged_mounts_are_idmapped_and_a_read_only_parent_stays_read_only";
+    if !ready(test) || !root_only(test, "reads another user's /proc/PID/mountinfo") {
+        return;
+    }
+    let server = Server::start();
+    let ws = caller_workspace(&server, "staged-ws");
+    let parent = caller_workspace(&server, "staged-parent");
+    let (ws_real, parent_real) = (ws.canonicalize().unwrap(), parent.canonicalize().unwrap());
+    let mut body = shell_request("main", "s", &ws, "sleep 4; echo done");
+    body["readOnlyWorkspaceRoot"] = json!(parent);
+    let client = server.client();
+    let run = tokio::spawn(async move { client.post_signed("/execute-shell", &body).await.unwrap() });
+    // Mount options of the staged mounts over `ws` and `parent`, from a bwrap monitor's view.
+    let staged = |dir: &Path| -> Option<String> {
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let proc_dir = entry.path();
+            if std::fs::read_to_string(proc_dir.join("comm")).is_ok_and(|c| c.trim() == "bwrap")
+                && let Ok(info) = std::fs::read_to_string(proc_dir.join("mountinfo"))
+                && let Some(line) = info.lines().find(|l| l.split(' ').nth(4) == dir.to_str())
+            {
+                return line.split(' ').nth(5).map(str::to_owned);
+            }
+        }
+        None
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (ws_opts, parent_opts) = loop {
+        if let (Some(w), Some(p)) = (staged(&ws_real), staged(&parent_real)) {
+            break (w, p);
+        }
+        assert!(Instant::now() < deadline, "no bwrap monitor showed the staged mounts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let opts = |o: &str| o.split(',').map(str::to_owned).collect::<Vec<_>>();
+    let (w, p) = (opts(&ws_opts), opts(&parent_opts));
+    for (name, o, access) in [("workspace", &w, "rw"), ("read-only parent", &p, "ro")] {
+        for want in [access, "nosuid", "nodev", "idmapped"] {
+            assert!(o.iter().any(|x| x == want), "{name}: {want} missing in {o:?}");
+        }
+    }
+    let reply = run.await.unwrap();
+    assert_eq!((reply.status, reply.json()["stdout"].as_str()), (200, Some("done\n")), "{}", reply.json());
 }
