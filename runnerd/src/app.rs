@@ -51,6 +51,8 @@ pub struct App {
     /// their own (an install holding its environment's write gate and waiting for a slot
     /// that runs waiting for that environment hold would never get one).
     pub provisioning_steps: tokio::sync::Semaphore,
+    /// What runs changed, from file events (`crate::journal`).
+    pub journal: crate::journal::Journal,
 }
 
 impl App {
@@ -65,6 +67,7 @@ impl App {
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let config_max_concurrent = config.max_concurrent;
+        let journal_settings = config.journal;
         let data_dir = config.data_dir.clone();
         let execution_user = sandbox.user.name.clone();
         let accel = crate::accel::select::Accelerators::new(config.accel.clone());
@@ -96,6 +99,7 @@ impl App {
             metrics: std::sync::Arc::default(),
             envs,
             provisioning_steps: tokio::sync::Semaphore::new(config_max_concurrent),
+            journal: crate::journal::Journal::new(journal_settings),
         }
     }
 }

@@ -68,6 +68,8 @@ pub struct RunnerConfig {
     pub limits: crate::limits::LimitSettings,
     /// Scientific environments: on/off, channels, package cache, starters (`crate::envs`).
     pub scientific: crate::envs::settings::EnvSettings,
+    /// Ours: the change journal's bounds (`crate::journal`).
+    pub journal: crate::journal::JournalSettings,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -198,6 +200,14 @@ impl RunnerConfig {
             accel: crate::accel::AccelConfig::from_vars(&get),
             limits: crate::limits::LimitSettings::from_vars(get)?,
             scientific: crate::envs::settings::EnvSettings::from_vars(get)?,
+            journal: crate::journal::JournalSettings {
+                workspaces: non_negative(
+                    crate::journal::WORKSPACES_VAR,
+                    crate::journal::DEFAULT_WORKSPACES as u64,
+                )? as usize,
+                watches: positive(crate::journal::WATCHES_VAR, crate::journal::DEFAULT_WATCHES)?,
+                files: positive(crate::journal::FILES_VAR, crate::journal::DEFAULT_FILES)?,
+            },
         })
     }
 
@@ -258,6 +268,9 @@ pub static SCHEMA: Schema = Schema {
         Key::new("cgroup_root", crate::limits::ROOT_VAR, Kind::Text),
         Key::new("scientific_envs", crate::envs::settings::ENABLED_VAR, Kind::Bool),
         Key::new("scientific_channels", crate::envs::settings::CHANNELS_VAR, Kind::Text),
+        Key::new("journal_workspaces", crate::journal::WORKSPACES_VAR, Kind::Integer),
+        Key::new("journal_watches", crate::journal::WATCHES_VAR, Kind::Integer),
+        Key::new("journal_files", crate::journal::FILES_VAR, Kind::Integer),
         Key::new("package_cache_dir", crate::envs::settings::PACKAGE_CACHE_VAR, Kind::Text),
         Key::new("starter_python_specs", crate::envs::settings::STARTER_PYTHON_VAR, Kind::Text),
         Key::new("starter_r_specs", crate::envs::settings::STARTER_R_VAR, Kind::Text),
@@ -369,6 +382,9 @@ impl Loaded {
                         show_path(&c.scientific.provisioner, "unset (next to runnerd)")
                     }
                     "cran_repo" => c.scientific.cran_repo.clone(),
+                    "journal_workspaces" => c.journal.workspaces.to_string(),
+                    "journal_watches" => c.journal.watches.to_string(),
+                    "journal_files" => c.journal.files.to_string(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),

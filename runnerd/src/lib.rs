@@ -28,6 +28,7 @@ pub(crate) mod envs;
 pub mod exec;
 pub(crate) mod fsat;
 pub(crate) mod http;
+pub mod journal;
 pub mod launch;
 pub mod limits;
 pub(crate) mod managed;

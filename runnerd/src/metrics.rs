@@ -139,6 +139,19 @@ pub struct Snapshot {
     pub capacity: i64,
     /// `None` when egressd did not answer.
     pub egress: Option<Vec<(String, u64)>>,
+    /// The change journal's counts (`crate::journal::Journal::counts`).
+    pub journal: JournalCounts,
+}
+
+/// The change journal at a scrape.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JournalCounts {
+    pub workspaces: usize,
+    pub watches: usize,
+    /// Runs measured from the journal, without a walk before or after.
+    pub journaled: u64,
+    /// Runs walked instead, by reason.
+    pub walked: Vec<(&'static str, u64)>,
 }
 
 #[derive(Debug)]
@@ -158,6 +171,9 @@ pub struct Metrics {
     phase_seconds: Histograms,
     egress_decisions: Family<Labels, Gauge>,
     egress_up: Gauge,
+    journal_workspaces: Gauge,
+    journal_watches: Gauge,
+    journal_runs: Family<Labels, Gauge>,
     /// One scrape at a time: the gauges set for it are the ones it encodes.
     scrape: Mutex<()>,
 }
@@ -245,8 +261,30 @@ impl Metrics {
             "Whether egressd answered this scrape's status request",
             egress_up.clone(),
         );
+        let journal_workspaces = Gauge::default();
+        registry.register(
+            "journal_workspaces",
+            "Workspaces the change journal keeps watched (SCIENCE_AGENT_JOURNAL_WORKSPACES bounds it)",
+            journal_workspaces.clone(),
+        );
+        let journal_watches = Gauge::default();
+        registry.register(
+            "journal_watches",
+            "Directory watches the change journal holds (SCIENCE_AGENT_JOURNAL_WATCHES bounds it)",
+            journal_watches.clone(),
+        );
+        let journal_runs = Family::<Labels, Gauge>::default();
+        registry.register(
+            "journal_runs",
+            "Runs since start-up measured from the change journal (measured=\"journal\") or by walking the \
+             workspace, by why (first_use, events_lost, unrepresentable, no_slot)",
+            journal_runs.clone(),
+        );
         Metrics {
             registry,
+            journal_workspaces,
+            journal_watches,
+            journal_runs,
             requests,
             executions,
             admission,
@@ -330,6 +368,18 @@ impl Metrics {
         self.running.set(snapshot.running);
         self.capacity.set(snapshot.capacity);
         self.egress_up.set(i64::from(snapshot.egress.is_some()));
+        let j = &snapshot.journal;
+        self.journal_workspaces.set(j.workspaces as i64);
+        self.journal_watches.set(j.watches as i64);
+        let runs = |measured: &'static str, n: u64| {
+            self.journal_runs
+                .get_or_create(&vec![("measured", measured.into())])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        };
+        runs("journal", j.journaled);
+        for (why, n) in &j.walked {
+            runs(why, *n);
+        }
         for (verdict, n) in snapshot.egress.iter().flatten() {
             let verdict = bounded_verdict(verdict);
             self.egress_decisions
@@ -502,6 +552,12 @@ mod tests {
             running: 1,
             capacity: 8,
             egress: Some(vec![("denied".into(), 4)]),
+            journal: JournalCounts {
+                workspaces: 2,
+                watches: 7,
+                journaled: 5,
+                walked: vec![("events_lost", 1)],
+            },
         });
         for line in [
             "runner_execution_requests_total{route=\"execute\",code=\"ok\"} 1",
@@ -510,6 +566,10 @@ mod tests {
             "runner_limits_hit_total{limit=\"timeout\"} 1",
             "runner_admission_total{result=\"refused\"} 1",
             "runner_queue_depth 3",
+            "runner_journal_workspaces 2",
+            "runner_journal_watches 7",
+            "runner_journal_runs{measured=\"journal\"} 5",
+            "runner_journal_runs{measured=\"events_lost\"} 1",
             "runner_running 1",
             "runner_egress_decisions{verdict=\"denied\"} 4",
             "runner_egress_up 1",

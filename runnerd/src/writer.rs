@@ -92,6 +92,9 @@ pub struct Writer {
     pinned: OwnedFd,
     /// The quota the commit's snapshot may store at most (0: none).
     max_bytes: u64,
+    /// The run's change journal: the commit's snapshot reuses the directories it says are
+    /// unchanged since the last snapshot it served.
+    journal: Option<crate::journal::RunWatch>,
     _lease: Lease,
     _admitted: Admitted,
 }
@@ -113,8 +116,24 @@ impl Writer {
         self.max_bytes = bytes;
     }
 
+    /// Lets the commit's snapshot reuse the unchanged directories of an earlier one.
+    pub fn attach_journal(&mut self, journal: crate::journal::RunWatch) {
+        self.journal = Some(journal);
+    }
+
     fn scope(&self) -> SnapshotScope {
-        SnapshotScope { canonical: Some(self.root.clone()), max_bytes: self.max_bytes }
+        SnapshotScope {
+            canonical: Some(self.root.clone()),
+            max_bytes: self.max_bytes,
+            reuse: self.journal.as_ref().map(|j| j.reuse()),
+        }
+    }
+
+    /// After a committed snapshot: the journal keeps its directories for the next one.
+    fn snapshot_committed(&self, scope: &SnapshotScope) {
+        if let (Some(journal), Some(reuse)) = (&self.journal, &scope.reuse) {
+            journal.snapshot_done(reuse);
+        }
     }
 }
 
@@ -240,6 +259,7 @@ impl Versions {
             head: workspace_head_name(canonical),
             pinned,
             max_bytes: self.default_max_bytes,
+            journal: None,
             _lease: lease,
             _admitted: admitted,
         };
@@ -314,10 +334,18 @@ impl Versions {
         let me = self.clone();
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
         let scope = writer.scope();
+        let kept = scope.clone();
         let id = id.unwrap_or_else(new_uuid_v4);
         let snapshot_took = Arc::new(Mutex::new(std::time::Duration::ZERO));
         let took = snapshot_took.clone();
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
         let committed = blocking_retry(self.clone(), move || {
+            if attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
+                && let Some(reuse) = &scope.reuse
+            {
+                // Whatever went wrong may lie in what would be reused: walk everything.
+                reuse.forget();
+            }
             let started = std::time::Instant::now();
             let tree = me.snapshot_live(&dir, &scope)?;
             *took.lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
@@ -325,8 +353,9 @@ impl Versions {
             Ok(tree)
         })
         .await;
-        if let Err(e) = &committed {
-            self.fail_commit(&writer.root, e);
+        match &committed {
+            Ok(_) => writer.snapshot_committed(&kept),
+            Err(e) => self.fail_commit(&writer.root, e),
         }
         let snapshot = *snapshot_took.lock().unwrap_or_else(|p| p.into_inner());
         (committed, snapshot)
@@ -342,7 +371,14 @@ impl Versions {
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
         let (dir, head, scope) = (writer.snapshot_dir(), writer.head.clone(), writer.scope());
-        blocking_retry(self.clone(), move || {
+        let kept = scope.clone();
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
+        let committed = blocking_retry(self.clone(), move || {
+            if attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
+                && let Some(reuse) = &scope.reuse
+            {
+                reuse.forget();
+            }
             let tree = me.snapshot_live(&dir, &scope)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
@@ -362,7 +398,11 @@ impl Versions {
             me.commit_head(&head, &record)?;
             Ok((record, tree))
         })
-        .await
+        .await;
+        if committed.is_ok() {
+            writer.snapshot_committed(&kept);
+        }
+        committed
     }
 
     /// Snapshots a pinned workspace directory, refusing one that was deleted meanwhile (its
@@ -446,7 +486,8 @@ impl Versions {
         let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(pinned));
         let observed = blocking_retry(self.clone(), move || {
             let name = workspace_head_name(&root);
-            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes };
+            let scope =
+                SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes, reuse: None };
             let tree = me.snapshot_live(&dir, &scope)?;
             if me.head_tree(&root)?.is_some_and(|t| t.digest == tree.digest) {
                 return Ok(tree);
@@ -517,7 +558,11 @@ impl Versions {
                 let name = workspace_head_name(&r);
                 let tree = me.snapshot_live(
                     &dir,
-                    &SnapshotScope { canonical: Some(r.clone()), max_bytes: me.default_max_bytes },
+                    &SnapshotScope {
+                        canonical: Some(r.clone()),
+                        max_bytes: me.default_max_bytes,
+                        reuse: None,
+                    },
                 )?;
                 let head = me.refs().head(&name)?;
                 let (id, kind) = match head {
@@ -582,7 +627,8 @@ impl Versions {
                 let verified = me.store.validate_closure(&h).map_err(|e| crate::error_chain(&e));
                 (h, verified)
             });
-            let scope = SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes };
+            let scope =
+                SnapshotScope { canonical: Some(root.clone()), max_bytes: me.default_max_bytes, reuse: None };
             let tree = me.snapshot_live(&dir, &scope)?;
             let id = new_uuid_v4();
             let record = me.commit_mutation_record(

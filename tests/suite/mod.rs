@@ -1,6 +1,7 @@
 mod accel;
 mod audit;
 mod caller_workspaces;
+mod change_journal;
 mod config;
 mod damaged_state;
 mod environments;

@@ -59,7 +59,7 @@ pub fn health(
     let cap = &app.sandbox.capability;
     let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
     let [memory, pids, cpu] = crate::limits::health_entries(&app.limits, cfg.exec_timeout_ms);
-    let workspace = crate::exec::files::quota_enforcement(cfg.max_workspace_bytes);
+    let workspace = crate::exec::files::quota_enforcement(cfg.max_workspace_bytes, app.journal.enabled());
     let mut health = json!({
         "cgroupDelegated": app.limits.delegated,
         "cgroupMode": app.limits.mode.label(),
@@ -125,6 +125,7 @@ pub fn health(
             "reason": cap.reason,
             "warnings": warnings,
             "workspaceIdmap": app.sandbox.idmap,
+            "workspaceJournal": app.journal.describe(),
             "callerWorkspaces": format!(
                 "workspaces owned by the sandbox user ({}) are bound as they are; those owned by another user: \
                  idmapped mounts {}",

@@ -322,6 +322,7 @@ async fn metrics(app: &App) -> ApiResponse {
         running: app.admission.running() as i64,
         capacity: app.config.queue_capacity as i64,
         egress,
+        journal: app.journal.metrics(),
     };
     let text = app.metrics.render(&snapshot);
     ApiResponse {

@@ -87,21 +87,35 @@ pub fn file_size_cap(limit: u64) -> Option<u64> {
 
 /// `enforced.workspaceBytes` and its reason (R-PEER-1), for `/health` and any result that
 /// reports enforcement: `"partial"` with the bound (no host gets a kernel-enforced total yet:
-/// no project quota, no size-limited mount), `false` when unlimited.
-pub fn quota_enforcement(limit: u64) -> (Value, String) {
+/// no project quota, no size-limited mount), `false` when unlimited. `journal`: whether the
+/// change journal keeps the total during runs (`crate::journal`).
+pub fn quota_enforcement(limit: u64, journal: bool) -> (Value, String) {
     if limit == 0 {
         return (json!(false), "maxWorkspaceBytes is 0 (unlimited)".to_owned());
     }
     let poll = super::QUOTA_POLL.as_millis();
+    let during = if journal {
+        format!(
+            "kept during a run from the change journal (each file an event names is measured again as it \
+             is written: no walk), so a run is stopped within about a millisecond of the write that crosses it \
+             and exceeds it by what it writes in that time (about 1 MB at ~1 GB/s); where the journal cannot \
+             vouch for a workspace (its first run, lost events, more workspaces or directories than its \
+             bounds) the workspace is walked every {poll} ms during the run instead (or the last walk's \
+             duration, if longer), at a cost of one walk per poll"
+        )
+    } else {
+        format!(
+            "measured every {poll} ms during a run (or the last walk's duration, if longer): a run can exceed \
+             it by what it writes between two measurements (about 1.5-3x a 20 MB quota at ~1 GB/s)"
+        )
+    };
     (
         json!("partial"),
         format!(
-            "per file hard (RLIMIT_FSIZE = quota + 1 byte; fallocate refused by seccomp); the total, \
-             each file charged its size plus the blocks allocated beyond it, is measured before, every {poll} ms during \
-             (or the last walk's duration, if longer) and after a run, failing closed on what it cannot \
-             read: a run can exceed it by what it writes between two measurements (about 1.5-3x a 20 MB \
-             quota at ~1 GB/s), which stays on disk and makes the next run's pre-check refuse; a commit \
-             never stores more than the quota"
+            "per file hard (RLIMIT_FSIZE = quota + 1 byte; fallocate refused by seccomp); the total, each file \
+             charged its size plus the blocks allocated beyond it, is checked before and after a run and \
+             {during}, failing closed on what it cannot read; an overshoot stays on disk and makes the next \
+             run's pre-check refuse; a commit never stores more than the quota"
         ),
     )
 }
@@ -137,7 +151,7 @@ pub fn check(m: Measured, limit: u64) -> Result<Measured, Breach> {
 /// Never fails (what it could not read is in [`Measured::unreadable`]). Entries that vanish
 /// mid-walk (a running sandbox deleting them) are simply not there.
 pub fn measure(root: BorrowedFd<'_>) -> Measured {
-    walk(root, &mut |_| {})
+    walk_observed(root, "", &mut |_| {})
 }
 
 /// [`measure`] as blocking work of the awaiting task (it makes a syscall per entry;
@@ -160,28 +174,62 @@ fn unreadable(error: io::Error) -> Measured {
     Measured { unreadable: Some(Unreadable { path: ".".into(), error }), ..Default::default() }
 }
 
+/// What an observed walk ([`walk_observed`]) shows its observer, in walk order.
+#[derive(Debug)]
+pub enum Seen<'a> {
+    /// A directory (workspace-relative; `""` is where the walk started) was opened, before
+    /// its names are read: a change journal adds its watch here, so that nothing changed
+    /// after the listing goes unseen.
+    Opened(BorrowedFd<'a>, &'a str),
+    /// A directory's names were read and classified, before anything below it is opened.
+    Listed(&'a str),
+    /// A regular file and what `fstatat` said of it.
+    File(&'a str, &'a Stat),
+    /// A subdirectory, about to be walked.
+    Dir(&'a str),
+}
+
 /// [`measure`], calling `listed` with each directory's relative path right after its names
 /// were read and before anything below it is opened: the seam a test uses to swap a
 /// directory for a symlink at exactly the moment a racing sandbox would.
+#[cfg(test)]
 fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
-    walk_within(root, listed, MAX_WALK_PATH_BYTES)
+    walk_observed(root, "", &mut |seen| {
+        if let Seen::Listed(rel) = seen {
+            listed(rel)
+        }
+    })
 }
 
-/// [`walk`] keeping at most `max_path_bytes` of path text.
-fn walk_within(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str), max_path_bytes: usize) -> Measured {
+/// Walks the directory `dir`, which lies at `prefix` in its workspace (`""`: the root), as
+/// [`measure`] does, showing `seen` everything it meets; paths in the result and in what
+/// is seen are workspace-relative.
+pub fn walk_observed(dir: BorrowedFd<'_>, prefix: &str, seen: &mut dyn FnMut(Seen<'_>)) -> Measured {
+    walk_within(dir, prefix, seen, MAX_WALK_PATH_BYTES)
+}
+
+/// [`walk_observed`] keeping at most `max_path_bytes` of path text.
+fn walk_within(
+    root: BorrowedFd<'_>,
+    prefix: &str,
+    seen: &mut dyn FnMut(Seen<'_>),
+    max_path_bytes: usize,
+) -> Measured {
     let mut m = Measured::default();
     let root = match fsat::open_dir_at(&root, c".") {
         Ok(fd) => fd,
         Err(e) => {
-            m.fail("", e);
+            m.fail(prefix, e);
             return m;
         }
     };
+    let depth = if prefix.is_empty() { 0 } else { prefix.split('/').count() };
     // Pending directories: the open parent, the name, the relative path, the depth. Parents
     // are shared, so a depth-first walk holds about one descriptor per level.
     let mut stack: Vec<(Rc<OwnedFd>, CString, String, usize)> = Vec::new();
-    list(&Rc::new(root), "", 0, &mut m, &mut stack, max_path_bytes);
-    listed("");
+    seen(Seen::Opened(root.as_fd(), prefix));
+    list(&Rc::new(root), prefix, depth, &mut m, &mut stack, seen, max_path_bytes);
+    seen(Seen::Listed(prefix));
     while let Some((parent, name, rel, depth)) = stack.pop() {
         if m.path_bytes > max_path_bytes {
             break;
@@ -195,8 +243,9 @@ fn walk_within(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str), max_path_byte
         // (a rename since the listing), and counting what is there now is right.
         match fsat::open_dir_at(&parent, &name) {
             Ok(dir) => {
-                list(&Rc::new(dir), &rel, depth, &mut m, &mut stack, max_path_bytes);
-                listed(&rel);
+                seen(Seen::Opened(dir.as_fd(), &rel));
+                list(&Rc::new(dir), &rel, depth, &mut m, &mut stack, seen, max_path_bytes);
+                seen(Seen::Listed(&rel));
             }
             // Gone, or swapped for a symlink or a file since it was listed: nothing to count.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)) => {}
@@ -206,12 +255,14 @@ fn walk_within(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str), max_path_byte
     m
 }
 
+#[allow(clippy::too_many_arguments)]
 fn list(
     dir: &Rc<OwnedFd>,
     rel: &str,
     depth: usize,
     m: &mut Measured,
     stack: &mut Vec<(Rc<OwnedFd>, CString, String, usize)>,
+    seen: &mut dyn FnMut(Seen<'_>),
     max_path_bytes: usize,
 ) {
     let names = match fsat::names(dir) {
@@ -235,12 +286,16 @@ fn list(
             }
         };
         match st.kind() {
-            libc::S_IFDIR => stack.push((dir.clone(), cname, child, depth + 1)),
+            libc::S_IFDIR => {
+                seen(Seen::Dir(&child));
+                stack.push((dir.clone(), cname, child, depth + 1));
+            }
             libc::S_IFREG => {
                 m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks, st.blksize));
                 if st.mode & (libc::S_ISUID | libc::S_ISGID) != 0 && m.set_id.is_none() {
                     m.set_id = Some(child.clone());
                 }
+                seen(Seen::File(&child, &st));
                 m.prints.insert(child, (st.size, st.mtime_ns));
             }
             // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
@@ -313,10 +368,10 @@ mod tests {
             fs::write(deep.join(format!("{i}")), "").unwrap();
         }
         let dir = fs::File::open(tmp.path()).unwrap();
-        let all = walk_within(dir.as_fd(), &mut |_| {}, 1 << 20);
+        let all = walk_within(dir.as_fd(), "", &mut |_| {}, 1 << 20);
         assert_eq!((all.prints.len(), all.unreadable.is_none()), (50, true));
         // 50 paths of about 400 bytes: a 4 KiB budget stops the walk part way.
-        let cut = walk_within(dir.as_fd(), &mut |_| {}, 4096);
+        let cut = walk_within(dir.as_fd(), "", &mut |_| {}, 4096);
         assert!(cut.prints.len() < 50, "{}", cut.prints.len());
         let u = cut.unreadable.as_ref().expect("fails closed");
         assert_eq!(u.error.to_string(), "holds more than 4096 bytes of file paths");

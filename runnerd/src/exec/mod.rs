@@ -393,7 +393,7 @@ pub async fn execute(
     audit.mark(Phase::Lease);
     let started_at = timefmt::iso8601(timefmt::now_ms());
     registration.running(started_at.clone());
-    let ran = run_sandbox(&app, &prepared, &audit, started_at, None, &stop, writer.pinned()).await;
+    let ran = run_sandbox(&app, &prepared, &audit, started_at, None, &stop, &mut writer).await;
     audit.mark(Phase::Snapshot);
     if ran.as_ref().is_err_and(EngineError::is_unresponsive) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
@@ -685,7 +685,8 @@ impl OutputSink for Tee<'_, '_> {
 /// The caller holds the workspace's locks, and `root_fd` is the workspace directory its
 /// writer pinned: the sandbox runs in exactly the directory the version will snapshot,
 /// whatever its path names by now (another workspace's sandbox may rename directories
-/// around it while this one queued).
+/// around it while this one queued). The run's change journal goes to the writer, whose
+/// commit then snapshots only what changed.
 /// Writes `audit`'s `execution_finished` record on every path (its outcome, or the error).
 pub async fn run_sandbox(
     app: &App,
@@ -694,9 +695,13 @@ pub async fn run_sandbox(
     started_at: String,
     logs: Option<&mut dyn OutputSink>,
     stop: &StopToken,
-    root_fd: &OwnedFd,
+    writer: &mut crate::writer::Writer,
 ) -> Result<ExecutionResult, EngineError> {
-    let ran = sandbox_run(app, p, audit, started_at, logs, stop, root_fd).await;
+    let mut journal = None;
+    let ran = sandbox_run(app, p, audit, started_at, logs, stop, writer.pinned(), &mut journal).await;
+    if let Some(journal) = journal {
+        writer.attach_journal(journal);
+    }
     if let Err(e) = &ran {
         // A no-op when the run recorded its own outcome.
         audit.failed(e);
@@ -816,6 +821,7 @@ fn workspace_owners(
     Ok((root, parent))
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn sandbox_run(
     app: &App,
     p: &Prepared,
@@ -824,6 +830,7 @@ async fn sandbox_run(
     logs: Option<&mut dyn OutputSink>,
     stop: &StopToken,
     root_fd: &OwnedFd,
+    journal: &mut Option<crate::journal::RunWatch>,
 ) -> Result<ExecutionResult, EngineError> {
     let shape = sandbox_shape(app)?;
     let (language, execution_id) = (p.language, &p.execution_id);
@@ -832,7 +839,17 @@ async fn sandbox_run(
         None => None,
     };
     let owners = workspace_owners(app, p, root_fd, parent_fd.as_ref())?;
-    let before = match files::check(files::measure_blocking(root_fd).await, p.max_workspace) {
+    // The workspace before the run: from the change journal when it vouches for it (no
+    // walk), else one walk (which also sets its watches up for the next runs).
+    let (measured, watch) = {
+        let (journal, key) = (app.journal.clone(), p.root.clone());
+        let fd = root_fd.try_clone().map_err(EngineError::internal)?;
+        crate::blocking::run(move || journal.begin(&key, &fd))
+            .await
+            .unwrap_or_else(|e| (files::unmeasured(&e.to_string()), None))
+    };
+    journal.clone_from(&watch);
+    let before = match files::check(measured, p.max_workspace) {
         Ok(m) if owners.0.is_some() && m.set_id.is_some() => {
             let path = m.set_id.unwrap_or_default();
             audit.finished(
@@ -932,6 +949,7 @@ async fn sandbox_run(
         root_fd.try_clone().map_err(EngineError::internal)?,
         p.max_workspace,
         stop.clone(),
+        watch.clone(),
     ));
     audit.started();
     audit.mark(crate::metrics::Phase::Launch);
@@ -950,12 +968,16 @@ async fn sandbox_run(
     let (usage, after) = app
         .limits
         .finish_execution(cgroup, move || match (ended, walked) {
-            (true, Ok(fd)) => Some(files::measure(std::os::fd::AsFd::as_fd(&fd))),
-            (true, Err(e)) => Some(files::unmeasured(&format!("cannot open the workspace again: {e}"))),
+            (true, Ok(fd)) => Some(after_run(watch.as_ref(), &fd)),
+            (true, Err(e)) => {
+                Some(After::Walked(files::unmeasured(&format!("cannot open the workspace again: {e}")), None))
+            }
             (false, _) => None,
         })
         .await
-        .unwrap_or_else(|| (None, Some(files::unmeasured("the measuring task stopped"))));
+        .unwrap_or_else(|| {
+            (None, Some(After::Walked(files::unmeasured("the measuring task stopped"), None)))
+        });
     let outcome = match outcome {
         Ok(o) => {
             if let Some(latency) = o.launch_latency {
@@ -1020,15 +1042,22 @@ async fn sandbox_run(
             });
         }
     };
-    let after = after.unwrap_or_else(|| files::unmeasured("the run's end was not measured"));
-    let after = match files::check(after, p.max_workspace) {
-        Ok(m) => m.prints,
+    let after =
+        after.unwrap_or_else(|| After::Walked(files::unmeasured("the run's end was not measured"), None));
+    let (after, changes) = match after {
+        After::Journal(m, changes) => (m, Some(changes)),
+        After::Walked(m, before_override) => {
+            let changes = files::changes(before_override.as_ref().unwrap_or(&before), &m.prints);
+            (m, Some(changes))
+        }
+    };
+    let (created_files, modified_files) = match files::check(after, p.max_workspace) {
+        Ok(_) => changes.unwrap_or_default(),
         Err(breach) => {
             finish("workspace_quota_exceeded", Some(exit_code));
             return Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)));
         }
     };
-    let (created_files, modified_files) = files::changes(&before, &after);
     let collected = output.finish_text();
     finish("completed", Some(exit_code));
     let limits = crate::limits::outcome_fields(
@@ -1067,11 +1096,50 @@ async fn sandbox_run(
     })
 }
 
-/// Stops the run when the workspace outgrows its quota (measured every [`QUOTA_POLL`] or
-/// the last walk's duration, one measurement at a time).
-async fn quota_watchdog(root: OwnedFd, max_workspace: u64, stop: StopToken) {
+/// The workspace after a run (its sandbox gone): from the journal, with the run's changes;
+/// or walked, with the fingerprints from before the run when the journal lost track during
+/// it (the walk before the run was skipped then).
+enum After {
+    Journal(files::Measured, crate::journal::Changes),
+    Walked(files::Measured, Option<files::Fingerprints>),
+}
+
+fn after_run(watch: Option<&crate::journal::RunWatch>, root: &OwnedFd) -> After {
+    let walk = || files::measure(std::os::fd::AsFd::as_fd(root));
+    match watch.map(|w| w.finish()) {
+        Some(Ok((m, changes))) => After::Journal(m, changes),
+        Some(Err(before)) => After::Walked(walk(), Some(before)),
+        None => After::Walked(walk(), None),
+    }
+}
+
+/// Stops the run when the workspace outgrows its quota. With the change journal, the total
+/// is brought up to date whenever an event concerns the workspace (the files it names are
+/// read again), never by walking; without it (or once it lost track), the workspace is
+/// walked every [`QUOTA_POLL`] or the last walk's duration, one walk at a time.
+async fn quota_watchdog(
+    root: OwnedFd,
+    max_workspace: u64,
+    stop: StopToken,
+    watch: Option<crate::journal::RunWatch>,
+) {
     if max_workspace == 0 {
         return;
+    }
+    if let Some(watch) = watch {
+        loop {
+            watch.changed().await;
+            let w = watch.clone();
+            match crate::blocking::run(move || w.measure()).await {
+                Ok(Some(m)) => {
+                    if let Err(breach) = files::check(m, max_workspace) {
+                        stop.stop(StopReason::Quota(breach));
+                        return;
+                    }
+                }
+                _ => break,
+            }
+        }
     }
     let mut pause = QUOTA_POLL;
     loop {

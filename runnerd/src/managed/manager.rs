@@ -422,7 +422,7 @@ impl Manager {
             p.max_output = result_budget(p.max_output);
             exec::resolve_cwd(&app, &mut p)?;
             exec::attach_egress(&app, &mut p).await?;
-            exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), &stop, writer.pinned()).await
+            exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), &stop, &mut writer).await
         }
         .await;
         live.close();

@@ -8,7 +8,7 @@
 //! same timestamp tick could otherwise keep size, mtime and ctime (git's "racy clean" problem).
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::{CStr, CString, OsString};
 use std::fs::{self, OpenOptions};
 use std::io;
@@ -111,6 +111,88 @@ pub struct SnapshotScope {
     /// this many bytes (0: no limit), so a run over its quota (sparse files included, which
     /// are written out in full) cannot fill the version store.
     pub max_bytes: u64,
+    /// An earlier snapshot's directories and what changed since ([`Reuse`]).
+    pub reuse: Option<std::sync::Arc<Reuse>>,
+}
+
+/// What a snapshot may take from an earlier one of the same workspace, and what it walked
+/// (issue #31): the change journal knows which paths changed since that snapshot, so a
+/// directory with no changed path at or below it keeps its tree ref (and the bytes below
+/// it, for [`SnapshotScope::max_bytes`]) without being opened. Refs are content addresses:
+/// a reused one is exactly what walking the unchanged directory would give.
+#[derive(Debug, Default)]
+pub struct Reuse {
+    /// Each directory (workspace-relative, `""` the root) of the earlier snapshot → its tree
+    /// and the bytes of the regular files below it. `None`: walk everything.
+    known: Mutex<Option<BTreeMap<String, (Ref, u64)>>>,
+    /// Paths changed since (files, or directories that appeared, went or changed mode).
+    dirty: BTreeSet<String>,
+    /// The journal's sequence number when `dirty` was taken.
+    seq: u64,
+    /// What this snapshot walked.
+    walked: Mutex<Vec<(String, Ref, u64)>>,
+}
+
+impl Reuse {
+    pub fn new(known: Option<BTreeMap<String, (Ref, u64)>>, dirty: BTreeSet<String>, seq: u64) -> Reuse {
+        Reuse { known: Mutex::new(known), dirty, seq, walked: Mutex::default() }
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The earlier tree of the directory `rel`, if nothing at or below it changed; `fresh`:
+    /// it lies below a path that changed (appeared, moved, changed mode).
+    fn reusable(&self, rel: &str, fresh: bool) -> Option<(Ref, u64)> {
+        if fresh || self.dirty.contains(rel) {
+            return None;
+        }
+        let below = if rel.is_empty() {
+            !self.dirty.is_empty()
+        } else {
+            let lo = format!("{rel}/");
+            self.dirty.range(lo.clone()..).next().is_some_and(|d| d.starts_with(&lo))
+        };
+        if below {
+            return None;
+        }
+        self.known.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?.get(rel).cloned()
+    }
+
+    /// Reuses nothing (a retried snapshot: what went wrong may lie in what it would reuse).
+    pub fn forget(&self) {
+        self.known.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.walked.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    fn walked(&self, rel: &Path, tree: &Ref, bytes: u64) {
+        if let Some(rel) = rel.to_str() {
+            self.walked.lock().unwrap_or_else(|e| e.into_inner()).push((rel.to_owned(), tree.clone(), bytes));
+        }
+    }
+
+    /// The directories of this snapshot, for the next one: the earlier ones less every
+    /// changed path and what lay below it, plus what this one walked.
+    pub fn updated(&self) -> BTreeMap<String, (Ref, u64)> {
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        for d in &self.dirty {
+            let lo = format!("{d}/");
+            let below: Vec<String> = known
+                .range(lo.clone()..)
+                .take_while(|(k, _)| k.starts_with(&lo))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in below {
+                known.remove(&k);
+            }
+            known.remove(d);
+        }
+        for (rel, tree, bytes) in self.walked.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            known.insert(rel, (tree, bytes));
+        }
+        known
+    }
 }
 
 /// One snapshot's walk: where it started, its scope, and the bytes of files seen so far.
@@ -199,7 +281,11 @@ impl Store {
             return Err(VersionError::Changed);
         }
         let walk = Walk { root: &root, scope, bytes: Cell::new(0) };
-        self.snapshot_dir(&walk, &dir, Path::new(""), before, 0, false)
+        if let Some((tree, bytes)) = scope.reuse.as_ref().and_then(|r| r.reusable("", false)) {
+            walk.charge(bytes)?;
+            return Ok(tree);
+        }
+        self.snapshot_dir(&walk, &dir, Path::new(""), before, 0, (false, false))
     }
 
     /// Hashes the files of one directory that the cache cannot serve on several threads,
@@ -249,7 +335,8 @@ impl Store {
 
     /// One directory, by descriptor: children first (depth-first, raw names in memcmp
     /// order), then its record. `rel` (workspace-relative) only names things in errors.
-    /// `nested`: this directory lies inside a nested workspace ([`SnapshotScope::canonical`]).
+    /// `nested`: this directory lies inside a nested workspace ([`SnapshotScope::canonical`]);
+    /// `fresh`: at or below a path changed since the snapshot [`SnapshotScope::reuse`] knows.
     fn snapshot_dir(
         &self,
         walk: &Walk<'_>,
@@ -257,8 +344,9 @@ impl Store {
         rel: &Path,
         before: Stat,
         depth: usize,
-        nested: bool,
+        (nested, fresh): (bool, bool),
     ) -> Result<Ref, VersionError> {
+        let start_bytes = walk.bytes.get();
         // Code in a sandbox can nest directories without limit; the walk recurses (and holds
         // a descriptor) per level, so it stops long before a thread's stack would.
         if depth >= MAX_DEPTH {
@@ -298,6 +386,19 @@ impl Store {
                     if inner && depth + 1 >= MAX_DEPTH {
                         continue;
                     }
+                    let reuse = walk.scope.reuse.as_deref();
+                    let child_str = child_rel.to_str();
+                    let child_fresh = fresh || reuse.zip(child_str).is_some_and(|(r, c)| r.dirty.contains(c));
+                    let known = match (reuse, child_str) {
+                        (Some(r), Some(c)) if !inner => r.reusable(c, child_fresh),
+                        _ => None,
+                    };
+                    if let Some((tree, bytes)) = known {
+                        walk.charge(bytes)?;
+                        fingerprint_entry(&mut fingerprint, b'd', name.as_bytes(), &ref_bytes(&tree), 0);
+                        entries.push(Entry::Dir { name: name.as_bytes().to_vec(), tree });
+                        continue;
+                    }
                     let child =
                         match open_at(dir, &cname, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
                             .map_err(walk.err("open", &child_rel))
@@ -310,7 +411,14 @@ impl Store {
                     if opened.ino != meta.ino || opened.dev != meta.dev {
                         return Err(VersionError::Changed);
                     }
-                    let tree = match self.snapshot_dir(walk, &child, &child_rel, meta, depth + 1, inner) {
+                    let tree = match self.snapshot_dir(
+                        walk,
+                        &child,
+                        &child_rel,
+                        meta,
+                        depth + 1,
+                        (inner, child_fresh),
+                    ) {
                         Err(VersionError::Unreadable { .. }) if inner => continue,
                         other => other?,
                     };
@@ -346,12 +454,20 @@ impl Store {
             return Err(VersionError::Changed);
         }
         let fingerprint: [u8; 32] = fingerprint.finalize().into();
-        if let Some(known) = self.cache.tree(&fingerprint) {
-            return Ok(known);
+        let record = match self.cache.tree(&fingerprint) {
+            Some(known) => known,
+            None => {
+                let entries: Vec<Value> = entries.iter().map(Entry::to_value).collect();
+                let record = self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))?;
+                self.cache.store_tree(fingerprint, record.clone());
+                record
+            }
+        };
+        if let Some(reuse) = &walk.scope.reuse
+            && !nested
+        {
+            reuse.walked(rel, &record, walk.bytes.get() - start_bytes);
         }
-        let entries: Vec<Value> = entries.iter().map(Entry::to_value).collect();
-        let record = self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))?;
-        self.cache.store_tree(fingerprint, record.clone());
         Ok(record)
     }
 
@@ -797,7 +913,7 @@ mod tests {
         fs::write(parent.join("f.txt"), b"parent").unwrap();
         fs::write(child.join("kept.txt"), b"child").unwrap();
         mkfifo(&child.join("pipe"));
-        let scope = SnapshotScope { canonical: Some(parent.clone()), max_bytes: 0 };
+        let scope = SnapshotScope { canonical: Some(parent.clone()), ..SnapshotScope::default() };
         // Not (yet) a workspace: the FIFO is the parent's own content.
         let e = store.snapshot_scoped(&parent, &scope).unwrap_err();
         assert!(matches!(&e, VersionError::SpecialFile { path } if path == "agents/c/pipe"), "{e}");
@@ -829,13 +945,13 @@ mod tests {
             let f = File::create(ws.path().join(name)).unwrap();
             f.set_len(64 << 20).unwrap();
         }
-        let scope = SnapshotScope { canonical: None, max_bytes: 20 << 20 };
+        let scope = SnapshotScope { max_bytes: 20 << 20, ..SnapshotScope::default() };
         let e = store.snapshot_scoped(ws.path(), &scope).unwrap_err();
         assert!(matches!(e, VersionError::OverQuota { limit } if limit == 20 << 20), "{e}");
         assert!(e.is_content());
         let stored: u64 = walkdir(data.path());
         assert!(stored < 1 << 20, "nothing of the sparse files was written out: {stored} bytes");
-        let scope = SnapshotScope { canonical: None, max_bytes: 128 << 20 };
+        let scope = SnapshotScope { max_bytes: 128 << 20, ..SnapshotScope::default() };
         assert!(store.snapshot_scoped(ws.path(), &scope).is_ok(), "exactly at the limit is fine");
     }
 

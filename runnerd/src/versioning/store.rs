@@ -50,9 +50,19 @@ pub struct Store {
     record_deps: Mutex<HashMap<DigestKey, Vec<Ref>, DigestHasher>>,
     /// Refs held in `record_deps` (an upper bound: replaced entries are not subtracted).
     deps_held: std::sync::atomic::AtomicUsize,
+    /// Records whose whole closure a commit of this process validated (issue #31): a later
+    /// closure check stops at them, so a commit that reuses a workspace's unchanged
+    /// directories costs what changed, not one stat per file. The store is runnerd's own
+    /// and nothing here deletes an object; one deleted behind its back is still found
+    /// when it is read (every read verifies), no longer at the next commit.
+    closures: Mutex<HashSet<DigestKey, DigestHasher>>,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
 }
+
+/// Validated closures remembered at most ([`Store::closures`]); past it they are forgotten
+/// wholesale and the next commits check everything once more.
+const CLOSURES_HELD: usize = 1_000_000;
 
 /// (dev, ino, size, mtime ns, ctime ns) of a blob file.
 type BlobStamp = (u64, u64, u64, i128, i128);
@@ -178,6 +188,7 @@ impl Store {
             pending_dirs: Mutex::default(),
             record_deps: Mutex::default(),
             deps_held: std::sync::atomic::AtomicUsize::new(0),
+            closures: Mutex::default(),
             blob_dir_fds: Default::default(),
         };
         for pool in [Pool::Data, Pool::AgentState] {
@@ -402,6 +413,7 @@ impl Store {
         self.verified.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.deps_held.store(0, AtomicOrdering::Relaxed);
+        self.closures.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     /// Reads a record with every check the original's `readRecord` makes, so whatever passes
@@ -457,6 +469,10 @@ impl Store {
             if r.pool != Pool::AgentState {
                 return Err(VersionError::InvalidRef);
             }
+            if self.closures.lock().unwrap_or_else(|p| p.into_inner()).contains(&digest_key(r.pool, r.hex()))
+            {
+                continue;
+            }
             // One stat when the record is where it belongs and unchanged since we read it.
             let stamp = self.stat_blob(r.pool, r.hex());
             let trusted =
@@ -488,6 +504,11 @@ impl Store {
         for r in self.untrusted_leaves(&leaves) {
             self.verify_leaf(r)?;
         }
+        let mut closures = self.closures.lock().unwrap_or_else(|p| p.into_inner());
+        if closures.len() > CLOSURES_HELD {
+            closures.clear();
+        }
+        closures.extend(seen.iter().filter(|r| r.is_record()).map(|r| digest_key(r.pool, r.hex())));
         Ok(seen.len())
     }
 

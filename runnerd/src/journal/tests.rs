@@ -1,0 +1,295 @@
+use super::*;
+use crate::exec::files;
+use crate::versioning::snapshot::SnapshotScope;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+
+#[test]
+fn what_each_event_means() {
+    use AddWatchFlags as F;
+    let table = [
+        (F::IN_Q_OVERFLOW, false, Meaning::Overflow),
+        (F::IN_IGNORED, false, Meaning::Ignored),
+        (F::IN_DELETE_SELF, false, Meaning::SelfGone),
+        (F::IN_MOVE_SELF, false, Meaning::SelfGone),
+        (F::IN_ATTRIB, false, Meaning::Nothing),
+        (F::IN_CREATE | F::IN_ISDIR, true, Meaning::DirAppeared),
+        (F::IN_MOVED_TO | F::IN_ISDIR, true, Meaning::DirAppeared),
+        (F::IN_DELETE | F::IN_ISDIR, true, Meaning::DirLeft),
+        (F::IN_MOVED_FROM | F::IN_ISDIR, true, Meaning::DirLeft),
+        (F::IN_ATTRIB | F::IN_ISDIR, true, Meaning::Changed),
+        (F::IN_CREATE, true, Meaning::Changed),
+        (F::IN_MODIFY, true, Meaning::Changed),
+        (F::IN_CLOSE_WRITE, true, Meaning::Changed),
+        (F::IN_MOVED_FROM, true, Meaning::Changed),
+        (F::IN_OPEN, true, Meaning::Nothing),
+    ];
+    for (mask, named, want) in table {
+        assert_eq!(meaning(mask, named), want, "{mask:?}");
+    }
+}
+
+/// A small deterministic generator (no dependency for a test's dice).
+struct Dice(u64);
+
+impl Dice {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+fn pinned(p: &Path) -> OwnedFd {
+    crate::fsat::open_path(p, libc::O_PATH | libc::O_DIRECTORY).unwrap()
+}
+
+/// Writes through a shared mapping: no event at all until the file is closed.
+fn mmap_write(path: &Path) {
+    use std::os::fd::AsRawFd;
+    let f = fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let len = f.metadata().unwrap().len().max(1) as usize;
+    f.set_len(len as u64).unwrap();
+    // SAFETY: a fresh shared mapping of a file we hold open, within its length, unmapped below.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        *(p as *mut u8) = b'M';
+        libc::msync(p, len, libc::MS_SYNC);
+        libc::munmap(p, len);
+    }
+}
+
+/// One random change somewhere in `root`.
+fn mutate(root: &Path, dice: &mut Dice) {
+    let dirs = ["", "a", "a/b", "c", "c/d/e", "moved"];
+    let dir = root.join(dirs[dice.next(dirs.len() as u64) as usize]);
+    let _ = fs::create_dir_all(&dir);
+    let name = format!("f{}", dice.next(6));
+    let path = dir.join(&name);
+    let other = root.join(dirs[dice.next(dirs.len() as u64) as usize]).join(format!("f{}", dice.next(6)));
+    let _ = match dice.next(12) {
+        0 => fs::write(&path, vec![b'x'; dice.next(5000) as usize]),
+        1 => fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"more")),
+        2 => fs::OpenOptions::new().write(true).open(&path).and_then(|f| f.set_len(dice.next(10))),
+        3 => fs::rename(&path, &other),
+        4 => fs::remove_dir_all(root.join(["a/b", "c", "moved"][dice.next(3) as usize])),
+        5 => fs::set_permissions(&path, fs::Permissions::from_mode([0o600, 0o755][dice.next(2) as usize])),
+        6 => fs::hard_link(&path, &other),
+        7 => std::os::unix::fs::symlink(&dir, &other),
+        8 if path.is_file() => {
+            mmap_write(&path);
+            Ok(())
+        }
+        9 => fs::rename(
+            root.join(["a", "c/d", "moved"][dice.next(3) as usize]),
+            root.join(["moved", "c/d2"][dice.next(2) as usize]),
+        ),
+        10 => fs::remove_file(&path),
+        _ => fs::write(&other, format!("{}", dice.next(1_000_000))),
+    };
+}
+
+fn store() -> (tempfile::TempDir, crate::versioning::Store) {
+    let data = tempfile::tempdir().unwrap();
+    let store = crate::versioning::Store::open(data.path()).unwrap();
+    (data, store)
+}
+
+/// The differential test: random workloads, each run's journal against full walks (bytes,
+/// createdFiles, modifiedFiles) and its reusing snapshot against a full one, with writes
+/// between runs too.
+#[test]
+fn the_journal_says_what_a_full_walk_says() {
+    let journal = Journal::new(JournalSettings::default());
+    assert!(journal.enabled(), "inotify is available here");
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(root.join("a/b")).unwrap();
+    for i in 0..50 {
+        fs::write(root.join(format!("a/b/seed{i}")), "s").unwrap();
+    }
+    let (_data, store) = store();
+    let mut dice = Dice(31);
+    let mut journaled = 0;
+    for round in 0..60 {
+        let fd = pinned(&root);
+        let walked_before = files::measure(fd.as_fd());
+        let (m, watch) = journal.begin(&root, &fd);
+        assert_eq!(m.bytes, walked_before.bytes, "round {round}: before");
+        let watch = watch.expect("journaled");
+        for _ in 0..dice.next(8) {
+            mutate(&root, &mut dice);
+        }
+        let walked = files::measure(fd.as_fd());
+        match watch.finish() {
+            Ok((after, changes)) => {
+                journaled += 1;
+                assert_eq!(after.bytes, walked.bytes, "round {round}: after");
+                assert_eq!(changes, files::changes(&walked_before.prints, &walked.prints), "round {round}");
+            }
+            Err(before) => assert_eq!(before, walked_before.prints, "round {round}: fallback"),
+        }
+        let reuse = watch.reuse();
+        let dir = crate::fsat::pinned_dir(&fd);
+        let scope = SnapshotScope { reuse: Some(reuse.clone()), ..SnapshotScope::default() };
+        let reused = store.snapshot_scoped(&dir, &scope).unwrap();
+        watch.snapshot_done(&reuse);
+        assert_eq!(reused, store.snapshot(&dir).unwrap(), "round {round}: snapshot");
+        drop(watch);
+        // Outside any run.
+        if dice.next(3) == 0 {
+            mutate(&root, &mut dice);
+        }
+    }
+    assert!(journaled > 50, "{journaled}");
+}
+
+/// A write through one name of a linked file changes the other name's directory too, which
+/// no event names: the snapshot must not reuse it.
+#[test]
+fn a_snapshot_reads_the_other_names_of_a_linked_file_again() {
+    let journal = Journal::new(JournalSettings::default());
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(root.join("far/away")).unwrap();
+    fs::write(root.join("f"), "one").unwrap();
+    fs::hard_link(root.join("f"), root.join("far/away/g")).unwrap();
+    let (_data, store) = store();
+    let fd = pinned(&root);
+    let dir = crate::fsat::pinned_dir(&fd);
+    for round in 0..3 {
+        let (_, watch) = journal.begin(&root, &fd);
+        let watch = watch.unwrap();
+        fs::write(root.join("f"), format!("round {round}")).unwrap();
+        let (_, (_, modified)) = watch.finish().unwrap();
+        assert_eq!(modified, vec!["f".to_string(), "far/away/g".to_string()]);
+        let reuse = watch.reuse();
+        let scope = SnapshotScope { reuse: Some(reuse.clone()), ..SnapshotScope::default() };
+        let reused = store.snapshot_scoped(&dir, &scope).unwrap();
+        watch.snapshot_done(&reuse);
+        assert_eq!(reused, store.snapshot(&dir).unwrap(), "round {round}");
+    }
+}
+
+#[test]
+fn a_lost_event_falls_back_to_one_walk() {
+    let journal = Journal::new(JournalSettings::default());
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(&root).unwrap();
+    let fd = pinned(&root);
+    let (_, watch) = journal.begin(&root, &fd);
+    let watch = watch.unwrap();
+    fs::write(root.join("x"), "12345").unwrap();
+    watch.0.inner.drain();
+    lock(&watch.0.watched.pending).lose("a test".into());
+    let before = watch.finish().unwrap_err();
+    assert!(before.is_empty(), "the fingerprints before the run");
+    drop(watch);
+    let lost = journal.counts().3[Fallback::ALL.iter().position(|f| *f == Fallback::Lost).unwrap()];
+    assert_eq!(lost, 1);
+    let (m, watch) = journal.begin(&root, &fd);
+    assert_eq!(m.prints.len(), 1, "walked again");
+    assert!(watch.is_some(), "and journaled again");
+}
+
+#[test]
+fn the_queue_overflowing_is_a_lost_event() {
+    // A queue of 16,384 events by default: this many distinct files overflow it while
+    // nothing drains (the reader thread is starved of the lock meanwhile).
+    let journal = Journal::new(JournalSettings::default());
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(&root).unwrap();
+    let fd = pinned(&root);
+    let (_, watch) = journal.begin(&root, &fd);
+    let watch = watch.unwrap();
+    let max = fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
+        .unwrap()
+        .trim()
+        .parse::<usize>()
+        .unwrap();
+    {
+        let _held = lock(&watch.0.inner.watches);
+        for i in 0..max + 10 {
+            fs::write(root.join(format!("{i}")), "").unwrap();
+        }
+    }
+    assert!(watch.finish().is_err(), "the overflow was noticed");
+}
+
+#[test]
+fn watches_and_workspaces_stay_bounded() {
+    let journal = Journal::new(JournalSettings { workspaces: 4, watches: 50, ..JournalSettings::default() });
+    let ws = tempfile::tempdir().unwrap();
+    for i in 0..40 {
+        let root = ws.path().join(format!("w{i}"));
+        fs::create_dir_all(root.join("a/b")).unwrap();
+        let fd = pinned(&root);
+        let (_, watch) = journal.begin(&root, &fd);
+        assert!(watch.is_some());
+    }
+    let (spaces, watches, _, _) = journal.counts();
+    assert_eq!((spaces, watches), (4, 12));
+    // A workspace with more directories than watches left is walked instead.
+    let big = ws.path().join("big");
+    for i in 0..60 {
+        fs::create_dir_all(big.join(format!("d{i}"))).unwrap();
+    }
+    let fd = pinned(&big);
+    let (m, watch) = journal.begin(&big, &fd);
+    assert!(watch.is_none() && m.unreadable.is_none());
+    assert!(journal.counts().1 <= 50);
+}
+
+/// Memory stays bounded: a workspace over its share of files is walked instead, and a flood
+/// of changes between runs turns into one walk rather than a growing list.
+#[test]
+fn files_and_pending_changes_stay_bounded() {
+    let journal = Journal::new(JournalSettings { workspaces: 2, files: 40, ..JournalSettings::default() });
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(&root).unwrap();
+    for i in 0..30 {
+        fs::write(root.join(format!("{i}")), "x").unwrap();
+    }
+    let fd = pinned(&root);
+    let (m, watch) = journal.begin(&root, &fd);
+    assert!(watch.is_none() && m.prints.len() == 30, "30 files over a share of 20: walked");
+
+    let journal = Journal::new(JournalSettings { workspaces: 1, files: 2000, ..JournalSettings::default() });
+    let (_, watch) = journal.begin(&root, &fd);
+    watch.unwrap().finish().unwrap();
+    for i in 0..5000 {
+        fs::write(root.join(format!("{}", i % 1000)), format!("{i}")).unwrap();
+        if i % 500 == 0 {
+            journal.inner.as_ref().unwrap().drain();
+        }
+    }
+    journal.inner.as_ref().unwrap().drain();
+    let w = lock(&journal.inner.as_ref().unwrap().spaces).values().next().cloned().unwrap();
+    let pending = lock(&w.pending);
+    assert!(pending.paths.len() <= 1000, "one entry per path: {}", pending.paths.len());
+    drop(pending);
+    // Distinct paths past the bound.
+    for i in 0..2010 {
+        fs::write(root.join(format!("n{i}")), "").unwrap();
+        if i % 500 == 0 {
+            journal.inner.as_ref().unwrap().drain();
+        }
+    }
+    journal.inner.as_ref().unwrap().drain();
+    let pending = lock(&w.pending);
+    assert!(pending.lost.is_some() && pending.paths.is_empty(), "{}", pending.paths.len());
+}
