@@ -148,6 +148,23 @@ enum Quick {
     Busy,
 }
 
+/// How much of a commit's closure is checked.
+#[derive(Debug, Clone, Copy)]
+enum Closure {
+    /// Everything reachable, each blob at least stat'ed ([`Store::validate_closure`]).
+    Full,
+    /// Everything not already validated by a commit of this process
+    /// ([`Store::validate_closure_since_validated`]): a snapshot that reused the journal's
+    /// unchanged directories, so the commit costs what changed.
+    SinceValidated,
+}
+
+impl Closure {
+    fn of(scope: &SnapshotScope) -> Closure {
+        if scope.reuse.is_some() { Closure::SinceValidated } else { Closure::Full }
+    }
+}
+
 /// What a commit compares the head with.
 #[derive(Debug)]
 enum Expected {
@@ -303,8 +320,13 @@ impl Versions {
             return Ok(None);
         }
         let tree = self.snapshot_live(dir, scope)?;
-        let record =
-            self.commit_mutation_record(&name, &tree, (None, "baseline", true), Expected::Exactly(None))?;
+        let record = self.commit_mutation_record(
+            &name,
+            &tree,
+            (None, "baseline", true),
+            Expected::Exactly(None),
+            Closure::Full,
+        )?;
         tracing::info!(event = "workspace_baseline", workspace = %root.display(), head = %record.digest);
         Ok(Some(record))
     }
@@ -335,6 +357,7 @@ impl Versions {
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
         let scope = writer.scope();
         let kept = scope.clone();
+        let closure = Closure::of(&scope);
         let id = id.unwrap_or_else(new_uuid_v4);
         let snapshot_took = Arc::new(Mutex::new(std::time::Duration::ZERO));
         let took = snapshot_took.clone();
@@ -349,7 +372,13 @@ impl Versions {
             let started = std::time::Instant::now();
             let tree = me.snapshot_live(&dir, &scope)?;
             *took.lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
-            me.commit_mutation_record(&head, &tree, (Some(&id), &kind_owned, completed), Expected::Current)?;
+            me.commit_mutation_record(
+                &head,
+                &tree,
+                (Some(&id), &kind_owned, completed),
+                Expected::Current,
+                closure,
+            )?;
             Ok(tree)
         })
         .await;
@@ -372,6 +401,7 @@ impl Versions {
         let me = self.clone();
         let (dir, head, scope) = (writer.snapshot_dir(), writer.head.clone(), writer.scope());
         let kept = scope.clone();
+        let closure = Closure::of(&scope);
         let attempts = std::sync::atomic::AtomicUsize::new(0);
         let committed = blocking_retry(self.clone(), move || {
             if attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
@@ -395,7 +425,7 @@ impl Versions {
                 &tree,
             );
             let record = me.store.put_record("WorkspaceExecution", value)?;
-            me.commit_head(&head, &record)?;
+            me.commit_head(&head, &record, closure)?;
             Ok((record, tree))
         })
         .await;
@@ -417,15 +447,24 @@ impl Versions {
 
     /// Commits over the current head: the lease this writer holds serialises the head's
     /// writers ([`Expected::Current`]).
-    fn commit_head(&self, name: &str, record: &Ref) -> Result<(), WriteError> {
-        self.commit_ref(name, Expected::Current, record)
+    fn commit_head(&self, name: &str, record: &Ref, closure: Closure) -> Result<(), WriteError> {
+        self.commit_ref(name, Expected::Current, record, closure)
     }
 
     /// Validates `record`'s closure and makes its objects durable — without the refs lock,
     /// so one commit's checks do not hold up other workspaces' commits — then commits it
     /// under the lock (compare-and-swap against `expected`, or over the current head).
-    fn commit_ref(&self, name: &str, expected: Expected, record: &Ref) -> Result<(), WriteError> {
-        self.store.validate_closure(record)?;
+    fn commit_ref(
+        &self,
+        name: &str,
+        expected: Expected,
+        record: &Ref,
+        closure: Closure,
+    ) -> Result<(), WriteError> {
+        match closure {
+            Closure::Full => self.store.validate_closure(record)?,
+            Closure::SinceValidated => self.store.validate_closure_since_validated(record)?,
+        };
         self.store.sync_pending()?;
         let mut refs = self.refs();
         match expected {
@@ -442,9 +481,10 @@ impl Versions {
         tree: &Ref,
         (id, kind, completed): (Option<&str>, &str, bool),
         expected: Expected,
+        closure: Closure,
     ) -> Result<Ref, WriteError> {
         let record = self.store.put_record("WorkspaceMutation", mutation_value(id, kind, completed, tree))?;
-        self.commit_ref(name, expected, &record)?;
+        self.commit_ref(name, expected, &record, closure)?;
         Ok(record)
     }
 
@@ -494,7 +534,13 @@ impl Versions {
             }
             let head = me.refs().head(&name)?;
             let kind = if head.is_some() { "checkpoint" } else { "baseline" };
-            me.commit_mutation_record(&name, &tree, (None, kind, true), Expected::Exactly(head))?;
+            me.commit_mutation_record(
+                &name,
+                &tree,
+                (None, kind, true),
+                Expected::Exactly(head),
+                Closure::Full,
+            )?;
             Ok(tree)
         })
         .await;
@@ -569,7 +615,13 @@ impl Versions {
                     Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
                     None => (None, "baseline"),
                 };
-                me.commit_mutation_record(&name, &tree, (id.as_deref(), kind, true), Expected::Exactly(head))
+                me.commit_mutation_record(
+                    &name,
+                    &tree,
+                    (id.as_deref(), kind, true),
+                    Expected::Exactly(head),
+                    Closure::Full,
+                )
             })
             .await;
             match committed {
@@ -636,6 +688,7 @@ impl Versions {
                 &tree,
                 (Some(&id), "repair", true),
                 Expected::Exactly(head),
+                Closure::Full,
             )?;
             Ok((previous, record))
         })
@@ -667,7 +720,7 @@ impl Versions {
     pub fn put_export(&self, value: Value) -> Result<(String, Ref), WriteError> {
         let record = self.store.put_record("WorkspaceExport", value)?;
         let id = new_uuid_v4();
-        self.commit_ref(&format!("workspace-exports/{id}"), Expected::Exactly(None), &record)?;
+        self.commit_ref(&format!("workspace-exports/{id}"), Expected::Exactly(None), &record, Closure::Full)?;
         Ok((id, record))
     }
 

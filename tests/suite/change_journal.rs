@@ -47,7 +47,7 @@ fn step(dice: &mut Dice) -> String {
     let f = format!("{dir}/f{}", dice.next(5));
     let g = format!("{other_dir}/f{}", dice.next(5));
     let n = dice.next(3000);
-    match dice.next(14) {
+    match dice.next(15) {
         0 => format!("mkdir -p {dir} && head -c {n} /dev/zero > {f}"),
         1 => format!("[ ! -d {dir} ] || echo more >> {f}"),
         2 => format!("[ ! -f {f} ] || truncate -s {} {f}", dice.next(20)),
@@ -72,6 +72,8 @@ fn step(dice: &mut Dice) -> String {
              f=open(sys.argv[1],\"r+b\"); m=mmap.mmap(f.fileno(),0); m[1:2]=b\"O\"' {f}) & ); sleep 0.3"
         ),
         12 => format!("[ ! -f {f} ] || echo through-the-other-name >> {g}"),
+        // The root's own mode: no watched parent names it, so the journal gives up and walks.
+        13 => "chmod 755 .".to_owned(),
         _ => format!("mkdir -p {dir} && echo {} > {f}", dice.next(1_000_000)),
     }
 }

@@ -99,6 +99,9 @@ pub enum Meaning {
     DirLeft,
     /// The watched directory itself went away (meaningful for a workspace root).
     SelfGone,
+    /// The watched directory's own mode or owner changed (for a workspace root, which no
+    /// watched parent names: it may have become unreadable).
+    SelfChanged,
     /// The kernel dropped the watch.
     Ignored,
     /// The kernel's queue overflowed: events were lost.
@@ -117,6 +120,8 @@ pub fn meaning(mask: AddWatchFlags, named: bool) -> Meaning {
     if !named {
         return if mask.intersects(F::IN_DELETE_SELF | F::IN_MOVE_SELF | F::IN_UNMOUNT) {
             Meaning::SelfGone
+        } else if mask.contains(F::IN_ATTRIB) {
+            Meaning::SelfChanged
         } else {
             Meaning::Nothing
         };
@@ -356,8 +361,8 @@ impl Journal {
         watched.in_use.fetch_add(1, Ordering::AcqRel);
         let run = RunWatch(Arc::new(Run { inner: inner.clone(), watched }));
         match run.start() {
-            Some(m) => (m, Some(run)),
-            None => (crate::exec::files::measure(root.as_fd()), None),
+            (m, true) => (m, Some(run)),
+            (m, false) => (m, None),
         }
     }
 }
@@ -524,6 +529,9 @@ impl Inner {
                 Meaning::SelfGone if rel.is_empty() => {
                     lock(&w.pending).lose("the workspace directory itself was moved or removed".into());
                 }
+                Meaning::SelfChanged if rel.is_empty() => {
+                    lock(&w.pending).lose("the workspace directory's own mode or owner changed".into());
+                }
                 Meaning::Changed => lock(&w.pending).changed(path),
                 Meaning::DirLeft => {
                     self.forget_locked(watches, id, Some(&path));
@@ -606,33 +614,28 @@ impl std::fmt::Debug for RunWatch {
 }
 
 impl RunWatch {
-    /// The workspace before the run: the kept tree brought up to date, or (first use, or
-    /// events lost) one walk that also sets up the watches. `None`: the journal cannot
-    /// vouch for this workspace; the caller walks.
-    fn start(&self) -> Option<Measured> {
+    /// The workspace before the run, and whether the journal vouches for it: the kept tree
+    /// brought up to date; or (first use, events lost) one walk that also sets the watches
+    /// up — journaled from then on unless the tree could not be kept.
+    fn start(&self) -> (Measured, bool) {
         let w = &self.0.watched;
         let mut tree = lock(&w.tree);
-        self.0.inner.drain();
-        let (paths, lost) = {
-            let mut p = lock(&w.pending);
-            (std::mem::take(&mut p.paths), p.lost.take())
-        };
+        let (paths, lost) = self.taken(true);
         if lost.is_none()
             && let Some(t) = tree.as_mut()
         {
-            match t.update(w.root.as_fd(), &paths, &mut |fd, rel| self.watch(fd, rel)) {
-                Ok(unseen) => {
-                    lock(&w.pending).changed_unseen(unseen);
+            match self.update(t, &paths) {
+                Ok(()) => {
                     t.begin_run();
                     self.0.inner.journaled.fetch_add(1, Ordering::Relaxed);
-                    return Some(t.measured());
+                    return (t.measured(), true);
                 }
                 Err(why) => {
                     tracing::info!(event = "journal_fallback", reason = %why);
                     lock(&w.pending).lose(why);
                     *tree = None;
                     self.0.inner.count(Fallback::Unrepresentable);
-                    return None;
+                    return (crate::exec::files::measure(w.root.as_fd()), false);
                 }
             }
         }
@@ -659,8 +662,23 @@ impl RunWatch {
                 None
             }
         };
-        // The walk was the measurement either way; without a tree the run is not journaled.
-        tree.is_some().then_some(m)
+        (m, tree.is_some())
+    }
+
+    /// Every event queued so far filed, then the paths they named (taken) and why the
+    /// journal lost track, if it did (`clear`: forgetting that, for a fresh start).
+    fn taken(&self, clear: bool) -> (BTreeSet<String>, Option<String>) {
+        self.0.inner.drain();
+        let mut p = lock(&self.0.watched.pending);
+        let paths = std::mem::take(&mut p.paths);
+        (paths, if clear { p.lost.take() } else { p.lost.clone() })
+    }
+
+    /// Brings `tree` up to date with `paths`, marking for the snapshot what changed unseen.
+    fn update(&self, tree: &mut Tree, paths: &BTreeSet<String>) -> Result<(), Lost> {
+        let unseen = tree.update(self.0.watched.root.as_fd(), paths, &mut |fd, rel| self.watch(fd, rel))?;
+        lock(&self.0.watched.pending).changed_unseen(unseen);
+        Ok(())
     }
 
     fn watch(&self, fd: BorrowedFd<'_>, rel: &str) -> Result<(), Lost> {
@@ -676,24 +694,16 @@ impl RunWatch {
     /// The workspace now, from the events so far (blocking): `None` when the journal lost
     /// track, and the caller must walk.
     pub fn measure(&self) -> Option<Measured> {
-        let w = &self.0.watched;
-        let mut tree = lock(&w.tree);
-        self.0.inner.drain();
-        let (paths, lost) = {
-            let mut p = lock(&w.pending);
-            (std::mem::take(&mut p.paths), p.lost.clone())
-        };
+        let mut tree = lock(&self.0.watched.tree);
+        let (paths, lost) = self.taken(false);
         let t = tree.as_mut()?;
         if lost.is_some() {
             return None;
         }
-        match t.update(w.root.as_fd(), &paths, &mut |fd, rel| self.watch(fd, rel)) {
-            Ok(unseen) => {
-                lock(&w.pending).changed_unseen(unseen);
-                Some(t.measured())
-            }
+        match self.update(t, &paths) {
+            Ok(()) => Some(t.measured()),
             Err(why) => {
-                lock(&w.pending).lose(why);
+                lock(&self.0.watched.pending).lose(why);
                 None
             }
         }
@@ -701,28 +711,21 @@ impl RunWatch {
 
     /// The run's end, once nothing of the sandbox is left (blocking): the workspace now and
     /// the sorted `(created, modified)` — or, when the journal lost track during the run,
-    /// the fingerprints from before it, for the caller's walk to compare with.
+    /// the fingerprints from before it, for the caller's walk to compare with. (A run that
+    /// began journaled always has its tree here: only `start` drops it.)
     pub fn finish(&self) -> Result<(Measured, Changes), Fingerprints> {
-        let w = &self.0.watched;
-        let mut guard = lock(&w.tree);
+        let mut guard = lock(&self.0.watched.tree);
         let Some(t) = guard.as_mut() else { return Err(Fingerprints::new()) };
-        self.0.inner.drain();
-        let (paths, lost) = {
-            let mut p = lock(&w.pending);
-            (std::mem::take(&mut p.paths), p.lost.clone())
-        };
+        let (paths, lost) = self.taken(false);
         let updated = match lost {
             Some(why) => Err(why),
-            None => t.update(w.root.as_fd(), &paths, &mut |fd, rel| self.watch(fd, rel)),
+            None => self.update(t, &paths),
         };
         match updated {
-            Ok(unseen) => {
-                lock(&w.pending).changed_unseen(unseen);
-                Ok((t.measured(), t.changes()))
-            }
+            Ok(()) => Ok((t.measured(), t.changes())),
             Err(why) => {
                 let before = t.before_prints();
-                lock(&w.pending).lose(why);
+                lock(&self.0.watched.pending).lose(why);
                 self.0.inner.count(Fallback::Lost);
                 *guard = None;
                 Err(before)

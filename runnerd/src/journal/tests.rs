@@ -12,7 +12,8 @@ fn what_each_event_means() {
         (F::IN_IGNORED, false, Meaning::Ignored),
         (F::IN_DELETE_SELF, false, Meaning::SelfGone),
         (F::IN_MOVE_SELF, false, Meaning::SelfGone),
-        (F::IN_ATTRIB, false, Meaning::Nothing),
+        (F::IN_ATTRIB, false, Meaning::SelfChanged),
+        (F::IN_OPEN, false, Meaning::Nothing),
         (F::IN_CREATE | F::IN_ISDIR, true, Meaning::DirAppeared),
         (F::IN_MOVED_TO | F::IN_ISDIR, true, Meaning::DirAppeared),
         (F::IN_DELETE | F::IN_ISDIR, true, Meaning::DirLeft),
@@ -84,7 +85,10 @@ fn mutate(root: &Path, dice: &mut Dice) {
         2 => fs::OpenOptions::new().write(true).open(&path).and_then(|f| f.set_len(dice.next(10))),
         3 => fs::rename(&path, &other),
         4 => fs::remove_dir_all(root.join(["a/b", "c", "moved"][dice.next(3) as usize])),
-        5 => fs::set_permissions(&path, fs::Permissions::from_mode([0o600, 0o755][dice.next(2) as usize])),
+        // Never through a symlink (that would chmod the directory it names).
+        5 if path.symlink_metadata().is_ok_and(|m| m.is_file()) => {
+            fs::set_permissions(&path, fs::Permissions::from_mode([0o600, 0o755][dice.next(2) as usize]))
+        }
         6 => fs::hard_link(&path, &other),
         7 => std::os::unix::fs::symlink(&dir, &other),
         8 if path.is_file() => {
@@ -202,6 +206,23 @@ fn a_lost_event_falls_back_to_one_walk() {
     let (m, watch) = journal.begin(&root, &fd);
     assert_eq!(m.prints.len(), 1, "walked again");
     assert!(watch.is_some(), "and journaled again");
+}
+
+/// The root's own mode is named by no watched parent: a change to it (a sandbox's
+/// `chmod 000 /workspace`, which an unprivileged runnerd could then not read) is a lost
+/// event, and the walk that follows fails closed as it always has.
+#[test]
+fn the_roots_own_mode_changing_is_a_lost_event() {
+    let journal = Journal::new(JournalSettings::default());
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(&root).unwrap();
+    let fd = pinned(&root);
+    let (_, watch) = journal.begin(&root, &fd);
+    let watch = watch.unwrap();
+    fs::set_permissions(&root, fs::Permissions::from_mode(0o300)).unwrap();
+    assert!(watch.finish().is_err());
+    fs::set_permissions(&root, fs::Permissions::from_mode(0o700)).unwrap();
 }
 
 #[test]

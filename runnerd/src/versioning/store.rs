@@ -50,11 +50,12 @@ pub struct Store {
     record_deps: Mutex<HashMap<DigestKey, Vec<Ref>, DigestHasher>>,
     /// Refs held in `record_deps` (an upper bound: replaced entries are not subtracted).
     deps_held: std::sync::atomic::AtomicUsize,
-    /// Records whose whole closure a commit of this process validated (issue #31): a later
-    /// closure check stops at them, so a commit that reuses a workspace's unchanged
-    /// directories costs what changed, not one stat per file. The store is runnerd's own
-    /// and nothing here deletes an object; one deleted behind its back is still found
-    /// when it is read (every read verifies), no longer at the next commit.
+    /// Records whose whole closure a commit of this process validated (issue #31): the
+    /// closure check of a commit that reused a workspace's unchanged directories stops at
+    /// them, so it costs what changed, not one stat per file. The store is runnerd's own
+    /// and nothing here deletes an object; one deleted behind its back is still found when
+    /// it is read (every read verifies), and by every full check (other routes' commits),
+    /// no longer at such a commit.
     closures: Mutex<HashSet<DigestKey, DigestHasher>>,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
@@ -453,6 +454,17 @@ impl Store {
     /// Verifies everything reachable from `root` (records with all reader checks, other blobs
     /// re-hashed) and returns the number of distinct objects. Runs before every ref commit.
     pub fn validate_closure(&self, root: &Ref) -> Result<usize, VersionError> {
+        self.validate_closure_within(root, false)
+    }
+
+    /// [`Store::validate_closure`], stopping at records whose whole closure a commit of this
+    /// process validated ([`Store::closures`]): for a commit whose snapshot reused
+    /// unchanged directories (issue #31). Returns the objects checked.
+    pub fn validate_closure_since_validated(&self, root: &Ref) -> Result<usize, VersionError> {
+        self.validate_closure_within(root, true)
+    }
+
+    fn validate_closure_within(&self, root: &Ref, trust_validated: bool) -> Result<usize, VersionError> {
         let mut seen: HashSet<Ref> = HashSet::new();
         let mut leaves = Vec::new();
         let mut queue = vec![root.clone()];
@@ -469,7 +481,12 @@ impl Store {
             if r.pool != Pool::AgentState {
                 return Err(VersionError::InvalidRef);
             }
-            if self.closures.lock().unwrap_or_else(|p| p.into_inner()).contains(&digest_key(r.pool, r.hex()))
+            if trust_validated
+                && self
+                    .closures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&digest_key(r.pool, r.hex()))
             {
                 continue;
             }
