@@ -302,12 +302,13 @@ impl Journal {
 
     /// `/health`'s account of how runs are measured.
     pub fn describe(&self) -> serde_json::Value {
+        let (workspaces, watches, _, _) = self.counts();
         match (&self.inner, &self.off) {
-            (Some(inner), _) => serde_json::json!({
+            (Some(_), _) => serde_json::json!({
                 "mode": "inotify",
-                "workspaces": lock(&inner.spaces).len(),
+                "workspaces": workspaces,
                 "maxWorkspaces": self.settings.workspaces,
-                "watches": inner.watch_count(),
+                "watches": watches,
                 "maxWatches": self.settings.watches,
                 "maxFilesPerWorkspace": self.settings.files_per_workspace(),
             }),
@@ -337,12 +338,13 @@ impl Journal {
     /// [`Fallback::ALL`]).
     pub fn counts(&self) -> (usize, usize, u64, [u64; 4]) {
         match &self.inner {
-            Some(i) => (
-                lock(&i.spaces).len(),
-                i.watch_count(),
-                i.journaled.load(Ordering::Relaxed),
-                std::array::from_fn(|k| i.fallbacks[k].load(Ordering::Relaxed)),
-            ),
+            Some(i) => {
+                // One lock at a time: the reader takes `watches`, then `spaces`.
+                let workspaces = lock(&i.spaces).len();
+                let watches = i.watch_count();
+                let fallbacks = std::array::from_fn(|k| i.fallbacks[k].load(Ordering::Relaxed));
+                (workspaces, watches, i.journaled.load(Ordering::Relaxed), fallbacks)
+            }
             None => (0, 0, 0, [0; 4]),
         }
     }
@@ -358,7 +360,7 @@ impl Journal {
             inner.count(Fallback::NoSlot);
             return (crate::exec::files::measure(root.as_fd()), None);
         };
-        watched.in_use.fetch_add(1, Ordering::AcqRel);
+        // `slot` counted this run as a user of the workspace; dropping the run uncounts it.
         let run = RunWatch(Arc::new(Run { inner: inner.clone(), watched }));
         match run.start() {
             (m, true) => (m, Some(run)),
@@ -377,8 +379,8 @@ impl Inner {
         lock(&self.watches).by_wd.len()
     }
 
-    /// The workspace's journal entry, made (evicting the least recently used idle one at the
-    /// bound) or remade when its directory is no longer the one it watched.
+    /// The workspace's journal entry, counted in use, made (evicting the least recently used
+    /// idle one at the bound) or remade when its directory is no longer the one it watched.
     fn slot(&self, key: &Path, root: &OwnedFd) -> Option<Arc<Watched>> {
         let st = Stat::of_fd(root).ok()?;
         let now = self.clock.fetch_add(1, Ordering::Relaxed);
@@ -404,6 +406,8 @@ impl Inner {
         if let Some(w) = spaces.get(key) {
             if w.dev_ino == dev_ino {
                 w.last_used.store(now, Ordering::Relaxed);
+                // Held before `spaces` is released, so no other run's slot can evict it.
+                w.in_use.fetch_add(1, Ordering::AcqRel);
                 return Some(w.clone());
             }
             if w.in_use.load(Ordering::Acquire) > 0 {
@@ -432,7 +436,7 @@ impl Inner {
             }),
             tree: Mutex::new(None),
             notify: tokio::sync::Notify::new(),
-            in_use: AtomicUsize::new(0),
+            in_use: AtomicUsize::new(1),
             last_used: AtomicU64::new(now),
         });
         spaces.insert(key.to_owned(), w.clone());
