@@ -628,7 +628,7 @@ impl RunWatch {
         if lost.is_none()
             && let Some(t) = tree.as_mut()
         {
-            match self.update(t, &paths) {
+            match self.update(t, &paths, true) {
                 Ok(()) => {
                     t.begin_run();
                     self.0.inner.journaled.fetch_add(1, Ordering::Relaxed);
@@ -678,9 +678,11 @@ impl RunWatch {
         (paths, if clear { p.lost.take() } else { p.lost.clone() })
     }
 
-    /// Brings `tree` up to date with `paths`, marking for the snapshot what changed unseen.
-    fn update(&self, tree: &mut Tree, paths: &BTreeSet<String>) -> Result<(), Lost> {
-        let unseen = tree.update(self.0.watched.root.as_fd(), paths, &mut |fd, rel| self.watch(fd, rel))?;
+    /// Brings `tree` up to date with `paths`, marking for the snapshot what changed unseen
+    /// (`every_link`: [`Tree::update`]).
+    fn update(&self, tree: &mut Tree, paths: &BTreeSet<String>, every_link: bool) -> Result<(), Lost> {
+        let root = self.0.watched.root.as_fd();
+        let unseen = tree.update(root, paths, every_link, &mut |fd, rel| self.watch(fd, rel))?;
         lock(&self.0.watched.pending).changed_unseen(unseen);
         Ok(())
     }
@@ -704,7 +706,7 @@ impl RunWatch {
         if lost.is_some() {
             return None;
         }
-        match self.update(t, &paths) {
+        match self.update(t, &paths, false) {
             Ok(()) => Some(t.measured()),
             Err(why) => {
                 lock(&self.0.watched.pending).lose(why);
@@ -723,7 +725,7 @@ impl RunWatch {
         let (paths, lost) = self.taken(false);
         let updated = match lost {
             Some(why) => Err(why),
-            None => self.update(t, &paths),
+            None => self.update(t, &paths, true),
         };
         match updated {
             Ok(()) => Ok((t.measured(), t.changes())),

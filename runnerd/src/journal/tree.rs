@@ -191,17 +191,21 @@ impl Tree {
 
     /// Re-reads each of `paths` (workspace-relative) below `root` and everything beneath
     /// those that are directories now, then every other name of a multiply linked file
-    /// among them. `opened` is called for each directory walked (the journal's watch).
-    /// Returns the other names that changed: no event named them, yet a snapshot must read
-    /// them again.
+    /// among them — and, with `every_link`, every multiply linked file (a name outside the
+    /// workspace may have written it: at a run's start and end, not at each quota update,
+    /// where a workspace of hard links would cost a stat of each per event). `opened` is
+    /// called for each directory walked (the journal's watch). Returns the other names
+    /// that changed: no event named them, yet a snapshot must read them again.
     pub fn update<'a>(
         &mut self,
         root: BorrowedFd<'_>,
         paths: impl IntoIterator<Item = &'a String>,
+        every_link: bool,
         opened: &mut dyn FnMut(BorrowedFd<'_>, &str) -> Result<(), Lost>,
     ) -> Result<Vec<String>, Lost> {
         let mut linked = BTreeSet::new();
-        let mut again: Vec<String> = self.multi.iter().cloned().collect();
+        let mut again: Vec<String> =
+            if every_link { self.multi.iter().cloned().collect() } else { Vec::new() };
         for rel in paths {
             self.reread(root, rel, &mut linked, opened)?;
         }
@@ -406,7 +410,7 @@ mod tests {
     ) -> (Vec<String>, Vec<String>) {
         let fd = open(root);
         let paths: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
-        tree.update(fd.as_fd(), &paths, &mut none).unwrap();
+        tree.update(fd.as_fd(), &paths, true, &mut none).unwrap();
         let walked = files::measure(fd.as_fd());
         assert_eq!(tree.prints(), walked.prints);
         assert_eq!(tree.bytes(), walked.bytes);
@@ -484,7 +488,7 @@ mod tests {
         fs::write(root.join(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"bad\xff")), "x")
             .unwrap();
         let name = "bad\u{FFFD}".to_string();
-        assert!(tree.update(fd.as_fd(), [&name], &mut none).is_err());
-        assert!(tree.update(fd.as_fd(), [&String::new()], &mut none).is_err());
+        assert!(tree.update(fd.as_fd(), [&name], true, &mut none).is_err());
+        assert!(tree.update(fd.as_fd(), [&String::new()], true, &mut none).is_err());
     }
 }
