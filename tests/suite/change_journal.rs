@@ -238,3 +238,65 @@ async fn watches_stay_bounded_over_a_thousand_workspaces() {
     // Two directories each (the root and d).
     assert!(gauge("runner_journal_watches") <= 8, "{metrics}");
 }
+
+/// Sets `fs.inotify.max_queued_events` for as long as it lives (the kernel reads it when an
+/// inotify instance is made, so only a runnerd started meanwhile gets the tiny queue).
+struct QueueLimit(String);
+
+impl QueueLimit {
+    const PATH: &str = "/proc/sys/fs/inotify/max_queued_events";
+
+    fn set(n: u32) -> std::io::Result<QueueLimit> {
+        let old = std::fs::read_to_string(Self::PATH)?;
+        std::fs::write(Self::PATH, n.to_string())?;
+        Ok(QueueLimit(old.trim().to_owned()))
+    }
+}
+
+impl Drop for QueueLimit {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, &self.0);
+    }
+}
+
+/// A real overflow, end to end: a runnerd whose inotify queue holds 16 events, a run that
+/// changes far more than that. The journal notices, counts it, walks instead, and every
+/// receipt stays what a full walk says. (Root only: the limit is a sysctl.)
+#[tokio::test]
+async fn an_overflowing_queue_falls_back_to_a_walk() {
+    if !sandbox_or_skip("an_overflowing_queue_falls_back_to_a_walk") {
+        return;
+    }
+    if !runner_tests::is_root() {
+        // The unprivileged pass: the same fallback is unit-tested there (the reader starved
+        // past the default queue, runnerd/src/journal/tests.rs).
+        eprintln!("SKIP an_overflowing_queue_falls_back_to_a_walk: the inotify queue limit is a root sysctl");
+        return;
+    }
+    let tiny = {
+        let _limit = QueueLimit::set(16).expect("set fs.inotify.max_queued_events");
+        Server::start()
+    };
+    let walked = walking();
+    let (a, b) = (tiny.client(), walked.client());
+    let key = "journal/overflow";
+    for code in [
+        "mkdir -p d && echo seed > d/seed",
+        "for i in $(seq 1 5000); do echo $i > d/f$i; done",
+        "rm d/f1 d/f2 && echo more >> d/f3 && for i in $(seq 1 2000); do echo $i >> d/f$i 2>/dev/null; done; true",
+        "echo small > d/f4",
+        "true",
+    ] {
+        let (ra, rb) = (run(&a, key, code).await, run(&b, key, code).await);
+        assert_eq!(ra.status, 200, "{}", ra.json());
+        assert_eq!(receipt(&ra), receipt(&rb), "{code}");
+    }
+    let metrics = scrape(&a).await;
+    let lost = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("runner_journal_runs{measured=\"events_lost\"} "))
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(lost >= 1, "the overflow was counted:\n{metrics}");
+    assert!(journal_runs(&metrics) >= 1, "and the journal took over again:\n{metrics}");
+}

@@ -188,6 +188,9 @@ pub enum Seen<'a> {
     File(&'a str, &'a Stat),
     /// A subdirectory, about to be walked.
     Dir(&'a str),
+    /// Anything else (a symlink, never followed; a FIFO, socket or device): no data, but
+    /// its name counts towards [`MAX_WALK_PATH_BYTES`].
+    Other(&'a str),
 }
 
 /// [`measure`], calling `listed` with each directory's relative path right after its names
@@ -301,7 +304,7 @@ fn list(
             }
             // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
             // refuses them, without poisoning the workspace).
-            _ => {}
+            _ => seen(Seen::Other(&child)),
         }
     }
 }

@@ -48,6 +48,8 @@ pub const DEFAULT_FILES: usize = 2_000_000;
 /// if fewer): past it, one walk is cheaper than reading each again, and the set stays
 /// bounded while no run comes.
 const MAX_PENDING: usize = 100_000;
+/// The path text those keep at most (a walk keeps 128 MiB).
+const MAX_PENDING_BYTES: usize = 32 << 20;
 /// Why a workspace new to the journal is walked once.
 const FIRST_USE: &str = "first use";
 
@@ -91,9 +93,20 @@ impl Default for JournalSettings {
 /// What one event means for a workspace path, decided from its mask alone (pure).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Meaning {
-    /// The path changed: read it again.
-    Changed,
-    /// A directory appeared at the path: watch it (and what is below it), then read it.
+    /// A name appeared (`IN_CREATE`; `replacing`: `IN_MOVED_TO`, which may have replaced
+    /// whatever held the name).
+    Arrived {
+        replacing: bool,
+    },
+    /// A name went (`IN_DELETE`, `IN_MOVED_FROM`).
+    Gone,
+    /// A file's content, size or mode changed through the name (`IN_MODIFY`,
+    /// `IN_CLOSE_WRITE`, `IN_ATTRIB`): through an open descriptor, that may be an inode the
+    /// name no longer holds.
+    Written,
+    /// A directory's own mode or owner changed: read it (and what is below it) again.
+    DirChanged,
+    /// A directory appeared at the path: read it (its watches are added as it is read).
     DirAppeared,
     /// A directory left the path: its watches no longer name it.
     DirLeft,
@@ -131,16 +144,16 @@ pub fn meaning(mask: AddWatchFlags, named: bool) -> Meaning {
         Meaning::DirAppeared
     } else if dir && mask.intersects(F::IN_DELETE | F::IN_MOVED_FROM) {
         Meaning::DirLeft
-    } else if mask.intersects(
-        F::IN_CREATE
-            | F::IN_DELETE
-            | F::IN_MOVED_FROM
-            | F::IN_MOVED_TO
-            | F::IN_MODIFY
-            | F::IN_ATTRIB
-            | F::IN_CLOSE_WRITE,
-    ) {
-        Meaning::Changed
+    } else if dir && mask.contains(F::IN_ATTRIB) {
+        Meaning::DirChanged
+    } else if mask.contains(F::IN_CREATE) {
+        Meaning::Arrived { replacing: false }
+    } else if mask.contains(F::IN_MOVED_TO) {
+        Meaning::Arrived { replacing: true }
+    } else if mask.intersects(F::IN_DELETE | F::IN_MOVED_FROM) {
+        Meaning::Gone
+    } else if mask.intersects(F::IN_MODIFY | F::IN_ATTRIB | F::IN_CLOSE_WRITE) {
+        Meaning::Written
     } else {
         Meaning::Nothing
     }
@@ -204,11 +217,16 @@ struct Inner {
 #[derive(Default)]
 struct Watches {
     by_wd: HashMap<WatchDescriptor, Vec<(u64, String)>>,
+    /// The same, by workspace and directory: what a directory that left takes with it is
+    /// found by range, not by scanning every watch.
+    by_space: HashMap<u64, BTreeMap<String, WatchDescriptor>>,
 }
 
 /// One journaled workspace.
 struct Watched {
     id: u64,
+    /// Its canonical path (the key it is kept under).
+    key: PathBuf,
     /// The workspace directory (`O_PATH`), as first pinned.
     root: OwnedFd,
     dev_ino: (u64, u64),
@@ -231,18 +249,65 @@ struct Pending {
     known: Option<BTreeMap<String, (crate::versioning::Ref, u64)>>,
     /// [`MAX_PENDING`], or the workspace's share of files if fewer.
     max: usize,
+    /// Path text held in `paths` and `since_snapshot` (bounded like a walk's).
+    bytes: usize,
+    /// Since the run began (or, between runs, since the last one ended): names that
+    /// appeared, and names removed or replaced (`true`: while holding an inode that
+    /// appeared meanwhile, which the tree may never have measured).
+    appeared: BTreeSet<String>,
+    replaced: BTreeMap<String, bool>,
+    /// Names written after they were removed or replaced ([`tree::Tree::update`]).
+    suspects: BTreeMap<String, bool>,
 }
 
 impl Pending {
+    /// Files one event ([`Meaning`]) about `path`.
+    fn event(&mut self, meaning: Meaning, path: String) {
+        if self.lost.is_some() {
+            return;
+        }
+        match meaning {
+            Meaning::Arrived { replacing } => {
+                if replacing {
+                    let risky = self.appeared.contains(&path);
+                    *self.replaced.entry(path.clone()).or_default() |= risky;
+                }
+                self.appeared.insert(path.clone());
+            }
+            Meaning::Gone => {
+                let risky = self.appeared.contains(&path);
+                *self.replaced.entry(path.clone()).or_default() |= risky;
+            }
+            Meaning::Written => {
+                if let Some(risky) = self.replaced.get(&path).copied() {
+                    *self.suspects.entry(path.clone()).or_default() |= risky;
+                }
+            }
+            _ => {}
+        }
+        self.changed(path);
+    }
+
     fn changed(&mut self, path: String) {
         if self.lost.is_some() {
             return;
         }
         self.seq += 1;
-        self.since_snapshot.insert(path.clone(), self.seq);
-        self.paths.insert(path);
-        if self.paths.len().max(self.since_snapshot.len()) > self.max {
+        if self.since_snapshot.insert(path.clone(), self.seq).is_none() {
+            self.bytes = self.bytes.saturating_add(path.len());
+        }
+        if !self.paths.contains(&path) {
+            self.bytes = self.bytes.saturating_add(path.len());
+            self.paths.insert(path);
+        }
+        let held =
+            self.paths.len().max(self.since_snapshot.len()).max(self.replaced.len()).max(self.appeared.len());
+        if held > self.max {
             self.lose(format!("more than {} paths changed since the last measurement", self.max));
+        } else if self.bytes > MAX_PENDING_BYTES {
+            self.lose(format!(
+                "more than {MAX_PENDING_BYTES} bytes of changed paths since the last measurement"
+            ));
         }
     }
 
@@ -250,15 +315,33 @@ impl Pending {
     fn changed_unseen(&mut self, paths: Vec<String>) {
         for path in paths {
             self.seq += 1;
-            self.since_snapshot.insert(path, self.seq);
+            if self.since_snapshot.insert(path.clone(), self.seq).is_none() {
+                self.bytes = self.bytes.saturating_add(path.len());
+            }
         }
+    }
+
+    /// Takes the paths to read again (their text no longer held here).
+    fn take_paths(&mut self) -> BTreeSet<String> {
+        let paths = std::mem::take(&mut self.paths);
+        self.bytes = self.bytes.saturating_sub(paths.iter().map(String::len).sum());
+        paths
+    }
+
+    /// A run's bounds: what appeared or was replaced before it says nothing about it.
+    fn new_run(&mut self) {
+        self.appeared.clear();
+        self.replaced.clear();
+        self.suspects.clear();
     }
 
     fn lose(&mut self, why: String) {
         self.lost.get_or_insert(why);
         self.paths.clear();
         self.since_snapshot.clear();
+        self.bytes = 0;
         self.known = None;
+        self.new_run();
     }
 }
 
@@ -427,6 +510,7 @@ impl Inner {
         let st = (dev_ino.0, dev_ino.1);
         let w = Arc::new(Watched {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key: key.to_owned(),
             root,
             dev_ino: st,
             pending: Mutex::new(Pending {
@@ -450,21 +534,34 @@ impl Inner {
     }
 
     fn forget_locked(&self, watches: &mut Watches, id: u64, below: Option<&str>) {
-        let inside = |rel: &str| match below {
-            None => true,
-            Some(b) => rel == b || rel.strip_prefix(b).is_some_and(|r| r.starts_with('/')),
-        };
-        let mut emptied = Vec::new();
-        for (wd, owners) in watches.by_wd.iter_mut() {
-            owners.retain(|(w, rel)| !(*w == id && inside(rel)));
-            if owners.is_empty() {
-                emptied.push(*wd);
+        let Some(mine) = watches.by_space.get_mut(&id) else { return };
+        let gone: Vec<(String, WatchDescriptor)> = match below {
+            None => std::mem::take(mine).into_iter().collect(),
+            Some(b) => {
+                let lo = format!("{b}/");
+                let mut gone: Vec<(String, WatchDescriptor)> = mine
+                    .range(lo.clone()..)
+                    .take_while(|(k, _)| k.starts_with(&lo))
+                    .map(|(k, w)| (k.clone(), *w))
+                    .collect();
+                gone.extend(mine.get(b).map(|w| (b.to_owned(), *w)));
+                for (rel, _) in &gone {
+                    mine.remove(rel);
+                }
+                gone
             }
+        };
+        if mine.is_empty() {
+            watches.by_space.remove(&id);
         }
-        for wd in emptied {
-            watches.by_wd.remove(&wd);
-            // EINVAL: the kernel already dropped it (its directory is gone).
-            let _ = self.inotify.rm_watch(wd);
+        for (rel, wd) in gone {
+            let Some(owners) = watches.by_wd.get_mut(&wd) else { continue };
+            owners.retain(|(w, r)| !(*w == id && *r == rel));
+            if owners.is_empty() {
+                watches.by_wd.remove(&wd);
+                // EINVAL: the kernel already dropped it (its directory is gone).
+                let _ = self.inotify.rm_watch(wd);
+            }
         }
     }
 
@@ -481,8 +578,13 @@ impl Inner {
         let wd =
             self.inotify.add_watch(path.as_str(), mask()).map_err(|e| format!("inotify_add_watch: {e}"))?;
         let owners = watches.by_wd.entry(wd).or_default();
+        let mine = watches.by_space.entry(id).or_default();
+        for (_, old) in owners.iter().filter(|(w, _)| *w == id) {
+            mine.remove(old);
+        }
         owners.retain(|(w, _)| *w != id);
         owners.push((id, rel.to_owned()));
+        mine.insert(rel.to_owned(), wd);
         Ok(())
     }
 
@@ -503,6 +605,33 @@ impl Inner {
         }
     }
 
+    /// Paths of workspace `from` that changed with no event naming them (other names of a
+    /// linked file) are changes of any journaled workspace nested in it, too: an enclosing
+    /// workspace's sandbox can link a nested workspace's file into its own directories and
+    /// write it there, where no watch of the nested workspace sees it.
+    fn propagate(&self, from: &Watched, paths: &[String]) {
+        if paths.is_empty() {
+            return;
+        }
+        let nested: Vec<Arc<Watched>> = lock(&self.spaces)
+            .values()
+            .filter(|w| w.id != from.id && w.key.starts_with(&from.key) && w.key != from.key)
+            .cloned()
+            .collect();
+        for w in nested {
+            let Ok(prefix) = w.key.strip_prefix(&from.key) else { continue };
+            let Some(prefix) = prefix.to_str() else { continue };
+            let mut p = lock(&w.pending);
+            for path in paths {
+                if let Some(rel) = path.strip_prefix(prefix).and_then(|r| r.strip_prefix('/')) {
+                    p.changed(rel.to_owned());
+                }
+            }
+            drop(p);
+            w.notify.notify_one();
+        }
+    }
+
     fn space(&self, id: u64) -> Option<Arc<Watched>> {
         lock(&self.spaces).values().find(|w| w.id == id).cloned()
     }
@@ -519,6 +648,13 @@ impl Inner {
         let owners = watches.by_wd.get(&e.wd).cloned().unwrap_or_default();
         if meaning == Meaning::Ignored {
             watches.by_wd.remove(&e.wd);
+            for (id, rel) in owners {
+                if let Some(mine) = watches.by_space.get_mut(&id)
+                    && mine.get(&rel) == Some(&e.wd)
+                {
+                    mine.remove(&rel);
+                }
+            }
             return;
         }
         let name = e.name.as_ref().map(|n| n.to_string_lossy().into_owned());
@@ -536,42 +672,20 @@ impl Inner {
                 Meaning::SelfChanged if rel.is_empty() => {
                     lock(&w.pending).lose("the workspace directory's own mode or owner changed".into());
                 }
-                Meaning::Changed => lock(&w.pending).changed(path),
+                Meaning::Arrived { .. } | Meaning::Gone | Meaning::Written => {
+                    lock(&w.pending).event(meaning, path)
+                }
+                // Read again when the path is: each directory is watched before it is listed
+                // (nothing is walked here, holding every workspace's watches).
+                Meaning::DirAppeared | Meaning::DirChanged => lock(&w.pending).changed(path),
                 Meaning::DirLeft => {
                     self.forget_locked(watches, id, Some(&path));
                     lock(&w.pending).changed(path);
-                }
-                Meaning::DirAppeared => {
-                    if let Err(why) = self.watch_new(watches, &w, &path) {
-                        lock(&w.pending).lose(why);
-                    } else {
-                        lock(&w.pending).changed(path);
-                    }
                 }
                 _ => continue,
             }
             w.notify.notify_one();
         }
-    }
-
-    /// Watches a directory that appeared at `path` and every directory below it (each
-    /// before its names are read), reached by descriptor without following a link.
-    fn watch_new(&self, watches: &mut Watches, w: &Watched, path: &str) -> Result<(), Lost> {
-        let dir = match fsat::walk_beneath(&w.root, Path::new(path).components()) {
-            Ok((fd, _)) => fd,
-            // Gone again, or not a directory now: a later event says what happened.
-            Err(_) => return Ok(()),
-        };
-        let mut lost = None;
-        crate::exec::files::walk_observed(dir.as_fd(), path, &mut |seen| {
-            if let crate::exec::files::Seen::Opened(fd, rel) = seen
-                && lost.is_none()
-                && let Err(why) = self.watch(watches, w.id, fd, rel)
-            {
-                lost = Some(why);
-            }
-        });
-        lost.map_or(Ok(()), Err)
     }
 }
 
@@ -590,6 +704,13 @@ fn reader(inner: Weak<Inner>) {
             strong.drain();
         }
     }
+}
+
+/// What the events said, taken for one update of the tree.
+struct Taken {
+    paths: BTreeSet<String>,
+    suspects: BTreeMap<String, bool>,
+    lost: Option<String>,
 }
 
 /// A run's sorted `(createdFiles, modifiedFiles)`.
@@ -624,13 +745,14 @@ impl RunWatch {
     fn start(&self) -> (Measured, bool) {
         let w = &self.0.watched;
         let mut tree = lock(&w.tree);
-        let (paths, lost) = self.taken(true);
-        if lost.is_none()
+        let taken = self.taken(true);
+        if taken.lost.is_none()
             && let Some(t) = tree.as_mut()
         {
-            match self.update(t, &paths, true) {
+            match self.update(t, &taken, true) {
                 Ok(()) => {
                     t.begin_run();
+                    lock(&w.pending).new_run();
                     self.0.inner.journaled.fetch_add(1, Ordering::Relaxed);
                     return (t.measured(), true);
                 }
@@ -643,15 +765,19 @@ impl RunWatch {
                 }
             }
         }
-        let first = lost.as_deref() == Some(FIRST_USE);
+        let first = taken.lost.as_deref() == Some(FIRST_USE);
         self.0.inner.count(if first { Fallback::First } else { Fallback::Lost });
         if !first {
-            tracing::info!(event = "journal_fallback", reason = ?lost);
+            tracing::info!(event = "journal_fallback", reason = ?taken.lost);
         }
         // Set up again from scratch: the old watches of this workspace go, one walk adds
         // them back (each before its directory is listed) and is the measurement.
         self.0.inner.forget(w.id, None);
-        lock(&w.pending).paths.clear();
+        {
+            let mut p = lock(&w.pending);
+            p.take_paths();
+            p.new_run();
+        }
         let max_files = self.0.inner.settings.files_per_workspace();
         let (m, walked) = Tree::walk(w.root.as_fd(), max_files, &mut |fd, rel| self.watch(fd, rel));
         *tree = match walked {
@@ -669,20 +795,25 @@ impl RunWatch {
         (m, tree.is_some())
     }
 
-    /// Every event queued so far filed, then the paths they named (taken) and why the
-    /// journal lost track, if it did (`clear`: forgetting that, for a fresh start).
-    fn taken(&self, clear: bool) -> (BTreeSet<String>, Option<String>) {
+    /// Every event queued so far filed, then what they said (taken). `clear_lost`: forget
+    /// that the journal lost track, for a fresh start.
+    fn taken(&self, clear_lost: bool) -> Taken {
         self.0.inner.drain();
         let mut p = lock(&self.0.watched.pending);
-        let paths = std::mem::take(&mut p.paths);
-        (paths, if clear { p.lost.take() } else { p.lost.clone() })
+        Taken {
+            paths: p.take_paths(),
+            suspects: std::mem::take(&mut p.suspects),
+            lost: if clear_lost { p.lost.take() } else { p.lost.clone() },
+        }
     }
 
-    /// Brings `tree` up to date with `paths`, marking for the snapshot what changed unseen
-    /// (`every_link`: [`Tree::update`]).
-    fn update(&self, tree: &mut Tree, paths: &BTreeSet<String>, every_link: bool) -> Result<(), Lost> {
+    /// Brings `tree` up to date with what was taken, marking for the snapshot what changed
+    /// unseen (`every_link`: [`Tree::update`]).
+    fn update(&self, tree: &mut Tree, taken: &Taken, every_link: bool) -> Result<(), Lost> {
         let root = self.0.watched.root.as_fd();
-        let unseen = tree.update(root, paths, every_link, &mut |fd, rel| self.watch(fd, rel))?;
+        let unseen =
+            tree.update(root, &taken.paths, &taken.suspects, every_link, &mut |fd, rel| self.watch(fd, rel))?;
+        self.0.inner.propagate(&self.0.watched, &unseen);
         lock(&self.0.watched.pending).changed_unseen(unseen);
         Ok(())
     }
@@ -701,12 +832,12 @@ impl RunWatch {
     /// track, and the caller must walk.
     pub fn measure(&self) -> Option<Measured> {
         let mut tree = lock(&self.0.watched.tree);
-        let (paths, lost) = self.taken(false);
+        let taken = self.taken(false);
         let t = tree.as_mut()?;
-        if lost.is_some() {
+        if taken.lost.is_some() {
             return None;
         }
-        match self.update(t, &paths, false) {
+        match self.update(t, &taken, false) {
             Ok(()) => Some(t.measured()),
             Err(why) => {
                 lock(&self.0.watched.pending).lose(why);
@@ -722,13 +853,16 @@ impl RunWatch {
     pub fn finish(&self) -> Result<(Measured, Changes), Fingerprints> {
         let mut guard = lock(&self.0.watched.tree);
         let Some(t) = guard.as_mut() else { return Err(Fingerprints::new()) };
-        let (paths, lost) = self.taken(false);
-        let updated = match lost {
-            Some(why) => Err(why),
-            None => self.update(t, &paths, true),
+        let taken = self.taken(false);
+        let updated = match &taken.lost {
+            Some(why) => Err(why.clone()),
+            None => self.update(t, &taken, true),
         };
         match updated {
-            Ok(()) => Ok((t.measured(), t.changes())),
+            Ok(()) => {
+                lock(&self.0.watched.pending).new_run();
+                Ok((t.measured(), t.changes()))
+            }
             Err(why) => {
                 let before = t.before_prints();
                 lock(&self.0.watched.pending).lose(why);
@@ -740,10 +874,25 @@ impl RunWatch {
     }
 
     /// What the commit's snapshot may reuse: the directories of the last snapshot this
-    /// journal served and the paths changed since (`None`: events were lost; the snapshot
-    /// walks everything and its directories are kept for the next one).
+    /// journal served and the paths changed since (none known: events were lost; the
+    /// snapshot walks everything and its directories are kept for the next one). The tree
+    /// is brought up to date first — a run that timed out or was cancelled never reached
+    /// [`RunWatch::finish`] — so the other names of linked files it wrote are marked too.
     pub fn reuse(&self) -> Arc<Reuse> {
-        self.0.inner.drain();
+        {
+            let mut guard = lock(&self.0.watched.tree);
+            let taken = self.taken(false);
+            if let Some(t) = guard.as_mut()
+                && taken.lost.is_none()
+                && let Err(why) = self.update(t, &taken, true)
+            {
+                lock(&self.0.watched.pending).lose(why);
+                *guard = None;
+            }
+            if guard.is_none() {
+                lock(&self.0.watched.pending).lose("the tree is not kept".into());
+            }
+        }
         let mut p = lock(&self.0.watched.pending);
         let trusted = p.lost.is_none();
         let dirty: BTreeSet<String> = p.since_snapshot.keys().cloned().collect();

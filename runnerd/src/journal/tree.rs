@@ -60,6 +60,9 @@ pub type Lost = String;
 pub struct Tree {
     files: BTreeMap<String, FileState>,
     dirs: BTreeSet<String>,
+    /// Symlinks, FIFOs, sockets, devices: no data, but their names count towards the
+    /// walk's path-text bound, as they do in a walk.
+    others: BTreeSet<String>,
     bytes: u64,
     set_ids: BTreeSet<String>,
     /// Files with more than one link: a write through another name (even one outside the
@@ -69,6 +72,11 @@ pub struct Tree {
     path_bytes: usize,
     /// While a run is watched: each path's state before the run first changed it.
     undo: Option<BTreeMap<String, Option<FileState>>>,
+    undo_bytes: usize,
+    /// While a run is watched: the inodes each name held before it was removed or replaced,
+    /// so a write through that name after it (an open descriptor's) reaches their other
+    /// names ([`Tree::update`]'s `suspects`).
+    ghosts: BTreeMap<String, Vec<(u64, u64)>>,
     /// The most files kept (the journal's memory bound); past it the tree is given up.
     max_files: usize,
 }
@@ -100,6 +108,7 @@ impl Tree {
                 Seen::Opened(fd, rel) => opened(fd, rel),
                 Seen::Dir(rel) => tree.add_dir(rel),
                 Seen::File(rel, st) => tree.add_file(rel, st),
+                Seen::Other(rel) => tree.add_other(rel),
                 Seen::Listed(_) => Ok(()),
             };
             if let Err(why) = result {
@@ -116,7 +125,34 @@ impl Tree {
 
     fn add_dir(&mut self, rel: &str) -> Result<(), Lost> {
         representable(rel)?;
-        self.dirs.insert(rel.to_owned());
+        if self.dirs.insert(rel.to_owned()) {
+            self.path_bytes = self.path_bytes.saturating_add(rel.len());
+        }
+        self.bounded()
+    }
+
+    fn add_other(&mut self, rel: &str) -> Result<(), Lost> {
+        representable(rel)?;
+        if self.others.insert(rel.to_owned()) {
+            self.path_bytes = self.path_bytes.saturating_add(rel.len());
+        }
+        self.bounded()
+    }
+
+    /// The walk's bounds, kept: past them the walk fails closed, so the tree gives up.
+    fn bounded(&self) -> Result<(), Lost> {
+        if self.path_bytes > files::MAX_WALK_PATH_BYTES {
+            return Err(format!("holds more than {} bytes of file paths", files::MAX_WALK_PATH_BYTES));
+        }
+        if self.files.len() > self.max_files {
+            return Err(format!(
+                "holds more than the {} files the journal keeps per workspace",
+                self.max_files
+            ));
+        }
+        if self.undo_bytes > files::MAX_WALK_PATH_BYTES {
+            return Err("changed more file paths in one run than a walk would keep".into());
+        }
         Ok(())
     }
 
@@ -138,6 +174,7 @@ impl Tree {
             && !undo.contains_key(rel)
         {
             undo.insert(rel.to_owned(), old);
+            self.undo_bytes = self.undo_bytes.saturating_add(rel.len());
         }
         if let Some(o) = old {
             self.bytes = self.bytes.saturating_sub(o.charged);
@@ -155,16 +192,7 @@ impl Tree {
                 self.multi.insert(rel.to_owned());
             }
         }
-        if self.path_bytes > files::MAX_WALK_PATH_BYTES {
-            return Err(format!("holds more than {} bytes of file paths", files::MAX_WALK_PATH_BYTES));
-        }
-        if self.files.len() > self.max_files {
-            return Err(format!(
-                "holds more than the {} files the journal keeps per workspace",
-                self.max_files
-            ));
-        }
-        Ok(())
+        self.bounded()
     }
 
     /// Forgets `rel` and everything below it; the inodes of multiply linked files it held.
@@ -181,11 +209,15 @@ impl Tree {
             }
             self.set(&path, None)?;
         }
-        let dirs: Vec<String> = self.dirs.range(lo..hi).cloned().collect();
-        for d in dirs {
-            self.dirs.remove(&d);
+        for set in [&mut self.dirs, &mut self.others] {
+            let mut gone: Vec<String> = set.range(lo.clone()..hi.clone()).cloned().collect();
+            gone.push(rel.to_owned());
+            for d in gone {
+                if set.remove(&d) {
+                    self.path_bytes = self.path_bytes.saturating_sub(d.len());
+                }
+            }
         }
-        self.dirs.remove(rel);
         Ok(())
     }
 
@@ -196,10 +228,18 @@ impl Tree {
     /// where a workspace of hard links would cost a stat of each per event). `opened` is
     /// called for each directory walked (the journal's watch). Returns the other names
     /// that changed: no event named them, yet a snapshot must read them again.
+    ///
+    /// `suspects` are names written after they were removed or replaced during the run: an
+    /// open descriptor writing an inode that name no longer holds, which may have other
+    /// names no event will name. Every inode such a name held (its ghosts, and what it
+    /// holds now) has its other names read again; a name whose earlier inode the tree may
+    /// never have seen (`true`: it appeared and went between two updates) cannot be
+    /// followed, and the update gives up.
     pub fn update<'a>(
         &mut self,
         root: BorrowedFd<'_>,
         paths: impl IntoIterator<Item = &'a String>,
+        suspects: &BTreeMap<String, bool>,
         every_link: bool,
         opened: &mut dyn FnMut(BorrowedFd<'_>, &str) -> Result<(), Lost>,
     ) -> Result<Vec<String>, Lost> {
@@ -208,6 +248,15 @@ impl Tree {
             if every_link { self.multi.iter().cloned().collect() } else { Vec::new() };
         for rel in paths {
             self.reread(root, rel, &mut linked, opened)?;
+        }
+        for (name, unseen) in suspects {
+            if *unseen {
+                return Err(format!(
+                    "{name:?} was written after it was replaced, through an inode never measured"
+                ));
+            }
+            linked.extend(self.ghosts.get(name).into_iter().flatten().copied());
+            linked.extend(self.files.get(name).map(|f| (f.dev, f.ino)));
         }
         if !linked.is_empty() {
             again.extend(
@@ -239,9 +288,21 @@ impl Tree {
             return Err("the workspace root itself changed".into());
         }
         representable(rel)?;
+        if rel.split('/').count() > files::MAX_WALK_DEPTH {
+            return Err(format!("nests directories deeper than {} levels", files::MAX_WALK_DEPTH));
+        }
+        let held = self.files.get(rel).map(|f| (f.dev, f.ino));
         self.remove_below(rel, linked)?;
-        match find(root, rel)? {
-            Found::Missing | Found::Other => Ok(()),
+        let found = find(root, rel)?;
+        if let Some(ino) = held
+            && self.undo.is_some()
+            && !matches!(&found, Found::File(st) if (st.dev, st.ino) == ino)
+        {
+            self.ghosts.entry(rel.to_owned()).or_default().push(ino);
+        }
+        match found {
+            Found::Missing => Ok(()),
+            Found::Other => self.add_other(rel),
             Found::File(st) => {
                 if st.nlink > 1 {
                     linked.insert((st.dev, st.ino));
@@ -249,7 +310,7 @@ impl Tree {
                 self.set(rel, Some(FileState::of(&st)))
             }
             Found::Dir(fd) => {
-                self.dirs.insert(rel.to_owned());
+                self.add_dir(rel)?;
                 let mut lost = None;
                 let m = files::walk_observed(fd.as_fd(), rel, &mut |seen| {
                     if lost.is_some() {
@@ -264,6 +325,7 @@ impl Tree {
                             }
                             self.add_file(rel, st)
                         }
+                        Seen::Other(rel) => self.add_other(rel),
                         Seen::Listed(_) => Ok(()),
                     };
                     if let Err(why) = result {
@@ -298,12 +360,15 @@ impl Tree {
     /// Starts a run's undo log.
     pub fn begin_run(&mut self) {
         self.undo = Some(BTreeMap::new());
+        self.undo_bytes = 0;
+        self.ghosts.clear();
     }
 
     /// Ends the run's undo log: the fingerprints as they were when the run began (what a
     /// walk before it found), for a caller that must fall back to walking after it.
     pub fn before_prints(&mut self) -> Fingerprints {
         let undo = self.undo.take().unwrap_or_default();
+        self.ghosts.clear();
         let mut prints = self.prints();
         for (path, old) in undo {
             match old {
@@ -317,6 +382,7 @@ impl Tree {
     /// Ends the run's undo log: sorted `(created, modified)` exactly as
     /// [`files::changes`] finds them between the walk before the run and one now.
     pub fn changes(&mut self) -> (Vec<String>, Vec<String>) {
+        self.ghosts.clear();
         let mut created = Vec::new();
         let mut modified = Vec::new();
         for (path, old) in self.undo.take().unwrap_or_default() {
@@ -410,7 +476,7 @@ mod tests {
     ) -> (Vec<String>, Vec<String>) {
         let fd = open(root);
         let paths: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
-        tree.update(fd.as_fd(), &paths, true, &mut none).unwrap();
+        tree.update(fd.as_fd(), &paths, &BTreeMap::new(), true, &mut none).unwrap();
         let walked = files::measure(fd.as_fd());
         assert_eq!(tree.prints(), walked.prints);
         assert_eq!(tree.bytes(), walked.bytes);
@@ -488,7 +554,7 @@ mod tests {
         fs::write(root.join(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"bad\xff")), "x")
             .unwrap();
         let name = "bad\u{FFFD}".to_string();
-        assert!(tree.update(fd.as_fd(), [&name], true, &mut none).is_err());
-        assert!(tree.update(fd.as_fd(), [&String::new()], true, &mut none).is_err());
+        assert!(tree.update(fd.as_fd(), [&name], &BTreeMap::new(), true, &mut none).is_err());
+        assert!(tree.update(fd.as_fd(), [&String::new()], &BTreeMap::new(), true, &mut none).is_err());
     }
 }
