@@ -47,7 +47,7 @@ fn step(dice: &mut Dice) -> String {
     let f = format!("{dir}/f{}", dice.next(5));
     let g = format!("{other_dir}/f{}", dice.next(5));
     let n = dice.next(3000);
-    match dice.next(15) {
+    match dice.next(16) {
         0 => format!("mkdir -p {dir} && head -c {n} /dev/zero > {f}"),
         1 => format!("[ ! -d {dir} ] || echo more >> {f}"),
         2 => format!("[ ! -f {f} ] || truncate -s {} {f}", dice.next(20)),
@@ -74,6 +74,12 @@ fn step(dice: &mut Dice) -> String {
         12 => format!("[ ! -f {f} ] || echo through-the-other-name >> {g}"),
         // The root's own mode: no watched parent names it, so the journal gives up and walks.
         13 => "chmod 755 .".to_owned(),
+        // A write through a name already removed, into a file with another name elsewhere.
+        14 => format!(
+            "mkdir -p {other_dir}; [ ! -f {f} ] || python3 -c 'import os,sys; os.link(sys.argv[1], sys.argv[2]); \
+             fd=os.open(sys.argv[2], os.O_WRONLY|os.O_APPEND); os.unlink(sys.argv[2]); os.write(fd, b\"ghost\"*100)' \
+             {f} {g}.ghost"
+        ),
         _ => format!("mkdir -p {dir} && echo {} > {f}", dice.next(1_000_000)),
     }
 }
