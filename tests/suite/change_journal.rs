@@ -54,7 +54,9 @@ fn step(dice: &mut Dice) -> String {
         3 => format!("mkdir -p {other_dir}; [ ! -f {f} ] || mv -f {f} {g}"),
         4 => format!("rm -rf {}", dice.pick(TREES)),
         5 => format!("[ ! -f {f} ] || chmod {} {f}", dice.pick(&["600", "755"])),
-        6 => format!("mkdir -p {other_dir}; [ ! -f {f} ] || ln -f {f} {g}"),
+        // Refused (EXDEV): the journal could not see a link made in a directory it has not
+        // read yet. The host makes links instead (host_write).
+        6 => format!("mkdir -p {other_dir}; [ ! -f {f} ] || ln -f {f} {g} 2>/dev/null; true"),
         7 => format!("mkdir -p {dir} && ln -sfn /etc {dir}/link{}", dice.next(2)),
         8 => format!(
             "[ ! -s {f} ] || python3 -c 'import mmap,sys; f=open(sys.argv[1],\"r+b\"); m=mmap.mmap(f.fileno(),0); \
@@ -87,7 +89,11 @@ fn step(dice: &mut Dice) -> String {
 /// One random change from the host, outside any run (the same on both sides).
 fn host_write(root: &Path, dice: &mut Dice) {
     let dir = root.join(dice.pick(DIRS));
-    let _ = match dice.next(3) {
+    let linked = root.join(dice.pick(DIRS)).join(format!("hl{}", dice.next(3)));
+    let target = dir.join(format!("f{}", dice.next(5)));
+    let _ = match dice.next(4) {
+        // A hard link (sandboxes cannot make one): writes through either name in later runs.
+        3 => std::fs::remove_file(&linked).or(Ok(())).and_then(|_| std::fs::hard_link(&target, &linked)),
         0 => std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(dir.join("host"), "from the host")),
         1 => std::fs::remove_file(dir.join("host")),
         _ => std::fs::create_dir_all(dir.join("hostdir"))
@@ -305,4 +311,23 @@ async fn an_overflowing_queue_falls_back_to_a_walk() {
         .unwrap_or(0);
     assert!(lost >= 1, "the overflow was counted:\n{metrics}");
     assert!(journal_runs(&metrics) >= 1, "and the journal took over again:\n{metrics}");
+}
+
+/// Hard links are refused inside the sandbox with the answer a link across filesystems
+/// gets (EXDEV), so tools copy instead; nothing else about the files changes.
+#[tokio::test]
+async fn a_sandbox_cannot_make_a_hard_link() {
+    if !sandbox_or_skip("a_sandbox_cannot_make_a_hard_link") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let code = "set +e; echo one > a; ln a b; echo \"ln=$?\"; \
+                python3 -c 'import os\ntry:\n os.link(\"a\", \"c\")\nexcept OSError as e: print(e.errno)'; \
+                cp --link a d 2>/dev/null || cp a d; cat d; ls";
+    let r = run(&client, "journal/links", code).await;
+    let body = r.json();
+    assert_eq!(r.status, 200, "{body}");
+    assert_eq!(body["stdout"], "ln=1\n18\none\na\nd\n", "{body}");
+    assert!(body["stderr"].as_str().unwrap_or_default().contains("Invalid cross-device link"), "{body}");
 }

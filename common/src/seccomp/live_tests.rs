@@ -121,6 +121,7 @@ fn the_unmarked_program_answers_eperm_and_enosys() {
     assert_eq!(call_in_child(p, nr(sc::BPF), [u64::MAX; 6]), Outcome::Errno(libc::EPERM));
     assert_eq!(call_in_child(p, nr(sc::CLONE3), [u64::MAX; 6]), Outcome::Errno(libc::ENOSYS));
     assert_eq!(call_in_child(p, nr(sc::FALLOCATE), [u64::MAX; 6]), Outcome::Errno(libc::EOPNOTSUPP));
+    assert_eq!(call_in_child(p, nr(sc::LINKAT), [u64::MAX; 6]), Outcome::Errno(libc::EXDEV));
     assert_eq!(
         call_in_child(p, nr(sc::SOCKET), [AF_UNIX as u64, 1, 0, 0, 0, 0]),
         Outcome::Errno(libc::EPERM)

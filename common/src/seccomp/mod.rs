@@ -3,7 +3,8 @@
 //! Three profiles, each for x86_64 and aarch64:
 //! * `baseline`: the original runner's deny list (every socket call included), plus what it
 //!   missed: an x32-ABI guard, `clone(CLONE_NEWUSER)`, `clone3` → ENOSYS, `fallocate` →
-//!   EOPNOTSUPP (blocks reserved faster than the workspace quota's poll can see), `ioctl`
+//!   EOPNOTSUPP (blocks reserved faster than the workspace quota's poll can see), `link` and
+//!   `linkat` → EXDEV (a hard link the change journal cannot see being made), `ioctl`
 //!   TIOCSTI/TIOCLINUX, the new mount API, `chroot`, `acct`, `quotactl`, `syslog`, `kcmp`,
 //!   `lookup_dcookie` and the ptrace-class calls.
 //! * `network`: the baseline with the socket calls allowed for the egress bridge, but only

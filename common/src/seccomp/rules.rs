@@ -224,6 +224,13 @@ pub fn rules(profile: Profile, arch: Arch) -> Vec<Rule> {
     // the workspace quota's poll can see (issue #14). EOPNOTSUPP, what a filesystem without
     // it answers: glibc's posix_fallocate then writes the blocks, which RLIMIT_FSIZE caps.
     push(Rule { syscall: sc::FALLOCATE, when: When::Always, errno: libc::EOPNOTSUPP });
+    // A hard link made in a directory the change journal does not watch yet, written
+    // through and removed again, changes its target with no event naming any path the
+    // journal watches (issue #31): the workspace's receipt, snapshot and quota would miss
+    // it. EXDEV, what a link across filesystems answers, so tools copy instead (git, uv,
+    // conda, cp --link fall back to a copy; `ln` says "Invalid cross-device link").
+    push(Rule { syscall: sc::LINK, when: When::Always, errno: libc::EXDEV });
+    push(Rule { syscall: sc::LINKAT, when: When::Always, errno: libc::EXDEV });
     // No set-user-ID or set-group-ID file is made from inside (see MODE_ARGUMENTS); the
     // kernel refuses the bits in mkdir's mode by itself. openat2 passes its mode in a
     // struct that seccomp cannot read: ENOSYS makes callers fall back to openat.
@@ -303,6 +310,7 @@ mod tests {
             ("openat", When::ArgHasBits { arg: 3, mask: 0o4000 }, libc::EPERM),
             ("mknodat", When::ArgHasBits { arg: 2, mask: 0o2000 }, libc::EPERM),
             ("fallocate", When::Always, libc::EOPNOTSUPP),
+            ("linkat", When::Always, libc::EXDEV),
             ("ioctl", When::ArgEquals { arg: 1, value: TIOCSTI }, libc::EPERM),
             ("ioctl", When::ArgEquals { arg: 1, value: TIOCLINUX }, libc::EPERM),
             ("open_tree", When::Always, libc::EPERM),

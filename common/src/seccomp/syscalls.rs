@@ -72,6 +72,8 @@ syscalls! {
     CLONE = "clone": Some(56), Some(220);
     CLONE3 = "clone3": Some(435), Some(435);
     FALLOCATE = "fallocate": Some(285), Some(47);
+    LINK = "link": Some(86), None;
+    LINKAT = "linkat": Some(265), Some(37);
     IOCTL = "ioctl": Some(16), Some(29);
     OPEN_TREE = "open_tree": Some(428), Some(428);
     MOVE_MOUNT = "move_mount": Some(429), Some(429);
@@ -177,6 +179,7 @@ mod tests {
             ("clone", libc::SYS_clone),
             ("clone3", libc::SYS_clone3),
             ("fallocate", libc::SYS_fallocate),
+            ("linkat", libc::SYS_linkat),
             ("ioctl", libc::SYS_ioctl),
             ("open_tree", libc::SYS_open_tree),
             ("move_mount", libc::SYS_move_mount),
@@ -224,6 +227,7 @@ mod tests {
                     assert_eq!(OPEN.x86_64, u32::try_from(libc::SYS_open).ok());
                     assert_eq!(CREAT.x86_64, u32::try_from(libc::SYS_creat).ok());
                     assert_eq!(MKNOD.x86_64, u32::try_from(libc::SYS_mknod).ok());
+                    assert_eq!(LINK.x86_64, u32::try_from(libc::SYS_link).ok());
                 }
                 only.len()
             }

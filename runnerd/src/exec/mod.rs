@@ -50,6 +50,9 @@ pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
 /// two measurements is a quarter of the original's on a small workspace.
 pub const QUOTA_POLL: Duration = Duration::from_millis(25);
 
+/// How often the quota is brought up to date from the change journal when no event comes.
+const JOURNAL_TICK: Duration = Duration::from_secs(1);
+
 /// An insertion-ordered string map (the env map is reported in injection order).
 #[derive(Debug, Clone)]
 pub struct OrderedMap(Vec<(String, String)>);
@@ -1128,7 +1131,13 @@ async fn quota_watchdog(
     }
     if let Some(watch) = watch {
         loop {
-            watch.changed().await;
+            // Also once a second with no event: a descriptor writing a linked file through a
+            // name that is gone raises none (the journal's tree reads the file's other names
+            // at every update).
+            tokio::select! {
+                _ = watch.changed() => {}
+                _ = tokio::time::sleep(JOURNAL_TICK) => {}
+            }
             let w = watch.clone();
             match crate::blocking::run(move || w.measure()).await {
                 Ok(Some(m)) => {

@@ -535,3 +535,109 @@ fn a_nested_workspace_hears_of_writes_through_its_parents_links() {
     assert!(modified.is_empty());
     assert_ne!(before, walked.prints, "the file did change");
 }
+
+// The second red-team review's cases that a host can still make (sandboxes cannot make hard
+// links: link/linkat answer EXDEV, tests/suite/change_journal.rs).
+
+/// X/f and Y/g are one file (linked before the run): open X/f, remove it and its
+/// directory (or rename the directory), then write — no event follows the write.
+#[test]
+fn a_write_after_the_names_directory_went_reaches_the_other_name() {
+    use std::io::Write;
+    for rename in [false, true] {
+        let ws = tempfile::tempdir().unwrap();
+        let root = ws.path().join("w");
+        fs::create_dir_all(root.join("X")).unwrap();
+        fs::create_dir_all(root.join("Y")).unwrap();
+        fs::write(root.join("Y/g"), "old").unwrap();
+        fs::hard_link(root.join("Y/g"), root.join("X/f")).unwrap();
+        let (journal, fd, _data, store) = journaled(&root);
+        let before = files::measure(fd.as_fd()).prints;
+        let (_, w1) = journal.begin(&root, &fd);
+        let w1 = w1.unwrap();
+        let mut h = fs::OpenOptions::new().append(true).open(root.join("X/f")).unwrap();
+        fs::remove_file(root.join("X/f")).unwrap();
+        if rename {
+            fs::rename(root.join("X"), root.join("X2")).unwrap();
+        } else {
+            fs::remove_dir(root.join("X")).unwrap();
+        }
+        let _ = w1.measure();
+        h.write_all(&vec![b'z'; 1 << 20]).unwrap();
+        drop(h);
+        let walked = files::measure(fd.as_fd());
+        let (after, changes) = w1.finish().unwrap();
+        assert_eq!(after.bytes, walked.bytes, "rename {rename}");
+        assert_eq!(changes, files::changes(&before, &walked.prints), "rename {rename}");
+        let (reused, full) = snap_pair(&store, &w1, &fd);
+        assert_eq!(reused, full, "rename {rename}");
+    }
+}
+
+/// A host process keeps a descriptor across runs: the inode's other names are read again
+/// by the next run.
+#[test]
+fn a_hosts_write_through_a_removed_name_between_runs_is_read_by_the_next() {
+    use std::io::Write;
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(root.join("X")).unwrap();
+    fs::create_dir_all(root.join("Y")).unwrap();
+    fs::write(root.join("Y/g"), "old").unwrap();
+    fs::hard_link(root.join("Y/g"), root.join("X/f")).unwrap();
+    let (journal, fd, _data, store) = journaled(&root);
+    let mut h = fs::OpenOptions::new().append(true).open(root.join("X/f")).unwrap();
+    fs::remove_file(root.join("X/f")).unwrap();
+    let (_, w1) = journal.begin(&root, &fd);
+    let w1 = w1.unwrap();
+    w1.finish().unwrap();
+    let (a, b) = snap_pair(&store, &w1, &fd);
+    assert_eq!(a, b);
+    drop(w1);
+    h.write_all(&vec![b'h'; 1 << 20]).unwrap();
+    drop(h);
+    let (m, w2) = journal.begin(&root, &fd);
+    assert_eq!(m.bytes, files::measure(fd.as_fd()).bytes);
+    let w2 = w2.unwrap();
+    w2.finish().unwrap();
+    let (a, b) = snap_pair(&store, &w2, &fd);
+    assert_eq!(a, b);
+}
+
+/// An O_TMPFILE a host names with linkat, then writes through its descriptor: the events
+/// name "X/#<inode>", never the name it was given.
+#[test]
+fn a_named_tmpfiles_writes_reach_its_name() {
+    use std::ffi::CString;
+    use std::io::Write;
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let ws = tempfile::tempdir().unwrap();
+    let root = ws.path().join("w");
+    fs::create_dir_all(root.join("X")).unwrap();
+    let (journal, fd, _data, store) = journaled(&root);
+    let before = files::measure(fd.as_fd()).prints;
+    let (_, w1) = journal.begin(&root, &fd);
+    let w1 = w1.unwrap();
+    let dir = CString::new(root.join("X").into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; the descriptor returned is owned below.
+    let raw = unsafe { libc::open(dir.as_ptr(), libc::O_TMPFILE | libc::O_WRONLY, 0o644) };
+    assert!(raw >= 0, "O_TMPFILE: {}", std::io::Error::last_os_error());
+    // SAFETY: `raw` is a fresh descriptor nothing else owns.
+    let mut tmp = unsafe { fs::File::from_raw_fd(raw) };
+    tmp.write_all(b"first").unwrap();
+    let to = CString::new(root.join("X/name").into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: linkat with AT_EMPTY_PATH on our own descriptor and a NUL-terminated target.
+    let linked = unsafe {
+        libc::linkat(tmp.as_raw_fd(), c"".as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_EMPTY_PATH)
+    };
+    assert_eq!(linked, 0, "linkat: {}", std::io::Error::last_os_error());
+    let _ = w1.measure();
+    tmp.write_all(&vec![b'z'; 1 << 20]).unwrap();
+    drop(tmp);
+    let walked = files::measure(fd.as_fd());
+    let (after, changes) = w1.finish().unwrap();
+    assert_eq!(after.bytes, walked.bytes);
+    assert_eq!(changes, files::changes(&before, &walked.prints));
+    let (reused, full) = snap_pair(&store, &w1, &fd);
+    assert_eq!(reused, full);
+}

@@ -73,9 +73,10 @@ pub struct Tree {
     /// While a run is watched: each path's state before the run first changed it.
     undo: Option<BTreeMap<String, Option<FileState>>>,
     undo_bytes: usize,
-    /// While a run is watched: the inodes each name held before it was removed or replaced,
-    /// so a write through that name after it (an open descriptor's) reaches their other
-    /// names ([`Tree::update`]'s `suspects`).
+    /// Multiply linked inodes a name held before it was removed or replaced: an open
+    /// descriptor may still write them, through a name no event will name again (its
+    /// directory may be gone too), so their other names are read again at every update
+    /// (a few at most: sandboxes cannot make hard links, only a host can).
     ghosts: BTreeMap<String, Vec<(u64, u64)>>,
     /// The most files kept (the journal's memory bound); past it the tree is given up.
     max_files: usize,
@@ -246,8 +247,16 @@ impl Tree {
         let mut linked = BTreeSet::new();
         let mut again: Vec<String> =
             if every_link { self.multi.iter().cloned().collect() } else { Vec::new() };
+        // An O_TMPFILE's writes are named "#<inode>" in its directory, also after a host
+        // gave it a name with linkat: that name is found by its inode.
+        let mut unnamed = BTreeSet::new();
         for rel in paths {
             self.reread(root, rel, &mut linked, opened)?;
+            if let Some(ino) = unnamed_inode(rel)
+                && !self.files.contains_key(rel)
+            {
+                unnamed.insert(ino);
+            }
         }
         for (name, unseen) in suspects {
             if *unseen {
@@ -255,12 +264,15 @@ impl Tree {
                     "{name:?} was written after it was replaced, through an inode never measured"
                 ));
             }
-            linked.extend(self.ghosts.get(name).into_iter().flatten().copied());
             linked.extend(self.files.get(name).map(|f| (f.dev, f.ino)));
         }
-        if !linked.is_empty() {
+        linked.extend(self.ghosts.values().flatten().copied());
+        if !linked.is_empty() || !unnamed.is_empty() {
             again.extend(
-                self.files.iter().filter(|(_, f)| linked.contains(&(f.dev, f.ino))).map(|(k, _)| k.clone()),
+                self.files
+                    .iter()
+                    .filter(|(_, f)| linked.contains(&(f.dev, f.ino)) || unnamed.contains(&f.ino))
+                    .map(|(k, _)| k.clone()),
             );
         }
         again.sort();
@@ -291,15 +303,43 @@ impl Tree {
         if rel.split('/').count() > files::MAX_WALK_DEPTH {
             return Err(format!("nests directories deeper than {} levels", files::MAX_WALK_DEPTH));
         }
-        let held = self.files.get(rel).map(|f| (f.dev, f.ino));
+        // Multiply linked files at or below `rel` that this re-read may find gone or replaced:
+        // their inodes become ghosts (see `ghosts`).
+        let (lo, hi) = (format!("{rel}/"), format!("{rel}0"));
+        let held: Vec<(String, (u64, u64))> = self
+            .files
+            .get_key_value(rel)
+            .into_iter()
+            .chain(self.files.range(lo..hi))
+            .filter(|(_, f)| f.nlink > 1)
+            .map(|(k, f)| (k.clone(), (f.dev, f.ino)))
+            .collect();
+        self.reread_here(root, rel, linked, opened)?;
+        for (path, ino) in held {
+            if self.files.get(&path).map(|f| (f.dev, f.ino)) == Some(ino) {
+                continue;
+            }
+            let inodes = self.ghosts.entry(path).or_default();
+            if !inodes.contains(&ino) {
+                inodes.push(ino);
+            }
+            if self.ghosts.len() > MAX_GHOSTS {
+                return Err(format!("more than {MAX_GHOSTS} linked files were removed or replaced"));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Tree::reread`]'s work: forget what `rel` held, read what it holds now.
+    fn reread_here(
+        &mut self,
+        root: BorrowedFd<'_>,
+        rel: &str,
+        linked: &mut BTreeSet<(u64, u64)>,
+        opened: &mut dyn FnMut(BorrowedFd<'_>, &str) -> Result<(), Lost>,
+    ) -> Result<(), Lost> {
         self.remove_below(rel, linked)?;
         let found = find(root, rel)?;
-        if let Some(ino) = held
-            && self.undo.is_some()
-            && !matches!(&found, Found::File(st) if (st.dev, st.ino) == ino)
-        {
-            self.ghosts.entry(rel.to_owned()).or_default().push(ino);
-        }
         match found {
             Found::Missing => Ok(()),
             Found::Other => self.add_other(rel),
@@ -361,14 +401,12 @@ impl Tree {
     pub fn begin_run(&mut self) {
         self.undo = Some(BTreeMap::new());
         self.undo_bytes = 0;
-        self.ghosts.clear();
     }
 
     /// Ends the run's undo log: the fingerprints as they were when the run began (what a
     /// walk before it found), for a caller that must fall back to walking after it.
     pub fn before_prints(&mut self) -> Fingerprints {
         let undo = self.undo.take().unwrap_or_default();
-        self.ghosts.clear();
         let mut prints = self.prints();
         for (path, old) in undo {
             match old {
@@ -382,7 +420,6 @@ impl Tree {
     /// Ends the run's undo log: sorted `(created, modified)` exactly as
     /// [`files::changes`] finds them between the walk before the run and one now.
     pub fn changes(&mut self) -> (Vec<String>, Vec<String>) {
-        self.ghosts.clear();
         let mut created = Vec::new();
         let mut modified = Vec::new();
         for (path, old) in self.undo.take().unwrap_or_default() {
@@ -403,6 +440,15 @@ impl Tree {
         self.files.len()
     }
 }
+
+/// The inode an O_TMPFILE's events name (`dir/#<inode>`), if `rel` is such a name.
+fn unnamed_inode(rel: &str) -> Option<u64> {
+    let name = rel.rsplit('/').next()?;
+    name.strip_prefix('#').filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))?.parse().ok()
+}
+
+/// Ghost names kept at most ([`Tree::ghosts`]); past it the tree is given up.
+const MAX_GHOSTS: usize = 10_000;
 
 /// A path the tree can key exactly: the walks name entries with `to_string_lossy`, so a
 /// name that is not UTF-8 could not be found again by its key.
