@@ -333,6 +333,23 @@ fn snap_pair(
     (reused, store.snapshot(&dir).unwrap())
 }
 
+/// `watch`'s end says what a walk says now (bytes, createdFiles/modifiedFiles against the
+/// fingerprints `before`), and its reusing snapshot is the full one.
+fn like_a_walk(
+    label: &str,
+    watch: &RunWatch,
+    fd: &OwnedFd,
+    store: &crate::versioning::Store,
+    before: &Fingerprints,
+) {
+    let walked = files::measure(fd.as_fd());
+    let (after, changes) = watch.finish().unwrap_or_else(|_| panic!("{label}: the journal gave up"));
+    assert_eq!(after.bytes, walked.bytes, "{label}");
+    assert_eq!(changes, files::changes(before, &walked.prints), "{label}");
+    let (reused, full) = snap_pair(store, watch, fd);
+    assert_eq!(reused, full, "{label}");
+}
+
 /// A workspace journaled and snapshotted once, for a case to start from.
 fn journaled(root: &Path) -> (Journal, OwnedFd, tempfile::TempDir, crate::versioning::Store) {
     let journal = Journal::new(JournalSettings::default());
@@ -410,12 +427,7 @@ fn a_write_through_a_replaced_name_reaches_the_files_other_names() {
     let _ = w1.measure();
     h.write_all(&vec![b'z'; 100_000]).unwrap();
     drop(h);
-    let walked = files::measure(fd.as_fd());
-    let (after, changes) = w1.finish().unwrap();
-    assert_eq!(after.bytes, walked.bytes);
-    assert_eq!(changes, files::changes(&before, &walked.prints));
-    let (reused, full) = snap_pair(&store, &w1, &fd);
-    assert_eq!(reused, full);
+    like_a_walk("", &w1, &fd, &store, &before);
 }
 
 /// A run that never reaches finish() (timed out, cancelled, stopped by the quota) still
@@ -565,12 +577,7 @@ fn a_write_after_the_names_directory_went_reaches_the_other_name() {
         let _ = w1.measure();
         h.write_all(&vec![b'z'; 1 << 20]).unwrap();
         drop(h);
-        let walked = files::measure(fd.as_fd());
-        let (after, changes) = w1.finish().unwrap();
-        assert_eq!(after.bytes, walked.bytes, "rename {rename}");
-        assert_eq!(changes, files::changes(&before, &walked.prints), "rename {rename}");
-        let (reused, full) = snap_pair(&store, &w1, &fd);
-        assert_eq!(reused, full, "rename {rename}");
+        like_a_walk(&format!("rename {rename}"), &w1, &fd, &store, &before);
     }
 }
 
@@ -634,10 +641,5 @@ fn a_named_tmpfiles_writes_reach_its_name() {
     let _ = w1.measure();
     tmp.write_all(&vec![b'z'; 1 << 20]).unwrap();
     drop(tmp);
-    let walked = files::measure(fd.as_fd());
-    let (after, changes) = w1.finish().unwrap();
-    assert_eq!(after.bytes, walked.bytes);
-    assert_eq!(changes, files::changes(&before, &walked.prints));
-    let (reused, full) = snap_pair(&store, &w1, &fd);
-    assert_eq!(reused, full);
+    like_a_walk("", &w1, &fd, &store, &before);
 }
