@@ -121,16 +121,40 @@ impl Writer {
         self.journal = Some(journal);
     }
 
-    fn scope(&self) -> SnapshotScope {
-        SnapshotScope {
-            canonical: Some(self.root.clone()),
-            max_bytes: self.max_bytes,
-            reuse: self.journal.as_ref().map(|j| j.reuse()),
-        }
+    /// Hands back the run's journal (a writer that is forgotten, its sandbox unresponsive,
+    /// must not keep the journal's slot for that workspace held forever).
+    pub fn take_journal(&mut self) -> Option<crate::journal::RunWatch> {
+        self.journal.take()
     }
 
-    /// After a committed snapshot: the journal keeps its directories for the next one.
-    fn snapshot_committed(&self, scope: &SnapshotScope) {
+    fn scope(&self) -> SnapshotScope {
+        SnapshotScope { canonical: Some(self.root.clone()), max_bytes: self.max_bytes, reuse: None }
+    }
+
+    /// The commit's snapshot scope, attempt by attempt ([`Attempts`]).
+    fn attempts(&self) -> Attempts {
+        Attempts { base: self.scope(), journal: self.journal.clone(), count: Default::default() }
+    }
+}
+
+/// A commit's snapshot scopes, one per attempt, made in the blocking task (reading the
+/// change journal's events is blocking work): the first reuses what the journal says is
+/// unchanged; a retry walks everything (what went wrong may lie in what it would reuse).
+struct Attempts {
+    base: SnapshotScope,
+    journal: Option<crate::journal::RunWatch>,
+    count: std::sync::atomic::AtomicUsize,
+}
+
+impl Attempts {
+    fn scope(&self) -> SnapshotScope {
+        let first = self.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
+        let reuse = self.journal.as_ref().filter(|_| first).map(|j| j.reuse());
+        SnapshotScope { reuse, ..self.base.clone() }
+    }
+
+    /// After the commit of a snapshot made with `scope`: the journal keeps its directories.
+    fn committed(&self, scope: &SnapshotScope) {
         if let (Some(journal), Some(reuse)) = (&self.journal, &scope.reuse) {
             journal.snapshot_done(reuse);
         }
@@ -355,21 +379,14 @@ impl Versions {
     ) -> (Result<Ref, WriteError>, std::time::Duration) {
         let me = self.clone();
         let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
-        let scope = writer.scope();
-        let kept = scope.clone();
-        let closure = Closure::of(&scope);
+        let attempts = writer.attempts();
         let id = id.unwrap_or_else(new_uuid_v4);
         let snapshot_took = Arc::new(Mutex::new(std::time::Duration::ZERO));
         let took = snapshot_took.clone();
-        let attempts = std::sync::atomic::AtomicUsize::new(0);
         let committed = blocking_retry(self.clone(), move || {
-            if attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
-                && let Some(reuse) = &scope.reuse
-            {
-                // Whatever went wrong may lie in what would be reused: walk everything.
-                reuse.forget();
-            }
             let started = std::time::Instant::now();
+            let scope = attempts.scope();
+            let closure = Closure::of(&scope);
             let tree = me.snapshot_live(&dir, &scope)?;
             *took.lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
             me.commit_mutation_record(
@@ -379,12 +396,12 @@ impl Versions {
                 Expected::Current,
                 closure,
             )?;
+            attempts.committed(&scope);
             Ok(tree)
         })
         .await;
-        match &committed {
-            Ok(_) => writer.snapshot_committed(&kept),
-            Err(e) => self.fail_commit(&writer.root, e),
+        if let Err(e) = &committed {
+            self.fail_commit(&writer.root, e);
         }
         let snapshot = *snapshot_took.lock().unwrap_or_else(|p| p.into_inner());
         (committed, snapshot)
@@ -399,16 +416,10 @@ impl Versions {
         facts: ExecutionFacts,
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
-        let (dir, head, scope) = (writer.snapshot_dir(), writer.head.clone(), writer.scope());
-        let kept = scope.clone();
-        let closure = Closure::of(&scope);
-        let attempts = std::sync::atomic::AtomicUsize::new(0);
-        let committed = blocking_retry(self.clone(), move || {
-            if attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
-                && let Some(reuse) = &scope.reuse
-            {
-                reuse.forget();
-            }
+        let (dir, head, attempts) = (writer.snapshot_dir(), writer.head.clone(), writer.attempts());
+        blocking_retry(self.clone(), move || {
+            let scope = attempts.scope();
+            let closure = Closure::of(&scope);
             let tree = me.snapshot_live(&dir, &scope)?;
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
@@ -426,13 +437,10 @@ impl Versions {
             );
             let record = me.store.put_record("WorkspaceExecution", value)?;
             me.commit_head(&head, &record, closure)?;
+            attempts.committed(&scope);
             Ok((record, tree))
         })
-        .await;
-        if committed.is_ok() {
-            writer.snapshot_committed(&kept);
-        }
-        committed
+        .await
     }
 
     /// Snapshots a pinned workspace directory, refusing one that was deleted meanwhile (its

@@ -401,6 +401,7 @@ pub async fn execute(
     if ran.as_ref().is_err_and(EngineError::is_unresponsive) {
         // The sandbox may still be writing: keep its workspace locked (fail closed) rather
         // than let the next writer in. An operator restart clears it.
+        drop(writer.take_journal());
         std::mem::forget(writer);
         std::mem::forget(running);
         return ran;

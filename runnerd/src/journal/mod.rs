@@ -321,6 +321,20 @@ impl Pending {
         }
     }
 
+    /// Forgets the paths a snapshot up to sequence `upto` took. Each path's text is counted
+    /// once for `since_snapshot` (and once more while it is in `paths`).
+    fn forget_snapshot_paths(&mut self, upto: u64) {
+        let mut freed = 0;
+        self.since_snapshot.retain(|path, seq| {
+            let keep = *seq > upto;
+            if !keep {
+                freed += path.len();
+            }
+            keep
+        });
+        self.bytes = self.bytes.saturating_sub(freed);
+    }
+
     /// Takes the paths to read again (their text no longer held here).
     fn take_paths(&mut self) -> BTreeSet<String> {
         let paths = std::mem::take(&mut self.paths);
@@ -909,7 +923,7 @@ impl RunWatch {
             return;
         }
         let upto = reuse.seq();
-        p.since_snapshot.retain(|_, seq| *seq > upto);
+        p.forget_snapshot_paths(upto);
         p.known = Some(reuse.updated());
     }
 }

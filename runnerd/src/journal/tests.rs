@@ -643,3 +643,19 @@ fn a_named_tmpfiles_writes_reach_its_name() {
     drop(tmp);
     like_a_walk("", &w1, &fd, &store, &before);
 }
+
+/// The changed-path text is uncounted when a snapshot takes it, so a long-lived workspace
+/// never reaches the bound by accumulation (the third review's case).
+#[test]
+fn changed_path_text_is_uncounted_when_a_snapshot_takes_it() {
+    let path = "p".repeat(1024);
+    let mut p = Pending { max: usize::MAX, ..Pending::default() };
+    for round in 0..(MAX_PENDING_BYTES / 1024) * 2 {
+        p.changed(format!("{path}/{round}"));
+        p.take_paths();
+        let upto = p.seq;
+        p.forget_snapshot_paths(upto);
+        assert!(p.lost.is_none(), "round {round}");
+    }
+    assert_eq!(p.bytes, 0);
+}

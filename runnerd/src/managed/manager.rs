@@ -437,6 +437,7 @@ impl Manager {
             Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
             Err(e) if e.is_unresponsive() => {
                 // The sandbox may still write: keep the workspace locked until a restart.
+                drop(writer.take_journal());
                 std::mem::forget(writer);
                 std::mem::forget(queue);
                 return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await;

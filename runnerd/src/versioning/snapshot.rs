@@ -160,12 +160,6 @@ impl Reuse {
         self.known.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?.get(rel).cloned()
     }
 
-    /// Reuses nothing (a retried snapshot: what went wrong may lie in what it would reuse).
-    pub fn forget(&self) {
-        self.known.lock().unwrap_or_else(|e| e.into_inner()).take();
-        self.walked.lock().unwrap_or_else(|e| e.into_inner()).clear();
-    }
-
     fn walked(&self, rel: &Path, tree: &Ref, bytes: u64) {
         if let Some(rel) = rel.to_str() {
             self.walked.lock().unwrap_or_else(|e| e.into_inner()).push((rel.to_owned(), tree.clone(), bytes));

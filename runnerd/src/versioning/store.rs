@@ -57,6 +57,13 @@ pub struct Store {
     /// it is read (every read verifies), and by every full check (other routes' commits),
     /// no longer at such a commit.
     closures: Mutex<HashSet<DigestKey, DigestHasher>>,
+    /// Bumped by [`Store::forget_caches`]: a check that began before it adds nothing to
+    /// `closures` (what it trusted may be what went missing).
+    closures_generation: AtomicU64,
+    /// When a check last stat'ed everything: a commit that trusts `closures` checks
+    /// everything again past [`FULL_CLOSURE_EVERY`], so an object deleted behind runnerd's
+    /// back is found (and restored by the retry's fresh snapshot) within that time.
+    last_full_closure: Mutex<Option<std::time::Instant>>,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
 }
@@ -64,6 +71,9 @@ pub struct Store {
 /// Validated closures remembered at most ([`Store::closures`]); past it they are forgotten
 /// wholesale and the next commits check everything once more.
 const CLOSURES_HELD: usize = 1_000_000;
+
+/// How long a commit that trusts validated closures goes without checking everything.
+const FULL_CLOSURE_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// (dev, ino, size, mtime ns, ctime ns) of a blob file.
 type BlobStamp = (u64, u64, u64, i128, i128);
@@ -190,6 +200,8 @@ impl Store {
             record_deps: Mutex::default(),
             deps_held: std::sync::atomic::AtomicUsize::new(0),
             closures: Mutex::default(),
+            closures_generation: AtomicU64::new(0),
+            last_full_closure: Mutex::default(),
             blob_dir_fds: Default::default(),
         };
         for pool in [Pool::Data, Pool::AgentState] {
@@ -415,6 +427,7 @@ impl Store {
         self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.deps_held.store(0, AtomicOrdering::Relaxed);
         self.closures.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.closures_generation.fetch_add(1, AtomicOrdering::SeqCst);
     }
 
     /// Reads a record with every check the original's `readRecord` makes, so whatever passes
@@ -461,10 +474,17 @@ impl Store {
     /// process validated ([`Store::closures`]): for a commit whose snapshot reused
     /// unchanged directories (issue #31). Returns the objects checked.
     pub fn validate_closure_since_validated(&self, root: &Ref) -> Result<usize, VersionError> {
-        self.validate_closure_within(root, true)
+        let due = self
+            .last_full_closure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none_or(|at| at.elapsed() >= FULL_CLOSURE_EVERY);
+        self.validate_closure_within(root, !due)
     }
 
     fn validate_closure_within(&self, root: &Ref, trust_validated: bool) -> Result<usize, VersionError> {
+        let generation = self.closures_generation.load(AtomicOrdering::SeqCst);
+        let started = std::time::Instant::now();
         let mut seen: HashSet<Ref> = HashSet::new();
         let mut leaves = Vec::new();
         let mut queue = vec![root.clone()];
@@ -521,7 +541,13 @@ impl Store {
         for r in self.untrusted_leaves(&leaves) {
             self.verify_leaf(r)?;
         }
+        if !trust_validated {
+            *self.last_full_closure.lock().unwrap_or_else(|p| p.into_inner()) = Some(started);
+        }
         let mut closures = self.closures.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closures_generation.load(AtomicOrdering::SeqCst) != generation {
+            return Ok(seen.len());
+        }
         if closures.len() > CLOSURES_HELD {
             closures.clear();
         }
@@ -1139,6 +1165,24 @@ mod tests {
         assert_eq!(store.validate_closure(&rec).unwrap(), 4);
         let bad = json!({"r": {"pool": "data", "digest": "sha256:00"}});
         assert_eq!(store.put_record("Test", bad).unwrap_err().to_string(), "Invalid or cross-pool reference");
+    }
+
+    /// Issue #31: a journaled commit trusts what was validated, but checks everything again
+    /// once FULL_CLOSURE_EVERY has passed, so a blob deleted behind runnerd's back is found
+    /// (and the writer's retry restores it) within that time.
+    #[test]
+    fn a_trusting_closure_check_checks_everything_now_and_then() {
+        let (_dir, store) = temp_store();
+        let leaf = store.put(Pool::Data, b"leaf", OCTET_STREAM).unwrap();
+        let root = store.put_record("Test", json!({"leaf": leaf.to_value()})).unwrap();
+        assert_eq!(store.validate_closure(&root).unwrap(), 2);
+        fs::remove_file(store.blob_path(Pool::Data, leaf.hex())).unwrap();
+        assert_eq!(store.validate_closure_since_validated(&root).unwrap(), 1, "trusted within the period");
+        *store.last_full_closure.lock().unwrap() = Some(std::time::Instant::now() - FULL_CLOSURE_EVERY);
+        assert!(matches!(store.validate_closure_since_validated(&root), Err(VersionError::Missing { .. })));
+        // A check that began before the caches were forgotten adds nothing to trust.
+        store.forget_caches();
+        assert!(store.closures.lock().unwrap().is_empty());
     }
 
     #[test]
