@@ -392,11 +392,6 @@ impl Journal {
         }
     }
 
-    /// No journal: every run walks (tests, and `--check-config`).
-    pub fn off(why: &str) -> Journal {
-        Journal { inner: None, off: Some(why.to_owned()), settings: JournalSettings::default() }
-    }
-
     /// `/health`'s account of how runs are measured.
     pub fn describe(&self) -> serde_json::Value {
         let (workspaces, watches, _, _) = self.counts();

@@ -100,16 +100,35 @@ impl Tree {
         opened: &mut dyn FnMut(BorrowedFd<'_>, &str) -> Result<(), Lost>,
     ) -> (Measured, Result<Tree, Lost>) {
         let mut tree = Tree { max_files, ..Tree::default() };
+        let (m, walked) = tree.walk_into(root, "", &mut BTreeSet::new(), opened);
+        (m, walked.map(|()| tree))
+    }
+
+    /// Walks the directory `dir` at `prefix` into the tree (every walk's rules: by descriptor,
+    /// no-follow), noting the inodes of multiply linked files in `linked`; what the walk could
+    /// not read, or the tree cannot hold, is the `Err`.
+    fn walk_into(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        prefix: &str,
+        linked: &mut BTreeSet<(u64, u64)>,
+        opened: &mut dyn FnMut(BorrowedFd<'_>, &str) -> Result<(), Lost>,
+    ) -> (Measured, Result<(), Lost>) {
         let mut lost: Option<Lost> = None;
-        let m = files::walk_observed(root, "", &mut |seen| {
+        let m = files::walk_observed(dir, prefix, &mut |seen| {
             if lost.is_some() {
                 return;
             }
             let result = match seen {
                 Seen::Opened(fd, rel) => opened(fd, rel),
-                Seen::Dir(rel) => tree.add_dir(rel),
-                Seen::File(rel, st) => tree.add_file(rel, st),
-                Seen::Other(rel) => tree.add_other(rel),
+                Seen::Dir(rel) => self.add_dir(rel),
+                Seen::File(rel, st) => {
+                    if st.nlink > 1 {
+                        linked.insert((st.dev, st.ino));
+                    }
+                    self.add_file(rel, st)
+                }
+                Seen::Other(rel) => self.add_other(rel),
                 Seen::Listed(_) => Ok(()),
             };
             if let Err(why) = result {
@@ -119,7 +138,7 @@ impl Tree {
         let result = match (lost, &m.unreadable) {
             (Some(why), _) => Err(why),
             (None, Some(u)) => Err(format!("{:?} cannot be read ({})", u.path, u.error)),
-            (None, None) => Ok(tree),
+            (None, None) => Ok(()),
         };
         (m, result)
     }
@@ -351,34 +370,7 @@ impl Tree {
             }
             Found::Dir(fd) => {
                 self.add_dir(rel)?;
-                let mut lost = None;
-                let m = files::walk_observed(fd.as_fd(), rel, &mut |seen| {
-                    if lost.is_some() {
-                        return;
-                    }
-                    let result = match seen {
-                        Seen::Opened(fd, rel) => opened(fd, rel),
-                        Seen::Dir(rel) => self.add_dir(rel),
-                        Seen::File(rel, st) => {
-                            if st.nlink > 1 {
-                                linked.insert((st.dev, st.ino));
-                            }
-                            self.add_file(rel, st)
-                        }
-                        Seen::Other(rel) => self.add_other(rel),
-                        Seen::Listed(_) => Ok(()),
-                    };
-                    if let Err(why) = result {
-                        lost = Some(why);
-                    }
-                });
-                if let Some(why) = lost {
-                    return Err(why);
-                }
-                match m.unreadable {
-                    Some(u) => Err(format!("{:?} cannot be read ({})", u.path, u.error)),
-                    None => Ok(()),
-                }
+                self.walk_into(fd.as_fd(), rel, linked, opened).1
             }
         }
     }
@@ -434,10 +426,6 @@ impl Tree {
 
     pub fn bytes(&self) -> u64 {
         self.bytes
-    }
-
-    pub fn file_count(&self) -> usize {
-        self.files.len()
     }
 }
 
