@@ -886,14 +886,15 @@ impl RunWatch {
     /// journal served and the paths changed since (none known: events were lost; the
     /// snapshot walks everything and its directories are kept for the next one). The tree
     /// is brought up to date first — a run that timed out or was cancelled never reached
-    /// [`RunWatch::finish`] — so the other names of linked files it wrote are marked too.
+    /// [`RunWatch::finish`] — so the other names of linked files it wrote are marked too
+    /// (not every linked file again: the run's start and end read those).
     pub fn reuse(&self) -> Arc<Reuse> {
         {
             let mut guard = lock(&self.0.watched.tree);
             let taken = self.taken(false);
             if let Some(t) = guard.as_mut()
                 && taken.lost.is_none()
-                && let Err(why) = self.update(t, &taken, true)
+                && let Err(why) = self.update(t, &taken, false)
             {
                 lock(&self.0.watched.pending).lose(why);
                 *guard = None;

@@ -291,6 +291,14 @@ fn files_and_pending_changes_stay_bounded() {
     let fd = pinned(&root);
     let (m, watch) = journal.begin(&root, &fd);
     assert!(watch.is_none() && m.prints.len() == 30, "30 files over a share of 20: walked");
+    // Directories count against the share too (a tenant's million empty directories).
+    let dirs = ws.path().join("dirs");
+    for i in 0..30 {
+        fs::create_dir_all(dirs.join(format!("{i}"))).unwrap();
+    }
+    let dfd = pinned(&dirs);
+    let (m, watch) = journal.begin(&dirs, &dfd);
+    assert!(watch.is_none() && m.unreadable.is_none(), "30 directories over a share of 20: walked");
 
     let journal = Journal::new(JournalSettings { workspaces: 1, files: 2000, ..JournalSettings::default() });
     let (_, watch) = journal.begin(&root, &fd);

@@ -164,9 +164,10 @@ impl Tree {
         if self.path_bytes > files::MAX_WALK_PATH_BYTES {
             return Err(format!("holds more than {} bytes of file paths", files::MAX_WALK_PATH_BYTES));
         }
-        if self.files.len() > self.max_files {
+        // Directories and symlinks cost memory as files do: all count against the share.
+        if self.files.len() + self.dirs.len() + self.others.len() > self.max_files {
             return Err(format!(
-                "holds more than the {} files the journal keeps per workspace",
+                "holds more than the {} files and directories the journal keeps per workspace",
                 self.max_files
             ));
         }
