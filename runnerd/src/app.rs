@@ -53,6 +53,8 @@ pub struct App {
     pub provisioning_steps: tokio::sync::Semaphore,
     /// What runs changed, from file events (`crate::journal`).
     pub journal: crate::journal::Journal,
+    /// The version history's retention and collector (issue #32).
+    pub history: crate::history::History,
 }
 
 impl App {
@@ -68,6 +70,7 @@ impl App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let config_max_concurrent = config.max_concurrent;
         let journal_settings = config.journal;
+        let history_settings = config.history;
         let data_dir = config.data_dir.clone();
         let execution_user = sandbox.user.name.clone();
         let accel = crate::accel::select::Accelerators::new(config.accel.clone());
@@ -100,6 +103,7 @@ impl App {
             envs,
             provisioning_steps: tokio::sync::Semaphore::new(config_max_concurrent),
             journal: crate::journal::Journal::new(journal_settings),
+            history: crate::history::History::new(history_settings),
         }
     }
 }

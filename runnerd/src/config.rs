@@ -70,6 +70,8 @@ pub struct RunnerConfig {
     pub scientific: crate::envs::settings::EnvSettings,
     /// Ours: the change journal's bounds (`crate::journal`).
     pub journal: crate::journal::JournalSettings,
+    /// Ours: the version history's retention and collector (`crate::history`).
+    pub history: crate::history::HistorySettings,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -208,6 +210,25 @@ impl RunnerConfig {
                 watches: positive(crate::journal::WATCHES_VAR, crate::journal::DEFAULT_WATCHES)?,
                 files: positive(crate::journal::FILES_VAR, crate::journal::DEFAULT_FILES)?,
             },
+            history: {
+                use crate::history as h;
+                let free_percent = non_negative(h::FREE_PERCENT_VAR, h::DEFAULT_FREE_PERCENT)?;
+                if free_percent > 100 {
+                    return Err(ConfigError::Invalid {
+                        name: h::FREE_PERCENT_VAR.to_owned(),
+                        reason: format!("a percentage of the disk is 0 to 100, not {free_percent}"),
+                    });
+                }
+                h::HistorySettings {
+                    retention: crate::versioning::retention::Retention {
+                        keep_versions: non_negative(h::KEEP_VERSIONS_VAR, h::DEFAULT_KEEP_VERSIONS)?,
+                        keep_days: non_negative(h::KEEP_DAYS_VAR, h::DEFAULT_KEEP_DAYS)?,
+                    },
+                    interval_secs: non_negative(h::INTERVAL_VAR, h::DEFAULT_INTERVAL_SECS)?,
+                    free_percent,
+                    grace_secs: non_negative(h::GRACE_VAR, h::DEFAULT_GRACE_SECS)?,
+                }
+            },
         })
     }
 
@@ -271,6 +292,11 @@ pub static SCHEMA: Schema = Schema {
         Key::new("journal_workspaces", crate::journal::WORKSPACES_VAR, Kind::Integer),
         Key::new("journal_watches", crate::journal::WATCHES_VAR, Kind::Integer),
         Key::new("journal_files", crate::journal::FILES_VAR, Kind::Integer),
+        Key::new("history_keep_versions", crate::history::KEEP_VERSIONS_VAR, Kind::Integer),
+        Key::new("history_keep_days", crate::history::KEEP_DAYS_VAR, Kind::Integer),
+        Key::new("history_gc_interval_secs", crate::history::INTERVAL_VAR, Kind::Integer),
+        Key::new("history_gc_free_percent", crate::history::FREE_PERCENT_VAR, Kind::Integer),
+        Key::new("history_gc_grace_secs", crate::history::GRACE_VAR, Kind::Integer),
         Key::new("package_cache_dir", crate::envs::settings::PACKAGE_CACHE_VAR, Kind::Text),
         Key::new("starter_python_specs", crate::envs::settings::STARTER_PYTHON_VAR, Kind::Text),
         Key::new("starter_r_specs", crate::envs::settings::STARTER_R_VAR, Kind::Text),
@@ -385,6 +411,11 @@ impl Loaded {
                     "journal_workspaces" => c.journal.workspaces.to_string(),
                     "journal_watches" => c.journal.watches.to_string(),
                     "journal_files" => c.journal.files.to_string(),
+                    "history_keep_versions" => c.history.retention.keep_versions.to_string(),
+                    "history_keep_days" => c.history.retention.keep_days.to_string(),
+                    "history_gc_interval_secs" => c.history.interval_secs.to_string(),
+                    "history_gc_free_percent" => c.history.free_percent.to_string(),
+                    "history_gc_grace_secs" => c.history.grace_secs.to_string(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),

@@ -35,6 +35,11 @@ Usage:
   runnerctl repair WORKSPACE            make a workspace a storage failure left refusing
                                         writes writable again: verify, re-snapshot, commit,
                                         clear its .failed marker (audited)
+  runnerctl history                     the version history's retention and what the last
+                                        collection found, workspace by workspace
+  runnerctl gc [--dry-run]              run the version collector now: prune history past
+                                        the retention, delete what no version reaches;
+                                        --dry-run only counts (prints the report)
   runnerctl env ls                      list the scientific environments
   runnerctl env setup [--confirm]       print the setup state; --confirm (re)starts setup
   runnerctl env create NAME [--language python|r] [--base ENV]
@@ -103,6 +108,7 @@ struct Options {
     channels: Vec<String>,
     index_url: Option<String>,
     confirm: bool,
+    dry_run: bool,
 }
 
 fn parse(args: Vec<String>) -> Result<Options, String> {
@@ -130,6 +136,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
         channels: Vec::new(),
         index_url: None,
         confirm: false,
+        dry_run: false,
     };
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
@@ -160,12 +167,13 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
             "--cran" => o.manager = Some("cran"),
             "--bioconductor" => o.manager = Some("bioconductor"),
             "--confirm" => o.confirm = true,
+            "--dry-run" => o.dry_run = true,
             "--" => {
                 let rest: Vec<String> = it.by_ref().collect();
                 o.script = Some(rest.join(" "));
             }
             "health" | "status" | "metrics" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put"
-            | "get" | "repair" | "skills" | "env"
+            | "get" | "repair" | "skills" | "env" | "history" | "gc"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -296,6 +304,19 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
         "repair" => repair(&client, &o.positional[0]).await,
         "skills" => skills(&client, &o.positional[0], &o.positional[1]).await,
         "env" => environments(&client, &o).await,
+        "history" => {
+            let reply = client.get("/versioning").await?;
+            outln!("{}", serde_json::to_string_pretty(&reply.json())?);
+            Ok(if reply.status == 200 { 0 } else { 1 })
+        }
+        "gc" => {
+            let reply = client.post_json("/versioning/gc", &serde_json::json!({"dryRun": o.dry_run})).await?;
+            if reply.status != 200 {
+                return Ok(failed(reply.status, &reply.json()));
+            }
+            outln!("{}", serde_json::to_string_pretty(&reply.json())?);
+            Ok(0)
+        }
         _ => {
             let mut body = serde_json::json!({
                 "agentId": o.agent,

@@ -27,6 +27,7 @@ pub(crate) mod egress;
 pub(crate) mod envs;
 pub mod exec;
 pub(crate) mod fsat;
+pub mod history;
 pub(crate) mod http;
 pub mod journal;
 pub mod launch;

@@ -141,6 +141,20 @@ pub struct Snapshot {
     pub egress: Option<Vec<(String, u64)>>,
     /// The change journal's counts (`crate::journal::Journal::counts`).
     pub journal: JournalCounts,
+    /// The version collector's totals since start-up and the store's size at its last run.
+    pub history: HistoryCounts,
+}
+
+/// The version collector at a scrape (`crate::history::History::totals`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HistoryCounts {
+    pub collections: u64,
+    pub failures: u64,
+    pub objects_deleted: u64,
+    pub disk_bytes_deleted: u64,
+    pub versions_pruned: u64,
+    /// `None` before the first collection.
+    pub disk_bytes_stored: Option<u64>,
 }
 
 /// The change journal at a scrape.
@@ -174,6 +188,11 @@ pub struct Metrics {
     journal_workspaces: Gauge,
     journal_watches: Gauge,
     journal_runs: Family<Labels, Gauge>,
+    history_collections: Family<Labels, Gauge>,
+    history_deleted_objects: Gauge,
+    history_deleted_bytes: Gauge,
+    history_pruned_versions: Gauge,
+    history_stored_bytes: Gauge,
     /// One scrape at a time: the gauges set for it are the ones it encodes.
     scrape: Mutex<()>,
 }
@@ -280,8 +299,43 @@ impl Metrics {
              workspace, by why (first_use, events_lost, unrepresentable, no_slot)",
             journal_runs.clone(),
         );
+        let history_collections = Family::<Labels, Gauge>::default();
+        registry.register(
+            "history_collections",
+            "Version collections since start-up, by outcome (ok, failed)",
+            history_collections.clone(),
+        );
+        let history_deleted_objects = Gauge::default();
+        registry.register(
+            "history_deleted_objects",
+            "Unreachable version-store objects the collector deleted since start-up",
+            history_deleted_objects.clone(),
+        );
+        let history_deleted_bytes = Gauge::default();
+        registry.register(
+            "history_deleted_bytes",
+            "Disk bytes the collector freed since start-up",
+            history_deleted_bytes.clone(),
+        );
+        let history_pruned_versions = Gauge::default();
+        registry.register(
+            "history_pruned_versions",
+            "History versions the retention removed since start-up",
+            history_pruned_versions.clone(),
+        );
+        let history_stored_bytes = Gauge::default();
+        registry.register(
+            "history_stored_bytes",
+            "Disk bytes the version store held at the last collection (-1 before the first)",
+            history_stored_bytes.clone(),
+        );
         Metrics {
             registry,
+            history_collections,
+            history_deleted_objects,
+            history_deleted_bytes,
+            history_pruned_versions,
+            history_stored_bytes,
             journal_workspaces,
             journal_watches,
             journal_runs,
@@ -377,6 +431,14 @@ impl Metrics {
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         };
         runs("journal", j.journaled);
+        let h = &snapshot.history;
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.history_collections.get_or_create(&vec![("outcome", "ok".into())]).set(count(h.collections));
+        self.history_collections.get_or_create(&vec![("outcome", "failed".into())]).set(count(h.failures));
+        self.history_deleted_objects.set(count(h.objects_deleted));
+        self.history_deleted_bytes.set(count(h.disk_bytes_deleted));
+        self.history_pruned_versions.set(count(h.versions_pruned));
+        self.history_stored_bytes.set(h.disk_bytes_stored.map_or(-1, count));
         for (why, n) in &j.walked {
             runs(why, *n);
         }
@@ -558,6 +620,14 @@ mod tests {
                 journaled: 5,
                 walked: vec![("events_lost", 1)],
             },
+            history: HistoryCounts {
+                collections: 2,
+                failures: 1,
+                objects_deleted: 9,
+                disk_bytes_deleted: 4096,
+                versions_pruned: 3,
+                disk_bytes_stored: None,
+            },
         });
         for line in [
             "runner_execution_requests_total{route=\"execute\",code=\"ok\"} 1",
@@ -567,6 +637,12 @@ mod tests {
             "runner_admission_total{result=\"refused\"} 1",
             "runner_queue_depth 3",
             "runner_journal_workspaces 2",
+            "runner_history_collections{outcome=\"ok\"} 2",
+            "runner_history_collections{outcome=\"failed\"} 1",
+            "runner_history_deleted_objects 9",
+            "runner_history_deleted_bytes 4096",
+            "runner_history_pruned_versions 3",
+            "runner_history_stored_bytes -1",
             "runner_journal_watches 7",
             "runner_journal_runs{measured=\"journal\"} 5",
             "runner_journal_runs{measured=\"events_lost\"} 1",

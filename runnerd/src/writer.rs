@@ -259,6 +259,16 @@ impl Versions {
         &self.lifecycle
     }
 
+    /// One run of the version collector over this store and its refs ([`versioning::gc`]).
+    pub fn collect(
+        &self,
+        named: &[Ref],
+        workspace_of: &dyn Fn(&str) -> Option<String>,
+        how: versioning::gc::Collection,
+    ) -> Result<versioning::gc::Report, VersionError> {
+        versioning::gc::collect(&self.store, &self.refs, named, workspace_of, how)
+    }
+
     /// The current head of a workspace, if any.
     pub fn head(&self, canonical: &Path) -> Result<Option<Ref>, WriteError> {
         Ok(self.refs().head(&workspace_head_name(canonical))?)
@@ -469,6 +479,8 @@ impl Versions {
         record: &Ref,
         closure: Closure,
     ) -> Result<(), WriteError> {
+        // From the check to the ref, the collector deletes nothing (issue #32).
+        let _guard = self.store.commit_guard();
         match closure {
             Closure::Full => self.store.validate_closure(record)?,
             Closure::SinceValidated => self.store.validate_closure_since_validated(record)?,

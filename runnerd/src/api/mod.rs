@@ -12,6 +12,7 @@ mod repair;
 mod resources;
 pub mod skills;
 pub mod stream;
+mod versioning;
 
 use std::sync::Arc;
 
@@ -144,6 +145,10 @@ pub async fn handle(
         ("POST", ["kernels", "teardown"]) => teardown_session(&app, &req.body).await,
         ("POST", ["kernels", id, "teardown"]) => teardown_kernel(id, &req.body),
         ("GET", ["metrics"]) => Ok(metrics(&app).await),
+        ("GET", ["versioning"]) => versioning::get(&app),
+        ("POST", ["versioning", "gc"]) => {
+            detached(async move { versioning::collect(&app, &req.body).await }).await
+        }
         ("POST", ["execute-shell"]) => {
             execute(app.clone(), request::Route::ExecuteShell, &req.body, client_gone).await
         }
@@ -323,6 +328,7 @@ async fn metrics(app: &App) -> ApiResponse {
         capacity: app.config.queue_capacity as i64,
         egress,
         journal: app.journal.metrics(),
+        history: app.history.metrics(),
     };
     let text = app.metrics.render(&snapshot);
     ApiResponse {

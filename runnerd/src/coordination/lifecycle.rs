@@ -184,6 +184,16 @@ impl Lifecycle {
         self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).contains(canonical)
     }
 
+    /// Every workspace root the registry has admitted (`roots`): the version collector
+    /// names each head's workspace by them. Empty when the registry cannot be read.
+    pub fn registered_roots(&self) -> Vec<PathBuf> {
+        let conn = self.registry_conn.lock().unwrap_or_else(|p| p.into_inner());
+        let Ok(mut stmt) = conn.prepare("SELECT path FROM roots") else { return Vec::new() };
+        stmt.query_map([], |row| row.get::<_, String>(0))
+            .map(|rows| rows.flatten().map(PathBuf::from).collect())
+            .unwrap_or_default()
+    }
+
     /// Roots whose lease this runner's previous process held when it stopped (the journal
     /// entries left behind), for start-up recovery.
     pub fn journaled_roots(&self) -> Vec<(PathBuf, PathBuf)> {

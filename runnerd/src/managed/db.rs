@@ -311,6 +311,25 @@ impl ExecutionsDb {
     }
 
     /// The record; one whose stored text cannot be read answers `unknown` with the reason.
+    /// The versions and trees the records name (`version`, `result.workspaceSnapshot`):
+    /// the version collector keeps them, and their history rows (issue #32). A record that
+    /// does not parse names nothing.
+    pub fn named_versions(&self) -> Result<Vec<crate::versioning::Ref>, DbError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT record FROM executions").map_err(|e| self.sqlite(e))?;
+        let mut rows = stmt.query([]).map_err(|e| self.sqlite(e))?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().map_err(|e| self.sqlite(e))? {
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&column_bytes(row, 0)) else { continue };
+            for named in [v.get("version"), v.pointer("/result/workspaceSnapshot")].into_iter().flatten() {
+                if let Ok(r) = crate::versioning::Ref::from_value(named) {
+                    out.push(r);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     pub fn get(&self, id: &str) -> Result<Option<ManagedExecution>, DbError> {
         let row = self
             .conn()

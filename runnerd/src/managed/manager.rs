@@ -289,6 +289,11 @@ impl Manager {
     }
 
     /// The start-up line about damaged records, if any was found.
+    /// What the records name, for the version collector ([`ExecutionsDb::named_versions`]).
+    pub fn named_versions(&self) -> Result<Vec<crate::versioning::Ref>, DbError> {
+        self.db.named_versions()
+    }
+
     pub fn startup_note(&self) -> Option<String> {
         let mut notes = Vec::new();
         if let Some(a) = &self.opened.set_aside {

@@ -19,12 +19,15 @@ use std::io;
 use std::path::PathBuf;
 
 pub mod export;
+pub mod gc;
 pub mod jcs;
 pub mod names;
 pub mod object;
 pub mod records;
 pub mod refs;
+pub mod retention;
 pub mod snapshot;
+mod sparse;
 pub mod store;
 pub mod sweep;
 #[cfg(test)]

@@ -26,6 +26,14 @@ enum Over<'a> {
     Exactly(Option<&'a Ref>),
 }
 
+/// One row of `history_refs`: a version of the head `name`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryRow {
+    pub id: i64,
+    pub name: String,
+    pub target: Ref,
+}
+
 /// One connection to the refs database. Send, not Sync: give each thread its own.
 #[derive(Debug)]
 pub struct Refs {
@@ -143,6 +151,61 @@ impl Refs {
             .and_then(|mut s| s.execute(params![name, text]))
             .map_err(sql("append to the history", &path))?;
         tx.commit().map_err(sql("commit", &path))
+    }
+
+    /// Every history row after `after` (an id), oldest first: the collector's view of the
+    /// versions (issue #32). A row whose target does not parse is left out (it roots
+    /// nothing that could be read).
+    pub fn history_rows(&self, after: i64) -> Result<Vec<HistoryRow>, VersionError> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT id, name, target FROM history_refs WHERE id > ? ORDER BY id")
+            .map_err(sql("prepare a query", &self.path))?;
+        let rows = stmt
+            .query_map([after], |row| {
+                Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?))
+            })
+            .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
+            .map_err(sql("read the history", &self.path))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(id, name, text)| {
+                parse_target(&text).ok().map(|target| HistoryRow { id, name, target })
+            })
+            .collect())
+    }
+
+    /// Every live ref: (name, target); one whose target does not parse is left out.
+    pub fn live_rows(&self) -> Result<Vec<(String, Ref)>, VersionError> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT name, target FROM live_refs")
+            .map_err(sql("prepare a query", &self.path))?;
+        let rows = stmt
+            .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+            .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
+            .map_err(sql("read the heads", &self.path))?;
+        Ok(rows.into_iter().filter_map(|(name, text)| parse_target(&text).ok().map(|t| (name, t))).collect())
+    }
+
+    /// Removes history rows (the retention's verdict), in one transaction. A head is a
+    /// live ref and stays whatever its history rows.
+    pub fn delete_history(&mut self, ids: &[i64]) -> Result<usize, VersionError> {
+        let path = self.path.clone();
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql("begin a history pruning", &path))?;
+        let mut deleted = 0;
+        {
+            let mut stmt =
+                tx.prepare("DELETE FROM history_refs WHERE id = ?").map_err(sql("prepare a query", &path))?;
+            for id in ids {
+                deleted += stmt.execute([id]).map_err(sql("prune the history", &path))?;
+            }
+        }
+        tx.commit().map_err(sql("commit", &path))?;
+        Ok(deleted)
     }
 
     /// Every target `name` has had, oldest first.

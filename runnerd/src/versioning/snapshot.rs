@@ -64,6 +64,12 @@ impl FileCache {
         self.trees.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
+    /// Drops the entries whose object is `gone` (the collector deleted it).
+    pub(crate) fn forget(&self, gone: impl Fn(&Ref) -> bool) {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, (_, r)| !gone(r));
+        self.trees.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, r| !gone(r));
+    }
+
     fn tree(&self, fingerprint: &[u8; 32]) -> Option<Ref> {
         self.trees.lock().unwrap_or_else(|e| e.into_inner()).get(fingerprint).cloned()
     }

@@ -66,6 +66,10 @@ pub struct Store {
     last_full_closure: Mutex<Option<std::time::Instant>>,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
+    /// Held shared by every commit from its closure check to its ref, and exclusively by
+    /// the collector while it deletes ([`super::gc`]): an object a commit checked is never
+    /// deleted before its ref roots it, and one deleted is forgotten before the next check.
+    collecting: std::sync::RwLock<()>,
 }
 
 /// Validated closures remembered at most ([`Store::closures`]); past it they are forgotten
@@ -79,9 +83,9 @@ const FULL_CLOSURE_EVERY: std::time::Duration = std::time::Duration::from_secs(6
 type BlobStamp = (u64, u64, u64, i128, i128);
 
 /// An object's identity in the in-memory caches: its pool and raw digest.
-type DigestKey = (Pool, [u8; 32]);
+pub(crate) type DigestKey = (Pool, [u8; 32]);
 
-fn digest_key(pool: Pool, hex: &str) -> DigestKey {
+pub(crate) fn digest_key(pool: Pool, hex: &str) -> DigestKey {
     let mut raw = [0u8; 32];
     for (i, pair) in hex.as_bytes().chunks(2).take(32).enumerate() {
         let nib = |c: u8| (c as char).to_digit(16).unwrap_or(0) as u8;
@@ -203,6 +207,7 @@ impl Store {
             closures_generation: AtomicU64::new(0),
             last_full_closure: Mutex::default(),
             blob_dir_fds: Default::default(),
+            collecting: std::sync::RwLock::new(()),
         };
         for pool in [Pool::Data, Pool::AgentState] {
             let pool_dir = store.root.join(pool.as_str());
@@ -312,7 +317,9 @@ impl Store {
     pub fn put_stream(&self, pool: Pool, reader: &mut dyn Read) -> Result<Ref, VersionError> {
         let dir = self.blob_dir(pool);
         let tmp = TempFile(dir.join(format!("{}{}", new_uuid_v4(), super::sweep::own_suffix())));
-        let mut file = create_exclusive(&tmp.0)?;
+        // Holes where the content has whole blocks of zeros: a sparse workspace file costs
+        // the store what it costs the workspace (issue #32).
+        let mut sparse = super::sparse::SparseWriter::new(create_exclusive(&tmp.0)?);
         let mut hasher = Sha256::new();
         let mut size = 0u64;
         let mut buf = vec![0u8; CHUNK];
@@ -324,9 +331,10 @@ impl Store {
                 Err(e) => return Err(io_err("read the content being stored into", &tmp.0)(e)),
             };
             hasher.update(&buf[..n]);
-            file.write_all(&buf[..n]).map_err(io_err("write the temporary object", &tmp.0))?;
+            sparse.write(&buf[..n]).map_err(io_err("write the temporary object", &tmp.0))?;
             size += n as u64;
         }
+        let file = sparse.finish().map_err(io_err("write the temporary object", &tmp.0))?;
         file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
         let hex = hex(&hasher.finalize());
         let final_path = dir.join(&hex);
@@ -426,6 +434,30 @@ impl Store {
         self.verified.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.deps_held.store(0, AtomicOrdering::Relaxed);
+        self.closures.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.closures_generation.fetch_add(1, AtomicOrdering::SeqCst);
+    }
+
+    /// Held by a commit from its closure check until its ref is written ([`Store::collecting`]).
+    pub(crate) fn commit_guard(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.collecting.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Held by the collector while it deletes: no commit is between its check and its ref.
+    pub(crate) fn sweep_guard(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
+        self.collecting.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets every cached fact about the objects the collector deleted (by raw digest,
+    /// either pool): a snapshot that would have reused one stores it again, and the next
+    /// closure check trusts no earlier one (what it trusted may be what went).
+    pub(crate) fn forget_objects(&self, gone: &HashSet<[u8; 32]>) {
+        if gone.is_empty() {
+            return;
+        }
+        self.cache.forget(|r| gone.contains(&digest_key(r.pool, r.hex()).1));
+        self.verified.lock().unwrap_or_else(|p| p.into_inner()).retain(|(_, raw), _| !gone.contains(raw));
+        self.record_deps.lock().unwrap_or_else(|p| p.into_inner()).retain(|(_, raw), _| !gone.contains(raw));
         self.closures.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.closures_generation.fetch_add(1, AtomicOrdering::SeqCst);
     }

@@ -1,0 +1,487 @@
+//! The collector (issue #32): history retention, then a mark-and-sweep of the objects no
+//! root reaches, with an account of what each workspace's history holds.
+//!
+//! The roots are the original's `roots()` — every live ref and every history row that the
+//! retention keeps — and the versions a managed execution names. Objects are marked by
+//! digest alone: a reader falls back to the other pool, so a marked digest keeps its blob
+//! in both.
+//!
+//! Safe against concurrent commits in three ways:
+//! * an object made or linked less than [`Collection::grace`] ago is never deleted (a
+//!   commit of this process or of the API process may be about to root it);
+//! * deletion happens under [`Store::sweep_guard`], which no commit of this process holds
+//!   between its closure check and its ref: before each batch, the roots committed since the
+//!   mark are marked too, so an old object a new commit reused is kept;
+//! * what was deleted is forgotten by every cache ([`Store::forget_objects`]), so a commit
+//!   that would reuse it stores it again (or finds it missing and retries).
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+use super::retention::{self, Retention};
+use super::store::digest_key;
+use super::{Pool, Ref, Refs, Store, VersionError};
+
+/// Objects deleted per hold of the sweep guard: commits wait for at most one batch.
+const BATCH: usize = 2048;
+/// Damaged records named in a report at most.
+const NAMED: usize = 20;
+
+/// What one collection does.
+#[derive(Debug, Clone, Copy)]
+pub struct Collection {
+    pub retention: Retention,
+    /// Objects younger than this (by mtime) are never deleted.
+    pub grace: Duration,
+    /// Account and list, delete nothing (`runnerctl gc --dry-run`).
+    pub dry_run: bool,
+}
+
+/// What a collection found and did; `/versioning` and `runnerctl gc` show it.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub dry_run: bool,
+    /// Seconds since the epoch when it started, and how long it took.
+    pub started_at: u64,
+    pub took_ms: u64,
+    /// History rows the retention removed (or would remove, dry).
+    pub versions_pruned: usize,
+    pub versions_kept: usize,
+    pub objects_stored: u64,
+    /// Bytes the stored objects take on disk (allocated, so a sparse object is its data).
+    pub disk_bytes_stored: u64,
+    pub objects_reachable: u64,
+    pub objects_deleted: u64,
+    pub disk_bytes_deleted: u64,
+    /// Unreachable objects kept because they are younger than the grace.
+    pub objects_kept_young: u64,
+    /// Records that could not be read (missing or damaged): what only they reach is not
+    /// known, and is collected as unreachable. At most [`NAMED`], then a count.
+    pub unreadable: Vec<String>,
+    pub unreadable_count: usize,
+    /// Each head's history, largest on disk first.
+    pub workspaces: Vec<HeadHistory>,
+}
+
+/// One head's history: its retained versions and what they reach.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HeadHistory {
+    pub name: String,
+    /// The workspace directory, where the head is a workspace's that runnerd knows.
+    pub workspace: Option<String>,
+    pub versions: usize,
+    pub objects: u64,
+    /// The sum of the objects' sizes (what a restore would write).
+    pub bytes: u64,
+    /// What those objects take on disk, each counted in every history that reaches it.
+    pub disk_bytes: u64,
+}
+
+/// A stored blob: its raw digest, the pool directory it is in, disk bytes and mtime.
+struct Stored {
+    raw: [u8; 32],
+    pool: Pool,
+    name: String,
+    disk: u64,
+    mtime: SystemTime,
+}
+
+/// The mark: digests reached, and each record's dependencies read once.
+#[derive(Default)]
+struct Mark {
+    reached: HashSet<[u8; 32]>,
+    deps: HashMap<[u8; 32], Vec<Ref>>,
+    unreadable: Vec<String>,
+    unreadable_count: usize,
+}
+
+impl Mark {
+    /// Marks everything `root` reaches; returns the distinct objects of this walk (for a
+    /// head's account, `seen` spans its versions). A damaged record is noted and its
+    /// subtree left unmarked; an I/O failure stops the collection.
+    fn walk(
+        &mut self,
+        store: &Store,
+        root: &Ref,
+        seen: &mut HashSet<[u8; 32]>,
+        sizes: &mut Vec<([u8; 32], u64)>,
+    ) -> Result<(), VersionError> {
+        let mut queue = vec![root.clone()];
+        while let Some(r) = queue.pop() {
+            if r.validate().is_err() {
+                continue;
+            }
+            let raw = digest_key(r.pool, r.hex()).1;
+            if !seen.insert(raw) {
+                continue;
+            }
+            sizes.push((raw, r.size));
+            self.reached.insert(raw);
+            if !r.is_record() {
+                continue;
+            }
+            if let Some(deps) = self.deps.get(&raw) {
+                queue.extend(deps.iter().cloned());
+                continue;
+            }
+            match store.read_record(&r, None) {
+                Ok(record) => {
+                    queue.extend(record.dependencies.iter().cloned());
+                    self.deps.insert(raw, record.dependencies);
+                }
+                Err(e @ (VersionError::Io { .. } | VersionError::Sqlite { .. })) => return Err(e),
+                Err(e) => {
+                    self.unreadable_count += 1;
+                    if self.unreadable.len() < NAMED {
+                        self.unreadable.push(format!("{}: {}", r.digest, crate::error_chain(&e)));
+                    }
+                    // Remembered as a leaf: a second root reaching it does not read it again.
+                    self.deps.insert(raw, Vec::new());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs one collection. `named`: the versions managed executions name (roots, and never
+/// pruned); `workspace_of`: a head name's workspace directory, where known.
+pub fn collect(
+    store: &Store,
+    refs: &Mutex<Refs>,
+    named: &[Ref],
+    workspace_of: &dyn Fn(&str) -> Option<String>,
+    how: Collection,
+) -> Result<Report, VersionError> {
+    let started = SystemTime::now();
+    let clock = std::time::Instant::now();
+    let lock = || refs.lock().unwrap_or_else(|p| p.into_inner());
+    let (rows, live) = {
+        let r = lock();
+        (r.history_rows(0)?, r.live_rows()?)
+    };
+    let last_id = rows.last().map_or(0, |r| r.id);
+
+    // Retention: which history rows go.
+    let jcs: Vec<String> = rows.iter().map(|r| r.target.jcs()).collect();
+    let live_jcs: Vec<(String, String)> = live.iter().map(|(n, t)| (n.clone(), t.jcs())).collect();
+    let heads: HashMap<&str, &str> = live_jcs.iter().map(|(n, t)| (n.as_str(), t.as_str())).collect();
+    let named_jcs: Vec<String> = named.iter().map(Ref::jcs).collect();
+    let named_set: HashSet<&str> = named_jcs.iter().map(String::as_str).collect();
+    let versions: Vec<retention::Version<'_>> = rows
+        .iter()
+        .zip(&jcs)
+        .map(|(row, target)| retention::Version {
+            id: row.id,
+            name: &row.name,
+            target,
+            created: std::fs::symlink_metadata(store.blob_path(row.target.pool, row.target.hex()))
+                .and_then(|m| m.modified())
+                .ok(),
+        })
+        .collect();
+    let pruned: HashSet<i64> =
+        retention::pruned(&versions, &heads, &named_set, how.retention, started).into_iter().collect();
+    if !how.dry_run && !pruned.is_empty() {
+        let ids: Vec<i64> = pruned.iter().copied().collect();
+        lock().delete_history(&ids)?;
+        tracing::info!(event = "history_pruned", versions = ids.len());
+    }
+
+    // Mark, head by head (a head's account spans its retained versions and its target).
+    let mut by_head: HashMap<&str, (usize, Vec<&Ref>)> = HashMap::new();
+    for row in rows.iter().filter(|r| !pruned.contains(&r.id)) {
+        let entry = by_head.entry(&row.name).or_default();
+        entry.0 += 1;
+        entry.1.push(&row.target);
+    }
+    for (name, target) in &live {
+        by_head.entry(name).or_default().1.push(target);
+    }
+    let mut mark = Mark::default();
+    let mut accounts = Vec::new();
+    for (name, (versions, roots)) in by_head {
+        let (mut seen, mut sizes) = (HashSet::new(), Vec::new());
+        for root in roots {
+            mark.walk(store, root, &mut seen, &mut sizes)?;
+        }
+        accounts.push((name.to_owned(), versions, sizes));
+    }
+    for root in named {
+        mark.walk(store, root, &mut HashSet::new(), &mut Vec::new())?;
+    }
+
+    // What is stored: a file per digest name in each pool.
+    let stored = list_stored(store)?;
+    let disk_of: HashMap<[u8; 32], u64> = stored.iter().map(|s| (s.raw, s.disk)).collect();
+    let young_after = started.checked_sub(how.grace).unwrap_or(SystemTime::UNIX_EPOCH);
+    let mut report = Report {
+        dry_run: how.dry_run,
+        started_at: started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        versions_pruned: pruned.len(),
+        versions_kept: rows.len() - pruned.len(),
+        objects_stored: stored.len() as u64,
+        disk_bytes_stored: stored.iter().map(|s| s.disk).sum(),
+        objects_reachable: mark.reached.len() as u64,
+        ..Report::default()
+    };
+    let mut doomed = Vec::new();
+    for s in stored {
+        if mark.reached.contains(&s.raw) {
+            continue;
+        }
+        if s.mtime > young_after {
+            report.objects_kept_young += 1;
+        } else {
+            doomed.push(s);
+        }
+    }
+
+    if !how.dry_run {
+        let mut after = last_id;
+        let mut known_live: HashSet<String> = live_jcs.into_iter().map(|(_, t)| t).collect();
+        let mut gone = HashSet::new();
+        for batch in doomed.chunks(BATCH) {
+            let _guard = store.sweep_guard();
+            // Roots committed since the mark (their commits are all done: we hold the
+            // guard) may have reused an object the mark did not reach.
+            let (rows, live) = {
+                let r = lock();
+                (r.history_rows(after)?, r.live_rows()?)
+            };
+            after = rows.last().map_or(after, |r| r.id);
+            let fresh = rows
+                .into_iter()
+                .map(|r| r.target)
+                .chain(live.into_iter().map(|(_, t)| t).filter(|t| known_live.insert(t.jcs())));
+            for root in fresh.collect::<Vec<_>>() {
+                mark.walk(store, &root, &mut HashSet::new(), &mut Vec::new())?;
+            }
+            for s in batch.iter().filter(|s| !mark.reached.contains(&s.raw)) {
+                let path = store.blob_dir(s.pool).join(&s.name);
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {
+                        report.objects_deleted += 1;
+                        report.disk_bytes_deleted += s.disk;
+                        gone.insert(s.raw);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(super::io_err("delete an unreachable object", path)(e)),
+                }
+            }
+            store.forget_objects(&gone);
+        }
+        for pool in [Pool::Data, Pool::AgentState] {
+            super::store::fsync_dir(&store.blob_dir(pool))?;
+        }
+    }
+
+    report.workspaces = accounts
+        .into_iter()
+        .map(|(name, versions, sizes)| HeadHistory {
+            workspace: workspace_of(&name),
+            versions,
+            objects: sizes.len() as u64,
+            bytes: sizes.iter().map(|(_, size)| size).sum(),
+            disk_bytes: sizes.iter().map(|(raw, _)| disk_of.get(raw).copied().unwrap_or(0)).sum(),
+            name,
+        })
+        .collect();
+    report.workspaces.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
+    report.unreadable = mark.unreadable;
+    report.unreadable_count = mark.unreadable_count;
+    report.took_ms = clock.elapsed().as_millis() as u64;
+    Ok(report)
+}
+
+/// Every blob of both pools: regular files named by a digest (temporaries, planted links
+/// and anything else are not objects and are left alone).
+fn list_stored(store: &Store) -> Result<Vec<Stored>, VersionError> {
+    let mut out = Vec::new();
+    for pool in [Pool::Data, Pool::AgentState] {
+        let dir = store.blob_dir(pool);
+        let entries = std::fs::read_dir(&dir).map_err(super::io_err("list the objects of", &dir))?;
+        for entry in entries {
+            let entry = entry.map_err(super::io_err("list the objects of", &dir))?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            if !is_digest_name(&name) {
+                continue;
+            }
+            // `DirEntry::metadata` does not follow a link.
+            let Ok(meta) = entry.metadata() else { continue };
+            if !meta.file_type().is_file() {
+                continue;
+            }
+            out.push(Stored {
+                raw: digest_key(pool, &name).1,
+                pool,
+                disk: meta.blocks().saturating_mul(512),
+                mtime: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                name,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn is_digest_name(name: &str) -> bool {
+    name.len() == 64 && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The head names of workspace directories: `workspace_of`'s table for [`collect`].
+pub fn head_names<'a>(roots: impl IntoIterator<Item = &'a Path>) -> HashMap<String, String> {
+    roots
+        .into_iter()
+        .map(|root| (super::workspace_head_name(root), root.to_string_lossy().into_owned()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::versioning::testutil::temp_store;
+    use crate::versioning::{OCTET_STREAM, mutation_value};
+
+    const NOW: Duration = Duration::ZERO;
+
+    fn how(keep_versions: u64, keep_days: u64, dry_run: bool) -> Collection {
+        Collection { retention: Retention { keep_versions, keep_days }, grace: NOW, dry_run }
+    }
+
+    /// A version of a one-file workspace: the file's content, its tree, the mutation.
+    fn version(store: &Store, content: &[u8]) -> (Ref, Ref) {
+        let file = store.put_stream(Pool::Data, &mut &content[..]).unwrap();
+        let tree =
+            store.put_record("WorkspaceTree", json!({"entries": [{"content": file.to_value()}]})).unwrap();
+        let id = crate::versioning::new_uuid_v4();
+        (file, store.put_record("WorkspaceMutation", mutation_value(Some(&id), "t", true, &tree)).unwrap())
+    }
+
+    fn commit(store: &Store, refs: &Mutex<Refs>, name: &str, record: &Ref) {
+        let mut r = refs.lock().unwrap();
+        let head = r.head(name).unwrap();
+        r.commit(store, name, head.as_ref(), record).unwrap();
+    }
+
+    /// Makes every blob as old as `age` (the grace is about mtimes).
+    fn age_all(store: &Store, age: Duration) {
+        let when = SystemTime::now() - age;
+        for pool in [Pool::Data, Pool::AgentState] {
+            for entry in std::fs::read_dir(store.blob_dir(pool)).unwrap().flatten() {
+                let f = std::fs::File::options().write(true).open(entry.path()).unwrap();
+                f.set_modified(when).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn unreachable_objects_go_and_every_reachable_one_stays() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let (old_file, v1) = version(&store, b"first");
+        commit(&store, &refs, "workspaces/a/head", &v1);
+        let (new_file, v2) = version(&store, b"second");
+        commit(&store, &refs, "workspaces/a/head", &v2);
+        // An orphan a failed snapshot left, and a record only a managed execution names.
+        let orphan = store.put(Pool::Data, b"orphan", OCTET_STREAM).unwrap();
+        let (managed_file, managed) = version(&store, b"managed");
+        age_all(&store, Duration::from_secs(40 * 86_400));
+        let names = |_: &str| None;
+
+        // Dry: counts, deletes nothing.
+        let dry = collect(&store, &refs, std::slice::from_ref(&managed), &names, how(1, 1, true)).unwrap();
+        assert_eq!((dry.versions_pruned, dry.objects_deleted), (1, 0));
+        assert!(store.has(&orphan) && store.has(&old_file));
+
+        let report =
+            collect(&store, &refs, std::slice::from_ref(&managed), &names, how(1, 1, false)).unwrap();
+        assert_eq!(report.versions_pruned, 1, "{report:?}");
+        // v1's mutation, tree and file, and the orphan.
+        assert_eq!(report.objects_deleted, 4, "{report:?}");
+        assert!(!store.has(&orphan) && !store.has(&old_file) && !store.has(&v1));
+        for kept in [&v2, &new_file, &managed, &managed_file] {
+            assert!(store.has(kept), "{kept:?}");
+            store.validate_closure(kept).unwrap();
+        }
+        assert_eq!(refs.lock().unwrap().history("workspaces/a/head").unwrap(), vec![v2.clone()]);
+        let account = report.workspaces.iter().find(|w| w.name == "workspaces/a/head").unwrap();
+        assert_eq!((account.versions, account.objects), (1, 3));
+        assert_eq!(
+            account.bytes,
+            v2.size + new_file.size + store.read_record(&v2, None).unwrap().dependencies[0].size
+        );
+
+        // Nothing left to do: a second collection deletes nothing.
+        let again = collect(&store, &refs, &[managed], &names, how(1, 1, false)).unwrap();
+        assert_eq!((again.versions_pruned, again.objects_deleted), (0, 0));
+    }
+
+    #[test]
+    fn young_objects_and_retained_history_stay() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let (_, v1) = version(&store, b"one");
+        commit(&store, &refs, "workspaces/a/head", &v1);
+        let (_, v2) = version(&store, b"two");
+        commit(&store, &refs, "workspaces/a/head", &v2);
+        let orphan = store.put(Pool::Data, b"young orphan", OCTET_STREAM).unwrap();
+        let names = |_: &str| None;
+        // Everything is new: the days keep v1, the grace keeps the orphan.
+        let grace = Collection { grace: Duration::from_secs(3600), ..how(1, 30, false) };
+        let report = collect(&store, &refs, &[], &names, grace).unwrap();
+        assert_eq!((report.versions_pruned, report.objects_deleted, report.objects_kept_young), (0, 0, 1));
+        assert!(store.has(&orphan) && store.has(&v1));
+        // Retention off (0 days): nothing pruned however old.
+        age_all(&store, Duration::from_secs(400 * 86_400));
+        let off = collect(&store, &refs, &[], &names, how(1, 0, false)).unwrap();
+        assert_eq!((off.versions_pruned, off.objects_deleted), (0, 1));
+        assert!(store.has(&v1) && !store.has(&orphan));
+    }
+
+    #[test]
+    fn an_object_another_head_still_reaches_stays() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let (file, v1) = version(&store, b"content");
+        commit(&store, &refs, "workspaces/a/head", &v1);
+        let (_, v2) = version(&store, b"other");
+        commit(&store, &refs, "workspaces/a/head", &v2);
+        age_all(&store, Duration::from_secs(40 * 86_400));
+        // Another head reuses v1's file: pruning a's history leaves it reachable.
+        let tree =
+            store.put_record("WorkspaceTree", json!({"entries": [{"content": file.to_value()}]})).unwrap();
+        commit(&store, &refs, "workspaces/b/head", &tree);
+        let names = |_: &str| None;
+        let report = collect(&store, &refs, &[], &names, how(1, 1, false)).unwrap();
+        assert_eq!(report.versions_pruned, 1);
+        assert!(store.has(&file) && !store.has(&v1));
+        store.validate_closure(&tree).unwrap();
+    }
+
+    #[test]
+    fn damaged_records_are_named_and_planted_names_left_alone() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let (_, v1) = version(&store, b"x");
+        commit(&store, &refs, "workspaces/a/head", &v1);
+        std::fs::remove_file(store.blob_path(Pool::AgentState, v1.hex())).unwrap();
+        let planted = store.blob_dir(Pool::Data).join("f".repeat(64));
+        std::os::unix::fs::symlink("/etc/passwd", &planted).unwrap();
+        std::fs::write(store.blob_dir(Pool::Data).join("notes.txt"), b"x").unwrap();
+        age_all(&store, Duration::from_secs(40 * 86_400));
+        let report = collect(&store, &refs, &[], &|_| None, how(1, 1, false)).unwrap();
+        assert_eq!(report.unreadable_count, 1, "{report:?}");
+        assert!(report.unreadable[0].contains(&v1.digest), "{:?}", report.unreadable);
+        assert!(std::fs::symlink_metadata(&planted).is_ok());
+        assert!(store.blob_dir(Pool::Data).join("notes.txt").exists());
+    }
+}
