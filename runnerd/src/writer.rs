@@ -479,8 +479,6 @@ impl Versions {
         record: &Ref,
         closure: Closure,
     ) -> Result<(), WriteError> {
-        // From the check to the ref, the collector deletes nothing (issue #32).
-        let _guard = self.store.commit_guard();
         match closure {
             Closure::Full => self.store.validate_closure(record)?,
             Closure::SinceValidated => self.store.validate_closure_since_validated(record)?,
@@ -738,6 +736,8 @@ impl Versions {
 impl Versions {
     /// Stores a `WorkspaceExport` record at `workspace-exports/<uuid>` (expected: none).
     pub fn put_export(&self, value: Value) -> Result<(String, Ref), WriteError> {
+        // From the record to its ref, the collector deletes nothing (issue #32).
+        let _guard = self.store.commit_guard();
         let record = self.store.put_record("WorkspaceExport", value)?;
         let id = new_uuid_v4();
         self.commit_ref(&format!("workspace-exports/{id}"), Expected::Exactly(None), &record, Closure::Full)?;
@@ -766,7 +766,13 @@ async fn blocking_retry<T: Send + 'static>(
     crate::blocking::run(move || {
         let mut changed = 0;
         loop {
-            match f() {
+            // Each attempt, from its snapshot to its ref, holds off the collector's deletions
+            // (issue #32): nothing it found stored is deleted before its ref roots it.
+            let attempt = {
+                let _guard = versions.store.commit_guard();
+                f()
+            };
+            match attempt {
                 Err(WriteError::Version(VersionError::Missing { digest, .. })) if changed < SNAPSHOT_RETRIES => {
                     tracing::warn!(event = "object_missing", digest = %digest, detail = "caches dropped; snapshotting again");
                     versions.store.forget_caches();

@@ -8,6 +8,7 @@ mod environments;
 mod environments_r;
 mod fail_well_http;
 mod full_disk;
+mod history;
 mod hosts_file;
 mod http_api;
 mod http_hostile;

@@ -8,10 +8,10 @@
 //!
 //! Safe against concurrent commits in three ways:
 //! * an object made or linked less than [`Collection::grace`] ago is never deleted (a
-//!   commit of this process or of the API process may be about to root it);
-//! * deletion happens under [`Store::sweep_guard`], which no commit of this process holds
-//!   between its closure check and its ref: before each batch, the roots committed since the
-//!   mark are marked too, so an old object a new commit reused is kept;
+//!   commit of the API process may be about to root it);
+//! * deletion happens under [`Store::sweep_guard`], taken only while no commit attempt of
+//!   this process is between its snapshot and its ref: before each batch, the roots
+//!   committed since the mark are marked too, so an old object a new commit reused is kept;
 //! * what was deleted is forgotten by every cache ([`Store::forget_objects`]), so a commit
 //!   that would reuse it stores it again (or finds it missing and retries).
 
@@ -29,6 +29,8 @@ use super::{Pool, Ref, Refs, Store, VersionError};
 
 /// Objects deleted per hold of the sweep guard: commits wait for at most one batch.
 const BATCH: usize = 2048;
+/// How long a batch waits for a moment with no commit attempt in flight.
+const PATIENCE: Duration = Duration::from_secs(120);
 /// Damaged records named in a report at most.
 const NAMED: usize = 20;
 
@@ -61,6 +63,12 @@ pub struct Report {
     pub disk_bytes_deleted: u64,
     /// Unreachable objects kept because they are younger than the grace.
     pub objects_kept_young: u64,
+    /// Objects a kept version reaches that are in neither pool nor the legacy store: a
+    /// store damaged behind runnerd's back (0 is what every collection should find;
+    /// `runnerctl repair` restores a workspace's head from its files).
+    pub objects_missing: u64,
+    /// Why deletion stopped before the end, if it did.
+    pub sweep_stopped: Option<String>,
     /// Records that could not be read (missing or damaged): what only they reach is not
     /// known, and is collected as unreachable. At most [`NAMED`], then a count.
     pub unreadable: Vec<String>,
@@ -221,6 +229,11 @@ pub fn collect(
     // What is stored: a file per digest name in each pool.
     let stored = list_stored(store)?;
     let disk_of: HashMap<[u8; 32], u64> = stored.iter().map(|s| (s.raw, s.disk)).collect();
+    let objects_missing = mark
+        .reached
+        .iter()
+        .filter(|raw| !disk_of.contains_key(*raw) && !store.in_legacy_store(&super::names::hex(&raw[..])))
+        .count() as u64;
     let young_after = started.checked_sub(how.grace).unwrap_or(SystemTime::UNIX_EPOCH);
     let mut report = Report {
         dry_run: how.dry_run,
@@ -230,6 +243,7 @@ pub fn collect(
         objects_stored: stored.len() as u64,
         disk_bytes_stored: stored.iter().map(|s| s.disk).sum(),
         objects_reachable: mark.reached.len() as u64,
+        objects_missing,
         ..Report::default()
     };
     let mut doomed = Vec::new();
@@ -249,7 +263,13 @@ pub fn collect(
         let mut known_live: HashSet<String> = live_jcs.into_iter().map(|(_, t)| t).collect();
         let mut gone = HashSet::new();
         for batch in doomed.chunks(BATCH) {
-            let _guard = store.sweep_guard();
+            let Some(_guard) = store.sweep_guard(PATIENCE) else {
+                report.sweep_stopped = Some(format!(
+                    "commits never paused for {} s; the rest waits for the next collection",
+                    PATIENCE.as_secs()
+                ));
+                break;
+            };
             // Roots committed since the mark (their commits are all done: we hold the
             // guard) may have reused an object the mark did not reach.
             let (rows, live) = {
@@ -406,7 +426,7 @@ mod tests {
             collect(&store, &refs, std::slice::from_ref(&managed), &names, how(1, 1, false)).unwrap();
         assert_eq!(report.versions_pruned, 1, "{report:?}");
         // v1's mutation, tree and file, and the orphan.
-        assert_eq!(report.objects_deleted, 4, "{report:?}");
+        assert_eq!((report.objects_deleted, report.objects_missing), (4, 0), "{report:?}");
         assert!(!store.has(&orphan) && !store.has(&old_file) && !store.has(&v1));
         for kept in [&v2, &new_file, &managed, &managed_file] {
             assert!(store.has(kept), "{kept:?}");
@@ -479,7 +499,7 @@ mod tests {
         std::fs::write(store.blob_dir(Pool::Data).join("notes.txt"), b"x").unwrap();
         age_all(&store, Duration::from_secs(40 * 86_400));
         let report = collect(&store, &refs, &[], &|_| None, how(1, 1, false)).unwrap();
-        assert_eq!(report.unreadable_count, 1, "{report:?}");
+        assert_eq!((report.unreadable_count, report.objects_missing), (1, 1), "{report:?}");
         assert!(report.unreadable[0].contains(&v1.digest), "{:?}", report.unreadable);
         assert!(std::fs::symlink_metadata(&planted).is_ok());
         assert!(store.blob_dir(Pool::Data).join("notes.txt").exists());

@@ -66,9 +66,9 @@ pub struct Store {
     last_full_closure: Mutex<Option<std::time::Instant>>,
     /// `blobs/sha256` of each pool, opened once: objects are stat'ed relative to it.
     blob_dir_fds: [std::sync::OnceLock<std::os::fd::OwnedFd>; 2],
-    /// Held shared by every commit from its closure check to its ref, and exclusively by
-    /// the collector while it deletes ([`super::gc`]): an object a commit checked is never
-    /// deleted before its ref roots it, and one deleted is forgotten before the next check.
+    /// Held shared by every commit attempt from its snapshot to its ref, and exclusively by
+    /// the collector while it deletes ([`super::gc`]): nothing an attempt found stored is
+    /// deleted before its ref roots it, and what was deleted is forgotten before the next.
     collecting: std::sync::RwLock<()>,
 }
 
@@ -260,6 +260,11 @@ impl Store {
         self.data_dir.join("cas").join("sha256").join(&hex[..2]).join(hex)
     }
 
+    /// Whether the read-only legacy store holds `hex` (a regular file, not followed).
+    pub(crate) fn in_legacy_store(&self, hex: &str) -> bool {
+        hex.len() == 64 && fs::symlink_metadata(self.legacy_path(hex)).is_ok_and(|m| m.is_file())
+    }
+
     /// Stores an in-memory buffer (the original's `put`).
     pub fn put(&self, pool: Pool, bytes: &[u8], media_type: &str) -> Result<Ref, VersionError> {
         if media_type.is_empty() {
@@ -438,14 +443,31 @@ impl Store {
         self.closures_generation.fetch_add(1, AtomicOrdering::SeqCst);
     }
 
-    /// Held by a commit from its closure check until its ref is written ([`Store::collecting`]).
+    /// Held by a commit attempt from its snapshot until its ref is written
+    /// ([`Store::collecting`]).
     pub(crate) fn commit_guard(&self) -> std::sync::RwLockReadGuard<'_, ()> {
         self.collecting.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Held by the collector while it deletes: no commit is between its check and its ref.
-    pub(crate) fn sweep_guard(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
-        self.collecting.write().unwrap_or_else(|p| p.into_inner())
+    /// Held by the collector while it deletes: no commit attempt is in flight. Taken by
+    /// polling, never by waiting on the lock: a waiting writer would make every new commit
+    /// wait behind the longest snapshot in flight. `None` when commits never paused for
+    /// `patience`.
+    pub(crate) fn sweep_guard(
+        &self,
+        patience: std::time::Duration,
+    ) -> Option<std::sync::RwLockWriteGuard<'_, ()>> {
+        let until = std::time::Instant::now() + patience;
+        loop {
+            match self.collecting.try_write() {
+                Ok(guard) => return Some(guard),
+                Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            }
+        }
     }
 
     /// Forgets every cached fact about the objects the collector deleted (by raw digest,
