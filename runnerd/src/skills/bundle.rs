@@ -21,6 +21,14 @@ pub const SKILL_MD: &str = "SKILL.md";
 /// the 64 MiB body bounds both in practice).
 pub const MAX_FILES: usize = 10_000;
 pub const MAX_PATH_BYTES: usize = 1024;
+/// Ours (issue #32): the most directories publishing a bundle may make (each skill's own and
+/// every directory its files' paths name), and the most names in a file's path. Checked on
+/// the bundle, before anything is written: paths alone let a 35 KiB bundle make 16,041
+/// directories, a 12 MB one millions. Manifests of packages already published are not held
+/// to them (they stay readable and deletable).
+pub const MAX_DIRECTORIES: usize = 1_000;
+pub const MAX_DEPTH: usize = 16;
+const TOO_DEEP: &str = "the path has more than 16 names (a bundle's limit): flatten the skill's directories";
 const MAX_SEGMENT_BYTES: usize = 255;
 
 /// Why a bundle or a manifest is refused. The words `metadata`, `path` and `integrity` are
@@ -169,6 +177,11 @@ pub fn parse(value: &Value, content: Content) -> Result<Bundle, BundleError> {
         }
         out.push(skill);
     }
+    if content == Content::Inline && directories(&out, MAX_DIRECTORIES) > MAX_DIRECTORIES {
+        return Err(meta(format!(
+            "a bundle may make at most {MAX_DIRECTORIES} directories (one per skill and one per directory its files' paths name), this one more: flatten the skills' directories or publish them as several packages"
+        )));
+    }
     out.sort_by(|a, b| js_cmp(&a.id, &b.id));
     if let Some(w) = out.windows(2).find(|w| w[0].id == w[1].id) {
         return Err(meta(format!("duplicate skill id {:?}", w[0].id)));
@@ -231,11 +244,14 @@ fn parse_file(skill: &str, f: &Value, content: Content) -> Result<SkillFile, Bun
         .get("path")
         .and_then(Value::as_str)
         .ok_or_else(|| meta(format!("skill {skill:?}: a file path must be a string")))?;
-    path_segments(path).map_err(|why| BundleError::Path {
+    let segments = path_segments(path).map_err(|why| BundleError::Path {
         skill: skill.to_owned(),
         path: path.to_owned(),
         why,
     })?;
+    if content == Content::Inline && segments.len() > MAX_DEPTH {
+        return Err(BundleError::Path { skill: skill.to_owned(), path: path.to_owned(), why: TOO_DEEP });
+    }
     let size = f
         .get("size")
         .and_then(Value::as_u64)
@@ -308,6 +324,31 @@ fn check_tree(skill: &str, files: &[SkillFile]) -> Result<(), BundleError> {
         }
     }
     Ok(())
+}
+
+/// How many directories publishing `skills` makes: one per skill, and one per distinct
+/// directory its files' paths name (`a/b/f` names `a` and `a/b`). Counting stops once past
+/// `limit`, so a hostile bundle costs no more than the limit to count.
+pub fn directories(skills: &[Skill], limit: usize) -> usize {
+    let mut total = 0;
+    for skill in skills {
+        total += 1;
+        let mut seen: BTreeSet<&str> = BTreeSet::new();
+        for f in &skill.files {
+            let mut end = 0;
+            while let Some(slash) = f.path[end..].find('/') {
+                end += slash;
+                if seen.insert(&f.path[..end]) {
+                    total += 1;
+                }
+                if total > limit {
+                    return total;
+                }
+                end += 1;
+            }
+        }
+    }
+    total
 }
 
 /// The manifest kept with a published package: the bundle without its bytes.
@@ -486,6 +527,61 @@ mod tests {
         assert!(
             parse(&json!({"skills": [nested]}), Content::Inline).unwrap_err().to_string().contains("path")
         );
+    }
+
+    fn parsed(files: &[&str]) -> Skill {
+        let files = files
+            .iter()
+            .map(|p| SkillFile { path: (*p).to_owned(), size: 0, hash: String::new(), content: None })
+            .collect();
+        Skill { id: "s".into(), revision: 1, version: "1".into(), hash: String::new(), files }
+    }
+
+    #[test]
+    fn directory_table() {
+        let cases: &[(&[&[&str]], usize)] = &[
+            (&[&["SKILL.md"]], 1),
+            (&[&["SKILL.md", "a/x", "a/y", "a/b/z"]], 3),
+            (&[&["SKILL.md", "a/b/c/d/e"]], 5),
+            (&[&["SKILL.md", "ab/x", "a/x", "a/b/x"]], 4),
+            // Two skills: each its own directory, and `a` in each.
+            (&[&["SKILL.md", "a/x"], &["SKILL.md", "a/y"]], 4),
+        ];
+        for (skills, want) in cases {
+            let skills: Vec<Skill> = skills.iter().map(|f| parsed(f)).collect();
+            assert_eq!(directories(&skills, usize::MAX), *want, "{skills:?}");
+        }
+        // Counting stops just past the limit.
+        let wide: Vec<String> = (0..5000).map(|i| format!("d{i}/f")).collect();
+        let wide: Vec<&str> = wide.iter().map(String::as_str).collect();
+        assert_eq!(directories(&[parsed(&wide)], 10), 11);
+    }
+
+    #[test]
+    fn deep_or_wide_bundles_are_refused_and_old_manifests_still_read() {
+        let deep_path = vec!["d"; MAX_DEPTH + 1].join("/");
+        let fits_path = vec!["d"; MAX_DEPTH].join("/");
+        let ok = skill("demo", &[("SKILL.md", b"x"), (&fits_path, b"y")]);
+        assert!(parse(&json!({"skills": [ok]}), Content::Inline).is_ok());
+        let deep = skill("demo", &[("SKILL.md", b"x"), (&deep_path, b"y")]);
+        let e = parse(&json!({"skills": [deep.clone()]}), Content::Inline).unwrap_err().to_string();
+        assert!(e.contains("path") && e.contains(&MAX_DEPTH.to_string()), "{e}");
+        // A package published before the limits: its manifest is still read.
+        let mut manifest = deep.clone();
+        for f in manifest["files"].as_array_mut().unwrap() {
+            f.as_object_mut().unwrap().remove("content");
+        }
+        assert!(parse(&json!({"skills": [manifest]}), Content::OnDisk).is_ok());
+
+        let names: Vec<String> = (0..MAX_DIRECTORIES).map(|i| format!("d{i}/f")).collect();
+        let mut files: Vec<(&str, &[u8])> = vec![("SKILL.md", b"x")];
+        files.extend(names.iter().map(|n| (n.as_str(), &b""[..])));
+        // The skill's own directory and 1000 more: one too many.
+        let wide = skill("wide", &files);
+        let e = parse(&json!({"skills": [wide]}), Content::Inline).unwrap_err().to_string();
+        assert!(e.contains("metadata") && e.contains("at most 1000 directories"), "{e}");
+        let fits = skill("wide", &files[..files.len() - 1]);
+        assert!(parse(&json!({"skills": [fits]}), Content::Inline).is_ok());
     }
 
     #[test]
