@@ -55,6 +55,8 @@ pub struct App {
     pub journal: crate::journal::Journal,
     /// The version history's retention and collector (issue #32).
     pub history: crate::history::History,
+    /// The skill packages executions hold (`DELETE /skill-packages/:id` waits for none).
+    pub skills_in_use: std::sync::Arc<crate::skills::in_use::InUse>,
 }
 
 impl App {
@@ -104,6 +106,7 @@ impl App {
             provisioning_steps: tokio::sync::Semaphore::new(config_max_concurrent),
             journal: crate::journal::Journal::new(journal_settings),
             history: crate::history::History::new(history_settings),
+            skills_in_use: crate::skills::in_use::InUse::new(),
         }
     }
 }

@@ -32,6 +32,8 @@ Usage:
                                         one skill named after DIR; else each subdirectory
                                         is a skill) and print {id, root}
   runnerctl skills show ID              print a published package ({id} when absent)
+  runnerctl skills rm ID                delete a published package (refused while an
+                                        execution, queued or running, mounts it)
   runnerctl repair WORKSPACE            make a workspace a storage failure left refusing
                                         writes writable again: verify, re-snapshot, commit,
                                         clear its .failed marker (audited)
@@ -619,7 +621,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
     }
 }
 
-/// `runnerctl skills push DIR` / `skills show ID`.
+/// `runnerctl skills push DIR` / `skills show ID` / `skills rm ID`.
 async fn skills(client: &RunnerClient, action: &str, arg: &str) -> anyhow::Result<i32> {
     let reply = match action {
         "push" => {
@@ -628,7 +630,11 @@ async fn skills(client: &RunnerClient, action: &str, arg: &str) -> anyhow::Resul
             client.post_json("/skill-packages", &bundle).await?
         }
         "show" => client.get(&format!("/skill-packages/{}", crate::api::query::encode(arg))).await?,
-        other => anyhow::bail!("skills takes push DIR or show ID, not {other:?}"),
+        "rm" => {
+            let path = format!("/skill-packages/{}", crate::api::query::encode(arg));
+            client.send_bytes("DELETE", &path, &[], Vec::new()).await?
+        }
+        other => anyhow::bail!("skills takes push DIR, show ID or rm ID, not {other:?}"),
     };
     if reply.status != 200 {
         return Ok(failed(reply.status, &reply.json()));

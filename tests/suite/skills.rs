@@ -1,7 +1,8 @@
 //! Skill packages through HTTP against the real binary (contract §5.2, §2A, §7 item 41;
 //! R-WS-3): publication, ids and hashes, every refusal, concurrent identical posts, a
 //! restart, the read-only mount with only the selected package visible, the writable
-//! extensions directory, and packages tampered with after publication.
+//! extensions directory, and packages tampered with after publication. Issue #32: deep or
+//! wide bundles refused before a directory is made, and `DELETE /skill-packages/:id`.
 
 use std::path::{Path, PathBuf};
 
@@ -435,6 +436,19 @@ async fn runnerctl_pushes_a_directory_and_shows_the_package() {
     assert_eq!(serde_json::from_slice::<Value>(&shown.stdout).unwrap(), answer);
     let root = PathBuf::from(answer["root"].as_str().unwrap());
     assert_eq!(std::fs::read(root.join("my-skill/scripts/run.sh")).unwrap(), RUN_SH);
+    // `skills rm` deletes it; a second one says there is nothing to delete.
+    let removed = ctl(&["skills", "rm", id]);
+    assert!(removed.status.success(), "{}", String::from_utf8_lossy(&removed.stderr));
+    assert_eq!(serde_json::from_slice::<Value>(&removed.stdout).unwrap(), json!({"id": id, "deleted": true}));
+    assert!(!root.exists());
+    let shown = ctl(&["skills", "show", id]);
+    assert_eq!(serde_json::from_slice::<Value>(&shown.stdout).unwrap(), json!({"id": id}));
+    let again = ctl(&["skills", "rm", id]);
+    assert!(!again.status.success());
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(stderr.contains("404") && stderr.contains("is not published"), "{stderr}");
+    let pushed = ctl(&["skills", "push", src.to_str().unwrap()]);
+    assert!(pushed.status.success(), "published again after its deletion");
     // A symlink in the directory is refused, never followed.
     std::os::unix::fs::symlink("/etc/passwd", src.join("scripts/passwd")).unwrap();
     let refused = ctl(&["skills", "push", src.to_str().unwrap()]);
@@ -468,4 +482,157 @@ async fn a_package_published_under_a_strict_umask_is_still_readable_in_the_sandb
         (json!("# demo\nselected\n"), json!(7)),
         "{result}"
     );
+}
+
+/// Every directory below `dir` (relative paths, sorted).
+fn all_directories(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                out.push(e.path().strip_prefix(dir).unwrap().to_owned());
+                todo.push(e.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Issue #32: a bundle whose paths ask for too deep a tree, or for more than 1,000
+/// directories, is refused with the limit named, and the store holds no new directory
+/// (the red team's 35 KiB bundle made 16,041). A bundle at both limits is published.
+#[tokio::test]
+async fn deep_or_wide_bundles_are_refused_before_a_directory_is_made() {
+    let server = Server::start();
+    let client = server.client();
+    let (status, first) = publish(&client, &[&demo()]).await;
+    assert_eq!(status, 200, "{first}");
+    let before = all_directories(&server.data_dir);
+    let deep = format!("{}/f", vec!["d"; 16].join("/"));
+    // The red team's shape: a few hundred files, each naming its own chain of directories.
+    let chains: Vec<String> = (0..400).map(|i| format!("c{i}/a/b/c/d/e/f/g/h/i/j/k/l/m/n/f")).collect();
+    let mut wide: Vec<(&str, &[u8])> = vec![("SKILL.md", b"# wide")];
+    wide.extend(chains.iter().map(|n| (n.as_str(), &b"x"[..])));
+    let mut deep_files: Vec<(&str, &[u8])> = vec![("SKILL.md", b"# deep")];
+    deep_files.push((deep.as_str(), b"x"));
+    for (what, body, kind, limit) in [
+        ("deep", skill("deep", 1, &deep_files), "path", "more than 16 names"),
+        ("wide", skill("wide", 1, &wide), "metadata", "at most 1000 directories"),
+    ] {
+        let r = client.post_json("/skill-packages", &json!({"skills": [body]})).await.unwrap();
+        let error = r.json()["error"].as_str().unwrap_or_default().to_owned();
+        assert_eq!(r.status, 400, "{what}: {}", r.json());
+        assert!(error.contains(kind) && error.contains(limit), "{what}: {error}");
+        assert_eq!(all_directories(&server.data_dir), before, "{what}: a directory was made");
+    }
+    // Two skills whose directories add up past the limit, each within it alone.
+    let halves: Vec<Vec<String>> =
+        (0..2).map(|h| (0..500).map(|i| format!("h{h}-{i}/f")).collect::<Vec<_>>()).collect();
+    let half = |h: usize, id: &str| {
+        let mut files: Vec<(&str, &[u8])> = vec![("SKILL.md", b"# half")];
+        files.extend(halves[h].iter().map(|n| (n.as_str(), &b""[..])));
+        skill(id, 1, &files)
+    };
+    let (status, error) = publish(&client, &[&half(0, "one"), &half(1, "two")]).await;
+    assert_eq!(status, 400, "{error}");
+    assert!(error["error"].as_str().unwrap().contains("at most 1000 directories"), "{error}");
+    assert_eq!(all_directories(&server.data_dir), before);
+
+    // At the limits: 16 names deep, and exactly 1,000 directories.
+    let fits_deep = vec!["d"; 16].join("/");
+    let mut files: Vec<(&str, &[u8])> = vec![("SKILL.md", b"# fits"), (&fits_deep, b"x")];
+    let flat: Vec<String> = (0..(1000 - 1 - 15)).map(|i| format!("f{i}/x")).collect();
+    files.extend(flat.iter().map(|n| (n.as_str(), &b""[..])));
+    let (status, fits) = publish(&client, &[&skill("fits", 1, &files)]).await;
+    assert_eq!(status, 200, "{fits}");
+    let root = PathBuf::from(fits["root"].as_str().unwrap());
+    assert_eq!(all_directories(&root).len(), 1000);
+    assert_eq!(std::fs::read(root.join("fits").join(&fits_deep)).unwrap(), b"x");
+}
+
+/// Issue #32: `DELETE /skill-packages/:id` removes a package no execution holds; while one
+/// (here a managed run, its sandbox up with the package at /skills) holds it, 409 and nothing
+/// changes; a deleted package is not mounted again, and can be published again.
+#[tokio::test]
+async fn delete_removes_a_package_but_not_while_an_execution_mounts_it() {
+    if !sandbox_or_skip("delete_removes_a_package_but_not_while_an_execution_mounts_it") {
+        return;
+    }
+    let server = Server::start();
+    let client = server.client();
+    let (_, published) = publish(&client, &[&demo()]).await;
+    let id = published["id"].as_str().unwrap().to_owned();
+    let root = PathBuf::from(published["root"].as_str().unwrap());
+    let delete = |id: String| {
+        let client = server.client();
+        async move {
+            let r = client.send_bytes("DELETE", &format!("/skill-packages/{id}"), &[], Vec::new()).await;
+            let r = r.unwrap();
+            (r.status, r.json())
+        }
+    };
+
+    let ws = server.project_workspace("mounting");
+    let code = "cat /skills/demo/SKILL.md > seen.txt; while [ ! -e go ]; do sleep 0.05; done; sh /skills/demo/scripts/run.sh";
+    let mut body = shell_request("main", "skills-session", &ws, code);
+    body["skillPackagesRoot"] = published["root"].clone();
+    let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+    assert_eq!(reply.status, 202, "{}", reply.json());
+    let run = reply.json()["id"].as_str().unwrap().to_owned();
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(ws.join("seen.txt")).unwrap_or_default() != "# demo\n" {
+        assert!(start.elapsed().as_secs() < 120, "the run never mounted its package");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (status, refused) = delete(id.clone()).await;
+    assert_eq!(status, 409, "{refused}");
+    assert_eq!(refused["code"], json!("skill_package_in_use"), "{refused}");
+    let error = refused["error"].as_str().unwrap();
+    assert!(error.contains("mounted by 1 execution") && error.contains("once they have ended"), "{error}");
+    assert_eq!(client.get(&format!("/skill-packages/{id}")).await.unwrap().json(), published);
+
+    std::fs::write(ws.join("go"), "").unwrap();
+    let record = loop {
+        let r = client
+            .get(&format!("/shell-executions/{run}?sessionId=skills-session&agentId=main"))
+            .await
+            .unwrap()
+            .json();
+        if matches!(r["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown")) {
+            break r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(record["result"]["stdout"], json!("selected\n"), "the run kept its package: {record}");
+
+    let (status, deleted) = delete(id.clone()).await;
+    assert_eq!((status, deleted), (200, json!({"id": id, "deleted": true})));
+    assert!(!root.exists());
+    assert!(entries(&packages_dir(&server)).is_empty(), "nothing is left behind, staging included");
+    assert_eq!(client.get(&format!("/skill-packages/{id}")).await.unwrap().json(), json!({"id": id}));
+    let (status, again) = delete(id.clone()).await;
+    assert_eq!((status, again["code"].clone()), (404, json!("skill_not_published")), "{again}");
+
+    // Not mounted again: the execution is refused and runs nothing.
+    let other = server.project_workspace("after");
+    let (status, result) =
+        shell(&client, &other, "touch ran.txt", json!({"skillPackagesRoot": published["root"]})).await;
+    assert_eq!(status, 400, "{result}");
+    assert_eq!(result["code"], json!("skill_not_published"), "{result}");
+    assert!(!other.join("ran.txt").exists());
+
+    // Published again, it mounts again.
+    let (status, republished) = publish(&client, &[&demo()]).await;
+    assert_eq!((status, &republished), (200, &published));
+    let (status, result) = shell(
+        &client,
+        &other,
+        "sh /skills/demo/scripts/run.sh",
+        json!({"skillPackagesRoot": published["root"]}),
+    )
+    .await;
+    assert_eq!((status, result["exitCode"].clone()), (200, json!(7)), "{result}");
 }

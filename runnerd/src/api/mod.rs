@@ -141,6 +141,10 @@ pub async fn handle(
         }
         ("GET", ["skill-packages", id]) if skills::is_package_id(id) => skills::get(&app, id).await,
         ("POST", ["skill-packages"]) => skills::post(&app, req.body).await,
+        ("DELETE", ["skill-packages", id]) if skills::is_package_id(id) => {
+            let id = (*id).to_owned();
+            detached(async move { skills::delete(&app, &req.peer, &id).await }).await
+        }
         ("GET", ["kernels"]) => ok(json!([])),
         ("POST", ["kernels", "teardown"]) => teardown_session(&app, &req.body).await,
         ("POST", ["kernels", id, "teardown"]) => teardown_kernel(id, &req.body),

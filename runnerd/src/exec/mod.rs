@@ -477,6 +477,8 @@ pub struct Prepared {
     pub limits: crate::limits::Limits,
     /// `skillPackagesRoot`, resolved; verified again right before the launch.
     pub skills: Option<crate::skills::Requested>,
+    /// Keeps that package from being deleted until this execution has ended (issue #32).
+    pub skill_hold: Option<crate::skills::in_use::Hold>,
 }
 
 /// The environment a run uses (contract §2A "Environment selection"): with the store
@@ -607,6 +609,7 @@ pub fn prepare(
         npu_devices,
         gpu_devices,
         limits,
+        skill_hold: skills.as_ref().map(|r| app.skills_in_use.hold(&r.id)),
         skills,
     })
 }

@@ -5,7 +5,8 @@
 //! writable at `/skill-extensions`.
 //!
 //! * [`bundle`]: the pure checks, ids and hashes.
-//! * [`store`]: publication and verification on disk, by descriptor.
+//! * [`store`]: publication, verification and removal on disk, by descriptor.
+//! * [`in_use`]: which packages executions hold, so that one is deleted only when none does.
 //!
 //! Ours, stricter than the original: `skillPackagesRoot` must name a published package
 //! (`<dataDir>/projects/.skill-packages/<id>`, no symlink on the way), which is verified in
@@ -13,6 +14,7 @@
 //! packages directory is never a workspace (a reserved name in `exec::workspace`).
 
 pub mod bundle;
+pub mod in_use;
 pub mod store;
 
 use std::ffi::CStr;
@@ -55,6 +57,10 @@ pub enum SkillError {
     Unreachable { path: PathBuf, mode: u32 },
     #[error("Skill package {0} is not published on this runner")]
     NotPublished(String),
+    #[error(
+        "Skill package {id} is mounted by {executions} execution(s), queued or running; nothing was deleted: delete it once they have ended"
+    )]
+    InUse { id: String, executions: usize },
     #[error("The workspace's .sciencediscovery/skill-extensions directory could not be prepared")]
     Extensions(#[source] io::Error),
     #[error(
@@ -76,6 +82,7 @@ impl SkillError {
             SkillError::Store(_) => "skill_integrity_failed",
             SkillError::RootInvalid => "skill_root_invalid",
             SkillError::NotPublished(_) => "skill_not_published",
+            SkillError::InUse { .. } => "skill_package_in_use",
             SkillError::Unreachable { .. } => "skill_unreachable",
             SkillError::Extensions(_) | SkillError::ExtensionsNotDirectory => "skill_extensions_unavailable",
         }
@@ -95,6 +102,18 @@ pub fn publish(data_dir: &Path, body: &[u8]) -> Result<(String, PathBuf), SkillE
 /// `GET /skill-packages/:id`: the verified root, `None` when absent.
 pub fn lookup(data_dir: &Path, id: &str) -> Result<Option<PathBuf>, SkillError> {
     Ok(store::lookup(data_dir, id)?.map(|(root, _)| root))
+}
+
+/// `DELETE /skill-packages/:id` (ours): withdraws the package unless an execution holds it
+/// (then [`SkillError::InUse`], nothing changed), and removes it; [`SkillError::NotPublished`]
+/// when there is none. Blocking I/O: callers run it off the async threads.
+pub fn delete(data_dir: &Path, in_use: &in_use::InUse, id: &str) -> Result<(), SkillError> {
+    let withdrawn = in_use
+        .unless_held(id, || store::withdraw(data_dir, id))
+        .map_err(|executions| SkillError::InUse { id: id.to_owned(), executions })??
+        .ok_or_else(|| SkillError::NotPublished(id.to_owned()))?;
+    store::discard(withdrawn)?;
+    Ok(())
 }
 
 /// A request's `skillPackagesRoot`, resolved (not yet verified).

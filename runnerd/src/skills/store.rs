@@ -145,6 +145,40 @@ pub fn publish(data_dir: &Path, bundle: &Bundle) -> Result<PathBuf, StoreError> 
     }
 }
 
+/// A package withdrawn by [`withdraw`]: no longer under its id, not yet removed.
+#[derive(Debug)]
+pub struct Withdrawn {
+    dir: OwnedFd,
+    name: CString,
+}
+
+/// Withdraws the published package `id` (already checked to be 64 hex): one rename to a
+/// staging name, so from then on no lookup finds it and no execution can mount it; `None`
+/// when it is not published. [`discard`] removes what was withdrawn (and an interrupted
+/// removal is swept at the next start, as an interrupted publication is).
+pub fn withdraw(data_dir: &Path, id: &str) -> Result<Option<Withdrawn>, StoreError> {
+    let Some((_, dir)) = open_packages_dir(data_dir, false)? else {
+        return Ok(None);
+    };
+    let from = cstr(id).map_err(io_err("the package id"))?;
+    let name = cstr(&format!("{STAGING_PREFIX}{}", new_uuid_v4())).map_err(io_err("staging"))?;
+    match fsat::rename_noreplace_at(&dir, &from, &name) {
+        Ok(()) => Ok(Some(Withdrawn { dir, name })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(io_err("withdrawing the package")(e)),
+    }
+}
+
+/// Removes a withdrawn package, by descriptor, nothing followed; the removal is durable
+/// once the packages directory is synced.
+pub fn discard(withdrawn: Withdrawn) -> Result<(), StoreError> {
+    remove_tree_at(&withdrawn.dir, &withdrawn.name).map_err(io_err("removing the package"))?;
+    if let Ok(f) = fsat::open_at(&withdrawn.dir, c".", libc::O_RDONLY | libc::O_DIRECTORY) {
+        let _ = std::fs::File::from(f).sync_all();
+    }
+    Ok(())
+}
+
 /// `true` when renamed, `false` when `to` already exists.
 fn rename_noreplace(dir: &OwnedFd, from: &CStr, to: &CStr) -> io::Result<bool> {
     match fsat::rename_noreplace_at(dir, from, to) {
