@@ -151,7 +151,9 @@ async fn a_managed_flood_stays_within_the_bound() {
     assert_eq!(rec["state"], "completed", "{}", rec["error"]);
     let stdout = rec["result"]["stdout"].as_str().unwrap();
     let held = json_len(stdout);
-    assert!(held <= RESULT_CAP, "a managed result holds at most 4 MiB of output as JSON: {held}");
+    // But for the marker's two newlines, which count one byte each as the original's text
+    // does and take two in JSON.
+    assert!(held <= RESULT_CAP + 2, "a managed result holds at most 4 MiB of output as JSON: {held}");
     assert!(stdout.contains("output truncated"), "the result is cut with the marker");
     // The first log page is served from disk.
     let page =
@@ -225,4 +227,54 @@ async fn a_full_ceiling_never_empties_another_runs_output() {
             .unwrap();
         assert_eq!(reply.status, 202);
     }
+}
+
+/// Issue #32: what the answer holds is what the budget bounds. 64 MiB of control bytes, and
+/// 64 MiB of random bytes, under a 1 MiB `maxOutputBytes`: the HTTP answer's `stdout` +
+/// `stderr` (as JSON, the bytes the caller receives and parses) stays within the budget but
+/// for the marker's two newlines; random bytes, whose newlines, tabs, quotes and backslashes
+/// count one byte as the original's text does, within a few percent of it. Ordinary text is
+/// cut at exactly the budget, as the original cuts it.
+#[tokio::test]
+async fn a_binary_flood_answers_within_the_output_budget() {
+    if !sandbox_or_skip("a_binary_flood_answers_within_the_output_budget") {
+        return;
+    }
+    let server = server(None);
+    let client = server.client();
+    let budget = MIB;
+    let floods = [
+        ("control bytes", FLOOD.to_owned(), 4),
+        ("random bytes", "head -c 67108864 /dev/urandom".to_owned(), budget / 32),
+        ("control bytes on both streams", format!("{FLOOD}; {FLOOD} >&2"), 4),
+    ];
+    for (what, code, slack) in floods {
+        let mut body = keyed_shell_request("a", "s", "out/budget", &code);
+        body["maxOutputBytes"] = budget.into();
+        let reply = client.post_signed("/execute-shell", &body).await.unwrap();
+        assert_eq!(reply.status, 200, "{what}");
+        let mut answer = reply.json();
+        assert_eq!(answer["exitCode"], 0, "{what}: output never fails a run");
+        let (out, err) = (answer["stdout"].as_str().unwrap(), answer["stderr"].as_str().unwrap());
+        assert!(
+            out.contains("...[output truncated: exceeded 1048576 bytes; "),
+            "{what}: the original's marker"
+        );
+        let held = json_len(out) + json_len(err);
+        eprintln!("{what}: the answer is {} bytes, {held} of them stdout and stderr", reply.body.len());
+        assert!(held <= budget + slack, "{what}: {held} bytes of output answered for a {budget}-byte budget");
+        assert!(held >= budget / 2, "{what}: the budget is used: {held}");
+        // The whole answer: the output and the result's other fields, nothing more.
+        answer["stdout"] = "".into();
+        answer["stderr"] = "".into();
+        let rest = answer.to_string().len() as u64 + 1;
+        assert_eq!(reply.body.len() as u64, held + rest, "{what}");
+    }
+    // Ordinary text: exactly the budget, newlines counted as the original counts them.
+    let mut body = keyed_shell_request("a", "s", "out/budget", "seq 1 1000000");
+    body["maxOutputBytes"] = 2000.into();
+    let text = client.post_signed("/execute-shell", &body).await.unwrap().json();
+    let stdout = text["stdout"].as_str().unwrap();
+    assert_eq!(stdout.len(), 2000, "{stdout}");
+    assert!(stdout.starts_with("1\n2\n3\n") && stdout.ends_with("999999\n1000000\n"), "{stdout}");
 }
