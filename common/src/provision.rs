@@ -42,6 +42,10 @@ pub struct Request {
     pub offline: bool,
     /// Which half of a change this step is; see [`Stage`].
     pub stage: Stage,
+    /// The most bytes the packages a step adds may hold together (0: no limit): refused
+    /// before anything is linked. runnerd also measures the whole prefix as the step runs.
+    #[serde(default)]
+    pub max_prefix_bytes: u64,
 }
 
 /// A change runs as two steps, so that no step ever has both the shared package cache and a

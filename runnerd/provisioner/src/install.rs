@@ -24,6 +24,7 @@ use crate::error_chain;
 use crate::inventory;
 use crate::links;
 use crate::network::{self, Network};
+use crate::packages;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallFailure {
@@ -39,6 +40,8 @@ pub enum InstallFailure {
     NotFetched { file: String, channel: String },
     #[error(transparent)]
     Foreign(#[from] links::LinkError),
+    #[error(transparent)]
+    Package(#[from] packages::PackageError),
     #[error("Prefix {prefix} is not writable: {cause}")]
     PrefixNotWritable { prefix: String, cause: String },
     #[error("Prefix {0} already exists and is not empty")]
@@ -59,6 +62,8 @@ pub struct Plan<'a> {
     pub network: Network,
     /// The request's channels: every package fetched or linked comes from one of them.
     pub channels: &'a [String],
+    /// The most bytes the incoming packages' files may add to the prefix (0: no limit).
+    pub max_bytes: u64,
 }
 
 impl Plan<'_> {
@@ -76,25 +81,42 @@ pub async fn fetch(plan: &Plan<'_>) -> Result<(), InstallFailure> {
     for record in plan.incoming() {
         prefetch(record, plan.cache, &client, plan.network).await?;
     }
-    Ok(())
+    // Refused here already (the prefix untouched, the cache gate released sooner); the
+    // link step checks again what it links.
+    checked(plan).await.map(drop)
+}
+
+/// Every incoming package as the caches hold it passes [`packages::check`], and together
+/// their files stay within the plan's byte budget: before anything is linked.
+async fn checked(plan: &Plan<'_>) -> Result<u64, InstallFailure> {
+    let mut total = 0u64;
+    for record in plan.incoming() {
+        let not_fetched = |_| InstallFailure::NotFetched {
+            file: file_name(record),
+            channel: inventory::package(record).channel,
+        };
+        let entry = from_cache_only(record, plan.cache).await.map_err(not_fetched)?;
+        let name = file_name(record);
+        total = total.saturating_add(packages::check(&name, entry.path())?);
+    }
+    packages::within(total, plan.max_bytes)?;
+    Ok(total)
 }
 
 /// Links and unlinks from the caches alone; the operations in transaction order.
 pub async fn link(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
     links::check_origins(plan.incoming(), plan.channels)?;
-    for record in plan.incoming() {
-        from_cache_only(record, plan.cache).await.map_err(|_| InstallFailure::NotFetched {
-            file: file_name(record),
-            channel: inventory::package(record).channel,
-        })?;
-    }
+    checked(&plan).await?;
+    let prefix = plan.prefix;
     let result = Installer::new()
-        // Copies (or copy-on-write reflinks), never hard or symbolic links to the cache: a
+        // Files are copies (or copy-on-write reflinks), never hard links to the cache: a
         // later pip or R step runs hostile build code with the prefix writable, and a file
         // hard-linked from the shared cache would carry its change into every other
-        // environment's prefix.
+        // environment's prefix. A package's links are made as links, with the text they
+        // have (checked to stay in the prefix by `checked`): with symbolic links off,
+        // rattler would copy the bytes of whatever a link points at instead.
         .with_link_options(LinkOptions {
-            allow_symbolic_links: Some(false),
+            allow_symbolic_links: Some(true),
             allow_hard_links: Some(false),
             allow_ref_links: Some(true),
         })
@@ -107,7 +129,10 @@ pub async fn link(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
         .with_requested_specs(plan.requested)
         .install(plan.prefix, plan.desired)
         .await
-        .map_err(|err| installer_failure(plan.prefix, err))?;
+        .map_err(|err| installer_failure(prefix, err))?;
+    // Each link was judged by its own text; one that leaves only through another (`a -> ..`
+    // and `b -> a/../x`) is found where the kernel resolves it.
+    links::check(prefix)?;
     Ok(result.transaction.operations.iter().map(operation).collect())
 }
 
@@ -137,7 +162,7 @@ async fn prefetch(
         let path: PathBuf = record.url.to_file_path().unwrap_or_default();
         if let Err(err) = std::fs::metadata(&path) {
             // A clone's source channel need not be visible any more: the caches may hold it.
-            return from_cache_only(record, cache).await.map_err(|_| InstallFailure::Unreadable {
+            return from_cache_only(record, cache).await.map(drop).map_err(|_| InstallFailure::Unreadable {
                 file,
                 channel,
                 cause: err.to_string(),
@@ -150,7 +175,10 @@ async fn prefetch(
             .map_err(|err| InstallFailure::Corrupt { file, channel, cause: error_chain(&err) });
     }
     if network == Network::Offline {
-        return from_cache_only(record, cache).await.map_err(|_| InstallFailure::NotCached { file, channel });
+        return from_cache_only(record, cache)
+            .await
+            .map(drop)
+            .map_err(|_| InstallFailure::NotCached { file, channel });
     }
     cache
         .get_or_fetch_from_url_with_retry(
@@ -175,7 +203,7 @@ async fn prefetch(
 
 /// Whether the caches hold `record` (its hash checked when it has one); nothing is fetched.
 pub async fn cached(record: &RepoDataRecord, cache: &PackageCache) -> Result<(), InstallFailure> {
-    from_cache_only(record, cache).await.map_err(|_| InstallFailure::NotCached {
+    from_cache_only(record, cache).await.map(drop).map_err(|_| InstallFailure::NotCached {
         file: file_name(record),
         channel: inventory::package(record).channel,
     })
@@ -185,7 +213,7 @@ pub async fn cached(record: &RepoDataRecord, cache: &PackageCache) -> Result<(),
 async fn from_cache_only(
     record: &RepoDataRecord,
     cache: &PackageCache,
-) -> Result<(), rattler::package_cache::PackageCacheError> {
+) -> Result<rattler::package_cache::CacheMetadata, rattler::package_cache::PackageCacheError> {
     cache
         .get_or_fetch(
             &record.package_record,
@@ -193,7 +221,6 @@ async fn from_cache_only(
             None,
         )
         .await
-        .map(drop)
 }
 
 /// Whether a reqwest error sits anywhere in the chain (a download, not the archive, failed).

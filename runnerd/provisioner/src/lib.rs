@@ -23,6 +23,7 @@ mod install;
 mod inventory;
 mod links;
 mod network;
+mod packages;
 mod request;
 mod solve;
 
@@ -88,6 +89,10 @@ struct Outcome {
 
 /// The binary: read, do, answer.
 pub fn run() -> ExitCode {
+    // A write past the step's RLIMIT_FSIZE then fails with EFBIG (an error the answer names)
+    // instead of killing the step with no answer at all.
+    // SAFETY: signal(2) with SIG_IGN installs no handler; nothing else is running yet.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let request = match request::read(std::io::stdin().lock()) {
         Ok(request) => request,
         Err(err) => {
@@ -388,6 +393,7 @@ async fn finish(context: &Context<'_>, change: Change, specs: history::Specs) ->
         cache: &context.cache,
         network: context.network,
         channels: &context.request.channels,
+        max_bytes: context.request.max_prefix_bytes,
     };
     match context.request.stage {
         Stage::Fetch => {

@@ -718,3 +718,122 @@ fn an_operators_read_only_cache_in_condas_layout_serves_an_offline_change() {
     assert_eq!(tree(&operator), before, "the operator's cache is never written");
     set_writable(&operator, true);
 }
+
+/// The probes' hostile packages (issue #32): links out of the prefix, a link to procfs, an
+/// absolute and a `..` path, a file that is a link in the archive. Each is refused by the
+/// fetch step, with the prefix untouched and no byte of a link's target copied anywhere; a
+/// package whose links stay inside gets them as links.
+#[test]
+fn hostile_packages_are_refused_before_anything_is_linked_and_links_stay_links() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().to_path_buf();
+    let outside = root.join("outside");
+    std::fs::create_dir_all(&outside).expect("outside");
+    let hard = |path: &str| json!({"_path": path, "path_type": "hardlink", "sha256": "0".repeat(64), "size_in_bytes": 1});
+    let mut channel = Channel::new(root.join("channel"));
+    let escaped = outside.join("escaped");
+    let cases: Vec<(Pkg, &str)> = vec![
+        (
+            Pkg::noarch("outlink", "1.0").symlink("lib/passwd", "/etc/passwd"),
+            "links lib/passwd to \"/etc/passwd\", which leaves the prefix",
+        ),
+        (
+            Pkg::noarch("procmap", "1.0").symlink("share/map", "/proc/self/pagemap"),
+            "links share/map to \"/proc/self/pagemap\", which leaves the prefix",
+        ),
+        (
+            Pkg::noarch("climber", "1.0").symlink("lib/up", "../../../outside"),
+            "links lib/up to \"../../../outside\", which leaves the prefix",
+        ),
+        (
+            Pkg::noarch("abspath", "1.0").raw_entry(hard(&escaped.display().to_string())),
+            "which is not a relative path inside the prefix",
+        ),
+        (
+            Pkg::noarch("dotdot", "1.0").raw_entry(hard("../../outside/escaped")),
+            "which is not a relative path inside the prefix",
+        ),
+        (
+            Pkg::noarch("disguised", "1.0")
+                .hidden_link("lib/map", "/proc/self/pagemap")
+                .raw_entry(hard("lib/map")),
+            "lists lib/map as a file, but its archive holds a symbolic link there",
+        ),
+        (
+            Pkg::noarch("throughlink", "1.0")
+                .hidden_link("proc", "/proc/self")
+                .raw_entry(hard("proc/pagemap")),
+            "lists proc/pagemap as a file, but its archive holds a path through a symbolic link there",
+        ),
+    ];
+    for (pkg, _) in &cases {
+        channel.package(pkg.clone()).expect("a hostile package builds");
+    }
+    channel
+        .package(
+            Pkg::noarch("inlinks", "1.0")
+                .file("lib/libz.so.1", b"zlib", false)
+                .symlink("lib/libz.so", "libz.so.1")
+                .symlink("bin/z", "../lib/libz.so.1"),
+        )
+        .expect("inlinks");
+    channel.package(Pkg::noarch("big", "1.0").file("share/big", &[7u8; 4096], false)).expect("big");
+    channel.index().expect("index");
+    let url = channel.url();
+    let request = |prefix: &Path, specs: &[&str], max: u64, stage: Value| {
+        json!({
+            "op": {"kind": "create", "specs": specs},
+            "prefix": prefix,
+            "channels": [url],
+            "cacheDir": root.join("cache"),
+            "offline": false,
+            "stage": stage,
+            "maxPrefixBytes": max,
+        })
+    };
+    for (pkg, want) in &cases {
+        let prefix = root.join("envs").join(&pkg.name);
+        let started = std::time::Instant::now();
+        let refused =
+            provision(request(&prefix, &[&pkg.name], 0, json!({"kind": "fetch"})).to_string().as_bytes());
+        let error = refused.error();
+        assert!(
+            error.contains(&format!("Package {}-1.0-0.tar.bz2", pkg.name)) && error.contains(want),
+            "{}: {error}",
+            pkg.name
+        );
+        assert!(error.contains("nothing was installed"), "{error}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(30), "refused at once");
+        assert!(!prefix.join("conda-meta").exists(), "{}: nothing was linked", pkg.name);
+    }
+    assert!(!escaped.exists(), "nothing was written outside");
+    assert_eq!(std::fs::read_dir(&outside).expect("outside").count(), 0);
+
+    // Links that stay inside are made as links, with their own text; nothing is copied.
+    let prefix = root.join("envs/inlinks");
+    let fetched =
+        provision(request(&prefix, &["inlinks"], 0, json!({"kind": "fetch"})).to_string().as_bytes()).ok();
+    let link = json!({"kind": "link", "solution": fetched["solution"]});
+    provision(request(&prefix, &["inlinks"], 0, link).to_string().as_bytes()).ok();
+    for (path, target) in [("lib/libz.so", "libz.so.1"), ("bin/z", "../lib/libz.so.1")] {
+        let meta = std::fs::symlink_metadata(prefix.join(path)).expect(path);
+        assert!(meta.file_type().is_symlink(), "{path} is a link");
+        assert_eq!(std::fs::read_link(prefix.join(path)).expect(path), Path::new(target));
+    }
+    assert_eq!(std::fs::read(prefix.join("bin/z")).expect("through the link"), b"zlib");
+
+    // The byte budget: the packages' files together, refused before the prefix is touched
+    // (and by the link step too, should a fetch step have let them through).
+    let prefix = root.join("envs/big");
+    let refused =
+        provision(request(&prefix, &["big"], 1000, json!({"kind": "fetch"})).to_string().as_bytes());
+    let error = refused.error();
+    assert!(error.contains("hold 4096 bytes, more than the 1000 bytes a prefix may hold"), "{error}");
+    assert!(error.contains("SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES"), "{error}");
+    let fetched =
+        provision(request(&prefix, &["big"], 0, json!({"kind": "fetch"})).to_string().as_bytes()).ok();
+    let link = json!({"kind": "link", "solution": fetched["solution"]});
+    let refused = provision(request(&prefix, &["big"], 1000, link).to_string().as_bytes());
+    assert!(refused.error().contains("more than the 1000 bytes"), "{}", refused.error());
+    assert!(!prefix.join("share/big").exists(), "nothing was linked");
+}

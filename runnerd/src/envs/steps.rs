@@ -143,6 +143,7 @@ pub(crate) fn conda(
         read_only_caches: places.read_only_caches.to_vec(),
         offline: places.offline,
         stage,
+        max_prefix_bytes: 0,
     };
     let mut binds = vec![(prefix.to_path_buf(), linking)];
     if !listing {

@@ -62,6 +62,12 @@ pub struct Pkg {
     /// lazy-load databases), where the default level costs seconds in a debug build and
     /// saves little.
     pub quick: bool,
+    /// `paths.json` entries written exactly as given, after the ones above: the shapes a
+    /// hostile package lists (an absolute or `..` path, a file that is a link).
+    pub raw_entries: Vec<Value>,
+    /// `(path, target)`: symbolic links in the archive that `paths.json` does not list as
+    /// links (a `raw_entries` entry may list one as a file).
+    pub hidden_links: Vec<(String, String)>,
 }
 
 impl Pkg {
@@ -78,6 +84,8 @@ impl Pkg {
             files: Vec::new(),
             symlinks: Vec::new(),
             quick: false,
+            raw_entries: Vec::new(),
+            hidden_links: Vec::new(),
         }
     }
 
@@ -93,6 +101,18 @@ impl Pkg {
 
     pub fn symlink(mut self, path: &str, target: &str) -> Self {
         self.symlinks.push((path.into(), target.into()));
+        self
+    }
+
+    /// A `paths.json` entry as given, with no archive member of its own.
+    pub fn raw_entry(mut self, entry: Value) -> Self {
+        self.raw_entries.push(entry);
+        self
+    }
+
+    /// A symbolic link in the archive that `paths.json` does not list as one.
+    pub fn hidden_link(mut self, path: &str, target: &str) -> Self {
+        self.hidden_links.push((path.into(), target.into()));
         self
     }
 
@@ -184,6 +204,15 @@ impl Channel {
             paths.push(link);
             entries.push(json!({ "_path": path, "path_type": "softlink" }));
         }
+        for (path, target) in &pkg.hidden_links {
+            let link = stage.join(path);
+            if let Some(dir) = link.parent() {
+                fs::create_dir_all(dir).map_err(|e| ChannelError::Write(link.clone(), e))?;
+            }
+            std::os::unix::fs::symlink(target, &link).map_err(|e| ChannelError::Write(link.clone(), e))?;
+            paths.push(link);
+        }
+        entries.extend(pkg.raw_entries.iter().cloned());
         let files: String = pkg
             .files
             .iter()
@@ -253,6 +282,8 @@ impl Channel {
                 ("bin/python".into(), format!("python{short}")),
             ],
             quick: false,
+            raw_entries: Vec::new(),
+            hidden_links: Vec::new(),
         };
         self.package(pkg)
     }
@@ -328,6 +359,8 @@ impl Channel {
             files,
             symlinks: Vec::new(),
             quick: true,
+            raw_entries: Vec::new(),
+            hidden_links: Vec::new(),
         })
     }
 
