@@ -302,6 +302,8 @@ pub static SCHEMA: Schema = Schema {
         Key::new("starter_r_specs", crate::envs::settings::STARTER_R_VAR, Kind::Text),
         Key::new("runner_provisioner_path", crate::envs::settings::PROVISIONER_VAR, Kind::Text),
         Key::new("cran_repo", crate::envs::settings::CRAN_VAR, Kind::Text),
+        Key::new("env_step_max_file_bytes", crate::envs::settings::STEP_MAX_FILE_VAR, Kind::Integer),
+        Key::new("env_step_max_prefix_bytes", crate::envs::settings::STEP_MAX_PREFIX_VAR, Kind::Integer),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -408,6 +410,8 @@ impl Loaded {
                         show_path(&c.scientific.provisioner, "unset (next to runnerd)")
                     }
                     "cran_repo" => c.scientific.cran_repo.clone(),
+                    "env_step_max_file_bytes" => c.scientific.step_max_file_bytes.to_string(),
+                    "env_step_max_prefix_bytes" => c.scientific.step_max_prefix_bytes.to_string(),
                     "journal_workspaces" => c.journal.workspaces.to_string(),
                     "journal_watches" => c.journal.watches.to_string(),
                     "journal_files" => c.journal.files.to_string(),

@@ -46,6 +46,9 @@ pub(crate) struct Step {
     /// A channel the operator configured on a private address is allowed as configured.
     pub allow_private: bool,
     pub timeout: Duration,
+    /// The prefix this step writes (a link, pip or R step): measured while it runs and
+    /// after, against `env_step_max_prefix_bytes`.
+    pub writes_prefix: Option<PathBuf>,
 }
 
 /// What the step printed and how it ended.
@@ -103,6 +106,58 @@ pub(crate) enum SandboxedError {
         "the {label} step ran out of memory (limit {limit_bytes} bytes, SCIENCE_AGENT_LIMIT_MAX_MEMORY_BYTES) and was killed"
     )]
     OutOfMemory { label: &'static str, limit_bytes: u64 },
+    #[error(
+        "the {label} step was stopped: the environment's prefix held {bytes} bytes, more than the {limit} a prefix may hold (env_step_max_prefix_bytes, SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES); install fewer or smaller packages, or ask the operator to raise the limit"
+    )]
+    PrefixTooLarge { label: &'static str, bytes: u64, limit: u64 },
+    #[error(
+        "the {label} step was stopped: the environment's prefix could not be measured against its byte limit (env_step_max_prefix_bytes) at {path}"
+    )]
+    PrefixUnmeasured {
+        label: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the {label} step was killed for writing a file larger than {limit} bytes, the most one file may take (env_step_max_file_bytes, SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES); ask the operator to raise the limit if the package is genuine"
+    )]
+    FileTooLarge { label: &'static str, limit: u64 },
+}
+
+/// How often a step's prefix is measured at the least (the last walk's duration, doubled,
+/// if that is longer: a large prefix is never walked more than a third of the time). A
+/// step can exceed the limit by what it writes between two walks; each of its files is
+/// capped by `RLIMIT_FSIZE` meanwhile.
+const PREFIX_POLL: Duration = Duration::from_millis(200);
+
+/// Why a step's prefix is over its byte limit.
+fn prefix_breach(label: &'static str, limit: u64, breach: crate::exec::files::Breach) -> SandboxedError {
+    match breach {
+        crate::exec::files::Breach::Over { bytes } => SandboxedError::PrefixTooLarge { label, bytes, limit },
+        crate::exec::files::Breach::Unreadable(u) => {
+            SandboxedError::PrefixUnmeasured { label, path: u.path, source: u.error }
+        }
+    }
+}
+
+/// The prefix measured, as the workspace quota measures a workspace (no link followed, each
+/// file its size plus the blocks allocated beyond it; what cannot be read fails closed).
+async fn measure_prefix(root: &OwnedFd, limit: u64) -> Result<(), crate::exec::files::Breach> {
+    crate::exec::files::check(crate::exec::files::measure_blocking(root).await, limit).map(drop)
+}
+
+/// Completes with the breach once the prefix outgrows `limit`; never otherwise.
+async fn prefix_watchdog(root: &OwnedFd, limit: u64) -> crate::exec::files::Breach {
+    let mut pause = PREFIX_POLL;
+    loop {
+        tokio::time::sleep(pause).await;
+        let walk = std::time::Instant::now();
+        if let Err(breach) = measure_prefix(root, limit).await {
+            return breach;
+        }
+        pause = PREFIX_POLL.max(walk.elapsed() * 2);
+    }
 }
 
 /// The combined output a step may print (the provisioner's answer is at most
@@ -206,6 +261,18 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
     launch.timeout = Some(step.timeout);
     launch.stdin = step.stdin;
+    // No file a step writes (a package's, the cache's, a build's) grows past this: a
+    // hostile package is stopped at its first oversized file, whatever it links or unpacks.
+    let max_file = app.envs.settings.step_max_file_bytes;
+    launch.rlimits = crate::launch::default_rlimits(Some(max_file));
+    let max_prefix = app.envs.settings.step_max_prefix_bytes;
+    let watched = match (&step.writes_prefix, max_prefix) {
+        (Some(prefix), 1..) => Some(open_dir(prefix).map_err(prepare)?),
+        _ => None,
+    };
+    // Ended by the watchdog when the prefix outgrows its limit (the run answers `Cancelled`).
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    launch.cancel = Some(stopped);
     // The most an execution may ask for (memory, processes, CPU; the default where there is
     // no maximum), enforced as for executions: a solve or a build needs more than a default
     // run, and a hostile setup.py or R install script must not take the host down for every
@@ -220,17 +287,46 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
             c.procs_fds().map_err(|e| prepare(std::io::Error::other(crate::error_chain(&e))))?;
     }
     let mut output = OutputBudget::pooled(MAX_STEP_OUTPUT, &app.output_pool);
-    let ran = app.sandbox.launcher.run(launch, &mut output).await;
+    let run = app.sandbox.launcher.run(launch, &mut output);
+    let mut breach = None;
+    let ran = match &watched {
+        None => run.await,
+        Some(root) => {
+            tokio::pin!(run);
+            tokio::select! {
+                ran = &mut run => ran,
+                found = prefix_watchdog(root, max_prefix) => {
+                    breach = Some(found);
+                    let _ = stop.send(true);
+                    run.await
+                }
+            }
+        }
+    };
+    // What the step wrote just before it ended counts too.
+    if let (None, Some(root)) = (&breach, &watched) {
+        breach = measure_prefix(root, max_prefix).await.err();
+    }
     let usage = crate::limits::finish(cgroup).await;
     drop(held);
     drop(lease);
     let out = output.finish();
     let outcome = ran.map_err(|source| SandboxedError::Launch { label, source })?;
+    if let Some(breach) = breach {
+        return Err(prefix_breach(label, max_prefix, breach));
+    }
     let failed = !matches!(outcome.termination, Termination::Exited(0));
     if failed && usage.is_some_and(|u| u.oom_kills > 0) {
         return Err(SandboxedError::OutOfMemory { label, limit_bytes: limits.memory_bytes });
     }
     let code = match outcome.termination {
+        // bwrap answers a command killed by signal N as 128+N.
+        Termination::Exited(c) if c == 128 + libc::SIGXFSZ && max_file > 0 => {
+            return Err(SandboxedError::FileTooLarge { label, limit: max_file });
+        }
+        Termination::Signaled(libc::SIGXFSZ) if max_file > 0 => {
+            return Err(SandboxedError::FileTooLarge { label, limit: max_file });
+        }
         Termination::Exited(c) => Some(c),
         Termination::Signaled(_) => None,
         Termination::TimedOut => {
@@ -252,6 +348,11 @@ fn provisioning_limits(settings: &crate::limits::LimitSettings) -> crate::limits
         cpu_millicores: pick(m.cpu_millicores, d.cpu_millicores),
         tmp_bytes: pick(m.tmp_bytes, d.tmp_bytes),
     }
+}
+
+/// A directory runnerd made, opened to be walked (its last component is not followed).
+fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
+    crate::fsat::open_path(path, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
 }
 
 /// `O_PATH` descriptor of a path runnerd made (its last component is not followed).

@@ -17,6 +17,15 @@ pub(crate) const STARTER_R_VAR: &str = "SCIENCE_AGENT_STARTER_R_SPECS";
 /// Ours: the `runner-provisioner` binary (default: next to runnerd).
 pub(crate) const PROVISIONER_VAR: &str = "SCIENCE_AGENT_RUNNER_PROVISIONER_PATH";
 pub(crate) const CRAN_VAR: &str = "SCIENCE_AGENT_CRAN_REPO";
+/// Ours: the largest file one provisioning step may write (`RLIMIT_FSIZE`; 0: none).
+pub(crate) const STEP_MAX_FILE_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES";
+/// Ours: the most a prefix may hold while and after a step writes it (0: no limit).
+pub(crate) const STEP_MAX_PREFIX_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES";
+
+/// The largest single files of real environments (CUDA libraries, torch's) take 1-3 GiB.
+pub(crate) const DEFAULT_STEP_MAX_FILE_BYTES: u64 = 16 << 30;
+/// A CUDA PyTorch environment takes 10-20 GiB; four times that is no real prefix.
+pub(crate) const DEFAULT_STEP_MAX_PREFIX_BYTES: u64 = 64 << 30;
 
 pub(crate) const DEFAULT_CRAN: &str = "https://cloud.r-project.org";
 
@@ -32,6 +41,21 @@ pub struct EnvSettings {
     pub starter_r: Vec<String>,
     pub provisioner: Option<PathBuf>,
     pub cran_repo: String,
+    /// `RLIMIT_FSIZE` of every provisioning step (0: none).
+    pub step_max_file_bytes: u64,
+    /// The most bytes a prefix may hold while a step writes it and after (0: no limit).
+    pub step_max_prefix_bytes: u64,
+}
+
+/// A byte count variable, or its default when unset.
+fn bytes(name: &str, text: Option<String>, default: u64) -> Result<u64, ConfigError> {
+    match text {
+        None => Ok(default),
+        Some(t) => t.trim().parse().map_err(|_| ConfigError::Invalid {
+            name: name.to_owned(),
+            reason: format!("{t:?} is not a byte count (a whole number; 0: no limit)"),
+        }),
+    }
 }
 
 /// A list variable checked by `parse`, or its default when unset.
@@ -76,6 +100,16 @@ impl EnvSettings {
             )?,
             provisioner: get(PROVISIONER_VAR).map(PathBuf::from),
             cran_repo: get(CRAN_VAR).unwrap_or_else(|| DEFAULT_CRAN.to_owned()),
+            step_max_file_bytes: bytes(
+                STEP_MAX_FILE_VAR,
+                get(STEP_MAX_FILE_VAR),
+                DEFAULT_STEP_MAX_FILE_BYTES,
+            )?,
+            step_max_prefix_bytes: bytes(
+                STEP_MAX_PREFIX_VAR,
+                get(STEP_MAX_PREFIX_VAR),
+                DEFAULT_STEP_MAX_PREFIX_BYTES,
+            )?,
         })
     }
 
@@ -104,6 +138,18 @@ mod tests {
         assert_eq!(s.starter_r, Language::R.default_starter_specs());
         assert!(!s.offline());
         assert_eq!(s.cran_repo, DEFAULT_CRAN);
+        assert_eq!((s.step_max_file_bytes, s.step_max_prefix_bytes), (16 << 30, 64 << 30));
+    }
+
+    #[test]
+    fn step_limits_are_byte_counts() {
+        let s = settings(&[(STEP_MAX_FILE_VAR, "1048576"), (STEP_MAX_PREFIX_VAR, "0")]);
+        assert_eq!((s.step_max_file_bytes, s.step_max_prefix_bytes), (1 << 20, 0));
+        for value in ["1G", "-1", "lots"] {
+            let err =
+                EnvSettings::from_vars(|k| (k == STEP_MAX_PREFIX_VAR).then(|| value.to_owned())).unwrap_err();
+            assert!(err.to_string().contains("is not a byte count"), "{value}: {err}");
+        }
     }
 
     #[test]

@@ -118,6 +118,8 @@ pub(crate) struct CondaPlaces<'a> {
     pub cache_dir: &'a Path,
     pub read_only_caches: &'a [PathBuf],
     pub offline: bool,
+    /// The most bytes a link step's packages may add (`env_step_max_prefix_bytes`; 0: none).
+    pub max_prefix_bytes: u64,
 }
 
 /// A `runner-provisioner` step: the request on stdin. No step has both the cache and the
@@ -143,7 +145,7 @@ pub(crate) fn conda(
         read_only_caches: places.read_only_caches.to_vec(),
         offline: places.offline,
         stage,
-        max_prefix_bytes: 0,
+        max_prefix_bytes: places.max_prefix_bytes,
     };
     let mut binds = vec![(prefix.to_path_buf(), linking)];
     if !listing {
@@ -171,6 +173,7 @@ pub(crate) fn conda(
         origins: Vec::new(),
         allow_private,
         timeout: CONDA_TIMEOUT,
+        writes_prefix: linking.then(|| prefix.to_path_buf()),
     }
 }
 
@@ -240,6 +243,7 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
         // The index is the request's: never a private address (not even `localhost`).
         allow_private: false,
         timeout: PIP_TIMEOUT,
+        writes_prefix: Some(prefix.to_path_buf()),
     }
 }
 
@@ -311,6 +315,7 @@ pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages:
         hosts,
         origins: Vec::new(),
         timeout: R_TIMEOUT,
+        writes_prefix: Some(prefix.to_path_buf()),
     }
 }
 
@@ -339,6 +344,7 @@ pub(crate) fn python_inventory(prefix: &Path) -> Step {
         origins: Vec::new(),
         allow_private: false,
         timeout: INVENTORY_TIMEOUT,
+        writes_prefix: None,
     }
 }
 
@@ -362,6 +368,7 @@ pub(crate) fn r_inventory(prefix: &Path) -> Step {
         origins: Vec::new(),
         allow_private: false,
         timeout: INVENTORY_TIMEOUT,
+        writes_prefix: None,
     }
 }
 
@@ -516,6 +523,7 @@ mod tests {
             cache_dir: Path::new("/d/pkgs"),
             read_only_caches: &ro_caches,
             offline: false,
+            max_prefix_bytes: 1 << 30,
         };
         let channels = vec!["file:///srv/ch/".to_owned(), "http://127.0.0.1:9/c".to_owned()];
         let create = || Op::Create { specs: vec!["python=3.11".into()] };
@@ -547,7 +555,11 @@ mod tests {
             assert!(step.binds.iter().filter(|(_, w)| *w).count() <= 1, "one writable place at most");
             assert_eq!(step.hosts, hosts, "{op:?} {stage:?}");
             assert_eq!(step.allow_private, !hosts.is_empty());
+            // Only the step that writes the prefix has it measured.
+            let writable = binds.iter().find(|(p, w)| *w && p == Path::new("/d/p")).map(|(p, _)| p.clone());
+            assert_eq!(step.writes_prefix, writable, "{op:?} {stage:?}");
             let req: provision::Request = serde_json::from_slice(&step.stdin).unwrap();
+            assert_eq!(req.max_prefix_bytes, 1 << 30);
             assert_eq!(
                 (req.channels, req.stage, req.read_only_caches),
                 (channels.clone(), stage, ro_caches.to_vec())
@@ -580,6 +592,7 @@ mod tests {
         );
         assert!(step.command[2].contains("-I -m pip install --disable-pip-version-check --no-input"));
         assert_eq!(step.hosts, ["pypi.example"]);
+        assert_eq!(step.writes_prefix.as_deref(), Some(Path::new("/d/p")), "measured as it runs");
         assert!(step.binds.contains(&(PathBuf::from("/d/wheels/ab"), false)));
         let off = pip(Path::new("/d/p"), &PipSource::Offline("/cache".into()), &["x".into()], &[]);
         assert!(off.command.windows(3).any(|w| w == ["--no-index", "--find-links", "/cache"]));
@@ -687,6 +700,7 @@ mod tests {
             cache_dir: Path::new("/c"),
             read_only_caches: &[],
             offline: false,
+            max_prefix_bytes: 0,
         };
         let channels: Vec<String> = [
             "http://127.0.0.1:8080/ch",

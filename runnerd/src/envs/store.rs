@@ -147,6 +147,8 @@ pub struct EnvStore {
     /// a prefix a pip or R step wrote while it holds this: the provisioner refuses what
     /// could hang it there (FIFOs, devices, more than two million entries) before reading.
     cache_gate: tokio::sync::RwLock<()>,
+    /// The stored wheels installs in flight hold ([`wheels::InUse`]).
+    wheels_in_use: Arc<wheels::InUse>,
 }
 
 /// The install body, read by the route.
@@ -219,6 +221,15 @@ impl EnvStore {
                 );
             }
             catalog = Catalog::load(&dir)?;
+            let wheels_swept =
+                wheels::sweep_unreferenced(&dir, &|hash, name| named_by_live(&catalog, hash, name));
+            if wheels_swept > 0 {
+                tracing::info!(
+                    event = "environment_wheels_swept",
+                    count = wheels_swept,
+                    reason = "named by no revision of a live environment"
+                );
+            }
             let orphans = sweep_orphan_prefixes(&root.join(common::layout::ENV_REVISIONS), &catalog);
             if orphans > 0 {
                 tracing::info!(
@@ -249,6 +260,7 @@ impl EnvStore {
             view: Mutex::new(view),
             gates: Gates::default(),
             cache_gate: tokio::sync::RwLock::new(()),
+            wheels_in_use: Arc::default(),
         })
     }
 
@@ -410,6 +422,7 @@ impl EnvStore {
             cache_dir: &self.cache_dir,
             read_only_caches: &self.read_only_caches,
             offline: self.settings.offline(),
+            max_prefix_bytes: self.settings.step_max_prefix_bytes,
         }
     }
 
@@ -548,10 +561,8 @@ impl EnvStore {
         let answer: Option<provision::Response> = serde_json::from_str(out.stdout.trim()).ok();
         match (out.succeeded(), answer) {
             (true, Some(a)) if a.error.is_none() => Ok(a),
-            (_, Some(a)) if a.error.is_some() => {
-                Err(StoreError::Step { label: "conda", detail: a.error.unwrap_or_default() })
-            }
-            _ => Err(StoreError::Step { label: "conda", detail: step_failure(&out) }),
+            (_, Some(a)) if a.error.is_some() => Err(self.step_error("conda", a.error.unwrap_or_default())),
+            _ => Err(self.step_error("conda", step_failure(&out))),
         }
     }
 
@@ -789,40 +800,122 @@ impl EnvStore {
                 return Err(StoreError::Invalid(format!("Environment {id} is not an R environment")));
             }
         }
-        // Local wheels are copied out of the workspace before anything is locked.
-        let mut new_wheels = Vec::new();
-        if !wheel_paths.is_empty() {
-            if req.workspace.key.is_none() && req.workspace.root.is_none() {
-                return Err(wheels::WheelError::NoWorkspace.into());
+        // The workspace is found now; its wheels are copied only once the gate is held and
+        // everything else about the request has been checked (issue #32).
+        let workspace = match wheel_paths.is_empty() {
+            true => None,
+            false => {
+                if req.workspace.key.is_none() && req.workspace.root.is_none() {
+                    return Err(wheels::WheelError::NoWorkspace.into());
+                }
+                let located = crate::exec::locate(app, &req.workspace)
+                    .map_err(|e| StoreError::Invalid(e.to_string()))?;
+                Some(located.root)
             }
-            let located =
-                crate::exec::locate(app, &req.workspace).map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let root_fd = crate::exec::workspace::open_beneath(&app.data_dir, &located.root)
-                .map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let dir = open_dir(&self.root)?;
-            // Copied and hashed (up to gigabytes each) on the blocking pool.
-            let paths = wheel_paths.clone();
-            new_wheels = tokio::task::spawn_blocking(move || {
-                paths.iter().map(|p| wheels::persist(&dir, &root_fd, p)).collect::<Result<Vec<_>, _>>()
-            })
-            .await
-            .map_err(|e| StoreError::Invalid(format!("Local wheels could not be copied: {e}")))??;
-        }
+        };
         let _w = self.gates.write(id).await;
         // The record may have changed while this waited.
         let env = self.task_environment(id).await?;
         let current = self.cat().revision(&env.current_revision_id).cloned();
         // Everything that can fail before a package is touched, before `updating`.
         let prefix = self.root.join(env.prefix_rel()?);
-        let wheel_files = new_wheels.iter().map(|w| self.wheel_path(w)).collect::<Result<Vec<_>, _>>()?;
         let kept = current.as_ref().and_then(|r| r.local_wheels.as_deref()).unwrap_or_default();
-        if wheels::carried_after(kept, &new_wheels) > wheels::MAX_WHEELS_PER_REVISION {
+        let mut names = Vec::with_capacity(wheel_paths.len());
+        for w in &wheel_paths {
+            names.push(wheels::parse_request(w)?.filename);
+        }
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        if wheels::carried_after(kept, &names) > wheels::MAX_WHEELS_PER_REVISION {
             return Err(StoreError::Invalid(format!(
                 "Environment {id} would carry more than {} local wheels; create a new environment for more",
                 wheels::MAX_WHEELS_PER_REVISION
             )));
         }
         let urls = self.channel_urls(&channels)?;
+        let new_wheels = match &workspace {
+            Some(root) => self.persist_wheels(app, root, &wheel_paths).await?,
+            None => Vec::new(),
+        };
+        // Whatever happens from here (an abandoned request included), this install lets go
+        // of its copies: a failed one's go, unless another install holds them or a live
+        // revision names them.
+        let held = HeldWheels { store: self, wheels: new_wheels };
+        let args = (current, channels, urls, pip_source, specs, wheel_paths);
+        self.install_held(app, &env, &req, &prefix, args, &held.wheels).await
+    }
+
+    /// Copies the workspace wheels into the store (hashed, up to gigabytes each, on the
+    /// blocking pool), each held until [`Self::release_wheels`]; if one fails, those copied
+    /// before it are released.
+    async fn persist_wheels(
+        &self,
+        app: &App,
+        workspace: &Path,
+        paths: &[String],
+    ) -> Result<Vec<LocalWheel>, StoreError> {
+        let root_fd = crate::exec::workspace::open_beneath(&app.data_dir, workspace)
+            .map_err(|e| StoreError::Invalid(e.to_string()))?;
+        let dir = open_dir(&self.root)?;
+        let paths = paths.to_vec();
+        let in_use = self.wheels_in_use.clone();
+        let (done, failed) = tokio::task::spawn_blocking(move || {
+            let mut done = Vec::with_capacity(paths.len());
+            for p in &paths {
+                match wheels::persist(&dir, &root_fd, p, &in_use) {
+                    Ok(w) => done.push(w),
+                    Err(e) => return (done, Some(StoreError::from(e))),
+                }
+            }
+            (done, None)
+        })
+        .await
+        .map_err(|e| StoreError::Invalid(format!("Local wheels could not be copied: {e}")))?;
+        match failed {
+            None => Ok(done),
+            Some(e) => {
+                self.release_wheels(&done);
+                Err(e)
+            }
+        }
+    }
+
+    /// Lets go of wheels an install copied ([`wheels::release`]).
+    fn release_wheels(&self, held: &[LocalWheel]) {
+        if held.is_empty() {
+            return;
+        }
+        let Ok(dir) = open_dir(&self.root) else { return };
+        let removed = wheels::release(&dir, held, &self.wheels_in_use, &|w| self.wheel_named(w));
+        if removed > 0 {
+            tracing::info!(
+                event = "environment_wheels_removed",
+                count = removed,
+                reason = "the install that copied them did not land"
+            );
+        }
+    }
+
+    /// Whether a revision of an environment that still exists names `wheel` (read now, from
+    /// the catalog in memory).
+    fn wheel_named(&self, wheel: &LocalWheel) -> bool {
+        named_by_live(&self.cat(), &wheel.content.hash, &wheel.filename)
+    }
+
+    /// The install once its gate is held and its wheels are copied: the step, then the new
+    /// revision (or `failed`).
+    async fn install_held(
+        &self,
+        app: &App,
+        env: &Environment,
+        req: &InstallRequest,
+        prefix: &Path,
+        (current, channels, urls, pip_source, specs, wheel_paths): InstallParts,
+        new_wheels: &[LocalWheel],
+    ) -> Result<EnvironmentRevision, StoreError> {
+        let id = env.id.as_str();
+        let prefix = prefix.to_path_buf();
+        let new_wheels = new_wheels.to_vec();
+        let wheel_files = new_wheels.iter().map(|w| self.wheel_path(w)).collect::<Result<Vec<_>, _>>()?;
         self.begin_update(id).await?;
         let outcome = match req.manager {
             Manager::Conda => {
@@ -873,7 +966,7 @@ impl EnvStore {
             wheels_kept.retain(|k| k.filename != w.filename);
             wheels_kept.push(w);
         }
-        self.commit_change(app, &env, &prefix, revision_channels, answer, requested, Some(wheels_kept)).await
+        self.commit_change(app, env, &prefix, revision_channels, answer, requested, Some(wheels_kept)).await
     }
 
     /// `POST /environments/:id/uninstall` (conda packages).
@@ -914,7 +1007,7 @@ impl EnvStore {
         let prefix = step.binds[0].0.clone();
         let out = sandboxed::run(app, step).await?;
         if !out.succeeded() {
-            return Err(StoreError::Step { label, detail: step_failure(&out) });
+            return Err(self.step_error(label, step_failure(&out)));
         }
         let urls: Vec<String> = Vec::new();
         let places = CondaPlaces { offline: true, ..self.places() };
@@ -956,6 +1049,10 @@ impl EnvStore {
         Ok(revision)
     }
 
+    fn step_error(&self, label: &'static str, detail: String) -> StoreError {
+        StoreError::Step { label, detail: with_file_limit(detail, self.settings.step_max_file_bytes) }
+    }
+
     fn wheel_path(&self, w: &LocalWheel) -> Result<PathBuf, StoreError> {
         Ok(self.root.join(wheels::stored_rel_path(w)?))
     }
@@ -975,6 +1072,13 @@ impl EnvStore {
             catalog.environments.retain(|e| e.id != id);
             Ok(catalog.revisions_of(id).count())
         })?;
+        // Its wheels no live environment names go with it (nothing installs from a deleted
+        // environment's revisions again).
+        let carried: Vec<LocalWheel> =
+            self.cat().revisions_of(id).flat_map(|r| r.local_wheels.iter().flatten().cloned()).collect();
+        if let Ok(dir) = open_dir(&self.root) {
+            wheels::forget(&dir, &carried, &self.wheels_in_use, &|w| self.wheel_named(w));
+        }
         // A prefix may hold whatever a pip or R step left (millions of files): removed on the
         // blocking pool, never on an async worker.
         let root = open_dir(&self.root)?;
@@ -1094,6 +1198,46 @@ fn starter_ready(catalog: &Catalog, id: &str) -> bool {
     catalog.environment(id).is_some_and(|e| e.status == Status::Ready)
 }
 
+/// What an install checked before its gate, for [`EnvStore::install_held`]: the current
+/// revision, the conda channels and their URLs, pip's source, the specs, the wheel paths.
+type InstallParts =
+    (Option<EnvironmentRevision>, Vec<String>, Vec<String>, Option<PipSource>, Vec<String>, Vec<String>);
+
+/// The wheels an install copied, let go of when it ends however it ends.
+struct HeldWheels<'a> {
+    store: &'a EnvStore,
+    wheels: Vec<LocalWheel>,
+}
+
+impl Drop for HeldWheels<'_> {
+    fn drop(&mut self) {
+        self.store.release_wheels(&self.wheels);
+    }
+}
+
+/// Whether a revision of an environment the catalog still holds names the stored wheel
+/// `hash`/`filename`: a deleted environment's revisions stay as records, but nothing
+/// installs from them again.
+fn named_by_live(catalog: &Catalog, hash: &str, filename: &str) -> bool {
+    catalog.environments.iter().any(|env| {
+        catalog.revisions_of(&env.id).any(|r| {
+            r.local_wheels.iter().flatten().any(|w| w.content.hash == hash && w.filename == filename)
+        })
+    })
+}
+
+/// A step's own failure text, with the limit named when a write failed with `EFBIG` (the
+/// provisioner and Python ignore `SIGXFSZ`, so `RLIMIT_FSIZE` reaches them as an error).
+fn with_file_limit(detail: String, max_file: u64) -> String {
+    let efbig = ["File too large", "os error 27", "Errno 27"].iter().any(|t| detail.contains(t));
+    match efbig && max_file > 0 {
+        true => format!(
+            "{detail} (a provisioning step may write no file larger than {max_file} bytes: env_step_max_file_bytes, SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES)"
+        ),
+        false => detail,
+    }
+}
+
 fn step_failure(out: &StepOutput) -> String {
     let tail = out.tail();
     match (out.code, tail.is_empty()) {
@@ -1207,6 +1351,20 @@ fn check_provisioner(path: &Path, user: &crate::sandbox::user::Identity) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_stopped_by_the_file_limit_names_it() {
+        for (detail, max, named) in [
+            ("OSError: [Errno 27] File too large: '/p/lib/x'", 1 << 20, true),
+            ("The packages could not be installed into /p: File too large (os error 27)", 1 << 20, true),
+            ("ERROR: No matching distribution found for nothing", 1 << 20, false),
+            ("OSError: [Errno 27] File too large", 0, false),
+        ] {
+            let out = with_file_limit(detail.to_owned(), max);
+            assert_eq!(out.contains("env_step_max_file_bytes"), named, "{out}");
+            assert!(out.starts_with(detail), "the step's own words come first: {out}");
+        }
+    }
 
     #[test]
     fn interpreter_names_are_the_originals_pattern() {

@@ -9,7 +9,14 @@
 //! Stricter than the original: any symlink on the way is refused, also one that stays
 //! inside the workspace (the original refused only those pointing outside it); a wheel
 //! path resolves to exactly one file without resolving links.
+//!
+//! A copy outside every quota (up to 64 × 4 GiB per request) is kept only while something
+//! names it (issue #32): an install copies only once it holds its environment's gate and
+//! its request passed every check, holds what it copied in [`InUse`] until it ends, and a
+//! failed one [`release`]s it, removing each copy no install holds and no revision of a
+//! live environment names; [`sweep_unreferenced`] removes the rest at start-up.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -177,17 +184,40 @@ fn normalize_distribution(name: &str) -> String {
 
 /// How many wheels a revision carries after an install of `new` on top of `kept`: a new
 /// wheel replaces a kept one of the same file name.
-pub(crate) fn carried_after(kept: &[LocalWheel], new: &[LocalWheel]) -> usize {
-    kept.iter().filter(|k| !new.iter().any(|w| w.filename == k.filename)).count() + new.len()
+pub(crate) fn carried_after(kept: &[LocalWheel], new: &[&str]) -> usize {
+    kept.iter().filter(|k| !new.contains(&k.filename.as_str())).count() + new.len()
+}
+
+/// The stored wheels installs in flight hold, by `(hash, filename)`, with how many hold each:
+/// one install's failure never removes a copy another is about to hand to pip. Publishing a
+/// copy and releasing one happen under its lock.
+#[derive(Debug, Default)]
+pub(crate) struct InUse(std::sync::Mutex<HashMap<(String, String), usize>>);
+
+impl InUse {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), usize>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many stored wheels are held now.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+fn key(wheel: &LocalWheel) -> (String, String) {
+    (wheel.content.hash.clone(), wheel.filename.clone())
 }
 
 /// Copies the workspace wheel `path` into the store below `store` (the
-/// `scientific-envs` directory) and returns its record. An identical wheel already
-/// stored is reused; a corrupt one is replaced.
+/// `scientific-envs` directory) and returns its record, held in `in_use` until
+/// [`release`]d. An identical wheel already stored is reused; a corrupt one is replaced.
 pub(crate) fn persist(
     store: &impl AsRawFd,
     workspace: &impl AsRawFd,
     path: &str,
+    in_use: &InUse,
 ) -> Result<LocalWheel, WheelError> {
     let request = parse_request(path)?;
     let source = open_source(workspace, &request, path)?;
@@ -198,7 +228,9 @@ pub(crate) fn persist(
     let incoming = format!("{INCOMING_PREFIX}{}.whl", new_uuid_v4());
     let incoming_c = disk::cstr(&incoming).map_err(|e| WheelError::Io("name", e))?;
     let stored = copy_in(&source, &wheels, &incoming_c, path).and_then(|content| {
+        let mut held = in_use.lock();
         publish(&wheels, &incoming_c, &content, &request.filename)?;
+        *held.entry((content.hash.clone(), request.filename.clone())).or_default() += 1;
         Ok(content)
     });
     // Gone once published; removed after any failure.
@@ -368,6 +400,111 @@ pub(crate) fn verify_persisted(store: &impl AsRawFd, wheel: &LocalWheel) -> Resu
     }
 }
 
+/// Lets go of `wheels` an install held ([`persist`]); each that no other install holds and
+/// that `named` says no live revision names is removed (its hash directory too, once
+/// empty). Best effort: what fails to go is logged and swept at the next start. Returns how
+/// many went.
+pub(crate) fn release(
+    store: &impl AsRawFd,
+    wheels: &[LocalWheel],
+    in_use: &InUse,
+    named: &dyn Fn(&LocalWheel) -> bool,
+) -> usize {
+    let mut held = in_use.lock();
+    for wheel in wheels {
+        let k = key(wheel);
+        if let Some(n) = held.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&k);
+            }
+        }
+    }
+    remove_unheld(store, wheels, &held, named)
+}
+
+/// Removes each of `wheels` that no install holds and `named` does not name (a deleted
+/// environment's); returns how many went.
+pub(crate) fn forget(
+    store: &impl AsRawFd,
+    wheels: &[LocalWheel],
+    in_use: &InUse,
+    named: &dyn Fn(&LocalWheel) -> bool,
+) -> usize {
+    remove_unheld(store, wheels, &in_use.lock(), named)
+}
+
+fn remove_unheld(
+    store: &impl AsRawFd,
+    wheels: &[LocalWheel],
+    held: &HashMap<(String, String), usize>,
+    named: &dyn Fn(&LocalWheel) -> bool,
+) -> usize {
+    let mut removed = 0;
+    for wheel in wheels {
+        if held.contains_key(&key(wheel)) || named(wheel) {
+            continue;
+        }
+        match remove_stored(store, wheel) {
+            Ok(true) => removed += 1,
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                event = "environment_wheel_left",
+                wheel = %wheel.filename,
+                error = %e,
+                "an unreferenced wheel could not be removed; the next start sweeps it"
+            ),
+        }
+    }
+    removed
+}
+
+/// Removes `wheels/<hash>/<filename>` and then the hash directory if it is empty; whether
+/// the file was there.
+fn remove_stored(store: &impl AsRawFd, wheel: &LocalWheel) -> io::Result<bool> {
+    if stored_rel_path(wheel).is_err() {
+        return Ok(false);
+    }
+    let Some(wheels) = disk::open_dir(store, common::layout::ENV_WHEELS)? else { return Ok(false) };
+    let Some(dir) = disk::open_dir(&wheels, &wheel.content.hash)? else { return Ok(false) };
+    let gone = match fsat::unlink_at(&dir, &disk::cstr(&wheel.filename)?) {
+        Ok(()) => true,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
+        Err(e) => return Err(e),
+    };
+    // Still holding another file name of the same bytes: kept.
+    let _ = fsat::rmdir_at(&wheels, &disk::cstr(&wheel.content.hash)?);
+    Ok(gone)
+}
+
+/// Removes every stored wheel `named` does not name (at start-up, before any install runs:
+/// what a crash between copy and record, or an older release, left), and any hash directory
+/// left empty. Only `<64 hex>/<wheel name>` entries are considered; anything else is left.
+/// Returns how many went.
+pub(crate) fn sweep_unreferenced(store: &impl AsRawFd, named: &dyn Fn(&str, &str) -> bool) -> usize {
+    let Ok(Some(wheels)) = disk::open_dir(store, common::layout::ENV_WHEELS) else { return 0 };
+    let Ok(hashes) = fsat::names(&wheels) else { return 0 };
+    let mut removed = 0;
+    for (hash, hash_c) in hashes {
+        let Some(hash) = hash
+            .to_str()
+            .filter(|h| h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        else {
+            continue;
+        };
+        let Ok(dir) = fsat::open_dir_at(&wheels, &hash_c) else { continue };
+        for (name, name_c) in fsat::names(&dir).unwrap_or_default() {
+            let Some(name) = name.to_str() else { continue };
+            if parse_wheel_name(name).is_ok() && !named(hash, name) && fsat::unlink_at(&dir, &name_c).is_ok()
+            {
+                removed += 1;
+            }
+        }
+        let _ = fsat::rmdir_at(&wheels, &hash_c);
+    }
+    removed
+}
+
 /// Removes `.incoming-*` temporaries a crash left in `wheels/` (at start-up).
 pub(crate) fn sweep_incoming(store: &impl AsRawFd) -> usize {
     match disk::open_dir(store, common::layout::ENV_WHEELS) {
@@ -388,6 +525,7 @@ mod tests {
         tmp: tempfile::TempDir,
         store: OwnedFd,
         workspace: OwnedFd,
+        in_use: InUse,
     }
 
     impl Fixture {
@@ -400,7 +538,7 @@ mod tests {
             let open =
                 |d: &str| fsat::open_path(&tmp.path().join(d), libc::O_PATH | libc::O_DIRECTORY).unwrap();
             let (store, workspace) = (open("store"), open("ws"));
-            Fixture { tmp, store, workspace }
+            Fixture { tmp, store, workspace, in_use: InUse::default() }
         }
 
         fn path(&self, rel: &str) -> PathBuf {
@@ -408,7 +546,7 @@ mod tests {
         }
 
         fn persist(&self, request: &str) -> Result<LocalWheel, WheelError> {
-            persist(&self.store, &self.workspace, request)
+            persist(&self.store, &self.workspace, request, &self.in_use)
         }
 
         fn store_entries(&self) -> Vec<String> {
@@ -625,10 +763,12 @@ mod tests {
             version: "1.0".into(),
         };
         let kept = [wheel("a"), wheel("b")];
+        let name = |w: &LocalWheel| w.filename.clone();
+        let (b, c) = (name(&wheel("b")), name(&wheel("c")));
         assert_eq!(carried_after(&kept, &[]), 2);
-        assert_eq!(carried_after(&kept, &[wheel("b")]), 2);
-        assert_eq!(carried_after(&kept, &[wheel("b"), wheel("c")]), 3);
-        assert_eq!(carried_after(&[], &[wheel("c")]), 1);
+        assert_eq!(carried_after(&kept, &[&b]), 2);
+        assert_eq!(carried_after(&kept, &[&b, &c]), 3);
+        assert_eq!(carried_after(&[], &[&c]), 1);
     }
 
     #[test]
@@ -649,6 +789,41 @@ mod tests {
         assert!(stored_rel_path(&bad_name).is_err());
         let not_wheel = LocalWheel { filename: "passwd".into(), ..good };
         assert!(stored_rel_path(&not_wheel).is_err());
+    }
+
+    #[test]
+    fn a_released_wheel_goes_unless_another_install_holds_it_or_a_revision_names_it() {
+        let fx = Fixture::new();
+        let first = fx.persist(&format!("wheels/{WHEEL}")).unwrap();
+        let second = fx.persist(&format!("wheels/{WHEEL}")).unwrap();
+        assert_eq!((fx.in_use.held(), fx.store_entries().len()), (1, 1), "one copy, held twice");
+        assert_eq!(release(&fx.store, std::slice::from_ref(&first), &fx.in_use, &|_| false), 0, "still held");
+        assert_eq!(fx.store_entries().len(), 1);
+        // Named by a revision: kept, and no longer held.
+        assert_eq!(release(&fx.store, std::slice::from_ref(&second), &fx.in_use, &|_| true), 0);
+        assert_eq!((fx.in_use.held(), fx.store_entries().len()), (0, 1));
+        // Held by nothing and named by nothing: gone, its hash directory with it.
+        let third = fx.persist(&format!("wheels/{WHEEL}")).unwrap();
+        assert_eq!(release(&fx.store, &[third], &fx.in_use, &|_| false), 1);
+        assert!(fx.store_entries().is_empty(), "{:?}", fx.store_entries());
+        assert_eq!(std::fs::read_dir(fx.path("store/wheels")).unwrap().count(), 0);
+        // Releasing what is already gone is no error.
+        assert_eq!(release(&fx.store, &[first], &fx.in_use, &|_| false), 0);
+    }
+
+    #[test]
+    fn unreferenced_wheels_are_swept_and_named_ones_kept() {
+        let fx = Fixture::new();
+        let kept = fx.persist(&format!("wheels/{WHEEL}")).unwrap();
+        let other = "other_pkg-2.0-py3-none-any.whl";
+        std::fs::write(fx.path("ws/wheels").join(other), b"PK other bytes").unwrap();
+        let dropped = fx.persist(&format!("wheels/{other}")).unwrap();
+        std::fs::write(fx.path("store/wheels/notes.txt"), b"not ours").unwrap();
+        let named = |hash: &str, name: &str| hash == kept.content.hash && name == kept.filename;
+        assert_eq!(sweep_unreferenced(&fx.store, &named), 1);
+        assert_eq!(fx.store_entries(), [format!("{}/{WHEEL}", kept.content.hash), "notes.txt".to_owned()]);
+        assert!(!fx.path("store/wheels").join(&dropped.content.hash).exists(), "its directory went too");
+        verify_persisted(&fx.store, &kept).unwrap();
     }
 
     #[test]
