@@ -626,6 +626,16 @@ async fn a_setup_that_cannot_reach_its_channel_fails_with_an_action() {
 
 /// A wheel the test builds with the host's zipfile: one module, METADATA, WHEEL, RECORD.
 fn build_wheel(path: &Path, name: &str, version: &str, value: &str) {
+    wheel(path, name, version, value, &[]);
+}
+
+/// A wheel of module `name` that also installs `zeros`: `(file name, size)`, each that many
+/// zero bytes (compressed in the wheel).
+pub(super) fn build_wheel_with(path: &Path, name: &str, version: &str, zeros: &[(&str, usize)]) {
+    wheel(path, name, version, "with-data", zeros);
+}
+
+fn wheel(path: &Path, name: &str, version: &str, value: &str, zeros: &[(&str, usize)]) {
     let script = r#"
 import sys, zipfile
 path, name, version, value = sys.argv[1:5]
@@ -635,8 +645,11 @@ files = {
     f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
     f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
 }
+for extra in sys.argv[5:]:
+    file, size = extra.split("=")
+    files[file] = b"\0" * int(size)
 files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
-with zipfile.ZipFile(path, "w") as z:
+with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
     for k, v in files.items():
         z.writestr(k, v)
 "#;
@@ -645,6 +658,7 @@ with zipfile.ZipFile(path, "w") as z:
         .args(["-I", "-c", script])
         .arg(path)
         .args([name, version, value])
+        .args(zeros.iter().map(|(file, size)| format!("{file}={size}")))
         .status()
         .unwrap();
     assert!(status.success());

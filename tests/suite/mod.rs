@@ -4,6 +4,7 @@ mod caller_workspaces;
 mod change_journal;
 mod config;
 mod damaged_state;
+mod env_bounds;
 mod environments;
 mod environments_r;
 mod fail_well_http;
