@@ -146,6 +146,7 @@ async fn hostile_packages_are_refused_in_the_sandbox_and_release_the_cache_gate_
         let other = install(s, &tenant, json!({"manager": "conda", "packages": ["tinyutil=2.0"]}));
         let ((status, refused), (other_status, other_rev)) = tokio::join!(hostile, other);
         let took = started.elapsed();
+        eprintln!("{}: refused, and the other tenant's install landed, in {took:?}", pkg.name);
         assert_eq!(status, 400, "{}: {refused}", pkg.name);
         let error = refused["error"].as_str().unwrap_or_default();
         assert!(
@@ -187,6 +188,25 @@ async fn pip_steps_are_stopped_at_the_file_and_prefix_limits_and_failed_installs
     let (status, rev) = install(&envs.server, &id, wheel_body("small-1.0-py3-none-any.whl")).await;
     assert_eq!(status, 201, "{rev}\n{}", envs.server.stderr());
     let small = rev["localWheels"][0]["content"]["hash"].as_str().unwrap().to_owned();
+    let stored = || {
+        let wheels = envs.server.path("scientific-envs/wheels");
+        tree(&wheels).into_iter().filter(|p| p.components().count() == 2).collect::<Vec<_>>()
+    };
+    let only_small = [PathBuf::from(format!("{small}/small-1.0-py3-none-any.whl"))];
+    assert_eq!(stored(), only_small);
+    // A request refused half way through its copies (its second wheel is missing) keeps
+    // none of them.
+    super::environments::build_wheel_with(&ws.join("dist/other-1.0-py3-none-any.whl"), "other", "1.0", &[]);
+    runner_tests::hand_tree_to_sandbox(&ws);
+    let body = json!({
+        "manager": "pip",
+        "packages": ["dist/other-1.0-py3-none-any.whl", "dist/missing-1.0-py3-none-any.whl"],
+        "runnerWorkspaceKey": "bound-ws",
+    });
+    let (status, refused) = install(&envs.server, &id, body).await;
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused["error"].as_str().unwrap_or_default().contains("Local wheel not found"), "{refused}");
+    assert_eq!(stored(), only_small, "the first wheel's copy went with the refusal");
     let held = bytes_below(&prefix_of(&envs.server.data_dir, &id));
     assert!(held > 1 << 20, "python and pip are in it: {held}");
 
