@@ -23,6 +23,7 @@ pub mod client;
 pub(crate) mod config;
 pub mod coordination;
 pub mod ctl;
+pub(crate) mod dbcheck;
 pub(crate) mod egress;
 pub(crate) mod envs;
 pub mod exec;

@@ -75,6 +75,10 @@ pub struct Versions {
     /// that a tree a run left over it (sparse files of distinct contents, say) is never
     /// written out into the shared store by another route (0: none).
     default_max_bytes: u64,
+    /// The shared databases (refs, the lifecycle registry) the start-up integrity check
+    /// found damaged: kept where they are, since the API process has them open too, and
+    /// named in `/health` with the remedy (issue #32).
+    damaged: Vec<(PathBuf, String)>,
 }
 
 impl std::fmt::Debug for Versions {
@@ -226,6 +230,17 @@ pub struct ExecutionFacts {
 
 impl Versions {
     pub fn open(data_dir: &Path) -> Result<Versions, WriteError> {
+        let damaged: Vec<(PathBuf, String)> = [
+            data_dir.join(common::layout::VERSIONING).join(common::layout::REFS_DB),
+            data_dir.join(common::layout::LIFECYCLE_DIR).join(common::layout::LIFECYCLE_REGISTRY),
+        ]
+        .into_iter()
+        .filter_map(|path| crate::dbcheck::damage(&path).map(|problem| (path, problem)))
+        .collect();
+        for (path, problem) in &damaged {
+            tracing::error!(event = "shared_database_damaged", path = %path.display(), problem = %problem,
+                remedy = %crate::dbcheck::recover_hint(path));
+        }
         let lifecycle = Lifecycle::open(data_dir)?;
         let store = Store::open(data_dir)?;
         let refs = Refs::open(&store)?;
@@ -243,12 +258,27 @@ impl Versions {
             lifecycle,
             data_dir: data_dir.to_owned(),
             default_max_bytes: 0,
+            damaged,
         })
     }
 
     /// With [`Versions::default_max_bytes`] set: the workspace quota (0: none).
     pub fn with_default_snapshot_limit(self, bytes: u64) -> Versions {
         Versions { default_max_bytes: bytes, ..self }
+    }
+
+    /// `/health`'s `sharedDatabases`: each damaged one with what is wrong and the remedy.
+    pub fn damaged_json(&self) -> serde_json::Value {
+        self.damaged
+            .iter()
+            .map(|(path, problem)| {
+                serde_json::json!({
+                    "path": path.display().to_string(),
+                    "problem": problem,
+                    "remedy": crate::dbcheck::recover_hint(path),
+                })
+            })
+            .collect()
     }
 
     pub fn store(&self) -> &Store {

@@ -138,3 +138,44 @@ async fn a_kill_during_a_commit_leaves_no_temporary_after_restart() {
     assert_eq!(temporaries(&data), Vec::<String>::new(), "left after the restart (before: {caught:?})");
     assert!(server.stderr().contains("temporaries_swept"), "{}", server.stderr());
 }
+
+/// Issue #32: a database whose late pages are corrupt (its header and first pages whole)
+/// was opened as if whole and the damage surfaced later as "not found"; now the start-up
+/// integrity check sets it aside, with a journal line naming it and the remedy.
+#[tokio::test]
+async fn a_database_with_corrupt_late_pages_is_set_aside_at_start() {
+    let (_dir, data) = seeded_data();
+    let path = data.join("runner-executions/executions.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE executions(id TEXT PRIMARY KEY, session TEXT NOT NULL, agent TEXT NOT NULL, record TEXT NOT NULL);
+             CREATE TABLE logs(execution TEXT NOT NULL, cursor INTEGER NOT NULL, stream TEXT NOT NULL, text TEXT NOT NULL, PRIMARY KEY(execution, cursor));",
+        )
+        .unwrap();
+        for i in 0..300 {
+            let id = format!("e{i}");
+            let rec = json!({"agentId": "main", "sessionId": "s", "id": id, "state": "completed",
+                "queuedAt": "2026-01-01T00:00:00.000Z", "finishedAt": "2026-01-01T00:00:01.000Z"});
+            conn.execute("INSERT INTO executions VALUES(?1, 's', 'main', ?2)", [&id, &rec.to_string()])
+                .unwrap();
+            conn.execute("INSERT INTO logs VALUES(?1, 1, 'stdout', ?2)", [&id, &"x".repeat(2000)]).unwrap();
+        }
+    }
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = (bytes.len() / 4096 - 3) * 4096;
+    for (i, b) in bytes[at..at + 4096].iter_mut().enumerate() {
+        *b = (i * 37 % 251) as u8;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    let server = Server::start_with(on(&data));
+    let aside = health(&server).await["executionRecords"]["setAside"].clone();
+    assert!(aside["reason"].as_str().unwrap_or_default().contains("integrity check failed"), "{aside}");
+    let moved = aside["movedTo"][0].as_str().expect("moved").to_owned();
+    assert_eq!(std::fs::read(&moved).unwrap(), bytes, "the damaged file is kept as it was");
+    let log = server.stderr();
+    assert!(log.contains("execution_database_set_aside") && log.contains(".recover"), "{log}");
+    // A new database serves.
+    assert_eq!(record(&server, "e1").await.0, 400);
+    assert_eq!(server.client().get("/status").await.unwrap().status, 200);
+}

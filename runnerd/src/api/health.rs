@@ -140,5 +140,6 @@ pub fn health(
     health["resourceLimits"] = crate::limits::health_block(&app.limits, &cfg.limits);
     health["executionRecords"] = app.managed.health_block();
     health["versionHistory"] = app.history.health();
+    health["sharedDatabases"] = app.versions.damaged_json();
     health
 }

@@ -191,8 +191,13 @@ impl ExecutionsDb {
         let path = dir.join(common::layout::EXECUTIONS_DB);
         // A file that is not SQLite's is set aside before SQLite opens it (closing a
         // connection to it could delete the WAL beside it).
-        let first =
-            not_sqlite(&path).map_or(Ok(()), Err).and_then(|()| Self::connect(&path)).and_then(|conn| {
+        // So is one whose pages are damaged (issue #32: corrupt pages late in the file were
+        // used, and surfaced later as "not found").
+        let first = not_sqlite(&path)
+            .or_else(|| corrupt(&path))
+            .map_or(Ok(()), Err)
+            .and_then(|()| Self::connect(&path))
+            .and_then(|conn| {
                 let db = ExecutionsDb { conn: Mutex::new(conn), path: path.clone() };
                 let report = db.mark_unfinished_unknown(now_iso)?;
                 Ok((db, report))
@@ -474,6 +479,16 @@ fn not_sqlite(path: &Path) -> Option<DbError> {
     let source =
         rusqlite::Error::SqliteFailure(code, Some("file is not a database (no SQLite header)".into()));
     Some(DbError::Sqlite { path: path.to_owned(), source })
+}
+
+/// The integrity check's finding ([`crate::dbcheck::damage`]) as a damage error.
+fn corrupt(path: &Path) -> Option<DbError> {
+    let problem = crate::dbcheck::damage(path)?;
+    let code = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CORRUPT);
+    Some(DbError::Sqlite {
+        path: path.to_owned(),
+        source: rusqlite::Error::SqliteFailure(code, Some(problem)),
+    })
 }
 
 /// Moves `path` and its `-wal` and `-shm` (those that exist) to their aside names; returns

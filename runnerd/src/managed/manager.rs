@@ -185,7 +185,8 @@ impl Manager {
         }
         if let Some(aside) = &opened.set_aside {
             let moved: Vec<String> = aside.moved.iter().map(|p| p.display().to_string()).collect();
-            tracing::error!(event = "execution_database_set_aside", moved = %moved.join(", "), reason = %aside.reason);
+            tracing::error!(event = "execution_database_set_aside", moved = %moved.join(", "), reason = %aside.reason,
+                remedy = "a new database serves; records from before the damage may be recovered from the moved file with `sqlite3 <moved> .recover`");
         }
         let db = Arc::new(db);
         let unsaved: Arc<Unsaved> = Arc::default();
@@ -288,12 +289,12 @@ impl Manager {
         })
     }
 
-    /// The start-up line about damaged records, if any was found.
     /// What the records name, for the version collector ([`ExecutionsDb::named_versions`]).
     pub fn named_versions(&self) -> Result<Vec<crate::versioning::Ref>, DbError> {
         self.db.named_versions()
     }
 
+    /// The start-up line about damaged records, if any was found.
     pub fn startup_note(&self) -> Option<String> {
         let mut notes = Vec::new();
         if let Some(a) = &self.opened.set_aside {
