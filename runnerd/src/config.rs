@@ -223,6 +223,7 @@ impl RunnerConfig {
                     retention: crate::versioning::retention::Retention {
                         keep_versions: non_negative(h::KEEP_VERSIONS_VAR, h::DEFAULT_KEEP_VERSIONS)?,
                         keep_days: non_negative(h::KEEP_DAYS_VAR, h::DEFAULT_KEEP_DAYS)?,
+                        pressed: false,
                     },
                     interval_secs: non_negative(h::INTERVAL_VAR, h::DEFAULT_INTERVAL_SECS)?,
                     free_percent,

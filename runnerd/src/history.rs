@@ -49,7 +49,11 @@ pub struct HistorySettings {
 impl Default for HistorySettings {
     fn default() -> Self {
         HistorySettings {
-            retention: Retention { keep_versions: DEFAULT_KEEP_VERSIONS, keep_days: DEFAULT_KEEP_DAYS },
+            retention: Retention {
+                keep_versions: DEFAULT_KEEP_VERSIONS,
+                keep_days: DEFAULT_KEEP_DAYS,
+                pressed: false,
+            },
             interval_secs: DEFAULT_INTERVAL_SECS,
             free_percent: DEFAULT_FREE_PERCENT,
             grace_secs: DEFAULT_GRACE_SECS,
@@ -77,6 +81,8 @@ impl Trigger {
 
 #[derive(Debug, thiserror::Error)]
 pub enum HistoryError {
+    #[error("a collection is already running; its report will be in GET /versioning")]
+    Running,
     #[error("the collection stopped; nothing more was deleted")]
     Store(#[source] crate::versioning::VersionError),
     #[error("the collection could not read the managed executions' records; nothing was deleted")]
@@ -110,9 +116,13 @@ impl History {
         trigger: Trigger,
         dry_run: bool,
     ) -> Result<Arc<Report>, HistoryError> {
-        let _one = self.running.lock().await;
+        let _one = match trigger {
+            // A caller's request never queues behind (or piles up on) a running one.
+            Trigger::Requested => self.running.try_lock().map_err(|_| HistoryError::Running)?,
+            _ => self.running.lock().await,
+        };
         let how = Collection {
-            retention: self.settings.retention,
+            retention: Retention { pressed: trigger == Trigger::DiskPressure, ..self.settings.retention },
             grace: Duration::from_secs(self.settings.grace_secs),
             dry_run,
         };

@@ -72,15 +72,15 @@ fn digest(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Sets every stored object's mtime back `age` (the retention's days and the collector's
-/// grace both read the objects' age).
+/// Sets every stored object's times back `age` (the retention's days read when a version's
+/// record was written; the collector's grace when an object was written or read).
 fn age_objects(data_dir: &Path, age: Duration) {
     let when = SystemTime::now() - age;
     for pool in ["data", "agent-state"] {
         let dir = data_dir.join("versioning").join(pool).join("blobs/sha256");
         for e in std::fs::read_dir(&dir).unwrap().flatten() {
             let f = std::fs::File::options().write(true).open(e.path()).unwrap();
-            f.set_modified(when).unwrap();
+            f.set_times(std::fs::FileTimes::new().set_modified(when).set_accessed(when)).unwrap();
         }
     }
 }

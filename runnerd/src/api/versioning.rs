@@ -42,11 +42,12 @@ pub async fn collect(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiErro
             Some(_) => return Err(ApiError::bad_request("invalid_request", "dryRun must be a boolean")),
         }
     };
-    let report = app
-        .history
-        .collect(app, Trigger::Requested, dry_run)
-        .await
-        .map_err(|e| ApiError::with_status(500, "history_collection_failed", crate::error_chain(&e)))?;
+    let report = app.history.collect(app, Trigger::Requested, dry_run).await.map_err(|e| match e {
+        crate::history::HistoryError::Running => {
+            ApiError::with_status(409, "collection_running", e.to_string())
+        }
+        e => ApiError::with_status(500, "history_collection_failed", crate::error_chain(&e)),
+    })?;
     let mut v = serde_json::to_value(&*report).unwrap_or_else(|_| json!({}));
     if let Value::Object(map) = &mut v {
         map.insert("trigger".into(), Value::from("requested"));

@@ -2,13 +2,17 @@
 //! root reaches, with an account of what each workspace's history holds.
 //!
 //! The roots are the original's `roots()` — every live ref and every history row that the
-//! retention keeps — and the versions a managed execution names. Objects are marked by
-//! digest alone: a reader falls back to the other pool, so a marked digest keeps its blob
-//! in both.
+//! retention keeps — and the versions a managed execution names. The retention prunes only
+//! workspaces' histories ([`is_workspace_head`]). Objects are marked by digest alone: a
+//! reader falls back to the other pool, so a marked digest keeps its blob in both. When a
+//! kept version reaches a record that cannot be read, nothing is deleted (what it reaches
+//! is unknown).
 //!
 //! Safe against concurrent commits in three ways:
-//! * an object made or linked less than [`Collection::grace`] ago is never deleted (a
-//!   commit of the API process may be about to root it);
+//! * an object written less than [`Collection::grace`] ago, or read less than a day and the
+//!   grace ago (`relatime` refreshes the access time once a day), is never deleted: a commit
+//!   of the API process may be about to root it, and its reuse of a stored object only
+//!   reads it (runnerd's own reads do not count: they are `O_NOATIME`);
 //! * deletion happens under [`Store::sweep_guard`], taken only while no commit attempt of
 //!   this process is between its snapshot and its ref: before each batch, the roots
 //!   committed since the mark are marked too, so an old object a new commit reused is kept;
@@ -38,7 +42,7 @@ const NAMED: usize = 20;
 #[derive(Debug, Clone, Copy)]
 pub struct Collection {
     pub retention: Retention,
-    /// Objects younger than this (by mtime) are never deleted.
+    /// Objects written within this (or read within it and a day) are never deleted.
     pub grace: Duration,
     /// Account and list, delete nothing (`runnerctl gc --dry-run`).
     pub dry_run: bool,
@@ -61,7 +65,7 @@ pub struct Report {
     pub objects_reachable: u64,
     pub objects_deleted: u64,
     pub disk_bytes_deleted: u64,
-    /// Unreachable objects kept because they are younger than the grace.
+    /// Unreachable objects kept because they were written or read within the grace.
     pub objects_kept_young: u64,
     /// Objects a kept version reaches that are in neither pool nor the legacy store: a
     /// store damaged behind runnerd's back (0 is what every collection should find;
@@ -92,13 +96,23 @@ pub struct HeadHistory {
     pub disk_bytes: u64,
 }
 
-/// A stored blob: its raw digest, the pool directory it is in, disk bytes and mtime.
+/// A stored blob: its raw digest, the pool directory it is in, disk bytes and when it was
+/// last written and read.
 struct Stored {
     raw: [u8; 32],
     pool: Pool,
     name: String,
     disk: u64,
     mtime: SystemTime,
+    atime: SystemTime,
+}
+
+/// What one walk adds to a head's account.
+#[derive(Default)]
+struct Tally {
+    objects: u64,
+    bytes: u64,
+    disk: u64,
 }
 
 /// The mark: digests reached, and each record's dependencies read once.
@@ -111,15 +125,18 @@ struct Mark {
 }
 
 impl Mark {
-    /// Marks everything `root` reaches; returns the distinct objects of this walk (for a
-    /// head's account, `seen` spans its versions). A damaged record is noted and its
-    /// subtree left unmarked; an I/O failure stops the collection.
+    /// Marks everything `root` reaches, adding what is new to `seen` (a head's walks share
+    /// it) to `tally`. A record is told from a file by its mediaType, not only its digest: a
+    /// file holding a record's bytes must not hide the record's dependencies. A record that
+    /// cannot be read is noted (and stops every deletion, see [`collect`]); an I/O failure
+    /// stops the collection.
     fn walk(
         &mut self,
         store: &Store,
         root: &Ref,
-        seen: &mut HashSet<[u8; 32]>,
-        sizes: &mut Vec<([u8; 32], u64)>,
+        seen: &mut HashSet<([u8; 32], bool)>,
+        tally: &mut Tally,
+        disk_of: &HashMap<[u8; 32], u64>,
     ) -> Result<(), VersionError> {
         let mut queue = vec![root.clone()];
         while let Some(r) = queue.pop() {
@@ -127,10 +144,12 @@ impl Mark {
                 continue;
             }
             let raw = digest_key(r.pool, r.hex()).1;
-            if !seen.insert(raw) {
+            if !seen.insert((raw, r.is_record())) {
                 continue;
             }
-            sizes.push((raw, r.size));
+            tally.objects += 1;
+            tally.bytes += r.size;
+            tally.disk += disk_of.get(&raw).copied().unwrap_or(0);
             self.reached.insert(raw);
             if !r.is_record() {
                 continue;
@@ -145,19 +164,36 @@ impl Mark {
                     self.deps.insert(raw, record.dependencies);
                 }
                 Err(e @ (VersionError::Io { .. } | VersionError::Sqlite { .. })) => return Err(e),
+                // Not memoised: a repair may store it again before the next batch's walk.
                 Err(e) => {
                     self.unreadable_count += 1;
                     if self.unreadable.len() < NAMED {
                         self.unreadable.push(format!("{}: {}", r.digest, crate::error_chain(&e)));
                     }
-                    // Remembered as a leaf: a second root reaching it does not read it again.
-                    self.deps.insert(raw, Vec::new());
                 }
             }
         }
         Ok(())
     }
 }
+
+/// The heads whose history the retention prunes: workspaces' (`workspaces/<hex>/head`).
+/// Every other name — the API process's agents, trajectories, exports — keeps its history
+/// as the original does (its rows are never deleted there).
+pub fn is_workspace_head(name: &str) -> bool {
+    name.strip_prefix("workspaces/")
+        .and_then(|rest| rest.strip_suffix("/head"))
+        .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// History rows deleted per transaction: a large first pruning never holds the refs
+/// database (which the API process writes too) for long.
+const PRUNE_BATCH: usize = 1000;
+
+/// How long after its last read an object still counts as in use: reads refresh the
+/// access time at most once a day under `relatime` (the usual mount option), so a read
+/// within the grace shows within a day and the grace.
+const RELATIME_WINDOW: Duration = Duration::from_secs(24 * 3600);
 
 /// Runs one collection. `named`: the versions managed executions name (roots, and never
 /// pruned); `workspace_of`: a head name's workspace directory, where known.
@@ -171,13 +207,16 @@ pub fn collect(
     let started = SystemTime::now();
     let clock = std::time::Instant::now();
     let lock = || refs.lock().unwrap_or_else(|p| p.into_inner());
+    // What is stored, listed first: an object stored after this is no candidate.
+    let stored = list_stored(store)?;
+    let disk_of: HashMap<[u8; 32], u64> = stored.iter().map(|s| (s.raw, s.disk)).collect();
     let (rows, live) = {
         let r = lock();
         (r.history_rows(0)?, r.live_rows()?)
     };
     let last_id = rows.last().map_or(0, |r| r.id);
 
-    // Retention: which history rows go.
+    // Retention: which workspace history rows go.
     let jcs: Vec<String> = rows.iter().map(|r| r.target.jcs()).collect();
     let live_jcs: Vec<(String, String)> = live.iter().map(|(n, t)| (n.clone(), t.jcs())).collect();
     let heads: HashMap<&str, &str> = live_jcs.iter().map(|(n, t)| (n.as_str(), t.as_str())).collect();
@@ -186,6 +225,7 @@ pub fn collect(
     let versions: Vec<retention::Version<'_>> = rows
         .iter()
         .zip(&jcs)
+        .filter(|(row, _)| is_workspace_head(&row.name))
         .map(|(row, target)| retention::Version {
             id: row.id,
             name: &row.name,
@@ -198,8 +238,11 @@ pub fn collect(
     let pruned: HashSet<i64> =
         retention::pruned(&versions, &heads, &named_set, how.retention, started).into_iter().collect();
     if !how.dry_run && !pruned.is_empty() {
-        let ids: Vec<i64> = pruned.iter().copied().collect();
-        lock().delete_history(&ids)?;
+        let mut ids: Vec<i64> = pruned.iter().copied().collect();
+        ids.sort_unstable();
+        for chunk in ids.chunks(PRUNE_BATCH) {
+            lock().delete_history(chunk)?;
+        }
         tracing::info!(event = "history_pruned", versions = ids.len());
     }
 
@@ -216,25 +259,30 @@ pub fn collect(
     let mut mark = Mark::default();
     let mut accounts = Vec::new();
     for (name, (versions, roots)) in by_head {
-        let (mut seen, mut sizes) = (HashSet::new(), Vec::new());
+        let (mut seen, mut tally) = (HashSet::new(), Tally::default());
         for root in roots {
-            mark.walk(store, root, &mut seen, &mut sizes)?;
+            mark.walk(store, root, &mut seen, &mut tally, &disk_of)?;
         }
-        accounts.push((name.to_owned(), versions, sizes));
+        accounts.push(HeadHistory {
+            workspace: workspace_of(name),
+            versions,
+            objects: tally.objects,
+            bytes: tally.bytes,
+            disk_bytes: tally.disk,
+            name: name.to_owned(),
+        });
     }
     for root in named {
-        mark.walk(store, root, &mut HashSet::new(), &mut Vec::new())?;
+        mark.walk(store, root, &mut HashSet::new(), &mut Tally::default(), &disk_of)?;
     }
 
-    // What is stored: a file per digest name in each pool.
-    let stored = list_stored(store)?;
-    let disk_of: HashMap<[u8; 32], u64> = stored.iter().map(|s| (s.raw, s.disk)).collect();
     let objects_missing = mark
         .reached
         .iter()
         .filter(|raw| !disk_of.contains_key(*raw) && !store.in_legacy_store(&super::names::hex(&raw[..])))
         .count() as u64;
-    let young_after = started.checked_sub(how.grace).unwrap_or(SystemTime::UNIX_EPOCH);
+    let written_before = started.checked_sub(how.grace).unwrap_or(SystemTime::UNIX_EPOCH);
+    let read_before = written_before.checked_sub(RELATIME_WINDOW).unwrap_or(SystemTime::UNIX_EPOCH);
     let mut report = Report {
         dry_run: how.dry_run,
         started_at: started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -251,25 +299,67 @@ pub fn collect(
         if mark.reached.contains(&s.raw) {
             continue;
         }
-        if s.mtime > young_after {
+        // Written or read lately: a writer (the API process's, whose reuse of an existing
+        // object only reads it) may be about to reference it.
+        if s.mtime > written_before || s.atime > read_before {
             report.objects_kept_young += 1;
         } else {
             doomed.push(s);
         }
     }
+    if mark.unreadable_count > 0 && !doomed.is_empty() {
+        // What only an unreadable record reaches is unknown: deleting nothing is the only
+        // answer that cannot lose a kept version's objects.
+        report.sweep_stopped = Some(format!(
+            "{} record(s) a kept version reaches could not be read, so what they reach is unknown and \
+             nothing was deleted; repair the workspaces they belong to (`runnerctl repair`) or wait for \
+             the retention to prune them",
+            mark.unreadable_count
+        ));
+        doomed.clear();
+    }
 
     if !how.dry_run {
-        let mut after = last_id;
-        let mut known_live: HashSet<String> = live_jcs.into_iter().map(|(_, t)| t).collect();
+        let outcome = sweep(store, &lock, &mut mark, &doomed, last_id, live_jcs, &disk_of, &mut report);
+        for pool in [Pool::Data, Pool::AgentState] {
+            super::store::fsync_dir(&store.blob_dir(pool))?;
+        }
+        outcome?;
+    }
+
+    report.workspaces = accounts;
+    report.workspaces.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
+    report.unreadable = mark.unreadable;
+    report.unreadable_count = mark.unreadable_count;
+    report.took_ms = clock.elapsed().as_millis() as u64;
+    Ok(report)
+}
+
+/// Deletes `doomed`, batch by batch under the sweep guard, each batch after marking the
+/// roots committed since the mark; what a batch deleted is forgotten by the store's caches
+/// before the guard is released, whatever happens.
+#[allow(clippy::too_many_arguments)]
+fn sweep<'r>(
+    store: &Store,
+    lock: &dyn Fn() -> std::sync::MutexGuard<'r, Refs>,
+    mark: &mut Mark,
+    doomed: &[Stored],
+    mut after: i64,
+    live_jcs: Vec<(String, String)>,
+    disk_of: &HashMap<[u8; 32], u64>,
+    report: &mut Report,
+) -> Result<(), VersionError> {
+    let mut known_live: HashSet<String> = live_jcs.into_iter().map(|(_, t)| t).collect();
+    for batch in doomed.chunks(BATCH) {
+        let Some(_guard) = store.sweep_guard(PATIENCE) else {
+            report.sweep_stopped = Some(format!(
+                "commits never paused for {} s; the rest waits for the next collection",
+                PATIENCE.as_secs()
+            ));
+            return Ok(());
+        };
         let mut gone = HashSet::new();
-        for batch in doomed.chunks(BATCH) {
-            let Some(_guard) = store.sweep_guard(PATIENCE) else {
-                report.sweep_stopped = Some(format!(
-                    "commits never paused for {} s; the rest waits for the next collection",
-                    PATIENCE.as_secs()
-                ));
-                break;
-            };
+        let deleted = (|| {
             // Roots committed since the mark (their commits are all done: we hold the
             // guard) may have reused an object the mark did not reach.
             let (rows, live) = {
@@ -277,12 +367,21 @@ pub fn collect(
                 (r.history_rows(after)?, r.live_rows()?)
             };
             after = rows.last().map_or(after, |r| r.id);
-            let fresh = rows
+            let fresh: Vec<Ref> = rows
                 .into_iter()
                 .map(|r| r.target)
-                .chain(live.into_iter().map(|(_, t)| t).filter(|t| known_live.insert(t.jcs())));
-            for root in fresh.collect::<Vec<_>>() {
-                mark.walk(store, &root, &mut HashSet::new(), &mut Vec::new())?;
+                .chain(live.into_iter().map(|(_, t)| t).filter(|t| known_live.insert(t.jcs())))
+                .collect();
+            let unreadable = mark.unreadable_count;
+            for root in &fresh {
+                mark.walk(store, root, &mut HashSet::new(), &mut Tally::default(), disk_of)?;
+            }
+            if mark.unreadable_count > unreadable {
+                report.sweep_stopped = Some(
+                    "a root committed meanwhile reaches a record that cannot be read; deletion stopped"
+                        .into(),
+                );
+                return Ok(false);
             }
             for s in batch.iter().filter(|s| !mark.reached.contains(&s.raw)) {
                 let path = store.blob_dir(s.pool).join(&s.name);
@@ -296,29 +395,14 @@ pub fn collect(
                     Err(e) => return Err(super::io_err("delete an unreachable object", path)(e)),
                 }
             }
-            store.forget_objects(&gone);
-        }
-        for pool in [Pool::Data, Pool::AgentState] {
-            super::store::fsync_dir(&store.blob_dir(pool))?;
+            Ok(true)
+        })();
+        store.forget_objects(&gone);
+        if !deleted? {
+            return Ok(());
         }
     }
-
-    report.workspaces = accounts
-        .into_iter()
-        .map(|(name, versions, sizes)| HeadHistory {
-            workspace: workspace_of(&name),
-            versions,
-            objects: sizes.len() as u64,
-            bytes: sizes.iter().map(|(_, size)| size).sum(),
-            disk_bytes: sizes.iter().map(|(raw, _)| disk_of.get(raw).copied().unwrap_or(0)).sum(),
-            name,
-        })
-        .collect();
-    report.workspaces.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
-    report.unreadable = mark.unreadable;
-    report.unreadable_count = mark.unreadable_count;
-    report.took_ms = clock.elapsed().as_millis() as u64;
-    Ok(report)
+    Ok(())
 }
 
 /// Every blob of both pools: regular files named by a digest (temporaries, planted links
@@ -344,6 +428,7 @@ fn list_stored(store: &Store) -> Result<Vec<Stored>, VersionError> {
                 pool,
                 disk: meta.blocks().saturating_mul(512),
                 mtime: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                atime: meta.accessed().unwrap_or(SystemTime::UNIX_EPOCH),
                 name,
             });
         }
@@ -372,9 +457,11 @@ mod tests {
     use crate::versioning::{OCTET_STREAM, mutation_value};
 
     const NOW: Duration = Duration::ZERO;
+    const HEAD: &str = "workspaces/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa/head";
+    const HEAD_B: &str = "workspaces/bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb/head";
 
     fn how(keep_versions: u64, keep_days: u64, dry_run: bool) -> Collection {
-        Collection { retention: Retention { keep_versions, keep_days }, grace: NOW, dry_run }
+        Collection { retention: Retention { keep_versions, keep_days, pressed: false }, grace: NOW, dry_run }
     }
 
     /// A version of a one-file workspace: the file's content, its tree, the mutation.
@@ -392,13 +479,13 @@ mod tests {
         r.commit(store, name, head.as_ref(), record).unwrap();
     }
 
-    /// Makes every blob as old as `age` (the grace is about mtimes).
+    /// Makes every blob as old as `age`, written and read (the grace is about both).
     fn age_all(store: &Store, age: Duration) {
         let when = SystemTime::now() - age;
         for pool in [Pool::Data, Pool::AgentState] {
             for entry in std::fs::read_dir(store.blob_dir(pool)).unwrap().flatten() {
                 let f = std::fs::File::options().write(true).open(entry.path()).unwrap();
-                f.set_modified(when).unwrap();
+                f.set_times(std::fs::FileTimes::new().set_modified(when).set_accessed(when)).unwrap();
             }
         }
     }
@@ -408,9 +495,9 @@ mod tests {
         let (_dir, store) = temp_store();
         let refs = Mutex::new(Refs::open(&store).unwrap());
         let (old_file, v1) = version(&store, b"first");
-        commit(&store, &refs, "workspaces/a/head", &v1);
+        commit(&store, &refs, HEAD, &v1);
         let (new_file, v2) = version(&store, b"second");
-        commit(&store, &refs, "workspaces/a/head", &v2);
+        commit(&store, &refs, HEAD, &v2);
         // An orphan a failed snapshot left, and a record only a managed execution names.
         let orphan = store.put(Pool::Data, b"orphan", OCTET_STREAM).unwrap();
         let (managed_file, managed) = version(&store, b"managed");
@@ -432,8 +519,8 @@ mod tests {
             assert!(store.has(kept), "{kept:?}");
             store.validate_closure(kept).unwrap();
         }
-        assert_eq!(refs.lock().unwrap().history("workspaces/a/head").unwrap(), vec![v2.clone()]);
-        let account = report.workspaces.iter().find(|w| w.name == "workspaces/a/head").unwrap();
+        assert_eq!(refs.lock().unwrap().history(HEAD).unwrap(), vec![v2.clone()]);
+        let account = report.workspaces.iter().find(|w| w.name == HEAD).unwrap();
         assert_eq!((account.versions, account.objects), (1, 3));
         assert_eq!(
             account.bytes,
@@ -450,9 +537,9 @@ mod tests {
         let (_dir, store) = temp_store();
         let refs = Mutex::new(Refs::open(&store).unwrap());
         let (_, v1) = version(&store, b"one");
-        commit(&store, &refs, "workspaces/a/head", &v1);
+        commit(&store, &refs, HEAD, &v1);
         let (_, v2) = version(&store, b"two");
-        commit(&store, &refs, "workspaces/a/head", &v2);
+        commit(&store, &refs, HEAD, &v2);
         let orphan = store.put(Pool::Data, b"young orphan", OCTET_STREAM).unwrap();
         let names = |_: &str| None;
         // Everything is new: the days keep v1, the grace keeps the orphan.
@@ -472,14 +559,14 @@ mod tests {
         let (_dir, store) = temp_store();
         let refs = Mutex::new(Refs::open(&store).unwrap());
         let (file, v1) = version(&store, b"content");
-        commit(&store, &refs, "workspaces/a/head", &v1);
+        commit(&store, &refs, HEAD, &v1);
         let (_, v2) = version(&store, b"other");
-        commit(&store, &refs, "workspaces/a/head", &v2);
+        commit(&store, &refs, HEAD, &v2);
         age_all(&store, Duration::from_secs(40 * 86_400));
         // Another head reuses v1's file: pruning a's history leaves it reachable.
         let tree =
             store.put_record("WorkspaceTree", json!({"entries": [{"content": file.to_value()}]})).unwrap();
-        commit(&store, &refs, "workspaces/b/head", &tree);
+        commit(&store, &refs, HEAD_B, &tree);
         let names = |_: &str| None;
         let report = collect(&store, &refs, &[], &names, how(1, 1, false)).unwrap();
         assert_eq!(report.versions_pruned, 1);
@@ -492,7 +579,7 @@ mod tests {
         let (_dir, store) = temp_store();
         let refs = Mutex::new(Refs::open(&store).unwrap());
         let (_, v1) = version(&store, b"x");
-        commit(&store, &refs, "workspaces/a/head", &v1);
+        commit(&store, &refs, HEAD, &v1);
         std::fs::remove_file(store.blob_path(Pool::AgentState, v1.hex())).unwrap();
         let planted = store.blob_dir(Pool::Data).join("f".repeat(64));
         std::os::unix::fs::symlink("/etc/passwd", &planted).unwrap();
@@ -500,8 +587,95 @@ mod tests {
         age_all(&store, Duration::from_secs(40 * 86_400));
         let report = collect(&store, &refs, &[], &|_| None, how(1, 1, false)).unwrap();
         assert_eq!((report.unreadable_count, report.objects_missing), (1, 1), "{report:?}");
+        // What the missing record reached is unknown: nothing is deleted.
+        assert_eq!(report.objects_deleted, 0, "{report:?}");
+        assert!(
+            report.sweep_stopped.as_deref().unwrap_or_default().contains("could not be read"),
+            "{report:?}"
+        );
         assert!(report.unreadable[0].contains(&v1.digest), "{:?}", report.unreadable);
         assert!(std::fs::symlink_metadata(&planted).is_ok());
         assert!(store.blob_dir(Pool::Data).join("notes.txt").exists());
+    }
+
+    #[test]
+    fn a_file_holding_a_records_bytes_does_not_hide_the_records_children() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let child = store.put_stream(Pool::Data, &mut &b"the child"[..]).unwrap();
+        let tree =
+            store.put_record("WorkspaceTree", json!({"entries": [{"content": child.to_value()}]})).unwrap();
+        // The same bytes as a file in the data pool, reached from the same version.
+        let bytes = store.read(&tree).unwrap();
+        let twin = store.put_stream(Pool::Data, &mut bytes.as_slice()).unwrap();
+        assert_eq!(twin.hex(), tree.hex());
+        let version = store.put_record("Test", json!({"a": twin.to_value(), "b": tree.to_value()})).unwrap();
+        commit(&store, &refs, HEAD, &version);
+        age_all(&store, Duration::from_secs(40 * 86_400));
+        let report = collect(&store, &refs, &[], &|_| None, how(1, 1, false)).unwrap();
+        assert_eq!((report.objects_deleted, report.objects_missing), (0, 0), "{report:?}");
+        assert!(store.has(&child));
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_stops_every_deletion() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let leaf = store.put(Pool::Data, b"reached only through a deep record", OCTET_STREAM).unwrap();
+        // Deeper than serde_json reads (the API process's JSON.parse reads it).
+        let mut deep = json!({"leaf": leaf.to_value()});
+        for _ in 0..200 {
+            deep = json!([deep]);
+        }
+        let record = store.put_record("AgentState", deep).unwrap();
+        commit(&store, &refs, "agents/x/head", &record);
+        let orphan = store.put(Pool::Data, b"an orphan", OCTET_STREAM).unwrap();
+        age_all(&store, Duration::from_secs(40 * 86_400));
+        let report = collect(&store, &refs, &[], &|_| None, how(1, 1, false)).unwrap();
+        assert_eq!((report.unreadable_count, report.objects_deleted), (1, 0), "{report:?}");
+        assert!(store.has(&leaf) && store.has(&orphan));
+    }
+
+    #[test]
+    fn only_workspace_histories_are_pruned() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        for name in ["agents/x/head", "workspace-exports/e", "workspaces/not-a-digest/head"] {
+            let (_, v1) = version(&store, format!("{name} 1").as_bytes());
+            commit(&store, &refs, name, &v1);
+            if !name.starts_with("workspace-exports") {
+                let (_, v2) = version(&store, format!("{name} 2").as_bytes());
+                commit(&store, &refs, name, &v2);
+            }
+        }
+        let (_, w1) = version(&store, b"w1");
+        commit(&store, &refs, HEAD, &w1);
+        let (_, w2) = version(&store, b"w2");
+        commit(&store, &refs, HEAD, &w2);
+        age_all(&store, Duration::from_secs(40 * 86_400));
+        let report = collect(&store, &refs, &[], &|_| None, how(1, 1, false)).unwrap();
+        assert_eq!(report.versions_pruned, 1, "only the workspace head's old version: {report:?}");
+        assert!(!store.has(&w1) && store.has(&w2));
+        assert!(is_workspace_head(HEAD) && !is_workspace_head("workspaces/x/head"));
+    }
+
+    #[test]
+    fn an_object_read_lately_by_another_process_is_kept() {
+        let (_dir, store) = temp_store();
+        let refs = Mutex::new(Refs::open(&store).unwrap());
+        let orphan = store.put(Pool::Data, b"read an hour ago", OCTET_STREAM).unwrap();
+        let path = store.blob_path(Pool::Data, orphan.hex());
+        let hour = SystemTime::now() - Duration::from_secs(3600);
+        let f = std::fs::File::options().write(true).open(&path).unwrap();
+        let old = SystemTime::now() - Duration::from_secs(40 * 86_400);
+        f.set_times(std::fs::FileTimes::new().set_modified(old).set_accessed(hour)).unwrap();
+        let grace = Collection { grace: Duration::from_secs(600), ..how(1, 1, false) };
+        let report = collect(&store, &refs, &[], &|_| None, grace).unwrap();
+        assert_eq!((report.objects_deleted, report.objects_kept_young), (0, 1), "{report:?}");
+        // runnerd's own reads do not refresh it (O_NOATIME): aged again, it goes.
+        f.set_times(std::fs::FileTimes::new().set_modified(old).set_accessed(old)).unwrap();
+        store.read(&orphan).unwrap();
+        let report = collect(&store, &refs, &[], &|_| None, grace).unwrap();
+        assert_eq!(report.objects_deleted, 1, "{report:?}");
     }
 }

@@ -4,7 +4,10 @@
 //! A version is removed only once it is **both** beyond the newest `keep_versions` of its
 //! head **and** older than `keep_days` — a quiet workspace keeps its last versions however
 //! old, a busy one keeps its recent days however many — and never while it is the head or
-//! a managed execution or an export names it. `0` in either keeps every version.
+//! a managed execution names it (an export is a head of its own). `0` in either keeps
+//! every version. Under disk pressure the days no longer keep anything: a version beyond
+//! the newest `keep_versions` goes however recent (a tenant rewriting its quota every run
+//! would otherwise fill the disk within the days).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -14,6 +17,8 @@ use std::time::{Duration, SystemTime};
 pub struct Retention {
     pub keep_versions: u64,
     pub keep_days: u64,
+    /// The disk is short: only the count keeps versions.
+    pub pressed: bool,
 }
 
 impl Retention {
@@ -35,7 +40,7 @@ pub struct Version<'a> {
 }
 
 /// The history rows to remove. `heads`: each head's current target; `named`: the targets
-/// a managed execution or an export names.
+/// a managed execution names.
 pub fn pruned(
     versions: &[Version<'_>],
     heads: &HashMap<&str, &str>,
@@ -56,7 +61,8 @@ pub fn pruned(
         // Newest first: the first `keep_versions` are kept by count.
         rows.sort_by_key(|v| std::cmp::Reverse(v.id));
         for (i, v) in rows.iter().enumerate() {
-            let recent = v.created.is_some_and(|at| now.duration_since(at).unwrap_or_default() < max_age);
+            let recent = !retention.pressed
+                && v.created.is_some_and(|at| now.duration_since(at).unwrap_or_default() < max_age);
             let keep = (i as u64) < retention.keep_versions
                 || recent
                 || heads.get(name) == Some(&v.target)
@@ -96,7 +102,8 @@ mod tests {
         let heads: HashMap<&str, &str> = [("a", "t6"), ("b", "t8")].into();
         let none = HashSet::new();
         let named: HashSet<&str> = ["t1"].into();
-        let r = |keep_versions, keep_days| Retention { keep_versions, keep_days };
+        let r = |keep_versions, keep_days| Retention { keep_versions, keep_days, pressed: false };
+        let pressed = |keep_versions, keep_days| Retention { keep_versions, keep_days, pressed: true };
         for (retention, named, want) in [
             // Off: either key 0 keeps everything.
             (r(0, 7), &none, vec![]),
@@ -112,6 +119,11 @@ mod tests {
             (r(1, 1), &named, vec![2, 3, 4, 5, 7]),
             // Plenty kept by count: nothing goes.
             (r(100, 1), &none, vec![]),
+            // Under pressure the days keep nothing: a's 4 goes although 7 days old.
+            (pressed(2, 8), &none, vec![1, 2, 3, 4]),
+            (pressed(2, 1000), &none, vec![1, 2, 3, 4]),
+            // ... but off stays off.
+            (pressed(0, 7), &none, vec![]),
         ] {
             assert_eq!(pruned(&versions, &heads, named, retention, now), want, "{retention:?}");
         }

@@ -52,10 +52,10 @@ pub struct Store {
     deps_held: std::sync::atomic::AtomicUsize,
     /// Records whose whole closure a commit of this process validated (issue #31): the
     /// closure check of a commit that reused a workspace's unchanged directories stops at
-    /// them, so it costs what changed, not one stat per file. The store is runnerd's own
-    /// and nothing here deletes an object; one deleted behind its back is still found when
-    /// it is read (every read verifies), and by every full check (other routes' commits),
-    /// no longer at such a commit.
+    /// them, so it costs what changed, not one stat per file. The collector empties it
+    /// whenever it deletes ([`Store::forget_objects`]); an object deleted behind runnerd's
+    /// back is still found when it is read (every read verifies), and by every full check
+    /// (other routes' commits, and these at least every [`FULL_CLOSURE_EVERY`]).
     closures: Mutex<HashSet<DigestKey, DigestHasher>>,
     /// Bumped by [`Store::forget_caches`]: a check that began before it adds nothing to
     /// `closures` (what it trusted may be what went missing).
@@ -895,7 +895,16 @@ impl Drop for TempFile {
 /// [`planted`] tells apart). Only runnerd writes these directories, so such an entry is
 /// damage, never content.
 fn open_regular(path: &Path) -> io::Result<File> {
-    let file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path)?;
+    // O_NOATIME: runnerd's reads must not make an object look in use to the collector, whose
+    // access-time test is there for the API process's reads ([`super::gc`]). Only the
+    // file's owner may ask for it; for another's file, a plain open.
+    let open = |extra: libc::c_int| {
+        OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | extra).open(path)
+    };
+    let file = match open(libc::O_NOATIME) {
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => open(0)?,
+        other => other?,
+    };
     if !file.metadata()?.file_type().is_file() {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "not a regular file"));
     }
