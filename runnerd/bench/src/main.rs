@@ -15,6 +15,7 @@
 //! Figures, never pass/fail: tests do not time anything.
 
 mod floor;
+mod history;
 mod limits;
 mod memory;
 mod metrics;
@@ -66,6 +67,10 @@ Usage:
                                         workspaces of 0, 1k, 10k, 100k files, and runnerd CPU
                                         during `sleep 3` in 20k files, quota on and off
                                         (issue #31's baseline), bare bwrap in the same run
+  runnerd-bench history                 the version store's growth from sparse files and a
+                                        churning file, one collection's cost, and `true` p50
+                                        with collections back to back against without
+                                        (issue #32), bare bwrap in the same run
   runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
                                         runnerd's RSS idle, at peak and S s after N
                                         concurrent requests and after M sequential
@@ -85,6 +90,7 @@ fn run() -> i32 {
     let mut memory = None;
     let mut metrics = false;
     let mut scale = false;
+    let mut history = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Option<u64> {
@@ -99,6 +105,7 @@ fn run() -> i32 {
             "limits" => limits = true,
             "metrics" => metrics = true,
             "workspace-scale" => scale = true,
+            "history" => history = true,
             "output" => output = Some(64u64),
             "--mib" if output.is_some() => {
                 let Some(n) = number(&arg) else { return 2 };
@@ -156,6 +163,10 @@ fn run() -> i32 {
         None if limits => rt.block_on(crate::limits::bench(iterations)),
         None if metrics => rt.block_on(bench_metrics(iterations)),
         None if scale => rt.block_on(bench_scale()),
+        None if history => rt.block_on(async {
+            let setup = setup().await?;
+            crate::history::bench(setup.launcher.init_path()).await
+        }),
         None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
         None => rt.block_on(bench(iterations)),
     };
