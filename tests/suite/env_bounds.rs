@@ -40,6 +40,25 @@ fn hostile() -> Vec<(Pkg, &'static str)> {
                 .raw_entry(hard("lib/map")),
             "lists lib/map as a file, but its archive holds a symbolic link there",
         ),
+        (
+            // A link listed with a prefix placeholder: the installer reads it (through the
+            // unlisted `lib/y` too) and would copy /etc/passwd into the prefix.
+            Pkg::noarch("placeholder", "1.0")
+                .hidden_link("lib/x", "y")
+                .hidden_link("lib/y", "/etc/passwd")
+                .raw_entry(json!({"_path": "lib/x", "path_type": "softlink", "prefix_placeholder": "/opt/anaconda1anaconda2anaconda3", "file_mode": "text"})),
+            "lists a prefix placeholder for lib/x, which its archive holds as a symbolic link, not a regular file",
+        ),
+        (
+            // Metadata the cache reads through links: the step's own stdout, a pipe that
+            // never ends while the step runs (it would hold the cache's gate for an hour).
+            Pkg::noarch("pipemeta", "1.0").metadata_link("info/paths.json", "/proc/self/fd/1"),
+            "holds a symbolic link as its info/paths.json, not a regular file",
+        ),
+        (
+            Pkg::noarch("pipeindex", "1.0").metadata_link("info/index.json", "/proc/self/fd/1"),
+            "holds a symbolic link as its info/index.json, not a regular file",
+        ),
     ]
 }
 
@@ -144,7 +163,10 @@ async fn hostile_packages_are_refused_in_the_sandbox_and_release_the_cache_gate_
         let started = Instant::now();
         let hostile = install(s, &victim, json!({"manager": "conda", "packages": [pkg.name]}));
         let other = install(s, &tenant, json!({"manager": "conda", "packages": ["tinyutil=2.0"]}));
-        let ((status, refused), (other_status, other_rev)) = tokio::join!(hostile, other);
+        // Bounded here: a step that hangs would otherwise hold the test for its hour.
+        let both = tokio::time::timeout(Duration::from_secs(300), async { tokio::join!(hostile, other) });
+        let ((status, refused), (other_status, other_rev)) =
+            both.await.unwrap_or_else(|_| panic!("{}: no answer in 5 minutes\n{}", pkg.name, s.stderr()));
         let took = started.elapsed();
         eprintln!("{}: refused, and the other tenant's install landed, in {took:?}", pkg.name);
         assert_eq!(status, 400, "{}: {refused}", pkg.name);
@@ -163,6 +185,17 @@ async fn hostile_packages_are_refused_in_the_sandbox_and_release_the_cache_gate_
         assert!(!Path::new(escaped).exists() && !s.path(escaped).exists(), "{escaped} was never written");
     }
     assert!(!s.path("scientific-envs/escaped-by-dotdot").exists());
+    // A package refused for its metadata is not left in the shared cache for the next
+    // lookup to read.
+    let cached = tree(&s.path("scientific-envs"));
+    for refused in ["pipemeta-1.0-0", "pipeindex-1.0-0"] {
+        let found: Vec<_> = cached.iter().filter(|p| p.ends_with(refused)).collect();
+        assert!(found.is_empty(), "{refused} left in the cache: {found:?}");
+    }
+    assert!(
+        cached.iter().any(|p| p.ends_with("tinyutil-2.0-0")),
+        "the cache is where this looks: {cached:?}"
+    );
     // The refused environment is repairable: an ordinary install into it lands.
     let (status, rev) = install(s, &victim, json!({"manager": "conda", "packages": ["tinylib"]})).await;
     assert_eq!(status, 201, "{rev}\n{}", s.stderr());

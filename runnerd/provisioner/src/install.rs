@@ -40,6 +40,11 @@ pub enum InstallFailure {
     NotFetched { file: String, channel: String },
     #[error(transparent)]
     Foreign(#[from] links::LinkError),
+    /// Found in the prefix once the packages were linked.
+    #[error(
+        "{0}. The packages were linked before it was found, so the environment cannot be used: delete it and create it again"
+    )]
+    Linked(#[source] links::LinkError),
     #[error(transparent)]
     Package(#[from] packages::PackageError),
     #[error("Prefix {prefix} is not writable: {cause}")]
@@ -95,9 +100,11 @@ async fn checked(plan: &Plan<'_>) -> Result<u64, InstallFailure> {
             file: file_name(record),
             channel: inventory::package(record).channel,
         };
+        guard(record, plan.cache, false)?;
         let entry = from_cache_only(record, plan.cache).await.map_err(not_fetched)?;
         let name = file_name(record);
-        total = total.saturating_add(packages::check(&name, entry.path())?);
+        let prefix_len = u64::try_from(plan.prefix.as_os_str().len()).unwrap_or(u64::MAX);
+        total = total.saturating_add(packages::check(&name, entry.path(), prefix_len)?);
     }
     packages::within(total, plan.max_bytes)?;
     Ok(total)
@@ -132,7 +139,7 @@ pub async fn link(plan: Plan<'_>) -> Result<Vec<Operation>, InstallFailure> {
         .map_err(|err| installer_failure(prefix, err))?;
     // Each link was judged by its own text; one that leaves only through another (`a -> ..`
     // and `b -> a/../x`) is found where the kernel resolves it.
-    links::check(prefix)?;
+    links::check(prefix).map_err(InstallFailure::Linked)?;
     Ok(result.transaction.operations.iter().map(operation).collect())
 }
 
@@ -157,12 +164,35 @@ async fn prefetch(
     network: Network,
 ) -> Result<(), InstallFailure> {
     let file = file_name(record);
+    // What the caches hold already is read by rattler's lookup below: checked first (one
+    // refused in the writable cache is taken out, to be fetched afresh).
+    guard(record, cache, true)?;
+    let fetched = fetch_one(record, cache, client, network).await?;
+    // A fresh extraction is not read back by rattler until the next lookup: checked now, and
+    // taken out of the cache when refused, so no later lookup reads it.
+    if let Err(refused) = packages::check_metadata(&file, fetched.path()) {
+        if let Err(err) = std::fs::remove_dir_all(fetched.path()) {
+            eprintln!("runner-provisioner: the refused {file} could not be removed from the cache: {err}");
+        }
+        return Err(refused.into());
+    }
+    Ok(())
+}
+
+/// Puts one package into the cache, or finds it there.
+async fn fetch_one(
+    record: &RepoDataRecord,
+    cache: &PackageCache,
+    client: &LazyClient,
+    network: Network,
+) -> Result<rattler::package_cache::CacheMetadata, InstallFailure> {
+    let file = file_name(record);
     let channel = inventory::package(record).channel;
     if record.url.scheme() == "file" {
         let path: PathBuf = record.url.to_file_path().unwrap_or_default();
         if let Err(err) = std::fs::metadata(&path) {
             // A clone's source channel need not be visible any more: the caches may hold it.
-            return from_cache_only(record, cache).await.map(drop).map_err(|_| InstallFailure::Unreadable {
+            return from_cache_only(record, cache).await.map_err(|_| InstallFailure::Unreadable {
                 file,
                 channel,
                 cause: err.to_string(),
@@ -171,14 +201,10 @@ async fn prefetch(
         return cache
             .get_or_fetch_from_path(&path, Some(&record.package_record), None)
             .await
-            .map(drop)
             .map_err(|err| InstallFailure::Corrupt { file, channel, cause: error_chain(&err) });
     }
     if network == Network::Offline {
-        return from_cache_only(record, cache)
-            .await
-            .map(drop)
-            .map_err(|_| InstallFailure::NotCached { file, channel });
+        return from_cache_only(record, cache).await.map_err(|_| InstallFailure::NotCached { file, channel });
     }
     cache
         .get_or_fetch_from_url_with_retry(
@@ -190,7 +216,6 @@ async fn prefetch(
             None,
         )
         .await
-        .map(drop)
         .map_err(|err| {
             let cause = error_chain(&err);
             if is_network_error(&err) {
@@ -203,10 +228,38 @@ async fn prefetch(
 
 /// Whether the caches hold `record` (its hash checked when it has one); nothing is fetched.
 pub async fn cached(record: &RepoDataRecord, cache: &PackageCache) -> Result<(), InstallFailure> {
+    guard(record, cache, false)?;
     from_cache_only(record, cache).await.map(drop).map_err(|_| InstallFailure::NotCached {
         file: file_name(record),
         channel: inventory::package(record).channel,
     })
+}
+
+/// Checks the metadata of `record` wherever a cache layer holds it ([`packages::check_metadata`]),
+/// before rattler's lookup reads it through whatever links it holds: a package whose
+/// `info/paths.json` leads to a pipe would otherwise hang the step, holding the cache's gate.
+/// With `repair` (a fetch step, its cache writable), a refused copy that can be removed is
+/// removed instead, so the lookup fetches the package afresh.
+fn guard(record: &RepoDataRecord, cache: &PackageCache, repair: bool) -> Result<(), InstallFailure> {
+    let name = cache_dir_name(&record.package_record);
+    for layer in cache.layers() {
+        let dir = layer.path().join(&name);
+        if std::fs::symlink_metadata(&dir).is_err() {
+            continue;
+        }
+        match packages::check_metadata(&file_name(record), &dir) {
+            Ok(()) => {}
+            Err(_) if repair && std::fs::remove_dir_all(&dir).is_ok() => {}
+            Err(refused) => return Err(refused.into()),
+        }
+    }
+    Ok(())
+}
+
+/// The directory rattler's cache keeps a conda package in (`CacheKey::relative_path` for a
+/// record, with no origin hash: the caches are made with `cache_origin` off).
+fn cache_dir_name(record: &rattler_conda_types::PackageRecord) -> String {
+    format!("{}-{}-{}", record.name.as_normalized(), record.version, record.build)
 }
 
 /// The package from the cache, or an error: the fetch closure is the "not cached" answer.
@@ -293,4 +346,33 @@ pub fn file_name(record: &RepoDataRecord) -> String {
         .path_segments()
         .and_then(|mut segments| segments.next_back())
         .map_or_else(|| record.url.to_string(), str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`guard`] looks where rattler's cache keeps a package: the same directory.
+    #[tokio::test]
+    async fn the_cache_directory_named_is_the_one_rattler_uses() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = PackageCache::new(dir.path());
+        let record = rattler_conda_types::PackageRecord::new(
+            rattler_conda_types::PackageName::new_unchecked("tiny-util"),
+            "1.0.post1".parse::<rattler_conda_types::Version>().unwrap(),
+            "py_0".parse().unwrap(),
+        );
+        let fetched = cache
+            .get_or_fetch(
+                &record,
+                |destination: PathBuf| async move {
+                    std::fs::create_dir_all(destination.join("info"))?;
+                    Ok::<_, std::io::Error>(None)
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(fetched.path(), dir.path().join(cache_dir_name(&record)));
+    }
 }

@@ -52,8 +52,12 @@ enum Failure {
     Inventory(#[from] inventory::InventoryError),
     #[error(transparent)]
     History(#[from] history::HistoryError),
-    #[error(transparent)]
+    /// Found before anything was written.
+    #[error("{0}{remedy}", remedy = .0.unchanged_remedy())]
     Links(#[from] links::LinkError),
+    /// Found once a pip or R step had written the prefix.
+    #[error("{0}. A pip or R step left it there: delete the environment and create it again")]
+    LeftByStep(#[source] links::LinkError),
     #[error("Package is not installed: {0}")]
     NotInstalled(String),
     #[error(
@@ -107,7 +111,7 @@ pub fn run() -> ExitCode {
     let mut response = Response::default();
     // A prefix the link check refused holds what a hostile step planted (a FIFO where the
     // records are read would hang the inventory): it is not read again.
-    let readable = !matches!(result, Err(Failure::Links(_)));
+    let readable = !matches!(result, Err(Failure::Links(_) | Failure::LeftByStep(_)));
     let code = match result {
         Ok(outcome) => {
             response.operations = outcome.operations;
@@ -207,7 +211,7 @@ async fn step(request: &Request) -> Result<Outcome, Failure> {
         Op::Remove { names } => remove(&context, names).await,
         // What a pip or R step left is read next (the records): nothing there may hang it.
         Op::List => {
-            links::check_readable(&request.prefix).map(|()| Outcome::default()).map_err(Failure::from)
+            links::check_readable(&request.prefix).map(|()| Outcome::default()).map_err(Failure::LeftByStep)
         }
     }
 }
@@ -578,6 +582,33 @@ mod tests {
     #[derive(Debug, thiserror::Error)]
     #[error("outer.")]
     struct Outer(#[source] std::io::Error);
+
+    /// Whether anything was changed is said only where it is true.
+    #[test]
+    fn a_damaged_prefix_is_reported_with_what_was_changed() {
+        let escapes =
+            || links::LinkError::Escapes { prefix: "/p".into(), link: "l".into(), target: "/etc".into() };
+        let before = error_chain(&Failure::Links(escapes()));
+        assert!(
+            before.ends_with(
+                "a package step put it there. Nothing was changed: delete the environment and create it again"
+            ),
+            "{before}"
+        );
+        let after = error_chain(&Failure::Install(install::InstallFailure::Linked(escapes())));
+        assert!(
+            after.contains("The packages were linked before it was found")
+                && !after.contains("Nothing was changed"),
+            "{after}"
+        );
+        let pip = error_chain(&Failure::LeftByStep(escapes()));
+        assert!(
+            pip.contains("A pip or R step left it there") && !pip.contains("Nothing was changed"),
+            "{pip}"
+        );
+        let foreign = links::LinkError::Foreign { package: "x".into(), url: "file:///elsewhere".into() };
+        assert!(error_chain(&Failure::Links(foreign)).ends_with("it is not installed"));
+    }
 
     #[test]
     fn chain_joins_causes_once() {

@@ -15,14 +15,16 @@
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
+/// What a prefix holds that no step may build on, or an origin refused. The remedy is the
+/// caller's to say: whether anything was changed depends on when the check ran.
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
     #[error(
-        "The prefix {prefix} holds a link that leaves it ({link} -> {target}); a package step put it there. Nothing was changed: delete the environment and create it again"
+        "The prefix {prefix} holds a link that leaves it ({link} -> {target}); a package step put it there"
     )]
     Escapes { prefix: String, link: String, target: String },
     #[error(
-        "The prefix {prefix} holds a package record for {package} that names a path outside it ({path}); a package step put it there. Nothing was changed: delete the environment and create it again"
+        "The prefix {prefix} holds a package record for {package} that names a path outside it ({path}); a package step put it there"
     )]
     Record { prefix: String, package: String, path: String },
     #[error(
@@ -30,28 +32,20 @@ pub enum LinkError {
     )]
     Foreign { package: String, url: String },
     #[error(
-        "The prefix {prefix} holds {path}, which is not a file, a directory or a link (a FIFO, socket or device); a package step put it there. Nothing was changed: delete the environment and create it again"
+        "The prefix {prefix} holds {path}, which is not a file, a directory or a link (a FIFO, socket or device); a package step put it there"
     )]
     Special { prefix: String, path: String },
-    #[error(
-        "The prefix {prefix} holds more than {MAX_PREFIX_ENTRIES} entries; nothing was changed: delete the environment and create it again"
-    )]
+    #[error("The prefix {prefix} holds more than {MAX_PREFIX_ENTRIES} entries")]
     TooMany { prefix: String },
-    #[error(
-        "The prefix {prefix} holds more than {MAX_PREFIX_LINKS} symbolic links; nothing was changed: delete the environment and create it again"
-    )]
+    #[error("The prefix {prefix} holds more than {MAX_PREFIX_LINKS} symbolic links")]
     TooManyLinks { prefix: String },
-    #[error(
-        "The prefix {prefix} nests directories more than {MAX_PREFIX_DEPTH} deep ({path}); nothing was changed: delete the environment and create it again"
-    )]
+    #[error("The prefix {prefix} nests directories more than {MAX_PREFIX_DEPTH} deep ({path})")]
     TooDeep { prefix: String, path: String },
     #[error(
-        "The prefix {prefix} holds {path} in conda-meta, which is not a file (the package records are only ever files); a package step put it there. Nothing was changed: delete the environment and create it again"
+        "The prefix {prefix} holds {path} in conda-meta, which is not a file (the package records are only ever files); a package step put it there"
     )]
     MetaNotFile { prefix: String, path: String },
-    #[error(
-        "The prefix {prefix} holds more than {MAX_META_BYTES} bytes of package records (conda-meta); nothing was changed: delete the environment and create it again"
-    )]
+    #[error("The prefix {prefix} holds more than {MAX_META_BYTES} bytes of package records (conda-meta)")]
     MetaTooLarge { prefix: String },
     #[error("The prefix {prefix} could not be read")]
     Read {
@@ -59,6 +53,22 @@ pub enum LinkError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl LinkError {
+    /// Whether the prefix itself is damaged (only deleting the environment repairs it), not
+    /// an origin refused or a prefix unreadable.
+    pub fn damaged(&self) -> bool {
+        !matches!(self, LinkError::Foreign { .. } | LinkError::Read { .. })
+    }
+
+    /// The remedy when the check ran before anything was written.
+    pub fn unchanged_remedy(&self) -> &'static str {
+        match self.damaged() {
+            true => ". Nothing was changed: delete the environment and create it again",
+            false => "",
+        }
+    }
 }
 
 /// `base.join(target)` with `.` and `..` resolved lexically; `None` when `..` would climb

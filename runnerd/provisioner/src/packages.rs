@@ -1,7 +1,9 @@
 //! Checks each package a step links, as the package cache holds it, before rattler's linker
-//! sees it: every `paths.json` entry must name a plain relative path, a file must be a
-//! regular file reached through no link, and a link must be a link whose target stays in
-//! the prefix. Nothing is written until every package passed.
+//! sees it: its metadata files ([`check_metadata`]) must be regular files of a bounded size
+//! reached through no link, every `paths.json` entry must name a plain relative path, a file
+//! must be a regular file reached through no link, a link must be a link whose target stays
+//! in the prefix, and only a regular file may carry a prefix placeholder. Nothing is written
+//! until every package passed.
 //!
 //! rattler would otherwise write where an absolute or `..` path points (stopped only by the
 //! sandbox's read-only mounts), and with symbolic links off it *copies a link's target*
@@ -9,7 +11,17 @@
 //! 548-byte package linking `/proc/self/pagemap` wrote 537 MiB into a prefix in 0.45 s. The
 //! linker's source is `package_dir.join(path)`, followed wherever it leads, so a file entry
 //! whose archive member (or any directory above it) is a link, a FIFO or a device is refused
-//! here too. Links are then created as links ([`crate::install`]), never copied.
+//! here too. An entry with a prefix placeholder is *read* (`File::open`, following links)
+//! before rattler looks at its type, so a link entry with one (or an old-style `has_prefix`
+//! line naming a link) would copy whatever the link leads to, a pipe or `/proc` included:
+//! refused. Links are then created as links ([`crate::install`]); no target's bytes are ever
+//! copied.
+//!
+//! rattler reads `info/index.json` and `info/paths.json` (or the older `info/files` and
+//! `info/has_prefix`) whenever its cache looks a package up, following links: a package whose
+//! `info/paths.json` is a link to a pipe would hang the step holding the cache's gate. So
+//! [`check_metadata`] runs on a package's directory before any cache lookup can read it, and
+//! right after a fetch extracted it ([`crate::install`]).
 //!
 //! The cache is read-only in a link step, so what is checked here is what is linked.
 
@@ -40,6 +52,22 @@ pub enum PackageError {
         "Package {package} marks its link {path} not to be linked (no_link), which would copy whatever the link points at; the package is refused and nothing was installed"
     )]
     UnlinkedLink { package: String, path: String },
+    #[error(
+        "Package {package} lists a prefix placeholder for {path}, which its archive holds as {found}, not a regular file (the installer would copy whatever it leads to); the package is refused and nothing was installed"
+    )]
+    PlaceholderNotFile { package: String, path: String, found: &'static str },
+    #[error(
+        "Package {package} lists an empty prefix placeholder for {path}; the package is refused and nothing was installed"
+    )]
+    EmptyPlaceholder { package: String, path: String },
+    #[error(
+        "Package {package} holds {found} as its {file}, not a regular file; the package is refused and nothing was installed"
+    )]
+    Metadata { package: String, file: &'static str, found: &'static str },
+    #[error(
+        "Package {package}'s {file} is {bytes} bytes, more than the {limit} a package's metadata file may be; the package is refused and nothing was installed"
+    )]
+    MetadataTooLarge { package: String, file: &'static str, bytes: u64, limit: u64 },
     #[error("Package {package} could not be read from the package cache ({path})")]
     Read {
         package: String,
@@ -48,7 +76,7 @@ pub enum PackageError {
         source: std::io::Error,
     },
     #[error(
-        "The packages this change installs hold {bytes} bytes, more than the {limit} bytes a prefix may hold (env_step_max_prefix_bytes, SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES); nothing was installed: install fewer or smaller packages, or ask the operator to raise the limit"
+        "The packages this change installs hold up to {bytes} bytes (their files, with each prefix placeholder counted as often as it could occur), more than the {limit} bytes a prefix may hold (env_step_max_prefix_bytes, SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES); nothing was installed: install fewer or smaller packages, or ask the operator to raise the limit"
     )]
     TooLarge { bytes: u64, limit: u64 },
 }
@@ -82,16 +110,28 @@ impl Found {
     }
 }
 
+/// One `paths.json` entry, as listed (after rattler's fallback to `info/files` and
+/// `info/has_prefix` for an old package).
+#[derive(Debug, Clone, Copy)]
+pub struct Listed<'a> {
+    pub path: &'a Path,
+    pub path_type: PathType,
+    pub no_link: bool,
+    /// The length in bytes of its prefix placeholder, if it has one.
+    pub placeholder: Option<usize>,
+}
+
 /// The verdict on one entry, given what its source is and (for a link) its target: `Ok`
-/// with the bytes a file adds to the prefix. Pure.
+/// with the most bytes its file adds to a prefix whose path is `prefix_len` bytes long.
+/// Pure.
 pub fn judge(
     package: &str,
-    path: &Path,
-    path_type: PathType,
-    no_link: bool,
+    listed: Listed<'_>,
     found: Found,
     target: Option<&Path>,
+    prefix_len: u64,
 ) -> Result<u64, PackageError> {
+    let path = listed.path;
     let text = path.display().to_string();
     if !plain_relative(path) {
         return Err(PackageError::Path { package: package.to_owned(), path: text });
@@ -102,13 +142,33 @@ pub fn judge(
         listed,
         found: found.describe(),
     };
-    match (path_type, found) {
-        (PathType::HardLink, Found::File(bytes)) => Ok(bytes),
+    // rattler reads an entry with a placeholder before it asks what the entry is: only a
+    // file listed as one, and a regular file in the archive, is read.
+    match (listed.placeholder, listed.path_type, found) {
+        (None, ..) => {}
+        (Some(0), ..) => {
+            return Err(PackageError::EmptyPlaceholder { package: package.to_owned(), path: text });
+        }
+        (Some(_), PathType::HardLink, Found::File(_)) => {}
+        (Some(_), PathType::HardLink, _) => return Err(mismatch("file")),
+        (Some(_), ..) => {
+            return Err(PackageError::PlaceholderNotFile {
+                package: package.to_owned(),
+                path: text,
+                found: found.describe(),
+            });
+        }
+    }
+    match (listed.path_type, found) {
+        (PathType::HardLink, Found::File(bytes)) => Ok(match listed.placeholder {
+            Some(placeholder) => replaced_bound(bytes, placeholder, prefix_len),
+            None => bytes,
+        }),
         (PathType::HardLink, _) => Err(mismatch("file")),
         (PathType::Directory, Found::Dir) => Ok(0),
         (PathType::Directory, _) => Err(mismatch("directory")),
         (PathType::SoftLink, Found::Link) => {
-            if no_link {
+            if listed.no_link {
                 return Err(PackageError::UnlinkedLink { package: package.to_owned(), path: text });
             }
             let target = target.unwrap_or(Path::new(""));
@@ -130,6 +190,18 @@ pub fn judge(
     }
 }
 
+/// The most bytes a file of `bytes` becomes once each placeholder of `placeholder` bytes in
+/// it is replaced by a prefix of `prefix_len` bytes: every `placeholder` bytes of it one
+/// occurrence, at worst (a one-byte placeholder in a file of that byte makes each byte the
+/// whole prefix). Pure.
+pub fn replaced_bound(bytes: u64, placeholder: usize, prefix_len: u64) -> u64 {
+    let placeholder = u64::try_from(placeholder).unwrap_or(u64::MAX).max(1);
+    match prefix_len.checked_sub(placeholder) {
+        Some(growth) if growth > 0 => bytes.saturating_add((bytes / placeholder).saturating_mul(growth)),
+        _ => bytes,
+    }
+}
+
 /// Whether `path` names something inside a prefix: relative, not empty, only names (and
 /// `.`), never `..`.
 pub fn plain_relative(path: &Path) -> bool {
@@ -138,13 +210,15 @@ pub fn plain_relative(path: &Path) -> bool {
 }
 
 /// Checks the extracted package at `dir` (its `info/paths.json`, or the older `info/files`
-/// that rattler falls back to); the bytes its files add to a prefix.
-pub fn check(package: &str, dir: &Path) -> Result<u64, PackageError> {
+/// that rattler falls back to); the most bytes its files add to a prefix whose path is
+/// `prefix_len` bytes long.
+pub fn check(package: &str, dir: &Path, prefix_len: u64) -> Result<u64, PackageError> {
     let read = |path: &str, source| PackageError::Read {
         package: package.to_owned(),
         path: path.to_owned(),
         source,
     };
+    check_metadata(package, dir)?;
     let paths = PathsJson::from_package_directory_with_deprecated_fallback(dir)
         .map_err(|e| read("info/paths.json", e))?;
     let root = open_dir(dir).map_err(|e| read(&dir.display().to_string(), e))?;
@@ -155,10 +229,65 @@ pub fn check(package: &str, dir: &Path) -> Result<u64, PackageError> {
             true => inspect(&root, path).map_err(|e| read(&path.display().to_string(), e))?,
             false => (Found::Missing, None),
         };
-        let bytes = judge(package, path, entry.path_type, entry.no_link, found, target.as_deref())?;
+        let listed = Listed {
+            path,
+            path_type: entry.path_type,
+            no_link: entry.no_link,
+            placeholder: entry.prefix_placeholder.as_ref().map(|p| p.placeholder.len()),
+        };
+        let bytes = judge(package, listed, found, target.as_deref(), prefix_len)?;
         total = total.saturating_add(bytes);
     }
     Ok(total)
+}
+
+/// The files rattler reads from a package's `info/` (through any link) whenever its cache
+/// or its linker looks at the package.
+pub const METADATA: [&str; 8] = [
+    "info/index.json",
+    "info/paths.json",
+    "info/files",
+    "info/has_prefix",
+    "info/no_link",
+    "info/no_softlink",
+    "info/link.json",
+    "info/wheel.json",
+];
+
+/// The most bytes one metadata file may hold: read whole into memory by rattler (a
+/// `paths.json` of 100,000 entries is some 20 MiB).
+pub const MAX_METADATA_BYTES: u64 = 128 << 20;
+
+/// The verdict on one metadata file, given what it is: absent, or a regular file within
+/// [`MAX_METADATA_BYTES`]. Pure.
+pub fn judge_metadata(package: &str, file: &'static str, found: Found) -> Result<(), PackageError> {
+    match found {
+        Found::Missing => Ok(()),
+        Found::File(bytes) if bytes <= MAX_METADATA_BYTES => Ok(()),
+        Found::File(bytes) => Err(PackageError::MetadataTooLarge {
+            package: package.to_owned(),
+            file,
+            bytes,
+            limit: MAX_METADATA_BYTES,
+        }),
+        _ => Err(PackageError::Metadata { package: package.to_owned(), file, found: found.describe() }),
+    }
+}
+
+/// Checks the metadata files of the extracted package at `dir` ([`METADATA`]) without
+/// following any link: run before anything (rattler's cache included) reads them.
+pub fn check_metadata(package: &str, dir: &Path) -> Result<(), PackageError> {
+    let read = |path: &str, source| PackageError::Read {
+        package: package.to_owned(),
+        path: path.to_owned(),
+        source,
+    };
+    let root = open_dir(dir).map_err(|e| read(&dir.display().to_string(), e))?;
+    for file in METADATA {
+        let (found, _) = inspect(&root, Path::new(file)).map_err(|e| read(file, e))?;
+        judge_metadata(package, file, found)?;
+    }
+    Ok(())
 }
 
 /// The most bytes a step's packages may add, if `limit` (0: none) says so.
@@ -207,11 +336,13 @@ fn cstring(name: &OsStr) -> std::io::Result<CString> {
     CString::new(name.as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
 }
 
+/// The package's directory, itself not followed if it is a link (the cache's own path above
+/// it is the request's).
 fn open_dir(dir: &Path) -> std::io::Result<OwnedFd> {
     let c = cstring(dir.as_os_str())?;
     // SAFETY: open(2) with a NUL-terminated path; the result is checked and owned once.
     let fd = common::sys::cvt(unsafe {
-        libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
     })?;
     // SAFETY: the kernel just returned this descriptor; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -280,32 +411,84 @@ mod tests {
             ("lib/x", PathType::SoftLink, false, Found::File(3), None, Err(())),
             ("lib/x", PathType::Directory, false, Found::Link, None, Err(())),
         ] {
-            let got = judge("evil", p(path), kind, no_link, found, target.map(p)).map_err(drop);
+            let listed = Listed { path: p(path), path_type: kind, no_link, placeholder: None };
+            let got = judge("evil", listed, found, target.map(p), 20).map_err(drop);
             assert_eq!(got, want, "{path} {kind:?} {found:?} {target:?}");
+        }
+    }
+
+    /// rattler reads (following links) every entry with a placeholder before it asks what
+    /// the entry is, and the replacement may grow the file: only regular files carry one,
+    /// counted at their largest.
+    #[test]
+    fn only_a_regular_file_carries_a_prefix_placeholder_and_counts_at_its_largest() {
+        let p = Path::new;
+        let file = Found::File(100);
+        for (kind, placeholder, found, target, prefix_len, want) in [
+            (PathType::HardLink, Some(10), file, None, 10, Ok(100)),
+            (PathType::HardLink, Some(10), file, None, 5, Ok(100)),
+            // Ten occurrences of 10 bytes, each becoming 30.
+            (PathType::HardLink, Some(10), file, None, 30, Ok(300)),
+            // One-byte placeholder in a file of that byte: each byte becomes the prefix.
+            (PathType::HardLink, Some(1), file, None, 40, Ok(4000)),
+            (PathType::HardLink, Some(0), file, None, 40, Err("an empty prefix placeholder")),
+            (PathType::SoftLink, Some(10), Found::Link, Some("y"), 10, Err("holds as a symbolic link")),
+            (PathType::SoftLink, Some(0), Found::Link, Some("y"), 10, Err("an empty prefix placeholder")),
+            (PathType::Directory, Some(10), Found::Dir, None, 10, Err("holds as a directory")),
+            (PathType::HardLink, Some(10), Found::Link, None, 10, Err("holds a symbolic link there")),
+            (PathType::HardLink, Some(10), Found::Special, None, 10, Err("FIFO")),
+            (PathType::HardLink, Some(10), Found::LinkOnTheWay, None, 10, Err("through a symbolic link")),
+        ] {
+            let listed = Listed { path: p("lib/x"), path_type: kind, no_link: false, placeholder };
+            let got = judge("evil", listed, found, target.map(p), prefix_len).map_err(|e| e.to_string());
+            match (got, want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{kind:?} {placeholder:?} {found:?}"),
+                (Err(got), Err(want)) => assert!(got.contains(want), "{kind:?} {found:?}: {got}"),
+                (got, want) => panic!("{kind:?} {placeholder:?} {found:?}: {got:?}, wanted {want:?}"),
+            }
+        }
+        assert_eq!(replaced_bound(u64::MAX, 1, 4096), u64::MAX);
+        assert_eq!(replaced_bound(7, 10, 4096), 7, "shorter than its placeholder: no occurrence");
+    }
+
+    #[test]
+    fn metadata_files_are_regular_files_of_a_bounded_size_or_absent() {
+        for (found, want) in [
+            (Found::Missing, Ok(())),
+            (Found::File(0), Ok(())),
+            (Found::File(MAX_METADATA_BYTES), Ok(())),
+            (Found::File(MAX_METADATA_BYTES + 1), Err("more than the 134217728 a package's metadata file")),
+            (Found::Link, Err("holds a symbolic link as its info/paths.json")),
+            (Found::Special, Err("holds a FIFO, socket or device as its info/paths.json")),
+            (Found::Dir, Err("holds a directory as its info/paths.json")),
+            (Found::LinkOnTheWay, Err("holds a path through a symbolic link as its info/paths.json")),
+        ] {
+            let got = judge_metadata("evil", "info/paths.json", found).map_err(|e| e.to_string());
+            match (got, want) {
+                (Ok(()), Ok(())) => {}
+                (Err(got), Err(want)) => assert!(got.contains(want) && got.contains("evil"), "{got}"),
+                (got, want) => panic!("{found:?}: {got:?}, wanted {want:?}"),
+            }
         }
     }
 
     #[test]
     fn the_errors_say_what_was_refused_and_that_nothing_was_installed() {
-        let e = judge("evil", Path::new("/etc/x"), PathType::HardLink, false, Found::Missing, None);
+        let listed =
+            |path, path_type| Listed { path: Path::new(path), path_type, no_link: false, placeholder: None };
+        let e = judge("evil", listed("/etc/x", PathType::HardLink), Found::Missing, None, 10);
         assert_eq!(
             e.unwrap_err().to_string(),
             "Package evil lists \"/etc/x\" in its paths.json, which is not a relative path inside the prefix (absolute, empty, or climbing with '..'); the package is refused and nothing was installed"
         );
-        let e = judge(
-            "evil",
-            Path::new("m"),
-            PathType::SoftLink,
-            false,
-            Found::Link,
-            Some(Path::new("/proc/self/pagemap")),
-        );
+        let target = Some(Path::new("/proc/self/pagemap"));
+        let e = judge("evil", listed("m", PathType::SoftLink), Found::Link, target, 10);
         assert!(
             e.unwrap_err().to_string().contains("links m to \"/proc/self/pagemap\", which leaves the prefix")
         );
         let e = within(11, 10).unwrap_err().to_string();
         assert!(
-            e.contains("hold 11 bytes, more than the 10 bytes")
+            e.contains("hold up to 11 bytes (their files, with each prefix placeholder counted as often as it could occur), more than the 10 bytes")
                 && e.contains("SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES"),
             "{e}"
         );
@@ -332,7 +515,7 @@ mod tests {
         let hard = |p: &str| serde_json::json!({"_path": p, "path_type": "hardlink", "sha256": "0".repeat(64), "size_in_bytes": 1});
         let soft = |p: &str| serde_json::json!({"_path": p, "path_type": "softlink"});
         write_paths(serde_json::json!([hard("lib/real"), soft("lib/alias")]));
-        assert_eq!(check("ok", pkg).unwrap(), 5);
+        assert_eq!(check("ok", pkg, 10).unwrap(), 5);
         for (entries, want) in [
             (serde_json::json!([hard("proc/pagemap")]), "a path through a symbolic link"),
             (serde_json::json!([hard("lib/pagemap")]), "holds a symbolic link there"),
@@ -342,8 +525,66 @@ mod tests {
             (serde_json::json!([hard("lib/absent")]), "holds nothing there"),
         ] {
             write_paths(entries.clone());
-            let e = check("evil", pkg).unwrap_err().to_string();
+            let e = check("evil", pkg, 10).unwrap_err().to_string();
             assert!(e.contains(want), "{entries}: {e}");
         }
+        // A link listed with a placeholder, into a link that leaves (rattler would read
+        // through both); an old-style package's `has_prefix` naming a link is the same entry.
+        std::os::unix::fs::symlink("pagemap", pkg.join("lib/chain")).unwrap();
+        let placeholder = serde_json::json!({"_path": "lib/chain", "path_type": "softlink", "prefix_placeholder": "/opt/anaconda1anaconda2anaconda3", "file_mode": "text"});
+        write_paths(serde_json::json!([placeholder]));
+        let e = check("evil", pkg, 10).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "lists a prefix placeholder for lib/chain, which its archive holds as a symbolic link"
+            ),
+            "{e}"
+        );
+        std::fs::remove_file(pkg.join("info/paths.json")).unwrap();
+        std::fs::write(pkg.join("info/files"), "lib/real\nlib/chain\n").unwrap();
+        std::fs::write(pkg.join("info/has_prefix"), "/opt/anaconda1anaconda2anaconda3 text lib/chain\n")
+            .unwrap();
+        let e = check("evil", pkg, 10).unwrap_err().to_string();
+        assert!(e.contains("lists a prefix placeholder for lib/chain"), "{e}");
+        // A placeholder in a regular file counts at its largest.
+        std::fs::write(pkg.join("info/has_prefix"), "/p text lib/real\n").unwrap();
+        std::fs::write(pkg.join("lib/real"), b"/p/p/p").unwrap();
+        assert_eq!(check("ok", pkg, 12).unwrap(), 6 + 3 * 10);
+    }
+
+    /// What rattler's cache reads of a package (through any link) must be a regular file,
+    /// reached through no link, of a bounded size.
+    #[test]
+    fn metadata_files_are_checked_without_following_anything() {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = dir.path().join("pkg");
+        std::fs::create_dir_all(pkg.join("info")).unwrap();
+        std::fs::write(pkg.join("info/index.json"), "{}").unwrap();
+        check_metadata("ok", &pkg).unwrap();
+        for (file, how) in
+            [("info/paths.json", "link"), ("info/index.json", "fifo"), ("info/has_prefix", "link")]
+        {
+            let at = pkg.join(file);
+            let _ = std::fs::remove_file(&at);
+            match how {
+                "link" => std::os::unix::fs::symlink("/proc/self/fd/1", &at).unwrap(),
+                _ => {
+                    let c = CString::new(at.as_os_str().as_bytes()).unwrap();
+                    // SAFETY: mkfifo(3) with a NUL-terminated path.
+                    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+                }
+            }
+            let e = check_metadata("evil", &pkg).unwrap_err().to_string();
+            assert!(e.starts_with("Package evil holds a") && e.contains(&format!("as its {file}")), "{e}");
+            std::fs::remove_file(&at).unwrap();
+            std::fs::write(&at, "{}").unwrap();
+        }
+        // `info` itself a link, and the package's directory a link.
+        std::fs::rename(pkg.join("info"), dir.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), pkg.join("info")).unwrap();
+        let e = check_metadata("evil", &pkg).unwrap_err().to_string();
+        assert!(e.contains("a path through a symbolic link as its info/index.json"), "{e}");
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), dir.path().join("linked")).unwrap();
+        assert!(check_metadata("evil", &dir.path().join("linked")).is_err());
     }
 }

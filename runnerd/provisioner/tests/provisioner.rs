@@ -828,7 +828,11 @@ fn hostile_packages_are_refused_before_anything_is_linked_and_links_stay_links()
     let refused =
         provision(request(&prefix, &["big"], 1000, json!({"kind": "fetch"})).to_string().as_bytes());
     let error = refused.error();
-    assert!(error.contains("hold 4096 bytes, more than the 1000 bytes a prefix may hold"), "{error}");
+    assert!(
+        error.contains("hold up to 4096 bytes")
+            && error.contains("more than the 1000 bytes a prefix may hold"),
+        "{error}"
+    );
     assert!(error.contains("SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES"), "{error}");
     let fetched =
         provision(request(&prefix, &["big"], 0, json!({"kind": "fetch"})).to_string().as_bytes()).ok();

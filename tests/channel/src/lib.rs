@@ -68,6 +68,9 @@ pub struct Pkg {
     /// `(path, target)`: symbolic links in the archive that `paths.json` does not list as
     /// links (a `raw_entries` entry may list one as a file).
     pub hidden_links: Vec<(String, String)>,
+    /// `(info/…, target)`: metadata files (`info/index.json`, `info/paths.json`, `info/files`)
+    /// archived as symbolic links to `target` instead of the files written for them.
+    pub metadata_links: Vec<(String, String)>,
 }
 
 impl Pkg {
@@ -86,6 +89,7 @@ impl Pkg {
             quick: false,
             raw_entries: Vec::new(),
             hidden_links: Vec::new(),
+            metadata_links: Vec::new(),
         }
     }
 
@@ -113,6 +117,12 @@ impl Pkg {
     /// A symbolic link in the archive that `paths.json` does not list as one.
     pub fn hidden_link(mut self, path: &str, target: &str) -> Self {
         self.hidden_links.push((path.into(), target.into()));
+        self
+    }
+
+    /// A metadata file (`info/paths.json`, say) archived as a symbolic link to `target`.
+    pub fn metadata_link(mut self, file: &str, target: &str) -> Self {
+        self.metadata_links.push((file.into(), target.into()));
         self
     }
 
@@ -226,8 +236,17 @@ impl Channel {
             ("info/files", files),
         ];
         for (path, text) in info {
-            write(&stage.join(path), text.as_bytes())?;
-            paths.push(stage.join(path));
+            let at = stage.join(path);
+            match pkg.metadata_links.iter().find(|(file, _)| file == path) {
+                Some((_, target)) => {
+                    write(&at, b"")?;
+                    fs::remove_file(&at).map_err(|e| ChannelError::Write(at.clone(), e))?;
+                    std::os::unix::fs::symlink(target, &at)
+                        .map_err(|e| ChannelError::Write(at.clone(), e))?;
+                }
+                None => write(&at, text.as_bytes())?,
+            }
+            paths.push(at);
         }
         let archive = self.dir.join(&pkg.subdir).join(pkg.file_name());
         write_archive(&pkg, &stage, &paths, &archive)?;
@@ -284,6 +303,7 @@ impl Channel {
             quick: false,
             raw_entries: Vec::new(),
             hidden_links: Vec::new(),
+            metadata_links: Vec::new(),
         };
         self.package(pkg)
     }
@@ -361,6 +381,7 @@ impl Channel {
             quick: true,
             raw_entries: Vec::new(),
             hidden_links: Vec::new(),
+            metadata_links: Vec::new(),
         })
     }
 
