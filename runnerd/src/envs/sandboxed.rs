@@ -111,6 +111,10 @@ pub(crate) enum SandboxedError {
     )]
     PrefixTooLarge { label: &'static str, bytes: u64, limit: u64 },
     #[error(
+        "the {label} step was stopped: the environment's prefix held {entries} files, directories and links, more than the {limit} a prefix may hold; install fewer packages"
+    )]
+    PrefixTooManyEntries { label: &'static str, entries: u64, limit: u64 },
+    #[error(
         "the {label} step was stopped: the environment's prefix could not be measured against its byte limit (env_step_max_prefix_bytes) at {path}"
     )]
     PrefixUnmeasured {
@@ -131,29 +135,61 @@ pub(crate) enum SandboxedError {
 /// capped by `RLIMIT_FSIZE` meanwhile.
 const PREFIX_POLL: Duration = Duration::from_millis(200);
 
-/// Why a step's prefix is over its byte limit.
-fn prefix_breach(label: &'static str, limit: u64, breach: crate::exec::files::Breach) -> SandboxedError {
+/// The most entries (files, directories, links, the rest) a step may leave in a prefix: the
+/// provisioner's link check reads no more (`links::MAX_PREFIX_ENTRIES`), so a prefix past it
+/// could never be changed again, and every walk of it costs time.
+pub(crate) const MAX_PREFIX_ENTRIES: u64 = 2_000_000;
+
+/// Why a step's prefix is over one of its budgets.
+#[derive(Debug)]
+enum PrefixBreach {
+    Bytes(crate::exec::files::Breach),
+    Entries(u64),
+}
+
+fn prefix_breach(label: &'static str, limit: u64, breach: PrefixBreach) -> SandboxedError {
     match breach {
-        crate::exec::files::Breach::Over { bytes } => SandboxedError::PrefixTooLarge { label, bytes, limit },
-        crate::exec::files::Breach::Unreadable(u) => {
+        PrefixBreach::Bytes(crate::exec::files::Breach::Over { bytes }) => {
+            SandboxedError::PrefixTooLarge { label, bytes, limit }
+        }
+        PrefixBreach::Bytes(crate::exec::files::Breach::Unreadable(u)) => {
             SandboxedError::PrefixUnmeasured { label, path: u.path, source: u.error }
+        }
+        PrefixBreach::Entries(entries) => {
+            SandboxedError::PrefixTooManyEntries { label, entries, limit: MAX_PREFIX_ENTRIES }
         }
     }
 }
 
-/// The prefix measured, as the workspace quota measures a workspace (no link followed, each
-/// file its size plus the blocks allocated beyond it; what cannot be read fails closed).
-async fn measure_prefix(root: &OwnedFd, limit: u64) -> Result<(), crate::exec::files::Breach> {
-    crate::exec::files::check(crate::exec::files::measure_blocking(root).await, limit).map(drop)
+/// The verdict on one walk of a prefix: its entries against `max_entries`, its bytes against
+/// `max_bytes` (0: no byte limit). Pure.
+fn judge_prefix(
+    m: crate::exec::files::Measured,
+    max_bytes: u64,
+    max_entries: u64,
+) -> Result<(), PrefixBreach> {
+    if m.entries > max_entries {
+        return Err(PrefixBreach::Entries(m.entries));
+    }
+    crate::exec::files::check(m, max_bytes).map(drop).map_err(PrefixBreach::Bytes)
 }
 
-/// Completes with the breach once the prefix outgrows `limit`; never otherwise.
-async fn prefix_watchdog(root: &OwnedFd, limit: u64) -> crate::exec::files::Breach {
+/// The prefix counted, as the workspace quota measures a workspace (no link followed, each
+/// file its size plus the blocks allocated beyond it; what cannot be read fails closed), on
+/// the blocking pool and keeping no paths.
+async fn measure_prefix(root: &OwnedFd, limit: u64) -> Result<(), PrefixBreach> {
+    judge_prefix(crate::exec::files::count_blocking(root).await, limit, MAX_PREFIX_ENTRIES)
+}
+
+/// Completes with the breach once the prefix outgrows a budget; never otherwise. Spawned as
+/// a task of its own, its walks on the blocking pool: the step's output, timeout and
+/// cancellation are served meanwhile.
+async fn prefix_watchdog(root: OwnedFd, limit: u64) -> PrefixBreach {
     let mut pause = PREFIX_POLL;
     loop {
         tokio::time::sleep(pause).await;
         let walk = std::time::Instant::now();
-        if let Err(breach) = measure_prefix(root, limit).await {
+        if let Err(breach) = measure_prefix(&root, limit).await {
             return breach;
         }
         pause = PREFIX_POLL.max(walk.elapsed() * 2);
@@ -266,9 +302,14 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let max_file = app.envs.settings.step_max_file_bytes;
     launch.rlimits = crate::launch::default_rlimits(Some(max_file));
     let max_prefix = app.envs.settings.step_max_prefix_bytes;
-    let watched = match (&step.writes_prefix, max_prefix) {
-        (Some(prefix), 1..) => Some(open_dir(prefix).map_err(prepare)?),
-        _ => None,
+    // Watched whatever the byte limit: its entries are bounded too.
+    let watched = match &step.writes_prefix {
+        Some(prefix) => Some(open_dir(prefix).map_err(prepare)?),
+        None => None,
+    };
+    let watchdog = match &watched {
+        Some(root) => Some(tokio::spawn(prefix_watchdog(root.try_clone().map_err(prepare)?, max_prefix))),
+        None => None,
     };
     // Ended by the watchdog when the prefix outgrows its limit (the run answers `Cancelled`).
     let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -289,15 +330,21 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     let mut output = OutputBudget::pooled(MAX_STEP_OUTPUT, &app.output_pool);
     let run = app.sandbox.launcher.run(launch, &mut output);
     let mut breach = None;
-    let ran = match &watched {
+    let ran = match watchdog {
         None => run.await,
-        Some(root) => {
+        Some(mut dog) => {
             tokio::pin!(run);
             tokio::select! {
-                ran = &mut run => ran,
-                found = prefix_watchdog(root, max_prefix) => {
-                    breach = Some(found);
-                    let _ = stop.send(true);
+                ran = &mut run => {
+                    dog.abort();
+                    ran
+                }
+                found = &mut dog => {
+                    // A watchdog that panicked stops nothing; the walk at the end still counts.
+                    if let Ok(found) = found {
+                        breach = Some(found);
+                        let _ = stop.send(true);
+                    }
                     run.await
                 }
             }
@@ -465,6 +512,34 @@ fn remove_in_background(parent: OwnedFd, name: Option<std::ffi::CString>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefix_is_judged_by_its_entries_and_its_bytes() {
+        let walk = |bytes, entries| {
+            let mut m = crate::exec::files::Measured::default();
+            (m.bytes, m.entries) = (bytes, entries);
+            m
+        };
+        for (bytes, entries, limit, want) in [
+            (10, 5, 10, "ok"),
+            (11, 5, 10, "bytes"),
+            (u64::MAX, 5, 0, "ok"),
+            (10, 6, 10, "entries"),
+            (11, 6, 0, "entries"),
+        ] {
+            let got = match judge_prefix(walk(bytes, entries), limit, 5) {
+                Ok(()) => "ok",
+                Err(PrefixBreach::Bytes(_)) => "bytes",
+                Err(PrefixBreach::Entries(n)) => {
+                    assert_eq!(n, entries);
+                    "entries"
+                }
+            };
+            assert_eq!(got, want, "{bytes} bytes, {entries} entries, limit {limit}");
+        }
+        let e = prefix_breach("pip", 10, PrefixBreach::Entries(2_000_001)).to_string();
+        assert!(e.contains("held 2000001 files, directories and links, more than the 2000000"), "{e}");
+    }
 
     #[test]
     fn a_sweep_removes_other_processes_scratches_however_deep_and_keeps_its_own() {

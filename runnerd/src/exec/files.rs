@@ -45,6 +45,10 @@ pub struct Measured {
     pub bytes: u64,
     /// The first thing the walk could not read; what it holds is unknown.
     pub unreadable: Option<Unreadable>,
+    /// Every entry the walk met (files, directories, links and the rest), the root aside.
+    pub entries: u64,
+    /// Counting only ([`count`]): no fingerprints kept, only pending directories' paths.
+    counting: bool,
     /// The first regular file with a set-user-ID or set-group-ID bit (workspace-relative):
     /// in an idmapped workspace a sandbox could rewrite it through a shared mapping, which
     /// keeps the bit, as its owner (issue #30).
@@ -155,6 +159,25 @@ pub fn measure(root: BorrowedFd<'_>) -> Measured {
     walk_observed(root, "", &mut |_| {})
 }
 
+/// [`measure`] without the fingerprints: bytes and entries only, its memory the pending
+/// directories' paths (a watchdog walks a prefix of up to millions of files every few
+/// hundred milliseconds; keeping every path each time would cost gigabytes).
+pub fn count(root: BorrowedFd<'_>) -> Measured {
+    walk_within(root, "", &mut |_| {}, MAX_WALK_PATH_BYTES, true)
+}
+
+/// [`count`] on the blocking pool, on a duplicate of `root` the walk owns; a walk that
+/// could not start or run fails closed. The awaiting task is free meanwhile.
+pub async fn count_blocking(root: &OwnedFd) -> Measured {
+    let root = match root.try_clone() {
+        Ok(fd) => fd,
+        Err(e) => return unreadable(e),
+    };
+    tokio::task::spawn_blocking(move || count(root.as_fd()))
+        .await
+        .unwrap_or_else(|e| unmeasured(&e.to_string()))
+}
+
 /// [`measure`] as blocking work of the awaiting task (it makes a syscall per entry;
 /// [`crate::blocking::run`]: no thread hop before a launch), on a duplicate of `root` that
 /// the walk owns; a walk that could not start or run fails closed.
@@ -209,7 +232,7 @@ fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
 /// [`measure`] does, showing `seen` everything it meets; paths in the result and in what
 /// is seen are workspace-relative.
 pub fn walk_observed(dir: BorrowedFd<'_>, prefix: &str, seen: &mut dyn FnMut(Seen<'_>)) -> Measured {
-    walk_within(dir, prefix, seen, MAX_WALK_PATH_BYTES)
+    walk_within(dir, prefix, seen, MAX_WALK_PATH_BYTES, false)
 }
 
 /// [`walk_observed`] keeping at most `max_path_bytes` of path text.
@@ -218,8 +241,9 @@ fn walk_within(
     prefix: &str,
     seen: &mut dyn FnMut(Seen<'_>),
     max_path_bytes: usize,
+    counting: bool,
 ) -> Measured {
-    let mut m = Measured::default();
+    let mut m = Measured { counting, ..Measured::default() };
     let root = match fsat::open_dir_at(&root, c".") {
         Ok(fd) => fd,
         Err(e) => {
@@ -276,8 +300,12 @@ fn list(
     for (name, cname) in names {
         let name = name.to_string_lossy();
         let child = if rel.is_empty() { name.into_owned() } else { format!("{rel}/{name}") };
-        m.path_bytes = m.path_bytes.saturating_add(child.len());
-        if m.path_bytes > max_path_bytes {
+        m.entries = m.entries.saturating_add(1);
+        let too_long = |m: &mut Measured, held: usize| {
+            m.path_bytes = m.path_bytes.saturating_add(held);
+            m.path_bytes > max_path_bytes
+        };
+        if !m.counting && too_long(m, child.len()) {
             let error = format!("holds more than {max_path_bytes} bytes of file paths");
             return m.fail(rel, io::Error::other(error));
         }
@@ -289,6 +317,11 @@ fn list(
                 continue;
             }
         };
+        // Counting keeps only the directories still to walk.
+        if m.counting && st.kind() == libc::S_IFDIR && too_long(m, child.len()) {
+            let error = format!("holds more than {max_path_bytes} bytes of directory paths");
+            return m.fail(rel, io::Error::other(error));
+        }
         match st.kind() {
             libc::S_IFDIR => {
                 seen(Seen::Dir(&child));
@@ -300,7 +333,9 @@ fn list(
                     m.set_id = Some(child.clone());
                 }
                 seen(Seen::File(&child, &st));
-                m.prints.insert(child, (st.size, st.mtime_ns));
+                if !m.counting {
+                    m.prints.insert(child, (st.size, st.mtime_ns));
+                }
             }
             // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
             // refuses them, without poisoning the workspace).
@@ -362,6 +397,21 @@ mod tests {
         measure(dir.as_fd())
     }
 
+    /// A count sees what a measure sees, keeps none of the paths, and counts every entry.
+    #[test]
+    fn a_count_measures_the_bytes_and_entries_and_keeps_no_paths() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::create_dir_all(tmp.path().join("a/b")).unwrap();
+        fs::write(tmp.path().join("a/b/f"), b"12345").unwrap();
+        fs::write(tmp.path().join("g"), b"xyz").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", tmp.path().join("a/l")).unwrap();
+        let dir = fs::File::open(tmp.path()).unwrap();
+        let (full, counted) = (measure(dir.as_fd()), count(dir.as_fd()));
+        assert_eq!((counted.bytes, counted.entries), (full.bytes, 5), "a, a/b, a/b/f, a/l, g");
+        assert!(full.bytes >= 8 && full.prints.len() == 2 && counted.prints.is_empty());
+        assert!(counted.unreadable.is_none());
+    }
+
     #[test]
     fn a_walk_keeps_at_most_its_path_text_and_then_fails_closed() {
         let tmp = tempfile::tempdir().unwrap();
@@ -372,10 +422,10 @@ mod tests {
             fs::write(deep.join(format!("{i}")), "").unwrap();
         }
         let dir = fs::File::open(tmp.path()).unwrap();
-        let all = walk_within(dir.as_fd(), "", &mut |_| {}, 1 << 20);
+        let all = walk_within(dir.as_fd(), "", &mut |_| {}, 1 << 20, false);
         assert_eq!((all.prints.len(), all.unreadable.is_none()), (50, true));
         // 50 paths of about 400 bytes: a 4 KiB budget stops the walk part way.
-        let cut = walk_within(dir.as_fd(), "", &mut |_| {}, 4096);
+        let cut = walk_within(dir.as_fd(), "", &mut |_| {}, 4096, false);
         assert!(cut.prints.len() < 50, "{}", cut.prints.len());
         let u = cut.unreadable.as_ref().expect("fails closed");
         assert_eq!(u.error.to_string(), "holds more than 4096 bytes of file paths");
