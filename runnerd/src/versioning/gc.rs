@@ -115,11 +115,33 @@ struct Tally {
     disk: u64,
 }
 
+/// A record's dependency as the mark remembers it: what a walk needs to go on.
+struct Dep {
+    raw: [u8; 32],
+    pool: Pool,
+    record: bool,
+    size: u64,
+}
+
+impl Dep {
+    fn of(r: &Ref) -> Dep {
+        Dep { raw: digest_key(r.pool, r.hex()).1, pool: r.pool, record: r.is_record(), size: r.size }
+    }
+
+    /// The ref again (a leaf's mediaType is not kept: the mark only asks whether it is a
+    /// record).
+    fn to_ref(&self) -> Ref {
+        let media = if self.record { super::RECORD_MEDIA_TYPE } else { super::OCTET_STREAM };
+        Ref::new(self.pool, &super::names::hex(&self.raw), self.size, media)
+    }
+}
+
 /// The mark: digests reached, and each record's dependencies read once.
 #[derive(Default)]
 struct Mark {
     reached: HashSet<[u8; 32]>,
-    deps: HashMap<[u8; 32], Vec<Ref>>,
+    /// Compact (a `Ref` is two strings; a store of millions of objects would hold GBs).
+    deps: HashMap<[u8; 32], Vec<Dep>>,
     unreadable: Vec<String>,
     unreadable_count: usize,
 }
@@ -155,13 +177,13 @@ impl Mark {
                 continue;
             }
             if let Some(deps) = self.deps.get(&raw) {
-                queue.extend(deps.iter().cloned());
+                queue.extend(deps.iter().map(Dep::to_ref));
                 continue;
             }
             match store.read_record(&r, None) {
                 Ok(record) => {
                     queue.extend(record.dependencies.iter().cloned());
-                    self.deps.insert(raw, record.dependencies);
+                    self.deps.insert(raw, record.dependencies.iter().map(Dep::of).collect());
                 }
                 Err(e @ (VersionError::Io { .. } | VersionError::Sqlite { .. })) => return Err(e),
                 // Not memoised: a repair may store it again before the next batch's walk.
