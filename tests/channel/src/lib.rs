@@ -71,6 +71,9 @@ pub struct Pkg {
     /// `(info/…, target)`: metadata files (`info/index.json`, `info/paths.json`, `info/files`)
     /// archived as symbolic links to `target` instead of the files written for them.
     pub metadata_links: Vec<(String, String)>,
+    /// `(path in the prefix, length)`: files of that many zero bytes, staged sparse, so a
+    /// decompression bomb costs its test neither the memory nor the disk it unpacks to.
+    pub zeros: Vec<(String, u64)>,
 }
 
 impl Pkg {
@@ -90,6 +93,7 @@ impl Pkg {
             raw_entries: Vec::new(),
             hidden_links: Vec::new(),
             metadata_links: Vec::new(),
+            zeros: Vec::new(),
         }
     }
 
@@ -100,6 +104,12 @@ impl Pkg {
 
     pub fn file(mut self, path: &str, bytes: &[u8], executable: bool) -> Self {
         self.files.push((path.into(), bytes.to_vec(), executable));
+        self
+    }
+
+    /// A file of `len` zero bytes ([`Pkg::zeros`]).
+    pub fn zeros(mut self, path: &str, len: u64) -> Self {
+        self.zeros.push((path.into(), len));
         self
     }
 
@@ -205,6 +215,21 @@ impl Channel {
                 "size_in_bytes": bytes.len(),
             }));
         }
+        let mut digests: BTreeMap<u64, String> = BTreeMap::new();
+        for (path, len) in &pkg.zeros {
+            let target = stage.join(path);
+            write(&target, b"")?;
+            let grown = fs::OpenOptions::new().write(true).open(&target).and_then(|f| f.set_len(*len));
+            grown.map_err(|e| ChannelError::Write(target.clone(), e))?;
+            let sha256 = digests.entry(*len).or_insert_with(|| zeros_sha256(*len)).clone();
+            paths.push(target);
+            entries.push(json!({
+                "_path": path,
+                "path_type": "hardlink",
+                "sha256": sha256,
+                "size_in_bytes": len,
+            }));
+        }
         for (path, target) in &pkg.symlinks {
             let link = stage.join(path);
             if let Some(dir) = link.parent() {
@@ -227,6 +252,7 @@ impl Channel {
             .files
             .iter()
             .map(|(p, _, _)| p)
+            .chain(pkg.zeros.iter().map(|(p, _)| p))
             .chain(pkg.symlinks.iter().map(|(p, _)| p))
             .map(|p| format!("{p}\n"))
             .collect();
@@ -304,6 +330,7 @@ impl Channel {
             raw_entries: Vec::new(),
             hidden_links: Vec::new(),
             metadata_links: Vec::new(),
+            zeros: Vec::new(),
         };
         self.package(pkg)
     }
@@ -382,6 +409,7 @@ impl Channel {
             raw_entries: Vec::new(),
             hidden_links: Vec::new(),
             metadata_links: Vec::new(),
+            zeros: Vec::new(),
         })
     }
 
@@ -566,6 +594,20 @@ fn write(path: &Path, bytes: &[u8]) -> Result<(), ChannelError> {
     fs::write(path, bytes).map_err(failed)
 }
 
+/// The SHA-256 of `len` zero bytes, a mebibyte at a time.
+fn zeros_sha256(len: u64) -> String {
+    use rattler_digest::digest::Digest;
+    let chunk = vec![0u8; 1 << 20];
+    let mut hasher = Sha256::new();
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        hasher.update(&chunk[..n]);
+        left -= n as u64;
+    }
+    hex(&hasher.finalize())
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -615,6 +657,25 @@ mod tests {
         assert_eq!(repodata["packages.conda"]["b-1.0-0.conda"]["depends"][0], "a");
         assert_eq!(repodata["packages"]["c-1.0-0.tar.bz2"]["size"], 46);
         assert!(dir.path().join("linux-64/repodata.json").exists());
+    }
+
+    #[test]
+    fn zeros_are_listed_with_their_size_and_digest_and_compress_to_little() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut channel = Channel::new(dir.path());
+        let len = (3 << 20) + 5;
+        let archive =
+            channel.package(Pkg::noarch("z", "1.0").format(Format::Conda).zeros("share/z", len)).expect("z");
+        assert!(fs::metadata(&archive).expect("archive").len() < 64 << 10, "zstd of zeros is small");
+        let out = dir.path().join("out");
+        rattler_package_streaming::fs::extract(&archive, &out).expect("extracts");
+        assert_eq!(fs::read(out.join("share/z")).expect("z"), vec![0u8; len as usize]);
+        let paths: Value =
+            serde_json::from_slice(&fs::read(out.join("info/paths.json")).expect("paths")).unwrap();
+        let entry = &paths["paths"][0];
+        assert_eq!((entry["_path"].as_str(), entry["size_in_bytes"].as_u64()), (Some("share/z"), Some(len)));
+        let want = hex(&compute_bytes_digest::<Sha256>(vec![0u8; len as usize]));
+        assert_eq!(entry["sha256"], want);
     }
 
     #[test]
