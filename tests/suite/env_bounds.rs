@@ -2,7 +2,9 @@
 //! provisioning with the real `runner-provisioner` in its sandbox, against a channel the test
 //! builds with the probes' hostile packages (links out of the prefix and into procfs, an
 //! absolute and a `..` path, a file that is a link in the archive); pip steps stopped by the
-//! per-file limit and by the prefix's byte limit; wheels of failed installs not kept.
+//! per-file limit and by the prefix's byte limit; wheels of failed installs not kept; a
+//! decompression bomb's fetch stopped at its byte budget for the shared package cache, which
+//! it leaves as it found it, giving the cache's gate back at once.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions};
 use serde_json::{Value, json};
-use test_channel::Pkg;
+use test_channel::{Format, Pkg};
 
 use super::environments::{post, setup_outcome};
 
@@ -62,6 +64,14 @@ fn hostile() -> Vec<(Pkg, &'static str)> {
     ]
 }
 
+/// A `.conda` whose 32 files of 32 MiB of zeros take a few hundred kilobytes of zstd and
+/// 1 GiB once unpacked into the package cache.
+fn bomb() -> Pkg {
+    let mut pkg = Pkg::noarch("zerobomb", "1.0").format(Format::Conda);
+    pkg.quick = true;
+    (0..32).fold(pkg, |p, i| p.zeros(&format!("share/zeros-{i}"), 32 << 20))
+}
+
 struct Envs {
     server: Server,
     _channel: tempfile::TempDir,
@@ -88,6 +98,7 @@ async fn ready(extra: &[(&str, &str)]) -> Envs {
     for (pkg, _) in hostile() {
         built.package(pkg).expect("a hostile package builds");
     }
+    built.package(bomb()).expect("the bomb builds");
     built.index().expect("the channel indexes");
     runner_tests::hand_tree_to_sandbox(channel.path());
     let url = built.url();
@@ -305,4 +316,81 @@ async fn pip_steps_are_stopped_at_the_file_and_prefix_limits_and_failed_installs
         s.client().send_bytes("DELETE", &format!("/environments/{id}"), &[], Vec::new()).await.unwrap();
     assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
     assert_eq!(std::fs::read_dir(&wheels).unwrap().count(), 0, "{:?}", tree(&wheels));
+}
+
+#[tokio::test]
+async fn a_decompression_bomb_is_stopped_at_the_fetch_budget_leaves_the_cache_as_it_was_and_frees_the_gate() {
+    if !sandbox_or_skip(
+        "a_decompression_bomb_is_stopped_at_the_fetch_budget_leaves_the_cache_as_it_was_and_frees_the_gate",
+    ) {
+        return;
+    }
+    // Set up under the default limits (the starter's own fetch is larger than the budget
+    // below), then restarted over the same data directory with a 16 MiB fetch budget.
+    let mut envs = ready(&[]).await;
+    let victim = task_env(&envs.server, "victim").await;
+    let tenant = task_env(&envs.server, "tenant").await;
+    let data = envs.server.data_dir.clone();
+    let data_dir = data.display().to_string();
+    envs.server.stop();
+    let budget: u64 = 16 << 20;
+    let budget_text = budget.to_string();
+    let mut env = base_env(&envs.url);
+    env.extend(
+        [
+            ("SCIENCE_AGENT_DATA_DIR", data_dir.as_str()),
+            ("SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES", &budget_text),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    let second = Server::start_with(ServerOptions { env, ..Default::default() });
+    let s = &second;
+    assert_eq!(setup_outcome(s).await["state"], "ready", "{}", s.stderr());
+    let cache = data.join("scientific-envs/provisioner");
+    let cache_before = bytes_below(&cache);
+    let prefix = prefix_of(&data, &victim);
+    let before = tree(&prefix);
+
+    // The bomb and another tenant's install together: the bomb's fetch holds the cache's
+    // exclusive gate until it is stopped, and must give it back at once.
+    let started = Instant::now();
+    let hostile = async {
+        let answer = install(s, &victim, json!({"manager": "conda", "packages": ["zerobomb"]})).await;
+        (answer, started.elapsed())
+    };
+    let other = install(s, &tenant, json!({"manager": "conda", "packages": ["tinyutil=2.0"]}));
+    let both = tokio::time::timeout(Duration::from_secs(300), async { tokio::join!(hostile, other) });
+    let (((status, refused), bomb_took), (other_status, other_rev)) =
+        both.await.unwrap_or_else(|_| panic!("no answer in 5 minutes\n{}", s.stderr()));
+    let took = started.elapsed();
+    let error = refused["error"].as_str().unwrap_or_default();
+    eprintln!("the bomb refused in {bomb_took:?}, the other install landed by {took:?}: {error}");
+    assert_eq!(status, 400, "{refused}\n{}", s.stderr());
+    assert!(
+        error.contains(&format!(
+            "bytes to the shared package cache, more than the {budget} one fetch may add (env_step_max_fetch_bytes, SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES); install fewer or smaller packages, or ask the operator to raise the limit"
+        )),
+        "the budget, its key and the remedy are named: {refused}"
+    );
+    assert_eq!(other_status, 201, "the other tenant's install lands: {other_rev}\n{}", s.stderr());
+    assert!(took < Duration::from_secs(120), "both done in {took:?}");
+
+    // Nothing of the bomb is left in the shared cache (no half-extracted hidden directory, no
+    // lock file, no finished package a later lookup would trust), and the cache grew by no
+    // more than the other tenant's small package.
+    let cached = tree(&cache);
+    let left: Vec<_> = cached.iter().filter(|p| p.to_string_lossy().contains("zerobomb")).collect();
+    assert!(left.is_empty(), "the bomb left {left:?} in the cache\n{}", s.stderr());
+    assert!(
+        cached.iter().any(|p| p.ends_with("tinyutil-2.0-0")),
+        "the cache is where this looks: {cached:?}"
+    );
+    let grown = bytes_below(&cache).saturating_sub(cache_before);
+    assert!(grown < 1 << 20, "the cache grew by {grown} bytes");
+    assert!(s.stderr().contains("package_cache_restored"), "the removal is logged: {}", s.stderr());
+    assert_eq!(tree(&prefix), before, "the victim's prefix is as it was");
+
+    // The gate is free and the victim repairable: an ordinary install into it lands.
+    let (status, rev) = install(s, &victim, json!({"manager": "conda", "packages": ["tinylib"]})).await;
+    assert_eq!(status, 201, "{rev}\n{}", s.stderr());
 }

@@ -11,10 +11,12 @@
 //! * [`settings`]: the variables (`SCIENTIFIC_ENVS`, channels, cache, starters).
 //! * [`setup`]: the setup state machine `/environment-setup` and `/health` report.
 //! * [`steps`]: each provisioning step (conda, pip, CRAN, Bioconductor, inventories) as a
-//!   sandboxed command; [`sandboxed`]: running one in our sandbox.
+//!   sandboxed command; [`sandboxed`]: running one in our sandbox, a prefix or the package
+//!   cache it writes watched (`cache_growth`: what a fetch step adds to the shared cache).
 //! * [`store`]: the operations (setup, create, install, uninstall, delete, the execution's
 //!   read lease) over those pieces.
 
+mod cache_growth;
 pub(crate) mod catalog;
 mod disk;
 pub(crate) mod gate;

@@ -7,6 +7,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -17,6 +18,8 @@ use crate::app::App;
 use crate::launch::{Launch, OutputBudget, Termination};
 use crate::sandbox::argv::{self, ExtraBind, SandboxSpec};
 use crate::sandbox::{FdSlots, Language, WorkspaceFds, WorkspaceLayout};
+
+use super::cache_growth;
 
 /// Where the provisioner binary appears inside its sandbox.
 pub(crate) const PROVISIONER_MOUNT: &str = "/opt/runner-provisioner";
@@ -46,9 +49,21 @@ pub(crate) struct Step {
     /// A channel the operator configured on a private address is allowed as configured.
     pub allow_private: bool,
     pub timeout: Duration,
-    /// The prefix this step writes (a link, pip or R step): measured while it runs and
-    /// after, against `env_step_max_prefix_bytes`.
-    pub writes_prefix: Option<PathBuf>,
+    /// What the step writes beyond its scratch workspace, watched while it runs and after.
+    pub writes: Option<Writes>,
+}
+
+/// What a step writes beyond its scratch workspace (never both: no step has the cache and a
+/// prefix writable).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Writes {
+    /// An environment's prefix (a link, pip or R step): what it holds, against
+    /// `env_step_max_prefix_bytes`.
+    Prefix(PathBuf),
+    /// The shared package cache (a conda fetch step, which holds the cache's exclusive
+    /// gate): what it gains, against `env_step_max_fetch_bytes` ([`cache_growth`]). A step
+    /// stopped or failed leaves nothing new there.
+    Cache(PathBuf),
 }
 
 /// What the step printed and how it ended.
@@ -124,6 +139,23 @@ pub(crate) enum SandboxedError {
         source: std::io::Error,
     },
     #[error(
+        "the {label} step was stopped: it added {bytes} bytes to the shared package cache, more than the {limit} one fetch may add (env_step_max_fetch_bytes, SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES); install fewer or smaller packages, or ask the operator to raise the limit"
+    )]
+    FetchTooLarge { label: &'static str, bytes: u64, limit: u64 },
+    #[error(
+        "the {label} step was stopped: it added {entries} files, directories and links to the shared package cache, more than the {limit} one fetch may add; install fewer packages"
+    )]
+    FetchTooManyEntries { label: &'static str, entries: u64, limit: u64 },
+    #[error(
+        "the {label} step was stopped: what it added to the shared package cache could not be measured against its byte limit (env_step_max_fetch_bytes) at {path}"
+    )]
+    FetchUnmeasured {
+        label: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
         "the {label} step was killed for writing a file larger than {limit} bytes, the most one file may take (env_step_max_file_bytes, SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES); ask the operator to raise the limit if the package is genuine"
     )]
     FileTooLarge { label: &'static str, limit: u64 },
@@ -140,24 +172,69 @@ const PREFIX_POLL: Duration = Duration::from_millis(200);
 /// could never be changed again, and every walk of it costs time.
 pub(crate) const MAX_PREFIX_ENTRIES: u64 = 2_000_000;
 
-/// Why a step's prefix is over one of its budgets.
+/// Why a step's prefix (or what it added to the cache) is over one of its budgets.
 #[derive(Debug)]
 enum PrefixBreach {
     Bytes(crate::exec::files::Breach),
     Entries(u64),
 }
 
-fn prefix_breach(label: &'static str, limit: u64, breach: PrefixBreach) -> SandboxedError {
-    match breach {
-        PrefixBreach::Bytes(crate::exec::files::Breach::Over { bytes }) => {
+/// Which place a breach was found in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Prefix,
+    Cache,
+}
+
+fn prefix_breach(label: &'static str, place: Place, limit: u64, breach: PrefixBreach) -> SandboxedError {
+    use crate::exec::files::Breach;
+    match (place, breach) {
+        (Place::Prefix, PrefixBreach::Bytes(Breach::Over { bytes })) => {
             SandboxedError::PrefixTooLarge { label, bytes, limit }
         }
-        PrefixBreach::Bytes(crate::exec::files::Breach::Unreadable(u)) => {
+        (Place::Prefix, PrefixBreach::Bytes(Breach::Unreadable(u))) => {
             SandboxedError::PrefixUnmeasured { label, path: u.path, source: u.error }
         }
-        PrefixBreach::Entries(entries) => {
+        (Place::Prefix, PrefixBreach::Entries(entries)) => {
             SandboxedError::PrefixTooManyEntries { label, entries, limit: MAX_PREFIX_ENTRIES }
         }
+        (Place::Cache, PrefixBreach::Bytes(Breach::Over { bytes })) => {
+            SandboxedError::FetchTooLarge { label, bytes, limit }
+        }
+        (Place::Cache, PrefixBreach::Bytes(Breach::Unreadable(u))) => {
+            SandboxedError::FetchUnmeasured { label, path: u.path, source: u.error }
+        }
+        (Place::Cache, PrefixBreach::Entries(entries)) => {
+            SandboxedError::FetchTooManyEntries { label, entries, limit: MAX_PREFIX_ENTRIES }
+        }
+    }
+}
+
+/// What a running step's watchdog measures.
+#[derive(Clone)]
+enum Watched {
+    /// A prefix, all of it.
+    Prefix(Arc<OwnedFd>),
+    /// What the shared package cache gained since the step started.
+    Cache(Arc<OwnedFd>, Arc<cache_growth::Start>),
+}
+
+impl Watched {
+    fn place(&self) -> Place {
+        match self {
+            Watched::Prefix(_) => Place::Prefix,
+            Watched::Cache(..) => Place::Cache,
+        }
+    }
+
+    /// One walk, judged against `limit` (0: no byte limit) and [`MAX_PREFIX_ENTRIES`], on
+    /// the blocking pool.
+    async fn measure(&self, limit: u64) -> Result<(), PrefixBreach> {
+        let m = match self {
+            Watched::Prefix(root) => crate::exec::files::count_blocking(root).await,
+            Watched::Cache(root, start) => cache_growth::grown_blocking(root, start).await,
+        };
+        judge_prefix(m, limit, MAX_PREFIX_ENTRIES)
     }
 }
 
@@ -174,22 +251,17 @@ fn judge_prefix(
     crate::exec::files::check(m, max_bytes).map(drop).map_err(PrefixBreach::Bytes)
 }
 
-/// The prefix counted, as the workspace quota measures a workspace (no link followed, each
-/// file its size plus the blocks allocated beyond it; what cannot be read fails closed), on
-/// the blocking pool and keeping no paths.
-async fn measure_prefix(root: &OwnedFd, limit: u64) -> Result<(), PrefixBreach> {
-    judge_prefix(crate::exec::files::count_blocking(root).await, limit, MAX_PREFIX_ENTRIES)
-}
-
-/// Completes with the breach once the prefix outgrows a budget; never otherwise. Spawned as
-/// a task of its own, its walks on the blocking pool: the step's output, timeout and
-/// cancellation are served meanwhile.
-async fn prefix_watchdog(root: OwnedFd, limit: u64) -> PrefixBreach {
+/// Completes with the breach once the prefix (or the cache's growth) outgrows a budget;
+/// never otherwise. Each walk counts as the workspace quota measures a workspace (no link
+/// followed, each file its size plus the blocks allocated beyond it; what cannot be read
+/// fails closed), keeping no paths. Spawned as a task of its own, its walks on the blocking
+/// pool: the step's output, timeout and cancellation are served meanwhile.
+async fn watchdog(watched: Watched, limit: u64) -> PrefixBreach {
     let mut pause = PREFIX_POLL;
     loop {
         tokio::time::sleep(pause).await;
         let walk = std::time::Instant::now();
-        if let Err(breach) = measure_prefix(&root, limit).await {
+        if let Err(breach) = watched.measure(limit).await {
             return breach;
         }
         pause = PREFIX_POLL.max(walk.elapsed() * 2);
@@ -301,16 +373,28 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
     // hostile package is stopped at its first oversized file, whatever it links or unpacks.
     let max_file = app.envs.settings.step_max_file_bytes;
     launch.rlimits = crate::launch::default_rlimits(Some(max_file));
-    let max_prefix = app.envs.settings.step_max_prefix_bytes;
     // Watched whatever the byte limit: its entries are bounded too.
-    let watched = match &step.writes_prefix {
-        Some(prefix) => Some(open_dir(prefix).map_err(prepare)?),
-        None => None,
+    let (watched, limit) = match &step.writes {
+        None => (None, 0),
+        Some(Writes::Prefix(prefix)) => {
+            let root = Arc::new(open_dir(prefix).map_err(prepare)?);
+            (Some(Watched::Prefix(root)), app.envs.settings.step_max_prefix_bytes)
+        }
+        Some(Writes::Cache(cache)) => {
+            // Read before the step starts; the step holds the cache's exclusive gate, so
+            // what it gains from here on is its own.
+            let root = open_dir(cache).map_err(prepare)?;
+            let (root, start) = tokio::task::spawn_blocking(move || {
+                let start = cache_growth::start(&root);
+                (root, start)
+            })
+            .await
+            .map_err(|e| prepare(std::io::Error::other(e.to_string())))?;
+            let start = Arc::new(start.map_err(prepare)?);
+            (Some(Watched::Cache(Arc::new(root), start)), app.envs.settings.step_max_fetch_bytes)
+        }
     };
-    let watchdog = match &watched {
-        Some(root) => Some(tokio::spawn(prefix_watchdog(root.try_clone().map_err(prepare)?, max_prefix))),
-        None => None,
-    };
+    let watchdog = watched.clone().map(|w| tokio::spawn(watchdog(w, limit)));
     // Ended by the watchdog when the prefix outgrows its limit (the run answers `Cancelled`).
     let (stop, stopped) = tokio::sync::watch::channel(false);
     launch.cancel = Some(stopped);
@@ -351,16 +435,25 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
         }
     };
     // What the step wrote just before it ended counts too.
-    if let (None, Some(root)) = (&breach, &watched) {
-        breach = measure_prefix(root, max_prefix).await.err();
+    if let (None, Some(w)) = (&breach, &watched) {
+        breach = w.measure(limit).await.err();
     }
     let usage = crate::limits::finish(cgroup).await;
+    // A fetch step stopped, killed or failed may have left half an extraction (or a
+    // bomb's worth of bytes) in the shared cache: taken out before the caller gives the
+    // cache's gate back, so no later lookup finds it and no tenant pays for it.
+    if let Some(Watched::Cache(root, start)) = &watched {
+        let exited = matches!(&ran, Ok(o) if matches!(o.termination, Termination::Exited(0)));
+        if breach.is_some() || !exited {
+            restore_cache(label, root, start).await;
+        }
+    }
     drop(held);
     drop(lease);
     let out = output.finish();
     let outcome = ran.map_err(|source| SandboxedError::Launch { label, source })?;
-    if let Some(breach) = breach {
-        return Err(prefix_breach(label, max_prefix, breach));
+    if let (Some(breach), Some(w)) = (breach, &watched) {
+        return Err(prefix_breach(label, w.place(), limit, breach));
     }
     let failed = !matches!(outcome.termination, Termination::Exited(0));
     if failed && usage.is_some_and(|u| u.oom_kills > 0) {
@@ -382,6 +475,36 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
         Termination::Cancelled => return Err(SandboxedError::Cancelled { label }),
     };
     Ok(StepOutput { code, stdout: out.stdout, stderr: out.stderr, truncated: out.truncated })
+}
+
+/// Removes what a fetch step added to or changed in the shared cache
+/// ([`cache_growth::remove_new`]), on the blocking pool; a failure is logged (what is left
+/// is cache: a later fetch replaces what it needs).
+async fn restore_cache(label: &'static str, root: &Arc<OwnedFd>, start: &Arc<cache_growth::Start>) {
+    let (root, start) = (root.clone(), start.clone());
+    let began = std::time::Instant::now();
+    match tokio::task::spawn_blocking(move || cache_growth::remove_new(&root, &start)).await {
+        Ok((removed, None)) => tracing::info!(
+            event = "package_cache_restored",
+            step = label,
+            removed,
+            millis = u64::try_from(began.elapsed().as_millis()).unwrap_or(u64::MAX),
+            "what a fetch step that did not finish added to the shared package cache was removed"
+        ),
+        Ok((removed, Some(e))) => tracing::warn!(
+            event = "package_cache_left",
+            step = label,
+            removed,
+            error = %e,
+            "some of what a fetch step that did not finish added to the shared package cache could not be removed"
+        ),
+        Err(e) => tracing::warn!(
+            event = "package_cache_left",
+            step = label,
+            error = %e,
+            "what a fetch step that did not finish added to the shared package cache could not be removed"
+        ),
+    }
 }
 
 /// A provisioning step's limits: each the execution maximum, or the default where there is
@@ -537,8 +660,24 @@ mod tests {
             };
             assert_eq!(got, want, "{bytes} bytes, {entries} entries, limit {limit}");
         }
-        let e = prefix_breach("pip", 10, PrefixBreach::Entries(2_000_001)).to_string();
+        let e = prefix_breach("pip", Place::Prefix, 10, PrefixBreach::Entries(2_000_001)).to_string();
         assert!(e.contains("held 2000001 files, directories and links, more than the 2000000"), "{e}");
+        let over = crate::exec::files::Breach::Over { bytes: 11 };
+        for (place, breach, want) in [
+            (
+                Place::Cache,
+                PrefixBreach::Bytes(over),
+                "it added 11 bytes to the shared package cache, more than the 10 one fetch may add (env_step_max_fetch_bytes, SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES)",
+            ),
+            (
+                Place::Cache,
+                PrefixBreach::Entries(2_000_001),
+                "it added 2000001 files, directories and links to the shared package cache, more than the 2000000",
+            ),
+        ] {
+            let e = prefix_breach("conda", place, 10, breach).to_string();
+            assert!(e.starts_with("the conda step was stopped: ") && e.contains(want), "{e}");
+        }
     }
 
     #[test]

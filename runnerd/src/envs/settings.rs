@@ -21,11 +21,16 @@ pub(crate) const CRAN_VAR: &str = "SCIENCE_AGENT_CRAN_REPO";
 pub(crate) const STEP_MAX_FILE_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES";
 /// Ours: the most a prefix may hold while and after a step writes it (0: no limit).
 pub(crate) const STEP_MAX_PREFIX_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES";
+/// Ours: the most one conda fetch step may add to the shared package cache (0: no limit).
+pub(crate) const STEP_MAX_FETCH_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES";
 
 /// The largest single files of real environments (CUDA libraries, torch's) take 1-3 GiB.
 pub(crate) const DEFAULT_STEP_MAX_FILE_BYTES: u64 = 16 << 30;
 /// A CUDA PyTorch environment takes 10-20 GiB; four times that is no real prefix.
 pub(crate) const DEFAULT_STEP_MAX_PREFIX_BYTES: u64 = 64 << 30;
+/// What one change fetches is what its link step then copies into a prefix: no more than a
+/// prefix may hold.
+pub(crate) const DEFAULT_STEP_MAX_FETCH_BYTES: u64 = DEFAULT_STEP_MAX_PREFIX_BYTES;
 
 pub(crate) const DEFAULT_CRAN: &str = "https://cloud.r-project.org";
 
@@ -45,6 +50,8 @@ pub struct EnvSettings {
     pub step_max_file_bytes: u64,
     /// The most bytes a prefix may hold while a step writes it and after (0: no limit).
     pub step_max_prefix_bytes: u64,
+    /// The most bytes one conda fetch step may add to the shared package cache (0: no limit).
+    pub step_max_fetch_bytes: u64,
 }
 
 /// A byte count variable, or its default when unset.
@@ -110,6 +117,11 @@ impl EnvSettings {
                 get(STEP_MAX_PREFIX_VAR),
                 DEFAULT_STEP_MAX_PREFIX_BYTES,
             )?,
+            step_max_fetch_bytes: bytes(
+                STEP_MAX_FETCH_VAR,
+                get(STEP_MAX_FETCH_VAR),
+                DEFAULT_STEP_MAX_FETCH_BYTES,
+            )?,
         })
     }
 
@@ -139,16 +151,25 @@ mod tests {
         assert!(!s.offline());
         assert_eq!(s.cran_repo, DEFAULT_CRAN);
         assert_eq!((s.step_max_file_bytes, s.step_max_prefix_bytes), (16 << 30, 64 << 30));
+        assert_eq!(s.step_max_fetch_bytes, 64 << 30);
     }
 
     #[test]
     fn step_limits_are_byte_counts() {
-        let s = settings(&[(STEP_MAX_FILE_VAR, "1048576"), (STEP_MAX_PREFIX_VAR, "0")]);
-        assert_eq!((s.step_max_file_bytes, s.step_max_prefix_bytes), (1 << 20, 0));
-        for value in ["1G", "-1", "lots"] {
-            let err =
-                EnvSettings::from_vars(|k| (k == STEP_MAX_PREFIX_VAR).then(|| value.to_owned())).unwrap_err();
-            assert!(err.to_string().contains("is not a byte count"), "{value}: {err}");
+        let s = settings(&[
+            (STEP_MAX_FILE_VAR, "1048576"),
+            (STEP_MAX_PREFIX_VAR, "0"),
+            (STEP_MAX_FETCH_VAR, "4096"),
+        ]);
+        assert_eq!(
+            (s.step_max_file_bytes, s.step_max_prefix_bytes, s.step_max_fetch_bytes),
+            (1 << 20, 0, 4096)
+        );
+        for var in [STEP_MAX_PREFIX_VAR, STEP_MAX_FETCH_VAR] {
+            for value in ["1G", "-1", "lots"] {
+                let err = EnvSettings::from_vars(|k| (k == var).then(|| value.to_owned())).unwrap_err();
+                assert!(err.to_string().contains("is not a byte count"), "{var}={value}: {err}");
+            }
         }
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::provision::{self, Op};
 
-use super::sandboxed::{PROVISIONER_MOUNT, Step};
+use super::sandboxed::{PROVISIONER_MOUNT, Step, Writes};
 
 /// A conda step may download and unpack a large environment.
 pub(crate) const CONDA_TIMEOUT: Duration = Duration::from_secs(60 * 60);
@@ -173,7 +173,11 @@ pub(crate) fn conda(
         origins: Vec::new(),
         allow_private,
         timeout: CONDA_TIMEOUT,
-        writes_prefix: linking.then(|| prefix.to_path_buf()),
+        writes: match (linking, listing) {
+            (true, _) => Some(Writes::Prefix(prefix.to_path_buf())),
+            (false, false) => Some(Writes::Cache(places.cache_dir.to_path_buf())),
+            (false, true) => None,
+        },
     }
 }
 
@@ -243,7 +247,7 @@ exec "$py" -I -m pip install --disable-pip-version-check --no-input "$@""#;
         // The index is the request's: never a private address (not even `localhost`).
         allow_private: false,
         timeout: PIP_TIMEOUT,
-        writes_prefix: Some(prefix.to_path_buf()),
+        writes: Some(Writes::Prefix(prefix.to_path_buf())),
     }
 }
 
@@ -315,7 +319,7 @@ pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages:
         hosts,
         origins: Vec::new(),
         timeout: R_TIMEOUT,
-        writes_prefix: Some(prefix.to_path_buf()),
+        writes: Some(Writes::Prefix(prefix.to_path_buf())),
     }
 }
 
@@ -344,7 +348,7 @@ pub(crate) fn python_inventory(prefix: &Path) -> Step {
         origins: Vec::new(),
         allow_private: false,
         timeout: INVENTORY_TIMEOUT,
-        writes_prefix: None,
+        writes: None,
     }
 }
 
@@ -368,7 +372,7 @@ pub(crate) fn r_inventory(prefix: &Path) -> Step {
         origins: Vec::new(),
         allow_private: false,
         timeout: INVENTORY_TIMEOUT,
-        writes_prefix: None,
+        writes: None,
     }
 }
 
@@ -555,9 +559,13 @@ mod tests {
             assert!(step.binds.iter().filter(|(_, w)| *w).count() <= 1, "one writable place at most");
             assert_eq!(step.hosts, hosts, "{op:?} {stage:?}");
             assert_eq!(step.allow_private, !hosts.is_empty());
-            // Only the step that writes the prefix has it measured.
-            let writable = binds.iter().find(|(p, w)| *w && p == Path::new("/d/p")).map(|(p, _)| p.clone());
-            assert_eq!(step.writes_prefix, writable, "{op:?} {stage:?}");
+            // The one writable place is the one measured: the prefix a link step writes, the
+            // shared cache a fetch step writes (its growth).
+            let watched = binds.iter().find(|(_, w)| *w).map(|(p, _)| match p == Path::new("/d/p") {
+                true => Writes::Prefix(p.clone()),
+                false => Writes::Cache(p.clone()),
+            });
+            assert_eq!(step.writes, watched, "{op:?} {stage:?}");
             let req: provision::Request = serde_json::from_slice(&step.stdin).unwrap();
             assert_eq!(req.max_prefix_bytes, 1 << 30);
             assert_eq!(
@@ -592,7 +600,7 @@ mod tests {
         );
         assert!(step.command[2].contains("-I -m pip install --disable-pip-version-check --no-input"));
         assert_eq!(step.hosts, ["pypi.example"]);
-        assert_eq!(step.writes_prefix.as_deref(), Some(Path::new("/d/p")), "measured as it runs");
+        assert_eq!(step.writes, Some(Writes::Prefix(PathBuf::from("/d/p"))), "measured as it runs");
         assert!(step.binds.contains(&(PathBuf::from("/d/wheels/ab"), false)));
         let off = pip(Path::new("/d/p"), &PipSource::Offline("/cache".into()), &["x".into()], &[]);
         assert!(off.command.windows(3).any(|w| w == ["--no-index", "--find-links", "/cache"]));
