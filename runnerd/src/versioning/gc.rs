@@ -13,8 +13,9 @@
 //!   grace ago (`relatime` refreshes the access time once a day), is never deleted: a commit
 //!   of the API process may be about to root it, and its reuse of a stored object only
 //!   reads it (runnerd's own reads do not count: they are `O_NOATIME`);
-//! * deletion happens under [`Store::sweep_guard`], taken only while no commit attempt of
-//!   this process is between its snapshot and its ref: before each batch, the roots
+//! * deletion happens under [`Store::sweep_guard`], held only while no commit attempt of
+//!   this process is between its snapshot and its ref (polled for, then waited for, so a
+//!   node whose commits never pause still gets collected): before each batch, the roots
 //!   committed since the mark are marked too, so an old object a new commit reused is kept;
 //! * what was deleted is forgotten by every cache ([`Store::forget_objects`]), so a commit
 //!   that would reuse it stores it again (or finds it missing and retries).
@@ -33,8 +34,10 @@ use super::{Pool, Ref, Refs, Store, VersionError};
 
 /// Objects deleted per hold of the sweep guard: commits wait for at most one batch.
 const BATCH: usize = 2048;
-/// How long a batch waits for a moment with no commit attempt in flight.
-const PATIENCE: Duration = Duration::from_secs(120);
+/// How long a batch polls for a moment with no commit attempt in flight before it waits
+/// for one (and then takes [`FORCED_BATCH`] objects, so such waits are few).
+const PATIENCE: Duration = Duration::from_secs(30);
+const FORCED_BATCH: usize = 8 * BATCH;
 /// Damaged records named in a report at most.
 const NAMED: usize = 20;
 
@@ -73,6 +76,9 @@ pub struct Report {
     pub objects_missing: u64,
     /// Why deletion stopped before the end, if it did.
     pub sweep_stopped: Option<String>,
+    /// Batches for which commits never paused within 30 s, so new commit attempts waited
+    /// for the ones in flight to end.
+    pub sweeps_waited: u64,
     /// Records that could not be read (missing or damaged): what only they reach is not
     /// known, and is collected as unreachable. At most [`NAMED`], then a count.
     pub unreadable: Vec<String>,
@@ -372,14 +378,14 @@ fn sweep<'r>(
     report: &mut Report,
 ) -> Result<(), VersionError> {
     let mut known_live: HashSet<String> = live_jcs.into_iter().map(|(_, t)| t).collect();
-    for batch in doomed.chunks(BATCH) {
-        let Some(_guard) = store.sweep_guard(PATIENCE) else {
-            report.sweep_stopped = Some(format!(
-                "commits never paused for {} s; the rest waits for the next collection",
-                PATIENCE.as_secs()
-            ));
-            return Ok(());
-        };
+    let mut rest = doomed;
+    while !rest.is_empty() {
+        let (_guard, waited) = store.sweep_guard(PATIENCE);
+        if waited {
+            report.sweeps_waited += 1;
+        }
+        let (batch, after_batch) = rest.split_at(rest.len().min(if waited { FORCED_BATCH } else { BATCH }));
+        rest = after_batch;
         let mut gone = HashSet::new();
         let deleted = (|| {
             // Roots committed since the mark (their commits are all done: we hold the

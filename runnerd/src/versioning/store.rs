@@ -450,22 +450,25 @@ impl Store {
     }
 
     /// Held by the collector while it deletes: no commit attempt is in flight. Taken by
-    /// polling, never by waiting on the lock: a waiting writer would make every new commit
-    /// wait behind the longest snapshot in flight. `None` when commits never paused for
-    /// `patience`.
+    /// polling for up to `patience` (a waiting writer would make every new commit wait
+    /// behind the longest snapshot in flight); past it, waited for, so commits that never
+    /// pause cannot keep the collector from ever deleting: new attempts then wait for the
+    /// ones in flight to end. The flag says whether it had to wait.
     pub(crate) fn sweep_guard(
         &self,
         patience: std::time::Duration,
-    ) -> Option<std::sync::RwLockWriteGuard<'_, ()>> {
+    ) -> (std::sync::RwLockWriteGuard<'_, ()>, bool) {
         let until = std::time::Instant::now() + patience;
         loop {
             match self.collecting.try_write() {
-                Ok(guard) => return Some(guard),
-                Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+                Ok(guard) => return (guard, false),
+                Err(std::sync::TryLockError::Poisoned(p)) => return (p.into_inner(), false),
                 Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
                     std::thread::sleep(std::time::Duration::from_millis(5));
                 }
-                Err(std::sync::TryLockError::WouldBlock) => return None,
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return (self.collecting.write().unwrap_or_else(|p| p.into_inner()), true);
+                }
             }
         }
     }
@@ -957,6 +960,33 @@ mod tests {
 
     fn mode(path: &Path) -> u32 {
         fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_sweep_guard_polls_then_waits_for_commits_in_flight() {
+        let (_dir, store) = temp_store();
+        let store = Arc::new(store);
+        let (free, waited) = store.sweep_guard(std::time::Duration::from_millis(50));
+        assert!(!waited, "nothing in flight: taken at once");
+        drop(free);
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (held, release) = std::sync::mpsc::channel();
+        let reader = {
+            let (store, ended) = (store.clone(), ended.clone());
+            std::thread::spawn(move || {
+                let attempt = store.commit_guard();
+                held.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                ended.store(true, AtomicOrdering::SeqCst);
+                drop(attempt);
+            })
+        };
+        release.recv().unwrap();
+        let (guard, waited) = store.sweep_guard(std::time::Duration::from_millis(50));
+        assert!(waited, "an attempt in flight past the patience: waited for");
+        assert!(ended.load(AtomicOrdering::SeqCst), "held only once the attempt in flight ended");
+        drop(guard);
+        reader.join().unwrap();
     }
 
     #[test]
