@@ -232,11 +232,6 @@ impl RunnerConfig {
             },
         })
     }
-
-    /// From the process environment alone (no configuration file).
-    pub fn from_env() -> Result<RunnerConfig, ConfigError> {
-        RunnerConfig::from_vars(|k| std::env::var(k).ok())
-    }
 }
 
 /// The file runnerd reads when neither `--config` nor `SCIENCE_AGENT_CONFIG` names one;

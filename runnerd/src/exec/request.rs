@@ -554,13 +554,6 @@ pub struct ExecRequest {
     pub resource_limits: Option<Value>,
 }
 
-impl ExecRequest {
-    /// Whether the request names Ascend chips (the `npu` seccomp profile).
-    pub fn names_ascend(&self) -> bool {
-        self.npu_devices.as_ref().and_then(Value::as_array).is_some_and(|a| !a.is_empty())
-    }
-}
-
 /// Reads a request body for `route`: `kernelMode` (step 3), the language, every field's
 /// type and the identifiers' characters, in the original's order, then the typed request.
 pub fn parse(route: Route, mut obj: Object) -> Result<ExecRequest, EngineError> {
