@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use runner_tests::sandbox_or_skip;
-use runner_tests::server::{Server, ServerOptions, keyed_shell_request, shell_request};
+use runner_tests::server::{Server, ServerOptions, finished_record, keyed_shell_request, shell_request};
 use runnerd::client::RunnerClient;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -159,16 +159,8 @@ async fn retention_and_the_collector_remove_old_versions_and_never_a_reachable_o
     let failed = writes.await.unwrap();
     assert!(failed.is_empty(), "commits failed while the collector ran: {failed:?}\n{}", server.stderr());
     // The managed run ends and commits.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let r =
-            client.get("/shell-executions/history-managed-1?sessionId=s&agentId=main").await.unwrap().json();
-        if r["state"] == "completed" && r["version"].is_object() {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the managed run did not commit: {r}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let r = finished_record(&client, "history-managed-1", "s", "main").await;
+    assert!(r["state"] == "completed" && r["version"].is_object(), "the managed run did not commit: {r}");
 
     let pruned: u64 = reports.iter().map(|r| r["versionsPruned"].as_u64().unwrap()).sum();
     let deleted: u64 = reports.iter().map(|r| r["objectsDeleted"].as_u64().unwrap()).sum();

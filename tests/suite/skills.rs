@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use runner_tests::sandbox_or_skip;
-use runner_tests::server::{Server, ServerOptions, shell_request};
+use runner_tests::server::{Server, ServerOptions, finished_record, shell_request};
 use runnerd::client::RunnerClient;
 
 fn hex(bytes: &[u8]) -> String {
@@ -267,17 +267,7 @@ async fn the_selected_package_mounts_read_only_and_extensions_land_in_the_worksp
     let reply = client.post_signed("/shell-executions", &body).await.unwrap();
     assert_eq!(reply.status, 202, "{}", reply.json());
     let id = reply.json()["id"].as_str().unwrap().to_owned();
-    let record = loop {
-        let r = client
-            .get(&format!("/shell-executions/{id}?sessionId=skills-session&agentId=main"))
-            .await
-            .unwrap()
-            .json();
-        if matches!(r["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown")) {
-            break r;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    };
+    let record = finished_record(&client, &id, "skills-session", "main").await;
     assert_eq!(record["result"]["exitCode"], json!(7), "{record}");
     assert_eq!(record["result"]["stdout"], json!("selected\n"), "{record}");
 
@@ -595,17 +585,7 @@ async fn delete_removes_a_package_but_not_while_an_execution_mounts_it() {
     assert_eq!(client.get(&format!("/skill-packages/{id}")).await.unwrap().json(), published);
 
     std::fs::write(ws.join("go"), "").unwrap();
-    let record = loop {
-        let r = client
-            .get(&format!("/shell-executions/{run}?sessionId=skills-session&agentId=main"))
-            .await
-            .unwrap()
-            .json();
-        if matches!(r["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown")) {
-            break r;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    };
+    let record = finished_record(&client, &run, "skills-session", "main").await;
     assert_eq!(record["result"]["stdout"], json!("selected\n"), "the run kept its package: {record}");
 
     let (status, deleted) = delete(id.clone()).await;

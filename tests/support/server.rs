@@ -202,6 +202,26 @@ impl Drop for Server {
     }
 }
 
+/// Polls `GET /shell-executions/:id` until the record is terminal (`completed`, `failed`,
+/// `cancelled` or `unknown`) and returns it; panics after 60 s (a liveness guard only).
+pub async fn finished_record(
+    client: &RunnerClient,
+    id: &str,
+    session: &str,
+    agent: &str,
+) -> serde_json::Value {
+    let path = format!("/shell-executions/{id}?sessionId={session}&agentId={agent}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let record = client.get(&path).await.unwrap().json();
+        if matches!(record["state"].as_str(), Some("completed" | "failed" | "cancelled" | "unknown")) {
+            return record;
+        }
+        assert!(std::time::Instant::now() < deadline, "{id} did not finish: {record}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A body for `/execute-shell` in `workspace_root` (or by key when it starts with `key:`).
 pub fn shell_request(agent: &str, session: &str, workspace: &Path, code: &str) -> serde_json::Value {
     serde_json::json!({
