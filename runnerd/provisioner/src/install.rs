@@ -242,6 +242,16 @@ pub async fn cached(record: &RepoDataRecord, cache: &PackageCache) -> Result<(),
 /// removed instead, so the lookup fetches the package afresh.
 fn guard(record: &RepoDataRecord, cache: &PackageCache, repair: bool) -> Result<(), InstallFailure> {
     let name = cache_dir_name(&record.package_record);
+    // A channel's repodata (or a record a pip step wrote) names the build unchecked: a name
+    // that is not one path component (`0/../victim`) would be checked, and removed, outside
+    // the cache layer. rattler refuses it later (GHSA-h672-p7h7-97v9); this is before that.
+    if let Err(unsafe_name) = rattler_conda_types::utils::ensure_safe_path_component(&name) {
+        return Err(InstallFailure::Corrupt {
+            file: file_name(record),
+            channel: inventory::package(record).channel,
+            cause: unsafe_name.to_string(),
+        });
+    }
     for layer in cache.layers() {
         let dir = layer.path().join(&name);
         if std::fs::symlink_metadata(&dir).is_err() {
@@ -374,5 +384,33 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(fetched.path(), dir.path().join(cache_dir_name(&record)));
+    }
+
+    /// A build string that climbs out of the cache layer is refused before anything there
+    /// is read or removed (a fetch step's repair would have removed the victim).
+    #[test]
+    fn a_record_naming_a_directory_outside_the_cache_is_refused_before_it_is_touched() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = dir.path().join("pkgs");
+        let victim = dir.path().join("victim-1-0");
+        std::fs::create_dir_all(victim.join("info")).unwrap();
+        std::os::unix::fs::symlink("/proc/self/fd/1", victim.join("info/paths.json")).unwrap();
+        // So that `pkgs/evil-1-0/../../victim-1-0` resolves to the victim.
+        std::fs::create_dir_all(layer.join("evil-1-0")).unwrap();
+        let cache = PackageCache::new(&layer);
+        let record = rattler_conda_types::PackageRecord::new(
+            rattler_conda_types::PackageName::new_unchecked("evil"),
+            "1".parse::<rattler_conda_types::Version>().unwrap(),
+            rattler_conda_types::package::BuildString::new_unchecked("0/../../victim-1-0"),
+        );
+        let record = RepoDataRecord {
+            package_record: record,
+            identifier: "evil-1-0.conda".parse().unwrap(),
+            url: "file:///channel/noarch/evil-1-0.conda".parse().unwrap(),
+            channel: Some("file:///channel".into()),
+        };
+        let refused = guard(&record, &cache, true).unwrap_err();
+        assert!(refused.to_string().contains("path traversal"), "{refused}");
+        assert!(victim.join("info/paths.json").symlink_metadata().is_ok(), "the victim was not removed");
     }
 }
