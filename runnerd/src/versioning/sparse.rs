@@ -24,17 +24,30 @@ impl SparseWriter {
         SparseWriter { file, pos: 0 }
     }
 
-    /// Appends `buf`: each piece up to the next block boundary is written unless it is a
-    /// whole block of zeros.
-    pub(crate) fn write(&mut self, mut buf: &[u8]) -> io::Result<()> {
-        while !buf.is_empty() {
+    /// Appends `buf`: the pieces up to each block boundary that are not whole blocks of
+    /// zeros are written, consecutive ones in one `pwrite` (a chunk of data is one call).
+    pub(crate) fn write(&mut self, buf: &[u8]) -> io::Result<()> {
+        // The run of data not yet written: its file offset and its bytes in `buf`.
+        let mut run: Option<(u64, usize, usize)> = None;
+        let mut at = 0usize;
+        while at < buf.len() {
             let room = (BLOCK - self.pos % BLOCK) as usize;
-            let (piece, rest) = buf.split_at(room.min(buf.len()));
-            if !(piece.len() as u64 == BLOCK && is_zero(piece)) {
-                self.file.write_all_at(piece, self.pos)?;
+            let len = room.min(buf.len() - at);
+            let hole = len as u64 == BLOCK && is_zero(&buf[at..at + len]);
+            match (&mut run, hole) {
+                (Some((_, _, end)), false) => *end = at + len,
+                (None, false) => run = Some((self.pos, at, at + len)),
+                (Some((offset, start, end)), true) => {
+                    self.file.write_all_at(&buf[*start..*end], *offset)?;
+                    run = None;
+                }
+                (None, true) => {}
             }
-            self.pos += piece.len() as u64;
-            buf = rest;
+            self.pos += len as u64;
+            at += len;
+        }
+        if let Some((offset, start, end)) = run {
+            self.file.write_all_at(&buf[start..end], offset)?;
         }
         Ok(())
     }
