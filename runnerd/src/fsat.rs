@@ -27,6 +27,7 @@ pub struct Stat {
     pub blksize: u64,
     pub mtime_ns: i128,
     pub ctime_ns: i128,
+    pub atime_ns: i128,
 }
 
 impl Stat {
@@ -44,6 +45,7 @@ impl Stat {
             blksize: st.st_blksize as u64,
             mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
             ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
+            atime_ns: ns(st.st_atime, st.st_atime_nsec),
         }
     }
 

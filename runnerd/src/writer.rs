@@ -296,7 +296,10 @@ impl Versions {
         workspace_of: &dyn Fn(&str) -> Option<String>,
         how: versioning::gc::Collection,
     ) -> Result<versioning::gc::Report, VersionError> {
-        versioning::gc::collect(&self.store, &self.refs, named, workspace_of, how)
+        // A connection of its own: the collector's long reads never hold the mutex every
+        // commit takes.
+        let refs = Mutex::new(Refs::open(&self.store)?);
+        versioning::gc::collect(&self.store, &refs, named, workspace_of, how)
     }
 
     /// The current head of a workspace, if any.

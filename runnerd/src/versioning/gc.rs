@@ -21,7 +21,6 @@
 //!   that would reuse it stores it again (or finds it missing and retries).
 
 use std::collections::{HashMap, HashSet};
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
@@ -38,6 +37,8 @@ const BATCH: usize = 2048;
 /// for one (and then takes [`FORCED_BATCH`] objects, so such waits are few).
 const PATIENCE: Duration = Duration::from_secs(30);
 const FORCED_BATCH: usize = 8 * BATCH;
+/// Heads' histories a report lists at most (the largest on disk).
+const HEADS_SHOWN: usize = 100;
 /// Damaged records named in a report at most.
 const NAMED: usize = 20;
 
@@ -83,8 +84,10 @@ pub struct Report {
     /// known, and is collected as unreachable. At most [`NAMED`], then a count.
     pub unreadable: Vec<String>,
     pub unreadable_count: usize,
-    /// Each head's history, largest on disk first.
+    /// Each head's history, largest on disk first, at most [`HEADS_SHOWN`] of them.
     pub workspaces: Vec<HeadHistory>,
+    /// How many heads there are in all.
+    pub heads: usize,
 }
 
 /// One head's history: its retained versions and what they reach.
@@ -102,15 +105,56 @@ pub struct HeadHistory {
     pub disk_bytes: u64,
 }
 
-/// A stored blob: its raw digest, the pool directory it is in, disk bytes and when it was
-/// last written and read.
+/// A stored blob: its raw digest, the pool directory it is in, its name and inode there,
+/// disk bytes and when it was last written and read (ns since the epoch).
 struct Stored {
     raw: [u8; 32],
     pool: Pool,
-    name: String,
+    name: std::ffi::CString,
+    ino: u64,
     disk: u64,
-    mtime: SystemTime,
-    atime: SystemTime,
+    mtime_ns: i128,
+    atime_ns: i128,
+}
+
+/// Each pool's `blobs/sha256`, opened once: listed, stat'ed and unlinked relative to it.
+struct BlobDirs([std::os::fd::OwnedFd; 2]);
+
+impl BlobDirs {
+    fn open(store: &Store) -> Result<BlobDirs, VersionError> {
+        let open = |pool: Pool| {
+            let dir = store.blob_dir(pool);
+            crate::fsat::open_path(&dir, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+                .map_err(super::io_err("open the objects of", dir))
+        };
+        Ok(BlobDirs([open(Pool::Data)?, open(Pool::AgentState)?]))
+    }
+
+    fn of(&self, pool: Pool) -> &std::os::fd::OwnedFd {
+        &self.0[usize::from(pool == Pool::AgentState)]
+    }
+}
+
+/// When an object counts as in use: written after `written`, or read after `read` (ns).
+#[derive(Clone, Copy)]
+struct InUseAfter {
+    written: i128,
+    read: i128,
+}
+
+impl InUseAfter {
+    fn new(started: SystemTime, grace: Duration) -> InUseAfter {
+        let ns = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128);
+        let written = started.checked_sub(grace).unwrap_or(SystemTime::UNIX_EPOCH);
+        let read = written.checked_sub(RELATIME_WINDOW).unwrap_or(SystemTime::UNIX_EPOCH);
+        InUseAfter { written: ns(written), read: ns(read) }
+    }
+
+    /// Written or read lately: a writer (the API process's, whose reuse of an existing
+    /// object only reads it) may be about to reference it.
+    fn holds(&self, mtime_ns: i128, atime_ns: i128) -> bool {
+        mtime_ns > self.written || atime_ns > self.read
+    }
 }
 
 /// What one walk adds to a head's account.
@@ -236,8 +280,10 @@ pub fn collect(
     let clock = std::time::Instant::now();
     let lock = || refs.lock().unwrap_or_else(|p| p.into_inner());
     // What is stored, listed first: an object stored after this is no candidate.
-    let stored = list_stored(store)?;
+    let dirs = BlobDirs::open(store)?;
+    let stored = list_stored(&dirs)?;
     let disk_of: HashMap<[u8; 32], u64> = stored.iter().map(|s| (s.raw, s.disk)).collect();
+    let written_at: HashMap<[u8; 32], i128> = stored.iter().map(|s| (s.raw, s.mtime_ns)).collect();
     let (rows, live) = {
         let r = lock();
         (r.history_rows(0)?, r.live_rows()?)
@@ -258,9 +304,9 @@ pub fn collect(
             id: row.id,
             name: &row.name,
             target,
-            created: std::fs::symlink_metadata(store.blob_path(row.target.pool, row.target.hex()))
-                .and_then(|m| m.modified())
-                .ok(),
+            created: written_at
+                .get(&digest_key(row.target.pool, row.target.hex()).1)
+                .map(|&ns| SystemTime::UNIX_EPOCH + Duration::from_nanos(u64::try_from(ns).unwrap_or(0))),
         })
         .collect();
     let pruned: HashSet<i64> =
@@ -309,8 +355,7 @@ pub fn collect(
         .iter()
         .filter(|raw| !disk_of.contains_key(*raw) && !store.in_legacy_store(&super::names::hex(&raw[..])))
         .count() as u64;
-    let written_before = started.checked_sub(how.grace).unwrap_or(SystemTime::UNIX_EPOCH);
-    let read_before = written_before.checked_sub(RELATIME_WINDOW).unwrap_or(SystemTime::UNIX_EPOCH);
+    let in_use = InUseAfter::new(started, how.grace);
     let mut report = Report {
         dry_run: how.dry_run,
         started_at: started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -327,9 +372,7 @@ pub fn collect(
         if mark.reached.contains(&s.raw) {
             continue;
         }
-        // Written or read lately: a writer (the API process's, whose reuse of an existing
-        // object only reads it) may be about to reference it.
-        if s.mtime > written_before || s.atime > read_before {
+        if in_use.holds(s.mtime_ns, s.atime_ns) {
             report.objects_kept_young += 1;
         } else {
             doomed.push(s);
@@ -348,39 +391,51 @@ pub fn collect(
     }
 
     if !how.dry_run {
-        let outcome = sweep(store, &lock, &mut mark, &doomed, last_id, live_jcs, &disk_of, &mut report);
+        let how = Sweep { store, dirs: &dirs, lock: &lock, disk_of: &disk_of, in_use };
+        let outcome = sweep(&how, &mut mark, &doomed, last_id, &mut report);
         for pool in [Pool::Data, Pool::AgentState] {
             super::store::fsync_dir(&store.blob_dir(pool))?;
         }
         outcome?;
     }
 
+    // The largest histories, at most [`HEADS_SHOWN`]: every export is a head of its own, and
+    // the report stays in memory and goes out whole.
     report.workspaces = accounts;
     report.workspaces.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
+    report.heads = report.workspaces.len();
+    report.workspaces.truncate(HEADS_SHOWN);
     report.unreadable = mark.unreadable;
     report.unreadable_count = mark.unreadable_count;
     report.took_ms = clock.elapsed().as_millis() as u64;
     Ok(report)
 }
 
+/// What the sweep works with besides the doomed objects.
+struct Sweep<'a, 'r> {
+    store: &'a Store,
+    dirs: &'a BlobDirs,
+    lock: &'a dyn Fn() -> std::sync::MutexGuard<'r, Refs>,
+    disk_of: &'a HashMap<[u8; 32], u64>,
+    in_use: InUseAfter,
+}
+
 /// Deletes `doomed`, batch by batch under the sweep guard, each batch after marking the
-/// roots committed since the mark; what a batch deleted is forgotten by the store's caches
-/// before the guard is released, whatever happens.
-#[allow(clippy::too_many_arguments)]
-fn sweep<'r>(
-    store: &Store,
-    lock: &dyn Fn() -> std::sync::MutexGuard<'r, Refs>,
+/// roots committed since the mark (every commit appends a history row, so the rows after
+/// `after` are all of them); each object is stat'ed again right before it is unlinked,
+/// relative to its pool's directory, and kept if it is another file now or was written or
+/// read meanwhile. What a batch deleted is forgotten by the store's caches before the
+/// guard is released, whatever happens.
+fn sweep(
+    how: &Sweep<'_, '_>,
     mark: &mut Mark,
     doomed: &[Stored],
     mut after: i64,
-    live_jcs: Vec<(String, String)>,
-    disk_of: &HashMap<[u8; 32], u64>,
     report: &mut Report,
 ) -> Result<(), VersionError> {
-    let mut known_live: HashSet<String> = live_jcs.into_iter().map(|(_, t)| t).collect();
     let mut rest = doomed;
     while !rest.is_empty() {
-        let (_guard, waited) = store.sweep_guard(PATIENCE);
+        let (_guard, waited) = how.store.sweep_guard(PATIENCE);
         if waited {
             report.sweeps_waited += 1;
         }
@@ -390,19 +445,11 @@ fn sweep<'r>(
         let deleted = (|| {
             // Roots committed since the mark (their commits are all done: we hold the
             // guard) may have reused an object the mark did not reach.
-            let (rows, live) = {
-                let r = lock();
-                (r.history_rows(after)?, r.live_rows()?)
-            };
+            let rows = (how.lock)().history_rows(after)?;
             after = rows.last().map_or(after, |r| r.id);
-            let fresh: Vec<Ref> = rows
-                .into_iter()
-                .map(|r| r.target)
-                .chain(live.into_iter().map(|(_, t)| t).filter(|t| known_live.insert(t.jcs())))
-                .collect();
             let unreadable = mark.unreadable_count;
-            for root in &fresh {
-                mark.walk(store, root, &mut HashSet::new(), &mut Tally::default(), disk_of)?;
+            for row in &rows {
+                mark.walk(how.store, &row.target, &mut HashSet::new(), &mut Tally::default(), how.disk_of)?;
             }
             if mark.unreadable_count > unreadable {
                 report.sweep_stopped = Some(
@@ -412,20 +459,41 @@ fn sweep<'r>(
                 return Ok(false);
             }
             for s in batch.iter().filter(|s| !mark.reached.contains(&s.raw)) {
-                let path = store.blob_dir(s.pool).join(&s.name);
-                match std::fs::remove_file(&path) {
+                let dir = how.dirs.of(s.pool);
+                match crate::fsat::Stat::at(dir, &s.name) {
+                    Ok(now)
+                        if now.kind() == libc::S_IFREG
+                            && now.ino == s.ino
+                            && !how.in_use.holds(now.mtime_ns, now.atime_ns) => {}
+                    Ok(_) => {
+                        report.objects_kept_young += 1;
+                        continue;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        return Err(super::io_err("stat an unreachable object", how.store.blob_dir(s.pool))(
+                            e,
+                        ));
+                    }
+                }
+                match crate::fsat::unlink_at(dir, &s.name) {
                     Ok(()) => {
                         report.objects_deleted += 1;
                         report.disk_bytes_deleted += s.disk;
                         gone.insert(s.raw);
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(super::io_err("delete an unreachable object", path)(e)),
+                    Err(e) => {
+                        return Err(super::io_err(
+                            "delete an unreachable object",
+                            how.store.blob_dir(s.pool),
+                        )(e));
+                    }
                 }
             }
             Ok(true)
         })();
-        store.forget_objects(&gone);
+        how.store.forget_objects(&gone);
         if !deleted? {
             return Ok(());
         }
@@ -434,30 +502,27 @@ fn sweep<'r>(
 }
 
 /// Every blob of both pools: regular files named by a digest (temporaries, planted links
-/// and anything else are not objects and are left alone).
-fn list_stored(store: &Store) -> Result<Vec<Stored>, VersionError> {
+/// and anything else are not objects and are left alone), listed and stat'ed relative to
+/// the pools' directories.
+fn list_stored(dirs: &BlobDirs) -> Result<Vec<Stored>, VersionError> {
     let mut out = Vec::new();
     for pool in [Pool::Data, Pool::AgentState] {
-        let dir = store.blob_dir(pool);
-        let entries = std::fs::read_dir(&dir).map_err(super::io_err("list the objects of", &dir))?;
-        for entry in entries {
-            let entry = entry.map_err(super::io_err("list the objects of", &dir))?;
-            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-            if !is_digest_name(&name) {
-                continue;
-            }
-            // `DirEntry::metadata` does not follow a link.
-            let Ok(meta) = entry.metadata() else { continue };
-            if !meta.file_type().is_file() {
+        let dir = dirs.of(pool);
+        let failed = |action| move |e| super::io_err(action, format!("the {pool} pool's blobs"))(e);
+        for (name, cname) in crate::fsat::names(dir).map_err(failed("list the objects of"))? {
+            let Some(name) = name.to_str().filter(|n| is_digest_name(n)) else { continue };
+            let Ok(st) = crate::fsat::Stat::at(dir, &cname) else { continue };
+            if st.kind() != libc::S_IFREG {
                 continue;
             }
             out.push(Stored {
-                raw: digest_key(pool, &name).1,
+                raw: digest_key(pool, name).1,
                 pool,
-                disk: meta.blocks().saturating_mul(512),
-                mtime: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-                atime: meta.accessed().unwrap_or(SystemTime::UNIX_EPOCH),
-                name,
+                ino: st.ino,
+                disk: st.blocks.saturating_mul(512),
+                mtime_ns: st.mtime_ns,
+                atime_ns: st.atime_ns,
+                name: cname,
             });
         }
     }
