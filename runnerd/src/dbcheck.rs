@@ -21,11 +21,10 @@ pub fn damage(path: &Path) -> Option<String> {
     if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() && m.len() > 0) {
         return None;
     }
-    let conn = Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )
-    .ok()?;
+    // No link followed: a link planted at the name is not the database to judge.
+    let flags =
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn = Connection::open_with_flags(path, flags).ok()?;
     conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true).ok()?;
     let _ = conn.busy_timeout(std::time::Duration::from_millis(5000));
     let rows = conn

@@ -70,7 +70,7 @@ pub enum Trigger {
 }
 
 impl Trigger {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Trigger::Requested => "requested",
             Trigger::Periodic => "periodic",
@@ -249,10 +249,6 @@ impl History {
             versions_pruned: self.pruned_versions.load(Ordering::Relaxed),
             disk_bytes_stored: self.last().map(|(_, r)| r.disk_bytes_stored),
         }
-    }
-
-    pub fn trigger_name(trigger: Trigger) -> &'static str {
-        trigger.as_str()
     }
 }
 

@@ -145,7 +145,7 @@ pub struct Snapshot {
     pub history: HistoryCounts,
 }
 
-/// The version collector at a scrape (`crate::history::History::totals`).
+/// The version collector at a scrape (`crate::history::History::metrics`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HistoryCounts {
     pub collections: u64,

@@ -10,14 +10,14 @@ use super::ApiResponse;
 use super::error::ApiError;
 use crate::app::App;
 use crate::exec::request;
-use crate::history::{History, Trigger};
+use crate::history::Trigger;
 
 /// The settings and the last collection's full report (`null` before the first).
 pub fn get(app: &App) -> Result<ApiResponse, ApiError> {
     let last = app.history.last().map(|(trigger, report)| {
         let mut v = serde_json::to_value(&*report).unwrap_or_default();
         if let Value::Object(map) = &mut v {
-            map.insert("trigger".into(), Value::from(History::trigger_name(trigger)));
+            map.insert("trigger".into(), Value::from(trigger.as_str()));
         }
         v
     });

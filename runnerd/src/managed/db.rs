@@ -315,19 +315,29 @@ impl ExecutionsDb {
             .map_err(|e| self.sqlite(e))
     }
 
-    /// The record; one whose stored text cannot be read answers `unknown` with the reason.
     /// The versions and trees the records name (`version`, `result.workspaceSnapshot`):
     /// the version collector keeps them, and their history rows (issue #32). A record that
-    /// does not parse names nothing.
+    /// does not parse names nothing. Read on a read-only connection of its own (WAL lets it
+    /// read beside the writer), so the managed runs' log appends and saves never wait for
+    /// this scan of every record.
     pub fn named_versions(&self) -> Result<Vec<crate::versioning::Ref>, DbError> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT record FROM executions").map_err(|e| self.sqlite(e))?;
+        use rusqlite::OpenFlags;
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NOFOLLOW
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&self.path, flags).map_err(|e| self.sqlite(e))?;
+        conn.busy_timeout(std::time::Duration::from_millis(5000)).map_err(|e| self.sqlite(e))?;
+        let mut stmt = conn
+            .prepare("SELECT json_extract(record, '$.version'), json_extract(record, '$.result.workspaceSnapshot') FROM executions WHERE json_valid(record)")
+            .map_err(|e| self.sqlite(e))?;
         let mut rows = stmt.query([]).map_err(|e| self.sqlite(e))?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().map_err(|e| self.sqlite(e))? {
-            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&column_bytes(row, 0)) else { continue };
-            for named in [v.get("version"), v.pointer("/result/workspaceSnapshot")].into_iter().flatten() {
-                if let Ok(r) = crate::versioning::Ref::from_value(named) {
+            for i in 0..2 {
+                let Ok(v) = serde_json::from_slice::<serde_json::Value>(&column_bytes(row, i)) else {
+                    continue;
+                };
+                if let Ok(r) = crate::versioning::Ref::from_value(&v) {
                     out.push(r);
                 }
             }
@@ -335,6 +345,7 @@ impl ExecutionsDb {
         Ok(out)
     }
 
+    /// The record; one whose stored text cannot be read answers `unknown` with the reason.
     pub fn get(&self, id: &str) -> Result<Option<ManagedExecution>, DbError> {
         let row = self
             .conn()
@@ -557,6 +568,7 @@ impl std::io::Read for RowReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn record(id: &str, state: &str) -> ManagedExecution {
         let queued = "2026-01-01T00:00:00.000Z".into();
@@ -655,6 +667,30 @@ mod tests {
             assert!(rec.error.as_deref().unwrap().starts_with(UNREADABLE), "{rec:?}");
         }
         assert_eq!(db.get("good").unwrap().unwrap().state, "unknown");
+    }
+
+    #[test]
+    fn the_versions_records_name_are_read_beside_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, _) = ExecutionsDb::open(dir.path(), "2026-01-02T03:04:05.678Z").unwrap();
+        let r = |hex: char| {
+            json!({"pool": "agent-state", "digest": format!("sha256:{}", hex.to_string().repeat(64)),
+                   "size": 5, "mediaType": crate::versioning::RECORD_MEDIA_TYPE})
+        };
+        let named = json!({"agentId": "a", "sessionId": "s", "id": "n", "state": "completed",
+            "queuedAt": "t", "version": r('a'), "result": {"workspaceSnapshot": r('b')}});
+        db.save_json("n", "s", "a", &named.to_string()).unwrap();
+        db.save_json("bare", "s", "a", &json!({"id": "bare", "state": "queued"}).to_string()).unwrap();
+        db.save_json("bad", "s", "a", "{not json").unwrap();
+        db.save_json("wrong", "s", "a", &json!({"version": {"pool": "x"}}).to_string()).unwrap();
+        // The writer's connection holds an open transaction: the scan reads beside it.
+        let writer = db.conn();
+        writer.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let mut found: Vec<String> =
+            db.named_versions().unwrap().iter().map(|r| r.hex()[..1].to_owned()).collect();
+        writer.execute_batch("ROLLBACK").unwrap();
+        found.sort();
+        assert_eq!(found, ["a", "b"]);
     }
 
     #[test]

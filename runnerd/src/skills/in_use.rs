@@ -40,6 +40,7 @@ impl InUse {
     }
 
     /// How many executions hold `id` now.
+    #[cfg(test)]
     pub fn count(&self, id: &str) -> usize {
         self.held().get(id).copied().unwrap_or(0)
     }
