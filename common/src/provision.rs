@@ -19,6 +19,11 @@ pub const MAX_REQUEST_BYTES: usize = 2 * MAX_SOLUTION_BYTES + (1 << 20);
 pub const MAX_SOLUTION_BYTES: usize = MAX_RESPONSE_BYTES / 2;
 /// The largest response the provisioner writes and runnerd reads.
 pub const MAX_RESPONSE_BYTES: usize = 8 << 20;
+/// The most entries (files, directories, links, the rest) a prefix may hold, and a step may
+/// leave in one or add to the package cache: the provisioner's link check reads no more, so
+/// a prefix past it could never be changed again (the largest conda environments hold a few
+/// hundred thousand), and runnerd's watchdog stops a step past it.
+pub const MAX_PREFIX_ENTRIES: u64 = 2_000_000;
 
 /// One provisioning step.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -99,9 +99,9 @@ pub fn stays_inside(prefix: &Path, link: &Path, target: &Path) -> bool {
     lexical(parent, target).is_some_and(|resolved| resolved.starts_with(prefix))
 }
 
-/// The most entries a prefix may hold (the largest conda environments hold a few hundred
-/// thousand): a step with the shared package cache locked walks it.
-pub const MAX_PREFIX_ENTRIES: usize = 2_000_000;
+/// The most entries a prefix may hold ([`common::provision::MAX_PREFIX_ENTRIES`]): a step
+/// with the shared package cache locked walks it.
+pub const MAX_PREFIX_ENTRIES: usize = common::provision::MAX_PREFIX_ENTRIES as usize;
 /// The most symbolic links a prefix may hold (real environments hold a few thousand): each
 /// is resolved by the kernel, at a cost that grows with its depth.
 pub const MAX_PREFIX_LINKS: usize = 200_000;

@@ -167,10 +167,9 @@ pub(crate) enum SandboxedError {
 /// capped by `RLIMIT_FSIZE` meanwhile.
 const PREFIX_POLL: Duration = Duration::from_millis(200);
 
-/// The most entries (files, directories, links, the rest) a step may leave in a prefix: the
-/// provisioner's link check reads no more (`links::MAX_PREFIX_ENTRIES`), so a prefix past it
-/// could never be changed again, and every walk of it costs time.
-pub(crate) const MAX_PREFIX_ENTRIES: u64 = 2_000_000;
+/// The most entries a step may leave in a prefix or add to the package cache (one bound
+/// with the provisioner's link check).
+pub(crate) use common::provision::MAX_PREFIX_ENTRIES;
 
 /// Why a step's prefix (or what it added to the cache) is over one of its budgets.
 #[derive(Debug)]

@@ -49,6 +49,8 @@ pub struct Measured {
     pub entries: u64,
     /// Counting only ([`count`]): no fingerprints kept, only pending directories' paths.
     counting: bool,
+    /// Counting stops once more entries than this were met.
+    entry_cap: u64,
     /// The first regular file with a set-user-ID or set-group-ID bit (workspace-relative):
     /// in an idmapped workspace a sandbox could rewrite it through a shared mapping, which
     /// keeps the bit, as its owner (issue #30).
@@ -161,9 +163,15 @@ pub fn measure(root: BorrowedFd<'_>) -> Measured {
 
 /// [`measure`] without the fingerprints: bytes and entries only, its memory the pending
 /// directories' paths (a watchdog walks a prefix of up to millions of files every few
-/// hundred milliseconds; keeping every path each time would cost gigabytes).
+/// hundred milliseconds; keeping every path each time would cost gigabytes). It stops once
+/// it has met more than [`common::provision::MAX_PREFIX_ENTRIES`] entries: the watchdog
+/// refuses that many, and a walk of a tenant's tree goes no further than needed to say so.
 pub fn count(root: BorrowedFd<'_>) -> Measured {
-    walk_within(root, "", &mut |_| {}, MAX_WALK_PATH_BYTES, true)
+    count_capped(root, common::provision::MAX_PREFIX_ENTRIES)
+}
+
+fn count_capped(root: BorrowedFd<'_>, entry_cap: u64) -> Measured {
+    walk_within(root, "", &mut |_| {}, MAX_WALK_PATH_BYTES, Some(entry_cap))
 }
 
 /// [`count`] on the blocking pool, on a duplicate of `root` the walk owns; a walk that
@@ -232,7 +240,7 @@ fn walk(root: BorrowedFd<'_>, listed: &mut dyn FnMut(&str)) -> Measured {
 /// [`measure`] does, showing `seen` everything it meets; paths in the result and in what
 /// is seen are workspace-relative.
 pub fn walk_observed(dir: BorrowedFd<'_>, prefix: &str, seen: &mut dyn FnMut(Seen<'_>)) -> Measured {
-    walk_within(dir, prefix, seen, MAX_WALK_PATH_BYTES, false)
+    walk_within(dir, prefix, seen, MAX_WALK_PATH_BYTES, None)
 }
 
 /// [`walk_observed`] keeping at most `max_path_bytes` of path text.
@@ -241,9 +249,13 @@ fn walk_within(
     prefix: &str,
     seen: &mut dyn FnMut(Seen<'_>),
     max_path_bytes: usize,
-    counting: bool,
+    count_up_to: Option<u64>,
 ) -> Measured {
-    let mut m = Measured { counting, ..Measured::default() };
+    let mut m = Measured {
+        counting: count_up_to.is_some(),
+        entry_cap: count_up_to.unwrap_or(u64::MAX),
+        ..Measured::default()
+    };
     let root = match fsat::open_dir_at(&root, c".") {
         Ok(fd) => fd,
         Err(e) => {
@@ -259,7 +271,7 @@ fn walk_within(
     list(&Rc::new(root), prefix, depth, &mut m, &mut stack, seen, max_path_bytes);
     seen(Seen::Listed(prefix));
     while let Some((parent, name, rel, depth)) = stack.pop() {
-        if m.path_bytes > max_path_bytes {
+        if m.path_bytes > max_path_bytes || m.entries > m.entry_cap {
             break;
         }
         if depth > MAX_WALK_DEPTH {
@@ -301,6 +313,9 @@ fn list(
         let name = name.to_string_lossy();
         let child = if rel.is_empty() { name.into_owned() } else { format!("{rel}/{name}") };
         m.entries = m.entries.saturating_add(1);
+        if m.entries > m.entry_cap {
+            return;
+        }
         let too_long = |m: &mut Measured, held: usize| {
             m.path_bytes = m.path_bytes.saturating_add(held);
             m.path_bytes > max_path_bytes
@@ -410,6 +425,9 @@ mod tests {
         assert_eq!((counted.bytes, counted.entries), (full.bytes, 5), "a, a/b, a/b/f, a/l, g");
         assert!(full.bytes >= 8 && full.prints.len() == 2 && counted.prints.is_empty());
         assert!(counted.unreadable.is_none());
+        // Past its cap a count stops: it says "more than the cap", no more.
+        let capped = count_capped(dir.as_fd(), 2);
+        assert_eq!(capped.entries, 3, "the walk stopped at the first entry past 2");
     }
 
     #[test]
@@ -422,10 +440,10 @@ mod tests {
             fs::write(deep.join(format!("{i}")), "").unwrap();
         }
         let dir = fs::File::open(tmp.path()).unwrap();
-        let all = walk_within(dir.as_fd(), "", &mut |_| {}, 1 << 20, false);
+        let all = walk_within(dir.as_fd(), "", &mut |_| {}, 1 << 20, None);
         assert_eq!((all.prints.len(), all.unreadable.is_none()), (50, true));
         // 50 paths of about 400 bytes: a 4 KiB budget stops the walk part way.
-        let cut = walk_within(dir.as_fd(), "", &mut |_| {}, 4096, false);
+        let cut = walk_within(dir.as_fd(), "", &mut |_| {}, 4096, None);
         assert!(cut.prints.len() < 50, "{}", cut.prints.len());
         let u = cut.unreadable.as_ref().expect("fails closed");
         assert_eq!(u.error.to_string(), "holds more than 4096 bytes of file paths");
