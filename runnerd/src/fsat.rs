@@ -77,6 +77,11 @@ impl Stat {
     }
 }
 
+/// `fsync` of the directory `dir` names (what was renamed into or out of it is durable).
+pub fn sync_dir(dir: &impl AsRawFd) -> io::Result<()> {
+    std::fs::File::from(open_at(dir, c".", libc::O_RDONLY | libc::O_DIRECTORY)?).sync_all()
+}
+
 pub fn open_at(dir: &impl AsRawFd, name: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: openat relative to a directory descriptor we own, NUL-terminated name.
     let fd = cvt(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) })?;

@@ -96,11 +96,7 @@ pub(crate) fn write_new(dir: &impl AsRawFd, name: &str, bytes: &[u8], mode: libc
     written
 }
 
-/// fsync of the directory itself (also through an `O_PATH` descriptor, which fsync refuses:
-/// `.` is opened from it for reading).
-pub(crate) fn sync_dir(dir: &impl AsRawFd) -> io::Result<()> {
-    File::from(fsat::open_at(dir, c".", libc::O_RDONLY | libc::O_DIRECTORY)?).sync_all()
-}
+pub(crate) use crate::fsat::sync_dir;
 
 /// Removes the entries of `dir` whose names `stale` selects (temporaries an interrupted
 /// write left); best effort, returns how many went.

@@ -125,9 +125,7 @@ pub fn publish(data_dir: &Path, bundle: &Bundle) -> Result<PathBuf, StoreError> 
     match published {
         Ok(true) => {
             // The rename is durable once the directory holding both names is synced.
-            if let Ok(f) = fsat::open_at(&dir, c".", libc::O_RDONLY | libc::O_DIRECTORY) {
-                let _ = std::fs::File::from(f).sync_all();
-            }
+            let _ = fsat::sync_dir(&dir);
             tracing::info!(event = "skill_package_published", id = %id, skills = bundle.skills.len());
             Ok(dir_path.join(&id))
         }
@@ -173,9 +171,7 @@ pub fn withdraw(data_dir: &Path, id: &str) -> Result<Option<Withdrawn>, StoreErr
 /// once the packages directory is synced.
 pub fn discard(withdrawn: Withdrawn) -> Result<(), StoreError> {
     remove_tree_at(&withdrawn.dir, &withdrawn.name).map_err(io_err("removing the package"))?;
-    if let Ok(f) = fsat::open_at(&withdrawn.dir, c".", libc::O_RDONLY | libc::O_DIRECTORY) {
-        let _ = std::fs::File::from(f).sync_all();
-    }
+    let _ = fsat::sync_dir(&withdrawn.dir);
     Ok(())
 }
 
