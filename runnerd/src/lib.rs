@@ -30,6 +30,7 @@ pub mod exec;
 pub(crate) mod fsat;
 pub mod history;
 pub(crate) mod http;
+pub mod isolation;
 pub mod journal;
 pub mod launch;
 pub mod limits;

@@ -15,8 +15,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::config::RunnerConfig;
 use crate::egress::{EgressClient, locate_bridge};
 use crate::error_chain;
-use crate::launch::{Launch, OutputBudget, Termination};
-use crate::sandbox::{EgressMount, Language, SandboxShape, SandboxSpec, WorkspaceLayout, argv};
+use crate::isolation::{Egress, Job, SandboxSpec};
+use crate::launch::{OutputBudget, Termination};
+use crate::sandbox::{Language, WorkspaceLayout, argv};
 use crate::startup::SandboxRuntime;
 
 /// The answer the loopback server gives; the sandbox must print it.
@@ -65,16 +66,15 @@ fn scratch_dir(runtime: &SandboxRuntime) -> anyhow::Result<PathBuf> {
     Ok(base.canonicalize()?)
 }
 
-async fn sandbox(runtime: &SandboxRuntime, shape: SandboxShape) -> anyhow::Result<Check> {
+async fn sandbox(runtime: &SandboxRuntime) -> anyhow::Result<Check> {
     let scratch = scratch_dir(runtime)?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
-    let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
     let script = "echo selftest-ok > /workspace/selftest.txt; cat /workspace/selftest.txt; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status";
-    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd, Default::default());
-    launch.stdin = script.as_bytes().to_vec();
-    launch.timeout = Some(Duration::from_secs(30));
+    let mut job = Job::new(SandboxSpec::new(&runtime.host, &layout, Language::Shell));
+    job.stdin = script.as_bytes().to_vec();
+    job.timeout = Some(Duration::from_secs(30));
     let mut output = OutputBudget::new(64 * 1024);
-    let outcome = runtime.launcher.run(launch, &mut output).await;
+    let outcome = runtime.isolation.run(job, &mut output).await.outcome;
     let _ = std::fs::remove_dir_all(&scratch);
     let outcome =
         outcome.map_err(|e| anyhow::anyhow!(error_chain(&e))).context("launching the selftest sandbox")?;
@@ -122,12 +122,7 @@ fn egress_configured(config: &RunnerConfig, explicit: bool) -> bool {
     explicit || config.egress_socket.exists()
 }
 
-async fn network(
-    runtime: &SandboxRuntime,
-    shape: SandboxShape,
-    config: &RunnerConfig,
-    explicit: bool,
-) -> anyhow::Result<Check> {
+async fn network(runtime: &SandboxRuntime, config: &RunnerConfig, explicit: bool) -> anyhow::Result<Check> {
     let name = "network";
     let client = EgressClient {
         control_socket: config.egress_socket.clone(),
@@ -160,12 +155,9 @@ async fn network(
     };
     let scratch = scratch_dir(runtime)?;
     let layout = WorkspaceLayout::new(scratch.clone(), None);
-    let mount =
-        EgressMount { bridge: client.bridge.clone(), gateway_socket: lease.socket.clone(), gateway_fd: None };
-    let mut spec = SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell);
-    spec.egress = Some(&mount);
+    let mut spec = SandboxSpec::new(&runtime.host, &layout, Language::Shell);
+    spec.egress = Some(Egress { bridge: &client.bridge, gateway_socket: &lease.socket, gateway: None });
     spec.profile = argv::profile(true, false);
-    let cmd = argv::build(&spec);
     // bash's /dev/tcp: no curl needed on the host.
     let request = |host: &str| {
         format!(
@@ -174,11 +166,11 @@ async fn network(
     };
     let script =
         format!("{}\n{}\n{}\n", request(ALLOWED_NAME), request("refused.localhost"), full_body(port));
-    let mut launch = Launch::sandboxed(runtime.bwrap.clone(), cmd, Default::default());
-    launch.stdin = script.into_bytes();
-    launch.timeout = Some(Duration::from_secs(30));
+    let mut job = Job::new(spec);
+    job.stdin = script.into_bytes();
+    job.timeout = Some(Duration::from_secs(30));
     let mut output = OutputBudget::new(64 * 1024);
-    let outcome = runtime.launcher.run(launch, &mut output).await;
+    let outcome = runtime.isolation.run(job, &mut output).await.outcome;
     let _ = std::fs::remove_dir_all(&scratch);
     drop(lease);
     server.abort();
@@ -214,11 +206,11 @@ pub async fn run(runtime: &SandboxRuntime) -> anyhow::Result<i32> {
     let explicit =
         !matches!(loaded.settings.origin("SCIENCE_AGENT_EGRESS_SOCKET"), common::settings::Origin::Default);
     let config = loaded.config;
-    let Some(shape) = runtime.capability.shape() else {
+    if runtime.isolation.unavailable().is_some() {
         eprintln!("selftest: sandbox: FAILED: no sandbox can be built on this host (see the warning above)");
         return Ok(1);
-    };
-    let checks = [sandbox(runtime, shape).await?, network(runtime, shape, &config, explicit).await?];
+    }
+    let checks = [sandbox(runtime).await?, network(runtime, &config, explicit).await?];
     for c in &checks {
         c.print();
     }

@@ -3,9 +3,11 @@
 //! The HTTP server opens its port only after this returns.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::seccomp::{self, Arch, Profile, SeccompError};
 
+use crate::isolation::{Bubblewrap, Isolation};
 use crate::launch::{LaunchError, LaunchIdentity, Launcher};
 use crate::sandbox::HostRuntime;
 use crate::sandbox::host;
@@ -29,7 +31,10 @@ pub struct SandboxConfig {
 /// Everything executions need from start-up.
 #[derive(Debug)]
 pub struct SandboxRuntime {
-    pub launcher: Launcher,
+    /// Every sandbox starts here ([`crate::isolation`]); the fields below are the bubblewrap
+    /// backend's start-up facts, for `/health`, `--check-config`, the probes and the bench.
+    pub isolation: Arc<dyn Isolation>,
+    pub launcher: Arc<Launcher>,
     pub bwrap: PathBuf,
     pub host: HostRuntime,
     /// The host user every sandbox runs as (never root).
@@ -141,7 +146,16 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
             text: format!("idmapped workspaces: {}", idmap.describe()),
         });
     }
+    let launcher = Arc::new(launcher);
+    let isolation = Arc::new(Bubblewrap::new(
+        bwrap.clone(),
+        launcher.clone(),
+        capability.shape(),
+        preflight::sandbox_unusable_message(&bwrap.to_string_lossy(), capability.detail.as_deref()),
+        features.bind_fd,
+    ));
     Ok(SandboxRuntime {
+        isolation,
         launcher,
         bwrap,
         host,

@@ -13,7 +13,7 @@ use std::time::Duration;
 pub use runnerd::launch::Filter;
 use runnerd::launch::{CollectedOutput, Launch, LaunchIdentity, Launcher, Outcome, OutputBudget};
 use runnerd::sandbox::preflight::{self, Capability};
-use runnerd::sandbox::{HostRuntime, Language, SandboxSpec, WorkspaceLayout, argv, host};
+use runnerd::sandbox::{BwrapSpec, HostRuntime, Language, WorkspaceLayout, argv, host};
 
 /// Directory of the workspace's built binaries: `$RUNNER_BIN_DIR`, else the cargo target
 /// directory this test binary was built into (`target/<profile>/deps/..`).
@@ -199,7 +199,7 @@ impl Fixture {
     pub fn launch(&self, language: Language, code: &str, timeout: Option<Duration>) -> Launch {
         let shape = self.capability.shape().expect("the probes found a usable sandbox");
         let layout = WorkspaceLayout::new(self.workspace.canonicalize().unwrap(), None);
-        let cmd = argv::build(&SandboxSpec::new(shape, &self.host, &layout, language));
+        let cmd = argv::build(&BwrapSpec::new(shape, &self.host, &layout, language));
         let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd, Default::default());
         launch.rlimits = runnerd::launch::default_rlimits(Some(10 << 30));
         launch.stdin = code.as_bytes().to_vec();

@@ -41,7 +41,7 @@ use runnerd::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch
 use runnerd::launch::{
     Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits,
 };
-use runnerd::sandbox::{Language, SandboxSpec, WorkspaceLayout, argv};
+use runnerd::sandbox::{BwrapSpec, Language, WorkspaceLayout, argv};
 use runnerd::startup;
 
 const USAGE: &str = "\
@@ -218,7 +218,7 @@ pub(crate) async fn setup() -> anyhow::Result<Setup> {
         bail!("no usable sandbox on this host: {:?}", runtime.capability)
     };
     let layout = WorkspaceLayout::new(workspace.canonicalize()?, None);
-    let cmd = argv::build(&SandboxSpec::new(shape, &runtime.host, &layout, Language::Shell));
+    let cmd = argv::build(&BwrapSpec::new(shape, &runtime.host, &layout, Language::Shell));
     let options = cmd.options.clone();
     let shell_args = bwrap_args(&options, true, &cmd.command);
     let command = vec!["/usr/bin/true".to_owned()];
@@ -226,7 +226,7 @@ pub(crate) async fn setup() -> anyhow::Result<Setup> {
     let program = seccomp::compile(cmd.seccomp, Arch::host()?)?.bytes().to_vec();
     Ok(Setup {
         shell_args,
-        launcher: Arc::new(runtime.launcher),
+        launcher: runtime.launcher,
         bwrap: runtime.bwrap,
         options,
         command,

@@ -7,7 +7,7 @@ use common::seccomp::Profile;
 
 use super::mount::{self, AccelMount};
 use crate::sandbox::{
-    EgressMount, HostRuntime, Language, ProcMode, SandboxShape, SandboxSpec, WorkspaceLayout, argv,
+    BwrapSpec, EgressMount, HostRuntime, Language, ProcMode, SandboxShape, WorkspaceLayout, argv,
 };
 
 const FULL: SandboxShape = SandboxShape { proc_mode: ProcMode::New, disable_userns: true };
@@ -34,7 +34,7 @@ fn the_probe_binds_one_chip_as_device_0_after_a_fresh_dev_and_ends_with_npu_smi_
     let command = vec!["/usr/local/bin/npu-smi".to_owned(), "info".to_owned()];
     for shape in [FULL, SandboxShape { proc_mode: ProcMode::Bind, disable_userns: false }] {
         let one = npu(&[5]);
-        let mut spec = SandboxSpec::new(shape, &host, &ws, Language::Shell);
+        let mut spec = BwrapSpec::new(shape, &host, &ws, Language::Shell);
         spec.accel = Some(&one);
         spec.command = Some(&command);
         let cmd = argv::build(&spec);
@@ -70,9 +70,9 @@ fn the_probe_binds_one_chip_as_device_0_after_a_fresh_dev_and_ends_with_npu_smi_
 fn npu_launches_bind_only_the_selection_and_add_the_cann_environment() {
     let host = HostRuntime::default();
     let ws = WorkspaceLayout::new("/data/projects/p/ws".into(), None);
-    let plain = argv::build(&SandboxSpec::new(FULL, &host, &ws, Language::Shell));
+    let plain = argv::build(&BwrapSpec::new(FULL, &host, &ws, Language::Shell));
     let empty = AccelMount::default();
-    let mut spec = SandboxSpec::new(FULL, &host, &ws, Language::Shell);
+    let mut spec = BwrapSpec::new(FULL, &host, &ws, Language::Shell);
     spec.accel = Some(&empty);
     assert_eq!(argv::build(&spec), plain, "no selection leaves the launch unchanged");
     assert!(!plain.args().iter().any(|a| a.contains("davinci") || a.contains("ASCEND")));
@@ -131,7 +131,7 @@ fn network_wins_the_seccomp_profile_and_python_keeps_its_flags() {
     let ws = WorkspaceLayout::new("/w".into(), None);
     let chips = npu(&[0]);
     let egress = EgressMount { bridge: "/b".into(), gateway_socket: "/s".into(), gateway_fd: None };
-    let mut spec = SandboxSpec::new(FULL, &host, &ws, Language::Python);
+    let mut spec = BwrapSpec::new(FULL, &host, &ws, Language::Python);
     spec.accel = Some(&chips);
     let cmd = argv::build(&spec);
     assert!(cmd.command.ends_with(&["-I".to_owned(), "-".to_owned()]));
@@ -150,7 +150,7 @@ fn relocated_tools_are_bound_after_tmp_and_gpus_keep_the_baseline_profile() {
     let ws = WorkspaceLayout::new("/w".into(), None);
     let chips =
         mount::ascend(&[1], Path::new("/t/dev"), Path::new(T), Some(Path::new("/tmp/x/npu-smi")), &|_| false);
-    let mut spec = SandboxSpec::new(FULL, &host, &ws, Language::Shell);
+    let mut spec = BwrapSpec::new(FULL, &host, &ws, Language::Shell);
     spec.accel = Some(&chips);
     let a = argv::build(&spec).args();
     let tmp = position(&a, &["--tmpfs", "/tmp"]).unwrap();

@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{MAX_TOOL_OUTPUT, PROBE_TIMEOUT, mount};
 use crate::app::App;
-use crate::launch::{Launch, OutputBudget, Termination};
-use crate::sandbox::{Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv};
+use crate::isolation::{Dir, Job, SandboxSpec, WorkspaceDirs};
+use crate::launch::{OutputBudget, Termination};
+use crate::sandbox::{Language, WorkspaceLayout, argv};
 
 /// Which kind of chip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,9 +83,9 @@ impl SandboxProber<'_> {
         let fail = |detail: String| ProbeOutcome { usable: false, stdout: String::new(), detail };
         let app = self.app;
         let cfg = &app.accel.config;
-        let Some(shape) = app.sandbox.capability.shape() else {
+        if app.sandbox.isolation.unavailable().is_some() {
             return fail("no sandbox can be built on this host (see /health sandboxProfile)".into());
-        };
+        }
         let exists = |p: &Path| p.exists();
         let (one, command) = match family {
             Family::Ascend => {
@@ -113,32 +114,23 @@ impl SandboxProber<'_> {
             Ok(dir) => dir,
             Err(e) => return fail(format!("could not create the probe's scratch directory: {e}")),
         };
+        // Bound from its descriptor: the sandbox user may not be able to reach the data
+        // directory by path (a root runnerd's data directory may be 0700).
+        let scratch_fd = match open_dir(&scratch) {
+            Ok(fd) => fd,
+            Err(e) => return fail(format!("could not open the probe's scratch directory: {e}")),
+        };
         let layout = WorkspaceLayout::new(scratch.clone(), None);
-        let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
+        let mut spec = SandboxSpec::new(&app.sandbox.host, &layout, Language::Shell);
+        spec.workspace_dirs =
+            Some(WorkspaceDirs { root: Dir { fd: &scratch_fd, owner: None }, read_only: None });
         spec.accel = Some(&one);
         spec.command = Some(&command);
-        // Bound from a descriptor where bwrap can: the sandbox user may not be able to reach
-        // the data directory by path (a root runnerd's data directory may be 0700).
-        let scratch_fd = match app.sandbox.features.bind_fd {
-            true => match open_dir(&scratch) {
-                Ok(fd) => Some(fd),
-                Err(e) => return fail(format!("could not open the probe's scratch directory: {e}")),
-            },
-            false => None,
-        };
-        let mut slots = crate::sandbox::FdSlots::default();
-        if let Some(fd) = &scratch_fd {
-            match slots.push(fd) {
-                Ok(root) => spec.workspace_fds = Some(WorkspaceFds { root, read_only: None }),
-                Err(e) => return fail(format!("could not pass the probe's scratch directory: {e}")),
-            }
-        }
         spec.profile = argv::profile(false, !one.ascend.is_empty());
-        let cmd = argv::build(&spec);
-        let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
-        launch.timeout = Some(PROBE_TIMEOUT);
+        let mut job = Job::new(spec);
+        job.timeout = Some(PROBE_TIMEOUT);
         let mut output = OutputBudget::new(MAX_TOOL_OUTPUT);
-        let ran = app.sandbox.launcher.run(launch, &mut output).await;
+        let ran = app.sandbox.isolation.run(job, &mut output).await.outcome;
         let _ = std::fs::remove_dir_all(&scratch);
         let out = output.finish();
         let (stdout, stderr) = (out.stdout, out.stderr);

@@ -15,9 +15,10 @@ use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;
 
 use crate::app::App;
-use crate::launch::{Launch, OutputBudget, Termination};
-use crate::sandbox::argv::{self, ExtraBind, SandboxSpec};
-use crate::sandbox::{FdSlots, Language, WorkspaceFds, WorkspaceLayout};
+use crate::isolation::{Bind, Dir, Egress, Job, SandboxSpec, WorkspaceDirs};
+use crate::launch::{OutputBudget, Termination};
+use crate::sandbox::argv;
+use crate::sandbox::{Language, WorkspaceLayout};
 
 use super::cache_growth;
 
@@ -271,117 +272,72 @@ async fn watchdog(watched: Watched, limit: u64) -> PrefixBreach {
 /// `common::provision::MAX_RESPONSE_BYTES`).
 const MAX_STEP_OUTPUT: u64 = 16 << 20;
 
-/// Runs `step` in a fresh sandbox and waits for it.
-pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
+/// The descriptors a step's sandbox is given, opened (no link followed) before it starts.
+struct Opened {
+    scratch: OwnedFd,
+    /// `step.binds`, in order.
+    binds: Vec<OwnedFd>,
+}
+
+impl Opened {
+    fn open(step: &Step, scratch: &Scratch) -> Result<Opened, SandboxedError> {
+        let label = step.label;
+        let scratch = open_path(&scratch.path).map_err(|source| SandboxedError::Prepare { label, source })?;
+        let binds = step
+            .binds
+            .iter()
+            .map(|(path, _)| {
+                open_path(path).map_err(|source| match source.kind() {
+                    std::io::ErrorKind::NotFound => SandboxedError::Missing { label, path: path.clone() },
+                    _ => SandboxedError::Prepare { label, source },
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Opened { scratch, binds })
+    }
+}
+
+/// The step's gateway from egressd, for a step that names hosts or origins.
+async fn step_egress(app: &App, step: &Step) -> Result<Option<crate::egress::EgressLease>, SandboxedError> {
+    if step.hosts.is_empty() && step.origins.is_empty() {
+        return Ok(None);
+    }
+    // egressd refuses a revision named again with another policy: the revision names this
+    // step's own allowlist.
+    let mut hosts = step.hosts.join(",");
+    hosts.push_str(if step.allow_private { ";private" } else { ";public" });
+    if !step.origins.is_empty() {
+        hosts.push_str(&format!(";{}", step.origins.join(",")));
+    }
+    let digest = crate::versioning::names::sha256_hex(hosts.as_bytes());
+    let policy = GatewayPolicy {
+        revision: format!("env-provision-{}", &digest[..16]),
+        allowed_domains: step.hosts.clone(),
+        allow_private_network: step.allow_private,
+        pinned_origins: step.origins.clone(),
+    };
     let label = step.label;
-    let prepare = |source| SandboxedError::Prepare { label, source };
-    let shape = app.sandbox.capability.shape().ok_or_else(|| {
-        SandboxedError::Unavailable(app.sandbox.capability.detail.clone().unwrap_or_default())
-    })?;
-    // Bounded like executions (each step may take the execution maximums), waited for
-    // before anything is made.
-    let _slot = app.provisioning_steps.acquire().await.map_err(|_| SandboxedError::Cancelled { label })?;
-    let scratch = Scratch::make(&app.data_dir, &app.sandbox.user).map_err(prepare)?;
-    let by_fd = app.sandbox.features.bind_fd;
-    let mut slots = FdSlots::default();
-    let mut held: Vec<OwnedFd> = Vec::new();
-    let mut slot = |fd: OwnedFd, slots: &mut FdSlots| -> Result<i32, SandboxedError> {
-        let n = slots.push(&fd).map_err(|e| prepare(std::io::Error::other(e.to_string())))?;
-        held.push(fd);
-        Ok(n)
-    };
-    let workspace_fds = match by_fd {
-        true => Some(WorkspaceFds {
-            root: slot(open_path(&scratch.path).map_err(prepare)?, &mut slots)?,
-            read_only: None,
-        }),
-        false => None,
-    };
-    let mut binds = Vec::with_capacity(step.binds.len() + 1);
-    for (path, writable) in &step.binds {
-        let opened = open_path(path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => SandboxedError::Missing { label, path: path.clone() },
-            _ => prepare(source),
-        })?;
-        let fd = match by_fd {
-            true => Some(slot(opened, &mut slots)?),
-            false => None,
-        };
-        binds.push(ExtraBind { source: path.clone(), target: path.clone(), writable: *writable, fd });
-    }
-    if let Some(binary) = &step.provisioner {
-        binds.push(ExtraBind {
-            source: binary.clone(),
-            target: PROVISIONER_MOUNT.into(),
-            writable: false,
-            fd: None,
-        });
-    }
-    let lease = match step.hosts.is_empty() && step.origins.is_empty() {
-        true => None,
-        false => {
-            // egressd refuses a revision named again with another policy: the revision
-            // names this step's own allowlist.
-            let mut hosts = step.hosts.join(",");
-            hosts.push_str(if step.allow_private { ";private" } else { ";public" });
-            if !step.origins.is_empty() {
-                hosts.push_str(&format!(";{}", step.origins.join(",")));
-            }
-            let digest = crate::versioning::names::sha256_hex(hosts.as_bytes());
-            let policy = GatewayPolicy {
-                revision: format!("env-provision-{}", &digest[..16]),
-                allowed_domains: step.hosts.clone(),
-                allow_private_network: step.allow_private,
-                pinned_origins: step.origins.clone(),
-            };
-            let route = ProxySetting::Direct;
-            Some(
-                app.egress
-                    .acquire(policy, route, app.sandbox.user.uid)
-                    .await
-                    .map_err(|source| SandboxedError::Egress { label, source })?,
-            )
-        }
-    };
-    let egress_mount = match &lease {
-        Some(l) => Some(argv::EgressMount {
-            bridge: app.egress.bridge.clone(),
-            gateway_socket: l.socket.clone(),
-            gateway_fd: match by_fd {
-                true => Some(slot(crate::fsat::dup(&l.socket_fd).map_err(prepare)?, &mut slots)?),
-                false => None,
-            },
-        }),
-        None => None,
-    };
-    let layout = WorkspaceLayout::new(scratch.path.clone(), None);
-    let mut spec = SandboxSpec::new(shape, &app.sandbox.host, &layout, Language::Shell);
-    spec.workspace_fds = workspace_fds;
-    spec.command = Some(&step.command);
-    spec.binds = &binds;
-    spec.extra_env = &step.env;
-    spec.egress = egress_mount.as_ref();
-    // 0: the fallback size (1 GiB); packages unpack into the cache, not /tmp.
-    spec.tmp_bytes = 0;
-    spec.profile = argv::profile(egress_mount.is_some(), false);
-    let cmd = argv::build(&spec);
-    let mut launch = Launch::sandboxed(app.sandbox.bwrap.clone(), cmd, slots);
-    launch.timeout = Some(step.timeout);
-    launch.stdin = step.stdin;
-    // No file a step writes (a package's, the cache's, a build's) grows past this: a
-    // hostile package is stopped at its first oversized file, whatever it links or unpacks.
-    let max_file = app.envs.settings.step_max_file_bytes;
-    launch.rlimits = crate::launch::default_rlimits(Some(max_file));
-    // Watched whatever the byte limit: its entries are bounded too.
-    let (watched, limit) = match &step.writes {
-        None => (None, 0),
+    app.egress
+        .acquire(policy, ProxySetting::Direct, app.sandbox.user.uid)
+        .await
+        .map(Some)
+        .map_err(|source| SandboxedError::Egress { label, source })
+}
+
+/// What the step's watchdog measures, with its limit: the prefix it writes, or what the
+/// shared cache gains (read before the step starts; the step holds the cache's exclusive
+/// gate, so what it gains from here on is its own). Watched whatever the byte limit: the
+/// entries are bounded too.
+async fn watched(app: &App, step: &Step) -> Result<(Option<Watched>, u64), SandboxedError> {
+    let prepare = |source| SandboxedError::Prepare { label: step.label, source };
+    let settings = &app.envs.settings;
+    match &step.writes {
+        None => Ok((None, 0)),
         Some(Writes::Prefix(prefix)) => {
             let root = Arc::new(open_dir(prefix).map_err(prepare)?);
-            (Some(Watched::Prefix(root)), app.envs.settings.step_max_prefix_bytes)
+            Ok((Some(Watched::Prefix(root)), settings.step_max_prefix_bytes))
         }
         Some(Writes::Cache(cache)) => {
-            // Read before the step starts; the step holds the cache's exclusive gate, so
-            // what it gains from here on is its own.
             let root = open_dir(cache).map_err(prepare)?;
             let (root, start) = tokio::task::spawn_blocking(move || {
                 let start = cache_growth::start(&root);
@@ -390,53 +346,111 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
             .await
             .map_err(|e| prepare(std::io::Error::other(e.to_string())))?;
             let start = Arc::new(start.map_err(prepare)?);
-            (Some(Watched::Cache(Arc::new(root), start)), app.envs.settings.step_max_fetch_bytes)
+            Ok((Some(Watched::Cache(Arc::new(root), start)), settings.step_max_fetch_bytes))
         }
+    }
+}
+
+/// Runs `job`, stopping it when `watched` outgrows `limit`; the breach, if one stopped it
+/// or the walk right after the end finds one (what the step wrote just before it ended
+/// counts too).
+async fn run_watched(
+    app: &App,
+    mut job: Job<'_>,
+    output: &mut OutputBudget,
+    watched: Option<&Watched>,
+    limit: u64,
+) -> (Result<crate::launch::Outcome, crate::launch::LaunchError>, Option<PrefixBreach>) {
+    let Some(w) = watched else {
+        return (app.sandbox.isolation.run(job, output).await.outcome, None);
     };
-    let watchdog = watched.clone().map(|w| tokio::spawn(watchdog(w, limit)));
     // Ended by the watchdog when the prefix outgrows its limit (the run answers `Cancelled`).
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    launch.cancel = Some(stopped);
+    job.stop = Some(stopped);
+    let mut dog = tokio::spawn(watchdog(w.clone(), limit));
+    let run = app.sandbox.isolation.run(job, output);
+    tokio::pin!(run);
+    let (ran, mut breach) = tokio::select! {
+        ran = &mut run => {
+            dog.abort();
+            (ran, None)
+        }
+        found = &mut dog => {
+            // A watchdog that panicked stops nothing; the walk at the end still counts.
+            let breach = found.ok();
+            if breach.is_some() {
+                let _ = stop.send(true);
+            }
+            (run.await, breach)
+        }
+    };
+    if breach.is_none() {
+        breach = w.measure(limit).await.err();
+    }
+    (ran.outcome, breach)
+}
+
+/// Runs `step` in a fresh sandbox and waits for it.
+pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
+    let label = step.label;
+    let prepare = |source| SandboxedError::Prepare { label, source };
+    if let Some(why) = app.sandbox.isolation.unavailable() {
+        return Err(SandboxedError::Unavailable(why));
+    }
+    // Bounded like executions (each step may take the execution maximums), waited for
+    // before anything is made.
+    let _slot = app.provisioning_steps.acquire().await.map_err(|_| SandboxedError::Cancelled { label })?;
+    let scratch = Scratch::make(&app.data_dir, &app.sandbox.user).map_err(prepare)?;
+    let opened = Opened::open(&step, &scratch)?;
+    let mut binds: Vec<Bind> = step
+        .binds
+        .iter()
+        .zip(&opened.binds)
+        .map(|((path, writable), fd)| Bind { source: path, target: path, writable: *writable, fd: Some(fd) })
+        .collect();
+    if let Some(binary) = &step.provisioner {
+        let target = Path::new(PROVISIONER_MOUNT);
+        binds.push(Bind { source: binary, target, writable: false, fd: None });
+    }
+    let lease = step_egress(app, &step).await?;
+    let layout = WorkspaceLayout::new(scratch.path.clone(), None);
+    let mut spec = SandboxSpec::new(&app.sandbox.host, &layout, Language::Shell);
+    spec.workspace_dirs =
+        Some(WorkspaceDirs { root: Dir { fd: &opened.scratch, owner: None }, read_only: None });
+    spec.command = Some(&step.command);
+    spec.binds = &binds;
+    spec.extra_env = &step.env;
+    spec.egress = lease.as_ref().map(|l| Egress {
+        bridge: &app.egress.bridge,
+        gateway_socket: &l.socket,
+        gateway: Some(&l.socket_fd),
+    });
+    // 0: the fallback size (1 GiB); packages unpack into the cache, not /tmp.
+    spec.tmp_bytes = 0;
+    spec.profile = argv::profile(lease.is_some(), false);
+    let mut job = Job::new(spec);
+    job.timeout = Some(step.timeout);
+    job.stdin = step.stdin.clone();
+    // No file a step writes (a package's, the cache's, a build's) grows past this: a
+    // hostile package is stopped at its first oversized file, whatever it links or unpacks.
+    let max_file = app.envs.settings.step_max_file_bytes;
+    job.rlimits = crate::launch::default_rlimits(Some(max_file));
     // The most an execution may ask for (memory, processes, CPU; the default where there is
     // no maximum), enforced as for executions: a solve or a build needs more than a default
     // run, and a hostile setup.py or R install script must not take the host down for every
     // tenant.
+    let (watched, limit) = watched(app, &step).await?;
     let limits = &provisioning_limits(&app.config.limits);
     let millis = u64::try_from(step.timeout.as_millis()).unwrap_or(u64::MAX);
-    launch.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, limits, millis));
+    job.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, limits, millis));
     let cgroup =
         app.limits.create(limits).map_err(|e| prepare(std::io::Error::other(crate::error_chain(&e))))?;
     if let Some(c) = &cgroup {
-        launch.cgroup_procs =
+        job.cgroup_procs =
             c.procs_fds().map_err(|e| prepare(std::io::Error::other(crate::error_chain(&e))))?;
     }
     let mut output = OutputBudget::pooled(MAX_STEP_OUTPUT, &app.output_pool);
-    let run = app.sandbox.launcher.run(launch, &mut output);
-    let mut breach = None;
-    let ran = match watchdog {
-        None => run.await,
-        Some(mut dog) => {
-            tokio::pin!(run);
-            tokio::select! {
-                ran = &mut run => {
-                    dog.abort();
-                    ran
-                }
-                found = &mut dog => {
-                    // A watchdog that panicked stops nothing; the walk at the end still counts.
-                    if let Ok(found) = found {
-                        breach = Some(found);
-                        let _ = stop.send(true);
-                    }
-                    run.await
-                }
-            }
-        }
-    };
-    // What the step wrote just before it ended counts too.
-    if let (None, Some(w)) = (&breach, &watched) {
-        breach = w.measure(limit).await.err();
-    }
+    let (ran, breach) = run_watched(app, job, &mut output, watched.as_ref(), limit).await;
     let usage = crate::limits::finish(cgroup).await;
     // A fetch step stopped, killed or failed may have left half an extraction (or a
     // bomb's worth of bytes) in the shared cache: taken out before the caller gives the
@@ -447,18 +461,30 @@ pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedEr
             restore_cache(label, root, start).await;
         }
     }
-    drop(held);
     drop(lease);
-    let out = output.finish();
     let outcome = ran.map_err(|source| SandboxedError::Launch { label, source })?;
     if let (Some(breach), Some(w)) = (breach, &watched) {
         return Err(prefix_breach(label, w.place(), limit, breach));
     }
-    let failed = !matches!(outcome.termination, Termination::Exited(0));
-    if failed && usage.is_some_and(|u| u.oom_kills > 0) {
-        return Err(SandboxedError::OutOfMemory { label, limit_bytes: limits.memory_bytes });
+    let oom = usage.is_some_and(|u| u.oom_kills > 0);
+    verdict(&step, outcome.termination, oom, limits.memory_bytes, max_file, output.finish())
+}
+
+/// The step's answer from how it ended: a file over `max_file` (SIGXFSZ), an out-of-memory
+/// kill, the deadline, a cancel, or its exit code and output.
+fn verdict(
+    step: &Step,
+    termination: Termination,
+    oom: bool,
+    limit_bytes: u64,
+    max_file: u64,
+    out: crate::launch::CollectedOutput,
+) -> Result<StepOutput, SandboxedError> {
+    let label = step.label;
+    if oom && !matches!(termination, Termination::Exited(0)) {
+        return Err(SandboxedError::OutOfMemory { label, limit_bytes });
     }
-    let code = match outcome.termination {
+    let code = match termination {
         // bwrap answers a command killed by signal N as 128+N.
         Termination::Exited(c) if c == 128 + libc::SIGXFSZ && max_file > 0 => {
             return Err(SandboxedError::FileTooLarge { label, limit: max_file });

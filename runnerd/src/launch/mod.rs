@@ -183,6 +183,9 @@ pub enum LaunchError {
     },
     #[error("the seccomp program could not be built")]
     Seccomp(#[source] SeccompError),
+    /// No sandbox can be built on this host (the start-up probes' conclusion).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> LaunchError {
@@ -272,9 +275,11 @@ impl Launcher {
         }
     }
 
-    /// Runs one sandbox to its end, streaming its output into `sink`.
-    pub async fn run(&self, launch: Launch, sink: &mut dyn OutputSink) -> Result<Outcome, LaunchError> {
-        let started = Instant::now();
+    /// The plan sandbox-init runs and the descriptors it places, each at its number: the
+    /// stdio and info pipes, the seccomp program, the launch's slots, the identity files
+    /// (bwrap copies them from sealed memfds: a bind of a file under the data directory would
+    /// need the sandbox user to reach it), and the cgroups' join files.
+    fn plan(&self, launch: Launch) -> Result<Planned, LaunchError> {
         if let Some(reserved) = launch.options.iter().find(|o| RESERVED_OPTIONS.contains(&o.as_str())) {
             return Err(LaunchError::ReservedOption(reserved.clone()));
         }
@@ -294,9 +299,6 @@ impl Launcher {
             fds.push(fd);
             targets.push(slot);
         }
-        // The sandbox's passwd and group, copied by bwrap from sealed memfds (a bind of a
-        // file under the data directory would need the sandbox user to reach it); then `/`
-        // goes read-only, after every mount point exists.
         let mut options = launch.options;
         for (data, target) in &self.identity_files {
             fds.push(data.reopen()?);
@@ -304,19 +306,36 @@ impl Launcher {
             options.extend(["--ro-bind-data".to_owned(), next_fd.to_string(), (*target).to_owned()]);
             next_fd += 1;
         }
+        // `/` goes read-only last, after every mount point exists.
         options.extend(["--remount-ro".to_owned(), "/".to_owned()]);
         let join_cgroups = launch.cgroup_procs.len();
         fds.extend(launch.cgroup_procs);
-        let args = bwrap_args(&options, launch.filter.is_some(), &launch.command);
         let plan = LaunchPlan {
             program: launch.bwrap.to_string_lossy().into_owned(),
-            args,
+            args: bwrap_args(&options, launch.filter.is_some(), &launch.command),
             fds: targets,
             rlimits: launch.rlimits,
             join_cgroups,
             user: self.identity.user,
             idmaps,
         };
+        Ok(Planned {
+            plan,
+            fds,
+            stdin: (stdin_w, launch.stdin),
+            stdout: stdout_r,
+            stderr: stderr_r,
+            info: info_r,
+            timeout: launch.timeout,
+            cancel: launch.cancel,
+        })
+    }
+
+    /// Runs one sandbox to its end, streaming its output into `sink`.
+    pub async fn run(&self, launch: Launch, sink: &mut dyn OutputSink) -> Result<Outcome, LaunchError> {
+        let started = Instant::now();
+        let Planned { plan, fds, stdin: (stdin_w, input), stdout, stderr, info, timeout, cancel } =
+            self.plan(launch)?;
         let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;
 
@@ -324,46 +343,24 @@ impl Launcher {
         // bwrap (sandbox-init's image after exec) is not reaped before `work` ends, so its
         // pid cannot be reused meanwhile.
         let sandbox = Sandbox::new(child.id().map(|p| p as i32).unwrap_or(0));
-        tokio::spawn(sandbox.clone().watch(info_r));
-        let guard = EndOnDrop { sandbox: &sandbox, armed: true };
+        tokio::spawn(sandbox.clone().watch(info));
+        let mut guard = EndOnDrop { sandbox: &sandbox, armed: true };
 
         let handed_over = std::sync::Mutex::new(None);
         let work = async {
             handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
             *handed_over.lock().unwrap_or_else(|p| p.into_inner()) = Some(started.elapsed());
             let stdin = pipe::Sender::from_owned_fd(stdin_w).map_err(io_err("open the stdin pipe"))?;
-            let feeder = tokio::spawn(feed_stdin(stdin, launch.stdin));
-            pump_output(stdout_r, stderr_r, sink).await?;
+            let feeder = tokio::spawn(feed_stdin(stdin, input));
+            pump_output(stdout, stderr, sink).await?;
             let status = child.wait().await.map_err(io_err("wait for bubblewrap"))?;
             feeder.abort();
             Ok::<_, LaunchError>(status)
         };
         tokio::pin!(work);
-        let stop = async {
-            let timeout = async {
-                match launch.timeout {
-                    Some(limit) => tokio::time::sleep(limit).await,
-                    None => std::future::pending().await,
-                }
-            };
-            let cancel = async {
-                match launch.cancel {
-                    Some(mut rx) => {
-                        if rx.wait_for(|c| *c).await.is_err() {
-                            std::future::pending::<()>().await;
-                        }
-                    }
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = timeout => Termination::TimedOut,
-                _ = cancel => Termination::Cancelled,
-            }
-        };
         let (result, ended) = tokio::select! {
             r = &mut work => (r, None),
-            why = stop => {
+            why = stopped(timeout, cancel) => {
                 sandbox.end();
                 match tokio::time::timeout(DRAIN_LIMIT, &mut work).await {
                     Ok(r) => (r, Some(why)),
@@ -376,34 +373,65 @@ impl Launcher {
         self.spawner.prepare_next();
         // The namespace must be empty before anyone looks at the workspace (R-RUN-4).
         sandbox.ensure_ended(DRAIN_LIMIT).await;
-        let mut guard = guard;
-        let status = match (result, ended) {
-            (Ok(status), _) => status,
-            // A sandbox ended during the hand-over reports as ended, not as a broken channel.
-            (Err(_), Some(why)) => {
-                guard.armed = false;
-                return Ok(Outcome {
-                    termination: why,
-                    sandbox_pid: sandbox.init_pid(),
-                    elapsed: started.elapsed(),
-                    launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
-                });
-            }
+        let termination = match (result, ended) {
+            // The guard, still armed, ends the sandbox.
             (Err(e), None) => return Err(e),
+            // A sandbox ended during the hand-over reports as ended, not as a broken channel.
+            (_, Some(why)) => why,
+            (Ok(status), None) => {
+                use std::os::unix::process::ExitStatusExt;
+                match status.code() {
+                    Some(code) => Termination::Exited(code),
+                    None => Termination::Signaled(status.signal().unwrap_or(0)),
+                }
+            }
         };
         guard.armed = false;
-        use std::os::unix::process::ExitStatusExt;
-        let termination = match (ended, status.code()) {
-            (Some(why), _) => why,
-            (None, Some(code)) => Termination::Exited(code),
-            (None, None) => Termination::Signaled(status.signal().unwrap_or(0)),
-        };
         Ok(Outcome {
             termination,
             sandbox_pid: sandbox.init_pid(),
             elapsed: started.elapsed(),
             launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
         })
+    }
+}
+
+/// A launch ready for the spawner: the plan, the descriptors it places, and runnerd's ends.
+struct Planned {
+    plan: LaunchPlan,
+    fds: Vec<OwnedFd>,
+    /// The stdin pipe's write end and what to feed it.
+    stdin: (OwnedFd, Vec<u8>),
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+    /// bwrap's `--info-fd` pipe.
+    info: OwnedFd,
+    timeout: Option<Duration>,
+    cancel: Option<watch::Receiver<bool>>,
+}
+
+/// Completes when the launch's deadline passes or it is cancelled, saying which; never
+/// without either.
+async fn stopped(timeout: Option<Duration>, cancel: Option<watch::Receiver<bool>>) -> Termination {
+    let timeout = async {
+        match timeout {
+            Some(limit) => tokio::time::sleep(limit).await,
+            None => std::future::pending().await,
+        }
+    };
+    let cancel = async {
+        match cancel {
+            Some(mut rx) => {
+                if rx.wait_for(|c| *c).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = timeout => Termination::TimedOut,
+        _ = cancel => Termination::Cancelled,
     }
 }
 

@@ -16,11 +16,12 @@ use tokio::sync::Notify;
 use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
 use crate::app::App;
-use crate::coordination::{ABORTED, CoordError};
+use crate::coordination::ABORTED;
+use crate::exec::engine::{Execution, Flow, Queue};
 use crate::exec::{self, request};
 use crate::launch::{Held, OutputPool, OutputSink, Stream};
 use crate::timefmt;
-use crate::writer::{ContentSource, ExecutionFacts, WriteError};
+use crate::writer::{ContentSource, ExecutionFacts, Writer};
 
 pub const SHUTTING_DOWN: &str = "Runner is shutting down";
 pub const INVALID_ID: &str = "Invalid Execution ID";
@@ -385,131 +386,60 @@ impl Manager {
         );
     }
 
+    /// The run in the background, through the engine's one execution path
+    /// ([`exec::engine::Execution`]), in the workspace's FIFO; the record says how it ended.
     async fn run(
         self: &Arc<Self>,
         app: Arc<App>,
-        mut rec: ManagedExecution,
+        rec: ManagedExecution,
         submitted: Submitted,
         stop: exec::StopToken,
         audit: &exec::FinishAudit,
     ) {
         let Submitted { root, code, max_output, max_workspace, prepared } = submitted;
-        let queue = tokio::select! {
-            held = app.admission.acquire_workspace(&root) => held,
-            _ = stop.stopped() => return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await,
-        };
-        let pinned = match crate::exec::workspace::open_beneath(&app.data_dir, &root) {
-            Ok(fd) => fd,
-            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
-        };
-        let mut writer = match app.versions.begin(&root, pinned, Some(&stop.watch())).await {
-            Ok(w) => w,
-            Err(WriteError::Coordination(CoordError::Aborted)) => {
-                return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await;
-            }
-            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
-        };
-        if stop.is_stopped() {
-            return self.finish(&mut rec, audit, "cancelled", Some(CANCELLED_BEFORE_START.into())).await;
-        }
-        let started_at = timefmt::now_iso();
-        rec.state = "running".into();
-        rec.started_at = Some(started_at.clone());
-        self.save(&rec).await;
-
         // The logs keep the whole budget; the copy in `result` is bounded so that a huge or
         // unlimited budget cannot exhaust memory.
         let live = LiveLogs::new(max_output);
-        let flusher = tokio::spawn(flush_logs(self.db.clone(), rec.id.clone(), live.clone()));
         let mut sink = live.clone();
-        let ran = async {
-            // A refused request fails here, where the original's run fails it.
-            let mut p = prepared?;
-            p.max_output = result_budget(p.max_output);
-            exec::resolve_cwd(&app, &mut p)?;
-            exec::attach_egress(&app, &mut p).await?;
-            exec::run_sandbox(&app, &p, audit, started_at, Some(&mut sink), &stop, &mut writer).await
-        }
-        .await;
-        live.close();
-        let _ = flusher.await;
-        let truncated = live.truncated();
-        if truncated {
-            rec.log_truncated = Some(true);
-        }
-        // The version stores no more than the quota (a run over it is failed already).
-        writer.limit_snapshot_bytes(max_workspace);
-        let (state, error, mut result) = match ran {
-            Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
-            Err(e) if e.is_unresponsive() => {
-                // The sandbox may still write: keep the workspace locked until a restart.
-                drop(writer.take_journal());
-                std::mem::forget(writer);
-                std::mem::forget(queue);
-                return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await;
-            }
-            Err(e) if stop.stopped_by_caller() => ("cancelled", Some(e.to_string()), None),
-            Err(e) => ("failed", Some(e.to_string()), None),
-        };
-
-        // The version: the files as the command left them, and the retained logs (streamed
-        // from the database); a stream with nothing retained falls back to the result's text,
-        // then (stderr) the error, as the original.
-        let (id, db) = (rec.id.clone(), self.db.clone());
-        let retained = db_do(&self.db, move |db| {
-            Ok((db.has_rows(&id, Stream::Stdout)?, db.has_rows(&id, Stream::Stderr)?))
-        })
-        .await
-        .unwrap_or((false, false));
-        // Copied only when needed (the result's text can be large).
-        let fallback_out = if retained.0 {
-            String::new()
-        } else {
-            result.as_ref().map(|r| r.stdout.to_string()).unwrap_or_default()
-        };
-        let fallback_err = if retained.1 {
-            String::new()
-        } else {
-            result.as_ref().map(|r| r.stderr.to_string()).or_else(|| error.clone()).unwrap_or_default()
-        };
-        let stdout = content_source(&db, &rec.id, Stream::Stdout, retained.0, fallback_out);
-        let stderr = content_source(&db, &rec.id, Stream::Stderr, retained.1, fallback_err);
-        let facts = ExecutionFacts {
-            agent_id: rec.agent_id.clone(),
-            session_id: rec.session_id.clone(),
-            execution_id: rec.id.clone(),
-            environment_revision_id: result.as_ref().map(|r| r.environment_revision_id.clone()),
-            state: state.into(),
+        let mut route = ManagedRun {
+            manager: self,
+            app: &app,
+            rec,
+            audit,
+            stop: &stop,
             code,
-            stdout,
-            stderr,
+            root: &root,
+            live,
+            flusher: None,
         };
-        let commit_started = std::time::Instant::now();
-        let committed = app.versions.commit_execution(&writer, facts).await;
-        app.metrics.committed(committed.is_ok(), commit_started.elapsed());
-        let (state, error) = match committed {
-            Ok((version, tree)) => {
-                rec.version = Some(version.to_value());
-                if let Some(r) = result.as_mut() {
-                    r.workspace_snapshot = Some(tree.to_value());
-                }
-                (state, error)
-            }
-            Err(e) => {
-                app.versions.fail_commit(&root, &e);
-                ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
+        let flow = Execution {
+            app: &app,
+            root: &root,
+            prepared: prepared.map(|mut p| {
+                p.max_output = result_budget(p.max_output);
+                p
+            }),
+            queue: Queue::Workspace,
+            stop: &stop,
+            audit,
+            logs: Some(&mut sink),
+            max_workspace,
+        }
+        .run(&mut route)
+        .await;
+        let (state, error) = match flow {
+            // The commit recorded the end before the workspace was released.
+            Flow::Finished { .. } => return,
+            Flow::Abandoned => ("cancelled", ABORTED.to_owned()),
+            Flow::NotStarted => ("cancelled", CANCELLED_BEFORE_START.to_owned()),
+            Flow::Unheld(e) => ("failed", e.to_string()),
+            Flow::Unresponsive(e) => {
+                route.close_logs().await;
+                ("failed", e.to_string())
             }
         };
-        // The output stays counted in the pool while the record holds its copy.
-        let held: Vec<Held> = result
-            .as_mut()
-            .map(|r| [r.stdout.take_held(), r.stderr.take_held()].into_iter().flatten().collect())
-            .unwrap_or_default();
-        rec.result = result.and_then(|r| serde_json::to_value(r).ok());
-        self.finish(&mut rec, audit, state, error).await;
-        drop(held);
-        drop(writer);
-        drop(queue);
+        let ManagedRun { mut rec, .. } = route;
+        self.finish(&mut rec, audit, state, Some(error)).await;
     }
 
     /// The record's owner, state and size, if it belongs to this owner (its text unread).
@@ -640,6 +570,123 @@ impl Manager {
                 detail = "managed executions did not record their end in time"
             );
         }
+    }
+}
+
+/// The managed route's hooks on the engine's path: the record turns `running` (unless the run
+/// was cancelled meanwhile) and its logs start flowing; the version is a `WorkspaceExecution`
+/// with the retained logs, and the record is finished before the workspace is released.
+struct ManagedRun<'a> {
+    manager: &'a Arc<Manager>,
+    app: &'a App,
+    rec: ManagedExecution,
+    audit: &'a exec::FinishAudit,
+    stop: &'a exec::StopToken,
+    code: String,
+    root: &'a std::path::Path,
+    live: LiveLogs,
+    flusher: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl ManagedRun<'_> {
+    /// Ends the logs: the last rows are written, and whether any were dropped is recorded.
+    async fn close_logs(&mut self) {
+        self.live.close();
+        if let Some(flusher) = self.flusher.take() {
+            let _ = flusher.await;
+        }
+        if self.live.truncated() {
+            self.rec.log_truncated = Some(true);
+        }
+    }
+
+    /// The version's output streams: the retained rows (streamed from the database), or,
+    /// for a stream with nothing retained, the result's text, then (stderr) the error, as
+    /// the original.
+    async fn outputs(
+        &self,
+        result: Option<&exec::ExecutionResult>,
+        error: Option<&String>,
+    ) -> (ContentSource, ContentSource) {
+        let (id, db) = (self.rec.id.clone(), self.manager.db.clone());
+        let retained =
+            db_do(&db, move |db| Ok((db.has_rows(&id, Stream::Stdout)?, db.has_rows(&id, Stream::Stderr)?)))
+                .await
+                .unwrap_or((false, false));
+        // Copied only when needed (the result's text can be large).
+        let fallback_out =
+            if retained.0 { String::new() } else { result.map(|r| r.stdout.to_string()).unwrap_or_default() };
+        let fallback_err = if retained.1 {
+            String::new()
+        } else {
+            result.map(|r| r.stderr.to_string()).or_else(|| error.cloned()).unwrap_or_default()
+        };
+        (
+            content_source(&db, &self.rec.id, Stream::Stdout, retained.0, fallback_out),
+            content_source(&db, &self.rec.id, Stream::Stderr, retained.1, fallback_err),
+        )
+    }
+}
+
+impl exec::engine::Route for ManagedRun<'_> {
+    type Committed = ();
+
+    async fn starting(&mut self, started_at: &str) -> bool {
+        if self.stop.is_stopped() {
+            return false;
+        }
+        self.rec.state = "running".into();
+        self.rec.started_at = Some(started_at.to_owned());
+        self.manager.save(&self.rec).await;
+        let (db, id) = (self.manager.db.clone(), self.rec.id.clone());
+        self.flusher = Some(tokio::spawn(flush_logs(db, id, self.live.clone())));
+        true
+    }
+
+    async fn commit(&mut self, writer: &Writer, ran: &mut Result<exec::ExecutionResult, exec::EngineError>) {
+        self.close_logs().await;
+        let (state, error) = match &*ran {
+            Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None),
+            Err(e) if self.stop.stopped_by_caller() => ("cancelled", Some(e.to_string())),
+            Err(e) => ("failed", Some(e.to_string())),
+        };
+        let mut result = ran.as_mut().ok();
+        let (stdout, stderr) = self.outputs(result.as_deref(), error.as_ref()).await;
+        let facts = ExecutionFacts {
+            agent_id: self.rec.agent_id.clone(),
+            session_id: self.rec.session_id.clone(),
+            execution_id: self.rec.id.clone(),
+            environment_revision_id: result.as_ref().map(|r| r.environment_revision_id.clone()),
+            state: state.into(),
+            code: std::mem::take(&mut self.code),
+            stdout,
+            stderr,
+        };
+        let app = self.app;
+        let commit_started = std::time::Instant::now();
+        let committed = app.versions.commit_execution(writer, facts).await;
+        app.metrics.committed(committed.is_ok(), commit_started.elapsed());
+        let (state, error) = match committed {
+            Ok((version, tree)) => {
+                self.rec.version = Some(version.to_value());
+                if let Some(r) = result.as_mut() {
+                    r.workspace_snapshot = Some(tree.to_value());
+                }
+                (state, error)
+            }
+            Err(e) => {
+                app.versions.fail_commit(self.root, &e);
+                ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
+            }
+        };
+        // The output stays counted in the pool while the record holds its copy.
+        let held: Vec<Held> = result
+            .as_mut()
+            .map(|r| [r.stdout.take_held(), r.stderr.take_held()].into_iter().flatten().collect())
+            .unwrap_or_default();
+        self.rec.result = result.and_then(|r| serde_json::to_value(&*r).ok());
+        self.manager.finish(&mut self.rec, self.audit, state, error).await;
+        drop(held);
     }
 }
 

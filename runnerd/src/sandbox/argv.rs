@@ -1,4 +1,4 @@
-//! The bwrap argv, as a pure function of a [`SandboxSpec`] (R-SBX-4, R-SBX-5), in the
+//! The bwrap argv, as a pure function of a [`BwrapSpec`] (R-SBX-4, R-SBX-5), in the
 //! original runner's order (internals §2.2). It also returns the environment map and the
 //! working directory it injected, for provenance.
 //!
@@ -133,9 +133,11 @@ pub struct WorkspaceFds {
     pub read_only: Option<i32>,
 }
 
-/// Everything that decides one sandbox's argv.
+/// Everything that decides one sandbox's argv: a [`crate::isolation::SandboxSpec`] in this
+/// host's form, with the slot number of each descriptor it names (the bubblewrap backend
+/// fills these in; see `crate::isolation::bubblewrap`).
 #[derive(Debug, Clone)]
-pub struct SandboxSpec<'a> {
+pub struct BwrapSpec<'a> {
     pub shape: SandboxShape,
     pub host: &'a HostRuntime,
     pub workspace: &'a WorkspaceLayout,
@@ -176,7 +178,7 @@ pub struct SandboxSpec<'a> {
     pub extra_env: &'a [(String, String)],
 }
 
-/// A bind a caller adds ([`SandboxSpec::binds`]): by descriptor where bwrap can, so a path
+/// A bind a caller adds ([`BwrapSpec::binds`]): by descriptor where bwrap can, so a path
 /// swapped after it was checked is never what gets mounted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExtraBind {
@@ -209,7 +211,7 @@ pub struct EgressMount {
     pub gateway_fd: Option<i32>,
 }
 
-impl<'a> SandboxSpec<'a> {
+impl<'a> BwrapSpec<'a> {
     /// A spec with no cwd, no masks, the host `/usr/bin/python3`, no science environment
     /// and path binds; callers override what they decide.
     pub fn new(
@@ -218,7 +220,7 @@ impl<'a> SandboxSpec<'a> {
         workspace: &'a WorkspaceLayout,
         language: Language,
     ) -> Self {
-        SandboxSpec {
+        BwrapSpec {
             shape,
             host,
             workspace,
@@ -287,7 +289,7 @@ fn lossy(path: &Path) -> String {
 
 /// The seccomp profile of a sandbox: `network` with egress (the bridge needs its sockets),
 /// else `npu` with Ascend chips (the driver talks netlink), else `baseline`. The one rule;
-/// callers decide it once and carry it in [`SandboxSpec::profile`].
+/// callers decide it once and carry it in [`BwrapSpec::profile`].
 pub fn profile(egress: bool, ascend: bool) -> Profile {
     match (egress, ascend) {
         (true, _) => Profile::Network,
@@ -297,40 +299,9 @@ pub fn profile(egress: bool, ascend: bool) -> Profile {
 }
 
 /// Builds the argv. Pure: no filesystem access.
-pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
+pub fn build(spec: &BwrapSpec<'_>) -> SandboxCommand {
     let mut args = Vec::with_capacity(64);
-    push(&mut args, &["--die-with-parent", "--new-session", "--unshare-all", "--unshare-user"]);
-    if spec.shape.disable_userns {
-        push(&mut args, &["--disable-userns"]);
-    }
-    push(&mut args, &["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]);
-    for bind in spec.host.bind_args() {
-        args.push(bind);
-    }
-    push(&mut args, &["--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]);
-    push(&mut args, &["--symlink", "usr/lib64", "/lib64"]);
-    match spec.shape.proc_mode {
-        // The host's /proc/sys seen from inside: sysctls resolve in the reader's namespaces.
-        ProcMode::New => push(&mut args, &["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]),
-        ProcMode::Bind => push(&mut args, &["--ro-bind", "/proc", "/proc"]),
-    }
-    let (tmp_size, shm_size) = tmpfs_sizes(spec.tmp_bytes);
-    // bwrap ≥ 0.7 applies `--size` to the next `--tmpfs`.
-    push(&mut args, &["--dev", "/dev", "--size", &shm_size.to_string(), "--tmpfs", "/dev/shm"]);
-    // Chips after the fresh /dev, never the host's /dev (internals §4.4).
-    let accel_binds = spec.accel.map(|a| a.binds.as_slice()).unwrap_or_default();
-    for bind in accel_binds.iter().filter(|b| b.device) {
-        push(&mut args, &["--dev-bind", &lossy(&bind.source), &bind.target]);
-    }
-    push(&mut args, &["--remount-ro", "/dev"]);
-    for target in spec.interpreter_masks {
-        push(&mut args, &["--ro-bind", "/dev/null", &lossy(target)]);
-    }
-    push(&mut args, &["--size", &tmp_size.to_string(), "--tmpfs", "/tmp"]);
-    // Accelerator files and tools after /tmp, which would otherwise cover one placed there.
-    for bind in accel_binds.iter().filter(|b| !b.device) {
-        push(&mut args, &["--ro-bind", &lossy(&bind.source), &bind.target]);
-    }
+    system_mounts(&mut args, spec);
     // A science environment, or else the operator's python-packages (never both).
     let python_packages = spec.python_packages.filter(|_| spec.science_env.is_none());
     if let Some(prefix) = spec.science_env {
@@ -347,15 +318,65 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         }
     }
     spec.workspace.bind_args(&mut args, spec.workspace_fds);
+    caller_binds(&mut args, spec);
+    let cwd = match spec.cwd {
+        Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
+        _ => spec.workspace.mount_point(),
+    };
+    push(&mut args, &["--chdir", &cwd, "--clearenv"]);
+    let env = environment(spec, python_packages.is_some());
+    for (k, v) in &env {
+        push(&mut args, &["--setenv", k, v]);
+    }
+    let command = command(spec, python_packages.is_some());
+    SandboxCommand { options: args, command, env, cwd, seccomp: spec.profile }
+}
+
+/// The host's read-only system, `/proc`, a fresh `/dev` with the chips, the sized tmpfs
+/// mounts, the interpreter masks and the accelerator files, in the original's order.
+fn system_mounts(args: &mut Vec<String>, spec: &BwrapSpec<'_>) {
+    push(args, &["--die-with-parent", "--new-session", "--unshare-all", "--unshare-user"]);
+    if spec.shape.disable_userns {
+        push(args, &["--disable-userns"]);
+    }
+    push(args, &["--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]);
+    args.extend(spec.host.bind_args());
+    push(args, &["--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]);
+    push(args, &["--symlink", "usr/lib64", "/lib64"]);
+    match spec.shape.proc_mode {
+        // The host's /proc/sys seen from inside: sysctls resolve in the reader's namespaces.
+        ProcMode::New => push(args, &["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]),
+        ProcMode::Bind => push(args, &["--ro-bind", "/proc", "/proc"]),
+    }
+    let (tmp_size, shm_size) = tmpfs_sizes(spec.tmp_bytes);
+    // bwrap ≥ 0.7 applies `--size` to the next `--tmpfs`.
+    push(args, &["--dev", "/dev", "--size", &shm_size.to_string(), "--tmpfs", "/dev/shm"]);
+    // Chips after the fresh /dev, never the host's /dev (internals §4.4).
+    let accel_binds = spec.accel.map(|a| a.binds.as_slice()).unwrap_or_default();
+    for bind in accel_binds.iter().filter(|b| b.device) {
+        push(args, &["--dev-bind", &lossy(&bind.source), &bind.target]);
+    }
+    push(args, &["--remount-ro", "/dev"]);
+    for target in spec.interpreter_masks {
+        push(args, &["--ro-bind", "/dev/null", &lossy(target)]);
+    }
+    push(args, &["--size", &tmp_size.to_string(), "--tmpfs", "/tmp"]);
+    // Accelerator files and tools after /tmp, which would otherwise cover one placed there.
+    for bind in accel_binds.iter().filter(|b| !b.device) {
+        push(args, &["--ro-bind", &lossy(&bind.source), &bind.target]);
+    }
+}
+
+/// The skill package and extensions, then the caller's own binds, after the workspace.
+fn caller_binds(args: &mut Vec<String>, spec: &BwrapSpec<'_>) {
     if let Some(s) = spec.skills {
         let (skills, extensions) = (crate::skills::SKILLS_MOUNT, crate::skills::EXTENSIONS_MOUNT);
         match s.fds {
-            Some((p, e)) => push(
-                &mut args,
-                &["--ro-bind-fd", &p.to_string(), skills, "--bind-fd", &e.to_string(), extensions],
-            ),
+            Some((p, e)) => {
+                push(args, &["--ro-bind-fd", &p.to_string(), skills, "--bind-fd", &e.to_string(), extensions])
+            }
             None => push(
-                &mut args,
+                args,
                 &["--ro-bind", &lossy(&s.packages), skills, "--bind", &lossy(&s.extensions), extensions],
             ),
         }
@@ -363,19 +384,17 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     for b in spec.binds {
         let target = lossy(&b.target);
         match (b.fd, b.writable) {
-            (Some(fd), true) => push(&mut args, &["--bind-fd", &fd.to_string(), &target]),
-            (Some(fd), false) => push(&mut args, &["--ro-bind-fd", &fd.to_string(), &target]),
-            (None, true) => push(&mut args, &["--bind", &lossy(&b.source), &target]),
-            (None, false) => push(&mut args, &["--ro-bind", &lossy(&b.source), &target]),
+            (Some(fd), true) => push(args, &["--bind-fd", &fd.to_string(), &target]),
+            (Some(fd), false) => push(args, &["--ro-bind-fd", &fd.to_string(), &target]),
+            (None, true) => push(args, &["--bind", &lossy(&b.source), &target]),
+            (None, false) => push(args, &["--ro-bind", &lossy(&b.source), &target]),
         }
     }
+}
 
-    let cwd = match spec.cwd {
-        Some(rel) if !rel.is_empty() && rel != "." => format!("{}/{}", spec.workspace.mount_point(), rel),
-        _ => spec.workspace.mount_point(),
-    };
-    push(&mut args, &["--chdir", &cwd, "--clearenv"]);
-
+/// The environment after `--clearenv`, in the order it is set (`python_packages`: the
+/// operator's packages are mounted).
+fn environment(spec: &BwrapSpec<'_>, python_packages: bool) -> Vec<(String, String)> {
     let path = match (spec.science_env.is_some(), spec.language) {
         (false, _) => "/usr/bin:/bin",
         (true, Language::Shell) => "/opt/science-env/bin:/usr/bin:/bin",
@@ -388,14 +407,14 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
     };
     let mut env: Vec<(String, String)> = vec![("HOME".into(), "/tmp".into()), ("PATH".into(), path)];
     let python_path: Vec<&str> = python_packages
-        .map(|_| PYTHON_PACKAGES_MOUNT)
+        .then_some(PYTHON_PACKAGES_MOUNT)
         .into_iter()
         .chain(accel.iter().flat_map(|a| a.python_path.iter().map(String::as_str)))
         .collect();
     if !python_path.is_empty() {
         env.push(("PYTHONPATH".into(), python_path.join(":")));
     }
-    if spec.language == Language::Python || python_packages.is_some() {
+    if spec.language == Language::Python || python_packages {
         env.push(("PYTHONNOUSERSITE".into(), "1".into()));
     }
     if spec.language == Language::R {
@@ -415,15 +434,17 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         );
     }
     env.extend(spec.extra_env.iter().cloned());
-    for (k, v) in &env {
-        push(&mut args, &["--setenv", k, v]);
-    }
+    env
+}
 
+/// The command after the options: the language's interpreter (or the caller's command),
+/// behind the egress bridge in a network sandbox.
+fn command(spec: &BwrapSpec<'_>, python_packages: bool) -> Vec<String> {
     let python = if spec.science_env.is_some() { "/opt/science-env/bin/python" } else { spec.python };
     let command: &[&str] = match spec.language {
         Language::Shell => &["/usr/bin/bash", "--noprofile", "--norc", "-euo", "pipefail", "-s"],
         // `-I` would ignore PYTHONPATH: dropped when the python-packages are bound.
-        Language::Python if python_packages.is_some() => &[python, "-"],
+        Language::Python if python_packages => &[python, "-"],
         Language::Python => &[python, "-I", "-"],
         Language::R => &["/opt/science-env/bin/R", "--vanilla", "--slave"],
     };
@@ -440,7 +461,7 @@ pub fn build(spec: &SandboxSpec<'_>) -> SandboxCommand {
         );
     }
     argv.extend(command.iter().map(|s| (*s).to_owned()));
-    SandboxCommand { options: args, command: argv, env, cwd, seccomp: spec.profile }
+    argv
 }
 
 #[cfg(test)]
@@ -451,8 +472,8 @@ mod tests {
         HostRuntime::default()
     }
 
-    fn spec<'a>(host: &'a HostRuntime, ws: &'a WorkspaceLayout, shape: SandboxShape) -> SandboxSpec<'a> {
-        SandboxSpec::new(shape, host, ws, Language::Shell)
+    fn spec<'a>(host: &'a HostRuntime, ws: &'a WorkspaceLayout, shape: SandboxShape) -> BwrapSpec<'a> {
+        BwrapSpec::new(shape, host, ws, Language::Shell)
     }
 
     const FULL: SandboxShape = SandboxShape { proc_mode: ProcMode::New, disable_userns: true };

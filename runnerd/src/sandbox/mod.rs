@@ -9,7 +9,7 @@ pub mod preflight;
 pub mod user;
 
 pub use argv::{
-    EgressMount, Language, ProcMode, SandboxCommand, SandboxShape, SandboxSpec, WorkspaceFds, WorkspaceLayout,
+    BwrapSpec, EgressMount, Language, ProcMode, SandboxCommand, SandboxShape, WorkspaceFds, WorkspaceLayout,
 };
 pub use host::HostRuntime;
 

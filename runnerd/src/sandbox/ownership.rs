@@ -167,7 +167,8 @@ pub async fn probe(
     who: &Identity,
     data_dir: &Path,
 ) -> IdmapSupport {
-    use crate::launch::{Launch, OutputBudget, Termination};
+    use crate::isolation::bubblewrap;
+    use crate::launch::{OutputBudget, Termination};
     if !who.switches() {
         return IdmapSupport::Unprivileged;
     }
@@ -209,9 +210,9 @@ pub async fn probe(
     options.pop();
     options.extend(["--ro-bind-fd".into(), slot.to_string(), "/mnt".into()]);
     let command = vec!["/usr/bin/ls".into(), "-dn".into(), "/mnt".into()];
-    let launch = Launch::probe(bwrap.to_owned(), options, command, slots, super::preflight::PROBE_TIMEOUT);
     let mut output = OutputBudget::new(64 * 1024);
-    let outcome = launcher.run(launch, &mut output).await;
+    let timeout = super::preflight::PROBE_TIMEOUT;
+    let outcome = bubblewrap::probe(launcher, bwrap, options, command, slots, timeout, &mut output).await;
     let text = output.finish();
     match outcome {
         Ok(o) if o.termination == Termination::Exited(0) => {

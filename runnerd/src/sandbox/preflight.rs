@@ -13,7 +13,8 @@ use serde::Serialize;
 use tokio::sync::OnceCell;
 
 use super::argv::{ProcMode, SandboxShape};
-use crate::launch::{Launch, Launcher, OutputBudget, Termination};
+use crate::isolation::bubblewrap;
+use crate::launch::{Launcher, OutputBudget, Termination};
 
 /// What `bwrap --help` must list.
 pub const REQUIRED_OPTIONS: [&str; 6] =
@@ -246,10 +247,11 @@ impl Prober for LaunchProber<'_> {
     async fn probe(&self, proc_mode: ProcMode, disable_userns: bool) -> Result<(), String> {
         let mut options = probe_args(proc_mode, disable_userns);
         let command = options.split_off(options.len() - 1);
-        let launch =
-            Launch::probe(self.bwrap.to_owned(), options, command, Default::default(), PROBE_TIMEOUT);
         let mut output = OutputBudget::new(PROBE_OUTPUT_BYTES);
-        match self.launcher.run(launch, &mut output).await {
+        let (slots, timeout) = (Default::default(), PROBE_TIMEOUT);
+        match bubblewrap::probe(self.launcher, self.bwrap, options, command, slots, timeout, &mut output)
+            .await
+        {
             Ok(outcome) => {
                 let stderr = output.finish().stderr;
                 let last =

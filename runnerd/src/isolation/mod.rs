@@ -1,0 +1,195 @@
+//! The isolation seam: every sandbox runnerd starts — an execution, a provisioning step, an
+//! accelerator probe, `runnerd selftest` — is a [`Job`] handed to one [`Isolation`] backend,
+//! which answers a [`Ran`]. The callers (`exec`, `envs`, `accel`, `selftest`) decide *what*
+//! a sandbox holds and runs, in a backend-neutral [`SandboxSpec`]: paths, and the
+//! descriptors runnerd opened and checked for them; the backend decides *how*.
+//!
+//! [`Bubblewrap`] is the one backend today: it turns a spec into bwrap's argv
+//! ([`crate::sandbox::argv`]), places the descriptors in numbered slots, and starts it
+//! through sandbox-init ([`crate::launch::Launcher`]). Its start-up probes (the sandbox's
+//! form, idmapped mounts) use the same launcher with the original's probe argv
+//! ([`Bubblewrap::probe`]). A microVM backend or pre-started sandboxes implement the trait;
+//! nothing in `exec`, `envs` or `managed` changes for them.
+
+pub mod bubblewrap;
+
+use std::fmt;
+use std::future::Future;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::time::Duration;
+
+use common::plan::{IdPair, Rlimit};
+use common::seccomp::Profile;
+use tokio::sync::watch;
+
+pub use bubblewrap::Bubblewrap;
+
+use crate::accel::mount::AccelMount;
+use crate::launch::{LaunchError, Outcome, OutputSink};
+use crate::sandbox::{HostRuntime, Language, WorkspaceLayout};
+
+/// What one sandbox holds and runs, whatever isolates it.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec<'a> {
+    pub host: &'a HostRuntime,
+    pub workspace: &'a WorkspaceLayout,
+    /// The workspace directories as runnerd opened and checked them: a backend mounts these,
+    /// never the paths, where it can (a path may name another directory by now).
+    pub workspace_dirs: Option<WorkspaceDirs<'a>>,
+    /// A workspace-relative directory inside the writable root, already validated.
+    pub cwd: Option<&'a str>,
+    pub language: Language,
+    /// Host interpreter binaries to hide (resolved targets); empty unless a science
+    /// environment is mounted.
+    pub interpreter_masks: &'a [PathBuf],
+    /// The Python interpreter for `Language::Python` without a science environment.
+    pub python: &'a str,
+    /// A science environment prefix, mounted read-only (R-SBX-5).
+    pub science_env: Option<&'a Path>,
+    /// A domain-allowlist sandbox's bridge and gateway (R-NET-2).
+    pub egress: Option<Egress<'a>>,
+    /// Accelerator chips, their nodes and environment (R-NPU-1, `crate::accel`).
+    pub accel: Option<&'a AccelMount>,
+    /// Runs this instead of the language's interpreter (probes, provisioning steps).
+    pub command: Option<&'a [String]>,
+    /// The size of the sandbox's `/tmp` in bytes (issue #8); 0 takes the fallback size.
+    pub tmp_bytes: u64,
+    /// `<dataDir>/python-packages[/pyX.Y|/py3]`, checked (`crate::sandbox::host`).
+    pub python_packages: Option<&'a Path>,
+    /// A verified skill package and the workspace's extensions directory.
+    pub skills: Option<Skills<'a>>,
+    /// The seccomp profile, decided once by the caller.
+    pub profile: Profile,
+    /// More directories, each at its own path (a provisioning step's prefix and cache).
+    pub binds: &'a [Bind<'a>],
+    /// Variables set after every other (a provisioning step's own).
+    pub extra_env: &'a [(String, String)],
+}
+
+impl<'a> SandboxSpec<'a> {
+    /// A shell spec with no cwd, no masks, the host `/usr/bin/python3`, nothing extra mounted,
+    /// the baseline profile and the workspace bound by path; callers set what they decide.
+    pub fn new(host: &'a HostRuntime, workspace: &'a WorkspaceLayout, language: Language) -> Self {
+        SandboxSpec {
+            host,
+            workspace,
+            workspace_dirs: None,
+            cwd: None,
+            language,
+            interpreter_masks: &[],
+            python: "/usr/bin/python3",
+            science_env: None,
+            egress: None,
+            accel: None,
+            command: None,
+            tmp_bytes: 0,
+            python_packages: None,
+            skills: None,
+            profile: Profile::Baseline,
+            binds: &[],
+            extra_env: &[],
+        }
+    }
+}
+
+/// A directory runnerd opened and checked, and whose ids the sandbox sees it with (`Some`:
+/// mounted idmapped to that owner, issue #30).
+#[derive(Debug, Clone, Copy)]
+pub struct Dir<'a> {
+    pub fd: &'a OwnedFd,
+    pub owner: Option<IdPair>,
+}
+
+/// The writable workspace root and its read-only parent, if any.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkspaceDirs<'a> {
+    pub root: Dir<'a>,
+    pub read_only: Option<Dir<'a>>,
+}
+
+/// A network sandbox's way out: the bridge binary and the policy's gateway socket (the
+/// descriptor runnerd checked; the path is egressd's word only).
+#[derive(Debug, Clone, Copy)]
+pub struct Egress<'a> {
+    pub bridge: &'a Path,
+    pub gateway_socket: &'a Path,
+    pub gateway: Option<&'a OwnedFd>,
+}
+
+/// A skill package (read-only) and the workspace's extensions directory (writable).
+#[derive(Debug, Clone, Copy)]
+pub struct Skills<'a> {
+    pub packages: &'a Path,
+    pub extensions: &'a Path,
+    /// `(packages, extensions)` as runnerd opened and verified them.
+    pub fds: (&'a OwnedFd, &'a OwnedFd),
+}
+
+/// A further directory at its own host path (conda prefixes embed their path).
+#[derive(Debug, Clone, Copy)]
+pub struct Bind<'a> {
+    pub source: &'a Path,
+    pub target: &'a Path,
+    pub writable: bool,
+    pub fd: Option<&'a OwnedFd>,
+}
+
+/// One sandbox to run: the spec and how it runs.
+#[derive(Debug)]
+pub struct Job<'a> {
+    pub spec: SandboxSpec<'a>,
+    pub stdin: Vec<u8>,
+    /// Wall clock from the start; `None`: none.
+    pub timeout: Option<Duration>,
+    /// When this turns `true`, the sandbox is ended and the run reports `Cancelled`.
+    pub stop: Option<watch::Receiver<bool>>,
+    pub rlimits: Vec<Rlimit>,
+    /// The execution's cgroups' join files (`crate::limits::ExecCgroup::procs_fds`).
+    pub cgroup_procs: Vec<OwnedFd>,
+}
+
+impl<'a> Job<'a> {
+    /// `spec` with no input, no deadline, no stop, the default limits and no cgroup.
+    pub fn new(spec: SandboxSpec<'a>) -> Job<'a> {
+        Job {
+            spec,
+            stdin: Vec::new(),
+            timeout: None,
+            stop: None,
+            rlimits: crate::launch::default_rlimits(None),
+            cgroup_procs: Vec::new(),
+        }
+    }
+}
+
+/// How a job went, and what the backend put in the sandbox (provenance for the result).
+#[derive(Debug)]
+pub struct Ran {
+    pub outcome: Result<Outcome, LaunchError>,
+    /// The environment the command started with, in the order it was set.
+    pub env: Vec<(String, String)>,
+    /// The working directory inside the sandbox.
+    pub cwd: String,
+}
+
+/// The future of [`Isolation::run`].
+pub type RunFuture<'a> = Pin<Box<dyn Future<Output = Ran> + Send + 'a>>;
+
+/// A way of isolating a sandbox. Implementations end every process of a job before `run`
+/// completes (R-RUN-4), also when the future is dropped.
+pub trait Isolation: Send + Sync + fmt::Debug {
+    /// The result's `sandbox` field.
+    fn name(&self) -> &'static str;
+
+    /// Why no sandbox can start on this host now (`None`: they can).
+    fn unavailable(&self) -> Option<String>;
+
+    /// Whether the spec's descriptors are what gets mounted. Without, paths are, and a
+    /// caller refuses what must not be mounted by path (skill packages).
+    fn binds_by_descriptor(&self) -> bool;
+
+    /// Runs `job` to its end, streaming its output into `sink`.
+    fn run<'a>(&'a self, job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a>;
+}
