@@ -16,6 +16,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use common::egress::protocol::Verdict;
+
 /// The exposition format's media type.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -479,11 +481,14 @@ fn bounded_outcome(outcome: &str) -> &'static str {
     KNOWN.iter().find(|k| **k == outcome).copied().unwrap_or("other")
 }
 
-/// egressd's verdicts (its `egress_decision` records); others count as `other`.
+/// egressd's verdicts (its `egress_decision` records), as egressd's status answer names
+/// them; a text this runnerd does not know (a newer egressd's) counts as `other`.
 fn bounded_verdict(verdict: &str) -> &'static str {
-    const KNOWN: &[&str] = &["allowed", "denied", "limited", "failed", "no_request", "refused", "error"];
-    KNOWN.iter().find(|k| **k == verdict).copied().unwrap_or("other")
+    Verdict::parse(verdict).map_or(OTHER, Verdict::as_str)
 }
+
+/// The label of a text from outside the process that names no known value.
+const OTHER: &str = "other";
 
 /// The limit an outcome means, if it means one.
 fn limit_of_outcome(outcome: &str) -> Option<&'static str> {
@@ -550,8 +555,32 @@ mod tests {
         ] {
             assert_eq!(bounded_outcome(given), label, "{given:?}");
         }
-        for (given, label) in [("allowed", "allowed"), ("denied", "denied"), ("x\ny", "other")] {
+        for (given, label) in
+            [("allowed", "allowed"), ("denied", "denied"), ("malformed", "malformed"), ("x\ny", "other")]
+        {
             assert_eq!(bounded_verdict(given), label, "{given:?}");
+        }
+    }
+
+    /// Every value of a closed set has a label of its own, and none is `other` (kept for
+    /// the texts from outside the process that name none).
+    fn labels_are_unique(set: &str, labels: impl IntoIterator<Item = &'static str>) {
+        let mut seen = std::collections::HashSet::new();
+        for label in labels {
+            assert!(!label.is_empty() && label != OTHER, "{set}: {label:?}");
+            assert!(
+                label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+                "{set}: {label:?}"
+            );
+            assert!(seen.insert(label), "{set}: {label:?} twice");
+        }
+    }
+
+    #[test]
+    fn every_verdict_has_its_label() {
+        labels_are_unique("verdict", Verdict::ALL.iter().map(|v| v.as_str()));
+        for v in Verdict::ALL {
+            assert_eq!(bounded_verdict(v.as_str()), v.as_str());
         }
     }
 
