@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 
 use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
+use super::state::ManagedState as State;
 use crate::app::App;
 use crate::coordination::{ABORTED, CoordError};
 use crate::exec::{self, request};
@@ -360,11 +361,11 @@ impl Manager {
         &self,
         rec: &mut ManagedExecution,
         audit: &exec::FinishAudit,
-        state: &str,
+        state: State,
         error: Option<String>,
     ) {
-        audit.finished(state, None, None, error.as_deref());
-        rec.state = state.into();
+        audit.finished(state.as_str(), None, None, error.as_deref());
+        rec.state = state;
         if error.is_some() {
             rec.error = error;
         }
@@ -396,24 +397,24 @@ impl Manager {
         let Submitted { root, code, max_output, max_workspace, prepared } = submitted;
         let queue = tokio::select! {
             held = app.admission.acquire_workspace(&root) => held,
-            _ = stop.stopped() => return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await,
+            _ = stop.stopped() => return self.finish(&mut rec, audit, State::Cancelled, Some(ABORTED.into())).await,
         };
         let pinned = match crate::exec::workspace::open_beneath(&app.data_dir, &root) {
             Ok(fd) => fd,
-            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
+            Err(e) => return self.finish(&mut rec, audit, State::Failed, Some(e.to_string())).await,
         };
         let mut writer = match app.versions.begin(&root, pinned, Some(&stop.watch())).await {
             Ok(w) => w,
             Err(WriteError::Coordination(CoordError::Aborted)) => {
-                return self.finish(&mut rec, audit, "cancelled", Some(ABORTED.into())).await;
+                return self.finish(&mut rec, audit, State::Cancelled, Some(ABORTED.into())).await;
             }
-            Err(e) => return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await,
+            Err(e) => return self.finish(&mut rec, audit, State::Failed, Some(e.to_string())).await,
         };
         if stop.is_stopped() {
-            return self.finish(&mut rec, audit, "cancelled", Some(CANCELLED_BEFORE_START.into())).await;
+            return self.finish(&mut rec, audit, State::Cancelled, Some(CANCELLED_BEFORE_START.into())).await;
         }
         let started_at = timefmt::now_iso();
-        rec.state = "running".into();
+        rec.state = State::Running;
         rec.started_at = Some(started_at.clone());
         self.save(&rec).await;
 
@@ -440,16 +441,16 @@ impl Manager {
         // The version stores no more than the quota (a run over it is failed already).
         writer.limit_snapshot_bytes(max_workspace);
         let (state, error, mut result) = match ran {
-            Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None, Some(r)),
+            Ok(r) => (if r.exit_code == 0 { State::Completed } else { State::Failed }, None, Some(r)),
             Err(e) if e.is_unresponsive() => {
                 // The sandbox may still write: keep the workspace locked until a restart.
                 drop(writer.take_journal());
                 std::mem::forget(writer);
                 std::mem::forget(queue);
-                return self.finish(&mut rec, audit, "failed", Some(e.to_string())).await;
+                return self.finish(&mut rec, audit, State::Failed, Some(e.to_string())).await;
             }
-            Err(e) if stop.stopped_by_caller() => ("cancelled", Some(e.to_string()), None),
-            Err(e) => ("failed", Some(e.to_string()), None),
+            Err(e) if stop.stopped_by_caller() => (State::Cancelled, Some(e.to_string()), None),
+            Err(e) => (State::Failed, Some(e.to_string()), None),
         };
 
         // The version: the files as the command left them, and the retained logs (streamed
@@ -479,7 +480,7 @@ impl Manager {
             session_id: rec.session_id.clone(),
             execution_id: rec.id.clone(),
             environment_revision_id: result.as_ref().map(|r| r.environment_revision_id.clone()),
-            state: state.into(),
+            state,
             code,
             stdout,
             stderr,
@@ -497,7 +498,7 @@ impl Manager {
             }
             Err(e) => {
                 app.versions.fail_commit(&root, &e);
-                ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
+                (State::Failed, Some(format!("Execution ended, but workspace version commit failed: {e}")))
             }
         };
         // The output stays counted in the pool while the record holds its copy.
@@ -651,13 +652,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// so and how the run ended (result and version are kept).
 fn record_failed(rec: &ManagedExecution) -> ManagedExecution {
     let mut failed = rec.clone();
-    failed.error = Some(failed_error(&rec.state, rec.error.as_deref()));
-    failed.state = "failed".into();
+    failed.error = Some(failed_error(rec.state, rec.error.as_deref()));
+    failed.state = State::Failed;
     failed
 }
 
 /// `RECORD_FAILED`, then how the run ended and its own error, if any.
-pub fn failed_error(state: &str, error: Option<&str>) -> String {
+pub fn failed_error(state: State, error: Option<&str>) -> String {
     match error {
         Some(e) => format!("{RECORD_FAILED} when it ended {state}: {e}"),
         None => format!("{RECORD_FAILED} when it ended {state}"),
@@ -892,14 +893,14 @@ mod tests {
     #[test]
     fn an_end_that_cannot_be_recorded_becomes_a_failure_that_says_how_it_ended() {
         let mut rec = ManagedExecution::queued("a".into(), "s".into(), "id".into(), "t".into());
-        rec.state = "completed".into();
+        rec.state = State::Completed;
         let failed = record_failed(&rec);
         assert_eq!(
             (failed.state.as_str(), failed.error.as_deref()),
             ("failed", Some(format!("{RECORD_FAILED} when it ended completed").as_str()))
         );
         assert_eq!(
-            failed_error("cancelled", Some("why")),
+            failed_error(State::Cancelled, Some("why")),
             format!("{RECORD_FAILED} when it ended cancelled: why")
         );
     }
