@@ -5,9 +5,11 @@
 
 pub mod admission;
 pub mod answer;
+pub mod code;
 pub mod dedupe;
 pub mod error;
 pub mod files;
+pub mod outcome;
 pub mod registry;
 pub mod request;
 pub mod stop;
@@ -30,11 +32,13 @@ use crate::sandbox::{
 };
 use crate::timefmt;
 use crate::writer::WriteError;
+pub use code::ErrorCode;
 use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;
 use common::plan::IdPair;
 use common::seccomp::Profile;
 pub use error::EngineError;
+pub use outcome::{Outcome, RunOutcome};
 use registry::ActiveExecution;
 pub use stop::{StopReason, StopToken};
 
@@ -42,7 +46,7 @@ pub use stop::{StopReason, StopToken};
 pub const MAX_EXECUTION_ID: usize = 1024;
 
 /// The error code of a sandbox that did not die: its caller keeps the workspace locked.
-pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
+pub const UNRESPONSIVE: ErrorCode = ErrorCode::SandboxUnresponsive;
 
 /// How often the workspace quota is re-measured during a run, at the most: the original
 /// polls every 100 ms; ours waits 25 ms, or as long as the last walk took if that was longer
@@ -206,7 +210,7 @@ impl FinishAudit {
     /// only when the sandboxed command exited by itself.
     pub fn finished(
         &self,
-        outcome: &str,
+        outcome: impl Into<Outcome>,
         exit_code: Option<i32>,
         run: Option<Duration>,
         error: Option<&str>,
@@ -214,6 +218,7 @@ impl FinishAudit {
         if self.written.swap(true, Ordering::SeqCst) {
             return;
         }
+        let outcome: Outcome = outcome.into();
         if let Some((m, route)) = &self.metrics {
             m.finished(route, outcome, self.profile.name(), self.admitted.elapsed());
         }
@@ -228,7 +233,7 @@ impl FinishAudit {
                     agent_id = %self.agent_id,
                     workspace = %self.workspace.display(),
                     profile = %self.profile,
-                    outcome,
+                    outcome = outcome.as_str(),
                     exit_code,
                     duration_ms,
                     run_ms,
@@ -236,7 +241,7 @@ impl FinishAudit {
                 )
             };
         }
-        if outcome == "sandbox_launch_failed" || outcome == UNRESPONSIVE {
+        if outcome.is_sandbox_failure() {
             record!(error);
         } else {
             record!(info);
@@ -253,7 +258,7 @@ impl Drop for FinishAudit {
     /// The last resort: a task dropped before any path recorded the end still leaves one.
     fn drop(&mut self) {
         self.finished(
-            "dropped",
+            RunOutcome::Dropped,
             None,
             None,
             Some("the task running the execution ended before it recorded an outcome"),
@@ -292,7 +297,7 @@ pub fn locate(app: &App, ws: &request::WorkspaceRef) -> Result<Located, EngineEr
         return Ok(Located { root: workspace::validated_workspace(data, &root)?, read_only: None });
     }
     let root = ws.root.as_deref().ok_or_else(|| {
-        EngineError::invalid("workspace_required", "workspaceRoot or runnerWorkspaceKey is required")
+        EngineError::invalid(ErrorCode::WorkspaceRequired, "workspaceRoot or runnerWorkspaceKey is required")
     })?;
     let root = workspace::validated_workspace(data, Path::new(root))?;
     let read_only = match &ws.read_only {
@@ -316,7 +321,7 @@ pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket,
     let id = &req.execution_id;
     if id.len() > MAX_EXECUTION_ID {
         return Err(EngineError::invalid(
-            "execution_id_too_long",
+            ErrorCode::ExecutionIdTooLong,
             format!("Execution ID must be at most {MAX_EXECUTION_ID} bytes"),
         ));
     }
@@ -324,10 +329,10 @@ pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket,
         return Err(EngineError::Duplicate);
     }
     if id.trim().is_empty() {
-        return Err(EngineError::invalid("execution_id_required", "Execution ID is required"));
+        return Err(EngineError::invalid(ErrorCode::ExecutionIdRequired, "Execution ID is required"));
     }
     if req.agent_id.trim().is_empty() {
-        return Err(EngineError::invalid("agent_id_required", "Agent ID is required"));
+        return Err(EngineError::invalid(ErrorCode::AgentIdRequired, "Agent ID is required"));
     }
     Ok(ticket)
 }
@@ -373,7 +378,7 @@ pub async fn execute(
     audit.admitted(language_name(language), false);
     let key = admission::agent_key(&prepared.session_id, &prepared.agent_id);
     let abandoned = || {
-        audit.finished("abandoned_in_queue", None, None, None);
+        audit.finished(RunOutcome::AbandonedInQueue, None, None, None);
         EngineError::Aborted { label: language.label() }
     };
     let ended = |e: EngineError| {
@@ -493,9 +498,9 @@ fn select_environment(
     let language = req.language;
     let named = req.environment_revision_id.as_deref();
     let store = &app.envs;
-    let unavailable = |m: &str| EngineError::unavailable("capability_unavailable", m.to_owned());
+    let unavailable = |m: &str| EngineError::unavailable(ErrorCode::CapabilityUnavailable, m.to_owned());
     let selected = |r: Result<crate::envs::store::Selection, crate::envs::store::StoreError>| {
-        r.map_err(|e| EngineError::invalid("environment_unavailable", e.to_string()))
+        r.map_err(|e| EngineError::invalid(ErrorCode::EnvironmentUnavailable, e.to_string()))
     };
     match language {
         Language::Python | Language::R if store.available() => {
@@ -534,7 +539,7 @@ pub fn prepare(
 ) -> Result<Prepared, EngineError> {
     let language = req.language;
     if req.code.trim().is_empty() {
-        return Err(EngineError::invalid("code_required", request::code_required(language)));
+        return Err(EngineError::invalid(ErrorCode::CodeRequired, request::code_required(language)));
     }
     let epoch_revision = req.epoch_environment_revision_id.as_deref();
     let (environment_revision_id, environment) = select_environment(app, &req, epoch_revision)?;
@@ -544,16 +549,16 @@ pub fn prepare(
         "domain-allowlist" => {
             if network.revision.trim().is_empty() || network.revision == "none" {
                 return Err(EngineError::invalid(
-                    "invalid_network_access",
+                    ErrorCode::InvalidNetworkAccess,
                     "permissionEpoch.networkAccess.revision is required for a domain-allowlist policy",
                 ));
             }
             crate::egress::proxy_setting(req.egress_proxy.as_ref())
-                .map_err(|m| EngineError::invalid("invalid_egress_proxy", m))?
+                .map_err(|m| EngineError::invalid(ErrorCode::InvalidEgressProxy, m))?
         }
         other => {
             return Err(EngineError::unavailable(
-                "network_unavailable",
+                ErrorCode::NetworkUnavailable,
                 format!(
                     "Sandbox network access is unavailable: policy {other:?} is not supported (only \"none\" and \"domain-allowlist\"); nothing was run"
                 ),
@@ -585,7 +590,7 @@ pub fn prepare(
         None => (None, None),
     };
     let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
-        .map_err(|m| EngineError::invalid("invalid_resource_limits", m))?;
+        .map_err(|m| EngineError::invalid(ErrorCode::InvalidResourceLimits, m))?;
     sandbox_shape(app)?;
     Ok(Prepared {
         language,
@@ -646,7 +651,7 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineErro
         Err(e) => {
             tracing::warn!(event = "egress_unavailable", execution_id = %p.execution_id, revision = %p.network.revision, error = %crate::error_chain(&e));
             Err(EngineError::unavailable(
-                "network_unavailable",
+                ErrorCode::NetworkUnavailable,
                 format!(
                     "Sandbox network access (domain-allowlist) is unavailable: {}; nothing was run",
                     crate::error_chain(&e)
@@ -659,7 +664,7 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineErro
 fn sandbox_shape(app: &App) -> Result<crate::sandbox::SandboxShape, EngineError> {
     app.sandbox.capability.shape().ok_or_else(|| {
         EngineError::unavailable(
-            "sandbox_unavailable",
+            ErrorCode::SandboxUnavailable,
             preflight::sandbox_unusable_message(
                 &app.sandbox.bwrap.to_string_lossy(),
                 app.sandbox.capability.detail.as_deref(),
@@ -754,7 +759,7 @@ fn sandbox_command(
         (None, "none") => None,
         (None, _) => {
             return Err(EngineError::unavailable(
-                "network_unavailable",
+                ErrorCode::NetworkUnavailable,
                 "Sandbox network access (domain-allowlist) is unavailable: no egress gateway was acquired; nothing was run",
             ));
         }
@@ -810,7 +815,7 @@ fn workspace_owners(
     let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
     let (who, support) = (&app.sandbox.user, &app.sandbox.idmap);
     let refused =
-        |e: ownership::Unwritable| EngineError::unavailable("workspace_not_writable", e.to_string());
+        |e: ownership::Unwritable| EngineError::unavailable(ErrorCode::WorkspaceNotWritable, e.to_string());
     // A read-only directory at or inside the writable root is reached through the root's
     // own bind too: idmapping it would make it writable there as its owner. It is bound as
     // it is, as before issue #30.
@@ -860,13 +865,13 @@ async fn sandbox_run(
         Ok(m) if owners.0.is_some() && m.set_id.is_some() => {
             let path = m.set_id.unwrap_or_default();
             audit.finished(
-                "workspace_not_writable",
+                ErrorCode::WorkspaceNotWritable,
                 None,
                 None,
                 Some("a set-ID file in an idmapped workspace"),
             );
             return Err(EngineError::unavailable(
-                "workspace_not_writable",
+                ErrorCode::WorkspaceNotWritable,
                 format!(
                     "Runner workspace {} holds a set-user-ID or set-group-ID file ({path}), which a sandbox \
                      writing as the workspace's owner could rewrite; nothing was run. Clear the bit (chmod u-s,g-s) \
@@ -877,7 +882,7 @@ async fn sandbox_run(
         }
         Ok(m) => m.prints,
         Err(breach) => {
-            audit.finished("workspace_quota_exceeded_before_run", None, None, None);
+            audit.finished(RunOutcome::WorkspaceQuotaExceededBeforeRun, None, None, None);
             return Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)));
         }
     };
@@ -896,7 +901,7 @@ async fn sandbox_run(
         // enclosing workspace's sandbox could swap it for a symlink in between.
         Some(_) if !app.sandbox.features.bind_fd => {
             return Err(EngineError::unavailable(
-                "skills_unavailable",
+                ErrorCode::SkillsUnavailable,
                 "Skill packages need bubblewrap with --bind-fd (0.8 or later) on this host",
             ));
         }
@@ -910,8 +915,8 @@ async fn sandbox_run(
     // workspace lease (a writer queued on the environment cannot wait on this run's locks).
     let runtime = match &p.environment {
         Some(selection) => Some(app.envs.lease(selection).await.map_err(|e| {
-            audit.finished("environment_unavailable", None, None, Some(&e.to_string()));
-            EngineError::invalid("environment_unavailable", e.to_string())
+            audit.finished(ErrorCode::EnvironmentUnavailable, None, None, Some(&e.to_string()));
+            EngineError::invalid(ErrorCode::EnvironmentUnavailable, e.to_string())
         })?),
         None => None,
     };
@@ -943,7 +948,7 @@ async fn sandbox_run(
         }
         Err(e) => {
             let error = crate::error_chain(&e);
-            audit.finished("sandbox_launch_failed", None, None, Some(&error));
+            audit.finished(ErrorCode::SandboxLaunchFailed, None, None, Some(&error));
             return Err(EngineError::LaunchFailed(format!(
                 "the execution's cgroup could not be prepared, nothing was run: {error}"
             )));
@@ -1002,7 +1007,7 @@ async fn sandbox_run(
             }
             let error = crate::error_chain(&e);
             let unresponsive = matches!(e, crate::launch::LaunchError::Unresponsive { .. });
-            let outcome = if unresponsive { UNRESPONSIVE } else { "sandbox_launch_failed" };
+            let outcome = if unresponsive { UNRESPONSIVE } else { ErrorCode::SandboxLaunchFailed };
             audit.finished(outcome, None, Some(launched.elapsed()), Some(&error));
             if unresponsive {
                 tracing::error!(event = "workspace_locked", workspace = %p.root.display(), reason = "a sandbox did not die");
@@ -1013,7 +1018,7 @@ async fn sandbox_run(
             {
                 // The start-up probe passed, but this workspace's filesystem refused.
                 return Err(EngineError::unavailable(
-                    "workspace_not_writable",
+                    ErrorCode::WorkspaceNotWritable,
                     format!(
                         "Runner workspace {} could not be mounted for the sandbox user ({f}); nothing was run. Run \
                          runnerd as the data directory's owner, or keep workspaces on a filesystem that supports \
@@ -1026,24 +1031,24 @@ async fn sandbox_run(
         }
     };
 
-    let finish = |outcome_name: &str, exit: Option<i32>| {
+    let finish = |outcome_name: Outcome, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
     let exit_code = match outcome.termination {
         Termination::Exited(code) => code,
         Termination::Signaled(_) => 1,
         Termination::TimedOut => {
-            finish("timed_out", None);
+            finish(RunOutcome::TimedOut.into(), None);
             return Err(EngineError::TimedOut { label: language.label(), ms: p.timeout_ms });
         }
         Termination::Cancelled => {
             return Err(match stop.take_breach() {
                 Some(breach) => {
-                    finish("workspace_quota_exceeded", None);
+                    finish(ErrorCode::WorkspaceQuotaExceeded.into(), None);
                     EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, true))
                 }
                 None => {
-                    finish("aborted", None);
+                    finish(RunOutcome::Aborted.into(), None);
                     EngineError::Aborted { label: language.label() }
                 }
             });
@@ -1061,12 +1066,12 @@ async fn sandbox_run(
     let (created_files, modified_files) = match files::check(after, p.max_workspace) {
         Ok(_) => changes.unwrap_or_default(),
         Err(breach) => {
-            finish("workspace_quota_exceeded", Some(exit_code));
+            finish(ErrorCode::WorkspaceQuotaExceeded.into(), Some(exit_code));
             return Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)));
         }
     };
     let collected = output.finish_text();
-    finish("completed", Some(exit_code));
+    finish(RunOutcome::Completed.into(), Some(exit_code));
     let limits = crate::limits::outcome_fields(
         outcome.termination,
         collected.stderr.is_empty(),

@@ -150,7 +150,7 @@ impl ManagedError {
             ManagedError::NotFound => "execution_not_found",
             ManagedError::InvalidCursor => "invalid_cursor",
             ManagedError::OutputBusy => "output_memory_busy",
-            ManagedError::Engine(e) => e.code(),
+            ManagedError::Engine(e) => e.code().as_str(),
             ManagedError::Store(_) => "internal",
         }
     }
@@ -364,7 +364,7 @@ impl Manager {
         state: State,
         error: Option<String>,
     ) {
-        audit.finished(state.as_str(), None, None, error.as_deref());
+        audit.finished(state, None, None, error.as_deref());
         rec.state = state;
         if error.is_some() {
             rec.error = error;
