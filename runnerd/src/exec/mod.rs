@@ -364,7 +364,7 @@ pub async fn execute(
         queued_at: timefmt::now_iso(),
         session_id: prepared.session_id.clone(),
         started_at: None,
-        status: "queued",
+        status: registry::Status::Queued,
     });
     let audit = FinishAudit::new(
         &prepared.execution_id,
