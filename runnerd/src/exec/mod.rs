@@ -9,6 +9,7 @@ pub mod code;
 pub mod dedupe;
 pub mod error;
 pub mod files;
+pub mod network_mode;
 pub mod outcome;
 pub mod registry;
 pub mod request;
@@ -40,6 +41,7 @@ use common::seccomp::Profile;
 pub use error::EngineError;
 pub use outcome::{Outcome, RunOutcome};
 use registry::ActiveExecution;
+use request::NetworkMode;
 pub use stop::{StopReason, StopToken};
 
 /// Ours: ids are UUIDs in practice; anything longer than this is refused before it is kept.
@@ -91,7 +93,7 @@ pub struct ExecutionResult {
     pub kernel_mode: &'static str,
     pub language: &'static str,
     pub network_access_revision: String,
-    pub network_policy: String,
+    pub network_policy: NetworkMode,
     pub runner_version: &'static str,
     pub sandbox: &'static str,
     pub started_at: String,
@@ -116,8 +118,8 @@ fn language_name(l: Language) -> &'static str {
 /// policy (the bridge needs its sockets), else `baseline`. The same rule as `argv::build`
 /// (a domain-allowlist run without a gateway never starts), known before the sandbox is.
 /// With Ascend chips and no network, `npu` (internals §4.4).
-pub fn profile_for(network_mode: &str, ascend: bool) -> Profile {
-    argv::profile(network_mode == "domain-allowlist", ascend)
+pub fn profile_for(network_mode: &NetworkMode, ascend: bool) -> Profile {
+    argv::profile(*network_mode == NetworkMode::DomainAllowlist, ascend)
 }
 
 /// The `execution_finished` audit record of one admitted execution: written once, by
@@ -544,9 +546,9 @@ pub fn prepare(
     let epoch_revision = req.epoch_environment_revision_id.as_deref();
     let (environment_revision_id, environment) = select_environment(app, &req, epoch_revision)?;
     let network = req.network;
-    let egress_route = match network.mode.as_str() {
-        "none" => ProxySetting::Direct,
-        "domain-allowlist" => {
+    let egress_route = match &network.mode {
+        NetworkMode::None => ProxySetting::Direct,
+        NetworkMode::DomainAllowlist => {
             if network.revision.trim().is_empty() || network.revision == "none" {
                 return Err(EngineError::invalid(
                     ErrorCode::InvalidNetworkAccess,
@@ -556,7 +558,7 @@ pub fn prepare(
             crate::egress::proxy_setting(req.egress_proxy.as_ref())
                 .map_err(|m| EngineError::invalid(ErrorCode::InvalidEgressProxy, m))?
         }
-        other => {
+        NetworkMode::Other(other) => {
             return Err(EngineError::unavailable(
                 ErrorCode::NetworkUnavailable,
                 format!(
@@ -631,7 +633,7 @@ pub fn resolve_cwd(app: &App, p: &mut Prepared) -> Result<(), EngineError> {
 /// prepared run is dropped. Fails closed (400 `network_unavailable`) when egressd or the
 /// bridge is missing, so an unfiltered run never happens.
 pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineError> {
-    if p.network.mode != "domain-allowlist" || p.egress.is_some() {
+    if p.network.mode != NetworkMode::DomainAllowlist || p.egress.is_some() {
         return Ok(());
     }
     let policy = GatewayPolicy {
@@ -750,13 +752,13 @@ fn sandbox_command(
         false => None,
     };
     let mut slot = |fd: &OwnedFd| slots.push(fd).map_err(EngineError::internal);
-    let egress_mount = match (&p.egress, p.network.mode.as_str()) {
+    let egress_mount = match (&p.egress, &p.network.mode) {
         (Some(lease), _) => Some(EgressMount {
             bridge: app.egress.bridge.clone(),
             gateway_socket: lease.socket.clone(),
             gateway_fd: by_fd.then(|| slot(&lease.socket_fd)).transpose()?,
         }),
-        (None, "none") => None,
+        (None, NetworkMode::None) => None,
         (None, _) => {
             return Err(EngineError::unavailable(
                 ErrorCode::NetworkUnavailable,

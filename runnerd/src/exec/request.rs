@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 use super::code::ErrorCode;
 use super::error::EngineError;
+pub use super::network_mode::NetworkMode;
 use crate::config::MAX_SAFE_INTEGER;
 use crate::sandbox::Language;
 
@@ -485,7 +486,7 @@ pub fn bytes_error(label: &str) -> String {
 /// `networkAccess` only if its mode equals `networkPolicy`, else none.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NetworkAccess {
-    pub mode: String,
+    pub mode: NetworkMode,
     pub revision: String,
     /// Strings only; anything else in the array is dropped (egressd skips entries that do
     /// not parse, as the original's matcher does).
@@ -506,7 +507,7 @@ pub fn network_access(obj: &Object) -> NetworkAccess {
     match (policy, access) {
         (Some(policy), Some(access)) if access.get("mode").and_then(Value::as_str) == Some(policy) => {
             NetworkAccess {
-                mode: policy.to_owned(),
+                mode: NetworkMode::parse(policy),
                 revision: access.get("revision").and_then(Value::as_str).unwrap_or("none").to_owned(),
                 allowed_domains: access
                     .get("allowedDomains")
