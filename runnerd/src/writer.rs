@@ -473,7 +473,7 @@ impl Versions {
                 facts.environment_revision_id.as_deref(),
                 &facts.execution_id,
                 &facts.session_id,
-                facts.state.as_str(),
+                facts.state,
                 &stderr,
                 &stdout,
                 &tree,
