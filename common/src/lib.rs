@@ -6,6 +6,7 @@
 //! * [`channel`]: the length-prefixed, versioned postcard channel they speak, with file
 //!   descriptors passed as `SCM_RIGHTS`.
 //! * [`sys`]: the one wrapper that turns a raw syscall's `-1` into `io::Error`.
+//! * [`names`]: [`named_enum!`], the closed sets of names that cross a boundary as text.
 //!
 //! Behind features, for the daemons:
 //! * `seccomp` — [`seccomp`]: the sandbox's profiles (`baseline`, `network`, `npu`) for
@@ -34,6 +35,7 @@ pub mod daemon;
 pub mod egress;
 #[cfg(feature = "daemon")]
 pub mod layout;
+pub mod names;
 #[cfg(feature = "npu")]
 pub mod npu;
 #[cfg(feature = "daemon")]

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use common::egress::PolicyIdentity;
 use common::egress::allowlist::Allowlist;
-use common::egress::protocol::GatewayPolicy;
+use common::egress::protocol::{GatewayPolicy, Verdict};
 use common::egress::route::ProxySetting;
 use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
@@ -485,12 +485,12 @@ impl Drop for Open<'_> {
 }
 
 /// Proxy decisions since start, by verdict: what the control socket's status answers (runnerd's
-/// `GET /metrics`). Verdicts are the proxy's own `&'static str`s, a closed set.
+/// `GET /metrics`), keyed by the verdict's text.
 static DECISIONS: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>> =
     std::sync::Mutex::new(std::collections::BTreeMap::new());
 
-fn count_decision(verdict: &'static str) {
-    *DECISIONS.lock().unwrap_or_else(|p| p.into_inner()).entry(verdict).or_default() += 1;
+fn count_decision(verdict: Verdict) {
+    *DECISIONS.lock().unwrap_or_else(|p| p.into_inner()).entry(verdict.as_str()).or_default() += 1;
 }
 
 /// The counts [`count_decision`] kept.
@@ -514,7 +514,7 @@ async fn connection(
         Err(_) => (u32::MAX, 0),
     };
     if uid != lease.uid {
-        count_decision("refused");
+        count_decision(Verdict::Refused);
         tracing::warn!(event = "egress_peer_refused", gateway = %gateway.identity.short(), revision = %lease.revision, client_uid = uid, client_pid = pid, expected_uid = lease.uid);
         let reason =
             format!("this egress gateway serves only the sandbox it was acquired for, not uid {uid}");
@@ -526,16 +526,16 @@ async fn connection(
         Err(refusal) => {
             let reason = refusal_reason(&gateway.caps, refusal);
             let _ = stream.write_all(&reply::connect(429, Some(&reason))).await;
-            count_decision("limited");
-            tracing::warn!(event = "egress_decision", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid, decision = "limited", status = 429u16, reason = %reason);
+            count_decision(Verdict::Limited);
+            tracing::warn!(event = "egress_decision", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid, decision = Verdict::Limited.as_str(), status = 429u16, reason = %reason);
             return;
         }
     };
     let rec = tokio::select! {
         rec = proxy::serve(stream, &gateway.policy, &lease.route, &shared) => rec,
-        _ = stopped.changed() => proxy::Record { decision: "failed", reason: "the sandbox's lease on the gateway ended".into(), ..Default::default() },
+        _ = stopped.changed() => proxy::Record { decision: Verdict::Failed, reason: "the sandbox's lease on the gateway ended".into(), ..Default::default() },
     };
-    if rec.decision == "no_request" && rec.status == 0 {
+    if rec.decision == Verdict::NoRequest && rec.status == 0 {
         tracing::debug!(event = "egress_no_request", gateway = %gateway.identity.short(), revision = %lease.revision, client_pid = pid);
         return;
     }
@@ -549,7 +549,7 @@ async fn connection(
         method = %rec.method,
         host = %rec.host,
         port = rec.port,
-        decision = rec.decision,
+        decision = rec.decision.as_str(),
         reason = %rec.reason,
         address = %rec.address.map(|a| a.to_string()).unwrap_or_default(),
         proxy = %rec.proxy.clone().unwrap_or_default(),

@@ -16,6 +16,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use common::egress::protocol::Verdict;
+
+use crate::exec::Outcome;
+
 /// The exposition format's media type.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -364,9 +368,9 @@ impl Metrics {
     }
 
     /// One admitted execution's end (written once, with its audit record).
-    pub fn finished(&self, route: &'static str, outcome: &str, profile: &str, duration: Duration) {
-        let outcome = bounded_outcome(outcome);
-        let labels = vec![("route", route.into()), ("outcome", outcome.into()), ("profile", profile.into())];
+    pub fn finished(&self, route: &'static str, outcome: Outcome, profile: &str, duration: Duration) {
+        let labels =
+            vec![("route", route.into()), ("outcome", outcome.as_str().into()), ("profile", profile.into())];
         self.executions.get_or_create(&labels).inc();
         self.duration_seconds.get_or_create(&vec![("route", route.into())]).observe(duration.as_secs_f64());
         if let Some(limit) = limit_of_outcome(outcome) {
@@ -455,41 +459,22 @@ impl Metrics {
     }
 }
 
-/// The outcomes an execution records (`FinishAudit`): the sandbox's own and every error
-/// code; anything else (a future code) counts as `other` rather than growing the label set.
-fn bounded_outcome(outcome: &str) -> &'static str {
-    const KNOWN: &[&str] = &[
-        "completed",
-        "timed_out",
-        "aborted",
-        "abandoned_in_queue",
-        "dropped",
-        "sandbox_launch_failed",
-        "sandbox_unresponsive",
-        "workspace_quota_exceeded",
-        "workspace_quota_exceeded_before_run",
-        "execution_timeout",
-        "execution_aborted",
-        "version_commit_failed",
-        "network_unavailable",
-        "workspace_retired",
-        "workspace_poisoned",
-        "internal",
-    ];
-    KNOWN.iter().find(|k| **k == outcome).copied().unwrap_or("other")
+/// egressd's verdicts (its `egress_decision` records), as egressd's status answer names
+/// them; a text this runnerd does not know (a newer egressd's) counts as `other`.
+fn bounded_verdict(verdict: &str) -> &'static str {
+    Verdict::parse(verdict).map_or(OTHER, Verdict::as_str)
 }
 
-/// egressd's verdicts (its `egress_decision` records); others count as `other`.
-fn bounded_verdict(verdict: &str) -> &'static str {
-    const KNOWN: &[&str] = &["allowed", "denied", "limited", "failed", "no_request", "refused", "error"];
-    KNOWN.iter().find(|k| **k == verdict).copied().unwrap_or("other")
-}
+/// The label of a text from outside the process that names no known value.
+const OTHER: &str = "other";
 
 /// The limit an outcome means, if it means one.
-fn limit_of_outcome(outcome: &str) -> Option<&'static str> {
+fn limit_of_outcome(outcome: Outcome) -> Option<&'static str> {
+    use crate::exec::{ErrorCode, RunOutcome};
     match outcome {
-        "timed_out" => Some("timeout"),
-        "workspace_quota_exceeded" | "workspace_quota_exceeded_before_run" => Some("quota"),
+        Outcome::Run(RunOutcome::TimedOut) => Some("timeout"),
+        Outcome::Error(ErrorCode::WorkspaceQuotaExceeded)
+        | Outcome::Run(RunOutcome::WorkspaceQuotaExceededBeforeRun) => Some("quota"),
         _ => None,
     }
 }
@@ -541,28 +526,63 @@ mod tests {
     use super::*;
 
     #[test]
-    fn outcomes_and_verdicts_are_a_closed_set() {
-        for (given, label) in [
-            ("completed", "completed"),
-            ("timed_out", "timed_out"),
-            ("queue_full\"} 1\nfake", "other"),
-            ("", "other"),
-        ] {
-            assert_eq!(bounded_outcome(given), label, "{given:?}");
-        }
-        for (given, label) in [("allowed", "allowed"), ("denied", "denied"), ("x\ny", "other")] {
+    fn verdicts_from_egressd_are_a_closed_set() {
+        for (given, label) in
+            [("allowed", "allowed"), ("denied", "denied"), ("malformed", "malformed"), ("x\ny", "other")]
+        {
             assert_eq!(bounded_verdict(given), label, "{given:?}");
         }
     }
 
+    /// Every value of a closed set has a label of its own, and none is `other` (kept for
+    /// the texts from outside the process that name none).
+    fn labels_are_unique(set: &str, labels: impl IntoIterator<Item = &'static str>) {
+        let mut seen = std::collections::HashSet::new();
+        for label in labels {
+            assert!(!label.is_empty() && label != OTHER, "{set}: {label:?}");
+            assert!(
+                label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+                "{set}: {label:?}"
+            );
+            assert!(seen.insert(label), "{set}: {label:?} twice");
+        }
+    }
+
+    #[test]
+    fn every_verdict_has_its_label() {
+        labels_are_unique("verdict", Verdict::ALL.iter().map(|v| v.as_str()));
+        for v in Verdict::ALL {
+            assert_eq!(bounded_verdict(v.as_str()), v.as_str());
+        }
+    }
+
+    #[test]
+    fn every_outcome_has_its_label() {
+        labels_are_unique("outcome", Outcome::ALL.iter().map(|o| o.as_str()));
+        let m = Metrics::new();
+        for o in Outcome::ALL {
+            m.finished("execute", o, "baseline", Duration::ZERO);
+        }
+        let text = m.render(&Snapshot::default());
+        for o in Outcome::ALL {
+            let line = format!(
+                "runner_executions_total{{route=\"execute\",outcome=\"{o}\",profile=\"baseline\"}} 1"
+            );
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
+        }
+        assert!(!text.contains("outcome=\"other\""), "{text}");
+    }
+
     #[test]
     fn outcomes_name_their_limits() {
+        use crate::exec::{ErrorCode, RunOutcome};
         for (outcome, limit) in [
-            ("timed_out", Some("timeout")),
-            ("workspace_quota_exceeded", Some("quota")),
-            ("workspace_quota_exceeded_before_run", Some("quota")),
-            ("completed", None),
-            ("aborted", None),
+            (RunOutcome::TimedOut.into(), Some("timeout")),
+            (ErrorCode::WorkspaceQuotaExceeded.into(), Some("quota")),
+            (RunOutcome::WorkspaceQuotaExceededBeforeRun.into(), Some("quota")),
+            (RunOutcome::Completed.into(), None),
+            (RunOutcome::Aborted.into(), None),
+            (ErrorCode::ExecutionTimeout.into(), None),
         ] {
             assert_eq!(limit_of_outcome(outcome), limit, "{outcome}");
         }
@@ -607,7 +627,12 @@ mod tests {
         let m = Metrics::new();
         m.request("execute", None);
         m.request("execute", Some("workspace_required"));
-        m.finished("execute", "timed_out", "baseline", Duration::from_millis(30));
+        m.finished(
+            "execute",
+            crate::exec::RunOutcome::TimedOut.into(),
+            "baseline",
+            Duration::from_millis(30),
+        );
         m.admission(false);
         let text = m.render(&Snapshot {
             admitted: 3,

@@ -221,7 +221,7 @@ pub struct ExecutionFacts {
     pub session_id: String,
     pub execution_id: String,
     pub environment_revision_id: Option<String>,
-    pub state: String,
+    pub state: crate::managed::ManagedState,
     pub code: String,
     /// The stream's content, opened afresh for each attempt (a commit may be retried).
     pub stdout: ContentSource,
@@ -473,7 +473,7 @@ impl Versions {
                 facts.environment_revision_id.as_deref(),
                 &facts.execution_id,
                 &facts.session_id,
-                &facts.state,
+                facts.state,
                 &stderr,
                 &stdout,
                 &tree,

@@ -64,9 +64,33 @@ pub struct EgressStatus {
     pub gateways: u32,
     pub open_connections: u32,
     pub confinement: Confinement,
-    /// Proxy decisions since egressd started, by verdict (`allowed`, `denied`, …), for
-    /// runnerd's `GET /metrics`.
+    /// Proxy decisions since egressd started, by verdict ([`Verdict::as_str`]), for
+    /// runnerd's `GET /metrics`. Text on the wire, so that a verdict this runnerd does not
+    /// know (a newer egressd's) still parses; runnerd counts it as `other`.
     pub decisions: Vec<(String, u64)>,
+}
+
+crate::named_enum! {
+    /// egressd's verdict on one gateway connection: its `egress_decision` audit record's
+    /// `decision`, and the key of [`EgressStatus::decisions`].
+    #[derive(Default)]
+    pub enum Verdict {
+        /// Forwarded (a tunnel opened, or the request was sent upstream).
+        Allowed => "allowed",
+        /// The policy refused the target.
+        Denied => "denied",
+        /// The request head or its target could not be read as a proxy request.
+        Malformed => "malformed",
+        /// Allowed, but the upstream could not be reached or answered nothing.
+        Failed => "failed",
+        /// The client closed or timed out before a complete request head.
+        #[default]
+        NoRequest => "no_request",
+        /// A peer other than the lease's sandbox user connected.
+        Refused => "refused",
+        /// The lease's or the pool's connection cap was reached.
+        Limited => "limited",
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,6 +122,15 @@ pub const PROXY_VARIABLES: [&str; 4] = ["HTTPS_PROXY", "HTTP_PROXY", "https_prox
 mod tests {
     use super::*;
     use crate::channel::{read_message, write_message};
+
+    #[test]
+    fn every_verdict_has_its_own_text() {
+        let texts: Vec<&str> = Verdict::ALL.iter().map(|v| v.as_str()).collect();
+        assert_eq!(texts, ["allowed", "denied", "malformed", "failed", "no_request", "refused", "limited"]);
+        for v in Verdict::ALL {
+            assert_eq!(Verdict::parse(v.as_str()), Some(*v));
+        }
+    }
 
     #[test]
     fn messages_round_trip_through_the_channel_framing() {

@@ -19,6 +19,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::egress::origin::Scheme;
+// The verdict on a connection, as egressd records and counts it (`decide::Verdict` is the
+// policy's answer on a target).
+use common::egress::protocol::Verdict as Decision;
 use common::egress::route::{self, ProxySetting, Route};
 use common::egress::target::{self, Host, Target};
 use tokio::io::{AsyncBufRead, AsyncWrite, AsyncWriteExt, BufReader};
@@ -50,7 +53,7 @@ pub struct Record {
     pub port: u16,
     /// `allowed`, `denied`, `malformed`, `failed` (allowed but the upstream failed), or
     /// `no_request` (the client closed or timed out before a complete head).
-    pub decision: &'static str,
+    pub decision: Decision,
     pub reason: String,
     pub address: Option<IpAddr>,
     /// The outbound proxy's endpoint label, when one was used (never its credentials).
@@ -62,7 +65,7 @@ pub struct Record {
 }
 
 impl Record {
-    fn refuse(&mut self, decision: &'static str, status: u16, reason: impl Into<String>) {
+    fn refuse(&mut self, decision: Decision, status: u16, reason: impl Into<String>) {
         self.decision = decision;
         self.status = status;
         self.reason = reason.into();
@@ -79,19 +82,23 @@ pub async fn serve(stream: UnixStream, policy: &Policy, setting: &ProxySetting, 
     {
         Ok(Ok(head)) => head,
         Ok(Err(HeadError::Closed)) => {
-            rec.refuse("no_request", 0, "the client closed the connection before a complete request head");
+            rec.refuse(
+                Decision::NoRequest,
+                0,
+                "the client closed the connection before a complete request head",
+            );
             return rec;
         }
         Err(_) => {
             let reason = HeadError::Timeout(shared.header_timeout).to_string();
             let _ = w.write_all(&reply::plain(400, &format!("Sandbox network access: {reason}"))).await;
-            rec.refuse("no_request", 400, reason);
+            rec.refuse(Decision::NoRequest, 400, reason);
             return rec;
         }
         Ok(Err(e)) => {
             let reason = format!("Sandbox network access could not read the request: {e}");
             let _ = w.write_all(&reply::plain(400, &reason)).await;
-            rec.refuse("malformed", 400, reason);
+            rec.refuse(Decision::Malformed, 400, reason);
             return rec;
         }
     };
@@ -173,7 +180,7 @@ async fn connect(
         Err(e) => {
             rec.host = head.target.chars().take(256).collect();
             let _ = w.write_all(&reply::connect(400, Some(&e.to_string()))).await;
-            rec.refuse("malformed", 400, e.to_string());
+            rec.refuse(Decision::Malformed, 400, e.to_string());
             return;
         }
     };
@@ -181,7 +188,7 @@ async fn connect(
     let address = match verdict(policy, Scheme::Https, &t, shared).await {
         Verdict::Deny { reason } => {
             let _ = w.write_all(&reply::connect(403, Some(&reason))).await;
-            rec.refuse("denied", 403, reason);
+            rec.refuse(Decision::Denied, 403, reason);
             return;
         }
         Verdict::Allow { address } => address,
@@ -191,15 +198,15 @@ async fn connect(
         Ok(up) => up,
         Err((status, safe)) => {
             let _ = w.write_all(&reply::connect(status, Some(&safe))).await;
-            (rec.decision, rec.status) = ("failed", status);
+            (rec.decision, rec.status) = (Decision::Failed, status);
             return;
         }
     };
     if w.write_all(&reply::connect(200, None)).await.is_err() {
-        rec.refuse("failed", 200, "the client went away before the tunnel opened");
+        rec.refuse(Decision::Failed, 200, "the client went away before the tunnel opened");
         return;
     }
-    (rec.decision, rec.status) = ("allowed", 200);
+    (rec.decision, rec.status) = (Decision::Allowed, 200);
     let moved = splice::tunnel(r, w, up.read, up.write, shared.tunnel_idle).await;
     (rec.up, rec.down) = (moved.up, moved.down);
     if moved.idle_timeout {
@@ -230,7 +237,7 @@ async fn plain(
         Err(e) => {
             rec.host = head.target.chars().take(256).collect();
             let _ = w.write_all(&reply::plain(400, &e.to_string())).await;
-            rec.refuse("malformed", 400, e.to_string());
+            rec.refuse(Decision::Malformed, 400, e.to_string());
             return;
         }
     };
@@ -240,14 +247,14 @@ async fn plain(
         Err(why) => {
             let reason = format!("Sandbox network access refuses this request: {why}");
             let _ = w.write_all(&reply::plain(400, &reason)).await;
-            rec.refuse("malformed", 400, reason);
+            rec.refuse(Decision::Malformed, 400, reason);
             return;
         }
     };
     let address = match verdict(policy, Scheme::Http, &t, shared).await {
         Verdict::Deny { reason } => {
             let _ = w.write_all(&reply::plain(403, &reason)).await;
-            rec.refuse("denied", 403, reason);
+            rec.refuse(Decision::Denied, 403, reason);
             return;
         }
         Verdict::Allow { address } => address,
@@ -257,7 +264,7 @@ async fn plain(
         Ok(up) => up,
         Err((status, safe)) => {
             let _ = w.write_all(&reply::plain(status, &safe)).await;
-            (rec.decision, rec.status) = ("failed", status);
+            (rec.decision, rec.status) = (Decision::Failed, status);
             return;
         }
     };
@@ -280,10 +287,10 @@ async fn plain(
     if let Err(e) = up.write.write_all(&head::write_head(&line, &headers)).await {
         let safe = format!("Sandbox network access could not reach {}: {e}", name_of(&t));
         let _ = w.write_all(&reply::plain(502, &safe)).await;
-        rec.refuse("failed", 502, safe);
+        rec.refuse(Decision::Failed, 502, safe);
         return;
     }
-    (rec.decision, rec.status) = ("allowed", 0);
+    (rec.decision, rec.status) = (Decision::Allowed, 0);
 
     let method = head.method.clone();
     // Idle means no byte moved either way for `tunnel_idle` — not a deadline for the whole
@@ -328,7 +335,7 @@ async fn plain(
         Err(ResponseError::BeforeHead(e)) => {
             let safe = format!("Sandbox network access could not reach {}: {e}", name_of(&t));
             let _ = w.write_all(&reply::plain(502, &safe)).await;
-            rec.refuse("failed", 502, safe);
+            rec.refuse(Decision::Failed, 502, safe);
         }
         Err(ResponseError::IdleBeforeHead) => {
             let safe = format!(
@@ -337,7 +344,7 @@ async fn plain(
                 shared.tunnel_idle.as_millis()
             );
             let _ = w.write_all(&reply::plain(504, &safe)).await;
-            rec.refuse("failed", 504, safe);
+            rec.refuse(Decision::Failed, 504, safe);
         }
         Err(ResponseError::Idle) => {
             rec.reason = format!("nothing moved for {} ms; connection closed", shared.tunnel_idle.as_millis())

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::egress::allowlist::Allowlist;
+use common::egress::protocol::Verdict;
 use common::egress::route::ProxySetting;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixStream};
@@ -171,7 +172,7 @@ async fn allowed_names_resolving_inside_are_denied_and_nothing_is_dialled() {
             h.exchange(format!("CONNECT allowed.example.com:{} HTTP/1.1\r\n\r\n", up.port).as_bytes()).await;
         assert_eq!(status(&answer), 403, "{inside}: {answer}");
         assert!(answer.contains("X-Sandbox-Network: allowed.example.com resolves only to"), "{answer}");
-        assert_eq!(rec.decision, "denied");
+        assert_eq!(rec.decision, Verdict::Denied);
     }
     assert!(up.seen().await.is_empty(), "{:?}", up.seen().await);
 }
@@ -205,7 +206,7 @@ async fn a_denied_name_is_never_looked_up_and_ip_literals_never_match() {
     for request in cases {
         let (answer, rec) = h.exchange(request.as_bytes()).await;
         assert_eq!(status(&answer), 403, "{request:?} → {answer}");
-        assert_eq!(rec.decision, "denied", "{request:?}");
+        assert_eq!(rec.decision, Verdict::Denied, "{request:?}");
     }
     assert_eq!(h.table.lookups.load(Ordering::SeqCst), 0, "a denied request caused a DNS query");
 }
@@ -229,7 +230,7 @@ async fn malformed_targets_get_400() {
     for request in cases {
         let (answer, rec) = h.exchange(request.as_bytes()).await;
         assert_eq!(status(&answer), 400, "{request:?} → {answer}");
-        assert_eq!(rec.decision, "malformed", "{request:?}");
+        assert_eq!(rec.decision, Verdict::Malformed, "{request:?}");
     }
     let (answer, _) = h.exchange("CONNECT \u{430}llowed.example.com:443 HTTP/1.1\r\n\r\n".as_bytes()).await;
     assert!(matches!(status(&answer), 400 | 403), "{answer}");
@@ -253,7 +254,7 @@ async fn a_tunnel_opens_only_after_the_verdict_and_carries_pipelined_bytes() {
     let (answer, rec) = h.exchange(request.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 200 Connection Established\r\n\r\n"), "{answer}");
     assert!(answer.ends_with("tunnel:PIPELINED"), "{answer}");
-    assert_eq!((rec.decision, rec.address), ("allowed", Some("127.0.0.1".parse().unwrap())));
+    assert_eq!((rec.decision, rec.address), (Verdict::Allowed, Some("127.0.0.1".parse().unwrap())));
     assert_eq!((rec.up, rec.down), (9, "tunnel:PIPELINED".len() as u64));
     assert_eq!(
         up.seen().await,
@@ -296,7 +297,7 @@ async fn plain_requests_go_origin_form_with_host_rewritten_and_no_proxy_headers(
     assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
     assert!(answer.ends_with("ok /hello?q=1"), "{answer}");
     assert!(answer.contains("Connection: close\r\n") && !answer.contains("Keep-Alive"), "{answer}");
-    assert_eq!((rec.decision, rec.status), ("allowed", 200));
+    assert_eq!((rec.decision, rec.status), (Verdict::Allowed, 200));
     let seen = up.seen().await;
     assert_eq!(seen.len(), 1);
     let head = &seen[0];
@@ -336,7 +337,7 @@ async fn a_dial_failure_is_502_never_200() {
         answer.contains("X-Sandbox-Network: Sandbox network access could not reach allowed.example.com"),
         "{answer}"
     );
-    assert_eq!(rec.decision, "failed");
+    assert_eq!(rec.decision, Verdict::Failed);
     let (answer, _) =
         h.exchange(format!("GET http://allowed.example.com:{closed}/ HTTP/1.1\r\n\r\n").as_bytes()).await;
     assert_eq!(status(&answer), 502, "{answer}");
@@ -351,7 +352,7 @@ async fn a_slow_client_is_cut_off_after_the_header_timeout() {
     let task = tokio::spawn(async move { serve(server, &policy, &setting, &shared).await });
     client.write_all(b"CONNECT allowed.exa").await.unwrap();
     let rec = tokio::time::timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
-    assert_eq!((rec.decision, rec.status), ("no_request", 400));
+    assert_eq!((rec.decision, rec.status), (Verdict::NoRequest, 400));
 }
 
 /// An outbound proxy that records what it was asked and answers like a forward proxy.
@@ -487,14 +488,14 @@ async fn a_plain_download_that_keeps_moving_is_never_cut_and_a_silent_one_gets_5
     let (answer, rec) =
         h.exchange(format!("GET http://allowed.example.com:{port}/slow HTTP/1.1\r\n\r\n").as_bytes()).await;
     assert!(answer.ends_with("xxxxxxxxxxxx"), "{answer}");
-    assert_eq!((rec.decision, rec.status), ("allowed", 200));
+    assert_eq!((rec.decision, rec.status), (Verdict::Allowed, 200));
 
     let port = trickling(false, 0, Duration::ZERO).await;
     let (answer, rec) =
         h.exchange(format!("GET http://allowed.example.com:{port}/silent HTTP/1.1\r\n\r\n").as_bytes()).await;
     assert_eq!(status(&answer), 504, "{answer}");
     assert!(answer.contains("did not answer within 300 ms"), "{answer}");
-    assert_eq!(rec.decision, "failed");
+    assert_eq!(rec.decision, Verdict::Failed);
 }
 
 #[tokio::test]
@@ -509,5 +510,5 @@ async fn a_head_trickled_byte_by_byte_is_parsed_once_it_ends() {
     let mut out = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut out)).await;
     assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 403"));
-    assert_eq!(task.await.unwrap().decision, "denied");
+    assert_eq!(task.await.unwrap().decision, Verdict::Denied);
 }

@@ -324,9 +324,9 @@ fn stale_sockets_of_a_previous_run_are_removed_at_start() {
 fn decisions_are_counted_by_verdict_for_the_status_answer() {
     let count = |v: &str| decisions().into_iter().find(|(k, _)| k == v).map_or(0, |(_, n)| n);
     let (denied, allowed) = (count("denied"), count("allowed"));
-    count_decision("denied");
-    count_decision("denied");
-    count_decision("allowed");
+    count_decision(Verdict::Denied);
+    count_decision(Verdict::Denied);
+    count_decision(Verdict::Allowed);
     // Other tests of this process may count too: never fewer than ours.
     assert!(count("denied") >= denied + 2);
     assert!(count("allowed") > allowed);

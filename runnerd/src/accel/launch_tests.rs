@@ -139,9 +139,10 @@ fn network_wins_the_seccomp_profile_and_python_keeps_its_flags() {
     spec.egress = Some(&egress);
     spec.profile = argv::profile(true, true);
     assert_eq!(argv::build(&spec).seccomp, Profile::Network, "the command carries the profile decided");
-    assert_eq!(crate::exec::profile_for("domain-allowlist", true), Profile::Network);
-    assert_eq!(crate::exec::profile_for("none", true), Profile::Npu);
-    assert_eq!(crate::exec::profile_for("none", false), Profile::Baseline);
+    use crate::exec::request::NetworkMode;
+    assert_eq!(crate::exec::profile_for(&NetworkMode::DomainAllowlist, true), Profile::Network);
+    assert_eq!(crate::exec::profile_for(&NetworkMode::None, true), Profile::Npu);
+    assert_eq!(crate::exec::profile_for(&NetworkMode::None, false), Profile::Baseline);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use super::{
     AccelConfig, GpuDevice, GpuInventory, INVENTORY_TTL, NpuDevice, NpuInventory, PROBE_TIMEOUT, join_all,
 };
 use crate::app::App;
-use crate::exec::EngineError;
+use crate::exec::{EngineError, ErrorCode};
 use crate::timefmt;
 
 /// Ascend 910 series only (910A, 910B, 910C …, not 310).
@@ -203,7 +203,7 @@ pub fn rejections(
 pub fn requested(value: Option<&Value>, field: &str) -> Result<Vec<u32>, EngineError> {
     let bad = || {
         EngineError::invalid(
-            "invalid_accelerators",
+            ErrorCode::InvalidAccelerators,
             format!("{field} must be an array of non-negative integer device indices"),
         )
     };
@@ -248,7 +248,7 @@ pub async fn resolve(
         let why = rejections(Family::Ascend, inv.supported, &listed, npu);
         if !why.is_empty() {
             return Err(EngineError::unavailable(
-                "npu_unavailable",
+                ErrorCode::NpuUnavailable,
                 format!("Requested NPU cards are not usable on this machine: {}", why.join(" ")),
             ));
         }
@@ -270,7 +270,7 @@ pub async fn resolve(
         let why = rejections(Family::Nvidia, inv.supported, &listed, gpu);
         if !why.is_empty() {
             return Err(EngineError::unavailable(
-                "gpu_unavailable",
+                ErrorCode::GpuUnavailable,
                 format!("Requested GPUs are not usable on this machine: {}", why.join(" ")),
             ));
         }

@@ -65,7 +65,7 @@ impl From<EngineError> for ApiError {
             EngineError::QueueFull { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         };
-        ApiError { status, message: e.to_string(), code: e.code(), retry_after }
+        ApiError { status, message: e.to_string(), code: e.code().as_str(), retry_after }
     }
 }
 
@@ -73,6 +73,7 @@ impl From<EngineError> for ApiError {
 mod tests {
     use super::*;
     use crate::coordination::CoordError;
+    use crate::exec::ErrorCode;
     use crate::writer::WriteError;
 
     /// Every engine error: its status, code and exact text.
@@ -81,13 +82,16 @@ mod tests {
         let (poisoned, no_baseline) = (CoordError::Poisoned.to_string(), WriteError::NoBaseline.to_string());
         let cases: Vec<(EngineError, u16, &str, &str)> = vec![
             (
-                EngineError::invalid("code_required", "Shell code is required"),
+                EngineError::invalid(ErrorCode::CodeRequired, "Shell code is required"),
                 400,
                 "code_required",
                 "Shell code is required",
             ),
             (
-                EngineError::unavailable("capability_unavailable", "Scientific environments are unavailable"),
+                EngineError::unavailable(
+                    ErrorCode::CapabilityUnavailable,
+                    "Scientific environments are unavailable",
+                ),
                 400,
                 "capability_unavailable",
                 "Scientific environments are unavailable",
@@ -126,7 +130,7 @@ mod tests {
             assert_eq!(a.retry_after.is_some(), status == 503, "{shown}");
         }
         let skill = crate::skills::SkillError::NotJson(serde_json::from_str::<u8>("x").unwrap_err());
-        let code = skill.code();
+        let code = skill.code().as_str();
         let chain = crate::error_chain(&skill);
         let a = ApiError::from(EngineError::Skill(skill));
         assert_eq!((a.status, a.code, a.message), (400, code, chain));

@@ -110,7 +110,10 @@ mod tests {
             ),
             (ManagedError::Store("disk I/O error".into()), 400, "internal", "disk I/O error"),
             (
-                ManagedError::Engine(exec::EngineError::invalid("code_required", "Shell code is required")),
+                ManagedError::Engine(exec::EngineError::invalid(
+                    exec::ErrorCode::CodeRequired,
+                    "Shell code is required",
+                )),
                 400,
                 "code_required",
                 "Shell code is required",

@@ -45,7 +45,7 @@ fn remote_err(e: RemoteError) -> ApiError {
 }
 
 fn write_err(e: WriteError) -> ApiError {
-    ApiError::bad_request(e_code(&e), e.to_string())
+    ApiError::bad_request(e_code(&e).as_str(), e.to_string())
 }
 
 fn path_err(message: &'static str) -> ApiError {

@@ -30,7 +30,7 @@ pub async fn repair(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError
         .versions
         .repair(&root, pinned)
         .await
-        .map_err(|e| ApiError::bad_request(e_code(&e), e.to_string()))?;
+        .map_err(|e| ApiError::bad_request(e_code(&e).as_str(), e.to_string()))?;
     let previous = repaired.previous.as_ref().map(|(head, verified)| {
         let verified = match verified {
             Ok(objects) => json!({"ok": true, "objects": objects}),

@@ -18,7 +18,7 @@ pub fn api_error(e: &SkillError) -> ApiError {
         SkillError::NotPublished(_) => 404,
         _ => 400,
     };
-    ApiError::with_status(status, e.code(), crate::error_chain(e))
+    ApiError::with_status(status, e.code().as_str(), crate::error_chain(e))
 }
 
 /// Whether `id` is a route id (`[a-f0-9]{64}`); anything else is not a route (404).

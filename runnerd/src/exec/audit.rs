@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::seccomp::Profile;
 
-use super::{EngineError, UNRESPONSIVE};
+use super::{EngineError, Outcome, RunOutcome};
 
 /// The `execution_finished` audit record of one admitted execution: written once, by
 /// whichever path ends it (the sandbox's own outcome, or the error that stopped it before
@@ -100,7 +100,7 @@ impl FinishAudit {
     /// only when the sandboxed command exited by itself.
     pub fn finished(
         &self,
-        outcome: &str,
+        outcome: impl Into<Outcome>,
         exit_code: Option<i32>,
         run: Option<Duration>,
         error: Option<&str>,
@@ -108,6 +108,7 @@ impl FinishAudit {
         if self.written.swap(true, Ordering::SeqCst) {
             return;
         }
+        let outcome: Outcome = outcome.into();
         if let Some((m, route)) = &self.metrics {
             m.finished(route, outcome, self.profile.name(), self.admitted.elapsed());
         }
@@ -122,7 +123,7 @@ impl FinishAudit {
                     agent_id = %self.agent_id,
                     workspace = %self.workspace.display(),
                     profile = %self.profile,
-                    outcome,
+                    outcome = outcome.as_str(),
                     exit_code,
                     duration_ms,
                     run_ms,
@@ -130,7 +131,7 @@ impl FinishAudit {
                 )
             };
         }
-        if outcome == "sandbox_launch_failed" || outcome == UNRESPONSIVE {
+        if outcome.is_sandbox_failure() {
             record!(error);
         } else {
             record!(info);
@@ -147,7 +148,7 @@ impl Drop for FinishAudit {
     /// The last resort: a task dropped before any path recorded the end still leaves one.
     fn drop(&mut self) {
         self.finished(
-            "dropped",
+            RunOutcome::Dropped,
             None,
             None,
             Some("the task running the execution ended before it recorded an outcome"),

@@ -2,17 +2,18 @@
 //! no HTTP in it. `crate::api::error` maps each variant to the contract's status, our stable
 //! `code` and the text, in one table (`ApiError::from(EngineError)`).
 
+use super::code::ErrorCode;
 use crate::coordination::CoordError;
 use crate::writer::WriteError;
 
 /// The code of a refused or failed workspace write.
-pub fn workspace_code(e: &WriteError) -> &'static str {
+pub fn workspace_code(e: &WriteError) -> ErrorCode {
     match e {
-        WriteError::Coordination(CoordError::Retired) => "workspace_retired",
-        WriteError::Coordination(CoordError::Interrupted) => "workspace_interrupted",
-        WriteError::Coordination(CoordError::Poisoned) => "workspace_poisoned",
-        WriteError::NoBaseline => "no_baseline",
-        _ => "workspace_version_failed",
+        WriteError::Coordination(CoordError::Retired) => ErrorCode::WorkspaceRetired,
+        WriteError::Coordination(CoordError::Interrupted) => ErrorCode::WorkspaceInterrupted,
+        WriteError::Coordination(CoordError::Poisoned) => ErrorCode::WorkspacePoisoned,
+        WriteError::NoBaseline => ErrorCode::NoBaseline,
+        _ => ErrorCode::WorkspaceVersionFailed,
     }
 }
 
@@ -21,11 +22,11 @@ pub enum EngineError {
     /// The request, as sent, cannot run (a contract validation failure). `code` is the stable
     /// machine-readable name of the rule (api.md improvement 1); the text is the contract's.
     #[error("{message}")]
-    Invalid { code: &'static str, message: String },
+    Invalid { code: ErrorCode, message: String },
     /// This host lacks something the request needs (a capability, the sandbox, egress, a chip);
     /// nothing was run.
     #[error("{message}")]
-    Unavailable { code: &'static str, message: String },
+    Unavailable { code: ErrorCode, message: String },
     /// The execution id was used within the dedupe window.
     #[error("Execution ID has already been used")]
     Duplicate,
@@ -63,11 +64,11 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    pub fn invalid(code: &'static str, message: impl Into<String>) -> EngineError {
+    pub fn invalid(code: ErrorCode, message: impl Into<String>) -> EngineError {
         EngineError::Invalid { code, message: message.into() }
     }
 
-    pub fn unavailable(code: &'static str, message: impl Into<String>) -> EngineError {
+    pub fn unavailable(code: ErrorCode, message: impl Into<String>) -> EngineError {
         EngineError::Unavailable { code, message: message.into() }
     }
 
@@ -77,20 +78,20 @@ impl EngineError {
 
     /// The stable machine-readable name of the failure: the answer's `code` (api.md
     /// improvement 1), the audit's outcome and the metrics' label.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            EngineError::Invalid { code, .. } | EngineError::Unavailable { code, .. } => code,
-            EngineError::Duplicate => "duplicate_execution",
-            EngineError::QueueFull { .. } => "queue_full",
+            EngineError::Invalid { code, .. } | EngineError::Unavailable { code, .. } => *code,
+            EngineError::Duplicate => ErrorCode::DuplicateExecution,
+            EngineError::QueueFull { .. } => ErrorCode::QueueFull,
             EngineError::Workspace(w) => workspace_code(w),
             EngineError::Skill(s) => s.code(),
-            EngineError::TimedOut { .. } => "execution_timeout",
-            EngineError::Aborted { .. } => "execution_aborted",
-            EngineError::QuotaExceeded(_) => "workspace_quota_exceeded",
-            EngineError::LaunchFailed(_) => "sandbox_launch_failed",
+            EngineError::TimedOut { .. } => ErrorCode::ExecutionTimeout,
+            EngineError::Aborted { .. } => ErrorCode::ExecutionAborted,
+            EngineError::QuotaExceeded(_) => ErrorCode::WorkspaceQuotaExceeded,
+            EngineError::LaunchFailed(_) => ErrorCode::SandboxLaunchFailed,
             EngineError::Unresponsive(_) => super::UNRESPONSIVE,
-            EngineError::CommitFailed(_) => "version_commit_failed",
-            EngineError::Internal(_) => "internal",
+            EngineError::CommitFailed(_) => ErrorCode::VersionCommitFailed,
+            EngineError::Internal(_) => ErrorCode::Internal,
         }
     }
 

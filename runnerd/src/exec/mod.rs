@@ -10,10 +10,13 @@
 pub mod admission;
 pub mod answer;
 mod audit;
+pub mod code;
 pub mod dedupe;
 pub(crate) mod engine;
 pub mod error;
 pub mod files;
+pub mod network_mode;
+pub mod outcome;
 mod prepare;
 pub mod registry;
 pub mod request;
@@ -30,11 +33,14 @@ use serde_json::Value;
 
 use crate::launch::OutputText;
 use crate::sandbox::{Language, argv};
+pub use code::ErrorCode;
 use common::seccomp::Profile;
 
 pub use audit::FinishAudit;
 pub use error::EngineError;
+pub use outcome::{Outcome, RunOutcome};
 pub(crate) use prepare::{Located, Prepared, RunOptions, locate, prepare};
+use request::NetworkMode;
 pub use run::run_sandbox;
 pub use stop::{StopReason, StopToken};
 pub use synchronous::execute;
@@ -43,7 +49,7 @@ pub use synchronous::execute;
 pub const MAX_EXECUTION_ID: usize = 1024;
 
 /// The error code of a sandbox that did not die: its caller keeps the workspace locked.
-pub const UNRESPONSIVE: &str = "sandbox_unresponsive";
+pub const UNRESPONSIVE: ErrorCode = ErrorCode::SandboxUnresponsive;
 
 /// How often the workspace quota is re-measured during a run, at the most: the original
 /// polls every 100 ms; ours waits 25 ms, or as long as the last walk took if that was longer
@@ -88,7 +94,7 @@ pub struct ExecutionResult {
     pub kernel_mode: &'static str,
     pub language: &'static str,
     pub network_access_revision: String,
-    pub network_policy: String,
+    pub network_policy: NetworkMode,
     pub runner_version: &'static str,
     pub sandbox: &'static str,
     pub started_at: String,
@@ -113,8 +119,8 @@ pub(crate) fn language_name(l: Language) -> &'static str {
 /// policy (the bridge needs its sockets), else `baseline`. The same rule as `argv::build`
 /// (a domain-allowlist run without a gateway never starts), known before the sandbox is.
 /// With Ascend chips and no network, `npu` (internals §4.4).
-pub fn profile_for(network_mode: &str, ascend: bool) -> Profile {
-    argv::profile(network_mode == "domain-allowlist", ascend)
+pub fn profile_for(network_mode: &NetworkMode, ascend: bool) -> Profile {
+    argv::profile(*network_mode == NetworkMode::DomainAllowlist, ascend)
 }
 
 /// Completes when the client is gone; never, if its handle is simply dropped.

@@ -11,7 +11,8 @@ use common::seccomp::Profile;
 use serde_json::Value;
 use std::time::Instant;
 
-use super::{EngineError, MAX_EXECUTION_ID, admission, profile_for, request, workspace};
+use super::request::NetworkMode;
+use super::{EngineError, ErrorCode, MAX_EXECUTION_ID, admission, profile_for, request, workspace};
 use crate::app::App;
 use crate::sandbox::Language;
 
@@ -46,7 +47,7 @@ pub fn locate(app: &App, ws: &request::WorkspaceRef) -> Result<Located, EngineEr
         return Ok(Located { root: workspace::validated_workspace(data, &root)?, read_only: None });
     }
     let root = ws.root.as_deref().ok_or_else(|| {
-        EngineError::invalid("workspace_required", "workspaceRoot or runnerWorkspaceKey is required")
+        EngineError::invalid(ErrorCode::WorkspaceRequired, "workspaceRoot or runnerWorkspaceKey is required")
     })?;
     let root = workspace::validated_workspace(data, Path::new(root))?;
     let read_only = match &ws.read_only {
@@ -70,7 +71,7 @@ pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket,
     let id = &req.execution_id;
     if id.len() > MAX_EXECUTION_ID {
         return Err(EngineError::invalid(
-            "execution_id_too_long",
+            ErrorCode::ExecutionIdTooLong,
             format!("Execution ID must be at most {MAX_EXECUTION_ID} bytes"),
         ));
     }
@@ -78,10 +79,10 @@ pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket,
         return Err(EngineError::Duplicate);
     }
     if id.trim().is_empty() {
-        return Err(EngineError::invalid("execution_id_required", "Execution ID is required"));
+        return Err(EngineError::invalid(ErrorCode::ExecutionIdRequired, "Execution ID is required"));
     }
     if req.agent_id.trim().is_empty() {
-        return Err(EngineError::invalid("agent_id_required", "Agent ID is required"));
+        return Err(EngineError::invalid(ErrorCode::AgentIdRequired, "Agent ID is required"));
     }
     Ok(ticket)
 }
@@ -137,9 +138,9 @@ fn select_environment(
     let language = req.language;
     let named = req.environment_revision_id.as_deref();
     let store = &app.envs;
-    let unavailable = |m: &str| EngineError::unavailable("capability_unavailable", m.to_owned());
+    let unavailable = |m: &str| EngineError::unavailable(ErrorCode::CapabilityUnavailable, m.to_owned());
     let selected = |r: Result<crate::envs::store::Selection, crate::envs::store::StoreError>| {
-        r.map_err(|e| EngineError::invalid("environment_unavailable", e.to_string()))
+        r.map_err(|e| EngineError::invalid(ErrorCode::EnvironmentUnavailable, e.to_string()))
     };
     match language {
         Language::Python | Language::R if store.available() => {
@@ -171,20 +172,20 @@ fn select_environment(
 /// other than `none` and `domain-allowlist` is refused.
 fn egress_route(req: &request::ExecRequest) -> Result<ProxySetting, EngineError> {
     let network = &req.network;
-    match network.mode.as_str() {
-        "none" => Ok(ProxySetting::Direct),
-        "domain-allowlist" => {
+    match &network.mode {
+        NetworkMode::None => Ok(ProxySetting::Direct),
+        NetworkMode::DomainAllowlist => {
             if network.revision.trim().is_empty() || network.revision == "none" {
                 return Err(EngineError::invalid(
-                    "invalid_network_access",
+                    ErrorCode::InvalidNetworkAccess,
                     "permissionEpoch.networkAccess.revision is required for a domain-allowlist policy",
                 ));
             }
             crate::egress::proxy_setting(req.egress_proxy.as_ref())
-                .map_err(|m| EngineError::invalid("invalid_egress_proxy", m))
+                .map_err(|m| EngineError::invalid(ErrorCode::InvalidEgressProxy, m))
         }
-        other => Err(EngineError::unavailable(
-            "network_unavailable",
+        NetworkMode::Other(other) => Err(EngineError::unavailable(
+            ErrorCode::NetworkUnavailable,
             format!(
                 "Sandbox network access is unavailable: policy {other:?} is not supported (only \"none\" and \"domain-allowlist\"); nothing was run"
             ),
@@ -222,7 +223,7 @@ pub fn prepare(
 ) -> Result<Prepared, EngineError> {
     let language = req.language;
     if req.code.trim().is_empty() {
-        return Err(EngineError::invalid("code_required", request::code_required(language)));
+        return Err(EngineError::invalid(ErrorCode::CodeRequired, request::code_required(language)));
     }
     let epoch_revision = req.epoch_environment_revision_id.as_deref();
     let (environment_revision_id, environment) = select_environment(app, &req, epoch_revision)?;
@@ -246,9 +247,9 @@ pub fn prepare(
     let max_workspace = req.max_workspace_bytes.unwrap_or(cfg.max_workspace_bytes);
     let (cwd, deferred_cwd) = working_directory(app, &located.root, req.cwd, opts)?;
     let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
-        .map_err(|m| EngineError::invalid("invalid_resource_limits", m))?;
+        .map_err(|m| EngineError::invalid(ErrorCode::InvalidResourceLimits, m))?;
     if let Some(why) = app.sandbox.isolation.unavailable() {
-        return Err(EngineError::unavailable("sandbox_unavailable", why));
+        return Err(EngineError::unavailable(ErrorCode::SandboxUnavailable, why));
     }
     Ok(Prepared {
         language,
@@ -289,7 +290,7 @@ pub fn resolve_cwd(app: &App, p: &mut Prepared) -> Result<(), EngineError> {
 /// prepared run is dropped. Fails closed (400 `network_unavailable`) when egressd or the
 /// bridge is missing, so an unfiltered run never happens.
 pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineError> {
-    if p.network.mode != "domain-allowlist" || p.egress.is_some() {
+    if p.network.mode != NetworkMode::DomainAllowlist || p.egress.is_some() {
         return Ok(());
     }
     let policy = GatewayPolicy {
@@ -309,7 +310,7 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineErro
         Err(e) => {
             tracing::warn!(event = "egress_unavailable", execution_id = %p.execution_id, revision = %p.network.revision, error = %crate::error_chain(&e));
             Err(EngineError::unavailable(
-                "network_unavailable",
+                ErrorCode::NetworkUnavailable,
                 format!(
                     "Sandbox network access (domain-allowlist) is unavailable: {}; nothing was run",
                     crate::error_chain(&e)

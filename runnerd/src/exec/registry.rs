@@ -6,6 +6,16 @@ use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
+common::named_enum! {
+    /// Where an active synchronous execution is (`activeExecutions[].status`).
+    pub enum Status {
+        /// Waiting for its place (queue, session and workspace slots, the writer lease).
+        Queued => "queued",
+        /// Its sandbox was started.
+        Running => "running",
+    }
+}
+
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct ActiveExecution {
@@ -17,7 +27,7 @@ pub struct ActiveExecution {
     pub session_id: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub started_at: Option<String>,
-    pub status: &'static str,
+    pub status: Status,
 }
 
 #[derive(Debug, Default)]
@@ -49,7 +59,7 @@ impl Registration {
     pub fn running(&self, started_at: String) {
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, e)) = entries.iter_mut().find(|(id, _)| *id == self.id) {
-            e.status = "running";
+            e.status = Status::Running;
             e.started_at = Some(started_at);
         }
     }
@@ -76,7 +86,7 @@ mod tests {
             queued_at: "t".into(),
             session_id: "s".into(),
             started_at: None,
-            status: "queued",
+            status: Status::Queued,
         };
         let reg = r.register(entry.clone());
         let json = serde_json::to_value(r.snapshot()).unwrap();
@@ -84,6 +94,7 @@ mod tests {
         assert!(json[0].get("startedAt").is_none());
         reg.running("t2".into());
         assert_eq!(r.snapshot()[0].started_at.as_deref(), Some("t2"));
+        assert_eq!(serde_json::to_value(r.snapshot()).unwrap()[0]["status"], "running");
         drop(reg);
         assert!(r.snapshot().is_empty());
     }

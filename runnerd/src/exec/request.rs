@@ -5,7 +5,9 @@
 
 use serde_json::{Map, Value};
 
+use super::code::ErrorCode;
 use super::error::EngineError;
+pub use super::network_mode::NetworkMode;
 use crate::config::MAX_SAFE_INTEGER;
 use crate::sandbox::Language;
 
@@ -13,11 +15,12 @@ pub type Object = Map<String, Value>;
 
 /// Parses a request body; the original answers any parse failure with 400.
 pub fn parse_object(body: &[u8]) -> Result<Object, EngineError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| EngineError::invalid("invalid_json", format!("Request body is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        EngineError::invalid(ErrorCode::InvalidJson, format!("Request body is not valid JSON: {e}"))
+    })?;
     match value {
         Value::Object(map) => Ok(map),
-        _ => Err(EngineError::invalid("invalid_json", "Request body must be a JSON object")),
+        _ => Err(EngineError::invalid(ErrorCode::InvalidJson, "Request body must be a JSON object")),
     }
 }
 
@@ -37,7 +40,7 @@ pub fn has_control(text: &str) -> bool {
 pub fn refuse_control(field: &str, value: &str) -> Result<(), EngineError> {
     if has_control(value) {
         return Err(EngineError::invalid(
-            "invalid_identifier",
+            ErrorCode::InvalidIdentifier,
             format!("{field} must not contain control characters (newlines, tabs, escapes)"),
         ));
     }
@@ -66,7 +69,7 @@ pub fn require_ephemeral(obj: &Object) -> Result<(), EngineError> {
         None => Ok(()),
         Some(Value::String(s)) if s == "ephemeral" => Ok(()),
         Some(_) => Err(EngineError::invalid(
-            "persistent_kernel_refused",
+            ErrorCode::PersistentKernelRefused,
             "Runner executions must be ephemeral; persistent runtimes are no longer supported. Use managed Shell Execution for background tasks",
         )),
     }
@@ -101,7 +104,7 @@ pub fn language(route: Route, obj: &Object) -> Result<Language, EngineError> {
             Some(Value::String(s)) if s == "python" => Ok(Language::Python),
             Some(Value::String(s)) if s == "r" => Ok(Language::R),
             Some(other) => Err(EngineError::invalid(
-                "unsupported_language",
+                ErrorCode::UnsupportedLanguage,
                 format!("Unsupported language {other}; use \"python\" or \"r\""),
             )),
         },
@@ -156,7 +159,7 @@ pub struct Field {
     pub path: &'static [&'static str],
     pub kind: Kind,
     pub on: On,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub text: Text,
 }
 
@@ -164,7 +167,7 @@ const OUTSIDE_ROOTS: &str =
     "Runner workspace must be inside the configured projects or remote-workspaces directory";
 const NOT_A_STRING: &str = "must be a string";
 
-const fn field(path: &'static [&'static str], kind: Kind, on: On, code: &'static str, text: Text) -> Field {
+const fn field(path: &'static [&'static str], kind: Kind, on: On, code: ErrorCode, text: Text) -> Field {
     Field { path, kind, on, code, text }
 }
 
@@ -173,145 +176,169 @@ const fn field(path: &'static [&'static str], kind: Kind, on: On, code: &'static
 /// `/workspace`); here it answers 400 with the field's own text. `kernelIdleTimeoutMs` is
 /// accepted and ignored, as in the original; `kernelMode` and `language` have their checks.
 pub const FIELDS: &[Field] = &[
-    field(&["agentId"], Kind::String, On::All, "agent_id_required", Text::Fixed("Agent ID is required")),
-    field(&["code"], Kind::String, On::All, "code_required", Text::CodeRequired),
-    field(&["executionId"], Kind::String, On::All, "execution_id_required", Text::ExecutionId),
-    field(&["permissionEpoch"], Kind::Object, On::All, "invalid_mounts", Text::Mounts),
-    field(&["permissionEpoch", "mounts"], Kind::Array, On::All, "invalid_mounts", Text::Mounts),
+    field(
+        &["agentId"],
+        Kind::String,
+        On::All,
+        ErrorCode::AgentIdRequired,
+        Text::Fixed("Agent ID is required"),
+    ),
+    field(&["code"], Kind::String, On::All, ErrorCode::CodeRequired, Text::CodeRequired),
+    field(&["executionId"], Kind::String, On::All, ErrorCode::ExecutionIdRequired, Text::ExecutionId),
+    field(&["permissionEpoch"], Kind::Object, On::All, ErrorCode::InvalidMounts, Text::Mounts),
+    field(&["permissionEpoch", "mounts"], Kind::Array, On::All, ErrorCode::InvalidMounts, Text::Mounts),
     field(
         &["permissionEpoch", "sessionId"],
         Kind::String,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed(NOT_A_STRING),
     ),
     field(
         &["permissionEpoch", "environmentRevisionId"],
         Kind::String,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed(NOT_A_STRING),
     ),
     field(
         &["permissionEpoch", "networkPolicy"],
         Kind::String,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed(NOT_A_STRING),
     ),
     field(
         &["permissionEpoch", "networkAccess"],
         Kind::Object,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed("must be an object"),
     ),
     field(
         &["permissionEpoch", "networkAccess", "mode"],
         Kind::String,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed(NOT_A_STRING),
     ),
     field(
         &["permissionEpoch", "networkAccess", "revision"],
         Kind::String,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed(NOT_A_STRING),
     ),
     field(
         &["permissionEpoch", "networkAccess", "allowedDomains"],
         Kind::Strings,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed("must be an array of strings"),
     ),
     field(
         &["permissionEpoch", "networkAccess", "allowPrivateNetwork"],
         Kind::Bool,
         On::All,
-        "invalid_field_type",
+        ErrorCode::InvalidFieldType,
         Text::Typed("must be a boolean"),
     ),
-    field(&["workspaceRoot"], Kind::String, On::All, "workspace_outside_roots", Text::Fixed(OUTSIDE_ROOTS)),
+    field(
+        &["workspaceRoot"],
+        Kind::String,
+        On::All,
+        ErrorCode::WorkspaceOutsideRoots,
+        Text::Fixed(OUTSIDE_ROOTS),
+    ),
     field(
         &["runnerWorkspaceKey"],
         Kind::String,
         On::All,
-        "invalid_workspace_key",
+        ErrorCode::InvalidWorkspaceKey,
         Text::Fixed("Invalid remote workspace key"),
     ),
     field(
         &["readOnlyWorkspaceRoot"],
         Kind::String,
         On::All,
-        "workspace_outside_roots",
+        ErrorCode::WorkspaceOutsideRoots,
         Text::Fixed(OUTSIDE_ROOTS),
     ),
     field(
         &["skillPackagesRoot"],
         Kind::String,
         On::All,
-        "workspace_outside_roots",
+        ErrorCode::WorkspaceOutsideRoots,
         Text::Fixed(OUTSIDE_ROOTS),
     ),
-    field(&["cwd"], Kind::String, On::Shell, "invalid_cwd", Text::Fixed("cwd must be workspace-relative")),
+    field(
+        &["cwd"],
+        Kind::String,
+        On::Shell,
+        ErrorCode::InvalidCwd,
+        Text::Fixed("cwd must be workspace-relative"),
+    ),
     field(
         &["environmentId"],
         Kind::String,
         On::Shell,
-        "capability_unavailable",
+        ErrorCode::CapabilityUnavailable,
         Text::Fixed("Scientific environments are unavailable"),
     ),
     field(
         &["environmentRevisionId"],
         Kind::String,
         On::Python,
-        "unknown_environment_revision",
+        ErrorCode::UnknownEnvironmentRevision,
         Text::Fixed("Unknown environment revision; select a current environment"),
     ),
-    field(&["executionTimeoutMs"], Kind::Limit, On::Sync, "invalid_limit", Text::Fixed(TIMEOUT_ERROR)),
+    field(
+        &["executionTimeoutMs"],
+        Kind::Limit,
+        On::Sync,
+        ErrorCode::InvalidLimit,
+        Text::Fixed(TIMEOUT_ERROR),
+    ),
     field(
         &["maxOutputBytes"],
         Kind::Limit,
         On::All,
-        "invalid_limit",
+        ErrorCode::InvalidLimit,
         Text::Fixed("maxOutputBytes must be a non-negative integer number of bytes"),
     ),
     field(
         &["maxWorkspaceBytes"],
         Kind::Limit,
         On::All,
-        "invalid_limit",
+        ErrorCode::InvalidLimit,
         Text::Fixed("maxWorkspaceBytes must be a non-negative integer number of bytes"),
     ),
     field(
         &["sandboxEgressProxy"],
         Kind::Object,
         On::All,
-        "invalid_egress_proxy",
+        ErrorCode::InvalidEgressProxy,
         Text::Fixed("sandboxEgressProxy.mode must be \"direct\", \"environment\" or \"url\""),
     ),
     field(
         &["npuDevices"],
         Kind::Devices,
         On::All,
-        "invalid_accelerators",
+        ErrorCode::InvalidAccelerators,
         Text::Fixed("npuDevices must be an array of non-negative integer device indices"),
     ),
     field(
         &["gpuDevices"],
         Kind::Devices,
         On::All,
-        "invalid_accelerators",
+        ErrorCode::InvalidAccelerators,
         Text::Fixed("gpuDevices must be an array of non-negative integer device indices"),
     ),
     field(
         &["resourceLimits"],
         Kind::Object,
         On::All,
-        "invalid_resource_limits",
+        ErrorCode::InvalidResourceLimits,
         Text::Fixed("resourceLimits must be an object with memoryBytes, pids, cpu or tmpBytes"),
     ),
 ];
@@ -373,7 +400,7 @@ pub fn check_fields(route: Route, language: Language, obj: &Object) -> Result<()
             Text::ExecutionId => "Execution ID is required".to_owned(),
         };
         let code = match (f.text, route) {
-            (Text::ExecutionId, Route::ShellExecutions) => "invalid_execution_id",
+            (Text::ExecutionId, Route::ShellExecutions) => ErrorCode::InvalidExecutionId,
             _ => f.code,
         };
         return Err(EngineError::invalid(code, message));
@@ -433,7 +460,7 @@ pub fn require_single_workspace_mount(obj: &Object, language: Language) -> Resul
 /// A per-request limit: absent or null → the configured default; otherwise a non-negative
 /// safe integer (`1.0` counts, as in JavaScript).
 pub fn limit(obj: &Object, name: &str, default: u64, error: &str) -> Result<u64, EngineError> {
-    let invalid = || EngineError::invalid("invalid_limit", error);
+    let invalid = || EngineError::invalid(ErrorCode::InvalidLimit, error);
     match obj.get(name) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Number(n)) => {
@@ -459,7 +486,7 @@ pub fn bytes_error(label: &str) -> String {
 /// `networkAccess` only if its mode equals `networkPolicy`, else none.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NetworkAccess {
-    pub mode: String,
+    pub mode: NetworkMode,
     pub revision: String,
     /// Strings only; anything else in the array is dropped (egressd skips entries that do
     /// not parse, as the original's matcher does).
@@ -480,7 +507,7 @@ pub fn network_access(obj: &Object) -> NetworkAccess {
     match (policy, access) {
         (Some(policy), Some(access)) if access.get("mode").and_then(Value::as_str) == Some(policy) => {
             NetworkAccess {
-                mode: policy.to_owned(),
+                mode: NetworkMode::parse(policy),
                 revision: access.get("revision").and_then(Value::as_str).unwrap_or("none").to_owned(),
                 allowed_domains: access
                     .get("allowedDomains")
@@ -606,7 +633,7 @@ pub fn parse(route: Route, mut obj: Object) -> Result<ExecRequest, EngineError> 
 
 /// The contract's text when the mounts are not exactly one read-write workspace mount.
 pub fn mounts_error(language: Language) -> EngineError {
-    EngineError::invalid("invalid_mounts", mounts_text(language))
+    EngineError::invalid(ErrorCode::InvalidMounts, mounts_text(language))
 }
 
 #[cfg(test)]
@@ -747,7 +774,7 @@ mod tests {
                     assert_eq!(e.status, 400);
                     let expected_code = match (f.path, route) {
                         (["executionId"], Route::ShellExecutions) => "invalid_execution_id",
-                        _ => f.code,
+                        _ => f.code.as_str(),
                     };
                     assert_eq!(e.code, expected_code, "{route:?} {:?} = {bad}", f.path);
                 }

@@ -12,12 +12,12 @@ use super::audit::FinishAudit;
 use super::prepare::Prepared;
 use super::stage::{Staged, stage};
 use super::{
-    EngineError, ExecutionResult, JOURNAL_TICK, OrderedMap, QUOTA_POLL, StopReason, StopToken, UNRESPONSIVE,
-    files, language_name,
+    EngineError, ErrorCode, ExecutionResult, JOURNAL_TICK, OrderedMap, QUOTA_POLL, RunOutcome, StopReason,
+    StopToken, UNRESPONSIVE, files, language_name,
 };
 use crate::app::{App, runner_version};
 use crate::isolation::{Dir, Egress, Job, Ran, SandboxSpec, Skills, WorkspaceDirs};
-use crate::launch::{LaunchError, Outcome, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
+use crate::launch::{LaunchError, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
 use crate::sandbox::WorkspaceLayout;
 use crate::timefmt;
 
@@ -101,7 +101,7 @@ fn sandbox_spec<'a>(
         (None, "none") => None,
         (None, _) => {
             return Err(EngineError::unavailable(
-                "network_unavailable",
+                ErrorCode::NetworkUnavailable,
                 "Sandbox network access (domain-allowlist) is unavailable: no egress gateway was acquired; nothing was run",
             ));
         }
@@ -151,7 +151,7 @@ fn limited(
         }
         Err(e) => {
             let error = crate::error_chain(&e);
-            audit.finished("sandbox_launch_failed", None, None, Some(&error));
+            audit.finished(ErrorCode::SandboxLaunchFailed, None, None, Some(&error));
             Err(EngineError::LaunchFailed(format!(
                 "the execution's cgroup could not be prepared, nothing was run: {error}"
             )))
@@ -225,9 +225,9 @@ fn launched_or_failed(
     app: &App,
     p: &Prepared,
     audit: &FinishAudit,
-    outcome: Result<Outcome, LaunchError>,
+    outcome: Result<crate::launch::Outcome, LaunchError>,
     launched: Instant,
-) -> Result<Outcome, EngineError> {
+) -> Result<crate::launch::Outcome, EngineError> {
     let e = match outcome {
         Ok(o) => {
             if let Some(latency) = o.launch_latency {
@@ -246,7 +246,7 @@ fn launched_or_failed(
     }
     let error = crate::error_chain(&e);
     let unresponsive = matches!(e, LaunchError::Unresponsive { .. });
-    let outcome = if unresponsive { UNRESPONSIVE } else { "sandbox_launch_failed" };
+    let outcome = if unresponsive { UNRESPONSIVE } else { ErrorCode::SandboxLaunchFailed };
     audit.finished(outcome, None, Some(launched.elapsed()), Some(&error));
     if unresponsive {
         tracing::error!(event = "workspace_locked", workspace = %p.root.display(), reason = "a sandbox did not die");
@@ -257,7 +257,7 @@ fn launched_or_failed(
     {
         // The start-up probe passed, but this workspace's filesystem refused.
         return Err(EngineError::unavailable(
-            "workspace_not_writable",
+            ErrorCode::WorkspaceNotWritable,
             format!(
                 "Runner workspace {} could not be mounted for the sandbox user ({f}); nothing was run. Run \
                  runnerd as the data directory's owner, or keep workspaces on a filesystem that supports \
@@ -271,7 +271,7 @@ fn launched_or_failed(
 
 /// How a launched sandbox ended, and what the backend put in it.
 struct End {
-    outcome: Outcome,
+    outcome: crate::launch::Outcome,
     after: Option<After>,
     usage: Option<crate::limits::Usage>,
     rlimits: Vec<common::plan::Rlimit>,
@@ -292,13 +292,13 @@ fn finished(
     output: OutputBudget,
 ) -> Result<ExecutionResult, EngineError> {
     let End { outcome, after, usage, rlimits, env, cwd, started_at } = end;
-    let finish = |outcome_name: &str, exit: Option<i32>| {
+    let finish = |outcome_name: super::Outcome, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
     let exit_code = exit_code(p, stop, outcome.termination, &finish)?;
     let (created_files, modified_files) = changed_files(p, &staged.before, after, exit_code, &finish)?;
     let collected = output.finish_text();
-    finish("completed", Some(exit_code));
+    finish(RunOutcome::Completed.into(), Some(exit_code));
     let limits = crate::limits::outcome_fields(
         outcome.termination,
         collected.stderr.is_empty(),
@@ -343,23 +343,23 @@ fn exit_code(
     p: &Prepared,
     stop: &StopToken,
     termination: Termination,
-    finish: &dyn Fn(&str, Option<i32>),
+    finish: &dyn Fn(super::Outcome, Option<i32>),
 ) -> Result<i32, EngineError> {
     let label = p.language.label();
     match termination {
         Termination::Exited(code) => Ok(code),
         Termination::Signaled(_) => Ok(1),
         Termination::TimedOut => {
-            finish("timed_out", None);
+            finish(RunOutcome::TimedOut.into(), None);
             Err(EngineError::TimedOut { label, ms: p.timeout_ms })
         }
         Termination::Cancelled => Err(match stop.take_breach() {
             Some(breach) => {
-                finish("workspace_quota_exceeded", None);
+                finish(ErrorCode::WorkspaceQuotaExceeded.into(), None);
                 EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, true))
             }
             None => {
-                finish("aborted", None);
+                finish(RunOutcome::Aborted.into(), None);
                 EngineError::Aborted { label }
             }
         }),
@@ -373,7 +373,7 @@ fn changed_files(
     before: &files::Fingerprints,
     after: Option<After>,
     exit_code: i32,
-    finish: &dyn Fn(&str, Option<i32>),
+    finish: &dyn Fn(super::Outcome, Option<i32>),
 ) -> Result<(Vec<String>, Vec<String>), EngineError> {
     let after =
         after.unwrap_or_else(|| After::Walked(files::unmeasured("the run's end was not measured"), None));
@@ -387,7 +387,7 @@ fn changed_files(
     match files::check(after, p.max_workspace) {
         Ok(_) => Ok(changes),
         Err(breach) => {
-            finish("workspace_quota_exceeded", Some(exit_code));
+            finish(ErrorCode::WorkspaceQuotaExceeded.into(), Some(exit_code));
             Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)))
         }
     }

@@ -9,7 +9,7 @@ use common::plan::IdPair;
 
 use super::audit::FinishAudit;
 use super::prepare::Prepared;
-use super::{EngineError, files, workspace};
+use super::{EngineError, ErrorCode, RunOutcome, files, workspace};
 use crate::app::App;
 use crate::sandbox::{WorkspaceLayout, ownership};
 
@@ -42,7 +42,7 @@ pub(super) async fn stage(
     journal: &mut Option<crate::journal::RunWatch>,
 ) -> Result<Staged, EngineError> {
     if let Some(why) = app.sandbox.isolation.unavailable() {
-        return Err(EngineError::unavailable("sandbox_unavailable", why));
+        return Err(EngineError::unavailable(ErrorCode::SandboxUnavailable, why));
     }
     let parent_fd = match p.read_only.as_ref() {
         Some(ro) => Some(workspace::open_beneath(&app.data_dir, ro)?),
@@ -83,13 +83,13 @@ fn before_run(
         Ok(m) if idmapped && m.set_id.is_some() => {
             let path = m.set_id.unwrap_or_default();
             audit.finished(
-                "workspace_not_writable",
+                ErrorCode::WorkspaceNotWritable,
                 None,
                 None,
                 Some("a set-ID file in an idmapped workspace"),
             );
             Err(EngineError::unavailable(
-                "workspace_not_writable",
+                ErrorCode::WorkspaceNotWritable,
                 format!(
                     "Runner workspace {} holds a set-user-ID or set-group-ID file ({path}), which a sandbox \
                      writing as the workspace's owner could rewrite; nothing was run. Clear the bit (chmod u-s,g-s) \
@@ -100,7 +100,7 @@ fn before_run(
         }
         Ok(m) => Ok(m.prints),
         Err(breach) => {
-            audit.finished("workspace_quota_exceeded_before_run", None, None, None);
+            audit.finished(RunOutcome::WorkspaceQuotaExceededBeforeRun, None, None, None);
             Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)))
         }
     }
@@ -125,7 +125,7 @@ async fn with_resources(
         // enclosing workspace's sandbox could swap it for a symlink in between.
         Some(_) if !app.sandbox.isolation.binds_by_descriptor() => {
             return Err(EngineError::unavailable(
-                "skills_unavailable",
+                ErrorCode::SkillsUnavailable,
                 "Skill packages need bubblewrap with --bind-fd (0.8 or later) on this host",
             ));
         }
@@ -146,8 +146,8 @@ async fn with_resources(
     // cannot wait on this run's locks.
     staged.runtime = match &p.environment {
         Some(selection) => Some(app.envs.lease(selection).await.map_err(|e| {
-            audit.finished("environment_unavailable", None, None, Some(&e.to_string()));
-            EngineError::invalid("environment_unavailable", e.to_string())
+            audit.finished(ErrorCode::EnvironmentUnavailable, None, None, Some(&e.to_string()));
+            EngineError::invalid(ErrorCode::EnvironmentUnavailable, e.to_string())
         })?),
         None => None,
     };
@@ -166,7 +166,7 @@ fn workspace_owners(
     let layout = WorkspaceLayout::new(p.root.clone(), p.read_only.clone());
     let (who, support) = (&app.sandbox.user, &app.sandbox.idmap);
     let refused =
-        |e: ownership::Unwritable| EngineError::unavailable("workspace_not_writable", e.to_string());
+        |e: ownership::Unwritable| EngineError::unavailable(ErrorCode::WorkspaceNotWritable, e.to_string());
     // A read-only directory at or inside the writable root is reached through the root's
     // own bind too: idmapping it would make it writable there as its owner. It is bound as
     // it is, as before issue #30.

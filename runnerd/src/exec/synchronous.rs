@@ -9,7 +9,7 @@ use super::audit::FinishAudit;
 use super::engine::{Execution, Flow, Queue, Route};
 use super::prepare::{RunOptions, admit, attach_egress, locate, prepare};
 use super::registry::{ActiveExecution, Registration};
-use super::{EngineError, ExecutionResult, StopToken, admission, language_name, request};
+use super::{EngineError, ExecutionResult, RunOutcome, StopToken, admission, language_name, request};
 use crate::app::App;
 use crate::metrics::Phase;
 use crate::versioning::Ref;
@@ -39,7 +39,7 @@ pub async fn execute(
         queued_at: crate::timefmt::now_iso(),
         session_id: prepared.session_id.clone(),
         started_at: None,
-        status: "queued",
+        status: super::registry::Status::Queued,
     });
     let audit = FinishAudit::new(
         &prepared.execution_id,
@@ -70,7 +70,7 @@ pub async fn execute(
     drop(registration);
     match flow {
         Flow::Abandoned | Flow::NotStarted => {
-            audit.finished("abandoned_in_queue", None, None, None);
+            audit.finished(RunOutcome::AbandonedInQueue, None, None, None);
             Err(EngineError::Aborted { label: language.label() })
         }
         Flow::Unheld(e) => {

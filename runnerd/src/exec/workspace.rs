@@ -15,6 +15,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
+use super::code::ErrorCode;
 use super::error::EngineError;
 use crate::fsat::{self, Stopped};
 use crate::sandbox::user::Identity;
@@ -36,16 +37,16 @@ pub const IS_A_ROOT: &str = "Runner workspace must be a workspace inside the pro
 pub const WORKSPACE_SYMLINK: &str = "Runner workspace path must not contain symbolic links";
 
 fn invalid_key() -> EngineError {
-    EngineError::invalid("invalid_workspace_key", "Invalid remote workspace key")
+    EngineError::invalid(ErrorCode::InvalidWorkspaceKey, "Invalid remote workspace key")
 }
 
 fn symlinked() -> EngineError {
-    EngineError::invalid("workspace_symlink", "Remote workspace path must not contain symbolic links")
+    EngineError::invalid(ErrorCode::WorkspaceSymlink, "Remote workspace path must not contain symbolic links")
 }
 
 fn reserved(name: &str) -> EngineError {
     EngineError::invalid(
-        "reserved_workspace_name",
+        ErrorCode::ReservedWorkspaceName,
         format!(
             "{name:?} is reserved for runner coordination files and cannot name a workspace or a part of one"
         ),
@@ -88,7 +89,7 @@ pub fn realpath_error(shown: &Path, e: &io::Error) -> EngineError {
         Some(libc::ELOOP) => "too many symbolic links encountered".to_owned(),
         _ => e.to_string(),
     };
-    EngineError::invalid("path_not_found", format!("{code}: {text}, realpath '{}'", shown.display()))
+    EngineError::invalid(ErrorCode::PathNotFound, format!("{code}: {text}, realpath '{}'", shown.display()))
 }
 
 fn errno_name(errno: i32) -> &'static str {
@@ -103,7 +104,10 @@ fn errno_name(errno: i32) -> &'static str {
 }
 
 fn data_unavailable(e: &io::Error) -> EngineError {
-    EngineError::invalid("data_dir_unavailable", format!("The runner data directory is unavailable: {e}"))
+    EngineError::invalid(
+        ErrorCode::DataDirUnavailable,
+        format!("The runner data directory is unavailable: {e}"),
+    )
 }
 
 /// `realpath(dataDir)` and an `O_PATH` descriptor of it.
@@ -141,7 +145,7 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
             Err(e) => {
                 let what = if shown.is_empty() { REMOTE_WORKSPACES.to_owned() } else { format!("'{shown}'") };
                 return Err(EngineError::invalid(
-                    "workspace_create_failed",
+                    ErrorCode::WorkspaceCreateFailed,
                     format!("Could not create remote workspace directory {what}: {e}"),
                 ));
             }
@@ -151,7 +155,7 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
         if made && segment != REMOTE_WORKSPACES {
             owner.hand_over(dir.as_fd()).map_err(|e| {
                 EngineError::invalid(
-                    "workspace_create_failed",
+                    ErrorCode::WorkspaceCreateFailed,
                     format!("Could not hand remote workspace directory '{shown}' to the sandbox user: {e}"),
                 )
             })?;
@@ -228,7 +232,7 @@ fn data_prefix_len(data_dir: &Path, data_real: &Path, path: &Path) -> Option<usi
 /// below the data directory, must not be either root itself nor pass a reserved name, and
 /// must be a directory. Returns its canonical path (`realpath(dataDir)` + the names).
 pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, EngineError> {
-    let outside = || EngineError::invalid("workspace_outside_roots", OUTSIDE_ROOTS);
+    let outside = || EngineError::invalid(ErrorCode::WorkspaceOutsideRoots, OUTSIDE_ROOTS);
     let (data_real, data_fd) = open_data_dir(data_dir)?;
     if !path.is_absolute() {
         return Err(outside());
@@ -237,7 +241,7 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, Engi
     let rest = || path.components().skip(skip);
     let names = workspace_names(rest()).map_err(|refused| match refused {
         NamesRefused::OutsideRoots => outside(),
-        NamesRefused::IsARoot => EngineError::invalid("workspace_is_root", IS_A_ROOT),
+        NamesRefused::IsARoot => EngineError::invalid(ErrorCode::WorkspaceIsRoot, IS_A_ROOT),
         NamesRefused::Reserved(name) => reserved(name),
     })?;
     fsat::walk_beneath(&data_fd, rest()).map_err(|stopped| match stopped {
@@ -253,9 +257,9 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, Engi
         {
             outside()
         }
-        Stopped::Symlink => EngineError::invalid("workspace_symlink", WORKSPACE_SYMLINK),
+        Stopped::Symlink => EngineError::invalid(ErrorCode::WorkspaceSymlink, WORKSPACE_SYMLINK),
         Stopped::NotDirectory => {
-            EngineError::invalid("workspace_not_directory", "Runner workspace must be a directory")
+            EngineError::invalid(ErrorCode::WorkspaceNotDirectory, "Runner workspace must be a directory")
         }
         Stopped::Escapes => outside(),
     })?;
@@ -266,7 +270,7 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, Engi
 /// root's descriptor with no symlink followed; returns the relative path to use below the
 /// mount point (`""` for the root itself). Errors name `cwd` as sent, never a host path.
 pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, EngineError> {
-    let invalid = |m: &'static str| EngineError::invalid("invalid_cwd", m);
+    let invalid = |m: &'static str| EngineError::invalid(ErrorCode::InvalidCwd, m);
     let outside = || invalid("cwd must remain inside the writable workspace");
     check_cwd_text(cwd)?;
     let root_fd = open_beneath(data_dir, root)?;
@@ -350,7 +354,7 @@ fn lexically_normal(path: &Path) -> PathBuf {
 /// (a managed run checks these before its 202 and resolves the directory when it starts,
 /// since a run queued before it may create it).
 pub fn check_cwd_text(cwd: &str) -> Result<(), EngineError> {
-    let invalid = |m: &'static str| EngineError::invalid("invalid_cwd", m);
+    let invalid = |m: &'static str| EngineError::invalid(ErrorCode::InvalidCwd, m);
     if Path::new(cwd).is_absolute() {
         return Err(invalid("cwd must be workspace-relative"));
     }
@@ -377,7 +381,7 @@ pub fn check_cwd_text(cwd: &str) -> Result<(), EngineError> {
 pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, EngineError> {
     let escaped = || {
         EngineError::invalid(
-            "workspace_symlink",
+            ErrorCode::WorkspaceSymlink,
             "Runner workspace changed under it: a path component is now a symbolic link or missing",
         )
     };

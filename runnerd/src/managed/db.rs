@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::logs::{LogRow, stream_name};
+use super::state::ManagedState;
 use crate::launch::Stream;
 
 pub const RESTARTED: &str = "Runner restarted before completion was recorded; the command was not replayed";
@@ -24,7 +25,7 @@ pub struct ManagedExecution {
     pub agent_id: String,
     pub session_id: String,
     pub id: String,
-    pub state: String,
+    pub state: ManagedState,
     pub queued_at: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<String>,
@@ -47,7 +48,7 @@ impl ManagedExecution {
             agent_id,
             session_id,
             id,
-            state: "queued".into(),
+            state: ManagedState::Queued,
             queued_at,
             started_at: None,
             finished_at: None,
@@ -59,12 +60,14 @@ impl ManagedExecution {
     }
 
     pub fn is_terminal(&self) -> bool {
-        is_terminal(&self.state)
+        self.state.is_terminal()
     }
 }
 
+/// Whether a state read as text (a stored record's, an answer's) is terminal; a text that
+/// names no state is not.
 pub fn is_terminal(state: &str) -> bool {
-    matches!(state, "completed" | "failed" | "cancelled" | "unknown")
+    ManagedState::parse(state).is_some_and(ManagedState::is_terminal)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,7 +143,7 @@ fn column_bytes(row: &rusqlite::Row<'_>, i: usize) -> Vec<u8> {
 fn unreadable_record(id: &str, session: &[u8], agent: &[u8], why: &str, now_iso: &str) -> ManagedExecution {
     let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap_or_else(|_| "\u{fffd}".into());
     ManagedExecution {
-        state: "unknown".into(),
+        state: ManagedState::Unknown,
         finished_at: Some(now_iso.to_owned()),
         error: Some(format!("{UNREADABLE} ({why})")),
         ..ManagedExecution::queued(text(agent), text(session), id.to_owned(), now_iso.to_owned())
@@ -261,7 +264,7 @@ impl ExecutionsDb {
                 if rec.is_terminal() {
                     continue;
                 }
-                rec.state = "unknown".into();
+                rec.state = ManagedState::Unknown;
                 rec.finished_at = Some(now_iso.to_owned());
                 rec.error = Some(RESTARTED.into());
                 let json = serde_json::to_string(&rec).map_err(DbError::Record)?;
@@ -573,9 +576,16 @@ mod tests {
     fn record(id: &str, state: &str) -> ManagedExecution {
         let queued = "2026-01-01T00:00:00.000Z".into();
         ManagedExecution {
-            state: state.into(),
+            state: ManagedState::parse(state).unwrap(),
             ..ManagedExecution::queued("main".into(), "s".into(), id.into(), queued)
         }
+    }
+
+    #[test]
+    fn a_record_whose_state_names_none_is_unreadable() {
+        let text = r#"{"agentId":"main","sessionId":"s","id":"a","state":"paused","queuedAt":"t"}"#;
+        let why = parse_record(text.as_bytes()).unwrap_err();
+        assert!(why.starts_with("not a record: unknown variant `paused`"), "{why}");
     }
 
     #[test]
@@ -666,7 +676,7 @@ mod tests {
             );
             assert!(rec.error.as_deref().unwrap().starts_with(UNREADABLE), "{rec:?}");
         }
-        assert_eq!(db.get("good").unwrap().unwrap().state, "unknown");
+        assert_eq!(db.get("good").unwrap().unwrap().state, ManagedState::Unknown);
     }
 
     #[test]

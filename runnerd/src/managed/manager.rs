@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 
 use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
+use super::state::ManagedState as State;
 use crate::app::App;
 use crate::coordination::ABORTED;
 use crate::exec::engine::{Execution, Flow, Queue};
@@ -150,7 +151,7 @@ impl ManagedError {
             ManagedError::NotFound => "execution_not_found",
             ManagedError::InvalidCursor => "invalid_cursor",
             ManagedError::OutputBusy => "output_memory_busy",
-            ManagedError::Engine(e) => e.code(),
+            ManagedError::Engine(e) => e.code().as_str(),
             ManagedError::Store(_) => "internal",
         }
     }
@@ -361,11 +362,11 @@ impl Manager {
         &self,
         rec: &mut ManagedExecution,
         audit: &exec::FinishAudit,
-        state: &str,
+        state: State,
         error: Option<String>,
     ) {
         audit.finished(state, None, None, error.as_deref());
-        rec.state = state.into();
+        rec.state = state;
         if error.is_some() {
             rec.error = error;
         }
@@ -430,12 +431,12 @@ impl Manager {
         let (state, error) = match flow {
             // The commit recorded the end before the workspace was released.
             Flow::Finished { .. } => return,
-            Flow::Abandoned => ("cancelled", ABORTED.to_owned()),
-            Flow::NotStarted => ("cancelled", CANCELLED_BEFORE_START.to_owned()),
-            Flow::Unheld(e) => ("failed", e.to_string()),
+            Flow::Abandoned => (State::Cancelled, ABORTED.to_owned()),
+            Flow::NotStarted => (State::Cancelled, CANCELLED_BEFORE_START.to_owned()),
+            Flow::Unheld(e) => (State::Failed, e.to_string()),
             Flow::Unresponsive(e) => {
                 route.close_logs().await;
-                ("failed", e.to_string())
+                (State::Failed, e.to_string())
             }
         };
         let ManagedRun { mut rec, .. } = route;
@@ -635,7 +636,7 @@ impl exec::engine::Route for ManagedRun<'_> {
         if self.stop.is_stopped() {
             return false;
         }
-        self.rec.state = "running".into();
+        self.rec.state = State::Running;
         self.rec.started_at = Some(started_at.to_owned());
         self.manager.save(&self.rec).await;
         let (db, id) = (self.manager.db.clone(), self.rec.id.clone());
@@ -646,9 +647,9 @@ impl exec::engine::Route for ManagedRun<'_> {
     async fn commit(&mut self, writer: &Writer, ran: &mut Result<exec::ExecutionResult, exec::EngineError>) {
         self.close_logs().await;
         let (state, error) = match &*ran {
-            Ok(r) => (if r.exit_code == 0 { "completed" } else { "failed" }, None),
-            Err(e) if self.stop.stopped_by_caller() => ("cancelled", Some(e.to_string())),
-            Err(e) => ("failed", Some(e.to_string())),
+            Ok(r) => (if r.exit_code == 0 { State::Completed } else { State::Failed }, None),
+            Err(e) if self.stop.stopped_by_caller() => (State::Cancelled, Some(e.to_string())),
+            Err(e) => (State::Failed, Some(e.to_string())),
         };
         let mut result = ran.as_mut().ok();
         let (stdout, stderr) = self.outputs(result.as_deref(), error.as_ref()).await;
@@ -657,7 +658,7 @@ impl exec::engine::Route for ManagedRun<'_> {
             session_id: self.rec.session_id.clone(),
             execution_id: self.rec.id.clone(),
             environment_revision_id: result.as_ref().map(|r| r.environment_revision_id.clone()),
-            state: state.into(),
+            state,
             code: std::mem::take(&mut self.code),
             stdout,
             stderr,
@@ -676,7 +677,7 @@ impl exec::engine::Route for ManagedRun<'_> {
             }
             Err(e) => {
                 app.versions.fail_commit(self.root, &e);
-                ("failed", Some(format!("Execution ended, but workspace version commit failed: {e}")))
+                (State::Failed, Some(format!("Execution ended, but workspace version commit failed: {e}")))
             }
         };
         // The output stays counted in the pool while the record holds its copy.
@@ -698,13 +699,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// so and how the run ended (result and version are kept).
 fn record_failed(rec: &ManagedExecution) -> ManagedExecution {
     let mut failed = rec.clone();
-    failed.error = Some(failed_error(&rec.state, rec.error.as_deref()));
-    failed.state = "failed".into();
+    failed.error = Some(failed_error(rec.state, rec.error.as_deref()));
+    failed.state = State::Failed;
     failed
 }
 
 /// `RECORD_FAILED`, then how the run ended and its own error, if any.
-pub fn failed_error(state: &str, error: Option<&str>) -> String {
+pub fn failed_error(state: State, error: Option<&str>) -> String {
     match error {
         Some(e) => format!("{RECORD_FAILED} when it ended {state}: {e}"),
         None => format!("{RECORD_FAILED} when it ended {state}"),
@@ -939,14 +940,14 @@ mod tests {
     #[test]
     fn an_end_that_cannot_be_recorded_becomes_a_failure_that_says_how_it_ended() {
         let mut rec = ManagedExecution::queued("a".into(), "s".into(), "id".into(), "t".into());
-        rec.state = "completed".into();
+        rec.state = State::Completed;
         let failed = record_failed(&rec);
         assert_eq!(
             (failed.state.as_str(), failed.error.as_deref()),
             ("failed", Some(format!("{RECORD_FAILED} when it ended completed").as_str()))
         );
         assert_eq!(
-            failed_error("cancelled", Some("why")),
+            failed_error(State::Cancelled, Some("why")),
             format!("{RECORD_FAILED} when it ended cancelled: why")
         );
     }

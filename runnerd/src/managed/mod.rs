@@ -5,5 +5,7 @@
 pub mod db;
 pub mod logs;
 pub mod manager;
+pub mod state;
 
 pub use manager::Manager;
+pub use state::ManagedState;

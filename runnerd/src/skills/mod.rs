@@ -24,6 +24,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::exec::code::ErrorCode;
 use crate::fsat;
 use crate::sandbox::user::Identity;
 
@@ -70,21 +71,24 @@ pub enum SkillError {
 }
 
 impl SkillError {
-    /// A stable code for the HTTP layer.
-    pub fn code(&self) -> &'static str {
+    /// A stable code for the HTTP layer (one of the engine's: an execution's skill package
+    /// fails with it too).
+    pub fn code(&self) -> ErrorCode {
         match self {
-            SkillError::NotJson(_) => "invalid_json",
-            SkillError::Bundle(bundle::BundleError::Metadata(_)) => "skill_metadata_invalid",
-            SkillError::Bundle(bundle::BundleError::Path { .. }) => "skill_path_invalid",
-            SkillError::Bundle(bundle::BundleError::Integrity(_)) => "skill_integrity_failed",
-            SkillError::Bundle(bundle::BundleError::MissingSkillMd(_)) => "skill_md_missing",
-            SkillError::Store(store::StoreError::Io { .. }) => "skill_store_unavailable",
-            SkillError::Store(_) => "skill_integrity_failed",
-            SkillError::RootInvalid => "skill_root_invalid",
-            SkillError::NotPublished(_) => "skill_not_published",
-            SkillError::InUse { .. } => "skill_package_in_use",
-            SkillError::Unreachable { .. } => "skill_unreachable",
-            SkillError::Extensions(_) | SkillError::ExtensionsNotDirectory => "skill_extensions_unavailable",
+            SkillError::NotJson(_) => ErrorCode::InvalidJson,
+            SkillError::Bundle(bundle::BundleError::Metadata(_)) => ErrorCode::SkillMetadataInvalid,
+            SkillError::Bundle(bundle::BundleError::Path { .. }) => ErrorCode::SkillPathInvalid,
+            SkillError::Bundle(bundle::BundleError::Integrity(_)) => ErrorCode::SkillIntegrityFailed,
+            SkillError::Bundle(bundle::BundleError::MissingSkillMd(_)) => ErrorCode::SkillMdMissing,
+            SkillError::Store(store::StoreError::Io { .. }) => ErrorCode::SkillStoreUnavailable,
+            SkillError::Store(_) => ErrorCode::SkillIntegrityFailed,
+            SkillError::RootInvalid => ErrorCode::SkillRootInvalid,
+            SkillError::NotPublished(_) => ErrorCode::SkillNotPublished,
+            SkillError::InUse { .. } => ErrorCode::SkillPackageInUse,
+            SkillError::Unreachable { .. } => ErrorCode::SkillUnreachable,
+            SkillError::Extensions(_) | SkillError::ExtensionsNotDirectory => {
+                ErrorCode::SkillExtensionsUnavailable
+            }
         }
     }
 }

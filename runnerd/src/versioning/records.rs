@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::Ref;
+use crate::managed::ManagedState;
 
 /// A `WorkspaceMutation` value. `id` is omitted (not null) for `baseline` and `checkpoint`.
 pub fn mutation_value(id: Option<&str>, kind: &str, completed: bool, workspace: &Ref) -> Value {
@@ -26,7 +27,7 @@ pub fn execution_value(
     environment_revision_id: Option<&str>,
     execution_id: &str,
     session_id: &str,
-    state: &str,
+    state: ManagedState,
     stderr: &Ref,
     stdout: &Ref,
     workspace: &Ref,
@@ -37,7 +38,7 @@ pub fn execution_value(
     map.insert("environmentRevisionId".into(), environment_revision_id.map_or(Value::Null, Value::from));
     map.insert("executionId".into(), Value::from(execution_id));
     map.insert("sessionId".into(), Value::from(session_id));
-    map.insert("state".into(), Value::from(state));
+    map.insert("state".into(), Value::from(state.as_str()));
     map.insert("stderr".into(), stderr.to_value());
     map.insert("stdout".into(), stdout.to_value());
     map.insert("workspace".into(), workspace.to_value());
@@ -93,7 +94,7 @@ mod tests {
             None,
             "exec-43",
             "session-1",
-            "completed",
+            ManagedState::Completed,
             &stderr,
             &stdout,
             &root_tree_ref(),
@@ -110,7 +111,7 @@ mod tests {
             Some("rev-1"),
             "e",
             "s",
-            "failed",
+            ManagedState::Failed,
             &stderr,
             &stdout,
             &root_tree_ref(),
