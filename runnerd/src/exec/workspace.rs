@@ -24,11 +24,8 @@ pub use common::layout::{PROJECTS, REMOTE_WORKSPACES};
 /// Names runnerd or the API keep in a workspace's parent (or the data directory): never a
 /// workspace, a key segment or a part of a workspace path. The published skill packages
 /// (`projects/.skill-packages`) are among them: mounted writable they could be rewritten.
-pub const RESERVED_NAMES: [&str; 3] = [
-    crate::coordination::lease::COORDINATION_DIR,
-    crate::coordination::lifecycle::LIFECYCLE_DIR,
-    crate::skills::store::PACKAGES_DIR,
-];
+pub const RESERVED_NAMES: [&str; 3] =
+    [common::layout::COORDINATION_DIR, common::layout::LIFECYCLE_DIR, common::layout::SKILL_PACKAGES];
 
 pub const OUTSIDE_ROOTS: &str =
     "Runner workspace must be inside the configured projects or remote-workspaces directory";

@@ -22,7 +22,7 @@ use super::bundle::{self, Bundle, BundleError, Content};
 use crate::fsat::{self, Stat};
 use crate::versioning::names::{hex, new_uuid_v4};
 
-pub const PACKAGES_DIR: &str = ".skill-packages";
+pub use common::layout::SKILL_PACKAGES as PACKAGES_DIR;
 pub const MANIFEST: &str = ".manifest.json";
 const STAGING_PREFIX: &str = ".staging-";
 /// Ours: a manifest is small (no bytes); anything larger is not one of ours.
