@@ -37,6 +37,8 @@ pub(crate) mod managed;
 pub mod memory;
 pub(crate) mod metrics;
 pub(crate) mod npu_broker;
+pub(crate) mod owner;
+pub(crate) mod quota;
 pub(crate) mod remote;
 pub mod sandbox;
 pub(crate) mod selftest;
@@ -48,3 +50,20 @@ pub(crate) mod versioning;
 pub mod writer;
 
 pub use common::error_chain;
+
+#[cfg(test)]
+mod tests {
+    /// As the store's errors (`writer`'s test): each of runnerd's own says its cause once,
+    /// whichever way it is printed.
+    #[test]
+    fn errors_say_their_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::EACCES);
+        let db = crate::managed::db::DbError::Dir { path: "/e".into(), source: io() };
+        let bwrap = crate::sandbox::preflight::PreflightError::Unrunnable { path: "/b".into(), source: io() };
+        let all: [&dyn std::error::Error; 2] = [&db, &bwrap];
+        for e in all {
+            assert!(!common::repeats_its_source(e), "{e}");
+            assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
+        }
+    }
+}

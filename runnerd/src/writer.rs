@@ -15,7 +15,7 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
-use crate::versioning::snapshot::SnapshotScope;
+use crate::versioning::snapshot::{Reuse, SnapshotScope};
 use crate::versioning::{
     self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value, new_uuid_v4,
     workspace_head_name,
@@ -98,7 +98,7 @@ pub struct Writer {
     max_bytes: u64,
     /// The run's change journal: the commit's snapshot reuses the directories it says are
     /// unchanged since the last snapshot it served.
-    journal: Option<crate::journal::RunWatch>,
+    journal: Option<Arc<dyn SnapshotJournal>>,
     _lease: Lease,
     _admitted: Admitted,
 }
@@ -121,13 +121,13 @@ impl Writer {
     }
 
     /// Lets the commit's snapshot reuse the unchanged directories of an earlier one.
-    pub fn attach_journal(&mut self, journal: crate::journal::RunWatch) {
-        self.journal = Some(journal);
+    pub fn attach_journal(&mut self, journal: impl SnapshotJournal + 'static) {
+        self.journal = Some(Arc::new(journal));
     }
 
     /// Hands back the run's journal (a writer that is forgotten, its sandbox unresponsive,
     /// must not keep the journal's slot for that workspace held forever).
-    pub fn take_journal(&mut self) -> Option<crate::journal::RunWatch> {
+    pub fn take_journal(&mut self) -> Option<Arc<dyn SnapshotJournal>> {
         self.journal.take()
     }
 
@@ -141,12 +141,22 @@ impl Writer {
     }
 }
 
+/// What a commit's snapshot asks of the run's change journal (runnerd's
+/// `journal::RunWatch`, which the writer does not know).
+pub trait SnapshotJournal: std::fmt::Debug + Send + Sync {
+    /// What the snapshot may reuse: the directories of the last snapshot the journal served
+    /// and the paths changed since (blocking: the journal reads its pending events).
+    fn reuse(&self) -> Arc<Reuse>;
+    /// After the commit of a snapshot made with `reuse`: the journal keeps its directories.
+    fn snapshot_done(&self, reuse: &Reuse);
+}
+
 /// A commit's snapshot scopes, one per attempt, made in the blocking task (reading the
 /// change journal's events is blocking work): the first reuses what the journal says is
 /// unchanged; a retry walks everything (what went wrong may lie in what it would reuse).
 struct Attempts {
     base: SnapshotScope,
-    journal: Option<crate::journal::RunWatch>,
+    journal: Option<Arc<dyn SnapshotJournal>>,
     count: std::sync::atomic::AtomicUsize,
 }
 
@@ -836,9 +846,7 @@ mod tests {
         let version = VersionError::Io { action: "read", path: "/d/x".into(), source: io() };
         let coord = CoordError::Io { what: "open", name: "the lock".into(), source: io() };
         let remote = crate::remote::files::RemoteError::Io { what: "list", path: "/w".into(), source: io() };
-        let db = crate::managed::db::DbError::Dir { path: "/e".into(), source: io() };
-        let bwrap = crate::sandbox::preflight::PreflightError::Unrunnable { path: "/b".into(), source: io() };
-        let all: [&dyn std::error::Error; 5] = [&version, &coord, &remote, &db, &bwrap];
+        let all: [&dyn std::error::Error; 3] = [&version, &coord, &remote];
         for e in all {
             assert!(!common::repeats_its_source(e), "{e}");
             assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
