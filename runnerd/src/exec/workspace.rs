@@ -17,7 +17,7 @@ use std::path::{Component, Path, PathBuf};
 
 use super::error::EngineError;
 use crate::fsat::{self, Stopped};
-use crate::sandbox::user::Identity;
+use crate::owner::HandOver;
 
 pub use common::layout::{PROJECTS, REMOTE_WORKSPACES};
 
@@ -114,7 +114,11 @@ fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), EngineError> {
 /// real directory (never a symlink). The path returned is canonical (no symlink below the
 /// data directory's realpath, which the walk guarantees). The key's segments runnerd
 /// creates belong to the sandbox user (`owner`).
-pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, EngineError> {
+pub fn ensure_remote_workspace(
+    data_dir: &Path,
+    key: &str,
+    owner: &dyn HandOver,
+) -> Result<PathBuf, EngineError> {
     let segments = key_segments(key)?;
     fs::create_dir_all(data_dir).map_err(|e| data_unavailable(&e))?;
     // Walk by descriptor: each segment is created with mkdirat and opened with O_NOFOLLOW
@@ -391,9 +395,9 @@ mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
 
-    /// runnerd's own user (`--dev` so that a root test run gets nobody).
-    fn me() -> Identity {
-        crate::sandbox::user::resolve(None, true).unwrap()
+    /// runnerd's own user: nothing is handed over.
+    fn me() -> crate::owner::Keep {
+        crate::owner::Keep
     }
 
     #[test]
