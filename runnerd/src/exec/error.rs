@@ -3,6 +3,7 @@
 //! `code` and the text, in one table (`ApiError::from(EngineError)`).
 
 use crate::coordination::CoordError;
+use crate::workspace::WorkspaceError;
 use crate::writer::WriteError;
 
 /// The code of a refused or failed workspace write.
@@ -13,6 +14,25 @@ pub fn workspace_code(e: &WriteError) -> &'static str {
         WriteError::Coordination(CoordError::Poisoned) => "workspace_poisoned",
         WriteError::NoBaseline => "no_baseline",
         _ => "workspace_version_failed",
+    }
+}
+
+/// The code of a refused workspace, remote workspace key or `cwd`.
+pub fn refusal_code(e: &WorkspaceError) -> &'static str {
+    match e {
+        WorkspaceError::InvalidKey => "invalid_workspace_key",
+        WorkspaceError::KeySymlink | WorkspaceError::Symlink | WorkspaceError::Changed => "workspace_symlink",
+        WorkspaceError::Reserved(_) => "reserved_workspace_name",
+        WorkspaceError::Realpath { .. } => "path_not_found",
+        WorkspaceError::DataDirUnavailable(_) => "data_dir_unavailable",
+        WorkspaceError::Create { .. } | WorkspaceError::HandOver { .. } => "workspace_create_failed",
+        WorkspaceError::OutsideRoots => "workspace_outside_roots",
+        WorkspaceError::IsARoot => "workspace_is_root",
+        WorkspaceError::NotDirectory => "workspace_not_directory",
+        WorkspaceError::CwdAbsolute
+        | WorkspaceError::CwdOutside
+        | WorkspaceError::CwdSymlink
+        | WorkspaceError::CwdNotDirectory => "invalid_cwd",
     }
 }
 
@@ -60,6 +80,13 @@ pub enum EngineError {
     /// A failure of runnerd itself (a descriptor it could not duplicate, say).
     #[error("{0}")]
     Internal(String),
+}
+
+/// A refused workspace is an invalid request: its code, and its text with the cause.
+impl From<WorkspaceError> for EngineError {
+    fn from(e: WorkspaceError) -> EngineError {
+        EngineError::invalid(refusal_code(&e), crate::error_chain(&e))
+    }
 }
 
 impl EngineError {

@@ -11,7 +11,6 @@ pub mod files;
 pub mod registry;
 pub mod request;
 pub mod stop;
-pub mod workspace;
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -29,6 +28,7 @@ use crate::sandbox::{
     EgressMount, FdSlots, Language, SandboxSpec, WorkspaceFds, WorkspaceLayout, argv, ownership, preflight,
 };
 use crate::timefmt;
+pub(crate) use crate::workspace;
 use crate::writer::WriteError;
 use common::egress::protocol::GatewayPolicy;
 use common::egress::route::ProxySetting;

@@ -60,7 +60,7 @@ pub fn open_packages_dir(data_dir: &Path, create: bool) -> Result<Option<(PathBu
     let real = std::fs::canonicalize(data_dir).map_err(io_err("the data directory"))?;
     let mut here = OwnedFd::from(std::fs::File::open(&real).map_err(io_err("the data directory"))?);
     let mut path = real;
-    for name in [crate::exec::workspace::PROJECTS, PACKAGES_DIR] {
+    for name in [crate::workspace::PROJECTS, PACKAGES_DIR] {
         let c = cstr(name).map_err(io_err(name))?;
         let created = create
             && match fsat::mkdir_at(&here, &c, 0o755) {

@@ -240,7 +240,7 @@ impl Mark {
                 Err(e) => {
                     self.unreadable_count += 1;
                     if self.unreadable.len() < NAMED {
-                        self.unreadable.push(format!("{}: {}", r.digest, crate::error_chain(&e)));
+                        self.unreadable.push(format!("{}: {}", r.digest, common::error_chain(&e)));
                     }
                 }
             }

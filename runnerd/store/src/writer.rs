@@ -29,9 +29,9 @@ pub enum WriteError {
     // These two render their whole chain and expose no source: the API answers with
     // `to_string()` of a `WriteError`, and that text (the lock or store error and what caused
     // it, as before) must not lose its cause now that the inner messages no longer repeat it.
-    #[error("{}", crate::error_chain(.0))]
+    #[error("{}", common::error_chain(.0))]
     Coordination(CoordError),
-    #[error("{}", crate::error_chain(.0))]
+    #[error("{}", common::error_chain(.0))]
     Version(VersionError),
     #[error("{NO_BASELINE}")]
     NoBaseline,
@@ -365,7 +365,7 @@ impl Versions {
         let baseline = blocking_retry(self.clone(), move || me.ensure_baseline(&root, &dir, &scope)).await;
         match baseline {
             Err(e) if e.is_content() => {
-                tracing::warn!(event = "workspace_baseline_skipped", workspace = %writer.root.display(), error = %crate::error_chain(&e));
+                tracing::warn!(event = "workspace_baseline_skipped", workspace = %writer.root.display(), error = %common::error_chain(&e));
             }
             Err(e) => {
                 self.poison(&writer.root, &e);
@@ -555,7 +555,7 @@ impl Versions {
     /// [`SnapshotScope::canonical`]).
     pub fn fail_commit(&self, root: &Path, cause: &WriteError) {
         if cause.is_content() {
-            tracing::warn!(event = "workspace_commit_refused", workspace = %root.display(), error = %crate::error_chain(cause));
+            tracing::warn!(event = "workspace_commit_refused", workspace = %root.display(), error = %common::error_chain(cause));
         } else {
             self.poison(root, cause);
         }
@@ -565,7 +565,7 @@ impl Versions {
     pub fn poison(&self, root: &Path, cause: &dyn std::fmt::Display) {
         tracing::error!(event = "workspace_poisoned", workspace = %root.display(), error = %cause);
         if let Err(e) = self.lifecycle.poison(root) {
-            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %crate::error_chain(&e));
+            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %common::error_chain(&e));
         }
     }
 
@@ -632,7 +632,7 @@ impl Versions {
                 Ok(Some(a)) => a,
                 Ok(None) => continue,
                 Err(e) => {
-                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %crate::error_chain(&e));
+                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %common::error_chain(&e));
                     continue;
                 }
             };
@@ -645,16 +645,16 @@ impl Versions {
                 Ok(Some(lease)) => lease,
                 Ok(None) => continue,
                 Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %crate::error_chain(&e));
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
                     continue;
                 }
             };
             // Pinned by descriptor, walked beneath the data directory without following a
             // symlink, like every other commit: an enclosing sandbox may have planted one.
-            let pinned = match crate::exec::workspace::open_beneath(&self.data_dir, &root) {
+            let pinned = match crate::workspace::open_beneath(&self.data_dir, &root) {
                 Ok(fd) => fd,
                 Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
+                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
                     continue;
                 }
             };
@@ -737,7 +737,7 @@ impl Versions {
             let name = workspace_head_name(&root);
             let head = me.refs().head(&name)?;
             let previous = head.clone().map(|h| {
-                let verified = me.store.validate_closure(&h).map_err(|e| crate::error_chain(&e));
+                let verified = me.store.validate_closure(&h).map_err(|e| common::error_chain(&e));
                 (h, verified)
             });
             let scope =
@@ -757,7 +757,7 @@ impl Versions {
         let (previous, head) = match committed {
             Ok(done) => done,
             Err(e) => {
-                tracing::error!(event = "workspace_repair_failed", workspace = %canonical.display(), error = %crate::error_chain(&e));
+                tracing::error!(event = "workspace_repair_failed", workspace = %canonical.display(), error = %common::error_chain(&e));
                 return Err(e);
             }
         };
@@ -849,17 +849,17 @@ mod tests {
         let all: [&dyn std::error::Error; 3] = [&version, &coord, &remote];
         for e in all {
             assert!(!common::repeats_its_source(e), "{e}");
-            assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
+            assert_eq!(common::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
         }
         // The API answers with a WriteError's text: the store's or the lock's error and its
         // cause, once, whichever way it is printed.
         let want = format!("could not read /d/x: {}", io());
-        assert_eq!(crate::error_chain(&version), want);
+        assert_eq!(common::error_chain(&version), want);
         let written = WriteError::from(version);
-        assert_eq!((written.to_string(), crate::error_chain(&written)), (want.clone(), want));
+        assert_eq!((written.to_string(), common::error_chain(&written)), (want.clone(), want));
         let written = WriteError::from(coord);
         assert_eq!(written.to_string(), format!("Could not open the lock: {}", io()));
-        assert_eq!(crate::error_chain(&written), written.to_string());
+        assert_eq!(common::error_chain(&written), written.to_string());
     }
 
     use crate::coordination::tests::free_for_another_process;
