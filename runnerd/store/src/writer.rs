@@ -17,8 +17,8 @@ use tokio::sync::watch;
 use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
 use crate::versioning::snapshot::{Reuse, SnapshotScope};
 use crate::versioning::{
-    self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value, new_uuid_v4,
-    workspace_head_name,
+    self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value,
+    new_uuid_v4, workspace_head_name,
 };
 
 /// The observer's answer when a writer is busy and nothing was ever committed.
@@ -627,84 +627,93 @@ impl Versions {
     pub async fn recover_interrupted(self: &Arc<Self>) -> Vec<PathBuf> {
         let mut recovered = Vec::new();
         for (root, entry) in self.lifecycle.journaled_roots() {
-            // Admission first, as for every writer: a fenced (retired) or busy root is left.
-            let admitted = match self.lifecycle.try_admit(&root).await {
-                Ok(Some(a)) => a,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %common::error_chain(&e));
-                    continue;
-                }
-            };
-            if self.lifecycle.poison_marked(&root) {
-                // Poisoned before the crash: that needs a person, not a recovery commit.
-                tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = crate::coordination::POISONED);
-                continue;
+            if self.recover_one(&root, &entry).await {
+                recovered.push(root);
             }
-            let lease = match self.lifecycle.take_over_interrupted(&root, &entry) {
-                Ok(Some(lease)) => lease,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
-                    continue;
-                }
-            };
-            // Pinned by descriptor, walked beneath the data directory without following a
-            // symlink, like every other commit: an enclosing sandbox may have planted one.
-            let pinned = match crate::workspace::open_beneath(&self.data_dir, &root) {
-                Ok(fd) => fd,
-                Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
-                    continue;
-                }
-            };
-            let dir = crate::fsat::pinned_dir(&pinned);
-            let me = self.clone();
-            let r = root.clone();
-            let committed = blocking_retry(self.clone(), move || {
-                let name = workspace_head_name(&r);
-                let tree = me.snapshot_live(
-                    &dir,
-                    &SnapshotScope {
-                        canonical: Some(r.clone()),
-                        max_bytes: me.default_max_bytes,
-                        reuse: None,
-                    },
-                )?;
-                let head = me.refs().head(&name)?;
-                let (id, kind) = match head {
-                    Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
-                    None => (None, "baseline"),
-                };
-                me.commit_mutation_record(
-                    &name,
-                    &tree,
-                    (id.as_deref(), kind, true),
-                    Expected::Exactly(head),
-                    Closure::Full,
-                )
-            })
-            .await;
-            match committed {
-                Ok(record) => {
-                    tracing::warn!(
-                        event = "workspace_recovered",
-                        workspace = %root.display(),
-                        head = %record.digest,
-                        reason = "runnerd stopped while it held this workspace's writer lease",
-                    );
-                    recovered.push(root);
-                    drop(lease);
-                }
-                Err(e) => {
-                    // Keep the marker: the workspace stays refused until a person looks.
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
-                    lease.release_keeping_marker();
-                }
-            }
-            drop(admitted);
         }
         recovered
+    }
+
+    /// [`Versions::recover_interrupted`] of one root, whose lease journal entry is `entry`:
+    /// whether a recovery commit was made.
+    async fn recover_one(self: &Arc<Self>, root: &Path, entry: &Path) -> bool {
+        // Admission first, as for every writer: a fenced (retired) or busy root is left.
+        let admitted = match self.lifecycle.try_admit(root).await {
+            Ok(Some(a)) => a,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %common::error_chain(&e));
+                return false;
+            }
+        };
+        if self.lifecycle.poison_marked(root) {
+            // Poisoned before the crash: that needs a person, not a recovery commit.
+            tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = crate::coordination::POISONED);
+            return false;
+        }
+        let lease = match self.lifecycle.take_over_interrupted(root, entry) {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
+                return false;
+            }
+        };
+        // Pinned by descriptor, walked beneath the data directory without following a
+        // symlink, like every other commit: an enclosing sandbox may have planted one.
+        let pinned = match crate::workspace::open_beneath(&self.data_dir, root) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
+                return false;
+            }
+        };
+        let (me, r, dir) = (self.clone(), root.to_owned(), crate::fsat::pinned_dir(&pinned));
+        let committed = blocking_retry(self.clone(), move || me.commit_recovery(&r, &dir)).await;
+        let recovered = match committed {
+            Ok(record) => {
+                tracing::warn!(
+                    event = "workspace_recovered",
+                    workspace = %root.display(),
+                    head = %record.digest,
+                    reason = "runnerd stopped while it held this workspace's writer lease",
+                );
+                drop(lease);
+                true
+            }
+            Err(e) => {
+                // Keep the marker: the workspace stays refused until a person looks.
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
+                lease.release_keeping_marker();
+                false
+            }
+        };
+        drop(admitted);
+        recovered
+    }
+
+    /// The recovery commit of `root` (pinned as `dir`): a `runner-recovery` mutation over
+    /// its head, or its baseline when it has none.
+    fn commit_recovery(&self, root: &Path, dir: &Path) -> Result<Ref, WriteError> {
+        let name = workspace_head_name(root);
+        let scope = SnapshotScope {
+            canonical: Some(root.to_owned()),
+            max_bytes: self.default_max_bytes,
+            reuse: None,
+        };
+        let tree = self.snapshot_live(dir, &scope)?;
+        let head = self.refs().head(&name)?;
+        let (id, kind) = match head {
+            Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
+            None => (None, "baseline"),
+        };
+        self.commit_mutation_record(
+            &name,
+            &tree,
+            (id.as_deref(), kind, true),
+            Expected::Exactly(head),
+            Closure::Full,
+        )
     }
 }
 
