@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
 use crate::versioning::snapshot::{Reuse, SnapshotScope};
 use crate::versioning::{
-    self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value,
+    self, ExecutionFields, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value,
     new_uuid_v4, workspace_head_name,
 };
 
@@ -477,17 +477,17 @@ impl Versions {
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
             let (code, stdout, stderr) = (put(&facts.code)?, stream(&facts.stdout)?, stream(&facts.stderr)?);
-            let value = execution_value(
-                &facts.agent_id,
-                &code,
-                facts.environment_revision_id.as_deref(),
-                &facts.execution_id,
-                &facts.session_id,
-                &facts.state,
-                &stderr,
-                &stdout,
-                &tree,
-            );
+            let value = execution_value(&ExecutionFields {
+                agent_id: &facts.agent_id,
+                code: &code,
+                environment_revision_id: facts.environment_revision_id.as_deref(),
+                execution_id: &facts.execution_id,
+                session_id: &facts.session_id,
+                state: &facts.state,
+                stderr: &stderr,
+                stdout: &stdout,
+                workspace: &tree,
+            });
             let record = me.store.put_record("WorkspaceExecution", value)?;
             me.commit_head(&head, &record, closure)?;
             attempts.committed(&scope);
