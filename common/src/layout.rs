@@ -17,6 +17,9 @@ pub const PROJECTS: &str = "projects";
 pub const REMOTE_WORKSPACES: &str = "remote-workspaces";
 /// The two directories a workspace may lie in (strictly below one of them).
 pub const WORKSPACE_ROOTS: [&str; 2] = [PROJECTS, REMOTE_WORKSPACES];
+/// `<data>/projects/.skill-packages/`: the published skill packages (runnerd's skill store).
+/// Never a workspace nor part of one: mounted writable, a package could be rewritten.
+pub const SKILL_PACKAGES: &str = ".skill-packages";
 
 /// `<parent of a workspace>/.workspace-coordination/<sha256>.sqlite`: the lease files that
 /// serialise writers of one workspace across processes. Never part of a
@@ -97,9 +100,10 @@ mod tests {
     fn names_are_the_originals() {
         let data = Path::new("/d");
         let envs = data.join(SCIENTIFIC_ENVS);
-        let cases: [(PathBuf, &str); 16] = [
+        let cases: [(PathBuf, &str); 17] = [
             (workspace_roots(data)[0].clone(), "/d/projects"),
             (workspace_roots(data)[1].clone(), "/d/remote-workspaces"),
+            (data.join(PROJECTS).join(SKILL_PACKAGES), "/d/projects/.skill-packages"),
             (data.join(COORDINATION_DIR), "/d/.workspace-coordination"),
             (data.join(LIFECYCLE_DIR).join(LIFECYCLE_REGISTRY), "/d/.workspace-lifecycle/registry.sqlite"),
             (data.join(VERSIONING).join(REFS_DB), "/d/versioning/refs.sqlite"),

@@ -6,6 +6,9 @@
 //! * [`startup`]: the start-up sequence that decides and prepares all of it.
 //! * `egress`: asking egressd for a policy's gateway (network sandboxes).
 //! * [`cli`]: the `runnerd` command line (the benchmarks are the `runnerd-bench` crate).
+//! * the workspace store — versions, coordination, the writer, workspace resolution, the
+//!   remote workspace's files — is the `runner_store` crate (issue #33), re-exported here
+//!   under its old paths; [`workspace`] gives its resolution's refusals as `EngineError`s.
 //!
 //! Public are only the modules the binaries, the integration suite (`tests/`) and the
 //! benchmarks (`runnerd/bench`) use; the rest (the HTTP layer, the daemon's state, the
@@ -16,18 +19,18 @@ pub(crate) mod api;
 pub(crate) mod app;
 pub use common::audit;
 pub mod auth;
-pub(crate) mod blocking;
+pub(crate) use runner_store::blocking;
 pub(crate) mod check;
 pub mod cli;
 pub mod client;
 pub(crate) mod config;
-pub mod coordination;
+pub use runner_store::coordination;
 pub mod ctl;
-pub(crate) mod dbcheck;
+pub(crate) use runner_store::dbcheck;
 pub(crate) mod egress;
 pub(crate) mod envs;
 pub mod exec;
-pub(crate) mod fsat;
+pub(crate) use runner_store::fsat;
 pub mod history;
 pub(crate) mod http;
 pub mod isolation;
@@ -38,14 +41,32 @@ pub(crate) mod managed;
 pub mod memory;
 pub(crate) mod metrics;
 pub(crate) mod npu_broker;
-pub(crate) mod remote;
+pub(crate) use runner_store::{owner, quota, remote};
 pub mod sandbox;
 pub(crate) mod selftest;
 pub(crate) mod skills;
 pub mod startup;
 pub use common::timefmt;
 pub(crate) mod token;
-pub(crate) mod versioning;
-pub mod writer;
+pub(crate) use runner_store::versioning;
+pub mod workspace;
+pub use runner_store::writer;
 
 pub use common::error_chain;
+
+#[cfg(test)]
+mod tests {
+    /// As the store's errors (`writer`'s test): each of runnerd's own says its cause once,
+    /// whichever way it is printed.
+    #[test]
+    fn errors_say_their_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::EACCES);
+        let db = crate::managed::db::DbError::Dir { path: "/e".into(), source: io() };
+        let bwrap = crate::sandbox::preflight::PreflightError::Unrunnable { path: "/b".into(), source: io() };
+        let all: [&dyn std::error::Error; 2] = [&db, &bwrap];
+        for e in all {
+            assert!(!common::repeats_its_source(e), "{e}");
+            assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
+        }
+    }
+}

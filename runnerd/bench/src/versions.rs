@@ -92,8 +92,7 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
     let hash = timed_shell(&hash_cmd)?;
 
     let versions = Arc::new(Versions::open(&data)?);
-    let pinned =
-        || runnerd::exec::workspace::open_beneath(&data, &ws).map_err(|e| anyhow::anyhow!(e.to_string()));
+    let pinned = || runnerd::workspace::open_beneath(&data, &ws).map_err(|e| anyhow::anyhow!(e.to_string()));
     // (1) The first commit: the baseline a workspace's first writer commits.
     let start = Instant::now();
     let writer = versions.begin(&ws, pinned()?, None).await?;

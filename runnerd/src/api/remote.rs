@@ -13,12 +13,13 @@ use super::error::ApiError;
 use super::stream::{self, Download, UploadError};
 use super::{ApiResponse, query};
 use crate::app::App;
+use crate::exec::error::workspace_code as e_code;
 use crate::exec::request::parse_object as request_parse;
-use crate::exec::{error::workspace_code as e_code, workspace};
 use crate::remote::files::{self, RemoteError};
 use crate::remote::paths;
 use crate::timefmt;
 use crate::versioning::{self, Ref};
+use crate::workspace;
 use crate::writer::WriteError;
 
 const MAX_PATHS: usize = 50;

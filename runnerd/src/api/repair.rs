@@ -11,7 +11,8 @@ use serde_json::{Value, json};
 use super::ApiResponse;
 use super::error::ApiError;
 use crate::app::App;
-use crate::exec::{error::workspace_code as e_code, request, workspace};
+use crate::exec::{error::workspace_code as e_code, request};
+use crate::workspace;
 
 pub const KEY_REQUIRED: &str = "workspace is required";
 

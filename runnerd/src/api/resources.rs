@@ -5,8 +5,8 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use crate::app::App;
-use crate::exec::workspace::REMOTE_WORKSPACES;
 use crate::timefmt;
+use crate::workspace::REMOTE_WORKSPACES;
 
 fn first_number(path: &str) -> Option<f64> {
     std::fs::read_to_string(path).ok()?.split_whitespace().next()?.parse().ok()

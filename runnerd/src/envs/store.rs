@@ -853,7 +853,7 @@ impl EnvStore {
         workspace: &Path,
         paths: &[String],
     ) -> Result<Vec<LocalWheel>, StoreError> {
-        let root_fd = crate::exec::workspace::open_beneath(&app.data_dir, workspace)
+        let root_fd = crate::workspace::open_beneath(&app.data_dir, workspace)
             .map_err(|e| StoreError::Invalid(e.to_string()))?;
         let dir = open_dir(&self.root)?;
         let paths = paths.to_vec();

@@ -12,12 +12,13 @@ use std::path::Path;
 use super::audit::FinishAudit;
 use super::prepare::{Prepared, attach_egress, resolve_cwd};
 use super::run::run_sandbox;
-use super::{EngineError, ExecutionResult, StopToken, admission, workspace};
+use super::{EngineError, ExecutionResult, StopToken, admission};
 use crate::app::App;
 use crate::coordination::CoordError;
 use crate::launch::OutputSink;
 use crate::metrics::Phase;
 use crate::timefmt;
+use crate::workspace;
 use crate::writer::{WriteError, Writer};
 
 /// Which queue a run waits in.

@@ -4,6 +4,7 @@
 
 use super::code::ErrorCode;
 use crate::coordination::CoordError;
+use crate::workspace::WorkspaceError;
 use crate::writer::WriteError;
 
 /// The code of a refused or failed workspace write.
@@ -14,6 +15,27 @@ pub fn workspace_code(e: &WriteError) -> ErrorCode {
         WriteError::Coordination(CoordError::Poisoned) => ErrorCode::WorkspacePoisoned,
         WriteError::NoBaseline => ErrorCode::NoBaseline,
         _ => ErrorCode::WorkspaceVersionFailed,
+    }
+}
+
+/// The code of a refused workspace, remote workspace key or `cwd`.
+pub fn refusal_code(e: &WorkspaceError) -> ErrorCode {
+    match e {
+        WorkspaceError::InvalidKey => ErrorCode::InvalidWorkspaceKey,
+        WorkspaceError::KeySymlink | WorkspaceError::Symlink | WorkspaceError::Changed => {
+            ErrorCode::WorkspaceSymlink
+        }
+        WorkspaceError::Reserved(_) => ErrorCode::ReservedWorkspaceName,
+        WorkspaceError::Realpath { .. } => ErrorCode::PathNotFound,
+        WorkspaceError::DataDirUnavailable(_) => ErrorCode::DataDirUnavailable,
+        WorkspaceError::Create { .. } | WorkspaceError::HandOver { .. } => ErrorCode::WorkspaceCreateFailed,
+        WorkspaceError::OutsideRoots => ErrorCode::WorkspaceOutsideRoots,
+        WorkspaceError::IsARoot => ErrorCode::WorkspaceIsRoot,
+        WorkspaceError::NotDirectory => ErrorCode::WorkspaceNotDirectory,
+        WorkspaceError::CwdAbsolute
+        | WorkspaceError::CwdOutside
+        | WorkspaceError::CwdSymlink
+        | WorkspaceError::CwdNotDirectory => ErrorCode::InvalidCwd,
     }
 }
 
@@ -61,6 +83,13 @@ pub enum EngineError {
     /// A failure of runnerd itself (a descriptor it could not duplicate, say).
     #[error("{0}")]
     Internal(String),
+}
+
+/// A refused workspace is an invalid request: its code, and its text with the cause.
+impl From<WorkspaceError> for EngineError {
+    fn from(e: WorkspaceError) -> EngineError {
+        EngineError::invalid(refusal_code(&e), crate::error_chain(&e))
+    }
 }
 
 impl EngineError {

@@ -24,7 +24,6 @@ mod run;
 mod stage;
 pub mod stop;
 mod synchronous;
-pub mod workspace;
 
 use std::time::Duration;
 

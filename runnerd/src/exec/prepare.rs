@@ -12,9 +12,10 @@ use serde_json::Value;
 use std::time::Instant;
 
 use super::request::NetworkMode;
-use super::{EngineError, ErrorCode, MAX_EXECUTION_ID, admission, profile_for, request, workspace};
+use super::{EngineError, ErrorCode, MAX_EXECUTION_ID, admission, profile_for, request};
 use crate::app::App;
 use crate::sandbox::Language;
+use crate::workspace;
 
 /// How the routes differ in one engine: the synchronous routes honour `executionTimeoutMs`
 /// and run at once; the managed route has no deadline (the caller's concern, contract §3)

@@ -9,9 +9,10 @@ use common::plan::IdPair;
 
 use super::audit::FinishAudit;
 use super::prepare::Prepared;
-use super::{EngineError, ErrorCode, RunOutcome, files, workspace};
+use super::{EngineError, ErrorCode, RunOutcome, files};
 use crate::app::App;
 use crate::sandbox::{WorkspaceLayout, ownership};
+use crate::workspace;
 
 /// Everything a run holds besides its request, until its sandbox has ended.
 #[derive(Debug)]

@@ -924,5 +924,16 @@ impl RunWatch {
     }
 }
 
+/// The writer's view of the journal: what a commit's snapshot may reuse.
+impl crate::writer::SnapshotJournal for RunWatch {
+    fn reuse(&self) -> Arc<Reuse> {
+        RunWatch::reuse(self)
+    }
+
+    fn snapshot_done(&self, reuse: &Reuse) {
+        RunWatch::snapshot_done(self, reuse)
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -10,8 +10,8 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::ManagedState;
 use super::logs::{LogRow, stream_name};
-use super::state::ManagedState;
 use crate::launch::Stream;
 
 pub const RESTARTED: &str = "Runner restarted before completion was recorded; the command was not replayed";

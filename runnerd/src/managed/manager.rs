@@ -13,9 +13,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
+use super::ManagedState as State;
 use super::db::{DbError, ExecutionsDb, ManagedExecution, OpenReport, RESTARTED, RecordMeta, RowReader};
 use super::logs::{LogRow, PAGE_ROWS, Retention};
-use super::state::ManagedState as State;
 use crate::app::App;
 use crate::coordination::ABORTED;
 use crate::exec::engine::{Execution, Flow, Queue};

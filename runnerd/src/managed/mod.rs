@@ -5,7 +5,6 @@
 pub mod db;
 pub mod logs;
 pub mod manager;
-pub mod state;
 
 pub use manager::Manager;
-pub use state::ManagedState;
+pub use runner_store::execution_state::ManagedState;

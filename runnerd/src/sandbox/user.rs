@@ -92,6 +92,13 @@ impl Identity {
     }
 }
 
+/// The store creates a remote workspace's directories and uploaded files for the sandbox.
+impl crate::owner::HandOver for Identity {
+    fn hand_over(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+        Identity::hand_over(self, fd)
+    }
+}
+
 /// Whether `uid`/`gid` (and no supplementary group: sandbox-init keeps only the primary one)
 /// may search a directory of `mode` owned by `owner`/`group`.
 pub fn may_search(mode: u32, owner: u32, group: u32, uid: u32, gid: u32) -> bool {

@@ -11,7 +11,7 @@
 //! Ours, stricter than the original: `skillPackagesRoot` must name a published package
 //! (`<dataDir>/projects/.skill-packages/<id>`, no symlink on the way), which is verified in
 //! full right before it is mounted, and mounted from the descriptor that was verified; the
-//! packages directory is never a workspace (a reserved name in `exec::workspace`).
+//! packages directory is never a workspace (a reserved name in `runner_store::workspace`).
 
 pub mod bundle;
 pub mod in_use;
@@ -149,7 +149,7 @@ pub fn resolve_root(data_dir: &Path, data_real: &Path, root: &Path) -> Result<Re
         .collect::<Result<_, _>>()?;
     match names.as_slice() {
         [projects, packages, id]
-            if *projects == crate::exec::workspace::PROJECTS
+            if *projects == crate::workspace::PROJECTS
                 && *packages == store::PACKAGES_DIR
                 && bundle::is_hex64(id) =>
         {

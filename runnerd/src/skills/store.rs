@@ -22,7 +22,7 @@ use super::bundle::{self, Bundle, BundleError, Content};
 use crate::fsat::{self, Stat};
 use crate::versioning::names::{hex, new_uuid_v4};
 
-pub const PACKAGES_DIR: &str = ".skill-packages";
+pub use common::layout::SKILL_PACKAGES as PACKAGES_DIR;
 pub const MANIFEST: &str = ".manifest.json";
 const STAGING_PREFIX: &str = ".staging-";
 /// Ours: a manifest is small (no bytes); anything larger is not one of ours.
@@ -60,7 +60,7 @@ pub fn open_packages_dir(data_dir: &Path, create: bool) -> Result<Option<(PathBu
     let real = std::fs::canonicalize(data_dir).map_err(io_err("the data directory"))?;
     let mut here = OwnedFd::from(std::fs::File::open(&real).map_err(io_err("the data directory"))?);
     let mut path = real;
-    for name in [crate::exec::workspace::PROJECTS, PACKAGES_DIR] {
+    for name in [crate::workspace::PROJECTS, PACKAGES_DIR] {
         let c = cstr(name).map_err(io_err(name))?;
         let created = create
             && match fsat::mkdir_at(&here, &c, 0o755) {

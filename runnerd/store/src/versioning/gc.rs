@@ -27,6 +27,7 @@ use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
+use super::refs::HistoryRow;
 use super::retention::{self, Retention};
 use super::store::digest_key;
 use super::{Pool, Ref, Refs, Store, VersionError};
@@ -240,12 +241,39 @@ impl Mark {
                 Err(e) => {
                     self.unreadable_count += 1;
                     if self.unreadable.len() < NAMED {
-                        self.unreadable.push(format!("{}: {}", r.digest, crate::error_chain(&e)));
+                        self.unreadable.push(format!("{}: {}", r.digest, common::error_chain(&e)));
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// Marks each head's roots ([`retained_by_head`]) and accounts for what its history
+    /// holds: every object its roots reach (one shared with another head counts for both).
+    fn heads(
+        &mut self,
+        store: &Store,
+        by_head: HashMap<&str, (usize, Vec<&Ref>)>,
+        disk_of: &HashMap<[u8; 32], u64>,
+        workspace_of: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Vec<HeadHistory>, VersionError> {
+        let mut accounts = Vec::new();
+        for (name, (versions, roots)) in by_head {
+            let (mut seen, mut tally) = (HashSet::new(), Tally::default());
+            for root in roots {
+                self.walk(store, root, &mut seen, &mut tally, disk_of)?;
+            }
+            accounts.push(HeadHistory {
+                workspace: workspace_of(name),
+                versions,
+                objects: tally.objects,
+                bytes: tally.bytes,
+                disk_bytes: tally.disk,
+                name: name.to_owned(),
+            });
+        }
+        Ok(accounts)
     }
 }
 
@@ -283,14 +311,72 @@ pub fn collect(
     let dirs = BlobDirs::open(store)?;
     let stored = list_stored(&dirs)?;
     let disk_of: HashMap<[u8; 32], u64> = stored.iter().map(|s| (s.raw, s.disk)).collect();
-    let written_at: HashMap<[u8; 32], i128> = stored.iter().map(|s| (s.raw, s.mtime_ns)).collect();
     let (rows, live) = {
         let r = lock();
         (r.history_rows(0)?, r.live_rows()?)
     };
     let last_id = rows.last().map_or(0, |r| r.id);
+    let pruned = prune_history(refs, &rows, &live, named, &stored, how, started)?;
 
-    // Retention: which workspace history rows go.
+    // Mark, head by head (a head's account spans its retained versions and its target).
+    let mut mark = Mark::default();
+    let accounts = mark.heads(store, retained_by_head(&rows, &live, &pruned), &disk_of, workspace_of)?;
+    for root in named {
+        mark.walk(store, root, &mut HashSet::new(), &mut Tally::default(), &disk_of)?;
+    }
+
+    let objects_missing = mark
+        .reached
+        .iter()
+        .filter(|raw| !disk_of.contains_key(*raw) && !store.in_legacy_store(&super::names::hex(&raw[..])))
+        .count() as u64;
+    let in_use = InUseAfter::new(started, how.grace);
+    let mut report = Report {
+        dry_run: how.dry_run,
+        started_at: started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        versions_pruned: pruned.len(),
+        versions_kept: rows.len() - pruned.len(),
+        objects_stored: stored.len() as u64,
+        disk_bytes_stored: stored.iter().map(|s| s.disk).sum(),
+        objects_reachable: mark.reached.len() as u64,
+        objects_missing,
+        ..Report::default()
+    };
+    let doomed = unreached(stored, &mark, in_use, &mut report);
+
+    if !how.dry_run {
+        let how = Sweep { store, dirs: &dirs, lock: &lock, disk_of: &disk_of, in_use };
+        let outcome = sweep(&how, &mut mark, &doomed, last_id, &mut report);
+        for pool in [Pool::Data, Pool::AgentState] {
+            super::store::fsync_dir(&store.blob_dir(pool))?;
+        }
+        outcome?;
+    }
+
+    // The largest histories, at most [`HEADS_SHOWN`]: every export is a head of its own, and
+    // the report stays in memory and goes out whole.
+    report.workspaces = accounts;
+    report.workspaces.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
+    report.heads = report.workspaces.len();
+    report.workspaces.truncate(HEADS_SHOWN);
+    report.unreadable = mark.unreadable;
+    report.unreadable_count = mark.unreadable_count;
+    report.took_ms = clock.elapsed().as_millis() as u64;
+    Ok(report)
+}
+
+/// Retention: which workspace history rows go (their ids), deleted unless `how` is a dry
+/// run. A version's age is its record's write time in the listing (`stored`).
+fn prune_history(
+    refs: &Mutex<Refs>,
+    rows: &[HistoryRow],
+    live: &[(String, Ref)],
+    named: &[Ref],
+    stored: &[Stored],
+    how: Collection,
+    started: SystemTime,
+) -> Result<HashSet<i64>, VersionError> {
+    let written_at: HashMap<[u8; 32], i128> = stored.iter().map(|s| (s.raw, s.mtime_ns)).collect();
     let jcs: Vec<String> = rows.iter().map(|r| r.target.jcs()).collect();
     let live_jcs: Vec<(String, String)> = live.iter().map(|(n, t)| (n.clone(), t.jcs())).collect();
     let heads: HashMap<&str, &str> = live_jcs.iter().map(|(n, t)| (n.as_str(), t.as_str())).collect();
@@ -315,58 +401,35 @@ pub fn collect(
         let mut ids: Vec<i64> = pruned.iter().copied().collect();
         ids.sort_unstable();
         for chunk in ids.chunks(PRUNE_BATCH) {
-            lock().delete_history(chunk)?;
+            refs.lock().unwrap_or_else(|p| p.into_inner()).delete_history(chunk)?;
         }
         tracing::info!(event = "history_pruned", versions = ids.len());
     }
+    Ok(pruned)
+}
 
-    // Mark, head by head (a head's account spans its retained versions and its target).
+/// Each head's roots: its history rows the retention kept (counted: its versions) and its
+/// live target.
+fn retained_by_head<'a>(
+    rows: &'a [HistoryRow],
+    live: &'a [(String, Ref)],
+    pruned: &HashSet<i64>,
+) -> HashMap<&'a str, (usize, Vec<&'a Ref>)> {
     let mut by_head: HashMap<&str, (usize, Vec<&Ref>)> = HashMap::new();
     for row in rows.iter().filter(|r| !pruned.contains(&r.id)) {
         let entry = by_head.entry(&row.name).or_default();
         entry.0 += 1;
         entry.1.push(&row.target);
     }
-    for (name, target) in &live {
+    for (name, target) in live {
         by_head.entry(name).or_default().1.push(target);
     }
-    let mut mark = Mark::default();
-    let mut accounts = Vec::new();
-    for (name, (versions, roots)) in by_head {
-        let (mut seen, mut tally) = (HashSet::new(), Tally::default());
-        for root in roots {
-            mark.walk(store, root, &mut seen, &mut tally, &disk_of)?;
-        }
-        accounts.push(HeadHistory {
-            workspace: workspace_of(name),
-            versions,
-            objects: tally.objects,
-            bytes: tally.bytes,
-            disk_bytes: tally.disk,
-            name: name.to_owned(),
-        });
-    }
-    for root in named {
-        mark.walk(store, root, &mut HashSet::new(), &mut Tally::default(), &disk_of)?;
-    }
+    by_head
+}
 
-    let objects_missing = mark
-        .reached
-        .iter()
-        .filter(|raw| !disk_of.contains_key(*raw) && !store.in_legacy_store(&super::names::hex(&raw[..])))
-        .count() as u64;
-    let in_use = InUseAfter::new(started, how.grace);
-    let mut report = Report {
-        dry_run: how.dry_run,
-        started_at: started.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-        versions_pruned: pruned.len(),
-        versions_kept: rows.len() - pruned.len(),
-        objects_stored: stored.len() as u64,
-        disk_bytes_stored: stored.iter().map(|s| s.disk).sum(),
-        objects_reachable: mark.reached.len() as u64,
-        objects_missing,
-        ..Report::default()
-    };
+/// The stored objects no root reached and no reader or writer may still be using (counted
+/// in `report` otherwise); none at all when a kept version reaches an unreadable record.
+fn unreached(stored: Vec<Stored>, mark: &Mark, in_use: InUseAfter, report: &mut Report) -> Vec<Stored> {
     let mut doomed = Vec::new();
     for s in stored {
         if mark.reached.contains(&s.raw) {
@@ -389,26 +452,7 @@ pub fn collect(
         ));
         doomed.clear();
     }
-
-    if !how.dry_run {
-        let how = Sweep { store, dirs: &dirs, lock: &lock, disk_of: &disk_of, in_use };
-        let outcome = sweep(&how, &mut mark, &doomed, last_id, &mut report);
-        for pool in [Pool::Data, Pool::AgentState] {
-            super::store::fsync_dir(&store.blob_dir(pool))?;
-        }
-        outcome?;
-    }
-
-    // The largest histories, at most [`HEADS_SHOWN`]: every export is a head of its own, and
-    // the report stays in memory and goes out whole.
-    report.workspaces = accounts;
-    report.workspaces.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
-    report.heads = report.workspaces.len();
-    report.workspaces.truncate(HEADS_SHOWN);
-    report.unreadable = mark.unreadable;
-    report.unreadable_count = mark.unreadable_count;
-    report.took_ms = clock.elapsed().as_millis() as u64;
-    Ok(report)
+    doomed
 }
 
 /// What the sweep works with besides the doomed objects.

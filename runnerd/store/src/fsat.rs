@@ -219,26 +219,65 @@ const REMOVE_BATCH: usize = 4096;
 /// and at most [`REMOVE_BATCH`] names of each open level in memory (a level is listed again
 /// until it is empty; a closed one keeps none). Entries that vanish meanwhile are not an error.
 pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
-    struct Level {
-        fd: Option<OwnedFd>,
-        name: CString,
-        id: (u64, u64),
-        pending: Vec<CString>,
-    }
-    let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
-    let not_dir = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP));
-    let batch = |fd: &OwnedFd| -> io::Result<Vec<CString>> {
-        let mut out = Vec::new();
-        for entry in std::fs::read_dir(fd_dir_path(fd))?.take(REMOVE_BATCH) {
-            let name = entry?.file_name();
-            out.push(
-                CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()))
-                    .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
-            );
-        }
-        Ok(out)
+    let mut stack: Vec<RemovedLevel> = match RemovedLevel::open(&dir.as_raw_fd(), name) {
+        Ok(Some(top)) => vec![top],
+        Ok(None) => return Ok(()),
+        Err(e) if is_gone(&e) => return Ok(()),
+        Err(e) => return Err(e),
     };
-    let open_level = |parent: &dyn AsRawFd, name: &CStr| -> io::Result<Option<Level>> {
+    while let Some(level) = stack.last_mut() {
+        // The deepest level's descriptor is always open.
+        let Some(fd) = level.fd.as_ref() else { return Err(io::Error::other("remove_tree_at lost a level")) };
+        if let Some(child) = level.pending.pop() {
+            match RemovedLevel::open(fd, &child) {
+                Ok(Some(sub)) => {
+                    stack.push(sub);
+                    if let Some(far) = stack.len().checked_sub(REMOVE_OPEN_LEVELS + 1) {
+                        // Its names go too (it is listed again when reopened): memory stays
+                        // bounded by the open levels, not by the depth.
+                        stack[far].fd = None;
+                        stack[far].pending = Vec::new();
+                    }
+                }
+                Ok(None) => {}
+                Err(e) if is_gone(&e) => {}
+                Err(e) => return Err(e),
+            }
+            continue;
+        }
+        let more = removal_batch(fd)?;
+        if !more.is_empty() {
+            level.pending = more;
+            continue;
+        }
+        let done = stack.pop().expect("a level is on the stack");
+        let parent = match stack.last_mut() {
+            None => dir.as_raw_fd(),
+            Some(up) => up.reopened_above(&done)?.as_raw_fd(),
+        };
+        match rmdir_at(&parent, &done.name) {
+            Err(e) if !is_gone(&e) => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// One directory level [`remove_tree_at`] is emptying.
+struct RemovedLevel {
+    /// Closed above the [`REMOVE_OPEN_LEVELS`] deepest levels.
+    fd: Option<OwnedFd>,
+    name: CString,
+    /// (dev, ino), to recognise the directory when it is reopened through `..`.
+    id: (u64, u64),
+    /// Names still to remove ([`REMOVE_BATCH`] at most; none while closed).
+    pending: Vec<CString>,
+}
+
+impl RemovedLevel {
+    /// Opens the directory `name` below `parent` and lists its first names; `None` when it is
+    /// no directory (a symlink included), which is unlinked instead.
+    fn open(parent: &dyn AsRawFd, name: &CStr) -> io::Result<Option<RemovedLevel>> {
         let opened = match open_dir_at(&parent.as_raw_fd(), name) {
             // A directory its owner cannot read or search (a sandbox's `chmod 000`, which an
             // unprivileged runnerd, the same user, cannot pass): made the owner's again.
@@ -255,66 +294,48 @@ pub fn remove_tree_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
                     // Its entries could not be unlinked (no write or search for its owner).
                     chmod_fd(&fd, 0o700)?;
                 }
-                let pending = batch(&fd)?;
-                Ok(Some(Level { fd: Some(fd), name: name.to_owned(), id: (st.dev, st.ino), pending }))
+                let pending = removal_batch(&fd)?;
+                Ok(Some(RemovedLevel { fd: Some(fd), name: name.to_owned(), id: (st.dev, st.ino), pending }))
             }
-            Err(e) if not_dir(&e) => unlink_at(&parent.as_raw_fd(), name).map(|()| None),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => {
+                unlink_at(&parent.as_raw_fd(), name).map(|()| None)
+            }
             Err(e) => Err(e),
         }
-    };
-    let mut stack: Vec<Level> = match open_level(dir, name) {
-        Ok(Some(top)) => vec![top],
-        Ok(None) => return Ok(()),
-        Err(e) if gone(&e) => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    while let Some(level) = stack.last_mut() {
-        // The deepest level's descriptor is always open.
-        let Some(fd) = level.fd.as_ref() else { return Err(io::Error::other("remove_tree_at lost a level")) };
-        if let Some(child) = level.pending.pop() {
-            match open_level(fd, &child) {
-                Ok(Some(sub)) => {
-                    stack.push(sub);
-                    if let Some(far) = stack.len().checked_sub(REMOVE_OPEN_LEVELS + 1) {
-                        // Its names go too (it is listed again when reopened): memory stays
-                        // bounded by the open levels, not by the depth.
-                        stack[far].fd = None;
-                        stack[far].pending = Vec::new();
-                    }
-                }
-                Ok(None) => {}
-                Err(e) if gone(&e) => {}
-                Err(e) => return Err(e),
-            }
-            continue;
-        }
-        let more = batch(fd)?;
-        if !more.is_empty() {
-            level.pending = more;
-            continue;
-        }
-        let done = stack.pop().expect("a level is on the stack");
-        let parent = match stack.last_mut() {
-            None => dir.as_raw_fd(),
-            Some(up) => {
-                if up.fd.is_none() {
-                    let child = done.fd.as_ref().expect("the deepest level is open");
-                    let reopened = open_dir_at(child, c"..")?;
-                    let st = Stat::of_fd(&reopened)?;
-                    if (st.dev, st.ino) != up.id {
-                        return Err(io::Error::other("a directory being removed was moved meanwhile"));
-                    }
-                    up.fd = Some(reopened);
-                }
-                up.fd.as_ref().map_or(dir.as_raw_fd(), |fd| fd.as_raw_fd())
-            }
-        };
-        match rmdir_at(&parent, &done.name) {
-            Err(e) if !gone(&e) => return Err(e),
-            _ => {}
-        }
     }
-    Ok(())
+
+    /// This level's descriptor, to remove its emptied child `done` from: reopened through
+    /// the child's `..` if it was closed, and refused unless it is still the same directory.
+    fn reopened_above(&mut self, done: &RemovedLevel) -> io::Result<&OwnedFd> {
+        if self.fd.is_none() {
+            let child = done.fd.as_ref().expect("the deepest level is open");
+            let reopened = open_dir_at(child, c"..")?;
+            let st = Stat::of_fd(&reopened)?;
+            if (st.dev, st.ino) != self.id {
+                return Err(io::Error::other("a directory being removed was moved meanwhile"));
+            }
+            self.fd = Some(reopened);
+        }
+        self.fd.as_ref().ok_or_else(|| io::Error::other("remove_tree_at lost a level"))
+    }
+}
+
+/// The next [`REMOVE_BATCH`] names of the directory `fd`.
+fn removal_batch(fd: &OwnedFd) -> io::Result<Vec<CString>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(fd_dir_path(fd))?.take(REMOVE_BATCH) {
+        let name = entry?.file_name();
+        out.push(
+            CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()))
+                .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
+        );
+    }
+    Ok(out)
+}
+
+/// An entry that vanished meanwhile: not an error while removing.
+fn is_gone(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::ENOENT)
 }
 
 /// Gives the directory `name` below `dir` mode 0700 without following a link: opened

@@ -177,7 +177,7 @@ impl SqliteLock {
                     let mut c = c.clone();
                     tokio::select! {
                         _ = tokio::time::sleep(POLL) => {}
-                        // A dropped sender never cancels (as `exec::gone`).
+                        // A dropped sender never cancels (as runnerd's `exec::gone`).
                         Ok(_) = c.wait_for(|v| *v) => {
                             keep_idle(id, file, conn);
                             return Err(CoordError::Aborted);

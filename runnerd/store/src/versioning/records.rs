@@ -1,10 +1,10 @@
 //! Values of the record kinds the runner writes (§3.2, §3.3). Pure builders: `put_record`
 //! adds the envelope and dependencies, JCS fixes the key order.
 
+use crate::execution_state::ManagedState;
 use serde_json::{Map, Value};
 
 use super::Ref;
-use crate::managed::ManagedState;
 
 /// A `WorkspaceMutation` value. `id` is omitted (not null) for `baseline` and `checkpoint`.
 pub fn mutation_value(id: Option<&str>, kind: &str, completed: bool, workspace: &Ref) -> Value {
@@ -18,20 +18,34 @@ pub fn mutation_value(id: Option<&str>, kind: &str, completed: bool, workspace: 
     Value::Object(map)
 }
 
+/// The fields of a `WorkspaceExecution` value, one to one.
+#[derive(Debug, Clone, Copy)]
+pub struct ExecutionFields<'a> {
+    pub agent_id: &'a str,
+    pub code: &'a Ref,
+    pub environment_revision_id: Option<&'a str>,
+    pub execution_id: &'a str,
+    pub session_id: &'a str,
+    pub state: ManagedState,
+    pub stderr: &'a Ref,
+    pub stdout: &'a Ref,
+    pub workspace: &'a Ref,
+}
+
 /// A `WorkspaceExecution` value; `environmentRevisionId` is written as null when absent, as
-/// the original does. The argument list mirrors the record's fields one to one.
-#[allow(clippy::too_many_arguments)]
-pub fn execution_value(
-    agent_id: &str,
-    code: &Ref,
-    environment_revision_id: Option<&str>,
-    execution_id: &str,
-    session_id: &str,
-    state: ManagedState,
-    stderr: &Ref,
-    stdout: &Ref,
-    workspace: &Ref,
-) -> Value {
+/// the original does.
+pub fn execution_value(fields: &ExecutionFields<'_>) -> Value {
+    let ExecutionFields {
+        agent_id,
+        code,
+        environment_revision_id,
+        execution_id,
+        session_id,
+        state,
+        stderr,
+        stdout,
+        workspace,
+    } = *fields;
     let mut map = Map::new();
     map.insert("agentId".into(), Value::from(agent_id));
     map.insert("code".into(), code.to_value());
@@ -88,34 +102,32 @@ mod tests {
         let stderr = store.put(Pool::AgentState, b"", OCTET_STREAM).unwrap();
         assert_eq!((stdout.size, &stdout.hex()[..8]), (10, "9d4cfe81"));
         assert_eq!((code.size, &code.hex()[..8]), (15, "b7278539"));
-        let value = execution_value(
-            "main",
-            &code,
-            None,
-            "exec-43",
-            "session-1",
-            ManagedState::Completed,
-            &stderr,
-            &stdout,
-            &root_tree_ref(),
-        );
+        let tree = root_tree_ref();
+        let fields = ExecutionFields {
+            agent_id: "main",
+            code: &code,
+            environment_revision_id: None,
+            execution_id: "exec-43",
+            session_id: "session-1",
+            state: ManagedState::Completed,
+            stderr: &stderr,
+            stdout: &stdout,
+            workspace: &tree,
+        };
+        let value = execution_value(&fields);
         let r = store.put_record("WorkspaceExecution", value).unwrap();
         assert_eq!(blob_text(&store, &r), EXECUTION);
         assert_eq!(
             (r.hex(), r.size),
             ("cbd4f77e63ef7a0d0df9b83ef9e6e49c54ef067913c3c9f544192f0936940226", 1513)
         );
-        let with_env = execution_value(
-            "main",
-            &code,
-            Some("rev-1"),
-            "e",
-            "s",
-            ManagedState::Failed,
-            &stderr,
-            &stdout,
-            &root_tree_ref(),
-        );
+        let with_env = execution_value(&ExecutionFields {
+            environment_revision_id: Some("rev-1"),
+            execution_id: "e",
+            session_id: "s",
+            state: ManagedState::Failed,
+            ..fields
+        });
         assert_eq!(with_env["environmentRevisionId"], "rev-1");
     }
 }

@@ -222,6 +222,38 @@ impl Walk<'_> {
         Stat::at(coord, &lock).is_ok_and(|st| st.kind() == libc::S_IFREG)
     }
 
+    /// The coordination directory among a directory's entries (`listed`), opened, when
+    /// nested workspaces are looked for ([`SnapshotScope::canonical`]).
+    fn coordination_dir(&self, dir: &OwnedFd, listed: &[(OsString, CString, Stat)]) -> Option<OwnedFd> {
+        listed
+            .iter()
+            .find(|(name, _, st)| name.as_bytes() == COORDINATION_DIR && st.kind() == libc::S_IFDIR)
+            .filter(|_| self.scope.canonical.is_some())
+            .and_then(|(_, cname, _)| crate::fsat::open_dir_at(dir, cname).ok())
+    }
+
+    /// That the entry `name` of `dir` (at `rel`) is still what its `lstat` (`meta`) was: the
+    /// same inode, unchanged since.
+    fn still(&self, dir: &OwnedFd, name: &CStr, meta: &Stat, rel: &Path) -> Result<(), VersionError> {
+        let after = Stat::at(dir, name).map_err(self.err("inspect", rel))?;
+        if after.ino != meta.ino || after.dev != meta.dev || after.ctime_ns != meta.ctime_ns {
+            return Err(VersionError::Changed);
+        }
+        Ok(())
+    }
+
+    /// The directory's entries, raw names in memcmp order, each with its `lstat`.
+    fn list(&self, dir: &OwnedFd, rel: &Path) -> Result<Vec<(OsString, CString, Stat)>, VersionError> {
+        let mut names = crate::fsat::names(dir).map_err(self.err("read the directory", rel))?;
+        names.sort_by(|(a, _), (b, _)| a.as_bytes().cmp(b.as_bytes()));
+        let mut listed = Vec::with_capacity(names.len());
+        for (name, cname) in names {
+            let meta = Stat::at(dir, &cname).map_err(self.err("inspect", &rel.join(&name)))?;
+            listed.push((name, cname, meta));
+        }
+        Ok(listed)
+    }
+
     /// An error at `rel`: vanished or swapped (changed), unreadable (the workspace's content,
     /// named), or the host's I/O failure.
     fn err(&self, action: &'static str, rel: &Path) -> impl FnOnce(io::Error) -> VersionError + use<'_> {
@@ -352,22 +384,12 @@ impl Store {
         if depth >= MAX_DEPTH {
             return Err(VersionError::TooDeep { limit: MAX_DEPTH, path: shown(rel) });
         }
-        let mut names = crate::fsat::names(dir).map_err(walk.err("read the directory", rel))?;
-        names.sort_by(|(a, _), (b, _)| a.as_bytes().cmp(b.as_bytes()));
-        let mut listed = Vec::with_capacity(names.len());
-        for (name, cname) in names {
-            let meta = Stat::at(dir, &cname).map_err(walk.err("inspect", &rel.join(&name)))?;
-            listed.push((name, cname, meta));
-        }
+        let listed = walk.list(dir, rel)?;
         // Counted before anything of this directory is stored.
         walk.charge(
             listed.iter().filter(|(_, _, st)| st.kind() == libc::S_IFREG).map(|(_, _, st)| st.size).sum(),
         )?;
-        let coordination = listed
-            .iter()
-            .find(|(name, _, st)| name.as_bytes() == COORDINATION_DIR && st.kind() == libc::S_IFDIR)
-            .filter(|_| walk.scope.canonical.is_some())
-            .and_then(|(_, cname, _)| crate::fsat::open_dir_at(dir, cname).ok());
+        let coordination = walk.coordination_dir(dir, &listed);
         let prehashed = self.hash_misses(dir, &listed);
         let mut entries = Vec::with_capacity(listed.len());
         let mut fingerprint = Sha256::new();
@@ -377,53 +399,20 @@ impl Store {
                 libc::S_IFLNK => {
                     let target =
                         readlink_at(dir, &cname).map_err(walk.err("read the symlink", &child_rel))?;
-                    fingerprint_entry(&mut fingerprint, b'l', name.as_bytes(), &target, 0);
                     (Entry::Symlink { name: name.as_bytes().to_vec(), target }, true)
                 }
                 libc::S_IFDIR => {
                     let inner = nested || walk.is_nested(coordination.as_ref(), rel, &name);
-                    // Inside a nested workspace what a snapshot cannot take is left out.
-                    if inner && depth + 1 >= MAX_DEPTH {
-                        continue;
-                    }
                     let reuse = walk.scope.reuse.as_deref();
-                    let child_str = child_rel.to_str();
-                    let child_fresh = fresh || reuse.zip(child_str).is_some_and(|(r, c)| r.dirty.contains(c));
-                    let known = match (reuse, child_str) {
-                        (Some(r), Some(c)) if !inner => r.reusable(c, child_fresh),
-                        _ => None,
-                    };
-                    if let Some((tree, bytes)) = known {
-                        walk.charge(bytes)?;
-                        fingerprint_entry(&mut fingerprint, b'd', name.as_bytes(), &ref_bytes(&tree), 0);
-                        entries.push(Entry::Dir { name: name.as_bytes().to_vec(), tree });
+                    let child_fresh =
+                        fresh || reuse.zip(child_rel.to_str()).is_some_and(|(r, c)| r.dirty.contains(c));
+                    let subdir = (cname.as_c_str(), meta);
+                    let Some((tree, recheck)) =
+                        self.snapshot_subdir(walk, dir, subdir, &child_rel, depth, (inner, child_fresh))?
+                    else {
                         continue;
-                    }
-                    let child =
-                        match open_at(dir, &cname, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
-                            .map_err(walk.err("open", &child_rel))
-                        {
-                            Err(VersionError::Unreadable { .. }) if inner => continue,
-                            other => other?,
-                        };
-                    let opened =
-                        Stat::of_fd(&child).map_err(io_err("inspect", walk.root.join(&child_rel)))?;
-                    if opened.ino != meta.ino || opened.dev != meta.dev {
-                        return Err(VersionError::Changed);
-                    }
-                    let tree = match self.snapshot_dir(
-                        walk,
-                        &child,
-                        &child_rel,
-                        meta,
-                        depth + 1,
-                        (inner, child_fresh),
-                    ) {
-                        Err(VersionError::Unreadable { .. }) if inner => continue,
-                        other => other?,
                     };
-                    fingerprint_entry(&mut fingerprint, b'd', name.as_bytes(), &ref_bytes(&tree), 0);
-                    (Entry::Dir { name: name.as_bytes().to_vec(), tree }, true)
+                    (Entry::Dir { name: name.as_bytes().to_vec(), tree }, recheck)
                 }
                 libc::S_IFREG => {
                     let (content, hashed) =
@@ -431,9 +420,8 @@ impl Store {
                             Err(VersionError::Unreadable { .. }) if nested => continue,
                             other => other?,
                         };
-                    let exec = meta.mode & 0o111;
-                    fingerprint_entry(&mut fingerprint, b'f', name.as_bytes(), &ref_bytes(&content), exec);
-                    let entry = Entry::File { name: name.as_bytes().to_vec(), content, exec };
+                    let entry =
+                        Entry::File { name: name.as_bytes().to_vec(), content, exec: meta.mode & 0o111 };
                     // A file served from the cache was not read: the stat just taken is the
                     // observation, and re-taking it would only double the cost of a walk.
                     (entry, hashed)
@@ -442,32 +430,74 @@ impl Store {
                 _ => return Err(VersionError::SpecialFile { path: shown(&child_rel) }),
             };
             if recheck {
-                let after = Stat::at(dir, &cname).map_err(walk.err("inspect", &child_rel))?;
-                if after.ino != meta.ino || after.dev != meta.dev || after.ctime_ns != meta.ctime_ns {
-                    return Err(VersionError::Changed);
-                }
+                walk.still(dir, &cname, &meta, &child_rel)?;
             }
+            entry.fingerprint(&mut fingerprint);
             entries.push(entry);
         }
         let after = Stat::of_fd(dir).map_err(walk.err("inspect", rel))?;
         if after.ino != before.ino || after.ctime_ns != before.ctime_ns {
             return Err(VersionError::Changed);
         }
-        let fingerprint: [u8; 32] = fingerprint.finalize().into();
-        let record = match self.cache.tree(&fingerprint) {
-            Some(known) => known,
-            None => {
-                let entries: Vec<Value> = entries.iter().map(Entry::to_value).collect();
-                let record = self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))?;
-                self.cache.store_tree(fingerprint, record.clone());
-                record
-            }
-        };
+        let record = self.tree_record(fingerprint.finalize().into(), &entries)?;
         if let Some(reuse) = &walk.scope.reuse
             && !nested
         {
             reuse.walked(rel, &record, walk.bytes.get() - start_bytes);
         }
+        Ok(record)
+    }
+
+    /// A subdirectory (`name` and its `lstat` in `dir`; `rel` names it) of a directory at
+    /// `depth`: its tree, and whether its entry must be checked unchanged afterwards (not
+    /// when the tree is the one the change journal's last snapshot gave it, reused unopened).
+    /// `None`: left out, inside a nested workspace (`inner`), as what a snapshot cannot take.
+    fn snapshot_subdir(
+        &self,
+        walk: &Walk<'_>,
+        dir: &OwnedFd,
+        (name, meta): (&CStr, Stat),
+        rel: &Path,
+        depth: usize,
+        (inner, fresh): (bool, bool),
+    ) -> Result<Option<(Ref, bool)>, VersionError> {
+        // Inside a nested workspace what a snapshot cannot take is left out.
+        if inner && depth + 1 >= MAX_DEPTH {
+            return Ok(None);
+        }
+        let known = match (walk.scope.reuse.as_deref(), rel.to_str()) {
+            (Some(r), Some(c)) if !inner => r.reusable(c, fresh),
+            _ => None,
+        };
+        if let Some((tree, bytes)) = known {
+            walk.charge(bytes)?;
+            return Ok(Some((tree, false)));
+        }
+        let child = match open_at(dir, name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .map_err(walk.err("open", rel))
+        {
+            Err(VersionError::Unreadable { .. }) if inner => return Ok(None),
+            other => other?,
+        };
+        let opened = Stat::of_fd(&child).map_err(io_err("inspect", walk.root.join(rel)))?;
+        if opened.ino != meta.ino || opened.dev != meta.dev {
+            return Err(VersionError::Changed);
+        }
+        match self.snapshot_dir(walk, &child, rel, meta, depth + 1, (inner, fresh)) {
+            Err(VersionError::Unreadable { .. }) if inner => Ok(None),
+            other => other.map(|tree| Some((tree, true))),
+        }
+    }
+
+    /// The `WorkspaceTree` record of `entries`: the one a directory with the same
+    /// `fingerprint` got before, or stored now.
+    fn tree_record(&self, fingerprint: [u8; 32], entries: &[Entry]) -> Result<Ref, VersionError> {
+        if let Some(known) = self.cache.tree(&fingerprint) {
+            return Ok(known);
+        }
+        let entries: Vec<Value> = entries.iter().map(Entry::to_value).collect();
+        let record = self.put_record("WorkspaceTree", json!({ "entries": Value::Array(entries) }))?;
+        self.cache.store_tree(fingerprint, record.clone());
         Ok(record)
     }
 
@@ -570,6 +600,17 @@ enum Entry {
 }
 
 impl Entry {
+    /// Adds the entry to its directory's fingerprint ([`fingerprint_entry`]).
+    fn fingerprint(&self, h: &mut Sha256) {
+        match self {
+            Entry::File { name, content, exec } => {
+                fingerprint_entry(h, b'f', name, &ref_bytes(content), *exec)
+            }
+            Entry::Dir { name, tree } => fingerprint_entry(h, b'd', name, &ref_bytes(tree), 0),
+            Entry::Symlink { name, target } => fingerprint_entry(h, b'l', name, target, 0),
+        }
+    }
+
     fn to_value(&self) -> Value {
         match self {
             Entry::File { name, content, exec } => json!({

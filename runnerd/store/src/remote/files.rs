@@ -9,7 +9,7 @@ use crate::fsat::{self, Stat};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 
-use crate::sandbox::user::Identity;
+use crate::owner::HandOver;
 use std::path::{Path, PathBuf};
 
 pub const ESCAPES: &str = "Workspace path escapes through a symbolic link";
@@ -102,7 +102,11 @@ pub fn open_file(root: &OwnedFd, root_path: &Path, segs: &[&str]) -> Result<(Fil
 
 /// The directory an upload lands in, created segment by segment (mode 0777 less umask);
 /// what it creates belongs to the sandbox user (`owner`).
-pub fn parent_for_write(root: &OwnedFd, parents: &[&str], owner: &Identity) -> Result<OwnedFd, RemoteError> {
+pub fn parent_for_write(
+    root: &OwnedFd,
+    parents: &[&str],
+    owner: &dyn HandOver,
+) -> Result<OwnedFd, RemoteError> {
     let mut dir = root.try_clone().map_err(|e| RemoteError::Io {
         what: "open",
         path: fsat::fd_dir_path(root),
@@ -142,7 +146,7 @@ pub fn replaced_size(parent: &OwnedFd, name: &str) -> Result<u64, RemoteError> {
             use std::os::unix::fs::MetadataExt;
             // The quota's own measure, so what the upload replaces is taken off exactly what
             // the workspace's measurement charged for it.
-            Ok(crate::exec::files::charged(m.size(), m.blocks(), m.blksize()))
+            Ok(crate::quota::charged(m.size(), m.blocks(), m.blksize()))
         }
         Ok(_) => Err(RemoteError::NotRegular),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
@@ -160,7 +164,7 @@ pub fn publish(
     staged: &Path,
     overwrite: bool,
     exec_bits: u32,
-    owner: &Identity,
+    owner: &dyn HandOver,
 ) -> Result<(), RemoteError> {
     let tmp = format!(".{name}.{}.tmp", crate::versioning::new_uuid_v4());
     let io_err = |what, source| RemoteError::Io { what, path: fsat::fd_dir_path(parent).join(name), source };
@@ -354,8 +358,8 @@ mod tests {
     use super::*;
 
     /// runnerd's own user: nothing is handed over.
-    fn me() -> Identity {
-        crate::sandbox::user::resolve(None, true).unwrap()
+    fn me() -> crate::owner::Keep {
+        crate::owner::Keep
     }
 
     fn root(dir: &Path) -> OwnedFd {

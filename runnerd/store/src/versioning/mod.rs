@@ -36,7 +36,7 @@ mod testutil;
 pub use export::export_value;
 pub use names::{new_uuid_v4, workspace_head_name};
 pub use object::{Pool, Ref};
-pub use records::{execution_value, mutation_value};
+pub use records::{ExecutionFields, execution_value, mutation_value};
 pub use refs::Refs;
 pub use store::{Record, Store};
 

@@ -15,10 +15,10 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
-use crate::versioning::snapshot::SnapshotScope;
+use crate::versioning::snapshot::{Reuse, SnapshotScope};
 use crate::versioning::{
-    self, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value, new_uuid_v4,
-    workspace_head_name,
+    self, ExecutionFields, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value,
+    new_uuid_v4, workspace_head_name,
 };
 
 /// The observer's answer when a writer is busy and nothing was ever committed.
@@ -29,9 +29,9 @@ pub enum WriteError {
     // These two render their whole chain and expose no source: the API answers with
     // `to_string()` of a `WriteError`, and that text (the lock or store error and what caused
     // it, as before) must not lose its cause now that the inner messages no longer repeat it.
-    #[error("{}", crate::error_chain(.0))]
+    #[error("{}", common::error_chain(.0))]
     Coordination(CoordError),
-    #[error("{}", crate::error_chain(.0))]
+    #[error("{}", common::error_chain(.0))]
     Version(VersionError),
     #[error("{NO_BASELINE}")]
     NoBaseline,
@@ -98,7 +98,7 @@ pub struct Writer {
     max_bytes: u64,
     /// The run's change journal: the commit's snapshot reuses the directories it says are
     /// unchanged since the last snapshot it served.
-    journal: Option<crate::journal::RunWatch>,
+    journal: Option<Arc<dyn SnapshotJournal>>,
     _lease: Lease,
     _admitted: Admitted,
 }
@@ -121,13 +121,13 @@ impl Writer {
     }
 
     /// Lets the commit's snapshot reuse the unchanged directories of an earlier one.
-    pub fn attach_journal(&mut self, journal: crate::journal::RunWatch) {
-        self.journal = Some(journal);
+    pub fn attach_journal(&mut self, journal: impl SnapshotJournal + 'static) {
+        self.journal = Some(Arc::new(journal));
     }
 
     /// Hands back the run's journal (a writer that is forgotten, its sandbox unresponsive,
     /// must not keep the journal's slot for that workspace held forever).
-    pub fn take_journal(&mut self) -> Option<crate::journal::RunWatch> {
+    pub fn take_journal(&mut self) -> Option<Arc<dyn SnapshotJournal>> {
         self.journal.take()
     }
 
@@ -141,12 +141,22 @@ impl Writer {
     }
 }
 
+/// What a commit's snapshot asks of the run's change journal (runnerd's
+/// `journal::RunWatch`, which the writer does not know).
+pub trait SnapshotJournal: std::fmt::Debug + Send + Sync {
+    /// What the snapshot may reuse: the directories of the last snapshot the journal served
+    /// and the paths changed since (blocking: the journal reads its pending events).
+    fn reuse(&self) -> Arc<Reuse>;
+    /// After the commit of a snapshot made with `reuse`: the journal keeps its directories.
+    fn snapshot_done(&self, reuse: &Reuse);
+}
+
 /// A commit's snapshot scopes, one per attempt, made in the blocking task (reading the
 /// change journal's events is blocking work): the first reuses what the journal says is
 /// unchanged; a retry walks everything (what went wrong may lie in what it would reuse).
 struct Attempts {
     base: SnapshotScope,
-    journal: Option<crate::journal::RunWatch>,
+    journal: Option<Arc<dyn SnapshotJournal>>,
     count: std::sync::atomic::AtomicUsize,
 }
 
@@ -221,7 +231,7 @@ pub struct ExecutionFacts {
     pub session_id: String,
     pub execution_id: String,
     pub environment_revision_id: Option<String>,
-    pub state: crate::managed::ManagedState,
+    pub state: crate::execution_state::ManagedState,
     pub code: String,
     /// The stream's content, opened afresh for each attempt (a commit may be retried).
     pub stdout: ContentSource,
@@ -355,7 +365,7 @@ impl Versions {
         let baseline = blocking_retry(self.clone(), move || me.ensure_baseline(&root, &dir, &scope)).await;
         match baseline {
             Err(e) if e.is_content() => {
-                tracing::warn!(event = "workspace_baseline_skipped", workspace = %writer.root.display(), error = %crate::error_chain(&e));
+                tracing::warn!(event = "workspace_baseline_skipped", workspace = %writer.root.display(), error = %common::error_chain(&e));
             }
             Err(e) => {
                 self.poison(&writer.root, &e);
@@ -467,17 +477,17 @@ impl Versions {
             let put = |text: &str| me.store.put(Pool::AgentState, text.as_bytes(), versioning::OCTET_STREAM);
             let stream = |open: &ContentSource| me.store.put_stream(Pool::AgentState, &mut *open());
             let (code, stdout, stderr) = (put(&facts.code)?, stream(&facts.stdout)?, stream(&facts.stderr)?);
-            let value = execution_value(
-                &facts.agent_id,
-                &code,
-                facts.environment_revision_id.as_deref(),
-                &facts.execution_id,
-                &facts.session_id,
-                facts.state,
-                &stderr,
-                &stdout,
-                &tree,
-            );
+            let value = execution_value(&ExecutionFields {
+                agent_id: &facts.agent_id,
+                code: &code,
+                environment_revision_id: facts.environment_revision_id.as_deref(),
+                execution_id: &facts.execution_id,
+                session_id: &facts.session_id,
+                state: facts.state,
+                stderr: &stderr,
+                stdout: &stdout,
+                workspace: &tree,
+            });
             let record = me.store.put_record("WorkspaceExecution", value)?;
             me.commit_head(&head, &record, closure)?;
             attempts.committed(&scope);
@@ -545,7 +555,7 @@ impl Versions {
     /// [`SnapshotScope::canonical`]).
     pub fn fail_commit(&self, root: &Path, cause: &WriteError) {
         if cause.is_content() {
-            tracing::warn!(event = "workspace_commit_refused", workspace = %root.display(), error = %crate::error_chain(cause));
+            tracing::warn!(event = "workspace_commit_refused", workspace = %root.display(), error = %common::error_chain(cause));
         } else {
             self.poison(root, cause);
         }
@@ -555,7 +565,7 @@ impl Versions {
     pub fn poison(&self, root: &Path, cause: &dyn std::fmt::Display) {
         tracing::error!(event = "workspace_poisoned", workspace = %root.display(), error = %cause);
         if let Err(e) = self.lifecycle.poison(root) {
-            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %crate::error_chain(&e));
+            tracing::error!(event = "workspace_poison_failed", workspace = %root.display(), error = %common::error_chain(&e));
         }
     }
 
@@ -617,84 +627,93 @@ impl Versions {
     pub async fn recover_interrupted(self: &Arc<Self>) -> Vec<PathBuf> {
         let mut recovered = Vec::new();
         for (root, entry) in self.lifecycle.journaled_roots() {
-            // Admission first, as for every writer: a fenced (retired) or busy root is left.
-            let admitted = match self.lifecycle.try_admit(&root).await {
-                Ok(Some(a)) => a,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %crate::error_chain(&e));
-                    continue;
-                }
-            };
-            if self.lifecycle.poison_marked(&root) {
-                // Poisoned before the crash: that needs a person, not a recovery commit.
-                tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = crate::coordination::POISONED);
-                continue;
+            if self.recover_one(&root, &entry).await {
+                recovered.push(root);
             }
-            let lease = match self.lifecycle.take_over_interrupted(&root, &entry) {
-                Ok(Some(lease)) => lease,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %crate::error_chain(&e));
-                    continue;
-                }
-            };
-            // Pinned by descriptor, walked beneath the data directory without following a
-            // symlink, like every other commit: an enclosing sandbox may have planted one.
-            let pinned = match crate::exec::workspace::open_beneath(&self.data_dir, &root) {
-                Ok(fd) => fd,
-                Err(e) => {
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
-                    continue;
-                }
-            };
-            let dir = crate::fsat::pinned_dir(&pinned);
-            let me = self.clone();
-            let r = root.clone();
-            let committed = blocking_retry(self.clone(), move || {
-                let name = workspace_head_name(&r);
-                let tree = me.snapshot_live(
-                    &dir,
-                    &SnapshotScope {
-                        canonical: Some(r.clone()),
-                        max_bytes: me.default_max_bytes,
-                        reuse: None,
-                    },
-                )?;
-                let head = me.refs().head(&name)?;
-                let (id, kind) = match head {
-                    Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
-                    None => (None, "baseline"),
-                };
-                me.commit_mutation_record(
-                    &name,
-                    &tree,
-                    (id.as_deref(), kind, true),
-                    Expected::Exactly(head),
-                    Closure::Full,
-                )
-            })
-            .await;
-            match committed {
-                Ok(record) => {
-                    tracing::warn!(
-                        event = "workspace_recovered",
-                        workspace = %root.display(),
-                        head = %record.digest,
-                        reason = "runnerd stopped while it held this workspace's writer lease",
-                    );
-                    recovered.push(root);
-                    drop(lease);
-                }
-                Err(e) => {
-                    // Keep the marker: the workspace stays refused until a person looks.
-                    tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
-                    lease.release_keeping_marker();
-                }
-            }
-            drop(admitted);
         }
         recovered
+    }
+
+    /// [`Versions::recover_interrupted`] of one root, whose lease journal entry is `entry`:
+    /// whether a recovery commit was made.
+    async fn recover_one(self: &Arc<Self>, root: &Path, entry: &Path) -> bool {
+        // Admission first, as for every writer: a fenced (retired) or busy root is left.
+        let admitted = match self.lifecycle.try_admit(root).await {
+            Ok(Some(a)) => a,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = %common::error_chain(&e));
+                return false;
+            }
+        };
+        if self.lifecycle.poison_marked(root) {
+            // Poisoned before the crash: that needs a person, not a recovery commit.
+            tracing::warn!(event = "workspace_recovery_skipped", workspace = %root.display(), reason = crate::coordination::POISONED);
+            return false;
+        }
+        let lease = match self.lifecycle.take_over_interrupted(root, entry) {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
+                return false;
+            }
+        };
+        // Pinned by descriptor, walked beneath the data directory without following a
+        // symlink, like every other commit: an enclosing sandbox may have planted one.
+        let pinned = match crate::workspace::open_beneath(&self.data_dir, root) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
+                return false;
+            }
+        };
+        let (me, r, dir) = (self.clone(), root.to_owned(), crate::fsat::pinned_dir(&pinned));
+        let committed = blocking_retry(self.clone(), move || me.commit_recovery(&r, &dir)).await;
+        let recovered = match committed {
+            Ok(record) => {
+                tracing::warn!(
+                    event = "workspace_recovered",
+                    workspace = %root.display(),
+                    head = %record.digest,
+                    reason = "runnerd stopped while it held this workspace's writer lease",
+                );
+                drop(lease);
+                true
+            }
+            Err(e) => {
+                // Keep the marker: the workspace stays refused until a person looks.
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %e);
+                lease.release_keeping_marker();
+                false
+            }
+        };
+        drop(admitted);
+        recovered
+    }
+
+    /// The recovery commit of `root` (pinned as `dir`): a `runner-recovery` mutation over
+    /// its head, or its baseline when it has none.
+    fn commit_recovery(&self, root: &Path, dir: &Path) -> Result<Ref, WriteError> {
+        let name = workspace_head_name(root);
+        let scope = SnapshotScope {
+            canonical: Some(root.to_owned()),
+            max_bytes: self.default_max_bytes,
+            reuse: None,
+        };
+        let tree = self.snapshot_live(dir, &scope)?;
+        let head = self.refs().head(&name)?;
+        let (id, kind) = match head {
+            Some(_) => (Some(new_uuid_v4()), "runner-recovery"),
+            None => (None, "baseline"),
+        };
+        self.commit_mutation_record(
+            &name,
+            &tree,
+            (id.as_deref(), kind, true),
+            Expected::Exactly(head),
+            Closure::Full,
+        )
     }
 }
 
@@ -727,7 +746,7 @@ impl Versions {
             let name = workspace_head_name(&root);
             let head = me.refs().head(&name)?;
             let previous = head.clone().map(|h| {
-                let verified = me.store.validate_closure(&h).map_err(|e| crate::error_chain(&e));
+                let verified = me.store.validate_closure(&h).map_err(|e| common::error_chain(&e));
                 (h, verified)
             });
             let scope =
@@ -747,7 +766,7 @@ impl Versions {
         let (previous, head) = match committed {
             Ok(done) => done,
             Err(e) => {
-                tracing::error!(event = "workspace_repair_failed", workspace = %canonical.display(), error = %crate::error_chain(&e));
+                tracing::error!(event = "workspace_repair_failed", workspace = %canonical.display(), error = %common::error_chain(&e));
                 return Err(e);
             }
         };
@@ -836,22 +855,20 @@ mod tests {
         let version = VersionError::Io { action: "read", path: "/d/x".into(), source: io() };
         let coord = CoordError::Io { what: "open", name: "the lock".into(), source: io() };
         let remote = crate::remote::files::RemoteError::Io { what: "list", path: "/w".into(), source: io() };
-        let db = crate::managed::db::DbError::Dir { path: "/e".into(), source: io() };
-        let bwrap = crate::sandbox::preflight::PreflightError::Unrunnable { path: "/b".into(), source: io() };
-        let all: [&dyn std::error::Error; 5] = [&version, &coord, &remote, &db, &bwrap];
+        let all: [&dyn std::error::Error; 3] = [&version, &coord, &remote];
         for e in all {
             assert!(!common::repeats_its_source(e), "{e}");
-            assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
+            assert_eq!(common::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");
         }
         // The API answers with a WriteError's text: the store's or the lock's error and its
         // cause, once, whichever way it is printed.
         let want = format!("could not read /d/x: {}", io());
-        assert_eq!(crate::error_chain(&version), want);
+        assert_eq!(common::error_chain(&version), want);
         let written = WriteError::from(version);
-        assert_eq!((written.to_string(), crate::error_chain(&written)), (want.clone(), want));
+        assert_eq!((written.to_string(), common::error_chain(&written)), (want.clone(), want));
         let written = WriteError::from(coord);
         assert_eq!(written.to_string(), format!("Could not open the lock: {}", io()));
-        assert_eq!(crate::error_chain(&written), written.to_string());
+        assert_eq!(common::error_chain(&written), written.to_string());
     }
 
     use crate::coordination::tests::free_for_another_process;

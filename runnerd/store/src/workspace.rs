@@ -7,6 +7,9 @@
 //! tenant's workspace>`. The roots themselves (`projects`, `remote-workspaces`) and the
 //! coordination directories are refused, and no error names a host path the caller did
 //! not send. The policy on the resulting names is pure ([`workspace_names`]).
+//!
+//! Refusals are [`WorkspaceError`]s, whose texts are the contract's; runnerd gives each its
+//! stable code (`EngineError`).
 
 use std::ffi::OsStr;
 use std::fs;
@@ -15,42 +18,73 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use super::code::ErrorCode;
-use super::error::EngineError;
 use crate::fsat::{self, Stopped};
-use crate::sandbox::user::Identity;
+use crate::owner::HandOver;
 
 pub use common::layout::{PROJECTS, REMOTE_WORKSPACES};
 
 /// Names runnerd or the API keep in a workspace's parent (or the data directory): never a
 /// workspace, a key segment or a part of a workspace path. The published skill packages
 /// (`projects/.skill-packages`) are among them: mounted writable they could be rewritten.
-pub const RESERVED_NAMES: [&str; 3] = [
-    crate::coordination::lease::COORDINATION_DIR,
-    crate::coordination::lifecycle::LIFECYCLE_DIR,
-    crate::skills::store::PACKAGES_DIR,
-];
+pub const RESERVED_NAMES: [&str; 3] =
+    [common::layout::COORDINATION_DIR, common::layout::LIFECYCLE_DIR, common::layout::SKILL_PACKAGES];
 
 pub const OUTSIDE_ROOTS: &str =
     "Runner workspace must be inside the configured projects or remote-workspaces directory";
 pub const IS_A_ROOT: &str = "Runner workspace must be a workspace inside the projects or remote-workspaces directory, not that directory itself";
 pub const WORKSPACE_SYMLINK: &str = "Runner workspace path must not contain symbolic links";
 
-fn invalid_key() -> EngineError {
-    EngineError::invalid(ErrorCode::InvalidWorkspaceKey, "Invalid remote workspace key")
-}
-
-fn symlinked() -> EngineError {
-    EngineError::invalid(ErrorCode::WorkspaceSymlink, "Remote workspace path must not contain symbolic links")
-}
-
-fn reserved(name: &str) -> EngineError {
-    EngineError::invalid(
-        ErrorCode::ReservedWorkspaceName,
-        format!(
-            "{name:?} is reserved for runner coordination files and cannot name a workspace or a part of one"
-        ),
-    )
+/// Why a workspace, a remote workspace key or a `cwd` is refused. The texts are the
+/// contract's, each cause after them as [`common::error_chain`] prints it.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceError {
+    #[error("Invalid remote workspace key")]
+    InvalidKey,
+    /// A segment of a remote workspace key is (or became) a symbolic link.
+    #[error("Remote workspace path must not contain symbolic links")]
+    KeySymlink,
+    /// One of the [`RESERVED_NAMES`] in a key or on a workspace's path.
+    #[error("{0:?} is reserved for runner coordination files and cannot name a workspace or a part of one")]
+    Reserved(&'static str),
+    /// Node's message for a failed `realpath`, which the original passes through as the 400
+    /// text (`ENOENT: no such file or directory, realpath '…'`): the cause is written into it
+    /// as Node writes it, so it is no `source`. `shown` is what the caller sent.
+    #[error("{}", realpath_text(.shown, .error))]
+    Realpath { shown: PathBuf, error: io::Error },
+    #[error("The runner data directory is unavailable")]
+    DataDirUnavailable(#[source] io::Error),
+    /// `what`: `remote-workspaces`, or the key's segments so far, quoted.
+    #[error("Could not create remote workspace directory {what}")]
+    Create {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Could not hand remote workspace directory '{shown}' to the sandbox user")]
+    HandOver {
+        shown: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{OUTSIDE_ROOTS}")]
+    OutsideRoots,
+    #[error("{IS_A_ROOT}")]
+    IsARoot,
+    #[error("{WORKSPACE_SYMLINK}")]
+    Symlink,
+    #[error("Runner workspace must be a directory")]
+    NotDirectory,
+    /// [`open_beneath`]: the path validated earlier now meets a symlink, or is gone.
+    #[error("Runner workspace changed under it: a path component is now a symbolic link or missing")]
+    Changed,
+    #[error("cwd must be workspace-relative")]
+    CwdAbsolute,
+    #[error("cwd must remain inside the writable workspace")]
+    CwdOutside,
+    #[error("cwd must not contain symbolic links")]
+    CwdSymlink,
+    #[error("cwd must be a directory")]
+    CwdNotDirectory,
 }
 
 fn is_reserved(name: &OsStr) -> Option<&'static str> {
@@ -60,27 +94,31 @@ fn is_reserved(name: &OsStr) -> Option<&'static str> {
 /// Splits a `runnerWorkspaceKey` into its segments: trimmed, 1–500 characters, no `\`,
 /// relative, each `/` segment non-empty, not `.` or `..`, and `[A-Za-z0-9._-]+`; and none of
 /// the [`RESERVED_NAMES`] (stricter than the original, whose pattern allows them).
-pub fn key_segments(key: &str) -> Result<Vec<&str>, EngineError> {
+pub fn key_segments(key: &str) -> Result<Vec<&str>, WorkspaceError> {
     let key = key.trim();
     if key.is_empty() || key.chars().count() > 500 || key.contains('\\') || key.starts_with('/') {
-        return Err(invalid_key());
+        return Err(WorkspaceError::InvalidKey);
     }
     let segments: Vec<&str> = key.split('/').collect();
     for segment in &segments {
         let charset_ok = segment.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
         if segment.is_empty() || *segment == "." || *segment == ".." || !charset_ok {
-            return Err(invalid_key());
+            return Err(WorkspaceError::InvalidKey);
         }
     }
     if let Some(name) = segments.iter().find_map(|s| is_reserved(OsStr::new(s))) {
-        return Err(reserved(name));
+        return Err(WorkspaceError::Reserved(name));
     }
     Ok(segments)
 }
 
-/// Node's message for a failed `realpath`, which the original passes through as the 400
-/// text (`ENOENT: no such file or directory, realpath '…'`). `shown` is what the caller sent.
-pub fn realpath_error(shown: &Path, e: &io::Error) -> EngineError {
+/// [`WorkspaceError::Realpath`] for what the caller sent (`shown`).
+fn realpath_error(shown: &Path, error: io::Error) -> WorkspaceError {
+    WorkspaceError::Realpath { shown: shown.to_owned(), error }
+}
+
+/// Node's text for a failed `realpath` of `shown`.
+fn realpath_text(shown: &Path, e: &io::Error) -> String {
     let code = e.raw_os_error().map(errno_name).unwrap_or("EIO");
     let text = match e.raw_os_error() {
         Some(libc::ENOENT) => "no such file or directory".to_owned(),
@@ -89,7 +127,7 @@ pub fn realpath_error(shown: &Path, e: &io::Error) -> EngineError {
         Some(libc::ELOOP) => "too many symbolic links encountered".to_owned(),
         _ => e.to_string(),
     };
-    EngineError::invalid(ErrorCode::PathNotFound, format!("{code}: {text}, realpath '{}'", shown.display()))
+    format!("{code}: {text}, realpath '{}'", shown.display())
 }
 
 fn errno_name(errno: i32) -> &'static str {
@@ -103,17 +141,11 @@ fn errno_name(errno: i32) -> &'static str {
     }
 }
 
-fn data_unavailable(e: &io::Error) -> EngineError {
-    EngineError::invalid(
-        ErrorCode::DataDirUnavailable,
-        format!("The runner data directory is unavailable: {e}"),
-    )
-}
-
 /// `realpath(dataDir)` and an `O_PATH` descriptor of it.
-fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), EngineError> {
-    let real = fs::canonicalize(data_dir).map_err(|e| data_unavailable(&e))?;
-    let fd = fsat::open_path(&real, libc::O_PATH | libc::O_DIRECTORY).map_err(|e| data_unavailable(&e))?;
+fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), WorkspaceError> {
+    let real = fs::canonicalize(data_dir).map_err(WorkspaceError::DataDirUnavailable)?;
+    let fd = fsat::open_path(&real, libc::O_PATH | libc::O_DIRECTORY)
+        .map_err(WorkspaceError::DataDirUnavailable)?;
     Ok((real, fd))
 }
 
@@ -121,14 +153,18 @@ fn open_data_dir(data_dir: &Path) -> Result<(PathBuf, OwnedFd), EngineError> {
 /// real directory (never a symlink). The path returned is canonical (no symlink below the
 /// data directory's realpath, which the walk guarantees). The key's segments runnerd
 /// creates belong to the sandbox user (`owner`).
-pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, EngineError> {
+pub fn ensure_remote_workspace(
+    data_dir: &Path,
+    key: &str,
+    owner: &dyn HandOver,
+) -> Result<PathBuf, WorkspaceError> {
     let segments = key_segments(key)?;
-    fs::create_dir_all(data_dir).map_err(|e| data_unavailable(&e))?;
+    fs::create_dir_all(data_dir).map_err(WorkspaceError::DataDirUnavailable)?;
     // Walk by descriptor: each segment is created with mkdirat and opened with O_NOFOLLOW
     // relative to the previous one, so a segment swapped for a symlink mid-walk is refused
     // and nothing is ever created through it.
     let (data_real, mut dir) = open_data_dir(data_dir)?;
-    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| invalid_key());
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| WorkspaceError::InvalidKey);
     let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
     let mut path = data_real;
     let mut shown = String::new();
@@ -142,23 +178,17 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
         let made = match fsat::mkdir_at(&dir, &name, 0o755) {
             Ok(()) => true,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
-            Err(e) => {
+            Err(source) => {
                 let what = if shown.is_empty() { REMOTE_WORKSPACES.to_owned() } else { format!("'{shown}'") };
-                return Err(EngineError::invalid(
-                    ErrorCode::WorkspaceCreateFailed,
-                    format!("Could not create remote workspace directory {what}: {e}"),
-                ));
+                return Err(WorkspaceError::Create { what, source });
             }
         };
         // O_NOFOLLOW refuses a symlink.
-        dir = fsat::open_at(&dir, &name, flags | libc::O_NOFOLLOW).map_err(|_| symlinked())?;
+        dir = fsat::open_at(&dir, &name, flags | libc::O_NOFOLLOW).map_err(|_| WorkspaceError::KeySymlink)?;
         if made && segment != REMOTE_WORKSPACES {
-            owner.hand_over(dir.as_fd()).map_err(|e| {
-                EngineError::invalid(
-                    ErrorCode::WorkspaceCreateFailed,
-                    format!("Could not hand remote workspace directory '{shown}' to the sandbox user: {e}"),
-                )
-            })?;
+            owner
+                .hand_over(dir.as_fd())
+                .map_err(|source| WorkspaceError::HandOver { shown: shown.clone(), source })?;
         }
     }
     Ok(path)
@@ -231,21 +261,20 @@ fn data_prefix_len(data_dir: &Path, data_real: &Path, path: &Path) -> Option<usi
 /// inside `<data>/projects/` or `<data>/remote-workspaces/`, reached with no symbolic link
 /// below the data directory, must not be either root itself nor pass a reserved name, and
 /// must be a directory. Returns its canonical path (`realpath(dataDir)` + the names).
-pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, EngineError> {
-    let outside = || EngineError::invalid(ErrorCode::WorkspaceOutsideRoots, OUTSIDE_ROOTS);
+pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, WorkspaceError> {
     let (data_real, data_fd) = open_data_dir(data_dir)?;
     if !path.is_absolute() {
-        return Err(outside());
+        return Err(WorkspaceError::OutsideRoots);
     }
-    let skip = data_prefix_len(data_dir, &data_real, path).ok_or_else(outside)?;
+    let skip = data_prefix_len(data_dir, &data_real, path).ok_or(WorkspaceError::OutsideRoots)?;
     let rest = || path.components().skip(skip);
     let names = workspace_names(rest()).map_err(|refused| match refused {
-        NamesRefused::OutsideRoots => outside(),
-        NamesRefused::IsARoot => EngineError::invalid(ErrorCode::WorkspaceIsRoot, IS_A_ROOT),
-        NamesRefused::Reserved(name) => reserved(name),
+        NamesRefused::OutsideRoots => WorkspaceError::OutsideRoots,
+        NamesRefused::IsARoot => WorkspaceError::IsARoot,
+        NamesRefused::Reserved(name) => WorkspaceError::Reserved(name),
     })?;
     fsat::walk_beneath(&data_fd, rest()).map_err(|stopped| match stopped {
-        Stopped::Missing(e) => realpath_error(path, &e),
+        Stopped::Missing(e) => realpath_error(path, e),
         // The original resolves links with realpath and answers where it lands: a link
         // leading outside both roots gets its text; one staying inside, our stricter refusal.
         Stopped::Symlink
@@ -255,13 +284,11 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, Engi
                 &[&data_real.join(PROJECTS), &data_real.join(REMOTE_WORKSPACES)],
             ) =>
         {
-            outside()
+            WorkspaceError::OutsideRoots
         }
-        Stopped::Symlink => EngineError::invalid(ErrorCode::WorkspaceSymlink, WORKSPACE_SYMLINK),
-        Stopped::NotDirectory => {
-            EngineError::invalid(ErrorCode::WorkspaceNotDirectory, "Runner workspace must be a directory")
-        }
-        Stopped::Escapes => outside(),
+        Stopped::Symlink => WorkspaceError::Symlink,
+        Stopped::NotDirectory => WorkspaceError::NotDirectory,
+        Stopped::Escapes => WorkspaceError::OutsideRoots,
     })?;
     Ok(names.iter().fold(data_real, |p, n| p.join(n)))
 }
@@ -269,19 +296,19 @@ pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, Engi
 /// Resolves a shell request's `cwd` beneath the (canonical) writable root, walking from the
 /// root's descriptor with no symlink followed; returns the relative path to use below the
 /// mount point (`""` for the root itself). Errors name `cwd` as sent, never a host path.
-pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, EngineError> {
-    let invalid = |m: &'static str| EngineError::invalid(ErrorCode::InvalidCwd, m);
-    let outside = || invalid("cwd must remain inside the writable workspace");
+pub fn resolve_cwd(data_dir: &Path, root: &Path, cwd: &str) -> Result<String, WorkspaceError> {
     check_cwd_text(cwd)?;
     let root_fd = open_beneath(data_dir, root)?;
     let (_, names) =
         fsat::walk_beneath(&root_fd, Path::new(cwd).components()).map_err(|stopped| match stopped {
-            Stopped::Missing(e) => realpath_error(Path::new(cwd), &e),
+            Stopped::Missing(e) => realpath_error(Path::new(cwd), e),
             // As for the workspace: a link leading out of it gets the original's text.
-            Stopped::Symlink if link_leads_outside(root, Path::new(cwd).components(), &[root]) => outside(),
-            Stopped::Symlink => invalid("cwd must not contain symbolic links"),
-            Stopped::NotDirectory => invalid("cwd must be a directory"),
-            Stopped::Escapes => outside(),
+            Stopped::Symlink if link_leads_outside(root, Path::new(cwd).components(), &[root]) => {
+                WorkspaceError::CwdOutside
+            }
+            Stopped::Symlink => WorkspaceError::CwdSymlink,
+            Stopped::NotDirectory => WorkspaceError::CwdNotDirectory,
+            Stopped::Escapes => WorkspaceError::CwdOutside,
         })?;
     let rel: PathBuf = names.iter().collect();
     Ok(rel.to_string_lossy().into_owned())
@@ -353,20 +380,15 @@ fn lexically_normal(path: &Path) -> PathBuf {
 /// The checks of a `cwd` that need no filesystem: workspace-relative, never above the root
 /// (a managed run checks these before its 202 and resolves the directory when it starts,
 /// since a run queued before it may create it).
-pub fn check_cwd_text(cwd: &str) -> Result<(), EngineError> {
-    let invalid = |m: &'static str| EngineError::invalid(ErrorCode::InvalidCwd, m);
+pub fn check_cwd_text(cwd: &str) -> Result<(), WorkspaceError> {
     if Path::new(cwd).is_absolute() {
-        return Err(invalid("cwd must be workspace-relative"));
+        return Err(WorkspaceError::CwdAbsolute);
     }
     let mut depth = 0usize;
     for component in Path::new(cwd).components() {
         match component {
             Component::Normal(_) => depth += 1,
-            Component::ParentDir => {
-                depth = depth
-                    .checked_sub(1)
-                    .ok_or_else(|| invalid("cwd must remain inside the writable workspace"))?
-            }
+            Component::ParentDir => depth = depth.checked_sub(1).ok_or(WorkspaceError::CwdOutside)?,
             _ => {}
         }
     }
@@ -378,19 +400,13 @@ pub fn check_cwd_text(cwd: &str) -> Result<(), EngineError> {
 /// directory a sandbox gets is the one opened here, whatever happens to the path after
 /// (bwrap binds it with `--bind-fd`): a workspace that another sandbox renamed or replaced
 /// by a symlink between validation and launch is refused instead of followed.
-pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, EngineError> {
-    let escaped = || {
-        EngineError::invalid(
-            ErrorCode::WorkspaceSymlink,
-            "Runner workspace changed under it: a path component is now a symbolic link or missing",
-        )
-    };
+pub fn open_beneath(data_dir: &Path, path: &Path) -> Result<OwnedFd, WorkspaceError> {
     let (data_real, data_fd) = open_data_dir(data_dir)?;
-    let rel = path.strip_prefix(&data_real).map_err(|_| escaped())?;
+    let rel = path.strip_prefix(&data_real).map_err(|_| WorkspaceError::Changed)?;
     if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-        return Err(escaped());
+        return Err(WorkspaceError::Changed);
     }
-    fsat::walk_beneath(&data_fd, rel.components()).map(|(fd, _)| fd).map_err(|_| escaped())
+    fsat::walk_beneath(&data_fd, rel.components()).map(|(fd, _)| fd).map_err(|_| WorkspaceError::Changed)
 }
 
 #[cfg(test)]
@@ -398,9 +414,9 @@ mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
 
-    /// runnerd's own user (`--dev` so that a root test run gets nobody).
-    fn me() -> Identity {
-        crate::sandbox::user::resolve(None, true).unwrap()
+    /// runnerd's own user: nothing is handed over.
+    fn me() -> crate::owner::Keep {
+        crate::owner::Keep
     }
 
     #[test]
@@ -426,11 +442,7 @@ mod tests {
             long.as_str(),
         ];
         for key in bad {
-            assert_eq!(
-                key_segments(key).map_err(crate::api::error::ApiError::from).unwrap_err().message,
-                "Invalid remote workspace key",
-                "{key:?}"
-            );
+            assert_eq!(key_segments(key).unwrap_err().to_string(), "Invalid remote workspace key", "{key:?}");
         }
         assert!(key_segments(&"a".repeat(500)).is_ok());
         for key in [
@@ -439,9 +451,9 @@ mod tests {
             ".workspace-coordination/x",
             "a/.workspace-lifecycle/b",
         ] {
-            let err = key_segments(key).map_err(crate::api::error::ApiError::from).unwrap_err();
-            assert_eq!(err.code, "reserved_workspace_name", "{key:?}");
-            assert!(err.message.contains("is reserved"), "{}", err.message);
+            let err = key_segments(key).unwrap_err();
+            assert!(matches!(err, WorkspaceError::Reserved(_)), "{key:?}");
+            assert!(err.to_string().contains("is reserved"), "{err}");
         }
         assert!(key_segments(".workspace-coordinationx/a").is_ok());
     }
@@ -482,10 +494,8 @@ mod tests {
         let outside = dir.path().join("outside");
         fs::create_dir(&outside).unwrap();
         symlink(&outside, data.join("remote-workspaces/escape")).unwrap();
-        let err = ensure_remote_workspace(data, "escape/child", &me())
-            .map_err(crate::api::error::ApiError::from)
-            .unwrap_err();
-        assert_eq!(err.message, "Remote workspace path must not contain symbolic links");
+        let err = ensure_remote_workspace(data, "escape/child", &me()).unwrap_err();
+        assert_eq!(err.to_string(), "Remote workspace path must not contain symbolic links");
         assert!(!outside.join("child").exists());
     }
 
@@ -500,9 +510,8 @@ mod tests {
         assert!(ensure_remote_workspace(&data, "k", &me()).is_err());
         assert!(!elsewhere.join("k").exists());
         // And a path under it is not accepted as a root either.
-        let err =
-            validated_workspace(&data, &elsewhere).map_err(crate::api::error::ApiError::from).unwrap_err();
-        assert!(err.message.contains("must be inside"));
+        let err = validated_workspace(&data, &elsewhere).unwrap_err();
+        assert!(err.to_string().contains("must be inside"));
     }
 
     #[test]
@@ -523,9 +532,8 @@ mod tests {
         assert!(validated_workspace(&data2, &remote_ws).is_ok());
         // Escapes and other subdirectories.
         for bad in [data.join("logs"), outside.clone(), data.clone(), PathBuf::from("relative/path")] {
-            let err =
-                validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
-            assert!(err.message.contains("workspace must be inside"), "{}: {}", bad.display(), err.message);
+            let err = validated_workspace(&data, &bad).unwrap_err();
+            assert!(err.to_string().contains("workspace must be inside"), "{}: {err}", bad.display());
         }
         // A symlink anywhere below the data directory is never followed, wherever it
         // points: outside, or at another tenant's workspace inside the roots.
@@ -535,54 +543,39 @@ mod tests {
         symlink(&other, data.join("projects/p/sessions/alias")).unwrap();
         // One leading outside both roots answers the original's text (its realpath lands
         // there); one staying inside keeps our stricter refusal.
-        for (bad, code, text) in [
-            (project_ws.join("link"), "workspace_outside_roots", OUTSIDE_ROOTS),
-            (project_ws.join("proj"), "workspace_symlink", WORKSPACE_SYMLINK),
-            (data.join("projects/p/sessions/alias"), "workspace_symlink", WORKSPACE_SYMLINK),
+        for (bad, text) in [
+            (project_ws.join("link"), OUTSIDE_ROOTS),
+            (project_ws.join("proj"), WORKSPACE_SYMLINK),
+            (data.join("projects/p/sessions/alias"), WORKSPACE_SYMLINK),
         ] {
-            let err =
-                validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
-            assert_eq!((err.code, err.message.as_str()), (code, text), "{}", bad.display());
+            let err = validated_workspace(&data, &bad).unwrap_err();
+            assert_eq!(err.to_string(), text, "{}", bad.display());
         }
         // Entering the data tree through a symlink that does not name the data dir itself.
         symlink(&other, dir.path().join("alias-into-data")).unwrap();
-        let err = validated_workspace(&data, &dir.path().join("alias-into-data"))
-            .map_err(crate::api::error::ApiError::from)
-            .unwrap_err();
-        assert_eq!(err.code, "workspace_outside_roots");
+        let err = validated_workspace(&data, &dir.path().join("alias-into-data")).unwrap_err();
+        assert!(matches!(err, WorkspaceError::OutsideRoots), "{err}");
         // Another spelling of the data directory itself is fine.
         symlink(&data, dir.path().join("data-alias")).unwrap();
         let via_alias = dir.path().join("data-alias/projects/p/sessions/s/workspace");
         assert_eq!(validated_workspace(&data, &via_alias).unwrap(), project_ws.canonicalize().unwrap());
         // The roots themselves and coordination directories.
         for bad in [data.join("projects"), data.join("remote-workspaces"), data.join("projects/p/..")] {
-            let err =
-                validated_workspace(&data, &bad).map_err(crate::api::error::ApiError::from).unwrap_err();
-            assert_eq!(
-                (err.code, err.message.as_str()),
-                ("workspace_is_root", IS_A_ROOT),
-                "{}",
-                bad.display()
-            );
+            let err = validated_workspace(&data, &bad).unwrap_err();
+            assert!(matches!(err, WorkspaceError::IsARoot), "{}", bad.display());
+            assert_eq!(err.to_string(), IS_A_ROOT);
         }
         fs::create_dir_all(data.join("projects/p/sessions/.workspace-coordination")).unwrap();
         let err = validated_workspace(&data, &data.join("projects/p/sessions/.workspace-coordination"))
-            .map_err(crate::api::error::ApiError::from)
             .unwrap_err();
-        assert_eq!(err.code, "reserved_workspace_name");
+        assert!(matches!(err, WorkspaceError::Reserved(".workspace-coordination")), "{err}");
         fs::write(project_ws.join("file"), "").unwrap();
-        assert_eq!(
-            validated_workspace(&data, &project_ws.join("file"))
-                .map_err(crate::api::error::ApiError::from)
-                .unwrap_err()
-                .code,
-            "workspace_not_directory"
-        );
+        let err = validated_workspace(&data, &project_ws.join("file")).unwrap_err();
+        assert!(matches!(err, WorkspaceError::NotDirectory), "{err}");
         let missing = data.join("projects/nope");
-        let err =
-            validated_workspace(&data, &missing).map_err(crate::api::error::ApiError::from).unwrap_err();
+        let err = validated_workspace(&data, &missing).unwrap_err();
         assert_eq!(
-            err.message,
+            common::error_chain(&err),
             format!("ENOENT: no such file or directory, realpath '{}'", missing.display())
         );
     }
@@ -637,15 +630,11 @@ mod tests {
             ("file.txt", "cwd must be a directory"),
         ];
         for (c, message) in cases {
-            assert_eq!(
-                cwd(c).map_err(crate::api::error::ApiError::from).unwrap_err().message,
-                message,
-                "{c}"
-            );
+            assert_eq!(cwd(c).unwrap_err().to_string(), message, "{c}");
         }
         // A missing directory names the cwd as sent, not the host path of the workspace.
         assert_eq!(
-            cwd("missing/x").map_err(crate::api::error::ApiError::from).unwrap_err().message,
+            common::error_chain(&cwd("missing/x").unwrap_err()),
             "ENOENT: no such file or directory, realpath 'missing/x'"
         );
     }
