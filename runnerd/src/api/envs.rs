@@ -6,11 +6,11 @@
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+use super::request;
 use super::{ApiResponse, ok};
 use crate::app::App;
 use crate::envs::ids::Manager;
 use crate::envs::store::{InstallRequest, StoreError};
-use crate::exec::request::{self, WorkspaceRef};
 use crate::sandbox::Language;
 
 impl From<StoreError> for ApiError {
@@ -160,7 +160,7 @@ pub(crate) async fn install(app: &App, peer: &str, id: &str, body: &[u8]) -> Res
         channels: strings(&obj, "channels")?,
         manager,
         index_url,
-        workspace: WorkspaceRef::from_object(&obj),
+        workspace: request::workspace_ref(&obj),
     };
     let what = format!("{}:{}", manager.as_str(), req.packages.join(","));
     let revision = app.envs.install(app, id, req).await;

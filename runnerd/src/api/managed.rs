@@ -7,10 +7,11 @@ use std::io::Read;
 use std::sync::Arc;
 
 use super::error::ApiError;
+use super::request;
 use super::stream::Download;
 use super::{ApiResponse, query};
 use crate::app::App;
-use crate::exec::{self, request};
+use crate::exec;
 use crate::launch::Held;
 use crate::managed::manager::{ManagedError, RecordText};
 
@@ -18,7 +19,6 @@ use crate::managed::manager::{ManagedError, RecordText};
 impl From<ManagedError> for ApiError {
     fn from(e: ManagedError) -> ApiError {
         match e {
-            ManagedError::Engine(e) => e.into(),
             ManagedError::OutputBusy => {
                 ApiError { retry_after: Some(1), ..ApiError::with_status(503, e.code(), e.to_string()) }
             }
@@ -109,15 +109,6 @@ mod tests {
                 "The runner's output memory is in use; retry the status request",
             ),
             (ManagedError::Store("disk I/O error".into()), 400, "internal", "disk I/O error"),
-            (
-                ManagedError::Engine(exec::EngineError::invalid(
-                    exec::ErrorCode::CodeRequired,
-                    "Shell code is required",
-                )),
-                400,
-                "code_required",
-                "Shell code is required",
-            ),
         ] {
             let a = ApiError::from(e);
             assert_eq!((a.status, a.code, a.message.as_str()), (status, code, text));

@@ -1,6 +1,7 @@
 //! The routes (contract §2) and their handlers. Authentication happens before routing:
 //! `GET /health` is the only route answered without a token.
 
+pub mod answer;
 mod envs;
 pub mod error;
 mod health;
@@ -9,6 +10,7 @@ mod npu;
 pub mod query;
 pub mod remote;
 mod repair;
+pub mod request;
 mod resources;
 pub mod skills;
 pub mod stream;
@@ -21,7 +23,7 @@ use tokio::sync::watch;
 
 use crate::app::{App, runner_version};
 use crate::auth;
-use crate::exec::{self, request};
+use crate::exec;
 use crate::timefmt;
 use error::ApiError;
 
@@ -384,8 +386,8 @@ async fn execute_inner(
     match answered {
         // Streamed straight from the kept output (it can be large): no copy of it is made.
         Ok(result) => {
-            let answer = exec::answer::Answer::new(result?)
-                .map_err(|e| ApiError::from(exec::EngineError::internal(e)))?;
+            let answer =
+                answer::Answer::new(result?).map_err(|e| ApiError::from(exec::EngineError::internal(e)))?;
             Ok(ApiResponse { status: 200, body: String::new(), download: Some(answer.into_download()) })
         }
         Err(e) => Err(exec::EngineError::Internal(format!("the execution task failed: {e}")).into()),

@@ -8,9 +8,10 @@ use common::npu::{BrokerRequest, BrokerResponse, BrokerStatus, Failure, Submissi
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+use super::request;
 use super::{ApiResponse, query};
 use crate::app::App;
-use crate::exec::{self, request};
+use crate::exec;
 use crate::npu_broker::{BrokerError, REQUEST_TIMEOUT};
 
 const SESSION_REQUIRED: &str = "session_id is required for NPU job access";
@@ -77,7 +78,7 @@ pub async fn submit(app: &App, body: &[u8]) -> Result<ApiResponse, ApiError> {
     if obj.get("runnerWorkspaceKey").is_some_and(|k| request::is_truthy(k) && !k.is_string()) {
         return Err(ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key"));
     }
-    let workspace_root = exec::locate(app, &request::WorkspaceRef::from_object(&obj))?.root;
+    let workspace_root = exec::locate(app, &request::workspace_ref(&obj))?.root;
     let text = |name: &str| request::string(&obj, name).map(str::to_owned);
     let submission = Submission {
         session_id: text("sessionId"),

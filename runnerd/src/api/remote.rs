@@ -10,11 +10,11 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+use super::request::parse_object as request_parse;
 use super::stream::{self, Download, UploadError};
 use super::{ApiResponse, query};
 use crate::app::App;
 use crate::exec::error::workspace_code as e_code;
-use crate::exec::request::parse_object as request_parse;
 use crate::remote::files::{self, RemoteError};
 use crate::remote::paths;
 use crate::timefmt;

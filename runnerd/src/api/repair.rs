@@ -10,8 +10,9 @@ use serde_json::{Value, json};
 
 use super::ApiResponse;
 use super::error::ApiError;
+use super::request;
 use crate::app::App;
-use crate::exec::{error::workspace_code as e_code, request};
+use crate::exec::error::workspace_code as e_code;
 use crate::workspace;
 
 pub const KEY_REQUIRED: &str = "workspace is required";

@@ -8,8 +8,8 @@ use serde_json::{Value, json};
 
 use super::ApiResponse;
 use super::error::ApiError;
+use super::request;
 use crate::app::App;
-use crate::exec::request;
 use crate::history::Trigger;
 
 /// The settings and the last collection's full report (`null` before the first).

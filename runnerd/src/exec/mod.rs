@@ -8,7 +8,6 @@
 //! [`engine::Execution`].
 
 pub mod admission;
-pub mod answer;
 mod audit;
 pub mod code;
 pub mod dedupe;

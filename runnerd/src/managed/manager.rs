@@ -132,9 +132,6 @@ pub enum ManagedError {
     InvalidCursor,
     #[error("The runner's output memory is in use; retry the status request")]
     OutputBusy,
-    /// The run itself would be refused (checked before the 202).
-    #[error(transparent)]
-    Engine(#[from] exec::EngineError),
     /// The records' database (or a record's text) failed.
     #[error("{0}")]
     Store(String),
@@ -151,7 +148,6 @@ impl ManagedError {
             ManagedError::NotFound => "execution_not_found",
             ManagedError::InvalidCursor => "invalid_cursor",
             ManagedError::OutputBusy => "output_memory_busy",
-            ManagedError::Engine(e) => e.code().as_str(),
             ManagedError::Store(_) => "internal",
         }
     }
@@ -447,8 +443,7 @@ impl Manager {
     async fn meta(&self, id: &str, session_id: &str, agent_id: &str) -> Result<RecordMeta, ManagedError> {
         let key = id.to_owned();
         let meta = db_do(&self.db, move |db| db.meta(&key)).await?;
-        meta.filter(|m| m.session_id == session_id && m.agent_id == agent_id)
-            .ok_or_else(|| ManagedError::NotFound)
+        meta.filter(|m| m.session_id == session_id && m.agent_id == agent_id).ok_or(ManagedError::NotFound)
     }
 
     /// The record as stored, if it belongs to this owner. A large one (its result holds up
@@ -490,15 +485,14 @@ impl Manager {
         };
         let text = match stored {
             Some(row) => {
-                let (_, _, text) = row
-                    .filter(|(s, a, _)| s == session_id && a == agent_id)
-                    .ok_or_else(|| ManagedError::NotFound)?;
+                let (_, _, text) =
+                    row.filter(|(s, a, _)| s == session_id && a == agent_id).ok_or(ManagedError::NotFound)?;
                 text
             }
             // A damaged row (not JSON, not UTF-8) answers the `unknown` record that says why.
             None => {
                 let rec = db_do(&self.db, move |db| db.get(&key)).await?;
-                let rec = rec.ok_or_else(|| ManagedError::NotFound)?;
+                let rec = rec.ok_or(ManagedError::NotFound)?;
                 serde_json::to_string(&rec).map_err(internal)?
             }
         };
@@ -513,7 +507,7 @@ impl Manager {
         agent_id: &str,
         cursor: Option<&str>,
     ) -> Result<Value, ManagedError> {
-        let after = parse_cursor(cursor).ok_or_else(|| ManagedError::InvalidCursor)?;
+        let after = parse_cursor(cursor).ok_or(ManagedError::InvalidCursor)?;
         let rec = self.meta(id, session_id, agent_id).await?;
         let key = id.to_owned();
         let page = db_do(&self.db, move |db| db.page(&key, after, PAGE_ROWS)).await?;

@@ -11,8 +11,8 @@
 use std::collections::VecDeque;
 use std::io::{self, Read};
 
-use super::ExecutionResult;
-use crate::api::stream::Download;
+use super::stream::Download;
+use crate::exec::ExecutionResult;
 use crate::launch::output::{escaped, json_len};
 use crate::launch::{OutputText, Piece};
 
@@ -62,15 +62,6 @@ impl Answer {
         parts.extend(stderr.take_pieces().into_iter().map(Part::Text));
         parts.push_back(Part::Json(end));
         Ok(Answer { parts, pos: 0, stash: ([0; 6], 0, 0), _held: [stdout, stderr], len })
-    }
-
-    /// The answer's exact length in bytes.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The answer as a streamed JSON body.
@@ -150,7 +141,7 @@ mod tests {
             created_files: vec!["a\"b".into()],
             modified_files: vec![],
             environment_revision_id: "rev".into(),
-            environment_variables: super::super::OrderedMap(vec![("K".into(), "v\u{1}".into())]),
+            environment_variables: crate::exec::OrderedMap(vec![("K".into(), "v\u{1}".into())]),
             execution_id: "id".into(),
             finished_at: "t".into(),
             kernel_id: "ephemeral:id".into(),
@@ -201,7 +192,7 @@ mod tests {
             b.push(Stream::Stderr, "训练中 \"quoted\" \\ \u{7}".as_bytes());
             let text = b.finish_text();
             let answer = Answer::new(result(text.stdout, text.stderr)).unwrap();
-            assert_eq!(answer.len(), want.len() as u64, "{chunk}");
+            assert_eq!(answer.len, want.len() as u64, "{chunk}");
             let got = read_all(answer, chunk);
             assert_eq!(String::from_utf8(got).unwrap(), want, "{chunk}");
         }
