@@ -187,6 +187,16 @@ pub struct Metrics {
     limits_hit: Family<Labels, Counter>,
     commit_seconds: Histograms,
     phase_seconds: Histograms,
+    /// Set from other parts' state at each scrape.
+    state: StateGauges,
+    /// One scrape at a time: the gauges set for it are the ones it encodes.
+    scrape: Mutex<()>,
+}
+
+/// The gauges each scrape sets from another part's state: egressd's decisions, the change
+/// journal, the version history.
+#[derive(Debug)]
+struct StateGauges {
     egress_decisions: Family<Labels, Gauge>,
     egress_up: Gauge,
     journal_workspaces: Gauge,
@@ -197,8 +207,84 @@ pub struct Metrics {
     history_deleted_bytes: Gauge,
     history_pruned_versions: Gauge,
     history_stored_bytes: Gauge,
-    /// One scrape at a time: the gauges set for it are the ones it encodes.
-    scrape: Mutex<()>,
+}
+
+impl StateGauges {
+    fn register(registry: &mut Registry) -> StateGauges {
+        let egress_decisions = Family::<Labels, Gauge>::default();
+        registry.register(
+            "egress_decisions",
+            "egressd's proxy decisions since it started, by verdict (read from egressd at scrape)",
+            egress_decisions.clone(),
+        );
+        let egress_up = Gauge::default();
+        registry.register(
+            "egress_up",
+            "Whether egressd answered this scrape's status request",
+            egress_up.clone(),
+        );
+        let journal_workspaces = Gauge::default();
+        registry.register(
+            "journal_workspaces",
+            "Workspaces the change journal keeps watched (SCIENCE_AGENT_JOURNAL_WORKSPACES bounds it)",
+            journal_workspaces.clone(),
+        );
+        let journal_watches = Gauge::default();
+        registry.register(
+            "journal_watches",
+            "Directory watches the change journal holds (SCIENCE_AGENT_JOURNAL_WATCHES bounds it)",
+            journal_watches.clone(),
+        );
+        let journal_runs = Family::<Labels, Gauge>::default();
+        registry.register(
+            "journal_runs",
+            "Runs since start-up measured from the change journal (measured=\"journal\") or by walking the \
+             workspace, by why (first_use, events_lost, unrepresentable, no_slot)",
+            journal_runs.clone(),
+        );
+        let history_collections = Family::<Labels, Gauge>::default();
+        registry.register(
+            "history_collections",
+            "Version collections since start-up, by outcome (ok, failed)",
+            history_collections.clone(),
+        );
+        let history_deleted_objects = Gauge::default();
+        registry.register(
+            "history_deleted_objects",
+            "Unreachable version-store objects the collector deleted since start-up",
+            history_deleted_objects.clone(),
+        );
+        let history_deleted_bytes = Gauge::default();
+        registry.register(
+            "history_deleted_bytes",
+            "Disk bytes the collector freed since start-up",
+            history_deleted_bytes.clone(),
+        );
+        let history_pruned_versions = Gauge::default();
+        registry.register(
+            "history_pruned_versions",
+            "History versions the retention removed since start-up",
+            history_pruned_versions.clone(),
+        );
+        let history_stored_bytes = Gauge::default();
+        registry.register(
+            "history_stored_bytes",
+            "Disk bytes the version store held at the last collection (-1 before the first)",
+            history_stored_bytes.clone(),
+        );
+        StateGauges {
+            egress_decisions,
+            egress_up,
+            journal_workspaces,
+            journal_watches,
+            journal_runs,
+            history_collections,
+            history_deleted_objects,
+            history_deleted_bytes,
+            history_pruned_versions,
+            history_stored_bytes,
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -272,77 +358,9 @@ impl Metrics {
             "Where a synchronous execution that ran to its answer spent its time, by phase",
             phase_seconds.clone(),
         );
-        let egress_decisions = Family::<Labels, Gauge>::default();
-        registry.register(
-            "egress_decisions",
-            "egressd's proxy decisions since it started, by verdict (read from egressd at scrape)",
-            egress_decisions.clone(),
-        );
-        let egress_up = Gauge::default();
-        registry.register(
-            "egress_up",
-            "Whether egressd answered this scrape's status request",
-            egress_up.clone(),
-        );
-        let journal_workspaces = Gauge::default();
-        registry.register(
-            "journal_workspaces",
-            "Workspaces the change journal keeps watched (SCIENCE_AGENT_JOURNAL_WORKSPACES bounds it)",
-            journal_workspaces.clone(),
-        );
-        let journal_watches = Gauge::default();
-        registry.register(
-            "journal_watches",
-            "Directory watches the change journal holds (SCIENCE_AGENT_JOURNAL_WATCHES bounds it)",
-            journal_watches.clone(),
-        );
-        let journal_runs = Family::<Labels, Gauge>::default();
-        registry.register(
-            "journal_runs",
-            "Runs since start-up measured from the change journal (measured=\"journal\") or by walking the \
-             workspace, by why (first_use, events_lost, unrepresentable, no_slot)",
-            journal_runs.clone(),
-        );
-        let history_collections = Family::<Labels, Gauge>::default();
-        registry.register(
-            "history_collections",
-            "Version collections since start-up, by outcome (ok, failed)",
-            history_collections.clone(),
-        );
-        let history_deleted_objects = Gauge::default();
-        registry.register(
-            "history_deleted_objects",
-            "Unreachable version-store objects the collector deleted since start-up",
-            history_deleted_objects.clone(),
-        );
-        let history_deleted_bytes = Gauge::default();
-        registry.register(
-            "history_deleted_bytes",
-            "Disk bytes the collector freed since start-up",
-            history_deleted_bytes.clone(),
-        );
-        let history_pruned_versions = Gauge::default();
-        registry.register(
-            "history_pruned_versions",
-            "History versions the retention removed since start-up",
-            history_pruned_versions.clone(),
-        );
-        let history_stored_bytes = Gauge::default();
-        registry.register(
-            "history_stored_bytes",
-            "Disk bytes the version store held at the last collection (-1 before the first)",
-            history_stored_bytes.clone(),
-        );
+        let state = StateGauges::register(&mut registry);
         Metrics {
             registry,
-            history_collections,
-            history_deleted_objects,
-            history_deleted_bytes,
-            history_pruned_versions,
-            history_stored_bytes,
-            journal_workspaces,
-            journal_watches,
-            journal_runs,
             requests,
             executions,
             admission,
@@ -355,8 +373,7 @@ impl Metrics {
             limits_hit,
             commit_seconds,
             phase_seconds,
-            egress_decisions,
-            egress_up,
+            state,
             scrape: Mutex::new(()),
         }
     }
@@ -425,30 +442,38 @@ impl Metrics {
         self.queued.set(snapshot.admitted);
         self.running.set(snapshot.running);
         self.capacity.set(snapshot.capacity);
-        self.egress_up.set(i64::from(snapshot.egress.is_some()));
+        self.state.egress_up.set(i64::from(snapshot.egress.is_some()));
         let j = &snapshot.journal;
-        self.journal_workspaces.set(j.workspaces as i64);
-        self.journal_watches.set(j.watches as i64);
+        self.state.journal_workspaces.set(j.workspaces as i64);
+        self.state.journal_watches.set(j.watches as i64);
         let runs = |measured: &'static str, n: u64| {
-            self.journal_runs
+            self.state
+                .journal_runs
                 .get_or_create(&vec![("measured", measured.into())])
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         };
         runs("journal", j.journaled);
         let h = &snapshot.history;
         let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        self.history_collections.get_or_create(&vec![("outcome", "ok".into())]).set(count(h.collections));
-        self.history_collections.get_or_create(&vec![("outcome", "failed".into())]).set(count(h.failures));
-        self.history_deleted_objects.set(count(h.objects_deleted));
-        self.history_deleted_bytes.set(count(h.disk_bytes_deleted));
-        self.history_pruned_versions.set(count(h.versions_pruned));
-        self.history_stored_bytes.set(h.disk_bytes_stored.map_or(-1, count));
+        self.state
+            .history_collections
+            .get_or_create(&vec![("outcome", "ok".into())])
+            .set(count(h.collections));
+        self.state
+            .history_collections
+            .get_or_create(&vec![("outcome", "failed".into())])
+            .set(count(h.failures));
+        self.state.history_deleted_objects.set(count(h.objects_deleted));
+        self.state.history_deleted_bytes.set(count(h.disk_bytes_deleted));
+        self.state.history_pruned_versions.set(count(h.versions_pruned));
+        self.state.history_stored_bytes.set(h.disk_bytes_stored.map_or(-1, count));
         for (why, n) in &j.walked {
             runs(why, *n);
         }
         for (verdict, n) in snapshot.egress.iter().flatten() {
             let verdict = bounded_verdict(verdict);
-            self.egress_decisions
+            self.state
+                .egress_decisions
                 .get_or_create(&vec![("verdict", verdict.into())])
                 .set(i64::try_from(*n).unwrap_or(i64::MAX));
         }
