@@ -350,6 +350,37 @@ pub fn layer(settings: Layered) -> Result<Loaded, LoadError> {
     Ok(Loaded { config, log, settings })
 }
 
+/// What a client of runnerd needs of its settings: where runnerd listens and where its token
+/// is. `runnerctl` (a crate of its own, issue #33) reads it through [`client_settings`]
+/// rather than the whole [`RunnerConfig`], which stays the daemon's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientSettings {
+    pub host: String,
+    pub port: u16,
+    /// `SCIENCE_AGENT_RUNNER_SOCKET`: runnerd listens on this Unix socket instead of TCP.
+    pub socket_path: Option<PathBuf>,
+    /// `SCIENCE_AGENT_RUNNER_TOKEN_FILE`: a file holding the token.
+    pub token_file: Option<PathBuf>,
+    /// Where a development start leaves its generated token (`crate::token`).
+    pub data_dir: PathBuf,
+}
+
+/// [`ClientSettings`] from the environment `env` over runnerd's configuration file, read by
+/// [`load`] (no `--config`): the same file and variables, and the same validation, so a
+/// setting runnerd would refuse to start with is refused here with the same message.
+pub fn client_settings(
+    env: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+) -> anyhow::Result<ClientSettings> {
+    let c = load(None, env)?.config;
+    Ok(ClientSettings {
+        host: c.host,
+        port: c.port,
+        socket_path: c.socket_path,
+        token_file: c.token_file,
+        data_dir: c.data_dir,
+    })
+}
+
 fn show_path(path: &Option<PathBuf>, unset: &str) -> String {
     path.as_ref().map_or_else(|| unset.to_owned(), |p| p.display().to_string())
 }

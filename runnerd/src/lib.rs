@@ -10,9 +10,15 @@
 //!   remote workspace's files — is the `runner_store` crate (issue #33), re-exported here
 //!   under its old paths; [`workspace`] gives its resolution's refusals as `EngineError`s.
 //!
-//! Public are only the modules the binaries, the integration suite (`tests/`) and the
-//! benchmarks (`runnerd/bench`) use; the rest (the HTTP layer, the daemon's state, the
-//! stores) is `pub(crate)`, so the compiler reports what nobody calls.
+//! * `runnerctl`, the command-line client, is a crate of its own (`runnerd/ctl`, issue
+//!   #33): it may use this library, never the other way round. What it takes from here is
+//!   what must match the daemon exactly: [`ClientSettings`] (where runnerd listens, read
+//!   from its own configuration), [`token`]'s resolution, [`skill_bundle`]'s ids and
+//!   hashes, and [`auth::sign`].
+//!
+//! Public are only the modules the binaries, `runnerctl`, the integration suite (`tests/`)
+//! and the benchmarks (`runnerd/bench`) use; the rest (the HTTP layer, the daemon's state,
+//! the stores) is `pub(crate)`, so the compiler reports what nobody calls.
 
 pub(crate) mod accel;
 pub(crate) mod api;
@@ -22,10 +28,8 @@ pub mod auth;
 pub(crate) use runner_store::blocking;
 pub(crate) mod check;
 pub mod cli;
-pub mod client;
 pub(crate) mod config;
 pub use runner_store::coordination;
-pub mod ctl;
 pub(crate) use runner_store::dbcheck;
 pub(crate) mod egress;
 pub(crate) mod envs;
@@ -47,10 +51,13 @@ pub(crate) mod selftest;
 pub(crate) mod skills;
 pub mod startup;
 pub use common::timefmt;
-pub(crate) mod token;
+pub mod token;
 pub(crate) use runner_store::versioning;
 pub mod workspace;
 pub use runner_store::writer;
+
+pub use config::{ClientSettings, client_settings};
+pub use skills::bundle as skill_bundle;
 
 pub use common::error_chain;
 

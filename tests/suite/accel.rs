@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, shell_request};
-use runnerd::client::Reply;
+use runnerctl::client::Reply;
 use serde_json::{Value, json};
 
 const FAKE_NPU_SMI: &str = include_str!("../../runnerd/src/accel/fixtures/fake-npu-smi.sh");

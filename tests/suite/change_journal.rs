@@ -8,7 +8,7 @@ use std::path::Path;
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, keyed_shell_request};
-use runnerd::client::{Reply, RunnerClient};
+use runnerctl::client::{Reply, RunnerClient};
 use serde_json::Value;
 
 async fn run(client: &RunnerClient, key: &str, code: &str) -> Reply {

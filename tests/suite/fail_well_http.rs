@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, TEST_TOKEN, shell_request};
-use runnerd::client::Reply;
+use runnerctl::client::Reply;
 use serde_json::{Value, json};
 
 const BODY_TOO_LARGE: &str = "Request body exceeds the 2000000 byte limit";

@@ -125,7 +125,7 @@ async fn a_full_disk_fails_the_run_visibly_and_a_repair_makes_the_workspace_writ
         .await
         .unwrap();
     assert_eq!(refused.status, 400, "poisoned until repaired: {}", String::from_utf8_lossy(&refused.body));
-    let repair = json!({"workspace": "full", "repairId": runnerd::client::new_execution_id()});
+    let repair = json!({"workspace": "full", "repairId": runnerctl::client::new_execution_id()});
     let _ = client.raw("GET", "/health", &[], Vec::new()).await;
     let repaired = client.post_signed("/remote-workspace/repair", &repair).await.unwrap();
     assert_eq!(repaired.status, 200, "{}", String::from_utf8_lossy(&repaired.body));

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, finished_record, keyed_shell_request, shell_request};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 

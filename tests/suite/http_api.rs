@@ -341,7 +341,7 @@ async fn output_and_workspace_quotas() {
 
 /// Polls /status until `pred` holds for the active executions (liveness guard only).
 async fn wait_for_status(
-    client: &runnerd::client::RunnerClient,
+    client: &runnerctl::client::RunnerClient,
     pred: impl Fn(&[Value]) -> bool,
 ) -> Vec<Value> {
     for _ in 0..600 {
@@ -631,7 +631,7 @@ async fn kernel_routes() {
 #[tokio::test]
 async fn unix_socket_mode() {
     let mut server = Server::start_with(ServerOptions { unix_socket: true, ..Default::default() });
-    let runnerd::client::Endpoint::Unix(path) = server.endpoint.clone() else {
+    let runnerctl::client::Endpoint::Unix(path) = server.endpoint.clone() else {
         panic!("expected a unix endpoint")
     };
     let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
@@ -845,8 +845,8 @@ async fn socket_activation_and_readiness_notification() {
         .spawn()
         .unwrap();
     // The first connection starts runnerd, which then answers it on the passed socket.
-    let client = runnerd::client::RunnerClient::new(
-        runnerd::client::Endpoint::Tcp(format!("127.0.0.1:{port}")),
+    let client = runnerctl::client::RunnerClient::new(
+        runnerctl::client::Endpoint::Tcp(format!("127.0.0.1:{port}")),
         "activation-test-token",
     );
     let mut health = None;

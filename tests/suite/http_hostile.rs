@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, TEST_TOKEN, keyed_shell_request, shell_request};
+use runnerctl::client::{Reply, new_execution_id};
 use runnerd::auth::sign;
-use runnerd::client::{Reply, new_execution_id};
 use serde_json::{Value, json};
 
 const SIGNATURE_ERROR: &str = "Invalid or expired execution signature";

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use runner_tests::server::{Server, ServerOptions, shell_request};
 use runner_tests::{processes_matching, sandbox_or_skip};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 

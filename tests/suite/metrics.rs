@@ -108,7 +108,7 @@ fn sample(m: &BTreeMap<Key, f64>, name: &str, labels: &[(&str, &str)]) -> f64 {
     m.get(&(name.to_owned(), labels)).copied().unwrap_or(0.0)
 }
 
-async fn scrape(client: &runnerd::client::RunnerClient) -> BTreeMap<Key, f64> {
+async fn scrape(client: &runnerctl::client::RunnerClient) -> BTreeMap<Key, f64> {
     let reply = client.get("/metrics").await.unwrap();
     assert_eq!(reply.status, 200);
     assert_eq!(

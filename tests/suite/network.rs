@@ -8,7 +8,7 @@ use std::time::Duration;
 use runner_tests::egress::{Egressd, FakeDns, Upstream, gateways_created, with_network};
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, shell_request};
-use runnerd::client::Reply;
+use runnerctl::client::Reply;
 use serde_json::{Value, json};
 
 const SHELL: &str = "/execute-shell";

@@ -16,7 +16,7 @@ use runner_tests::journal::Journal;
 use runner_tests::npu::{Broker, fake_managed_env};
 use runner_tests::server::{Server, ServerOptions};
 use runner_tests::{processes_matching, sandbox_or_skip};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 use serde_json::{Value, json};
 
 const SESSION: &str = "session-npu";

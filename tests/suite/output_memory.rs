@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, keyed_shell_request};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, keyed_shell_request, shell_request};
-use runnerd::client::{Reply, RunnerClient};
+use runnerctl::client::{Reply, RunnerClient};
 use serde_json::{Value, json};
 
 const SHELL: &str = "/execute-shell";

@@ -6,7 +6,7 @@
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, keyed_shell_request, shell_request};
-use runnerd::client::{Reply, RunnerClient};
+use runnerctl::client::{Reply, RunnerClient};
 use serde_json::{Value, json};
 
 const POISONED: &str = "workspace_poisoned";

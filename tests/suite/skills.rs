@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 use runner_tests::sandbox_or_skip;
 use runner_tests::server::{Server, ServerOptions, finished_record, shell_request};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 
 fn hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use runnerd::client::{Endpoint, RunnerClient};
+use runnerctl::client::{Endpoint, RunnerClient};
 
 use crate::{bin, scratch_dir};
 
@@ -227,8 +227,8 @@ pub fn shell_request(agent: &str, session: &str, workspace: &Path, code: &str) -
     serde_json::json!({
         "agentId": agent,
         "code": code,
-        "executionId": runnerd::client::new_execution_id(),
-        "permissionEpoch": runnerd::client::permission_epoch(session),
+        "executionId": runnerctl::client::new_execution_id(),
+        "permissionEpoch": runnerctl::client::permission_epoch(session),
         "workspaceRoot": workspace,
     })
 }
@@ -238,8 +238,8 @@ pub fn keyed_shell_request(agent: &str, session: &str, key: &str, code: &str) ->
     serde_json::json!({
         "agentId": agent,
         "code": code,
-        "executionId": runnerd::client::new_execution_id(),
-        "permissionEpoch": runnerd::client::permission_epoch(session),
+        "executionId": runnerctl::client::new_execution_id(),
+        "permissionEpoch": runnerctl::client::permission_epoch(session),
         "runnerWorkspaceKey": key,
         "workspaceRoot": "/nonexistent/control/workspace",
     })

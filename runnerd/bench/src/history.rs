@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail};
-use runnerd::client::{RunnerClient, new_execution_id, permission_epoch};
+use runnerctl::client::{RunnerClient, new_execution_id, permission_epoch};
 
 use crate::{BENCH_TOKEN, bare_once, http_once, setup, start_runnerd_with, stats};
 

@@ -37,7 +37,7 @@ use common::channel::{self, encode_frame};
 use common::plan::{LaunchPlan, PROTOCOL_VERSION};
 use common::seccomp::{self, Arch, Profile};
 
-use runnerd::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
+use runnerctl::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
 use runnerd::launch::{
     Filter, Launch, Launcher, OutputSink, Stream, Termination, bwrap_args, default_rlimits,
 };

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{BENCH_TOKEN, Daemon, http_once, rss_kib, start_runnerd_with};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 
 struct Row {
     idle: u64,

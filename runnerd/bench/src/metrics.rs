@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 
 use crate::{BENCH_TOKEN, Stats, http_once, start_runnerd_with, stats};
-use runnerd::client::RunnerClient;
+use runnerctl::client::RunnerClient;
 
 const ROUNDS: usize = 10;
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 
-use runnerd::client::{RunnerClient, new_execution_id, permission_epoch};
+use runnerctl::client::{RunnerClient, new_execution_id, permission_epoch};
 
 const MIB: f64 = 1_048_576.0;
 

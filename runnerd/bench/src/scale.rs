@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use runnerd::client::{RunnerClient, new_execution_id, permission_epoch};
+use runnerctl::client::{RunnerClient, new_execution_id, permission_epoch};
 
 use crate::{
     BENCH_TOKEN, bare_once, http_once, live_threads_cpu_ms, own_cpu_ms, setup, start_runnerd_with, stats,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use runnerd::client::{RunnerClient, new_execution_id, permission_epoch};
+use runnerctl::client::{RunnerClient, new_execution_id, permission_epoch};
 use runnerd::writer::Versions;
 
 /// What to build: `files` files over 100 directories, `bytes` in total.

@@ -1,12 +1,24 @@
 //! `runnerctl`: a command-line client for people. It finds the token the way runnerd does
 //! (plus the development token runnerd generated in the data directory), signs like the
 //! original client, and turns a run into an exit status.
+//!
+//! A crate of its own (issue #33; it was `runnerd::ctl`), so runnerd cannot import it:
+//! [`run`] is the whole command (`main.rs` only exits with its status), and [`client`] is
+//! the HTTP client it is built on, which the integration tests and the benchmarks use too.
+//! From runnerd it takes what must match the daemon: [`runnerd::client_settings`],
+//! [`runnerd::token`] and [`runnerd::skill_bundle`] (and `runnerd::auth::sign` in
+//! [`client`]).
 
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
-use crate::token::{self, Fallback};
+use runner_store::execution_state::ManagedState;
+use runnerd::skill_bundle::{self, LocalSkill};
+use runnerd::token::{self, Fallback};
+
+use crate::client::{Endpoint, RunnerClient, encode, new_execution_id, permission_epoch};
+
+pub mod client;
 
 const USAGE: &str = "\
 runnerctl: talk to a running runnerd.
@@ -253,7 +265,7 @@ pub fn run() -> i32 {
 
 async fn execute(o: Options) -> anyhow::Result<i32> {
     // Where runnerd listens and where its token is: the same settings it reads.
-    let config = crate::config::load(None, |k| std::env::var(k).ok())?.config;
+    let config = runnerd::client_settings(|k| std::env::var(k).ok())?;
     let endpoint = match (&o.socket, &o.url) {
         (Some(path), _) => Endpoint::Unix(path.clone()),
         (None, Some(url)) => Endpoint::parse(url),
@@ -398,7 +410,6 @@ async fn current_revision(client: &RunnerClient, env: &str) -> anyhow::Result<St
 /// `env …`: the environment routes, printed as JSON.
 async fn environments(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
     let args = &o.positional;
-    let enc = |s: &str| crate::api::query::encode(s);
     let (reply, ok) = match args[0].as_str() {
         "ls" => (client.get("/environments").await?, 200),
         "setup" if o.confirm => {
@@ -425,14 +436,16 @@ async fn environments(client: &RunnerClient, o: &Options) -> anyhow::Result<i32>
             if let Some(url) = &o.index_url {
                 body["indexUrl"] = url.clone().into();
             }
-            (client.post_json(&format!("/environments/{}/install", enc(&args[1])), &body).await?, 201)
+            (client.post_json(&format!("/environments/{}/install", encode(&args[1])), &body).await?, 201)
         }
         "uninstall" => {
             let body = serde_json::json!({"packages": args[2..]});
-            (client.post_json(&format!("/environments/{}/uninstall", enc(&args[1])), &body).await?, 201)
+            (client.post_json(&format!("/environments/{}/uninstall", encode(&args[1])), &body).await?, 201)
         }
         "rm" => (
-            client.send_bytes("DELETE", &format!("/environments/{}", enc(&args[1])), &[], Vec::new()).await?,
+            client
+                .send_bytes("DELETE", &format!("/environments/{}", encode(&args[1])), &[], Vec::new())
+                .await?,
             200,
         ),
         _ => {
@@ -465,7 +478,7 @@ fn failed(status: u16, body: &serde_json::Value) -> i32 {
 
 /// `repair WORKSPACE`: the signed repair route; prints its answer.
 async fn repair(client: &RunnerClient, key: &str) -> anyhow::Result<i32> {
-    let body = serde_json::json!({"workspace": key, "repairId": crate::versioning::new_uuid_v4()});
+    let body = serde_json::json!({"workspace": key, "repairId": runner_store::versioning::new_uuid_v4()});
     // The client has no clock offset yet: one cheap request learns it from `Date`.
     let _ = client.raw("GET", "/health", &[], Vec::new()).await;
     let reply = client.post_signed("/remote-workspace/repair", &body).await?;
@@ -480,13 +493,12 @@ async fn repair(client: &RunnerClient, key: &str) -> anyhow::Result<i32> {
 const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 
 fn owner(o: &Options) -> String {
-    let enc = |s: &str| crate::api::query::encode(s);
-    format!("sessionId={}&agentId={}", enc(&o.session), enc(&o.agent))
+    format!("sessionId={}&agentId={}", encode(&o.session), encode(&o.agent))
 }
 
 /// `logs`, `show` and `cancel` of a managed execution.
 async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
-    let id = crate::api::query::encode(&o.positional[0]);
+    let id = encode(&o.positional[0]);
     let owner = owner(o);
     match o.command.as_str() {
         "show" => {
@@ -516,7 +528,10 @@ async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                     return Ok(failed(rec.status, &rec.json()));
                 }
                 let rec = rec.json();
-                let terminal = rec["state"].as_str().is_some_and(crate::managed::db::is_terminal);
+                let terminal = rec["state"]
+                    .as_str()
+                    .and_then(ManagedState::parse)
+                    .is_some_and(ManagedState::is_terminal);
                 loop {
                     let page =
                         client.get(&format!("/shell-executions/{id}/logs?{owner}&cursor={cursor}")).await?;
@@ -559,7 +574,7 @@ async fn managed(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
 /// `ls`, `put` and `get` on the remote workspace.
 async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
     use sha2::{Digest, Sha256};
-    let ws = format!("workspace={}", crate::api::query::encode(&o.workspace));
+    let ws = format!("workspace={}", encode(&o.workspace));
     match o.command.as_str() {
         "ls" => {
             let reply = client.get(&format!("/remote-workspace/files?{ws}")).await?;
@@ -591,7 +606,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
                 ("x-workspace-executable", exec.to_string()),
             ];
             let conflict = if o.overwrite { "overwrite" } else { "reject" };
-            let path = crate::api::query::encode(&o.positional[1]);
+            let path = encode(&o.positional[1]);
             let url = format!("/remote-workspace/transfer-file?{ws}&path={path}&conflict={conflict}");
             let reply = client.send_bytes("PUT", &url, &headers, bytes).await?;
             if reply.status != 201 {
@@ -605,7 +620,7 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
             Ok(0)
         }
         _ => {
-            let path = crate::api::query::encode(&o.positional[0]);
+            let path = encode(&o.positional[0]);
             let reply = client.get(&format!("/remote-workspace/file?{ws}&path={path}")).await?;
             if reply.status != 200 {
                 return Ok(failed(reply.status, &reply.json()));
@@ -625,13 +640,12 @@ async fn files(client: &RunnerClient, o: &Options) -> anyhow::Result<i32> {
 async fn skills(client: &RunnerClient, action: &str, arg: &str) -> anyhow::Result<i32> {
     let reply = match action {
         "push" => {
-            let bundle =
-                crate::skills::bundle::bundle_of(&read_skills(std::path::Path::new(arg))?, 1, "local");
+            let bundle = skill_bundle::bundle_of(&read_skills(std::path::Path::new(arg))?, 1, "local");
             client.post_json("/skill-packages", &bundle).await?
         }
-        "show" => client.get(&format!("/skill-packages/{}", crate::api::query::encode(arg))).await?,
+        "show" => client.get(&format!("/skill-packages/{}", encode(arg))).await?,
         "rm" => {
-            let path = format!("/skill-packages/{}", crate::api::query::encode(arg));
+            let path = format!("/skill-packages/{}", encode(arg));
             client.send_bytes("DELETE", &path, &[], Vec::new()).await?
         }
         other => anyhow::bail!("skills takes push DIR, show ID or rm ID, not {other:?}"),
@@ -645,10 +659,10 @@ async fn skills(client: &RunnerClient, action: &str, arg: &str) -> anyhow::Resul
 
 /// The skills under `dir`: `dir` itself when it holds `SKILL.md`, else each subdirectory.
 /// Regular files only (a symlink is refused, never followed).
-fn read_skills(dir: &std::path::Path) -> anyhow::Result<Vec<crate::skills::bundle::LocalSkill>> {
+fn read_skills(dir: &std::path::Path) -> anyhow::Result<Vec<LocalSkill>> {
     let name =
         |p: &std::path::Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let roots: Vec<PathBuf> = if dir.join(crate::skills::bundle::SKILL_MD).is_file() {
+    let roots: Vec<PathBuf> = if dir.join(skill_bundle::SKILL_MD).is_file() {
         vec![dir.to_owned()]
     } else {
         let mut subs: Vec<PathBuf> = std::fs::read_dir(dir)

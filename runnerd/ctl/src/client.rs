@@ -1,8 +1,8 @@
 //! A client for runnerd's HTTP API that behaves like the original `RunnerClient` (contract
 //! §6): Bearer on every request, signed execution routes (milliseconds timestamp, HMAC over
 //! `<ts>\n<sha256(body)>`), and a clock offset learnt from every response's `Date` header.
-//! Used by `runnerctl` and by the integration tests, which also need its raw request path
-//! to send malformed and hostile requests.
+//! Used by `runnerctl`, by the benchmarks (`runnerd/bench`) and by the integration tests,
+//! which also need its raw request path to send malformed and hostile requests.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -13,8 +13,8 @@ use hyper::body::Bytes;
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 
-use crate::auth;
-use crate::timefmt;
+use common::timefmt;
+use runnerd::auth;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
@@ -201,6 +201,20 @@ pub fn new_execution_id() -> String {
     format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
 }
 
+/// `encodeURIComponent`: everything but `A-Z a-z 0-9 - _ . ! ~ * ' ( )` percent-encoded, for
+/// path segments and query values (runnerd reads them as `URLSearchParams` does).
+pub fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.!~*'()".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// How long `runnerctl` waits for `/health` at most.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -213,6 +227,12 @@ mod tests {
         assert_eq!(Endpoint::parse("http://127.0.0.1:4311/"), Endpoint::Tcp("127.0.0.1:4311".into()));
         assert_eq!(Endpoint::parse("127.0.0.1:1"), Endpoint::Tcp("127.0.0.1:1".into()));
         assert_eq!(Endpoint::parse("unix:/run/r.sock"), Endpoint::Unix("/run/r.sock".into()));
+    }
+
+    #[test]
+    fn encodes_as_encode_uri_component() {
+        assert_eq!(encode("a b/c:d&e=f%é"), "a%20b%2Fc%3Ad%26e%3Df%25%C3%A9");
+        assert_eq!(encode("A-z_0.9!~*'()"), "A-z_0.9!~*'()");
     }
 
     #[test]

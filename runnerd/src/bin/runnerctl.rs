@@ -1,3 +1,0 @@
-fn main() {
-    std::process::exit(runnerd::ctl::run());
-}
