@@ -125,33 +125,39 @@ struct Options {
     dry_run: bool,
 }
 
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            command: String::new(),
+            url: None,
+            socket: None,
+            workspace: "runnerctl/default".into(),
+            workspace_root: None,
+            read_only_root: None,
+            timeout: None,
+            python: false,
+            session: "runnerctl".into(),
+            agent: "main".into(),
+            well_known: false,
+            script: None,
+            detach: false,
+            follow: false,
+            overwrite: false,
+            positional: Vec::new(),
+            env: None,
+            language: None,
+            base: None,
+            manager: None,
+            channels: Vec::new(),
+            index_url: None,
+            confirm: false,
+            dry_run: false,
+        }
+    }
+}
+
 fn parse(args: Vec<String>) -> Result<Options, String> {
-    let mut o = Options {
-        command: String::new(),
-        url: None,
-        socket: None,
-        workspace: "runnerctl/default".into(),
-        workspace_root: None,
-        read_only_root: None,
-        timeout: None,
-        python: false,
-        session: "runnerctl".into(),
-        agent: "main".into(),
-        well_known: false,
-        script: None,
-        detach: false,
-        follow: false,
-        overwrite: false,
-        positional: Vec::new(),
-        env: None,
-        language: None,
-        base: None,
-        manager: None,
-        channels: Vec::new(),
-        index_url: None,
-        confirm: false,
-        dry_run: false,
-    };
+    let mut o = Options::default();
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
@@ -196,6 +202,12 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
+    complete(o)
+}
+
+/// The command's own checks after every argument was read: one was named, `exec` has its
+/// script, and the number of positional arguments.
+fn complete(o: Options) -> Result<Options, String> {
     if o.command.is_empty() {
         return Err("no command".into());
     }
@@ -264,30 +276,7 @@ pub fn run() -> i32 {
 }
 
 async fn execute(o: Options) -> anyhow::Result<i32> {
-    // Where runnerd listens and where its token is: the same settings it reads.
-    let config = runnerd::client_settings(|k| std::env::var(k).ok())?;
-    let endpoint = match (&o.socket, &o.url) {
-        (Some(path), _) => Endpoint::Unix(path.clone()),
-        (None, Some(url)) => Endpoint::parse(url),
-        (None, None) => match (&config.socket_path, std::env::var("SCIENCE_AGENT_RUNNER_URL").ok()) {
-            (Some(path), _) => Endpoint::Unix(path.clone()),
-            (None, Some(url)) => Endpoint::parse(&url),
-            (None, None) => Endpoint::Tcp(format!("{}:{}", config.host, config.port)),
-        },
-    };
-    let fallback = if o.well_known { Fallback::WellKnown } else { Fallback::ReadGenerated };
-    let token = if o.command == "health" {
-        String::new()
-    } else {
-        let (t, _) = token::resolve(
-            |k| std::env::var(k).ok(),
-            config.token_file.as_deref(),
-            &config.data_dir,
-            fallback,
-        )?;
-        t.expose().to_owned()
-    };
-    let client = RunnerClient::new(endpoint, token);
+    let client = connect(&o)?;
     match o.command.as_str() {
         "health" => {
             let reply = tokio::time::timeout(
@@ -331,66 +320,105 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             outln!("{}", serde_json::to_string_pretty(&reply.json())?);
             Ok(0)
         }
-        _ => {
-            let mut body = serde_json::json!({
-                "agentId": o.agent,
-                "code": o.script.unwrap_or_default(),
-                "executionId": new_execution_id(),
-                "permissionEpoch": permission_epoch(&o.session),
-                "runnerWorkspaceKey": o.workspace,
-            });
-            // A caller-made workspace under projects/ instead of the remote workspace.
-            if let Some(root) = &o.workspace_root {
-                body.as_object_mut().expect("an object").remove("runnerWorkspaceKey");
-                body["workspaceRoot"] = root.clone().into();
-            }
-            if let Some(root) = &o.read_only_root {
-                body["readOnlyWorkspaceRoot"] = root.clone().into();
-            }
-            if let Some(ms) = o.timeout {
-                body["executionTimeoutMs"] = ms.into();
-            }
-            if let Some(env) = &o.env {
-                match o.python {
-                    // `/execute` names a revision: the environment's current one.
-                    true => body["environmentRevisionId"] = current_revision(&client, env).await?.into(),
-                    false => body["environmentId"] = env.clone().into(),
-                }
-            }
-            let path = match (o.detach, o.python) {
-                (true, true) => {
-                    anyhow::bail!("--detach runs shell scripts only (managed executions are shell)")
-                }
-                (true, false) => "/shell-executions",
-                (false, true) => "/execute",
-                (false, false) => "/execute-shell",
-            };
-            // The client has no clock offset yet: one cheap request learns it from `Date`.
-            let _ = client.raw("GET", "/health", &[], Vec::new()).await;
-            let reply = client.post_signed(path, &body).await?;
-            if o.detach {
-                return Ok(match reply.status {
-                    202 => {
-                        outln!("{}", reply.json()["id"].as_str().unwrap_or_default());
-                        0
-                    }
-                    status => failed(status, &reply.json()),
-                });
-            }
-            let result = reply.json();
-            if reply.status != 200 {
-                eprintln!(
-                    "runnerctl: runnerd answered {}: {}",
-                    reply.status,
-                    result["error"].as_str().unwrap_or("(no error text)")
-                );
-                return Ok(1);
-            }
-            out(result["stdout"].as_str().unwrap_or("").as_bytes())?;
-            std::io::stderr().write_all(result["stderr"].as_str().unwrap_or("").as_bytes())?;
-            Ok(result["exitCode"].as_i64().map(|c| c as i32).unwrap_or(1))
+        _ => exec(&client, o).await,
+    }
+}
+
+/// A client of the runnerd the options (or runnerd's own settings) name, with its token
+/// (none for `health`, which needs none).
+fn connect(o: &Options) -> anyhow::Result<RunnerClient> {
+    // Where runnerd listens and where its token is: the same settings it reads.
+    let config = runnerd::client_settings(|k| std::env::var(k).ok())?;
+    let endpoint = match (&o.socket, &o.url) {
+        (Some(path), _) => Endpoint::Unix(path.clone()),
+        (None, Some(url)) => Endpoint::parse(url),
+        (None, None) => match (&config.socket_path, std::env::var("SCIENCE_AGENT_RUNNER_URL").ok()) {
+            (Some(path), _) => Endpoint::Unix(path.clone()),
+            (None, Some(url)) => Endpoint::parse(&url),
+            (None, None) => Endpoint::Tcp(format!("{}:{}", config.host, config.port)),
+        },
+    };
+    let fallback = if o.well_known { Fallback::WellKnown } else { Fallback::ReadGenerated };
+    let token = if o.command == "health" {
+        String::new()
+    } else {
+        let (t, _) = token::resolve(
+            |k| std::env::var(k).ok(),
+            config.token_file.as_deref(),
+            &config.data_dir,
+            fallback,
+        )?;
+        t.expose().to_owned()
+    };
+    Ok(RunnerClient::new(endpoint, token))
+}
+
+/// The execution's body: the script, the ids, the workspace and the options that shape it.
+async fn exec_body(client: &RunnerClient, o: &Options) -> anyhow::Result<serde_json::Value> {
+    let mut body = serde_json::json!({
+        "agentId": o.agent,
+        "code": o.script.clone().unwrap_or_default(),
+        "executionId": new_execution_id(),
+        "permissionEpoch": permission_epoch(&o.session),
+        "runnerWorkspaceKey": o.workspace,
+    });
+    // A caller-made workspace under projects/ instead of the remote workspace.
+    if let Some(root) = &o.workspace_root {
+        body.as_object_mut().expect("an object").remove("runnerWorkspaceKey");
+        body["workspaceRoot"] = root.clone().into();
+    }
+    if let Some(root) = &o.read_only_root {
+        body["readOnlyWorkspaceRoot"] = root.clone().into();
+    }
+    if let Some(ms) = o.timeout {
+        body["executionTimeoutMs"] = ms.into();
+    }
+    if let Some(env) = &o.env {
+        match o.python {
+            // `/execute` names a revision: the environment's current one.
+            true => body["environmentRevisionId"] = current_revision(client, env).await?.into(),
+            false => body["environmentId"] = env.clone().into(),
         }
     }
+    Ok(body)
+}
+
+/// `exec` (`run`): one execution, its output on ours and its exit code as ours; with
+/// `--detach` a managed one, whose id is printed.
+async fn exec(client: &RunnerClient, o: Options) -> anyhow::Result<i32> {
+    let body = exec_body(client, &o).await?;
+    let path = match (o.detach, o.python) {
+        (true, true) => {
+            anyhow::bail!("--detach runs shell scripts only (managed executions are shell)")
+        }
+        (true, false) => "/shell-executions",
+        (false, true) => "/execute",
+        (false, false) => "/execute-shell",
+    };
+    // The client has no clock offset yet: one cheap request learns it from `Date`.
+    let _ = client.raw("GET", "/health", &[], Vec::new()).await;
+    let reply = client.post_signed(path, &body).await?;
+    if o.detach {
+        return Ok(match reply.status {
+            202 => {
+                outln!("{}", reply.json()["id"].as_str().unwrap_or_default());
+                0
+            }
+            status => failed(status, &reply.json()),
+        });
+    }
+    let result = reply.json();
+    if reply.status != 200 {
+        eprintln!(
+            "runnerctl: runnerd answered {}: {}",
+            reply.status,
+            result["error"].as_str().unwrap_or("(no error text)")
+        );
+        return Ok(1);
+    }
+    out(result["stdout"].as_str().unwrap_or("").as_bytes())?;
+    std::io::stderr().write_all(result["stderr"].as_str().unwrap_or("").as_bytes())?;
+    Ok(result["exitCode"].as_i64().map(|c| c as i32).unwrap_or(1))
 }
 
 /// An environment's current revision, from `GET /environments`.
