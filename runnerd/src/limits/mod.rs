@@ -2,11 +2,12 @@
 //! sandbox's `/tmp`; their defaults and maxima from the configuration, per-request overrides
 //! within those maxima, and what each enforcement mode makes of them.
 //!
-//! Everything here is pure (table-tested); the cgroup I/O lives in [`cgroup`], the start-up
-//! choice of a mode in [`detect`].
+//! Everything here is pure (table-tested); the cgroup I/O lives in [`cgroup`], the pool of
+//! execution cgroups made ahead in `spares`, the start-up choice of a mode in [`detect`].
 
 pub mod cgroup;
 pub mod detect;
+mod spares;
 
 use serde::Serialize;
 use serde_json::{Value, json};
