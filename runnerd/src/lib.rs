@@ -41,7 +41,7 @@ pub(crate) mod managed;
 pub mod memory;
 pub(crate) mod metrics;
 pub(crate) mod npu_broker;
-pub(crate) use runner_store::{owner, quota, remote};
+pub(crate) use runner_store::{quota, remote};
 pub mod sandbox;
 pub(crate) mod selftest;
 pub(crate) mod skills;

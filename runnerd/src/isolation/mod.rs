@@ -50,7 +50,7 @@ pub struct SandboxSpec<'a> {
     pub science_env: Option<&'a Path>,
     /// A domain-allowlist sandbox's bridge and gateway (R-NET-2).
     pub egress: Option<Egress<'a>>,
-    /// Accelerator chips, their nodes and environment (R-NPU-1, `crate::accel`).
+    /// Accelerator chips, their nodes and environment (R-NPU-1, runnerd's `accel`).
     pub accel: Option<&'a AccelMount>,
     /// Runs this instead of the language's interpreter (probes, provisioning steps).
     pub command: Option<&'a [String]>,

@@ -236,14 +236,14 @@ fn try_v2(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
         }
     }
     let supervisor = delegated_dir.join("supervisor");
-    cgroup::move_into_supervisor(&supervisor, std::process::id()).map_err(|e| crate::error_chain(&e))?;
+    cgroup::move_into_supervisor(&supervisor, std::process::id()).map_err(|e| common::error_chain(&e))?;
     cgroup::write(&delegated_dir.join("cgroup.subtree_control"), "+memory +pids +cpu")
-        .map_err(|e| crate::error_chain(&e))?;
+        .map_err(|e| common::error_chain(&e))?;
     let parent = parent_dir(&delegated_dir.to_string_lossy(), "", root)?;
     if parent != delegated_dir {
         std::fs::create_dir_all(&parent).map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
         cgroup::write(&parent.join("cgroup.subtree_control"), "+memory +pids +cpu")
-            .map_err(|e| crate::error_chain(&e))?;
+            .map_err(|e| common::error_chain(&e))?;
     }
     let hierarchies =
         vec![Hierarchy { dir: parent.clone(), controllers: NEEDED.map(str::to_owned).to_vec() }];
@@ -319,7 +319,7 @@ fn try_v1(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
 fn probe(flavor: Flavor, hierarchies: &[Hierarchy]) -> Result<(), String> {
     let name = format!("exec-{}-probe", std::process::id());
     let group = ExecCgroup::create(flavor, hierarchies, &name, &PROBE).map_err(|e| {
-        let text = crate::error_chain(&e);
+        let text = common::error_chain(&e);
         if e.is_permission() {
             format!(
                 "{text}; runnerd may not write there: hand it a subtree (chown the directory, its cgroup.procs \
@@ -330,7 +330,7 @@ fn probe(flavor: Flavor, hierarchies: &[Hierarchy]) -> Result<(), String> {
             text
         }
     })?;
-    group.remove_blocking().map_err(|e| crate::error_chain(&e))
+    group.remove_blocking().map_err(|e| common::error_chain(&e))
 }
 
 #[cfg(test)]

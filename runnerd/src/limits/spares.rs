@@ -84,7 +84,7 @@ impl Maker {
                 }
             }
             // Not an error of any run: the next launch makes its own and reports a failure.
-            Err(e) => tracing::debug!(event = "cgroup_spare_failed", error = %crate::error_chain(&e)),
+            Err(e) => tracing::debug!(event = "cgroup_spare_failed", error = %common::error_chain(&e)),
         }
     }
 
@@ -102,6 +102,6 @@ impl Maker {
 
 fn remove_or_warn(cgroup: ExecCgroup) {
     if let Err(e) = cgroup.remove_blocking() {
-        tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
+        tracing::warn!(event = "cgroup_left", error = %common::error_chain(&e));
     }
 }

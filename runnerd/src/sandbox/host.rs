@@ -9,6 +9,8 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use runner_store::fsat;
+
 /// Read-only binds and environment the sandbox gets from the host.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HostRuntime {
@@ -139,7 +141,7 @@ pub fn detect_python_packages(
     let open_in = |dir: &fs::File, name: &str| -> io::Result<fs::File> {
         let name = std::ffi::CString::new(name).map_err(io::Error::other)?;
         let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
-        crate::fsat::open_at(dir, &name, flags).map(fs::File::from)
+        fsat::open_at(dir, &name, flags).map(fs::File::from)
     };
     let check = |file: &fs::File, path: &Path| -> Result<(), PackagesError> {
         let m = file.metadata().map_err(|source| PackagesError::Open { path: path.to_owned(), source })?;
@@ -195,7 +197,7 @@ pub fn python_packages_for_execution(
     sandbox_user: &super::user::Identity,
 ) -> Option<PathBuf> {
     detect_python_packages(data_dir, python, sandbox_user).unwrap_or_else(|e| {
-        tracing::warn!(event = "python_packages_skipped", error = %crate::error_chain(&e));
+        tracing::warn!(event = "python_packages_skipped", error = %common::error_chain(&e));
         None
     })
 }
