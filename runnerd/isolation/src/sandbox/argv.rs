@@ -20,7 +20,7 @@ use common::seccomp::Profile;
 use serde::Serialize;
 
 use super::host::{HostRuntime, PYTHON_PACKAGES_MOUNT};
-use crate::accel::mount::AccelMount;
+use crate::accel_mount::AccelMount;
 
 /// Where a skill package ([`SkillsMount`]) and the workspace's extensions directory appear
 /// in the sandbox, and the variables that name them there.

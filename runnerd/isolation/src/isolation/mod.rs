@@ -26,7 +26,7 @@ use tokio::sync::watch;
 
 pub use bubblewrap::Bubblewrap;
 
-use crate::accel::mount::AccelMount;
+use crate::accel_mount::AccelMount;
 use crate::launch::{LaunchError, Outcome, OutputSink};
 use crate::sandbox::{HostRuntime, Language, WorkspaceLayout};
 
