@@ -17,6 +17,18 @@ use std::path::{Path, PathBuf};
 
 use toml::de::{DeTable, DeValue};
 
+/// JavaScript's `Number.MAX_SAFE_INTEGER`: the original validates "safe integers".
+pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
+/// A non-negative safe integer in decimal, like the original's parser accepts.
+pub fn parse_non_negative(text: &str) -> Option<u64> {
+    let t = text.trim();
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    t.parse::<u64>().ok().filter(|v| *v <= MAX_SAFE_INTEGER)
+}
+
 /// What a key accepts in the file. Each value is stringified exactly as the variable would
 /// be written, and the daemon's parser then validates it as it validates the variable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,8 +22,8 @@ pub const DEFAULT_MAX_BUFFERED_OUTPUT_BYTES: u64 = 1_073_741_824;
 pub const DEFAULT_SIGNATURE_MAX_AGE_MS: u64 = 30_000;
 /// The original's well-known token, accepted only with `--insecure-default-token`.
 pub const WELL_KNOWN_TOKEN: &str = "sciencediscovery-runner-local";
-/// JavaScript's `Number.MAX_SAFE_INTEGER`: the original validates "safe integers".
-pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+/// The shared parsers of numeric settings (the resource limits' settings use them too).
+pub use common::settings::{MAX_SAFE_INTEGER, parse_non_negative};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunnerConfig {
@@ -110,13 +110,18 @@ impl ConfigError {
     }
 }
 
-/// A non-negative safe integer in decimal, like the original's parser accepts.
-pub fn parse_non_negative(text: &str) -> Option<u64> {
-    let t = text.trim();
-    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
+/// The limits' settings refuse a value with the same texts (limits::SettingsError).
+impl From<crate::limits::SettingsError> for ConfigError {
+    fn from(e: crate::limits::SettingsError) -> ConfigError {
+        match e {
+            crate::limits::SettingsError::NonNegative { name, value } => {
+                ConfigError::NonNegative { name, value }
+            }
+            crate::limits::SettingsError::Choice { name, value, allowed } => {
+                ConfigError::Choice { name, value, allowed }
+            }
+        }
     }
-    t.parse::<u64>().ok().filter(|v| *v <= MAX_SAFE_INTEGER)
 }
 
 fn truthy(text: &str) -> bool {

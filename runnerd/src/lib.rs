@@ -1,9 +1,9 @@
 //! runnerd: the runner daemon's library.
 //!
-//! * [`launch`]: starting sandboxes through `sandbox-init`, with streaming output, budgets,
-//!   timeouts and clean kills.
-//! * [`sandbox`]: what a sandbox looks like — preflight probes and the bwrap argv.
-//! * [`startup`]: the start-up sequence that decides and prepares all of it.
+//! * the sandbox side — the [`isolation`] seam and its bubblewrap backend, what a
+//!   [`sandbox`] looks like, the [`launch`]er through `sandbox-init`, resource [`limits`]
+//!   and the [`startup`] that decides and prepares all of it — is the `runner_isolation`
+//!   crate (issue #33), re-exported here under its old paths.
 //! * `egress`: asking egressd for a policy's gateway (network sandboxes).
 //! * [`cli`]: the `runnerd` command line (the benchmarks are the `runnerd-bench` crate).
 //! * the workspace store — versions, coordination, the writer, workspace resolution, the
@@ -37,20 +37,18 @@ pub mod exec;
 pub(crate) use runner_store::fsat;
 pub mod history;
 pub(crate) mod http;
-pub mod isolation;
+pub use runner_isolation::{isolation, launch, limits};
 pub mod journal;
-pub mod launch;
-pub mod limits;
 pub(crate) mod managed;
 pub mod memory;
 pub(crate) mod metrics;
 pub(crate) mod npu_broker;
-pub(crate) use runner_store::{owner, quota, remote};
-pub mod sandbox;
+pub use runner_isolation::sandbox;
+pub(crate) use runner_store::{quota, remote};
 pub(crate) mod selftest;
 pub(crate) mod skills;
-pub mod startup;
 pub use common::timefmt;
+pub use runner_isolation::startup;
 pub mod token;
 pub(crate) use runner_store::versioning;
 pub mod workspace;
@@ -63,14 +61,13 @@ pub use common::error_chain;
 
 #[cfg(test)]
 mod tests {
-    /// As the store's errors (`writer`'s test): each of runnerd's own says its cause once,
-    /// whichever way it is printed.
+    /// As the store's errors (`writer`'s test) and the isolation crate's: each of runnerd's
+    /// own says its cause once, whichever way it is printed.
     #[test]
     fn errors_say_their_cause_once() {
         let io = || std::io::Error::from_raw_os_error(libc::EACCES);
         let db = crate::managed::db::DbError::Dir { path: "/e".into(), source: io() };
-        let bwrap = crate::sandbox::preflight::PreflightError::Unrunnable { path: "/b".into(), source: io() };
-        let all: [&dyn std::error::Error; 2] = [&db, &bwrap];
+        let all: [&dyn std::error::Error; 1] = [&db];
         for e in all {
             assert!(!common::repeats_its_source(e), "{e}");
             assert_eq!(crate::error_chain(e).matches(&io().to_string()).count(), 1, "{e}");

@@ -16,7 +16,7 @@ pub mod cache;
 pub mod dcmi;
 #[cfg(test)]
 mod launch_tests;
-pub mod mount;
+pub use runner_isolation::accel_mount as mount;
 pub mod npu_smi;
 pub mod nvidia;
 pub mod probe;

@@ -30,11 +30,6 @@ use crate::sandbox::user::Identity;
 
 /// The original's body limit for `POST /skill-packages` (64 MiB).
 pub const BODY_LIMIT: usize = 67_108_864;
-/// Where the packages and the extensions appear in the sandbox, and their variables.
-pub const SKILLS_MOUNT: &str = "/skills";
-pub const EXTENSIONS_MOUNT: &str = "/skill-extensions";
-pub const SKILLS_DIR_VAR: &str = "SCIENCEDISCOVERY_SKILLS_DIR";
-pub const EXTENSIONS_DIR_VAR: &str = "SCIENCEDISCOVERY_SKILL_EXTENSIONS_DIR";
 /// `<workspace>/.sciencediscovery/skill-extensions`.
 pub const EXTENSIONS_PARENT: &CStr = c".sciencediscovery";
 pub const EXTENSIONS_DIR: &CStr = c"skill-extensions";

@@ -14,6 +14,7 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 
 use common::plan::IdPair;
+use runner_store::fsat;
 use serde::Serialize;
 
 use super::user::Identity;
@@ -184,11 +185,9 @@ pub async fn probe(
     // Caller-made workspaces live under projects/, which the API may not have made yet; a
     // link there is never followed (the data directory itself is the operator's choice).
     let projects = data_dir.join(common::layout::PROJECTS);
-    let opened = match crate::fsat::open_path(&projects, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
-    {
+    let opened = match fsat::open_path(&projects, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            crate::fsat::open_path(data_dir, libc::O_PATH | libc::O_DIRECTORY)
-                .map(|d| (d, data_dir.to_owned()))
+            fsat::open_path(data_dir, libc::O_PATH | libc::O_DIRECTORY).map(|d| (d, data_dir.to_owned()))
         }
         other => other.map(|d| (d, projects)),
     };
@@ -232,7 +231,7 @@ pub async fn probe(
             o.termination,
             text.stderr.trim()
         )),
-        Err(e) => IdmapSupport::Unavailable(crate::error_chain(&e)),
+        Err(e) => IdmapSupport::Unavailable(common::error_chain(&e)),
     }
 }
 
@@ -252,7 +251,7 @@ pub fn shared_user(who: &Identity) -> Option<String> {
 }
 
 fn facts(fd: &OwnedFd) -> std::io::Result<DirFacts> {
-    let st = crate::fsat::Stat::of_fd(fd)?;
+    let st = fsat::Stat::of_fd(fd)?;
     Ok(DirFacts { owner: IdPair { uid: st.uid, gid: st.gid }, mode: st.mode })
 }
 

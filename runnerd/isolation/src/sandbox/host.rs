@@ -1,13 +1,15 @@
 //! Host facts a sandbox needs, detected once at start-up: the one-line `/etc/passwd` and
 //! `/etc/group` for the sandbox user (the launcher hands them to bwrap as data, see
 //! [`crate::launch::LaunchIdentity`]), the read-only `/etc` pieces that
-//! make TLS and fonts work (CA certificates, alternatives), and the host interpreters to
-//! mask when a science environment is mounted. Each decision is a pure function; the
-//! `detect_*` functions are the thin I/O around them.
+//! make TLS and fonts work (CA certificates, alternatives), and which `python-packages`
+//! directory an execution binds. Each decision is a pure function; the `detect_*` functions
+//! are the thin I/O around them.
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+
+use runner_store::fsat;
 
 /// Read-only binds and environment the sandbox gets from the host.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -139,7 +141,7 @@ pub fn detect_python_packages(
     let open_in = |dir: &fs::File, name: &str| -> io::Result<fs::File> {
         let name = std::ffi::CString::new(name).map_err(io::Error::other)?;
         let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
-        crate::fsat::open_at(dir, &name, flags).map(fs::File::from)
+        fsat::open_at(dir, &name, flags).map(fs::File::from)
     };
     let check = |file: &fs::File, path: &Path| -> Result<(), PackagesError> {
         let m = file.metadata().map_err(|source| PackagesError::Open { path: path.to_owned(), source })?;
@@ -187,41 +189,6 @@ pub fn detect_python_packages(
     Ok(None)
 }
 
-/// Which interpreter binaries to mask, given `/usr/bin` entries and their resolved targets
-/// (`None`: dangling). Only targets are masked — bwrap cannot bind over a symlink — and
-/// names sharing a target collapse into one mask (internals §2.4).
-pub fn mask_targets(entries: &[(String, Option<PathBuf>)]) -> Vec<PathBuf> {
-    let mut targets: Vec<PathBuf> = entries
-        .iter()
-        .filter(|(name, _)| is_interpreter_name(name))
-        .filter_map(|(_, target)| target.clone())
-        .collect();
-    targets.sort();
-    targets.dedup();
-    targets
-}
-
-/// `python`, `python3`, `python3.N`, `R`, `Rscript`.
-fn is_interpreter_name(name: &str) -> bool {
-    if name == "R" || name == "Rscript" || name == "python" || name == "python3" {
-        return true;
-    }
-    name.strip_prefix("python3.").is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-}
-
-/// Scans `bin_dir` (normally `/usr/bin`) for interpreters and resolves each.
-pub fn detect_interpreter_masks(bin_dir: &Path) -> io::Result<Vec<PathBuf>> {
-    let mut entries = Vec::new();
-    for entry in fs::read_dir(bin_dir)? {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if is_interpreter_name(&name) {
-            entries.push((name, fs::canonicalize(entry.path()).ok()));
-        }
-    }
-    Ok(mask_targets(&entries))
-}
-
 /// [`detect_python_packages`] for one execution: a directory that exists but may not be
 /// bound is logged and left out (the execution runs without it, as if it were absent).
 pub fn python_packages_for_execution(
@@ -230,7 +197,7 @@ pub fn python_packages_for_execution(
     sandbox_user: &super::user::Identity,
 ) -> Option<PathBuf> {
     detect_python_packages(data_dir, python, sandbox_user).unwrap_or_else(|e| {
-        tracing::warn!(event = "python_packages_skipped", error = %crate::error_chain(&e));
+        tracing::warn!(event = "python_packages_skipped", error = %common::error_chain(&e));
         None
     })
 }
@@ -334,36 +301,5 @@ mod tests {
         let (p, g) = identity_lines("alice", 1000, 1001);
         assert_eq!(p, "alice:x:1000:1001:ScienceDiscovery sandbox user:/tmp:/bin/sh\n");
         assert_eq!(g, "alice:x:1001:\n");
-    }
-
-    #[test]
-    fn masks_by_target() {
-        let e = |n: &str, t: Option<&str>| (n.to_owned(), t.map(PathBuf::from));
-        let entries = vec![
-            e("python", Some("/usr/bin/python3.11")),
-            e("python3", Some("/usr/bin/python3.11")),
-            e("python3.11", Some("/usr/bin/python3.11")),
-            e("python3.x", Some("/usr/bin/python3.11")),
-            e("pythonic-tool", Some("/usr/bin/pythonic-tool")),
-            e("R", Some("/usr/lib/R/bin/R")),
-            e("Rscript", None),
-        ];
-        assert_eq!(
-            mask_targets(&entries),
-            [PathBuf::from("/usr/bin/python3.11"), PathBuf::from("/usr/lib/R/bin/R")]
-        );
-    }
-
-    #[test]
-    fn detection_on_a_real_directory() {
-        let dir = tempfile::tempdir().unwrap();
-        let real = dir.path().join("python3.12");
-        fs::write(&real, "").unwrap();
-        std::os::unix::fs::symlink(&real, dir.path().join("python3")).unwrap();
-        std::os::unix::fs::symlink(dir.path().join("missing"), dir.path().join("Rscript")).unwrap();
-        fs::write(dir.path().join("pythonic-tool"), "").unwrap();
-        let masks = detect_interpreter_masks(dir.path()).unwrap();
-        assert_eq!(masks, [fs::canonicalize(&real).unwrap()]);
-        assert!(masks.iter().all(|m| !fs::symlink_metadata(m).unwrap().file_type().is_symlink()));
     }
 }

@@ -20,7 +20,14 @@ use common::seccomp::Profile;
 use serde::Serialize;
 
 use super::host::{HostRuntime, PYTHON_PACKAGES_MOUNT};
-use crate::accel::mount::AccelMount;
+use crate::accel_mount::AccelMount;
+
+/// Where a skill package ([`SkillsMount`]) and the workspace's extensions directory appear
+/// in the sandbox, and the variables that name them there.
+pub const SKILLS_MOUNT: &str = "/skills";
+pub const EXTENSIONS_MOUNT: &str = "/skill-extensions";
+pub const SKILLS_DIR_VAR: &str = "SCIENCEDISCOVERY_SKILLS_DIR";
+pub const EXTENSIONS_DIR_VAR: &str = "SCIENCEDISCOVERY_SKILL_EXTENSIONS_DIR";
 
 /// How the sandbox gets its `/proc` (R-SBX-2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -155,7 +162,7 @@ pub struct BwrapSpec<'a> {
     pub workspace_fds: Option<WorkspaceFds>,
     /// A domain-allowlist sandbox: the bridge and the gateway socket to bind (R-NET-2).
     pub egress: Option<&'a EgressMount>,
-    /// Accelerator chips, their nodes and environment (R-NPU-1, `crate::accel`).
+    /// Accelerator chips, their nodes and environment (R-NPU-1, runnerd's `accel`).
     pub accel: Option<&'a AccelMount>,
     /// Runs this instead of the language's interpreter (the accelerator probes).
     pub command: Option<&'a [String]>,
@@ -166,10 +173,10 @@ pub struct BwrapSpec<'a> {
     /// checked it: bound read-only at [`PYTHON_PACKAGES_MOUNT`] unless a science environment
     /// is mounted; then `PYTHONPATH` names it, `PYTHONNOUSERSITE=1` and Python runs without `-I`.
     pub python_packages: Option<&'a Path>,
-    /// A verified skill package and the workspace's extensions directory (`crate::skills`).
+    /// A verified skill package and the workspace's extensions directory (runnerd's `skills`).
     pub skills: Option<&'a SkillsMount>,
-    /// The seccomp profile, decided once by the caller (`crate::exec::profile_for` for an
-    /// execution): `network` with egress, `npu` with Ascend chips.
+    /// The seccomp profile, decided once by the caller (runnerd's `exec::profile_for` for
+    /// an execution): `network` with egress, `npu` with Ascend chips.
     pub profile: Profile,
     /// More binds after the workspace, each at its own host path (a provisioning sandbox's
     /// prefix and package cache: conda prefixes embed their path).
@@ -370,7 +377,7 @@ fn system_mounts(args: &mut Vec<String>, spec: &BwrapSpec<'_>) {
 /// The skill package and extensions, then the caller's own binds, after the workspace.
 fn caller_binds(args: &mut Vec<String>, spec: &BwrapSpec<'_>) {
     if let Some(s) = spec.skills {
-        let (skills, extensions) = (crate::skills::SKILLS_MOUNT, crate::skills::EXTENSIONS_MOUNT);
+        let (skills, extensions) = (SKILLS_MOUNT, EXTENSIONS_MOUNT);
         match s.fds {
             Some((p, e)) => {
                 push(args, &["--ro-bind-fd", &p.to_string(), skills, "--bind-fd", &e.to_string(), extensions])
@@ -421,8 +428,8 @@ fn environment(spec: &BwrapSpec<'_>, python_packages: bool) -> Vec<(String, Stri
         env.push(("R_ENVIRON_USER".into(), "/dev/null".into()));
     }
     if spec.skills.is_some() {
-        env.push((crate::skills::SKILLS_DIR_VAR.into(), crate::skills::SKILLS_MOUNT.into()));
-        env.push((crate::skills::EXTENSIONS_DIR_VAR.into(), crate::skills::EXTENSIONS_MOUNT.into()));
+        env.push((SKILLS_DIR_VAR.into(), SKILLS_MOUNT.into()));
+        env.push((EXTENSIONS_DIR_VAR.into(), EXTENSIONS_MOUNT.into()));
     }
     env.extend(spec.host.env());
     if let Some(a) = accel {

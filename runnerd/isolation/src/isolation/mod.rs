@@ -26,7 +26,7 @@ use tokio::sync::watch;
 
 pub use bubblewrap::Bubblewrap;
 
-use crate::accel::mount::AccelMount;
+use crate::accel_mount::AccelMount;
 use crate::launch::{LaunchError, Outcome, OutputSink};
 use crate::sandbox::{HostRuntime, Language, WorkspaceLayout};
 
@@ -50,7 +50,7 @@ pub struct SandboxSpec<'a> {
     pub science_env: Option<&'a Path>,
     /// A domain-allowlist sandbox's bridge and gateway (R-NET-2).
     pub egress: Option<Egress<'a>>,
-    /// Accelerator chips, their nodes and environment (R-NPU-1, `crate::accel`).
+    /// Accelerator chips, their nodes and environment (R-NPU-1, runnerd's `accel`).
     pub accel: Option<&'a AccelMount>,
     /// Runs this instead of the language's interpreter (probes, provisioning steps).
     pub command: Option<&'a [String]>,

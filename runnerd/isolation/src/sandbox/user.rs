@@ -93,7 +93,7 @@ impl Identity {
 }
 
 /// The store creates a remote workspace's directories and uploaded files for the sandbox.
-impl crate::owner::HandOver for Identity {
+impl runner_store::owner::HandOver for Identity {
     fn hand_over(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
         Identity::hand_over(self, fd)
     }

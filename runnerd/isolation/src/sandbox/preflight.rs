@@ -265,7 +265,7 @@ impl Prober for LaunchProber<'_> {
                     _ => Err(last),
                 }
             }
-            Err(e) => Err(crate::error_chain(&e)),
+            Err(e) => Err(common::error_chain(&e)),
         }
     }
 }
@@ -465,7 +465,7 @@ mod tests {
         );
         let e = resolve_bwrap("/nonexistent/bwrap", None).unwrap_err();
         assert_eq!(
-            crate::error_chain(&e),
+            common::error_chain(&e),
             "Could not execute bubblewrap at \"/nonexistent/bwrap\": spawn /nonexistent/bwrap ENOENT"
         );
         let e = resolve_bwrap("no-such-bwrap", Some(OsStr::new("/usr/bin"))).unwrap_err();

@@ -2,17 +2,18 @@
 //! sandbox's `/tmp`; their defaults and maxima from the configuration, per-request overrides
 //! within those maxima, and what each enforcement mode makes of them.
 //!
-//! Everything here is pure (table-tested); the cgroup I/O lives in [`cgroup`], the start-up
-//! choice of a mode in [`detect`].
+//! Everything here is pure (table-tested); the cgroup I/O lives in [`cgroup`], the pool of
+//! execution cgroups made ahead in `spares`, the start-up choice of a mode in [`detect`].
 
 pub mod cgroup;
 pub mod detect;
+mod spares;
 
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::config::{ConfigError, parse_non_negative};
 use common::plan::{Resource, Rlimit};
+use common::settings::{MAX_SAFE_INTEGER, parse_non_negative};
 
 pub use cgroup::{ExecCgroup, Usage};
 pub use detect::{Enforcement, Mode};
@@ -38,6 +39,16 @@ pub struct LimitSettings {
     /// `SCIENCE_AGENT_CGROUP_ROOT`: where execution cgroups are made. Relative: below
     /// runnerd's own cgroup in each hierarchy; absolute: from each hierarchy's root.
     pub cgroup_root: Option<String>,
+}
+
+/// A limit setting that is not a value it may take; runnerd's configuration gives it as its
+/// own error, word for word.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("{name} must be a non-negative integer, not {value:?}")]
+    NonNegative { name: String, value: String },
+    #[error("{name} must be one of {allowed}, not {value:?}")]
+    Choice { name: String, value: String, allowed: &'static str },
 }
 
 /// Which enforcement start-up may pick.
@@ -79,13 +90,13 @@ pub const NUMERIC_VARS: [(&str, u64); 8] = [
 
 impl LimitSettings {
     /// Reads the settings through `get` (unset or empty variables give the defaults).
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LimitSettings, ConfigError> {
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LimitSettings, SettingsError> {
         let mut values = [0u64; 8];
         for (slot, (name, default)) in values.iter_mut().zip(NUMERIC_VARS) {
             *slot = match get(name) {
                 None => default,
                 Some(v) => parse_non_negative(&v)
-                    .ok_or(ConfigError::NonNegative { name: name.to_owned(), value: v })?,
+                    .ok_or(SettingsError::NonNegative { name: name.to_owned(), value: v })?,
             };
         }
         let limits =
@@ -96,7 +107,7 @@ impl LimitSettings {
             Some("cgroup-v1") => ModeChoice::CgroupV1,
             Some("rlimits-only") => ModeChoice::RlimitsOnly,
             Some(other) => {
-                return Err(ConfigError::Choice {
+                return Err(SettingsError::Choice {
                     name: MODE_VAR.to_owned(),
                     value: other.to_owned(),
                     allowed: "auto, cgroup-v2, cgroup-v1 or rlimits-only",
@@ -174,7 +185,7 @@ pub fn requested(field: Option<&Value>, settings: &LimitSettings) -> Result<Limi
 }
 
 fn whole(v: &Value) -> Option<u64> {
-    v.as_u64().filter(|n| *n <= crate::config::MAX_SAFE_INTEGER)
+    v.as_u64().filter(|n| *n <= MAX_SAFE_INTEGER)
 }
 
 fn millicores(v: &Value) -> Option<u64> {
@@ -351,7 +362,7 @@ pub async fn finish(cgroup: Option<ExecCgroup>) -> Option<Usage> {
 }
 
 /// [`finish`], then `then` (work that must see the sandbox ended: the workspace's
-/// measurement), as blocking work of the awaiting task ([`crate::blocking::run`]: no hop,
+/// measurement), as blocking work of the awaiting task ([`runner_store::blocking::run`]: no hop,
 /// this is the answer's path). The removal, which may wait for the kernel to reap, then
 /// runs on the blocking pool, and `afterwards` after it; `None` if the work panicked.
 async fn end<T: Send + 'static>(
@@ -359,7 +370,7 @@ async fn end<T: Send + 'static>(
     then: impl FnOnce() -> T + Send + 'static,
     afterwards: impl FnOnce() + Send + 'static,
 ) -> Option<(Option<Usage>, T)> {
-    let (cgroup, usage, done) = crate::blocking::run(move || {
+    let (cgroup, usage, done) = runner_store::blocking::run(move || {
         let usage = cgroup.as_ref().map(|c| {
             c.kill();
             c.usage()
@@ -372,7 +383,7 @@ async fn end<T: Send + 'static>(
         if let Some(c) = cgroup
             && let Err(e) = c.remove_blocking()
         {
-            tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
+            tracing::warn!(event = "cgroup_left", error = %common::error_chain(&e));
         }
         afterwards();
     });

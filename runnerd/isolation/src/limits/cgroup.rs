@@ -405,7 +405,7 @@ impl Drop for ExecCgroup {
             self.joins.clear();
             let dirs: Vec<PathBuf> = self.dirs.iter().map(|(d, _)| d.clone()).collect();
             if let Err(e) = kill_and_remove(self.flavor, &dirs) {
-                tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
+                tracing::warn!(event = "cgroup_left", error = %common::error_chain(&e));
             }
         }
     }
@@ -500,7 +500,7 @@ pub fn remove_stale(hierarchies: &[Hierarchy]) {
             };
             match kill_and_remove(flavor, &[entry.path()]) {
                 Ok(()) => tracing::info!(event = "cgroup_stale_removed", path = %entry.path().display()),
-                Err(e) => tracing::warn!(event = "cgroup_stale_left", error = %crate::error_chain(&e)),
+                Err(e) => tracing::warn!(event = "cgroup_stale_left", error = %common::error_chain(&e)),
             }
         }
     }

@@ -6,10 +6,10 @@
 //! kept for `/health`.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use super::cgroup::{self, CgroupError, ExecCgroup, Flavor, Hierarchy, Usage};
+use super::spares::Maker;
 use super::{LimitSettings, Limits, ModeChoice};
 
 /// How this runner enforces memory, pids and CPU limits.
@@ -46,92 +46,6 @@ pub struct Enforcement {
     pub reasons: Vec<String>,
     /// `None` in rlimits-only.
     maker: Option<Arc<Maker>>,
-}
-
-/// How many execution cgroups are kept made ahead ([`Enforcement::finish_execution`]): one
-/// for the next sequential run, one more for a second client.
-pub const SPARES: usize = 2;
-
-/// Names and makes execution cgroups, and keeps up to [`SPARES`] of them made ahead: the
-/// `mkdir` in every hierarchy and the verified limit writes cost a launch about half a
-/// millisecond on a v1 host (issue #18), so the end of each run makes the next run's while
-/// its answer goes out. A spare is made, limited and verified exactly as on the launch path,
-/// and no process has ever been in it: its counters start at zero like a new one's.
-#[derive(Debug)]
-struct Maker {
-    flavor: Flavor,
-    hierarchies: Vec<Hierarchy>,
-    counter: AtomicU64,
-    spares: Mutex<Vec<ExecCgroup>>,
-    /// Set at a graceful stop: a run ending after it makes no spare.
-    closed: std::sync::atomic::AtomicBool,
-}
-
-impl Maker {
-    fn new(flavor: Flavor, hierarchies: &[Hierarchy]) -> Option<Arc<Maker>> {
-        Some(Arc::new(Maker {
-            flavor,
-            hierarchies: hierarchies.to_vec(),
-            counter: AtomicU64::new(0),
-            spares: Mutex::default(),
-            closed: std::sync::atomic::AtomicBool::new(false),
-        }))
-    }
-
-    fn spares(&self) -> std::sync::MutexGuard<'_, Vec<ExecCgroup>> {
-        self.spares.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A fresh name: this runnerd's pid (so that a later runnerd can tell a crashed one's
-    /// leftovers from a live one's) and a counter.
-    fn next_name(&self) -> String {
-        format!("exec-{}-{}", std::process::id(), self.counter.fetch_add(1, Ordering::Relaxed))
-    }
-
-    fn make(&self, limits: &Limits) -> Result<ExecCgroup, CgroupError> {
-        ExecCgroup::create(self.flavor, &self.hierarchies, &self.next_name(), limits)
-    }
-
-    /// A spare with exactly these limits, else a new cgroup.
-    fn take(&self, limits: &Limits) -> Result<ExecCgroup, CgroupError> {
-        let spare = {
-            let mut spares = self.spares();
-            spares.iter().position(|c| c.limits() == limits).map(|i| spares.swap_remove(i))
-        };
-        spare.map_or_else(|| self.make(limits), Ok)
-    }
-
-    /// Makes a spare with `limits` unless one is waiting; the oldest spare beyond
-    /// [`SPARES`] is removed (its limits are the ones least recently asked for).
-    fn refill(&self, limits: &Limits) {
-        if self.closed.load(Ordering::Acquire) || self.spares().iter().any(|c| c.limits() == limits) {
-            return;
-        }
-        match self.make(limits) {
-            Ok(made) => {
-                let evicted = {
-                    let mut spares = self.spares();
-                    if self.closed.load(Ordering::Acquire) {
-                        Some(made)
-                    } else {
-                        spares.push(made);
-                        (spares.len() > SPARES).then(|| spares.remove(0))
-                    }
-                };
-                if let Some(old) = evicted {
-                    remove_or_warn(old);
-                }
-            }
-            // Not an error of any run: the next launch makes its own and reports a failure.
-            Err(e) => tracing::debug!(event = "cgroup_spare_failed", error = %crate::error_chain(&e)),
-        }
-    }
-}
-
-fn remove_or_warn(cgroup: ExecCgroup) {
-    if let Err(e) = cgroup.remove_blocking() {
-        tracing::warn!(event = "cgroup_left", error = %crate::error_chain(&e));
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -221,13 +135,9 @@ impl Enforcement {
     /// Removes the spares (at a graceful stop; a killed runnerd's are removed by the next
     /// start, as any cgroup named for a dead pid).
     pub fn remove_spares(&self) {
-        let Some(maker) = &self.maker else { return };
-        let spares = {
-            let mut held = maker.spares();
-            maker.closed.store(true, Ordering::Release);
-            std::mem::take(&mut *held)
-        };
-        spares.into_iter().for_each(remove_or_warn);
+        if let Some(maker) = &self.maker {
+            maker.close();
+        }
     }
 }
 
@@ -326,14 +236,14 @@ fn try_v2(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
         }
     }
     let supervisor = delegated_dir.join("supervisor");
-    cgroup::move_into_supervisor(&supervisor, std::process::id()).map_err(|e| crate::error_chain(&e))?;
+    cgroup::move_into_supervisor(&supervisor, std::process::id()).map_err(|e| common::error_chain(&e))?;
     cgroup::write(&delegated_dir.join("cgroup.subtree_control"), "+memory +pids +cpu")
-        .map_err(|e| crate::error_chain(&e))?;
+        .map_err(|e| common::error_chain(&e))?;
     let parent = parent_dir(&delegated_dir.to_string_lossy(), "", root)?;
     if parent != delegated_dir {
         std::fs::create_dir_all(&parent).map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
         cgroup::write(&parent.join("cgroup.subtree_control"), "+memory +pids +cpu")
-            .map_err(|e| crate::error_chain(&e))?;
+            .map_err(|e| common::error_chain(&e))?;
     }
     let hierarchies =
         vec![Hierarchy { dir: parent.clone(), controllers: NEEDED.map(str::to_owned).to_vec() }];
@@ -409,7 +319,7 @@ fn try_v1(mounts: &str, own: &str, root: Option<&str>) -> Result<Enforcement, St
 fn probe(flavor: Flavor, hierarchies: &[Hierarchy]) -> Result<(), String> {
     let name = format!("exec-{}-probe", std::process::id());
     let group = ExecCgroup::create(flavor, hierarchies, &name, &PROBE).map_err(|e| {
-        let text = crate::error_chain(&e);
+        let text = common::error_chain(&e);
         if e.is_permission() {
             format!(
                 "{text}; runnerd may not write there: hand it a subtree (chown the directory, its cgroup.procs \
@@ -420,7 +330,7 @@ fn probe(flavor: Flavor, hierarchies: &[Hierarchy]) -> Result<(), String> {
             text
         }
     })?;
-    group.remove_blocking().map_err(|e| crate::error_chain(&e))
+    group.remove_blocking().map_err(|e| common::error_chain(&e))
 }
 
 #[cfg(test)]
