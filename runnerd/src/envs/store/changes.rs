@@ -19,36 +19,42 @@ use super::{EnvStore, StoreError, audit, open_dir};
 /// thousand packages takes a few hundred kilobytes).
 pub(crate) const MAX_INSTALLED_BYTES: usize = 4 << 20;
 
+/// What a change left in its prefix, to be recorded as a revision: the prefix, the channels
+/// (or the index, or the repository) the record names, the provisioner's answer (its conda
+/// packages), the changes the request named, and the local wheels the revision carries.
+pub(super) struct Change<'a> {
+    pub(super) prefix: &'a Path,
+    pub(super) channels: Vec<String>,
+    pub(super) answer: provision::Response,
+    pub(super) requested: Vec<String>,
+    pub(super) wheels: Option<Vec<LocalWheel>>,
+}
+
 impl EnvStore {
     /// A new environment's first revision and its catalog entry (a starter replaces an entry
     /// of its id; a task environment's name must still be free). On any failure the prefix
     /// goes, so nothing is left that no record names.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn publish_new(
         &self,
         app: &App,
         env: Environment,
-        prefix: &Path,
-        channels: Vec<String>,
-        answer: &provision::Response,
-        requested: Vec<String>,
-        wheels: Option<Vec<LocalWheel>>,
+        change: Change<'_>,
     ) -> Result<Environment, StoreError> {
         let rev = env.current_revision_id.clone();
-        let published =
-            match self.record_revision(app, &env, &rev, prefix, channels, answer, requested, wheels).await {
-                Ok(revision) => self.persist(|catalog| {
-                    match env.kind {
-                        Kind::Starter => catalog.environments.retain(|e| e.id != env.id),
-                        // Names are unique: a concurrent create may have taken it meanwhile.
-                        Kind::Task => ids::check_new_name(&env.name, catalog.names())?,
-                    }
-                    catalog.environments.push(env.clone());
-                    catalog.revisions.push(revision);
-                    Ok(())
-                }),
-                Err(e) => Err(e),
-            };
+        let prefix = change.prefix;
+        let published = match self.record_revision(app, &env, &rev, change).await {
+            Ok(revision) => self.persist(|catalog| {
+                match env.kind {
+                    Kind::Starter => catalog.environments.retain(|e| e.id != env.id),
+                    // Names are unique: a concurrent create may have taken it meanwhile.
+                    Kind::Task => ids::check_new_name(&env.name, catalog.names())?,
+                }
+                catalog.environments.push(env.clone());
+                catalog.revisions.push(revision);
+                Ok(())
+            }),
+            Err(e) => Err(e),
+        };
         if let Err(e) = published {
             let _ = remove_prefix(prefix);
             return Err(e);
@@ -57,18 +63,14 @@ impl EnvStore {
     }
 
     /// The revision record and its snapshot for the prefix as it is now.
-    #[allow(clippy::too_many_arguments)]
     async fn record_revision(
         &self,
         app: &App,
         env: &Environment,
         rev: &str,
-        prefix: &Path,
-        channels: Vec<String>,
-        answer: &provision::Response,
-        requested: Vec<String>,
-        wheels: Option<Vec<LocalWheel>>,
+        change: Change<'_>,
     ) -> Result<EnvironmentRevision, StoreError> {
+        let Change { prefix, channels, answer, requested, wheels } = change;
         // Which interpreters the prefix has, from the provisioner's answer: never a look at
         // the prefix from the host, where a pip or R step may have planted links.
         let has = |name: &str| answer.installed.iter().any(|p| p.name == name);
@@ -159,20 +161,14 @@ impl EnvStore {
     }
 
     /// A successful change: a new revision and snapshot, the environment ready on it.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn commit_change(
         &self,
         app: &App,
         env: &Environment,
-        prefix: &Path,
-        channels: Vec<String>,
-        answer: provision::Response,
-        requested: Vec<String>,
-        wheels: Option<Vec<LocalWheel>>,
+        change: Change<'_>,
     ) -> Result<EnvironmentRevision, StoreError> {
         let rev = ids::new_revision_id();
-        let recorded =
-            self.record_revision(app, env, &rev, prefix, channels, &answer, requested, wheels).await;
+        let recorded = self.record_revision(app, env, &rev, change).await;
         let revision = match recorded {
             Ok(r) => r,
             Err(e) => {

@@ -7,7 +7,7 @@ use crate::envs::catalog::{Environment, Kind, Status};
 use crate::envs::ids::{self, STARTER_PYTHON, STARTER_R};
 use crate::sandbox::Language;
 
-use super::changes::new_environment;
+use super::changes::{Change, new_environment};
 use super::lease::env_language;
 use super::prefixes::remove_prefix;
 use super::{EnvStore, StoreError, audit, ready};
@@ -51,7 +51,9 @@ impl EnvStore {
         let env = new_environment(id, name, Kind::Starter, env_language(language), &rev, None);
         // As the original: a starter's first revision records no requested change.
         let requested = Vec::new();
-        let env = self.publish_new(app, env, &prefix, channels, &answer, requested, None).await?;
+        let env = self
+            .publish_new(app, env, Change { prefix: &prefix, channels, answer, requested, wheels: None })
+            .await?;
         audit("environment_created", id, &rev, "starter");
         Ok(env)
     }
@@ -104,7 +106,9 @@ impl EnvStore {
         let wheels = base_rev.and_then(|r| r.local_wheels);
         // As the original: a clone records no requested change (its base is in the record).
         let requested = Vec::new();
-        let env = self.publish_new(app, env, &prefix, channels, &answer, requested, wheels).await?;
+        let env = self
+            .publish_new(app, env, Change { prefix: &prefix, channels, answer, requested, wheels })
+            .await?;
         audit("environment_created", &id, &rev, name);
         Ok(env)
     }

@@ -12,6 +12,7 @@ use crate::envs::snapshot;
 use crate::envs::steps::{self, PYPI, PipSource};
 use crate::envs::wheels;
 
+use super::changes::Change;
 use super::held_wheels::HeldWheels;
 use super::{EnvStore, StoreError, audit_failed, open_dir};
 
@@ -209,7 +210,14 @@ impl EnvStore {
             wheels_kept.retain(|k| k.filename != w.filename);
             wheels_kept.push(w);
         }
-        self.commit_change(app, env, &prefix, revision_channels, answer, requested, Some(wheels_kept)).await
+        let change = Change {
+            prefix: &prefix,
+            channels: revision_channels,
+            answer,
+            requested,
+            wheels: Some(wheels_kept),
+        };
+        self.commit_change(app, env, change).await
     }
 }
 

@@ -8,6 +8,7 @@ use crate::envs::ids::{self, STARTER_PYTHON, STARTER_R};
 use crate::envs::snapshot;
 use crate::envs::wheels;
 
+use super::changes::Change;
 use super::{EnvStore, StoreError, audit, audit_failed, open_dir};
 
 impl EnvStore {
@@ -39,7 +40,7 @@ impl EnvStore {
         };
         let requested = snapshot::requested_removal(&packages);
         let wheels = current.and_then(|r| r.local_wheels);
-        self.commit_change(app, &env, &prefix, channels, answer, requested, wheels).await
+        self.commit_change(app, &env, Change { prefix: &prefix, channels, answer, requested, wheels }).await
     }
 
     /// `DELETE /environments/:id`: the prefix goes; revisions and snapshots stay.
