@@ -479,7 +479,9 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         a_shell_par.p50, a_shell_par.per_sec
     );
     let launcher_extra_ms = b_seq.p50 - a_seq.p50;
-    http_cases(n, &setup, init, &a_seq, &a_shell, &a_par, &a_shell_par, launcher_extra_ms).await
+    let base =
+        Baselines { seq: a_seq, shell: a_shell, par: a_par, shell_par: a_shell_par, launcher_extra_ms };
+    http_cases(n, &setup, init, &base).await
 }
 
 /// The version benchmark: commit cost on a scratch tree, then log throughput through a
@@ -721,19 +723,40 @@ const ROUNDS: usize = 4;
 /// and the per-phase breakdown its metrics give; (d) 2, 4 and 8 concurrent clients of one
 /// agent over distinct workspaces, (e) 2 agents; (f) the format's durable commit alone, in
 /// the sequential rounds; runnerd's RSS idle and at concurrency 8. With a baseline runnerd,
-/// every case runs against both, sequential rounds interleaved. `launcher_extra_ms` is what
-/// sandbox-init and the launcher add to bare bwrap at p50 ((b) − (a)), for the floor of (c).
-#[allow(clippy::too_many_arguments)]
-async fn http_cases(
-    n: usize,
-    setup: &Setup,
-    init: &Path,
-    a_seq: &Stats,
-    a_shell: &Stats,
-    a_par: &Stats,
-    a_shell_par: &Stats,
+/// every case runs against both, sequential rounds interleaved; `base` holds the bare
+/// launchers' numbers they are compared with.
+async fn http_cases(n: usize, setup: &Setup, init: &Path, base: &Baselines) -> anyhow::Result<()> {
+    let mut subjects = start_subjects(init, n).await?;
+    let rounds = sequential_rounds(setup, &mut subjects, n).await?;
+    let concurrent = concurrent_cases(&subjects, n).await?;
+    print_http_cases(&subjects, &concurrent, &rounds, base);
+    for (s, rows) in subjects.iter().zip(&concurrent) {
+        s.print_summary(rows, base, &rounds);
+    }
+    Ok(())
+}
+
+/// The bare launchers' numbers the HTTP cases are compared with: (a) sequential and with
+/// two parallel launchers, (a') `bash -s` the same, and what sandbox-init and the launcher
+/// add to bare bwrap at p50 ((b) − (a)), for the floor of (c).
+struct Baselines {
+    seq: Stats,
+    shell: Stats,
+    par: Stats,
+    shell_par: Stats,
     launcher_extra_ms: f64,
-) -> anyhow::Result<()> {
+}
+
+/// What the sequential rounds measured beside the runnerds: bare bwrap with the same shell,
+/// the same until its PID namespace is gone, and the format's durable commit alone.
+struct Rounds {
+    shell: Stats,
+    gone: Stats,
+    floor: floor::Floor,
+}
+
+/// Every runnerd measured, started and warmed, its idle RSS read.
+async fn start_subjects(init: &Path, n: usize) -> anyhow::Result<Vec<Subject>> {
     let mut subjects = Vec::new();
     for (name, exe) in runnerds_measured() {
         let daemon = start_runnerd_at(&exe, init, &format!("http-{name}"), &[])?;
@@ -756,7 +779,11 @@ async fn http_cases(
     for s in &mut subjects {
         s.idle_rss = rss_kib(s.daemon.child.id(), "VmRSS:");
     }
+    Ok(subjects)
+}
 
+/// (c) and (f): [`ROUNDS`] rounds, each bare bwrap, the commit floor, then every runnerd.
+async fn sequential_rounds(setup: &Setup, subjects: &mut [Subject], n: usize) -> anyhow::Result<Rounds> {
     let per_round = n.div_ceil(ROUNDS);
     // Bare bwrap with the same shell, in the same rounds: the ratio the target names, with
     // the machine's drift shared.
@@ -775,35 +802,19 @@ async fn http_cases(
             *wall += took;
         }
         floor.add(floor::durable_commit_floor(&std::env::temp_dir(), per_round)?);
-        for s in &mut subjects {
-            let pid = s.daemon.child.id();
-            let before = scrape(&s.client).await;
-            let cpu = own_cpu_ms(pid)?;
-            let start = Instant::now();
-            for _ in 0..per_round {
-                s.samples.push(http_once(&s.client, "bench/seq").await?);
-            }
-            s.wall += start.elapsed();
-            s.cpu_ms += own_cpu_ms(pid)? - cpu;
-            let after = scrape(&s.client).await;
-            for (phase, sum, count) in after {
-                let (b_sum, b_count) =
-                    before.iter().find(|(p, ..)| *p == phase).map(|(_, s, c)| (*s, *c)).unwrap_or((0.0, 0.0));
-                match s.phases.iter_mut().find(|(p, ..)| *p == phase) {
-                    Some(acc) => {
-                        acc.1 += sum - b_sum;
-                        acc.2 += count - b_count;
-                    }
-                    None => s.phases.push((phase, sum - b_sum, count - b_count)),
-                }
-            }
+        for s in subjects.iter_mut() {
+            s.round(per_round).await?;
         }
     }
+    Ok(Rounds { shell: stats(shell_rounds, shell_wall), gone: stats(gone_rounds, gone_wall), floor })
+}
 
-    // (d) one agent from several clients (its executions queue, contract §2A), then (e) two
-    // agents side by side: the case two parallel bare launchers compare with.
+/// (d) one agent from several clients (its executions queue, contract §2A), then (e) two
+/// agents side by side: the case two parallel bare launchers compare with. One row per
+/// runnerd: 2, 4 and 8 clients, then 2 agents.
+async fn concurrent_cases(subjects: &[Subject], n: usize) -> anyhow::Result<Vec<Vec<Stats>>> {
     let mut concurrent: Vec<Vec<Stats>> = Vec::new();
-    for s in &subjects {
+    for s in subjects {
         let mut rows = Vec::new();
         for (clients, agents) in [(2usize, false), (4, false), (8, false), (2, true)] {
             let start = Instant::now();
@@ -830,17 +841,20 @@ async fn http_cases(
         }
         concurrent.push(rows);
     }
+    Ok(concurrent)
+}
 
-    let a_shell_rounds = stats(shell_rounds, shell_wall);
-    let a_gone = stats(gone_rounds, gone_wall);
+/// The table of every case, and the floor of (c) the launcher and the format allow.
+fn print_http_cases(subjects: &[Subject], concurrent: &[Vec<Stats>], rounds: &Rounds, base: &Baselines) {
+    let (a_shell_rounds, a_gone, floor) = (&rounds.shell, &rounds.gone, &rounds.floor);
     println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "execs/s");
     for (label, r) in [
-        ("(a') bare bwrap `bash -s`, in (c)'s rounds", &a_shell_rounds),
-        ("(a'') the same, until its namespace is gone", &a_gone),
+        ("(a') bare bwrap `bash -s`, in (c)'s rounds", a_shell_rounds),
+        ("(a'') the same, until its namespace is gone", a_gone),
     ] {
         println!("{label:<44} {:>9.2} {:>9.2} {:>11.1}", r.p50, r.p95, r.per_sec);
     }
-    for (s, rows) in subjects.iter().zip(&concurrent) {
+    for (s, rows) in subjects.iter().zip(concurrent) {
         let seq = stats(s.samples.clone(), s.wall);
         println!(
             "{:<44} {:>9.2} {:>9.2} {:>11.1}",
@@ -880,57 +894,89 @@ async fn http_cases(
     println!(
         "    the least (c)/(a') the launcher and the format allow here, before HTTP, the lease, cgroups and the workspace walks: ((a') + ((b)-(a)) + (f)) / (a') = ({:.2} + {:.2} + {:.2}) / {:.2} = {:.3}",
         a_shell_rounds.p50,
-        launcher_extra_ms,
+        base.launcher_extra_ms,
         floor_stats.p50,
         a_shell_rounds.p50,
-        floor_ratio(a_shell_rounds.p50, launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
+        floor_ratio(a_shell_rounds.p50, base.launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
     );
     println!(
         "    the same with R-RUN-4's wait for the PID namespace's end, (a'') for (a') on top: ({:.2} + {:.2} + {:.2}) / {:.2} = {:.3}",
         a_gone.p50,
-        launcher_extra_ms,
+        base.launcher_extra_ms,
         floor_stats.p50,
         a_shell_rounds.p50,
-        floor_ratio(a_gone.p50, launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
+        floor_ratio(a_gone.p50, base.launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
     );
-    for (s, rows) in subjects.iter().zip(&concurrent) {
-        let seq = stats(s.samples.clone(), s.wall);
-        let pid = s.daemon.child.id();
-        println!("\n[{}] runnerd {}", s.name, s.daemon.exe.display());
-        println!("  ratio (c)/(a) at p50: {:.3}", seq.p50 / a_seq.p50);
+}
+
+impl Subject {
+    /// One sequential round of `per_round` executions: their times, runnerd's own CPU and
+    /// the phases its metrics add up.
+    async fn round(&mut self, per_round: usize) -> anyhow::Result<()> {
+        let pid = self.daemon.child.id();
+        let before = scrape(&self.client).await;
+        let cpu = own_cpu_ms(pid)?;
+        let start = Instant::now();
+        for _ in 0..per_round {
+            self.samples.push(http_once(&self.client, "bench/seq").await?);
+        }
+        self.wall += start.elapsed();
+        self.cpu_ms += own_cpu_ms(pid)? - cpu;
+        let after = scrape(&self.client).await;
+        for (phase, sum, count) in after {
+            let (b_sum, b_count) =
+                before.iter().find(|(p, ..)| *p == phase).map(|(_, s, c)| (*s, *c)).unwrap_or((0.0, 0.0));
+            match self.phases.iter_mut().find(|(p, ..)| *p == phase) {
+                Some(acc) => {
+                    acc.1 += sum - b_sum;
+                    acc.2 += count - b_count;
+                }
+                None => self.phases.push((phase, sum - b_sum, count - b_count)),
+            }
+        }
+        Ok(())
+    }
+
+    /// This runnerd's ratios against the bare launchers, its CPU and RSS, and its phases.
+    fn print_summary(&self, rows: &[Stats], base: &Baselines, rounds: &Rounds) {
+        let (a_shell_rounds, floor) = (&rounds.shell, &rounds.floor);
+        let seq = stats(self.samples.clone(), self.wall);
+        let pid = self.daemon.child.id();
+        println!("\n[{}] runnerd {}", self.name, self.daemon.exe.display());
+        println!("  ratio (c)/(a) at p50: {:.3}", seq.p50 / base.seq.p50);
         println!(
             "  ratio (c)/(a') at p50 (same `bash -s`, bare bwrap, same rounds): {:.3}  (target <= 1.25; {:.3} against the earlier (a') run)",
             seq.p50 / a_shell_rounds.p50,
-            seq.p50 / a_shell.p50
+            seq.p50 / base.shell.p50
         );
         println!(
             "  runnerd's own CPU per sequential execution (utime+stime, children excluded): {:.3} ms over {} executions  (target <= 1 ms)",
-            s.cpu_ms / s.samples.len() as f64,
-            s.samples.len()
+            self.cpu_ms / self.samples.len() as f64,
+            self.samples.len()
         );
         println!(
             "  throughput at 2 agents (e) / 2 parallel bare launchers: {:.3} against `true`, {:.3} against `bash -s`  (target >= 0.8)",
-            rows[3].per_sec / a_par.per_sec,
-            rows[3].per_sec / a_shell_par.per_sec
+            rows[3].per_sec / base.par.per_sec,
+            rows[3].per_sec / base.shell_par.per_sec
         );
         println!(
             "  throughput at 2 clients of one agent (d), whose executions queue: {:.3} against `true`, {:.3} against `bash -s`",
-            rows[0].per_sec / a_par.per_sec,
-            rows[0].per_sec / a_shell_par.per_sec
+            rows[0].per_sec / base.par.per_sec,
+            rows[0].per_sec / base.shell_par.per_sec
         );
         println!(
             "  runnerd RSS idle: {} KiB ({:.1} MiB, target <= 15 MiB); peak through the concurrent cases: {} KiB",
-            s.idle_rss,
-            s.idle_rss as f64 / 1024.0,
+            self.idle_rss,
+            self.idle_rss as f64 / 1024.0,
             rss_kib(pid, "VmHWM:")
         );
-        if s.phases.is_empty() {
+        if self.phases.is_empty() {
             println!("  phases: this runnerd exports no runner_execution_phase_seconds");
         } else {
             let total: f64 =
-                s.phases.iter().map(|(_, sum, count)| if *count > 0.0 { sum / count } else { 0.0 }).sum();
+                self.phases.iter().map(|(_, sum, count)| if *count > 0.0 { sum / count } else { 0.0 }).sum();
             println!("  one execution by phase (mean ms, server-side; {:.2} ms in all):", total * 1000.0);
-            for (phase, sum, count) in in_pipeline_order(&s.phases) {
+            for (phase, sum, count) in in_pipeline_order(&self.phases) {
                 let mean = if count > 0.0 { sum / count * 1000.0 } else { 0.0 };
                 if phase == "commit" {
                     println!(
@@ -943,7 +989,6 @@ async fn http_cases(
             }
         }
     }
-    Ok(())
 }
 
 /// sandbox-init's own peak RSS (`VmHWM`), read while it waits for the last of its
