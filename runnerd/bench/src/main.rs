@@ -406,41 +406,8 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         init_once(&setup).await?;
     }
 
-    // Sequential, interleaved.
-    let (mut bare, mut init) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut bare_wall, mut init_wall) = (Duration::ZERO, Duration::ZERO);
-    for _ in 0..n {
-        let d = bare_once(&setup.bwrap, &setup.args, &setup.program)?;
-        bare_wall += d;
-        bare.push(d);
-        let d = init_once(&setup).await?;
-        init_wall += d;
-        init.push(d);
-    }
-    let a_seq = stats(bare, bare_wall);
-    let b_seq = stats(init, init_wall);
-
-    // Two parallel launchers each.
-    let a_par = two_bare_launchers(&setup, n, |s| bare_once(&s.bwrap, &s.args, &s.program))?;
-
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..2)
-        .map(|_| {
-            let s = setup.clone();
-            tokio::spawn(async move {
-                let mut v = Vec::new();
-                for _ in 0..n / 2 {
-                    v.push(init_once(&s).await?);
-                }
-                Ok::<_, anyhow::Error>(v)
-            })
-        })
-        .collect();
-    let mut init = Vec::new();
-    for t in tasks {
-        init.extend(t.await??);
-    }
-    let b_par = stats(init, start.elapsed());
+    let (a_seq, b_seq) = sequential_launches(&setup, n).await?;
+    let (a_par, b_par) = parallel_launches(&setup, n).await?;
 
     println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "launches/s");
     for (name, s) in [
@@ -482,6 +449,45 @@ async fn bench(n: usize) -> anyhow::Result<()> {
     let base =
         Baselines { seq: a_seq, shell: a_shell, par: a_par, shell_par: a_shell_par, launcher_extra_ms };
     http_cases(n, &setup, init, &base).await
+}
+
+/// (a) bare bwrap and (b) sandbox-init + launcher, `n` launches each, interleaved.
+async fn sequential_launches(setup: &Setup, n: usize) -> anyhow::Result<(Stats, Stats)> {
+    let (mut bare, mut init) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut bare_wall, mut init_wall) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..n {
+        let d = bare_once(&setup.bwrap, &setup.args, &setup.program)?;
+        bare_wall += d;
+        bare.push(d);
+        let d = init_once(setup).await?;
+        init_wall += d;
+        init.push(d);
+    }
+    Ok((stats(bare, bare_wall), stats(init, init_wall)))
+}
+
+/// (a) and (b) again, from two parallel launchers each.
+async fn parallel_launches(setup: &Arc<Setup>, n: usize) -> anyhow::Result<(Stats, Stats)> {
+    let a_par = two_bare_launchers(setup, n, |s| bare_once(&s.bwrap, &s.args, &s.program))?;
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..2)
+        .map(|_| {
+            let s = setup.clone();
+            tokio::spawn(async move {
+                let mut v = Vec::new();
+                for _ in 0..n / 2 {
+                    v.push(init_once(&s).await?);
+                }
+                Ok::<_, anyhow::Error>(v)
+            })
+        })
+        .collect();
+    let mut init = Vec::new();
+    for t in tasks {
+        init.extend(t.await??);
+    }
+    let b_par = stats(init, start.elapsed());
+    Ok((a_par, b_par))
 }
 
 /// The version benchmark: commit cost on a scratch tree, then log throughput through a
