@@ -83,70 +83,10 @@ fn main() {
 }
 
 fn run() -> i32 {
-    let mut iterations = 200usize;
-    let mut versions = None;
-    let mut limits = false;
-    let mut output = None;
-    let mut memory = None;
-    let mut metrics = false;
-    let mut scale = false;
-    let mut history = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut number = |name: &str| -> Option<u64> {
-            let v = args.next().and_then(|v| v.parse().ok());
-            if v.is_none() {
-                eprintln!("runnerd-bench: {name} needs a number\n\n{USAGE}");
-            }
-            v
-        };
-        match arg.as_str() {
-            "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
-            "limits" => limits = true,
-            "metrics" => metrics = true,
-            "workspace-scale" => scale = true,
-            "history" => history = true,
-            "output" => output = Some(64u64),
-            "--mib" if output.is_some() => {
-                let Some(n) = number(&arg) else { return 2 };
-                output = Some(n.max(1));
-            }
-            "memory" => memory = Some((500u64, 3000u64, 60u64)),
-            "--concurrent" | "--sequential" | "--settle" if memory.is_some() => {
-                let Some(n) = number(&arg) else { return 2 };
-                let m = memory.as_mut().expect("checked");
-                match arg.as_str() {
-                    "--concurrent" => m.0 = n.max(1),
-                    "--sequential" => m.1 = n.max(1),
-                    _ => m.2 = n,
-                }
-            }
-            "--files" | "--mib" | "--log-mb" if versions.is_some() => {
-                let Some(n) = number(&arg) else { return 2 };
-                let v = versions.as_mut().expect("checked");
-                match arg.as_str() {
-                    "--files" => v.0 = n.max(100),
-                    "--mib" => v.1 = n.max(1),
-                    _ => v.2 = n.max(1),
-                }
-            }
-            "--iterations" | "-n" => match args.next().and_then(|v| v.parse().ok()) {
-                Some(n) if n >= 4 => iterations = n,
-                _ => {
-                    eprintln!("runnerd-bench: --iterations needs a number ≥ 4\n\n{USAGE}");
-                    return 2;
-                }
-            },
-            "--help" | "-h" => {
-                print!("{USAGE}");
-                return 0;
-            }
-            other => {
-                eprintln!("runnerd-bench: unknown argument {other:?}\n\n{USAGE}");
-                return 2;
-            }
-        }
-    }
+    let choice = match Choice::parse(std::env::args().skip(1)) {
+        Ok(choice) => choice,
+        Err(code) => return code,
+    };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -154,27 +94,119 @@ fn run() -> i32 {
             return 1;
         }
     };
-    let result = match versions {
-        Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
-        None if memory.is_some() => {
-            let (c, s, settle) = memory.expect("checked");
-            rt.block_on(crate::memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
-        }
-        None if limits => rt.block_on(crate::limits::bench(iterations)),
-        None if metrics => rt.block_on(bench_metrics(iterations)),
-        None if scale => rt.block_on(bench_scale()),
-        None if history => rt.block_on(async {
-            let setup = setup().await?;
-            crate::history::bench(setup.launcher.init_path()).await
-        }),
-        None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
-        None => rt.block_on(bench(iterations)),
-    };
-    match result {
+    match rt.block_on(choice.measure()) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("runnerd-bench: {e:#}");
             1
+        }
+    }
+}
+
+/// The benchmark the command line chose, and its options.
+struct Choice {
+    iterations: usize,
+    /// Files, MiB, log MB.
+    versions: Option<(u64, u64, u64)>,
+    limits: bool,
+    /// MiB of output.
+    output: Option<u64>,
+    /// Concurrent, sequential, settle seconds.
+    memory: Option<(u64, u64, u64)>,
+    metrics: bool,
+    scale: bool,
+    history: bool,
+}
+
+impl Choice {
+    /// The arguments read; `Err` is the exit code once usage (or the complaint) is printed.
+    fn parse(mut args: impl Iterator<Item = String>) -> Result<Choice, i32> {
+        let mut c = Choice {
+            iterations: 200,
+            versions: None,
+            limits: false,
+            output: None,
+            memory: None,
+            metrics: false,
+            scale: false,
+            history: false,
+        };
+        while let Some(arg) = args.next() {
+            let mut number = |name: &str| -> Option<u64> {
+                let v = args.next().and_then(|v| v.parse().ok());
+                if v.is_none() {
+                    eprintln!("runnerd-bench: {name} needs a number\n\n{USAGE}");
+                }
+                v
+            };
+            match arg.as_str() {
+                "versions" => c.versions = Some((10_000u64, 1024u64, 100u64)),
+                "limits" => c.limits = true,
+                "metrics" => c.metrics = true,
+                "workspace-scale" => c.scale = true,
+                "history" => c.history = true,
+                "output" => c.output = Some(64u64),
+                "--mib" if c.output.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    c.output = Some(n.max(1));
+                }
+                "memory" => c.memory = Some((500u64, 3000u64, 60u64)),
+                "--concurrent" | "--sequential" | "--settle" if c.memory.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    let m = c.memory.as_mut().expect("checked");
+                    match arg.as_str() {
+                        "--concurrent" => m.0 = n.max(1),
+                        "--sequential" => m.1 = n.max(1),
+                        _ => m.2 = n,
+                    }
+                }
+                "--files" | "--mib" | "--log-mb" if c.versions.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    let v = c.versions.as_mut().expect("checked");
+                    match arg.as_str() {
+                        "--files" => v.0 = n.max(100),
+                        "--mib" => v.1 = n.max(1),
+                        _ => v.2 = n.max(1),
+                    }
+                }
+                "--iterations" | "-n" => match args.next().and_then(|v| v.parse().ok()) {
+                    Some(n) if n >= 4 => c.iterations = n,
+                    _ => {
+                        eprintln!("runnerd-bench: --iterations needs a number ≥ 4\n\n{USAGE}");
+                        return Err(2);
+                    }
+                },
+                "--help" | "-h" => {
+                    print!("{USAGE}");
+                    return Err(0);
+                }
+                other => {
+                    eprintln!("runnerd-bench: unknown argument {other:?}\n\n{USAGE}");
+                    return Err(2);
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// Runs the chosen benchmark.
+    async fn measure(self) -> anyhow::Result<()> {
+        let Choice { iterations, versions, limits, output, memory, metrics, scale, history } = self;
+        match versions {
+            Some((files, mib, log_mb)) => bench_versions(files as usize, mib, log_mb).await,
+            None if memory.is_some() => {
+                let (c, s, settle) = memory.expect("checked");
+                crate::memory::bench(c as usize, s as usize, Duration::from_secs(settle)).await
+            }
+            None if limits => crate::limits::bench(iterations).await,
+            None if metrics => bench_metrics(iterations).await,
+            None if scale => bench_scale().await,
+            None if history => {
+                let setup = setup().await?;
+                crate::history::bench(setup.launcher.init_path()).await
+            }
+            None if output.is_some() => bench_output(output.unwrap_or(64)).await,
+            None => bench(iterations).await,
         }
     }
 }
