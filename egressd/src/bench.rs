@@ -440,7 +440,14 @@ impl Report<'_> {
         (self.memory.tunnels_kib as f64 - self.memory.gateway_kib as f64) / self.o.tunnels as f64
     }
 
+    /// The report's three tables, each with its targets.
     fn print(&self) {
+        self.print_bulk();
+        self.print_small();
+        self.print_memory();
+    }
+
+    fn print_bulk(&self) {
         let o = self.o;
         println!();
         println!("1. bulk download through a tunnel: {} MiB per run, median of {}", o.bulk_mib, o.repeat);
@@ -472,7 +479,10 @@ impl Report<'_> {
         if let Some(r) = self.ratio("b", "c") {
             println!("ratio b/c: {r:.3}   (target > 1, egressd ahead of tinyproxy: {})", verdict(r > 1.0));
         }
+    }
 
+    fn print_small(&self) {
+        let o = self.o;
         println!();
         println!(
             "2. small round trips: {} sequential per case, each a new connection (+ CONNECT) + GET /small",
@@ -499,7 +509,10 @@ impl Report<'_> {
              then keeps the answer for its TTL, 60 s here; tinyproxy reads /etc/hosts): p50 {:.3} ms",
             self.dns_rtt.p50
         );
+    }
 
+    fn print_memory(&self) {
+        let o = self.o;
         println!();
         println!("3. egressd resident memory (VmRSS)");
         let m = &self.memory;

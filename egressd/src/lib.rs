@@ -192,7 +192,35 @@ fn serve(cfg: Config, sink: Option<Sink>, config_file: String) -> anyhow::Result
     let runner_uid = uid_of(&cfg.runner_uid)?;
     let access = SocketAccess { group: gid_of(&cfg.socket_group)? };
     let dns = resolver_config(&cfg)?;
-    // The effective settings (egressd holds no secret), once resolved.
+    log_config(&cfg, sink, &config_file, runner_uid, access, &dns);
+    let resolver = HostsResolver::new(cfg.hosts_file.clone(), StubResolver::new(dns));
+    let shared = Arc::new(proxy::Shared {
+        resolver: Arc::new(resolver),
+        own: own::OwnAddresses::default(),
+        header_timeout: cfg.header_timeout,
+        connect_timeout: cfg.connect_timeout,
+        dns_timeout: Duration::from_secs(5),
+        tunnel_idle: cfg.tunnel_idle,
+    });
+    let registry = Arc::new(Registry::new(cfg.runtime_dir.clone(), access, cfg.max_tunnels, shared)?);
+    let listener = bind_control(&cfg.control_socket, access)?;
+    let confinement = confine_self(&cfg, &registry)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("could not start the async runtime")?;
+    runtime.block_on(serve_control(cfg, registry, listener, runner_uid, confinement))
+}
+
+/// The effective settings (egressd holds no secret), once resolved.
+fn log_config(
+    cfg: &Config,
+    sink: Option<Sink>,
+    config_file: &str,
+    runner_uid: u32,
+    access: SocketAccess,
+    dns: &ResolverConfig,
+) {
     let ms = |d: Duration| d.as_millis() as u64;
     tracing::info!(
         event = "config_loaded",
@@ -212,20 +240,11 @@ fn serve(cfg: Config, sink: Option<Sink>, config_file: String) -> anyhow::Result
         confine = cfg.confine,
         log_sink = %daemon::sink_name(sink),
     );
-    let resolver = HostsResolver::new(cfg.hosts_file.clone(), StubResolver::new(dns));
-    let shared = Arc::new(proxy::Shared {
-        resolver: Arc::new(resolver),
-        own: own::OwnAddresses::default(),
-        header_timeout: cfg.header_timeout,
-        connect_timeout: cfg.connect_timeout,
-        dns_timeout: Duration::from_secs(5),
-        tunnel_idle: cfg.tunnel_idle,
-    });
-    let registry = Arc::new(Registry::new(cfg.runtime_dir.clone(), access, cfg.max_tunnels, shared)?);
-    let listener = bind_control(&cfg.control_socket, access)?;
+}
 
-    // Landlock binds the calling thread and its future children: confine before the
-    // runtime starts its workers.
+/// Landlock binds the calling thread and its future children: this runs before the
+/// runtime starts its workers.
+fn confine_self(cfg: &Config, registry: &Registry) -> anyhow::Result<common::confine::Confinement> {
     let control_dir = cfg.control_socket.parent().unwrap_or(Path::new("/")).to_owned();
     let confinement = if cfg.confine {
         confine::apply(&registry.gateway_dir(), &control_dir, &cfg.hosts_file)
@@ -239,45 +258,50 @@ fn serve(cfg: Config, sink: Option<Sink>, config_file: String) -> anyhow::Result
         seccomp = confinement.seccomp,
         no_new_privs = confinement.no_new_privs,
     );
+    Ok(confinement)
+}
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("could not start the async runtime")?;
-    runtime.block_on(async move {
-        let listener = tokio::net::UnixListener::from_std(listener)?;
-        let control = Arc::new(control::Control { registry: registry.clone(), runner_uid, confinement });
-        tracing::info!(
-            event = "egressd_started",
-            version = %version(),
-            control_socket = %cfg.control_socket.display(),
-            gateway_dir = %registry.gateway_dir().display(),
-            runner_uid,
-        );
-        if let Err(e) = common::systemd::notify("READY=1\nSTATUS=serving gateways") {
-            tracing::warn!(event = "notify_failed", error = %e);
-        }
-        let reaper = {
-            let registry = registry.clone();
-            let idle = cfg.gateway_idle;
-            tokio::spawn(async move {
-                let tick = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(30));
-                loop {
-                    tokio::time::sleep(tick).await;
-                    registry.reap(idle);
-                }
-            })
-        };
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = control::serve(listener, control) => {}
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        reaper.abort();
-        registry.close_all();
-        let _ = std::fs::remove_file(&cfg.control_socket);
-        tracing::info!(event = "egressd_stopped");
-        anyhow::Ok(())
-    })
+/// Serves the control socket until SIGTERM or Ctrl-C, reaping idle gateways meanwhile;
+/// then closes every gateway and removes the socket.
+async fn serve_control(
+    cfg: Config,
+    registry: Arc<Registry>,
+    listener: std::os::unix::net::UnixListener,
+    runner_uid: u32,
+    confinement: common::confine::Confinement,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::UnixListener::from_std(listener)?;
+    let control = Arc::new(control::Control { registry: registry.clone(), runner_uid, confinement });
+    tracing::info!(
+        event = "egressd_started",
+        version = %version(),
+        control_socket = %cfg.control_socket.display(),
+        gateway_dir = %registry.gateway_dir().display(),
+        runner_uid,
+    );
+    if let Err(e) = common::systemd::notify("READY=1\nSTATUS=serving gateways") {
+        tracing::warn!(event = "notify_failed", error = %e);
+    }
+    let reaper = {
+        let registry = registry.clone();
+        let idle = cfg.gateway_idle;
+        tokio::spawn(async move {
+            let tick = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(30));
+            loop {
+                tokio::time::sleep(tick).await;
+                registry.reap(idle);
+            }
+        })
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = control::serve(listener, control) => {}
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    reaper.abort();
+    registry.close_all();
+    let _ = std::fs::remove_file(&cfg.control_socket);
+    tracing::info!(event = "egressd_stopped");
+    anyhow::Ok(())
 }

@@ -282,48 +282,7 @@ impl Registry {
         route: ProxySetting,
         sandbox_uid: u32,
     ) -> Result<Lease, RegistryError> {
-        let (allowlist, rejected) = Allowlist::parse(&policy.allowed_domains);
-        let (pinned, rejected_origins) = common::egress::origin::parse_all(&policy.pinned_origins);
-        let derived = PolicyIdentity::of_parts(&allowlist, &pinned, policy.allow_private_network);
-        if &derived != identity {
-            return Err(RegistryError::IdentityMismatch {
-                sent: identity.to_string(),
-                derived: derived.to_string(),
-            });
-        }
-        let gateway = {
-            let mut map = self.gateways.lock().unwrap_or_else(|p| p.into_inner());
-            map.entry(derived)
-                .or_insert_with_key(|identity| {
-                    for e in &rejected {
-                        tracing::warn!(event = "allowlist_entry_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
-                    }
-                    for e in &rejected_origins {
-                        tracing::warn!(event = "pinned_origin_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
-                    }
-                    let normalized = allowlist.normalized().join(",");
-                    let origins = pinned.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
-                    let gateway = Arc::new(Gateway {
-                        identity: identity.clone(),
-                        policy: Policy { allowlist, allow_private_network: policy.allow_private_network, pinned },
-                        caps: self.caps,
-                        leases: AtomicUsize::new(0),
-                        connections: AtomicUsize::new(0),
-                        last_used: Mutex::new(Instant::now()),
-                        pool_in_use: Mutex::new(0),
-                    });
-                    tracing::info!(
-                        event = "gateway_created",
-                        gateway = %identity,
-                        revision = %policy.revision,
-                        allowed_domains = %normalized,
-                        pinned_origins = %origins,
-                        allow_private_network = policy.allow_private_network,
-                    );
-                    gateway
-                })
-                .clone()
-        };
+        let gateway = self.gateway(policy, identity)?;
         // Counted before the socket exists, so the reaper never takes a gateway being leased.
         gateway.leases.fetch_add(1, Ordering::SeqCst);
         gateway.touch();
@@ -356,6 +315,57 @@ impl Registry {
         );
         tokio::spawn(accept_loop(listener, state.clone(), self.shared.clone(), stopped));
         Ok(Lease { state, stop })
+    }
+
+    /// The gateway of `policy` (created on first use), once `identity`, runnerd's derivation,
+    /// matches ours.
+    fn gateway(
+        &self,
+        policy: &GatewayPolicy,
+        identity: &PolicyIdentity,
+    ) -> Result<Arc<Gateway>, RegistryError> {
+        let (allowlist, rejected) = Allowlist::parse(&policy.allowed_domains);
+        let (pinned, rejected_origins) = common::egress::origin::parse_all(&policy.pinned_origins);
+        let derived = PolicyIdentity::of_parts(&allowlist, &pinned, policy.allow_private_network);
+        if &derived != identity {
+            return Err(RegistryError::IdentityMismatch {
+                sent: identity.to_string(),
+                derived: derived.to_string(),
+            });
+        }
+        let mut map = self.gateways.lock().unwrap_or_else(|p| p.into_inner());
+        let gateway = map
+            .entry(derived)
+            .or_insert_with_key(|identity| {
+                for e in &rejected {
+                    tracing::warn!(event = "allowlist_entry_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
+                }
+                for e in &rejected_origins {
+                    tracing::warn!(event = "pinned_origin_skipped", gateway = %identity.short(), revision = %policy.revision, reason = %e);
+                }
+                let normalized = allowlist.normalized().join(",");
+                let origins = pinned.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+                let gateway = Arc::new(Gateway {
+                    identity: identity.clone(),
+                    policy: Policy { allowlist, allow_private_network: policy.allow_private_network, pinned },
+                    caps: self.caps,
+                    leases: AtomicUsize::new(0),
+                    connections: AtomicUsize::new(0),
+                    last_used: Mutex::new(Instant::now()),
+                    pool_in_use: Mutex::new(0),
+                });
+                tracing::info!(
+                    event = "gateway_created",
+                    gateway = %identity,
+                    revision = %policy.revision,
+                    allowed_domains = %normalized,
+                    pinned_origins = %origins,
+                    allow_private_network = policy.allow_private_network,
+                );
+                gateway
+            })
+            .clone();
+        Ok(gateway)
     }
 
     /// Binds a fresh lease socket (never replacing one: a name in use is skipped).

@@ -430,19 +430,7 @@ impl Broker {
             }
         };
         let ws = PathBuf::from(&job.workspace_root);
-        let _ = std::fs::create_dir_all(ws.join(".npu-home"));
-        let env = environ::job_environment(self.settings.host_env.clone(), &ws, site.as_deref());
-        let mut cmd = tokio::process::Command::new(&program);
-        cmd.args(&args)
-            .env_clear()
-            .envs(env)
-            .current_dir(&ws)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = match cmd.spawn() {
+        let mut child = match self.command(&ws, &program, &args, site.as_deref()).spawn() {
             Ok(c) => c,
             Err(e) => {
                 self.finish(id, |j| {
@@ -481,31 +469,32 @@ impl Broker {
         let created = created_files(&ws, job.config_path.as_deref());
         self.finish(id, |j| {
             j.created_files = created;
-            match status {
-                Err(e) => {
-                    j.state = State::Failed;
-                    j.error = Some(format!("could not wait for the NPU job: {e}"));
-                }
-                Ok(status) => {
-                    use std::os::unix::process::ExitStatusExt;
-                    j.exit_code = status.code();
-                    j.signal = status.signal().map(signal_name);
-                    if cancelled {
-                        j.state = State::Cancelled;
-                        j.error = Some("NPU job was cancelled".into());
-                    } else if status.success() {
-                        j.state = State::Succeeded;
-                    } else {
-                        j.state = State::Failed;
-                        j.error = Some(match (status.code(), status.signal()) {
-                            (Some(code), _) => format!("NPU job exited with code {code}"),
-                            (None, Some(sig)) => format!("NPU job was killed by {}", signal_name(sig)),
-                            _ => "NPU job failed".into(),
-                        });
-                    }
-                }
-            }
+            settle(j, status, cancelled);
         });
+    }
+
+    /// The job's process in the workspace (its `.npu-home` made first): the environment
+    /// cleared to the job's, no stdin, both streams piped, a process group of its own.
+    fn command(
+        &self,
+        ws: &Path,
+        program: &str,
+        args: &[String],
+        site: Option<&Path>,
+    ) -> tokio::process::Command {
+        let _ = std::fs::create_dir_all(ws.join(".npu-home"));
+        let env = environ::job_environment(self.settings.host_env.clone(), ws, site);
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args)
+            .env_clear()
+            .envs(env)
+            .current_dir(ws)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
     }
 
     /// At shutdown, after the worker stopped: the running job's process group ends with the
@@ -644,6 +633,34 @@ fn read_config(path: &Path) -> Result<serde_json::Value, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("configPath cannot be read: {e}"))?;
     // Not JSON (YAML, say): its text is still scanned for AF3 intent.
     Ok(serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
+}
+
+/// A finished job's state from how its process ended (`cancelled`: a cancel was asked for).
+fn settle(j: &mut Job, status: std::io::Result<std::process::ExitStatus>, cancelled: bool) {
+    match status {
+        Err(e) => {
+            j.state = State::Failed;
+            j.error = Some(format!("could not wait for the NPU job: {e}"));
+        }
+        Ok(status) => {
+            use std::os::unix::process::ExitStatusExt;
+            j.exit_code = status.code();
+            j.signal = status.signal().map(signal_name);
+            if cancelled {
+                j.state = State::Cancelled;
+                j.error = Some("NPU job was cancelled".into());
+            } else if status.success() {
+                j.state = State::Succeeded;
+            } else {
+                j.state = State::Failed;
+                j.error = Some(match (status.code(), status.signal()) {
+                    (Some(code), _) => format!("NPU job exited with code {code}"),
+                    (None, Some(sig)) => format!("NPU job was killed by {}", signal_name(sig)),
+                    _ => "NPU job failed".into(),
+                });
+            }
+        }
+    }
 }
 
 /// `createdFiles`: the lines of `artifact_manifest.txt` in the workspace and next to the

@@ -84,23 +84,7 @@ fn workload(index: usize, entry: &Value) -> Result<Workload, WhitelistError> {
     if phase != "builtin" && phase != "project" {
         return Err(field(format!("phase must be \"builtin\" or \"project\", not {phase:?}")));
     }
-    let command = obj
-        .get("command")
-        .and_then(Value::as_object)
-        .ok_or_else(|| field("command must be an object".into()))?;
-    let program = command
-        .get("program")
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-        .ok_or_else(|| field("command.program must be a non-empty string".into()))?;
-    let args: Vec<&str> = match command.get("args") {
-        None => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| v.as_str().ok_or_else(|| field("command.args must be an array of strings".into())))
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(field("command.args must be an array of strings".into())),
-    };
+    let (program, args) = command(index, obj)?;
     let reject_af3_intent = match obj.get("rejectAf3Intent") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -121,7 +105,47 @@ fn workload(index: usize, entry: &Value) -> Result<Workload, WhitelistError> {
         .enumerate()
         .map(|(i, a)| parse(format!("command.args[{i}]"), a))
         .collect::<Result<Vec<_>, _>>()?;
-    let exprs: Vec<&Expr> = template::expressions(&program)
+    let (required_inputs, requires_environment_revision) = requirements(&program, &args);
+    Ok(Workload {
+        id,
+        label,
+        description,
+        phase,
+        program,
+        args,
+        required_inputs,
+        requires_environment_revision,
+        reject_af3_intent,
+    })
+}
+
+/// `command`'s program and args, as written (templates not parsed yet).
+fn command(index: usize, obj: &Map<String, Value>) -> Result<(&str, Vec<&str>), WhitelistError> {
+    let field = |message: String| WhitelistError::Field { index, message };
+    let command = obj
+        .get("command")
+        .and_then(Value::as_object)
+        .ok_or_else(|| field("command must be an object".into()))?;
+    let program = command
+        .get("program")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| field("command.program must be a non-empty string".into()))?;
+    let args: Vec<&str> = match command.get("args") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().ok_or_else(|| field("command.args must be an array of strings".into())))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(field("command.args must be an array of strings".into())),
+    };
+    Ok((program, args))
+}
+
+/// The inputs the templates name (in order, once each) and whether they use the managed
+/// Python (so a job must name an environment revision).
+fn requirements(program: &[Piece], args: &[Vec<Piece>]) -> (Vec<String>, bool) {
+    let exprs: Vec<&Expr> = template::expressions(program)
         .into_iter()
         .chain(args.iter().flat_map(|a| template::expressions(a)))
         .collect();
@@ -134,17 +158,7 @@ fn workload(index: usize, entry: &Value) -> Result<Workload, WhitelistError> {
         }
     }
     let requires_environment_revision = exprs.iter().any(|e| matches!(e, Expr::ManagedPython));
-    Ok(Workload {
-        id,
-        label,
-        description,
-        phase,
-        program,
-        args,
-        required_inputs,
-        requires_environment_revision,
-        reject_af3_intent,
-    })
+    (required_inputs, requires_environment_revision)
 }
 
 /// The built-in whitelist: the original's two default workloads. Scripts are looked up in

@@ -14,16 +14,44 @@ use crate::sandbox::preflight;
 use crate::startup::{self, StartupError};
 use crate::token::{self, Fallback, TokenError};
 
-/// The report printed on success; an error names what to fix.
 /// Where the packages put the token that runnerd.service loads as its credential.
 pub const PACKAGED_TOKEN: &str = "/etc/sciencediscovery/runner-token";
 
+/// The report printed on success; an error names what to fix.
 pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String> {
     let config = &loaded.config;
-    let describe = |var: &str| loaded.settings.describe(var);
     let mut checks = Vec::new();
 
     // The token: read where start-up reads it; a development token is not generated here.
+    let token = token_state(loaded, fallback)?;
+    checks.push(Row::new("token", format!("{token} (the value is never printed)"), ""));
+
+    // Where it will listen: resolved, not bound.
+    let listen = listen_address(loaded).await?;
+    checks.push(Row::new("listen", format!("{listen} (not bound by --check-config)"), ""));
+
+    // The sandbox side of start-up, less what writes (seccomp files, identity files).
+    sandbox_checks(loaded, &mut checks).await?;
+
+    checks.push(Row::new("data directory", data_dir_state(&config.data_dir)?, ""));
+    let bridge = startup::locate_helper(config.egress_bridge.clone(), "egress-bridge");
+    let bridge_state = if bridge.exists() { "present" } else { "MISSING: network executions will fail" };
+    checks.push(Row::new("egress bridge", format!("{} ({bridge_state})", bridge.display()), ""));
+    let python = Path::new(&config.python_path);
+    let python_state = if python.exists() { "present" } else { "MISSING: /execute will fail" };
+    checks.push(Row::new("python", format!("{} ({python_state})", python.display()), ""));
+
+    Ok(format!(
+        "runnerd configuration is valid.\nconfiguration file: {}\nsettings (value, origin):\n{}checks:\n{}",
+        loaded.settings.file_status(),
+        render(&loaded.rows()),
+        render(&checks),
+    ))
+}
+
+/// What the token check reports: where start-up would find the token.
+fn token_state(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String> {
+    let config = &loaded.config;
     let env = |k: &str| std::env::var(k).ok();
     let token_file = config.token_file.as_deref();
     let token = match fallback {
@@ -45,10 +73,14 @@ pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String
             other => other?.1.to_string(),
         },
     };
-    checks.push(Row::new("token", format!("{token} (the value is never printed)"), ""));
+    Ok(token)
+}
 
-    // Where it will listen: resolved, not bound.
-    let listen = match &config.socket_path {
+/// The address runnerd would listen on, the host resolved.
+async fn listen_address(loaded: &Loaded) -> anyhow::Result<String> {
+    let config = &loaded.config;
+    let describe = |var: &str| loaded.settings.describe(var);
+    Ok(match &config.socket_path {
         Some(path) => format!("unix:{}", path.display()),
         None => {
             let host = config.host.trim_start_matches('[').trim_end_matches(']');
@@ -65,10 +97,13 @@ pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String
                 })?;
             format!("http://{address}")
         }
-    };
-    checks.push(Row::new("listen", format!("{listen} (not bound by --check-config)"), ""));
+    })
+}
 
-    // The sandbox side of start-up, less what writes (seccomp files, identity files).
+/// bubblewrap and its options, sandbox-init, the seccomp programs (compiled, not written).
+async fn sandbox_checks(loaded: &Loaded, checks: &mut Vec<Row>) -> anyhow::Result<()> {
+    let config = &loaded.config;
+    let describe = |var: &str| loaded.settings.describe(var);
     let bwrap = preflight::resolve_bwrap(&config.bwrap_path, std::env::var_os("PATH").as_deref())
         .with_context(|| format!("checking {}", describe("SCIENCE_AGENT_BWRAP_PATH")))?;
     let features = preflight::check_bwrap_options(&bwrap).await?;
@@ -89,21 +124,7 @@ pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String
     }
     let names: Vec<_> = Profile::ALL.iter().map(|p| p.name()).collect();
     checks.push(Row::new("seccomp", format!("{} for {}", names.join(", "), arch.name()), ""));
-
-    checks.push(Row::new("data directory", data_dir_state(&config.data_dir)?, ""));
-    let bridge = startup::locate_helper(config.egress_bridge.clone(), "egress-bridge");
-    let bridge_state = if bridge.exists() { "present" } else { "MISSING: network executions will fail" };
-    checks.push(Row::new("egress bridge", format!("{} ({bridge_state})", bridge.display()), ""));
-    let python = Path::new(&config.python_path);
-    let python_state = if python.exists() { "present" } else { "MISSING: /execute will fail" };
-    checks.push(Row::new("python", format!("{} ({python_state})", python.display()), ""));
-
-    Ok(format!(
-        "runnerd configuration is valid.\nconfiguration file: {}\nsettings (value, origin):\n{}checks:\n{}",
-        loaded.settings.file_status(),
-        render(&loaded.rows()),
-        render(&checks),
-    ))
+    Ok(())
 }
 
 /// Start-up creates the data directory when missing; something else in its place is fatal.

@@ -225,6 +225,44 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         (None, Some(path)) => Listener::unix(path)?,
         (None, None) => Listener::tcp(&config.host, config.port).await?,
     };
+    log_config(&config, &source, &sandbox, sink, &loaded.settings.file_status());
+    startup::log_confinement();
+    let address = listener.describe();
+    let usable = sandbox.capability.sandbox_usable;
+    let versions = open_versions(&config).await?;
+    let managed = Arc::new(
+        Manager::open(&config.data_dir)
+            .with_context(|| format!("opening the execution records under {}", config.data_dir.display()))?,
+    );
+    let limits = detect_limits(&config)?;
+    let envs = open_envs(&config, &sandbox)?;
+    let app = Arc::new(App::new(config, token, sandbox, versions, managed, limits, envs));
+    // Before anyone can learn that runnerd listens: a stop from then on is graceful.
+    let signals = StopSignals::register();
+    announce(&app, &address, usable)?;
+    tracing::info!(event = "listening", address = %address);
+    // After listen, in the background: `/health` answers while it runs (contract §4).
+    crate::envs::store::EnvStore::start_setup(&app);
+    crate::history::History::start(&app);
+    // Type=notify: systemd starts dependants (and counts the start as done) only now.
+    if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
+        tracing::warn!(event = "notify_failed", error = %e);
+    }
+    http::serve(app.clone(), listener, shutdown(signals, app.clone())).await;
+    app.managed.close(MANAGED_GRACE).await;
+    app.limits.remove_spares();
+    tracing::info!(event = "stopped");
+    Ok(0)
+}
+
+/// The effective start-up settings, once resolved.
+fn log_config(
+    config: &RunnerConfig,
+    source: &token::TokenSource,
+    sandbox: &SandboxRuntime,
+    sink: Option<Sink>,
+    config_file: &str,
+) {
     tracing::info!(
         event = "config_loaded",
         data_dir = %config.data_dir.display(),
@@ -238,11 +276,13 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         proc_mode = ?sandbox.capability.proc_mode,
         disable_userns = sandbox.capability.disable_userns,
         log_sink = %daemon::sink_name(sink),
-        config_file = %loaded.settings.file_status(),
+        config_file = %config_file,
     );
-    startup::log_confinement();
-    let address = listener.describe();
-    let usable = sandbox.capability.sandbox_usable;
+}
+
+/// The workspace version store, once what a previous process left is swept (half-received
+/// uploads, skills' staging) and its interrupted writes are recovered.
+async fn open_versions(config: &RunnerConfig) -> anyhow::Result<Arc<Versions>> {
     let versions = Versions::open(&config.data_dir).with_context(|| {
         format!("opening the workspace version store under {}", config.data_dir.display())
     })?;
@@ -259,10 +299,11 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     for root in versions.recover_interrupted().await {
         eprintln!("runnerd: recovered the interrupted write of {} (see the audit log)", root.display());
     }
-    let managed = Arc::new(
-        Manager::open(&config.data_dir)
-            .with_context(|| format!("opening the execution records under {}", config.data_dir.display()))?,
-    );
+    Ok(versions)
+}
+
+/// How resource limits are enforced here (cgroups), logged.
+fn detect_limits(config: &RunnerConfig) -> anyhow::Result<crate::limits::Enforcement> {
     let limits = crate::limits::Enforcement::detect(&config.limits)?;
     tracing::info!(
         event = "limits_enforcement",
@@ -271,6 +312,14 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
         delegated = limits.delegated,
         reasons = %limits.reasons.join("; "),
     );
+    Ok(limits)
+}
+
+/// The scientific environment store, provisioning with runnerd's own runner-provisioner.
+fn open_envs(
+    config: &RunnerConfig,
+    sandbox: &SandboxRuntime,
+) -> anyhow::Result<crate::envs::store::EnvStore> {
     let provisioner =
         crate::startup::locate_helper(config.scientific.provisioner.clone(), "runner-provisioner");
     let envs = crate::envs::store::EnvStore::open(
@@ -287,52 +336,42 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
             reason = "runnerd provisions with its own runner-provisioner (SCIENCE_AGENT_RUNNER_PROVISIONER_PATH); no micromamba is used"
         );
     }
-    let app = Arc::new(App::new(config, token, sandbox, versions, managed, limits, envs));
-    // Before anyone can learn that runnerd listens: a stop from then on is graceful.
-    let mut signals = StopSignals::register();
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "ScienceDiscovery runner listening on {address}")?;
-        writeln!(
-            out,
-            "sandbox: bubblewrap ({}) as {}, data dir {}, max workspace {} bytes, max output {} bytes, timeout {} ms",
-            if usable { "usable" } else { "UNUSABLE: executions will fail" },
-            app.sandbox.user.describe(),
-            app.data_dir.display(),
-            app.config.max_workspace_bytes,
-            app.config.max_output_bytes,
-            app.config.exec_timeout_ms,
-        )?;
-        writeln!(out, "caller-made workspaces: idmapped mounts {}", app.sandbox.idmap.describe())?;
-        if let Some(note) = app.managed.startup_note() {
-            writeln!(out, "{note}")?;
-        }
-        out.flush()?;
+    Ok(envs)
+}
+
+/// What runnerd prints on stdout once it listens: the address, the sandbox, the limits.
+fn announce(app: &App, address: &str, usable: bool) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ScienceDiscovery runner listening on {address}")?;
+    writeln!(
+        out,
+        "sandbox: bubblewrap ({}) as {}, data dir {}, max workspace {} bytes, max output {} bytes, timeout {} ms",
+        if usable { "usable" } else { "UNUSABLE: executions will fail" },
+        app.sandbox.user.describe(),
+        app.data_dir.display(),
+        app.config.max_workspace_bytes,
+        app.config.max_output_bytes,
+        app.config.exec_timeout_ms,
+    )?;
+    writeln!(out, "caller-made workspaces: idmapped mounts {}", app.sandbox.idmap.describe())?;
+    if let Some(note) = app.managed.startup_note() {
+        writeln!(out, "{note}")?;
     }
-    tracing::info!(event = "listening", address = %address);
-    // After listen, in the background: `/health` answers while it runs (contract §4).
-    crate::envs::store::EnvStore::start_setup(&app);
-    crate::history::History::start(&app);
-    // Type=notify: systemd starts dependants (and counts the start as done) only now.
-    if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
-        tracing::warn!(event = "notify_failed", error = %e);
-    }
-    let stopping = app.clone();
-    let shutdown = async move {
+    out.flush()?;
+    Ok(())
+}
+
+/// Resolves at the first stop signal, after telling executions to abort; a second signal
+/// exits at once.
+async fn shutdown(mut signals: StopSignals, stopping: Arc<App>) {
+    signals.recv().await;
+    tracing::info!(event = "stopping", detail = "aborting executions; a second signal exits at once");
+    let _ = stopping.shutdown.send(true);
+    tokio::spawn(async move {
         signals.recv().await;
-        tracing::info!(event = "stopping", detail = "aborting executions; a second signal exits at once");
-        let _ = stopping.shutdown.send(true);
-        tokio::spawn(async move {
-            signals.recv().await;
-            eprintln!("runnerd: second signal, exiting now");
-            std::process::exit(130);
-        });
-    };
-    http::serve(app.clone(), listener, shutdown).await;
-    app.managed.close(MANAGED_GRACE).await;
-    app.limits.remove_spares();
-    tracing::info!(event = "stopped");
-    Ok(0)
+        eprintln!("runnerd: second signal, exiting now");
+        std::process::exit(130);
+    });
 }
 
 /// SIGTERM, SIGINT and SIGHUP, caught from the moment this exists: registered before

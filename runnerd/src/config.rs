@@ -134,24 +134,8 @@ const SIGNATURE_MAX_AGE: &str = "SCIENCE_AGENT_EXECUTION_SIGNATURE_MAX_AGE_MS";
 impl RunnerConfig {
     /// Reads the configuration through `var` (the process environment in production).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<RunnerConfig, ConfigError> {
-        let get = |name: &str| var(name).filter(|v| !v.is_empty());
-        let non_negative = |name: &'static str, default: u64| -> Result<u64, ConfigError> {
-            match get(name) {
-                None => Ok(default),
-                Some(v) => {
-                    parse_non_negative(&v).ok_or(ConfigError::NonNegative { name: name.to_owned(), value: v })
-                }
-            }
-        };
-        let positive = |name: &'static str, default: usize| -> Result<usize, ConfigError> {
-            match get(name) {
-                None => Ok(default),
-                Some(v) => parse_non_negative(&v)
-                    .filter(|n| *n > 0)
-                    .and_then(|n| usize::try_from(n).ok())
-                    .ok_or(ConfigError::Positive { name: name.to_owned(), value: v }),
-            }
-        };
+        let vars = Vars(var);
+        let get = |name: &str| vars.get(name);
         let port = match get(PORT) {
             None => DEFAULT_PORT,
             Some(v) => parse_non_negative(&v)
@@ -164,7 +148,7 @@ impl RunnerConfig {
                 .filter(|n| *n > 0)
                 .ok_or(ConfigError::SignatureMaxAge { name: SIGNATURE_MAX_AGE.to_owned() })?,
         };
-        let kernel_idle_ms = non_negative("SCIENCE_AGENT_KERNEL_IDLE_MS", 0)?;
+        let kernel_idle_ms = vars.non_negative("SCIENCE_AGENT_KERNEL_IDLE_MS", 0)?;
         let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
         Ok(RunnerConfig {
             host: get("SCIENCE_AGENT_RUNNER_HOST").unwrap_or_else(|| DEFAULT_HOST.to_owned()),
@@ -176,16 +160,15 @@ impl RunnerConfig {
             bwrap_path: get("SCIENCE_AGENT_BWRAP_PATH").unwrap_or_else(|| "bwrap".to_owned()),
             sandbox_init: get("SCIENCE_AGENT_SANDBOX_INIT_PATH").map(PathBuf::from),
             sandbox_user: get(crate::sandbox::user::USER_VAR),
-            exec_timeout_ms: non_negative("SCIENCE_AGENT_EXEC_TIMEOUT_MS", 0)?,
-            max_output_bytes: non_negative("SCIENCE_AGENT_MAX_OUTPUT_BYTES", DEFAULT_MAX_OUTPUT_BYTES)?,
-            max_buffered_output_bytes: positive(
+            exec_timeout_ms: vars.non_negative("SCIENCE_AGENT_EXEC_TIMEOUT_MS", 0)?,
+            max_output_bytes: vars
+                .non_negative("SCIENCE_AGENT_MAX_OUTPUT_BYTES", DEFAULT_MAX_OUTPUT_BYTES)?,
+            max_buffered_output_bytes: vars.positive(
                 "SCIENCE_AGENT_MAX_BUFFERED_OUTPUT_BYTES",
                 DEFAULT_MAX_BUFFERED_OUTPUT_BYTES as usize,
             )? as u64,
-            max_workspace_bytes: non_negative(
-                "SCIENCE_AGENT_MAX_WORKSPACE_BYTES",
-                DEFAULT_MAX_WORKSPACE_BYTES,
-            )?,
+            max_workspace_bytes: vars
+                .non_negative("SCIENCE_AGENT_MAX_WORKSPACE_BYTES", DEFAULT_MAX_WORKSPACE_BYTES)?,
             signature_max_age_ms,
             kernel_idle_ms,
             python_path: get("SCIENCE_AGENT_PYTHON_PATH").unwrap_or_else(|| "/usr/bin/python3".to_owned()),
@@ -194,12 +177,11 @@ impl RunnerConfig {
                 .unwrap_or_else(|| common::npu::DEFAULT_SOCKET.to_owned())
                 .into(),
             token_file: get("SCIENCE_AGENT_RUNNER_TOKEN_FILE").map(PathBuf::from),
-            queue_capacity: positive("SCIENCE_AGENT_QUEUE_CAPACITY", 256)?,
-            max_concurrent: positive("SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", cpus.max(2) * 2)?,
-            header_read_timeout: Duration::from_millis(positive(
-                "SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS",
-                10_000,
-            )? as u64),
+            queue_capacity: vars.positive("SCIENCE_AGENT_QUEUE_CAPACITY", 256)?,
+            max_concurrent: vars.positive("SCIENCE_AGENT_MAX_CONCURRENT_EXECUTIONS", cpus.max(2) * 2)?,
+            header_read_timeout: Duration::from_millis(
+                vars.positive("SCIENCE_AGENT_HEADER_READ_TIMEOUT_MS", 10_000)? as u64,
+            ),
             egress_socket: get("SCIENCE_AGENT_EGRESS_SOCKET")
                 .unwrap_or_else(|| crate::egress::DEFAULT_CONTROL_SOCKET.to_owned())
                 .into(),
@@ -207,34 +189,69 @@ impl RunnerConfig {
             accel: crate::accel::AccelConfig::from_vars(&get),
             limits: crate::limits::LimitSettings::from_vars(get)?,
             scientific: crate::envs::settings::EnvSettings::from_vars(get)?,
-            journal: crate::journal::JournalSettings {
-                workspaces: non_negative(
-                    crate::journal::WORKSPACES_VAR,
-                    crate::journal::DEFAULT_WORKSPACES as u64,
-                )? as usize,
-                watches: positive(crate::journal::WATCHES_VAR, crate::journal::DEFAULT_WATCHES)?,
-                files: positive(crate::journal::FILES_VAR, crate::journal::DEFAULT_FILES)?,
+            journal: vars.journal()?,
+            history: vars.history()?,
+        })
+    }
+}
+
+/// The variables as [`RunnerConfig::from_vars`] reads them: an empty one is unset.
+struct Vars<F>(F);
+
+impl<F: Fn(&str) -> Option<String>> Vars<F> {
+    fn get(&self, name: &str) -> Option<String> {
+        (self.0)(name).filter(|v| !v.is_empty())
+    }
+
+    fn non_negative(&self, name: &'static str, default: u64) -> Result<u64, ConfigError> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => {
+                parse_non_negative(&v).ok_or(ConfigError::NonNegative { name: name.to_owned(), value: v })
+            }
+        }
+    }
+
+    fn positive(&self, name: &'static str, default: usize) -> Result<usize, ConfigError> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => parse_non_negative(&v)
+                .filter(|n| *n > 0)
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or(ConfigError::Positive { name: name.to_owned(), value: v }),
+        }
+    }
+
+    /// The change journal's limits.
+    fn journal(&self) -> Result<crate::journal::JournalSettings, ConfigError> {
+        Ok(crate::journal::JournalSettings {
+            workspaces: self
+                .non_negative(crate::journal::WORKSPACES_VAR, crate::journal::DEFAULT_WORKSPACES as u64)?
+                as usize,
+            watches: self.positive(crate::journal::WATCHES_VAR, crate::journal::DEFAULT_WATCHES)?,
+            files: self.positive(crate::journal::FILES_VAR, crate::journal::DEFAULT_FILES)?,
+        })
+    }
+
+    /// Version history: retention, collection interval, the disk's free-space floor.
+    fn history(&self) -> Result<crate::history::HistorySettings, ConfigError> {
+        use crate::history as h;
+        let free_percent = self.non_negative(h::FREE_PERCENT_VAR, h::DEFAULT_FREE_PERCENT)?;
+        if free_percent > 100 {
+            return Err(ConfigError::Invalid {
+                name: h::FREE_PERCENT_VAR.to_owned(),
+                reason: format!("a percentage of the disk is 0 to 100, not {free_percent}"),
+            });
+        }
+        Ok(h::HistorySettings {
+            retention: crate::versioning::retention::Retention {
+                keep_versions: self.non_negative(h::KEEP_VERSIONS_VAR, h::DEFAULT_KEEP_VERSIONS)?,
+                keep_days: self.non_negative(h::KEEP_DAYS_VAR, h::DEFAULT_KEEP_DAYS)?,
+                pressed: false,
             },
-            history: {
-                use crate::history as h;
-                let free_percent = non_negative(h::FREE_PERCENT_VAR, h::DEFAULT_FREE_PERCENT)?;
-                if free_percent > 100 {
-                    return Err(ConfigError::Invalid {
-                        name: h::FREE_PERCENT_VAR.to_owned(),
-                        reason: format!("a percentage of the disk is 0 to 100, not {free_percent}"),
-                    });
-                }
-                h::HistorySettings {
-                    retention: crate::versioning::retention::Retention {
-                        keep_versions: non_negative(h::KEEP_VERSIONS_VAR, h::DEFAULT_KEEP_VERSIONS)?,
-                        keep_days: non_negative(h::KEEP_DAYS_VAR, h::DEFAULT_KEEP_DAYS)?,
-                        pressed: false,
-                    },
-                    interval_secs: non_negative(h::INTERVAL_VAR, h::DEFAULT_INTERVAL_SECS)?,
-                    free_percent,
-                    grace_secs: non_negative(h::GRACE_VAR, h::DEFAULT_GRACE_SECS)?,
-                }
-            },
+            interval_secs: self.non_negative(h::INTERVAL_VAR, h::DEFAULT_INTERVAL_SECS)?,
+            free_percent,
+            grace_secs: self.non_negative(h::GRACE_VAR, h::DEFAULT_GRACE_SECS)?,
         })
     }
 }

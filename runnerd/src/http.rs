@@ -243,20 +243,7 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
         return respond(h.status, h.body, None);
     }
     let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes().to_vec());
-    // Ours (issue #15): two `Authorization` headers are refused, never "the first wins".
-    let presented: Vec<&[u8]> = req.headers().get_all(AUTHORIZATION).iter().map(|v| v.as_bytes()).collect();
-    let authorization = match auth::single_authorization(&presented) {
-        Ok(one) => one,
-        Err(auth::DuplicateAuthorization(count)) => {
-            tracing::warn!(event = "auth_failed", reason = "duplicate authorization headers", count, method = %method, path = %path, peer = %peer);
-            return from_result(Err(ApiError::with_status(
-                401,
-                "duplicate_authorization",
-                "Unauthorized: send exactly one Authorization header",
-            )));
-        }
-    };
-    if let Err(e) = api::authorize(&app, authorization, &method, &path, &peer) {
+    if let Err(e) = authorize(&app, &req, &method, &path, &peer) {
         return from_result(Err(e));
     }
     let text = |name: &str| header(name).and_then(|v| String::from_utf8(v).ok());
@@ -270,37 +257,9 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     let (upload, incoming) =
         if api::streams_upload(&method, &path) { (Some(incoming), None) } else { (None, Some(incoming)) };
     let limit = api::body_limit(&method, &path);
-    let body = match incoming {
-        None => Vec::new(),
-        // A body announced over the limit is refused before a byte of it is read, and the
-        // connection closes. What the client already sent is read and thrown away for a
-        // moment meanwhile (a lingering close): closing a socket with unread bytes resets
-        // it, and the reset can destroy the answer before the client reads it.
-        Some(incoming) if announced_over_limit(&headers, limit) => {
-            tokio::spawn(discard(incoming));
-            let mut response = from_result(Err(too_large(limit)));
-            response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
-            return response;
-        }
-        Some(incoming) => {
-            match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
-                Ok(Ok(collected)) => collected.to_bytes().to_vec(),
-                Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                    return from_result(Err(too_large(limit)));
-                }
-                Ok(Err(e)) => {
-                    return from_result(Err(ApiError::bad_request(
-                        "body_unreadable",
-                        format!("Request body could not be read: {e}"),
-                    )));
-                }
-                Err(_) => {
-                    let message =
-                        format!("Request body was not received within {} s", BODY_TIMEOUT.as_secs());
-                    return from_result(Err(ApiError::bad_request("body_timeout", message)));
-                }
-            }
-        }
+    let body = match read_body(incoming, &headers, limit).await {
+        Ok(body) => body,
+        Err(response) => return *response,
     };
     let (tx, rx) = watch::channel(false);
     let watch = ClientWatch { tx, done: false };
@@ -317,6 +276,71 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
         }
     }
     from_result(result)
+}
+
+/// The request's one `Authorization` header, checked.
+fn authorize(
+    app: &App,
+    req: &Request<Incoming>,
+    method: &str,
+    path: &str,
+    peer: &str,
+) -> Result<(), ApiError> {
+    // Ours (issue #15): two `Authorization` headers are refused, never "the first wins".
+    let presented: Vec<&[u8]> = req.headers().get_all(AUTHORIZATION).iter().map(|v| v.as_bytes()).collect();
+    let authorization = match auth::single_authorization(&presented) {
+        Ok(one) => one,
+        Err(auth::DuplicateAuthorization(count)) => {
+            tracing::warn!(event = "auth_failed", reason = "duplicate authorization headers", count, method = %method, path = %path, peer = %peer);
+            return Err(ApiError::with_status(
+                401,
+                "duplicate_authorization",
+                "Unauthorized: send exactly one Authorization header",
+            ));
+        }
+    };
+    api::authorize(app, authorization, method, path, peer)
+}
+
+/// The request body, read whole under `limit` (`None`: an upload, streamed later, reads
+/// as empty); otherwise the answer that refuses it (boxed: it is large, and rare).
+async fn read_body(
+    incoming: Option<Incoming>,
+    headers: &hyper::HeaderMap,
+    limit: usize,
+) -> Result<Vec<u8>, Box<Response<ReplyBody>>> {
+    Ok(match incoming {
+        None => Vec::new(),
+        // A body announced over the limit is refused before a byte of it is read, and the
+        // connection closes. What the client already sent is read and thrown away for a
+        // moment meanwhile (a lingering close): closing a socket with unread bytes resets
+        // it, and the reset can destroy the answer before the client reads it.
+        Some(incoming) if announced_over_limit(headers, limit) => {
+            tokio::spawn(discard(incoming));
+            let mut response = from_result(Err(too_large(limit)));
+            response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+            return Err(Box::new(response));
+        }
+        Some(incoming) => {
+            match tokio::time::timeout(BODY_TIMEOUT, Limited::new(incoming, limit).collect()).await {
+                Ok(Ok(collected)) => collected.to_bytes().to_vec(),
+                Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                    return Err(Box::new(from_result(Err(too_large(limit)))));
+                }
+                Ok(Err(e)) => {
+                    return Err(Box::new(from_result(Err(ApiError::bad_request(
+                        "body_unreadable",
+                        format!("Request body could not be read: {e}"),
+                    )))));
+                }
+                Err(_) => {
+                    let message =
+                        format!("Request body was not received within {} s", BODY_TIMEOUT.as_secs());
+                    return Err(Box::new(from_result(Err(ApiError::bad_request("body_timeout", message)))));
+                }
+            }
+        }
+    })
 }
 
 /// Connections served at once; more wait in the kernel's accept queue.

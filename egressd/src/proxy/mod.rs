@@ -223,6 +223,7 @@ fn host_header(t: &Target) -> String {
     if t.port == 80 { host } else { format!("{host}:{}", t.port) }
 }
 
+/// A plain-HTTP request: admitted, its head rewritten for the upstream, then the exchange.
 async fn plain(
     head: RequestHead,
     mut r: BufReader<tokio::net::unix::OwnedReadHalf>,
@@ -232,13 +233,40 @@ async fn plain(
     shared: &Shared,
     rec: &mut Record,
 ) {
+    let Some((t, origin, framing, mut up)) = admit_plain(&head, &mut w, policy, setting, shared, rec).await
+    else {
+        return;
+    };
+    let upstream_head = upstream_head(&head, &t, &origin, framing, setting, rec.proxy.is_some());
+    if let Err(e) = up.write.write_all(&upstream_head).await {
+        let safe = format!("Sandbox network access could not reach {}: {e}", name_of(&t));
+        let _ = w.write_all(&reply::plain(502, &safe)).await;
+        rec.refuse(Decision::Failed, 502, safe);
+        return;
+    }
+    (rec.decision, rec.status) = (Decision::Allowed, 0);
+    let outcome = exchange(&head.method, &mut r, &mut w, &mut up, framing, shared.tunnel_idle, rec).await;
+    answer_outcome(outcome, &t, &mut w, shared.tunnel_idle, rec).await;
+    let _ = w.shutdown().await;
+}
+
+/// The target, its origin-form path, the body's framing and the upstream connection of an
+/// allowed request; `None` once a refusal has been answered and recorded.
+async fn admit_plain(
+    head: &RequestHead,
+    w: &mut tokio::net::unix::OwnedWriteHalf,
+    policy: &Policy,
+    setting: &ProxySetting,
+    shared: &Shared,
+    rec: &mut Record,
+) -> Option<(Target, String, Framing, Upstream)> {
     let (t, origin) = match target::parse_absolute_url(&head.target) {
         Ok(parsed) => parsed,
         Err(e) => {
             rec.host = head.target.chars().take(256).collect();
             let _ = w.write_all(&reply::plain(400, &e.to_string())).await;
             rec.refuse(Decision::Malformed, 400, e.to_string());
-            return;
+            return None;
         }
     };
     (rec.host, rec.port) = (describe(&t), t.port);
@@ -248,28 +276,40 @@ async fn plain(
             let reason = format!("Sandbox network access refuses this request: {why}");
             let _ = w.write_all(&reply::plain(400, &reason)).await;
             rec.refuse(Decision::Malformed, 400, reason);
-            return;
+            return None;
         }
     };
     let address = match verdict(policy, Scheme::Http, &t, shared).await {
         Verdict::Deny { reason } => {
             let _ = w.write_all(&reply::plain(403, &reason)).await;
             rec.refuse(Decision::Denied, 403, reason);
-            return;
+            return None;
         }
         Verdict::Allow { address } => address,
     };
     rec.address = Some(address);
-    let mut up = match dial(setting, &t, address, false, shared, rec).await {
-        Ok(up) => up,
+    match dial(setting, &t, address, false, shared, rec).await {
+        Ok(up) => Some((t, origin, framing, up)),
         Err((status, safe)) => {
             let _ = w.write_all(&reply::plain(status, &safe)).await;
             (rec.decision, rec.status) = (Decision::Failed, status);
-            return;
+            None
         }
-    };
-    let host = host_header(&t);
-    let via_proxy = rec.proxy.is_some();
+    }
+}
+
+/// The request head as the upstream gets it: origin-form (absolute-form to a proxy, with
+/// its authorization), `Host` first, end-to-end headers with the body's framing, and
+/// `Connection: close`.
+fn upstream_head(
+    head: &RequestHead,
+    t: &Target,
+    origin: &str,
+    framing: Framing,
+    setting: &ProxySetting,
+    via_proxy: bool,
+) -> Vec<u8> {
+    let host = host_header(t);
     let line = if via_proxy {
         format!("{} http://{host}{origin} HTTP/1.1", head.method)
     } else {
@@ -278,33 +318,37 @@ async fn plain(
     let mut headers = vec![("Host".to_owned(), host.clone().into_bytes())];
     headers.extend(head::with_framing(head::end_to_end(&head.headers), framing));
     if via_proxy
-        && let Ok(Route::Proxy(ep)) = route::route_for(setting, name_of(&t), t.port, false)
+        && let Ok(Route::Proxy(ep)) = route::route_for(setting, name_of(t), t.port, false)
         && let Some(auth) = ep.authorization
     {
         headers.push(("Proxy-Authorization".to_owned(), auth.into_bytes()));
     }
     headers.push(("Connection".to_owned(), b"close".to_vec()));
-    if let Err(e) = up.write.write_all(&head::write_head(&line, &headers)).await {
-        let safe = format!("Sandbox network access could not reach {}: {e}", name_of(&t));
-        let _ = w.write_all(&reply::plain(502, &safe)).await;
-        rec.refuse(Decision::Failed, 502, safe);
-        return;
-    }
-    (rec.decision, rec.status) = (Decision::Allowed, 0);
+    head::write_head(&line, &headers)
+}
 
-    let method = head.method.clone();
-    // Idle means no byte moved either way for `tunnel_idle` — not a deadline for the whole
-    // exchange: a long download that keeps flowing is never cut.
+/// The request body up and the response down, together, until the response ends or
+/// nothing moves either way for `tunnel_idle` — not a deadline for the whole exchange: a
+/// long download that keeps flowing is never cut.
+async fn exchange(
+    method: &str,
+    r: &mut BufReader<tokio::net::unix::OwnedReadHalf>,
+    w: &mut tokio::net::unix::OwnedWriteHalf,
+    up: &mut Upstream,
+    framing: Framing,
+    tunnel_idle: Duration,
+    rec: &mut Record,
+) -> Result<(u16, u64), ResponseError> {
     let start = std::time::Instant::now();
     let activity = std::sync::atomic::AtomicU64::new(0);
     let head_sent = std::sync::atomic::AtomicBool::new(false);
     let mut outcome: Option<Result<(u16, u64), ResponseError>> = None;
     let idle = {
         let mut up_write = Watched { inner: &mut up.write, activity: &activity, start };
-        let mut client_write = Watched { inner: &mut w, activity: &activity, start };
+        let mut client_write = Watched { inner: w, activity: &activity, start };
         let exchange = async {
-            let request_body = body::copy_body(&mut r, &mut up_write, framing);
-            let response = forward_response(&mut up.read, &mut client_write, &method, &head_sent);
+            let request_body = body::copy_body(r, &mut up_write, framing);
+            let response = forward_response(&mut up.read, &mut client_write, method, &head_sent);
             tokio::pin!(request_body, response);
             let mut body_done = false;
             loop {
@@ -323,38 +367,47 @@ async fn plain(
                 }
             }
         };
-        body::until_idle(exchange, &activity, start, shared.tunnel_idle).await
+        body::until_idle(exchange, &activity, start, tunnel_idle).await
     };
-    let outcome = match (idle, outcome) {
+    match (idle, outcome) {
         (false, Some(got)) => got,
         _ if !head_sent.load(std::sync::atomic::Ordering::Relaxed) => Err(ResponseError::IdleBeforeHead),
         _ => Err(ResponseError::Idle),
-    };
+    }
+}
+
+/// Records how the exchange ended, answering the client when it has had no response head.
+async fn answer_outcome(
+    outcome: Result<(u16, u64), ResponseError>,
+    t: &Target,
+    w: &mut tokio::net::unix::OwnedWriteHalf,
+    tunnel_idle: Duration,
+    rec: &mut Record,
+) {
     match outcome {
         Ok((status, n)) => (rec.status, rec.down) = (status, n),
         Err(ResponseError::BeforeHead(e)) => {
-            let safe = format!("Sandbox network access could not reach {}: {e}", name_of(&t));
+            let safe = format!("Sandbox network access could not reach {}: {e}", name_of(t));
             let _ = w.write_all(&reply::plain(502, &safe)).await;
             rec.refuse(Decision::Failed, 502, safe);
         }
         Err(ResponseError::IdleBeforeHead) => {
             let safe = format!(
                 "Sandbox network access: {} did not answer within {} ms",
-                name_of(&t),
-                shared.tunnel_idle.as_millis()
+                name_of(t),
+                tunnel_idle.as_millis()
             );
             let _ = w.write_all(&reply::plain(504, &safe)).await;
             rec.refuse(Decision::Failed, 504, safe);
         }
         Err(ResponseError::Idle) => {
-            rec.reason = format!("nothing moved for {} ms; connection closed", shared.tunnel_idle.as_millis())
+            rec.reason = format!("nothing moved for {} ms; connection closed", tunnel_idle.as_millis())
         }
         Err(ResponseError::AfterHead(status, e)) => {
             rec.status = status;
             rec.reason = format!("the response body was cut short: {e}");
         }
     }
-    let _ = w.shutdown().await;
 }
 
 #[derive(Debug)]

@@ -91,34 +91,45 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
     println!("runnerd-bench history: the version store's growth and the collector's cost");
     println!("  bare bwrap true: p50 {:7.2} ms", bare.p50);
 
-    // The red team's case.
-    shell(&client, "bench/sparse", "true").await?;
-    let before = allocated(&store);
+    sparse_growth(&client, &store).await?;
+    churn_and_collect(&client, &data, &store).await?;
+    with_collections(&client, &daemon, bare.p50).await?;
+    Ok(())
+}
+
+/// The red team's case: two runs that each leave a distinct 256 MiB sparse file, and the
+/// store's growth on disk.
+async fn sparse_growth(client: &RunnerClient, store: &Path) -> anyhow::Result<()> {
+    shell(client, "bench/sparse", "true").await?;
+    let before = allocated(store);
     for i in 1..=2 {
         let code = format!("rm -f big; printf 'run {i}' > big; truncate -s 256M big");
-        shell(&client, "bench/sparse", &code).await?;
+        shell(client, "bench/sparse", &code).await?;
     }
-    let grew = allocated(&store) - before;
+    let grew = allocated(store) - before;
     println!(
         "  two runs leaving distinct 256 MiB sparse files: store grew {:.3} MiB on disk (the files' \
          length, what a dense store wrote: 512 MiB; {:.0}x less)",
         grew as f64 / MIB,
         512.0 * MIB / grew.max(1) as f64
     );
+    Ok(())
+}
 
-    // History of a churning file, then one collection.
+/// 200 runs rewriting a 256 KiB file, then one collection once its versions look 40 days old.
+async fn churn_and_collect(client: &RunnerClient, data: &Path, store: &Path) -> anyhow::Result<()> {
     let key = "bench/churn";
-    shell(&client, key, "true").await?;
-    let before = allocated(&store);
+    shell(client, key, "true").await?;
+    let before = allocated(store);
     for i in 0..200 {
         let code = format!("head -c 262144 /dev/urandom > f; echo {i} > n");
-        shell(&client, key, &code).await?;
+        shell(client, key, &code).await?;
     }
-    let churned = allocated(&store) - before;
-    let total = allocated(&store);
-    age_objects(&data, Duration::from_secs(40 * 86_400))?;
-    let report = collect(&client).await?;
-    let after = allocated(&store);
+    let churned = allocated(store) - before;
+    let total = allocated(store);
+    age_objects(data, Duration::from_secs(40 * 86_400))?;
+    let report = collect(client).await?;
+    let after = allocated(store);
     println!(
         "  200 runs rewriting a 256 KiB file: store +{:.1} MiB; one collection (keep 10 versions): \
          {} ms, {} versions pruned, {} objects deleted ({:.1} MiB), store {:.1} -> {:.1} MiB",
@@ -130,11 +141,19 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
         total as f64 / MIB,
         after as f64 / MIB,
     );
+    Ok(())
+}
 
-    // Executions while collections run back to back, against without.
+/// `true` p50 in a 1k-file workspace, rounds without collections interleaved with rounds
+/// while they run back to back (`bare_p50`: bare bwrap's, for the ratio).
+async fn with_collections(
+    client: &RunnerClient,
+    daemon: &crate::Daemon,
+    bare_p50: f64,
+) -> anyhow::Result<()> {
     let key = "bench/busy";
-    shell(&client, key, "mkdir -p d; for i in $(seq 1 1000); do echo $i > d/$i; done").await?;
-    http_once(&client, key).await?;
+    shell(client, key, "mkdir -p d; for i in $(seq 1 1000); do echo $i > d/$i; done").await?;
+    http_once(client, key).await?;
     let rounds = 5;
     let per_round = 20;
     let (mut quiet, mut busy) = (Vec::new(), Vec::new());
@@ -143,7 +162,7 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
     for _ in 0..rounds {
         let start = Instant::now();
         for _ in 0..per_round {
-            quiet.push(http_once(&client, key).await?);
+            quiet.push(http_once(client, key).await?);
         }
         quiet_wall += start.elapsed();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -160,7 +179,7 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
         };
         let start = Instant::now();
         for _ in 0..per_round {
-            busy.push(http_once(&client, key).await?);
+            busy.push(http_once(client, key).await?);
         }
         busy_wall += start.elapsed();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -174,7 +193,7 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
         busy.p50,
         collections,
         busy.p50 / quiet.p50,
-        busy.p50 / bare.p50,
+        busy.p50 / bare_p50,
         quiet.p95,
         busy.p95
     );

@@ -83,70 +83,10 @@ fn main() {
 }
 
 fn run() -> i32 {
-    let mut iterations = 200usize;
-    let mut versions = None;
-    let mut limits = false;
-    let mut output = None;
-    let mut memory = None;
-    let mut metrics = false;
-    let mut scale = false;
-    let mut history = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut number = |name: &str| -> Option<u64> {
-            let v = args.next().and_then(|v| v.parse().ok());
-            if v.is_none() {
-                eprintln!("runnerd-bench: {name} needs a number\n\n{USAGE}");
-            }
-            v
-        };
-        match arg.as_str() {
-            "versions" => versions = Some((10_000u64, 1024u64, 100u64)),
-            "limits" => limits = true,
-            "metrics" => metrics = true,
-            "workspace-scale" => scale = true,
-            "history" => history = true,
-            "output" => output = Some(64u64),
-            "--mib" if output.is_some() => {
-                let Some(n) = number(&arg) else { return 2 };
-                output = Some(n.max(1));
-            }
-            "memory" => memory = Some((500u64, 3000u64, 60u64)),
-            "--concurrent" | "--sequential" | "--settle" if memory.is_some() => {
-                let Some(n) = number(&arg) else { return 2 };
-                let m = memory.as_mut().expect("checked");
-                match arg.as_str() {
-                    "--concurrent" => m.0 = n.max(1),
-                    "--sequential" => m.1 = n.max(1),
-                    _ => m.2 = n,
-                }
-            }
-            "--files" | "--mib" | "--log-mb" if versions.is_some() => {
-                let Some(n) = number(&arg) else { return 2 };
-                let v = versions.as_mut().expect("checked");
-                match arg.as_str() {
-                    "--files" => v.0 = n.max(100),
-                    "--mib" => v.1 = n.max(1),
-                    _ => v.2 = n.max(1),
-                }
-            }
-            "--iterations" | "-n" => match args.next().and_then(|v| v.parse().ok()) {
-                Some(n) if n >= 4 => iterations = n,
-                _ => {
-                    eprintln!("runnerd-bench: --iterations needs a number ≥ 4\n\n{USAGE}");
-                    return 2;
-                }
-            },
-            "--help" | "-h" => {
-                print!("{USAGE}");
-                return 0;
-            }
-            other => {
-                eprintln!("runnerd-bench: unknown argument {other:?}\n\n{USAGE}");
-                return 2;
-            }
-        }
-    }
+    let choice = match Choice::parse(std::env::args().skip(1)) {
+        Ok(choice) => choice,
+        Err(code) => return code,
+    };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -154,27 +94,119 @@ fn run() -> i32 {
             return 1;
         }
     };
-    let result = match versions {
-        Some((files, mib, log_mb)) => rt.block_on(bench_versions(files as usize, mib, log_mb)),
-        None if memory.is_some() => {
-            let (c, s, settle) = memory.expect("checked");
-            rt.block_on(crate::memory::bench(c as usize, s as usize, Duration::from_secs(settle)))
-        }
-        None if limits => rt.block_on(crate::limits::bench(iterations)),
-        None if metrics => rt.block_on(bench_metrics(iterations)),
-        None if scale => rt.block_on(bench_scale()),
-        None if history => rt.block_on(async {
-            let setup = setup().await?;
-            crate::history::bench(setup.launcher.init_path()).await
-        }),
-        None if output.is_some() => rt.block_on(bench_output(output.unwrap_or(64))),
-        None => rt.block_on(bench(iterations)),
-    };
-    match result {
+    match rt.block_on(choice.measure()) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("runnerd-bench: {e:#}");
             1
+        }
+    }
+}
+
+/// The benchmark the command line chose, and its options.
+struct Choice {
+    iterations: usize,
+    /// Files, MiB, log MB.
+    versions: Option<(u64, u64, u64)>,
+    limits: bool,
+    /// MiB of output.
+    output: Option<u64>,
+    /// Concurrent, sequential, settle seconds.
+    memory: Option<(u64, u64, u64)>,
+    metrics: bool,
+    scale: bool,
+    history: bool,
+}
+
+impl Choice {
+    /// The arguments read; `Err` is the exit code once usage (or the complaint) is printed.
+    fn parse(mut args: impl Iterator<Item = String>) -> Result<Choice, i32> {
+        let mut c = Choice {
+            iterations: 200,
+            versions: None,
+            limits: false,
+            output: None,
+            memory: None,
+            metrics: false,
+            scale: false,
+            history: false,
+        };
+        while let Some(arg) = args.next() {
+            let mut number = |name: &str| -> Option<u64> {
+                let v = args.next().and_then(|v| v.parse().ok());
+                if v.is_none() {
+                    eprintln!("runnerd-bench: {name} needs a number\n\n{USAGE}");
+                }
+                v
+            };
+            match arg.as_str() {
+                "versions" => c.versions = Some((10_000u64, 1024u64, 100u64)),
+                "limits" => c.limits = true,
+                "metrics" => c.metrics = true,
+                "workspace-scale" => c.scale = true,
+                "history" => c.history = true,
+                "output" => c.output = Some(64u64),
+                "--mib" if c.output.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    c.output = Some(n.max(1));
+                }
+                "memory" => c.memory = Some((500u64, 3000u64, 60u64)),
+                "--concurrent" | "--sequential" | "--settle" if c.memory.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    let m = c.memory.as_mut().expect("checked");
+                    match arg.as_str() {
+                        "--concurrent" => m.0 = n.max(1),
+                        "--sequential" => m.1 = n.max(1),
+                        _ => m.2 = n,
+                    }
+                }
+                "--files" | "--mib" | "--log-mb" if c.versions.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    let v = c.versions.as_mut().expect("checked");
+                    match arg.as_str() {
+                        "--files" => v.0 = n.max(100),
+                        "--mib" => v.1 = n.max(1),
+                        _ => v.2 = n.max(1),
+                    }
+                }
+                "--iterations" | "-n" => match args.next().and_then(|v| v.parse().ok()) {
+                    Some(n) if n >= 4 => c.iterations = n,
+                    _ => {
+                        eprintln!("runnerd-bench: --iterations needs a number ≥ 4\n\n{USAGE}");
+                        return Err(2);
+                    }
+                },
+                "--help" | "-h" => {
+                    print!("{USAGE}");
+                    return Err(0);
+                }
+                other => {
+                    eprintln!("runnerd-bench: unknown argument {other:?}\n\n{USAGE}");
+                    return Err(2);
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// Runs the chosen benchmark.
+    async fn measure(self) -> anyhow::Result<()> {
+        let Choice { iterations, versions, limits, output, memory, metrics, scale, history } = self;
+        match versions {
+            Some((files, mib, log_mb)) => bench_versions(files as usize, mib, log_mb).await,
+            None if memory.is_some() => {
+                let (c, s, settle) = memory.expect("checked");
+                crate::memory::bench(c as usize, s as usize, Duration::from_secs(settle)).await
+            }
+            None if limits => crate::limits::bench(iterations).await,
+            None if metrics => bench_metrics(iterations).await,
+            None if scale => bench_scale().await,
+            None if history => {
+                let setup = setup().await?;
+                crate::history::bench(setup.launcher.init_path()).await
+            }
+            None if output.is_some() => bench_output(output.unwrap_or(64)).await,
+            None => bench(iterations).await,
         }
     }
 }
@@ -406,41 +438,8 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         init_once(&setup).await?;
     }
 
-    // Sequential, interleaved.
-    let (mut bare, mut init) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut bare_wall, mut init_wall) = (Duration::ZERO, Duration::ZERO);
-    for _ in 0..n {
-        let d = bare_once(&setup.bwrap, &setup.args, &setup.program)?;
-        bare_wall += d;
-        bare.push(d);
-        let d = init_once(&setup).await?;
-        init_wall += d;
-        init.push(d);
-    }
-    let a_seq = stats(bare, bare_wall);
-    let b_seq = stats(init, init_wall);
-
-    // Two parallel launchers each.
-    let a_par = two_bare_launchers(&setup, n, |s| bare_once(&s.bwrap, &s.args, &s.program))?;
-
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..2)
-        .map(|_| {
-            let s = setup.clone();
-            tokio::spawn(async move {
-                let mut v = Vec::new();
-                for _ in 0..n / 2 {
-                    v.push(init_once(&s).await?);
-                }
-                Ok::<_, anyhow::Error>(v)
-            })
-        })
-        .collect();
-    let mut init = Vec::new();
-    for t in tasks {
-        init.extend(t.await??);
-    }
-    let b_par = stats(init, start.elapsed());
+    let (a_seq, b_seq) = sequential_launches(&setup, n).await?;
+    let (a_par, b_par) = parallel_launches(&setup, n).await?;
 
     println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "launches/s");
     for (name, s) in [
@@ -479,7 +478,48 @@ async fn bench(n: usize) -> anyhow::Result<()> {
         a_shell_par.p50, a_shell_par.per_sec
     );
     let launcher_extra_ms = b_seq.p50 - a_seq.p50;
-    http_cases(n, &setup, init, &a_seq, &a_shell, &a_par, &a_shell_par, launcher_extra_ms).await
+    let base =
+        Baselines { seq: a_seq, shell: a_shell, par: a_par, shell_par: a_shell_par, launcher_extra_ms };
+    http_cases(n, &setup, init, &base).await
+}
+
+/// (a) bare bwrap and (b) sandbox-init + launcher, `n` launches each, interleaved.
+async fn sequential_launches(setup: &Setup, n: usize) -> anyhow::Result<(Stats, Stats)> {
+    let (mut bare, mut init) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut bare_wall, mut init_wall) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..n {
+        let d = bare_once(&setup.bwrap, &setup.args, &setup.program)?;
+        bare_wall += d;
+        bare.push(d);
+        let d = init_once(setup).await?;
+        init_wall += d;
+        init.push(d);
+    }
+    Ok((stats(bare, bare_wall), stats(init, init_wall)))
+}
+
+/// (a) and (b) again, from two parallel launchers each.
+async fn parallel_launches(setup: &Arc<Setup>, n: usize) -> anyhow::Result<(Stats, Stats)> {
+    let a_par = two_bare_launchers(setup, n, |s| bare_once(&s.bwrap, &s.args, &s.program))?;
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..2)
+        .map(|_| {
+            let s = setup.clone();
+            tokio::spawn(async move {
+                let mut v = Vec::new();
+                for _ in 0..n / 2 {
+                    v.push(init_once(&s).await?);
+                }
+                Ok::<_, anyhow::Error>(v)
+            })
+        })
+        .collect();
+    let mut init = Vec::new();
+    for t in tasks {
+        init.extend(t.await??);
+    }
+    let b_par = stats(init, start.elapsed());
+    Ok((a_par, b_par))
 }
 
 /// The version benchmark: commit cost on a scratch tree, then log throughput through a
@@ -721,19 +761,40 @@ const ROUNDS: usize = 4;
 /// and the per-phase breakdown its metrics give; (d) 2, 4 and 8 concurrent clients of one
 /// agent over distinct workspaces, (e) 2 agents; (f) the format's durable commit alone, in
 /// the sequential rounds; runnerd's RSS idle and at concurrency 8. With a baseline runnerd,
-/// every case runs against both, sequential rounds interleaved. `launcher_extra_ms` is what
-/// sandbox-init and the launcher add to bare bwrap at p50 ((b) − (a)), for the floor of (c).
-#[allow(clippy::too_many_arguments)]
-async fn http_cases(
-    n: usize,
-    setup: &Setup,
-    init: &Path,
-    a_seq: &Stats,
-    a_shell: &Stats,
-    a_par: &Stats,
-    a_shell_par: &Stats,
+/// every case runs against both, sequential rounds interleaved; `base` holds the bare
+/// launchers' numbers they are compared with.
+async fn http_cases(n: usize, setup: &Setup, init: &Path, base: &Baselines) -> anyhow::Result<()> {
+    let mut subjects = start_subjects(init, n).await?;
+    let rounds = sequential_rounds(setup, &mut subjects, n).await?;
+    let concurrent = concurrent_cases(&subjects, n).await?;
+    print_http_cases(&subjects, &concurrent, &rounds, base);
+    for (s, rows) in subjects.iter().zip(&concurrent) {
+        s.print_summary(rows, base, &rounds);
+    }
+    Ok(())
+}
+
+/// The bare launchers' numbers the HTTP cases are compared with: (a) sequential and with
+/// two parallel launchers, (a') `bash -s` the same, and what sandbox-init and the launcher
+/// add to bare bwrap at p50 ((b) − (a)), for the floor of (c).
+struct Baselines {
+    seq: Stats,
+    shell: Stats,
+    par: Stats,
+    shell_par: Stats,
     launcher_extra_ms: f64,
-) -> anyhow::Result<()> {
+}
+
+/// What the sequential rounds measured beside the runnerds: bare bwrap with the same shell,
+/// the same until its PID namespace is gone, and the format's durable commit alone.
+struct Rounds {
+    shell: Stats,
+    gone: Stats,
+    floor: floor::Floor,
+}
+
+/// Every runnerd measured, started and warmed, its idle RSS read.
+async fn start_subjects(init: &Path, n: usize) -> anyhow::Result<Vec<Subject>> {
     let mut subjects = Vec::new();
     for (name, exe) in runnerds_measured() {
         let daemon = start_runnerd_at(&exe, init, &format!("http-{name}"), &[])?;
@@ -756,7 +817,11 @@ async fn http_cases(
     for s in &mut subjects {
         s.idle_rss = rss_kib(s.daemon.child.id(), "VmRSS:");
     }
+    Ok(subjects)
+}
 
+/// (c) and (f): [`ROUNDS`] rounds, each bare bwrap, the commit floor, then every runnerd.
+async fn sequential_rounds(setup: &Setup, subjects: &mut [Subject], n: usize) -> anyhow::Result<Rounds> {
     let per_round = n.div_ceil(ROUNDS);
     // Bare bwrap with the same shell, in the same rounds: the ratio the target names, with
     // the machine's drift shared.
@@ -775,35 +840,19 @@ async fn http_cases(
             *wall += took;
         }
         floor.add(floor::durable_commit_floor(&std::env::temp_dir(), per_round)?);
-        for s in &mut subjects {
-            let pid = s.daemon.child.id();
-            let before = scrape(&s.client).await;
-            let cpu = own_cpu_ms(pid)?;
-            let start = Instant::now();
-            for _ in 0..per_round {
-                s.samples.push(http_once(&s.client, "bench/seq").await?);
-            }
-            s.wall += start.elapsed();
-            s.cpu_ms += own_cpu_ms(pid)? - cpu;
-            let after = scrape(&s.client).await;
-            for (phase, sum, count) in after {
-                let (b_sum, b_count) =
-                    before.iter().find(|(p, ..)| *p == phase).map(|(_, s, c)| (*s, *c)).unwrap_or((0.0, 0.0));
-                match s.phases.iter_mut().find(|(p, ..)| *p == phase) {
-                    Some(acc) => {
-                        acc.1 += sum - b_sum;
-                        acc.2 += count - b_count;
-                    }
-                    None => s.phases.push((phase, sum - b_sum, count - b_count)),
-                }
-            }
+        for s in subjects.iter_mut() {
+            s.round(per_round).await?;
         }
     }
+    Ok(Rounds { shell: stats(shell_rounds, shell_wall), gone: stats(gone_rounds, gone_wall), floor })
+}
 
-    // (d) one agent from several clients (its executions queue, contract §2A), then (e) two
-    // agents side by side: the case two parallel bare launchers compare with.
+/// (d) one agent from several clients (its executions queue, contract §2A), then (e) two
+/// agents side by side: the case two parallel bare launchers compare with. One row per
+/// runnerd: 2, 4 and 8 clients, then 2 agents.
+async fn concurrent_cases(subjects: &[Subject], n: usize) -> anyhow::Result<Vec<Vec<Stats>>> {
     let mut concurrent: Vec<Vec<Stats>> = Vec::new();
-    for s in &subjects {
+    for s in subjects {
         let mut rows = Vec::new();
         for (clients, agents) in [(2usize, false), (4, false), (8, false), (2, true)] {
             let start = Instant::now();
@@ -830,17 +879,20 @@ async fn http_cases(
         }
         concurrent.push(rows);
     }
+    Ok(concurrent)
+}
 
-    let a_shell_rounds = stats(shell_rounds, shell_wall);
-    let a_gone = stats(gone_rounds, gone_wall);
+/// The table of every case, and the floor of (c) the launcher and the format allow.
+fn print_http_cases(subjects: &[Subject], concurrent: &[Vec<Stats>], rounds: &Rounds, base: &Baselines) {
+    let (a_shell_rounds, a_gone, floor) = (&rounds.shell, &rounds.gone, &rounds.floor);
     println!("{:<44} {:>9} {:>9} {:>11}", "case", "p50 ms", "p95 ms", "execs/s");
     for (label, r) in [
-        ("(a') bare bwrap `bash -s`, in (c)'s rounds", &a_shell_rounds),
-        ("(a'') the same, until its namespace is gone", &a_gone),
+        ("(a') bare bwrap `bash -s`, in (c)'s rounds", a_shell_rounds),
+        ("(a'') the same, until its namespace is gone", a_gone),
     ] {
         println!("{label:<44} {:>9.2} {:>9.2} {:>11.1}", r.p50, r.p95, r.per_sec);
     }
-    for (s, rows) in subjects.iter().zip(&concurrent) {
+    for (s, rows) in subjects.iter().zip(concurrent) {
         let seq = stats(s.samples.clone(), s.wall);
         println!(
             "{:<44} {:>9.2} {:>9.2} {:>11.1}",
@@ -880,57 +932,89 @@ async fn http_cases(
     println!(
         "    the least (c)/(a') the launcher and the format allow here, before HTTP, the lease, cgroups and the workspace walks: ((a') + ((b)-(a)) + (f)) / (a') = ({:.2} + {:.2} + {:.2}) / {:.2} = {:.3}",
         a_shell_rounds.p50,
-        launcher_extra_ms,
+        base.launcher_extra_ms,
         floor_stats.p50,
         a_shell_rounds.p50,
-        floor_ratio(a_shell_rounds.p50, launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
+        floor_ratio(a_shell_rounds.p50, base.launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
     );
     println!(
         "    the same with R-RUN-4's wait for the PID namespace's end, (a'') for (a') on top: ({:.2} + {:.2} + {:.2}) / {:.2} = {:.3}",
         a_gone.p50,
-        launcher_extra_ms,
+        base.launcher_extra_ms,
         floor_stats.p50,
         a_shell_rounds.p50,
-        floor_ratio(a_gone.p50, launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
+        floor_ratio(a_gone.p50, base.launcher_extra_ms, floor_stats.p50, a_shell_rounds.p50)
     );
-    for (s, rows) in subjects.iter().zip(&concurrent) {
-        let seq = stats(s.samples.clone(), s.wall);
-        let pid = s.daemon.child.id();
-        println!("\n[{}] runnerd {}", s.name, s.daemon.exe.display());
-        println!("  ratio (c)/(a) at p50: {:.3}", seq.p50 / a_seq.p50);
+}
+
+impl Subject {
+    /// One sequential round of `per_round` executions: their times, runnerd's own CPU and
+    /// the phases its metrics add up.
+    async fn round(&mut self, per_round: usize) -> anyhow::Result<()> {
+        let pid = self.daemon.child.id();
+        let before = scrape(&self.client).await;
+        let cpu = own_cpu_ms(pid)?;
+        let start = Instant::now();
+        for _ in 0..per_round {
+            self.samples.push(http_once(&self.client, "bench/seq").await?);
+        }
+        self.wall += start.elapsed();
+        self.cpu_ms += own_cpu_ms(pid)? - cpu;
+        let after = scrape(&self.client).await;
+        for (phase, sum, count) in after {
+            let (b_sum, b_count) =
+                before.iter().find(|(p, ..)| *p == phase).map(|(_, s, c)| (*s, *c)).unwrap_or((0.0, 0.0));
+            match self.phases.iter_mut().find(|(p, ..)| *p == phase) {
+                Some(acc) => {
+                    acc.1 += sum - b_sum;
+                    acc.2 += count - b_count;
+                }
+                None => self.phases.push((phase, sum - b_sum, count - b_count)),
+            }
+        }
+        Ok(())
+    }
+
+    /// This runnerd's ratios against the bare launchers, its CPU and RSS, and its phases.
+    fn print_summary(&self, rows: &[Stats], base: &Baselines, rounds: &Rounds) {
+        let (a_shell_rounds, floor) = (&rounds.shell, &rounds.floor);
+        let seq = stats(self.samples.clone(), self.wall);
+        let pid = self.daemon.child.id();
+        println!("\n[{}] runnerd {}", self.name, self.daemon.exe.display());
+        println!("  ratio (c)/(a) at p50: {:.3}", seq.p50 / base.seq.p50);
         println!(
             "  ratio (c)/(a') at p50 (same `bash -s`, bare bwrap, same rounds): {:.3}  (target <= 1.25; {:.3} against the earlier (a') run)",
             seq.p50 / a_shell_rounds.p50,
-            seq.p50 / a_shell.p50
+            seq.p50 / base.shell.p50
         );
         println!(
             "  runnerd's own CPU per sequential execution (utime+stime, children excluded): {:.3} ms over {} executions  (target <= 1 ms)",
-            s.cpu_ms / s.samples.len() as f64,
-            s.samples.len()
+            self.cpu_ms / self.samples.len() as f64,
+            self.samples.len()
         );
         println!(
             "  throughput at 2 agents (e) / 2 parallel bare launchers: {:.3} against `true`, {:.3} against `bash -s`  (target >= 0.8)",
-            rows[3].per_sec / a_par.per_sec,
-            rows[3].per_sec / a_shell_par.per_sec
+            rows[3].per_sec / base.par.per_sec,
+            rows[3].per_sec / base.shell_par.per_sec
         );
         println!(
             "  throughput at 2 clients of one agent (d), whose executions queue: {:.3} against `true`, {:.3} against `bash -s`",
-            rows[0].per_sec / a_par.per_sec,
-            rows[0].per_sec / a_shell_par.per_sec
+            rows[0].per_sec / base.par.per_sec,
+            rows[0].per_sec / base.shell_par.per_sec
         );
         println!(
             "  runnerd RSS idle: {} KiB ({:.1} MiB, target <= 15 MiB); peak through the concurrent cases: {} KiB",
-            s.idle_rss,
-            s.idle_rss as f64 / 1024.0,
+            self.idle_rss,
+            self.idle_rss as f64 / 1024.0,
             rss_kib(pid, "VmHWM:")
         );
-        if s.phases.is_empty() {
+        if self.phases.is_empty() {
             println!("  phases: this runnerd exports no runner_execution_phase_seconds");
         } else {
             let total: f64 =
-                s.phases.iter().map(|(_, sum, count)| if *count > 0.0 { sum / count } else { 0.0 }).sum();
+                self.phases.iter().map(|(_, sum, count)| if *count > 0.0 { sum / count } else { 0.0 }).sum();
             println!("  one execution by phase (mean ms, server-side; {:.2} ms in all):", total * 1000.0);
-            for (phase, sum, count) in in_pipeline_order(&s.phases) {
+            for (phase, sum, count) in in_pipeline_order(&self.phases) {
                 let mean = if count > 0.0 { sum / count * 1000.0 } else { 0.0 };
                 if phase == "commit" {
                     println!(
@@ -943,7 +1027,6 @@ async fn http_cases(
             }
         }
     }
-    Ok(())
 }
 
 /// sandbox-init's own peak RSS (`VmHWM`), read while it waits for the last of its

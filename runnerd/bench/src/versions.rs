@@ -69,6 +69,15 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
     let ws = data.join("remote-workspaces/bench/ws");
     std::fs::create_dir_all(&ws)?;
     let ws = ws.canonicalize()?;
+    let paths = write_tree(&ws, size).await?;
+    let (walk, hash) = walk_and_hash(&ws)?;
+    let commits = measure_commits(&data, &ws, &paths, size).await?;
+    print_commit_cost(walk, hash, &commits);
+    Ok(())
+}
+
+/// The workspace's tree, written, synced and old enough for snapshots to trust their cache.
+async fn write_tree(ws: &Path, size: TreeSize) -> anyhow::Result<Vec<PathBuf>> {
     println!(
         "workspace: {} files in 100 directories, {:.2} GiB, under {}",
         size.files,
@@ -76,12 +85,17 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
         ws.display()
     );
     let start = Instant::now();
-    let paths = build_tree(&ws, size)?;
+    let paths = build_tree(ws, size)?;
     timed_shell("sync")?;
     println!("(tree written and synced in {:.1} s)", start.elapsed().as_secs_f64());
     // Snapshots trust their cache only for files changed more than 2 s ago.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
+    Ok(paths)
+}
 
+/// The yardsticks, from a warm page cache: the quickest of three stat walks of the tree,
+/// and one sha256sum of every byte.
+fn walk_and_hash(ws: &Path) -> anyhow::Result<(Duration, Duration)> {
     let quoted = format!("'{}'", ws.display());
     let walk_cmd = format!("find {quoted} -type f -printf '%s\\n' > /dev/null");
     let hash_cmd = format!("find {quoted} -type f -print0 | xargs -0 sha256sum > /dev/null");
@@ -91,11 +105,38 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
     let walk = *walk.iter().min().context("three walks")?;
     let hash = timed_shell(&hash_cmd)?;
 
-    let versions = Arc::new(Versions::open(&data)?);
-    let pinned = || runnerd::workspace::open_beneath(&data, &ws).map_err(|e| anyhow::anyhow!(e.to_string()));
+    Ok((walk, hash))
+}
+
+/// What the commits cost, and which files they hashed.
+struct Commits {
+    first: Duration,
+    /// Medians: of the unchanged commits (three unless `RUNNER_BENCH_REPEAT`), of the three
+    /// one-file ones.
+    unchanged: Duration,
+    one_changed: Duration,
+    /// Of an unchanged commit: the snapshot alone, the closure check alone.
+    snapshot_only: Duration,
+    closure_only: Duration,
+    hashed_first: u64,
+    hashed_unchanged: u64,
+    hashed_changed: u64,
+    blobs_reverified: u64,
+}
+
+/// (1) the first commit, (3) commits with nothing changed, (2) commits after one file
+/// changed, then an unchanged commit's snapshot and closure check alone.
+async fn measure_commits(
+    data: &Path,
+    ws: &Path,
+    paths: &[PathBuf],
+    size: TreeSize,
+) -> anyhow::Result<Commits> {
+    let versions = Arc::new(Versions::open(data)?);
+    let pinned = || runnerd::workspace::open_beneath(data, ws).map_err(|e| anyhow::anyhow!(e.to_string()));
     // (1) The first commit: the baseline a workspace's first writer commits.
     let start = Instant::now();
-    let writer = versions.begin(&ws, pinned()?, None).await?;
+    let writer = versions.begin(ws, pinned()?, None).await?;
     let first = start.elapsed();
     let hashed_first = versions.store().files_hashed();
     tokio::time::sleep(Duration::from_millis(2_500)).await;
@@ -124,7 +165,7 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
     drop(writer);
     // Where an unchanged commit's time goes: the snapshot alone, the closure check alone.
     let start = Instant::now();
-    let tree = versions.store().snapshot(&ws)?;
+    let tree = versions.store().snapshot(ws)?;
     let snapshot_only = start.elapsed();
     let start = Instant::now();
     versions.store().validate_closure(&tree)?;
@@ -134,7 +175,21 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
         v[v.len() / 2]
     };
     let (unchanged, one_changed) = (median(&mut unchanged), median(&mut one_changed));
+    Ok(Commits {
+        first,
+        unchanged,
+        one_changed,
+        snapshot_only,
+        closure_only,
+        hashed_first,
+        hashed_unchanged,
+        hashed_changed,
+        blobs_reverified: versions.store().blobs_reverified(),
+    })
+}
 
+/// The table: each commit against the walk and against sha256sum.
+fn print_commit_cost(walk: Duration, hash: Duration, c: &Commits) {
     println!("{:<52} {:>10} {:>10} {:>10}", "case", "ms", "/ walk", "/ sha256");
     let row = |name: &str, d: Duration| {
         println!(
@@ -146,19 +201,18 @@ pub async fn commit_cost(dir: &Path, size: TreeSize) -> anyhow::Result<()> {
     };
     row("stat walk: find -type f -printf '%s'", walk);
     row("hash every byte: sha256sum", hash);
-    row("(1) first commit (target <= 1.2x sha256sum)", first);
-    row("(2) commit after one file changed (target <= 2x walk)", one_changed);
-    row("(3) commit with nothing changed (target <= 2x walk)", unchanged);
+    row("(1) first commit (target <= 1.2x sha256sum)", c.first);
+    row("(2) commit after one file changed (target <= 2x walk)", c.one_changed);
+    row("(3) commit with nothing changed (target <= 2x walk)", c.unchanged);
     println!(
         "of an unchanged commit: snapshot {:.1} ms, closure check {:.1} ms, the rest (records, refs, fsyncs) the remainder",
-        ms(snapshot_only),
-        ms(closure_only)
+        ms(c.snapshot_only),
+        ms(c.closure_only)
     );
     println!(
-        "files hashed: (1) {hashed_first}, (3) {hashed_unchanged} over 3 commits, (2) {hashed_changed} over 3 commits; blobs re-verified by closure checks: {}",
-        versions.store().blobs_reverified()
+        "files hashed: (1) {}, (3) {} over 3 commits, (2) {} over 3 commits; blobs re-verified by closure checks: {}",
+        c.hashed_first, c.hashed_unchanged, c.hashed_changed, c.blobs_reverified
     );
-    Ok(())
 }
 
 /// Live-log throughput: a managed run printing `megabytes` MB, from 202 to `completed`,

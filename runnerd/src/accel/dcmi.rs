@@ -173,29 +173,14 @@ pub fn read(path: &Path) -> Result<Vec<DcmiChip>, DcmiError> {
         Err(std::sync::TryLockError::WouldBlock) => return Err(DcmiError::Busy),
     };
     let lib = Library::open(path)?;
-    let (init, card_list, dev_num, logic_id, chip_info, health, util, temp, power, hbm) =
-    // SAFETY: each type is the DCMI API's documented C signature of its symbol.
-    unsafe {
-        (
-            lib.get::<InitFn>("dcmi_init")?,
-            lib.get::<CardListFn>("dcmi_get_card_num_list")?,
-            lib.get::<DevNumFn>("dcmi_get_device_num_in_card")?,
-            lib.get::<LogicIdFn>("dcmi_get_device_logic_id")?,
-            lib.get::<ChipInfoFn>("dcmi_get_device_chip_info_v2")?,
-            lib.get::<UintFn>("dcmi_get_device_health")?,
-            lib.get::<UtilFn>("dcmi_get_device_utilization_rate")?,
-            lib.get::<IntFn>("dcmi_get_device_temperature")?,
-            lib.get::<IntFn>("dcmi_get_device_power_info")?,
-            lib.get::<HbmFn>("dcmi_get_device_hbm_info")?,
-        )
-    };
+    let api = Api::load(&lib)?;
     // SAFETY: no arguments.
-    check("dcmi_init", unsafe { init() })?;
+    check("dcmi_init", unsafe { (api.init)() })?;
     let mut count: c_int = 0;
     let mut cards = [0 as c_int; MAX_CARDS];
     // SAFETY: `cards` has room for MAX_CARDS entries, the length we pass.
     check("dcmi_get_card_num_list", unsafe {
-        card_list(&mut count, cards.as_mut_ptr(), MAX_CARDS as c_int)
+        (api.card_list)(&mut count, cards.as_mut_ptr(), MAX_CARDS as c_int)
     })?;
     let count = usize::try_from(count).unwrap_or(0).min(MAX_CARDS);
     let mut chips = Vec::new();
@@ -203,57 +188,96 @@ pub fn read(path: &Path) -> Result<Vec<DcmiChip>, DcmiError> {
         let mut n: c_int = 0;
         // A card that does not answer is skipped, not the whole read (as the original).
         // SAFETY: one out-parameter we own.
-        if unsafe { dev_num(card, &mut n) } != 0 {
+        if unsafe { (api.dev_num)(card, &mut n) } != 0 {
             continue;
         }
         for chip in 0..n.max(0) {
             let mut logic: c_int = -1;
             // A chip without a logic id has no device node: skipped, not the whole read.
             // SAFETY: one out-parameter we own.
-            if unsafe { logic_id(&mut logic, card, chip) } != 0 {
+            if unsafe { (api.logic_id)(&mut logic, card, chip) } != 0 {
                 continue;
             }
             let Ok(logic) = u32::try_from(logic) else { continue };
-            // SAFETY: all-zero bytes are a valid ChipInfo (arrays and integers).
-            let mut info: ChipInfo = unsafe { std::mem::zeroed() };
-            // SAFETY: `info` is at least as large as the library's struct.
-            let name = if unsafe { chip_info(card, chip, &mut info) } == 0 {
-                c_name(&info.chip_name)
-            } else {
-                String::new()
-            };
-            let (mut health_v, mut ai_v, mut hbm_v): (c_uint, c_uint, c_uint) = (0, 0, 0);
-            let (mut temp_v, mut power_v): (c_int, c_int) = (0, 0);
-            // SAFETY: one out-parameter we own.
-            let health = (unsafe { health(card, chip, &mut health_v) } == 0).then_some(health_v);
-            // SAFETY: one out-parameter we own.
-            let ai_core = (unsafe { util(card, chip, UTIL_AICORE, &mut ai_v) } == 0).then_some(ai_v);
-            // SAFETY: one out-parameter we own.
-            let hbm_pct = (unsafe { util(card, chip, UTIL_HBM, &mut hbm_v) } == 0).then_some(hbm_v);
-            // SAFETY: one out-parameter we own.
-            let temperature = (unsafe { temp(card, chip, &mut temp_v) } == 0).then_some(temp_v);
-            // SAFETY: one out-parameter we own.
-            let power_dw = (unsafe { power(card, chip, &mut power_v) } == 0).then_some(power_v);
-            // SAFETY: all-zero bytes are a valid HbmInfo.
-            let mut h: HbmInfo = unsafe { std::mem::zeroed() };
-            // SAFETY: `h` is at least as large as the library's struct.
-            let hbm_ok = unsafe { hbm(card, chip, &mut h) } == 0;
-            chips.push(DcmiChip {
-                card_id: u32::try_from(card).unwrap_or(0),
-                chip_id: u32::try_from(chip).unwrap_or(0),
-                logic_id: logic,
-                chip_name: name,
-                health,
-                ai_core_percent: ai_core,
-                hbm_percent: hbm_pct,
-                temperature,
-                power_deciwatts: power_dw,
-                hbm_total_mb: hbm_ok.then_some(h.memory_size),
-                hbm_used_mb: hbm_ok.then_some(h.memory_usage),
-            });
+            chips.push(api.chip(card, chip, logic));
         }
     }
     Ok(chips)
+}
+
+/// The DCMI calls a read makes, looked up in a [`Library`] that outlives them.
+struct Api {
+    init: InitFn,
+    card_list: CardListFn,
+    dev_num: DevNumFn,
+    logic_id: LogicIdFn,
+    chip_info: ChipInfoFn,
+    health: UintFn,
+    util: UtilFn,
+    temp: IntFn,
+    power: IntFn,
+    hbm: HbmFn,
+}
+
+impl Api {
+    fn load(lib: &Library) -> Result<Api, DcmiError> {
+        // SAFETY: each type is the DCMI API's documented C signature of its symbol.
+        unsafe {
+            Ok(Api {
+                init: lib.get::<InitFn>("dcmi_init")?,
+                card_list: lib.get::<CardListFn>("dcmi_get_card_num_list")?,
+                dev_num: lib.get::<DevNumFn>("dcmi_get_device_num_in_card")?,
+                logic_id: lib.get::<LogicIdFn>("dcmi_get_device_logic_id")?,
+                chip_info: lib.get::<ChipInfoFn>("dcmi_get_device_chip_info_v2")?,
+                health: lib.get::<UintFn>("dcmi_get_device_health")?,
+                util: lib.get::<UtilFn>("dcmi_get_device_utilization_rate")?,
+                temp: lib.get::<IntFn>("dcmi_get_device_temperature")?,
+                power: lib.get::<IntFn>("dcmi_get_device_power_info")?,
+                hbm: lib.get::<HbmFn>("dcmi_get_device_hbm_info")?,
+            })
+        }
+    }
+
+    /// One chip's name and readings; a call that fails leaves its field empty.
+    fn chip(&self, card: c_int, chip: c_int, logic: u32) -> DcmiChip {
+        // SAFETY: all-zero bytes are a valid ChipInfo (arrays and integers).
+        let mut info: ChipInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is at least as large as the library's struct.
+        let name = if unsafe { (self.chip_info)(card, chip, &mut info) } == 0 {
+            c_name(&info.chip_name)
+        } else {
+            String::new()
+        };
+        let (mut health_v, mut ai_v, mut hbm_v): (c_uint, c_uint, c_uint) = (0, 0, 0);
+        let (mut temp_v, mut power_v): (c_int, c_int) = (0, 0);
+        // SAFETY: one out-parameter we own.
+        let health = (unsafe { (self.health)(card, chip, &mut health_v) } == 0).then_some(health_v);
+        // SAFETY: one out-parameter we own.
+        let ai_core = (unsafe { (self.util)(card, chip, UTIL_AICORE, &mut ai_v) } == 0).then_some(ai_v);
+        // SAFETY: one out-parameter we own.
+        let hbm_pct = (unsafe { (self.util)(card, chip, UTIL_HBM, &mut hbm_v) } == 0).then_some(hbm_v);
+        // SAFETY: one out-parameter we own.
+        let temperature = (unsafe { (self.temp)(card, chip, &mut temp_v) } == 0).then_some(temp_v);
+        // SAFETY: one out-parameter we own.
+        let power_dw = (unsafe { (self.power)(card, chip, &mut power_v) } == 0).then_some(power_v);
+        // SAFETY: all-zero bytes are a valid HbmInfo.
+        let mut h: HbmInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: `h` is at least as large as the library's struct.
+        let hbm_ok = unsafe { (self.hbm)(card, chip, &mut h) } == 0;
+        DcmiChip {
+            card_id: u32::try_from(card).unwrap_or(0),
+            chip_id: u32::try_from(chip).unwrap_or(0),
+            logic_id: logic,
+            chip_name: name,
+            health,
+            ai_core_percent: ai_core,
+            hbm_percent: hbm_pct,
+            temperature,
+            power_deciwatts: power_dw,
+            hbm_total_mb: hbm_ok.then_some(h.memory_size),
+            hbm_used_mb: hbm_ok.then_some(h.memory_usage),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -56,10 +56,7 @@ pub fn health(
 ) -> Value {
     let (sandbox_network, egressd) = network(app, egress);
     let cfg = &app.config;
-    let cap = &app.sandbox.capability;
-    let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
-    let [memory, pids, cpu] = crate::limits::health_entries(&app.limits, cfg.exec_timeout_ms);
-    let workspace = crate::exec::files::quota_enforcement(cfg.max_workspace_bytes, app.journal.enabled());
+    let (enforced, reasons) = enforcement(app);
     let mut health = json!({
         "cgroupDelegated": app.limits.delegated,
         "cgroupMode": app.limits.mode.label(),
@@ -86,53 +83,9 @@ pub fn health(
         "seccompBaseline": Profile::Baseline.version_label(),
         "status": "ok",
         "workerConcurrency": null,
-        "enforced": {
-            "memory": memory.1,
-            "pids": pids.1,
-            "cpu": cpu.1,
-            "fsize": if cfg.max_workspace_bytes > 0 { json!("partial") } else { json!(false) },
-            "workspaceBytes": workspace.0,
-            "seccomp": cap.sandbox_usable,
-            "nestedUserNamespaces": cap.disable_userns,
-            "unprivilegedSandboxUser": app.sandbox.user.uid != 0,
-        },
-        "reasons": {
-            "memory": memory.2,
-            "pids": pids.2,
-            "cpu": cpu.2,
-            "fsize": if cfg.max_workspace_bytes > 0 {
-                "RLIMIT_FSIZE caps each file at maxWorkspaceBytes + 1 byte (so a capped write fails the quota check)"
-            } else {
-                "maxWorkspaceBytes is 0 (unlimited)"
-            },
-            "unprivilegedSandboxUser": format!(
-                "every sandbox runs as host uid {} ({}); sandbox-init refuses to start one as uid 0",
-                app.sandbox.user.uid,
-                app.sandbox.user.describe()
-            ),
-            "workspaceBytes": workspace.1,
-            "seccomp": if cap.sandbox_usable { "the baseline profile on every execution (the network profile for domain-allowlist runs)" } else { "no sandbox can be built on this host" },
-            "nestedUserNamespaces": match cap.reason {
-                crate::sandbox::preflight::CapabilityReason::Supported => "--disable-userns, and clone(CLONE_NEWUSER)/unshare denied by seccomp",
-                _ => "--disable-userns unavailable; clone(CLONE_NEWUSER)/unshare still denied by seccomp",
-            },
-        },
-        "sandboxProfile": {
-            "sandboxUsable": cap.sandbox_usable,
-            "procMode": cap.proc_mode,
-            "procFallback": cap.proc_fallback,
-            "disableUserns": cap.disable_userns,
-            "reason": cap.reason,
-            "warnings": warnings,
-            "workspaceIdmap": app.sandbox.idmap,
-            "workspaceJournal": app.journal.describe(),
-            "callerWorkspaces": format!(
-                "workspaces owned by the sandbox user ({}) are bound as they are; those owned by another user: \
-                 idmapped mounts {}",
-                app.sandbox.user.name,
-                app.sandbox.idmap.describe()
-            ),
-        },
+        "enforced": enforced,
+        "reasons": reasons,
+        "sandboxProfile": sandbox_profile(app),
         "egressd": egressd,
         "npuBrokerd": npu_brokerd,
         "queue": {"admitted": app.admission.admitted(), "capacity": cfg.queue_capacity, "maxConcurrent": cfg.max_concurrent},
@@ -142,4 +95,66 @@ pub fn health(
     health["versionHistory"] = app.history.health();
     health["sharedDatabases"] = app.versions.damaged_json();
     health
+}
+
+/// What is enforced on every execution, and why (or why not) each is.
+fn enforcement(app: &App) -> (Value, Value) {
+    let cfg = &app.config;
+    let cap = &app.sandbox.capability;
+    let [memory, pids, cpu] = crate::limits::health_entries(&app.limits, cfg.exec_timeout_ms);
+    let workspace = crate::exec::files::quota_enforcement(cfg.max_workspace_bytes, app.journal.enabled());
+    let enforced = json!({
+        "memory": memory.1,
+        "pids": pids.1,
+        "cpu": cpu.1,
+        "fsize": if cfg.max_workspace_bytes > 0 { json!("partial") } else { json!(false) },
+        "workspaceBytes": workspace.0,
+        "seccomp": cap.sandbox_usable,
+        "nestedUserNamespaces": cap.disable_userns,
+        "unprivilegedSandboxUser": app.sandbox.user.uid != 0,
+    });
+    let reasons = json!({
+        "memory": memory.2,
+        "pids": pids.2,
+        "cpu": cpu.2,
+        "fsize": if cfg.max_workspace_bytes > 0 {
+            "RLIMIT_FSIZE caps each file at maxWorkspaceBytes + 1 byte (so a capped write fails the quota check)"
+        } else {
+            "maxWorkspaceBytes is 0 (unlimited)"
+        },
+        "unprivilegedSandboxUser": format!(
+            "every sandbox runs as host uid {} ({}); sandbox-init refuses to start one as uid 0",
+            app.sandbox.user.uid,
+            app.sandbox.user.describe()
+        ),
+        "workspaceBytes": workspace.1,
+        "seccomp": if cap.sandbox_usable { "the baseline profile on every execution (the network profile for domain-allowlist runs)" } else { "no sandbox can be built on this host" },
+        "nestedUserNamespaces": match cap.reason {
+            crate::sandbox::preflight::CapabilityReason::Supported => "--disable-userns, and clone(CLONE_NEWUSER)/unshare denied by seccomp",
+            _ => "--disable-userns unavailable; clone(CLONE_NEWUSER)/unshare still denied by seccomp",
+        },
+    });
+    (enforced, reasons)
+}
+
+/// How sandboxes are built on this host.
+fn sandbox_profile(app: &App) -> Value {
+    let cap = &app.sandbox.capability;
+    let warnings: Vec<&str> = app.sandbox.warnings.iter().map(|w| w.text.as_str()).collect();
+    json!({
+        "sandboxUsable": cap.sandbox_usable,
+        "procMode": cap.proc_mode,
+        "procFallback": cap.proc_fallback,
+        "disableUserns": cap.disable_userns,
+        "reason": cap.reason,
+        "warnings": warnings,
+        "workspaceIdmap": app.sandbox.idmap,
+        "workspaceJournal": app.journal.describe(),
+        "callerWorkspaces": format!(
+            "workspaces owned by the sandbox user ({}) are bound as they are; those owned by another user: \
+             idmapped mounts {}",
+            app.sandbox.user.name,
+            app.sandbox.idmap.describe()
+        ),
+    })
 }

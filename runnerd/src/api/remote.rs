@@ -203,39 +203,24 @@ fn declared(headers: &hyper::HeaderMap) -> Result<Declared, ApiError> {
     Ok(Declared { size, sha256, executable })
 }
 
-/// `PUT /remote-workspace/file` (`transfer: false`) and `PUT …/transfer-file` (`true`).
-pub async fn put_file(
-    app: &Arc<App>,
-    q: Option<&str>,
-    headers: &hyper::HeaderMap,
-    upload: Option<hyper::body::Incoming>,
+/// `conflict=`: whether an existing file is replaced (`reject`, the default, or `overwrite`).
+fn overwrites(q: Option<&str>, transfer: bool) -> Result<bool, ApiError> {
+    match query::get(q, "conflict").as_deref() {
+        None | Some("reject") => Ok(false),
+        Some("overwrite") => Ok(true),
+        Some(_) if transfer => Err(ApiError::bad_request("invalid_upload_metadata", BAD_METADATA)),
+        Some(_) => Err(ApiError::bad_request("invalid_conflict", "Invalid workspace conflict policy")),
+    }
+}
+
+/// The upload staged under `staging`, checked against what a transfer declared.
+async fn receive(
+    upload: hyper::body::Incoming,
+    staging: &std::path::Path,
+    declared: Option<Declared>,
+    max: u64,
     transfer: bool,
-) -> Result<ApiResponse, ApiError> {
-    let (root, fd) = workspace_root(app, &named(q, "workspace")?)?;
-    let overwrite = match query::get(q, "conflict").as_deref() {
-        None | Some("reject") => false,
-        Some("overwrite") => true,
-        Some(_) if transfer => return Err(ApiError::bad_request("invalid_upload_metadata", BAD_METADATA)),
-        Some(_) => {
-            return Err(ApiError::bad_request("invalid_conflict", "Invalid workspace conflict policy"));
-        }
-    };
-    let declared = if transfer { Some(declared(headers)?) } else { None };
-    let path = named(q, "path")?;
-    let segs: Vec<String> =
-        paths::segments(&path).map_err(path_err)?.into_iter().map(str::to_owned).collect();
-    let display_path = segs.join("/");
-    let max = app.config.max_workspace_bytes;
-    let upload = upload.ok_or_else(|| ApiError::bad_request("body_unreadable", "Upload body is missing"))?;
-    let staging = app.data_dir.join(STAGING);
-    let mismatch = |detail: String| {
-        ApiError::bad_request(
-            "upload_mismatch",
-            format!(
-                "Verified upload did not match its declared size and SHA-256 ({detail}); nothing was published"
-            ),
-        )
-    };
+) -> Result<stream::Staged, ApiError> {
     // A verified transfer is read no further than it declared; a plain upload no further
     // than the quota (the original's body limit for that route).
     let limit = match declared {
@@ -243,7 +228,7 @@ pub async fn put_file(
         Some(d) => Some(d.size),
         None => (max > 0).then_some(max),
     };
-    let staged = stream::receive(upload, &staging, limit).await.map_err(|e| match e {
+    let staged = stream::receive(upload, staging, limit).await.map_err(|e| match e {
         UploadError::TooLarge(declared_size) if transfer => {
             mismatch(format!("more than the declared {declared_size} bytes arrived"))
         }
@@ -257,6 +242,36 @@ pub async fn put_file(
     {
         return Err(mismatch(format!("received {} bytes, sha256 {}", staged.size, staged.sha256)));
     }
+    Ok(staged)
+}
+
+fn mismatch(detail: String) -> ApiError {
+    ApiError::bad_request(
+        "upload_mismatch",
+        format!(
+            "Verified upload did not match its declared size and SHA-256 ({detail}); nothing was published"
+        ),
+    )
+}
+
+/// `PUT /remote-workspace/file` (`transfer: false`) and `PUT …/transfer-file` (`true`).
+pub async fn put_file(
+    app: &Arc<App>,
+    q: Option<&str>,
+    headers: &hyper::HeaderMap,
+    upload: Option<hyper::body::Incoming>,
+    transfer: bool,
+) -> Result<ApiResponse, ApiError> {
+    let (root, fd) = workspace_root(app, &named(q, "workspace")?)?;
+    let overwrite = overwrites(q, transfer)?;
+    let declared = if transfer { Some(declared(headers)?) } else { None };
+    let path = named(q, "path")?;
+    let segs: Vec<String> =
+        paths::segments(&path).map_err(path_err)?.into_iter().map(str::to_owned).collect();
+    let display_path = segs.join("/");
+    let max = app.config.max_workspace_bytes;
+    let upload = upload.ok_or_else(|| ApiError::bad_request("body_unreadable", "Upload body is missing"))?;
+    let staged = receive(upload, &app.data_dir.join(STAGING), declared, max, transfer).await?;
     let pinned = fd.try_clone().map_err(|e| ApiError::bad_request("internal", e.to_string()))?;
     let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
     let exec_bits = declared.map_or(0, |d| d.executable);

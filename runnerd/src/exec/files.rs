@@ -255,18 +255,19 @@ fn walk_within(
         }
     };
     let depth = if prefix.is_empty() { 0 } else { prefix.split('/').count() };
-    // Pending directories: the open parent, the name, the relative path, the depth. Parents
-    // are shared, so a depth-first walk holds about one descriptor per level.
-    let mut stack: Vec<(Rc<OwnedFd>, CString, String, usize)> = Vec::new();
-    seen(Seen::Opened(root.as_fd(), prefix));
-    list(&Rc::new(root), prefix, depth, &mut m, &mut stack, seen, max_path_bytes);
-    seen(Seen::Listed(prefix));
-    while let Some((parent, name, rel, depth)) = stack.pop() {
-        if m.path_bytes > max_path_bytes || m.entries > m.entry_cap {
+    let mut walk = Walk { m, stack: Vec::new(), seen, max_path_bytes };
+    (walk.seen)(Seen::Opened(root.as_fd(), prefix));
+    walk.list(&Rc::new(root), prefix, depth);
+    (walk.seen)(Seen::Listed(prefix));
+    while let Some((parent, name, rel, depth)) = walk.stack.pop() {
+        if walk.m.path_bytes > max_path_bytes || walk.m.entries > walk.m.entry_cap {
             break;
         }
         if depth > MAX_WALK_DEPTH {
-            m.fail(&rel, io::Error::other(format!("nests directories deeper than {MAX_WALK_DEPTH} levels")));
+            walk.m.fail(
+                &rel,
+                io::Error::other(format!("nests directories deeper than {MAX_WALK_DEPTH} levels")),
+            );
             continue;
         }
         // No (dev, ino) comparison with the listing's stat: the open is relative to the
@@ -274,78 +275,86 @@ fn walk_within(
         // (a rename since the listing), and counting what is there now is right.
         match fsat::open_dir_at(&parent, &name) {
             Ok(dir) => {
-                seen(Seen::Opened(dir.as_fd(), &rel));
-                list(&Rc::new(dir), &rel, depth, &mut m, &mut stack, seen, max_path_bytes);
-                seen(Seen::Listed(&rel));
+                (walk.seen)(Seen::Opened(dir.as_fd(), &rel));
+                walk.list(&Rc::new(dir), &rel, depth);
+                (walk.seen)(Seen::Listed(&rel));
             }
             // Gone, or swapped for a symlink or a file since it was listed: nothing to count.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)) => {}
-            Err(e) => m.fail(&rel, e),
+            Err(e) => walk.m.fail(&rel, e),
         }
     }
-    m
+    walk.m
 }
 
-#[allow(clippy::too_many_arguments)]
-fn list(
-    dir: &Rc<OwnedFd>,
-    rel: &str,
-    depth: usize,
-    m: &mut Measured,
-    stack: &mut Vec<(Rc<OwnedFd>, CString, String, usize)>,
-    seen: &mut dyn FnMut(Seen<'_>),
+/// One walk's state: what it measured so far, the directories still to walk, its observer,
+/// and the path text it may keep.
+struct Walk<'s> {
+    m: Measured,
+    /// Pending directories: the open parent, the name, the relative path, the depth. Parents
+    /// are shared, so a depth-first walk holds about one descriptor per level.
+    stack: Vec<(Rc<OwnedFd>, CString, String, usize)>,
+    seen: &'s mut dyn FnMut(Seen<'_>),
     max_path_bytes: usize,
-) {
-    let names = match fsat::names(dir) {
-        Ok(names) => names,
-        Err(e) => return m.fail(rel, e),
-    };
-    for (name, cname) in names {
-        let name = name.to_string_lossy();
-        let child = if rel.is_empty() { name.into_owned() } else { format!("{rel}/{name}") };
-        m.entries = m.entries.saturating_add(1);
-        if m.entries > m.entry_cap {
-            return;
-        }
-        let too_long = |m: &mut Measured, held: usize| {
-            m.path_bytes = m.path_bytes.saturating_add(held);
-            m.path_bytes > max_path_bytes
+}
+
+impl Walk<'_> {
+    /// Reads `dir`'s names (at `rel`, `depth` levels down), counting each and pushing its
+    /// subdirectories onto the stack.
+    fn list(&mut self, dir: &Rc<OwnedFd>, rel: &str, depth: usize) {
+        let Walk { m, stack, seen, max_path_bytes } = self;
+        let max_path_bytes = *max_path_bytes;
+        let names = match fsat::names(dir) {
+            Ok(names) => names,
+            Err(e) => return m.fail(rel, e),
         };
-        if !m.counting && too_long(m, child.len()) {
-            let error = format!("holds more than {max_path_bytes} bytes of file paths");
-            return m.fail(rel, io::Error::other(error));
-        }
-        let st = match Stat::at(dir, &cname) {
-            Ok(st) => st,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-            Err(e) => {
-                m.fail(&child, e);
-                continue;
+        for (name, cname) in names {
+            let name = name.to_string_lossy();
+            let child = if rel.is_empty() { name.into_owned() } else { format!("{rel}/{name}") };
+            m.entries = m.entries.saturating_add(1);
+            if m.entries > m.entry_cap {
+                return;
             }
-        };
-        // Counting keeps only the directories still to walk.
-        if m.counting && st.kind() == libc::S_IFDIR && too_long(m, child.len()) {
-            let error = format!("holds more than {max_path_bytes} bytes of directory paths");
-            return m.fail(rel, io::Error::other(error));
-        }
-        match st.kind() {
-            libc::S_IFDIR => {
-                seen(Seen::Dir(&child));
-                stack.push((dir.clone(), cname, child, depth + 1));
+            let too_long = |m: &mut Measured, held: usize| {
+                m.path_bytes = m.path_bytes.saturating_add(held);
+                m.path_bytes > max_path_bytes
+            };
+            if !m.counting && too_long(m, child.len()) {
+                let error = format!("holds more than {max_path_bytes} bytes of file paths");
+                return m.fail(rel, io::Error::other(error));
             }
-            libc::S_IFREG => {
-                m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks, st.blksize));
-                if st.mode & (libc::S_ISUID | libc::S_ISGID) != 0 && m.set_id.is_none() {
-                    m.set_id = Some(child.clone());
+            let st = match Stat::at(dir, &cname) {
+                Ok(st) => st,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => {
+                    m.fail(&child, e);
+                    continue;
                 }
-                seen(Seen::File(&child, &st));
-                if !m.counting {
-                    m.prints.insert(child, (st.size, st.mtime_ns));
-                }
+            };
+            // Counting keeps only the directories still to walk.
+            if m.counting && st.kind() == libc::S_IFDIR && too_long(m, child.len()) {
+                let error = format!("holds more than {max_path_bytes} bytes of directory paths");
+                return m.fail(rel, io::Error::other(error));
             }
-            // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
-            // refuses them, without poisoning the workspace).
-            _ => seen(Seen::Other(&child)),
+            match st.kind() {
+                libc::S_IFDIR => {
+                    seen(Seen::Dir(&child));
+                    stack.push((dir.clone(), cname, child, depth + 1));
+                }
+                libc::S_IFREG => {
+                    m.bytes = m.bytes.saturating_add(charged(st.size, st.blocks, st.blksize));
+                    if st.mode & (libc::S_ISUID | libc::S_ISGID) != 0 && m.set_id.is_none() {
+                        m.set_id = Some(child.clone());
+                    }
+                    seen(Seen::File(&child, &st));
+                    if !m.counting {
+                        m.prints.insert(child, (st.size, st.mtime_ns));
+                    }
+                }
+                // Symlinks hold no data here; FIFOs, sockets and devices none either (a commit
+                // refuses them, without poisoning the workspace).
+                _ => seen(Seen::Other(&child)),
+            }
         }
     }
 }
