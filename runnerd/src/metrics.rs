@@ -211,66 +211,66 @@ struct StateGauges {
 
 impl StateGauges {
     fn register(registry: &mut Registry) -> StateGauges {
-        let egress_decisions = Family::<Labels, Gauge>::default();
-        registry.register(
+        let egress_decisions = registered(
+            registry,
             "egress_decisions",
             "egressd's proxy decisions since it started, by verdict (read from egressd at scrape)",
-            egress_decisions.clone(),
+            Family::<Labels, Gauge>::default(),
         );
-        let egress_up = Gauge::default();
-        registry.register(
+        let egress_up = registered(
+            registry,
             "egress_up",
             "Whether egressd answered this scrape's status request",
-            egress_up.clone(),
+            Gauge::default(),
         );
-        let journal_workspaces = Gauge::default();
-        registry.register(
+        let journal_workspaces = registered(
+            registry,
             "journal_workspaces",
             "Workspaces the change journal keeps watched (SCIENCE_AGENT_JOURNAL_WORKSPACES bounds it)",
-            journal_workspaces.clone(),
+            Gauge::default(),
         );
-        let journal_watches = Gauge::default();
-        registry.register(
+        let journal_watches = registered(
+            registry,
             "journal_watches",
             "Directory watches the change journal holds (SCIENCE_AGENT_JOURNAL_WATCHES bounds it)",
-            journal_watches.clone(),
+            Gauge::default(),
         );
-        let journal_runs = Family::<Labels, Gauge>::default();
-        registry.register(
+        let journal_runs = registered(
+            registry,
             "journal_runs",
             "Runs since start-up measured from the change journal (measured=\"journal\") or by walking the \
              workspace, by why (first_use, events_lost, unrepresentable, no_slot)",
-            journal_runs.clone(),
+            Family::<Labels, Gauge>::default(),
         );
-        let history_collections = Family::<Labels, Gauge>::default();
-        registry.register(
+        let history_collections = registered(
+            registry,
             "history_collections",
             "Version collections since start-up, by outcome (ok, failed)",
-            history_collections.clone(),
+            Family::<Labels, Gauge>::default(),
         );
-        let history_deleted_objects = Gauge::default();
-        registry.register(
+        let history_deleted_objects = registered(
+            registry,
             "history_deleted_objects",
             "Unreachable version-store objects the collector deleted since start-up",
-            history_deleted_objects.clone(),
+            Gauge::default(),
         );
-        let history_deleted_bytes = Gauge::default();
-        registry.register(
+        let history_deleted_bytes = registered(
+            registry,
             "history_deleted_bytes",
             "Disk bytes the collector freed since start-up",
-            history_deleted_bytes.clone(),
+            Gauge::default(),
         );
-        let history_pruned_versions = Gauge::default();
-        registry.register(
+        let history_pruned_versions = registered(
+            registry,
             "history_pruned_versions",
             "History versions the retention removed since start-up",
-            history_pruned_versions.clone(),
+            Gauge::default(),
         );
-        let history_stored_bytes = Gauge::default();
-        registry.register(
+        let history_stored_bytes = registered(
+            registry,
             "history_stored_bytes",
             "Disk bytes the version store held at the last collection (-1 before the first)",
-            history_stored_bytes.clone(),
+            Gauge::default(),
         );
         StateGauges {
             egress_decisions,
@@ -287,6 +287,29 @@ impl StateGauges {
     }
 }
 
+/// Registers `metric` under `name` and returns it (the registry keeps a clone: each metric
+/// is a handle on shared counts).
+fn registered<M: prometheus_client::registry::Metric + Clone>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: M,
+) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// The queue's depth, its running executions and its capacity.
+fn queue_gauges(registry: &mut Registry) -> (Gauge, Gauge, Gauge) {
+    let queue_depth =
+        "Synchronous executions in the bounded queue (waiting or running), as admission counts them";
+    (
+        registered(registry, "queue_depth", queue_depth, Gauge::default()),
+        registered(registry, "running", "Admitted executions holding a sandbox slot", Gauge::default()),
+        registered(registry, "queue_capacity", "Executions the queue admits at once", Gauge::default()),
+    )
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
@@ -295,72 +318,66 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("runner");
-        let requests = Family::<Labels, Counter>::default();
-        registry.register(
+        let mut owned = Registry::with_prefix("runner");
+        let registry = &mut owned;
+        let requests = registered(
+            registry,
             "execution_requests",
             "Answers of the execution routes, by route and error code (ok when it ran to an answer)",
-            requests.clone(),
+            Family::<Labels, Counter>::default(),
         );
-        let executions = Family::<Labels, Counter>::default();
-        registry.register(
+        let executions = registered(
+            registry,
             "executions",
             "Admitted executions that ended, by route, outcome and seccomp profile",
-            executions.clone(),
+            Family::<Labels, Counter>::default(),
         );
-        let admission = Family::<Labels, Counter>::default();
-        registry.register(
+        let admission = registered(
+            registry,
             "admission",
             "Places asked of the bounded queue: admitted, or refused (503 queue_full)",
-            admission.clone(),
+            Family::<Labels, Counter>::default(),
         );
-        let (queued, running, capacity) = (Gauge::default(), Gauge::default(), Gauge::default());
-        registry.register(
-            "queue_depth",
-            "Synchronous executions in the bounded queue (waiting or running), as admission counts them",
-            queued.clone(),
-        );
-        registry.register("running", "Admitted executions holding a sandbox slot", running.clone());
-        registry.register("queue_capacity", "Executions the queue admits at once", capacity.clone());
-        let launch_seconds: Histograms = Family::new_with_constructor(launch_histogram);
-        registry.register(
+        let (queued, running, capacity) = queue_gauges(registry);
+        let launch_seconds: Histograms = registered(
+            registry,
             "launch_seconds",
             "From the launch to bubblewrap executing (sandbox-init's hand-over), by profile",
-            launch_seconds.clone(),
+            Family::new_with_constructor(launch_histogram),
         );
-        let duration_seconds: Histograms = Family::new_with_constructor(duration_histogram);
-        registry.register(
+        let duration_seconds: Histograms = registered(
+            registry,
             "execution_duration_seconds",
             "From admission (queue included) to the end of an execution, by route",
-            duration_seconds.clone(),
+            Family::new_with_constructor(duration_histogram),
         );
-        let init_failures = Family::<Labels, Counter>::default();
-        registry.register(
+        let init_failures = registered(
+            registry,
             "sandbox_init_failures",
             "Launches sandbox-init reported failed, by the step that failed",
-            init_failures.clone(),
+            Family::<Labels, Counter>::default(),
         );
-        let limits_hit = Family::<Labels, Counter>::default();
-        registry.register(
+        let limits_hit = registered(
+            registry,
             "limits_hit",
             "Executions that ran into a limit: oom, pids, fsize, quota, timeout",
-            limits_hit.clone(),
+            Family::<Labels, Counter>::default(),
         );
-        let commit_seconds: Histograms = Family::new_with_constructor(duration_histogram);
-        registry.register(
+        let commit_seconds: Histograms = registered(
+            registry,
             "workspace_commit_seconds",
             "Snapshot and commit of a workspace's new version after a run, by result",
-            commit_seconds.clone(),
+            Family::new_with_constructor(duration_histogram),
         );
-        let phase_seconds: Histograms = Family::new_with_constructor(phase_histogram);
-        registry.register(
+        let phase_seconds: Histograms = registered(
+            registry,
             "execution_phase_seconds",
             "Where a synchronous execution that ran to its answer spent its time, by phase",
-            phase_seconds.clone(),
+            Family::new_with_constructor(phase_histogram),
         );
-        let state = StateGauges::register(&mut registry);
+        let state = StateGauges::register(registry);
         Metrics {
-            registry,
+            registry: owned,
             requests,
             executions,
             admission,
