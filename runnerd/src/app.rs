@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use crate::auth::ReplayCache;
 use crate::config::RunnerConfig;
 use crate::egress::EgressClient;
 use crate::exec::admission::Admission;
@@ -10,18 +9,15 @@ use crate::exec::dedupe::RecentIds;
 use crate::exec::registry::Registry;
 use crate::managed::Manager;
 use crate::startup::SandboxRuntime;
-use crate::token::Token;
 use crate::writer::Versions;
 
 #[derive(Debug)]
 pub struct App {
     pub config: RunnerConfig,
-    pub token: Token,
     pub sandbox: SandboxRuntime,
     pub admission: Admission,
     pub recent_ids: RecentIds,
     pub registry: Registry,
-    pub replays: ReplayCache,
     /// The data directory as given (paths in answers use it, like the original).
     pub data_dir: PathBuf,
     /// The user executions run as: the sandbox user's name (contract §4 `executionUser`; the
@@ -62,7 +58,6 @@ pub struct App {
 impl App {
     pub fn new(
         config: RunnerConfig,
-        token: Token,
         sandbox: SandboxRuntime,
         versions: std::sync::Arc<Versions>,
         managed: std::sync::Arc<Manager>,
@@ -82,12 +77,10 @@ impl App {
         };
         App {
             output_pool: crate::launch::OutputPool::new(config.max_buffered_output_bytes),
-            token,
             sandbox,
             admission,
             recent_ids: RecentIds::default(),
             registry: Registry::default(),
-            replays: ReplayCache::default(),
             data_dir,
             execution_user,
             shutdown: tokio::sync::watch::Sender::new(false),

@@ -114,6 +114,20 @@ pub fn verify(
     Ok(())
 }
 
+/// Who may call: the bearer token every route but `/health` needs, and the replay cache of
+/// the signed routes. The HTTP layer's alone (the engine never sees a credential).
+#[derive(Debug)]
+pub struct Gate {
+    pub token: crate::token::Token,
+    pub replays: ReplayCache,
+}
+
+impl Gate {
+    pub fn new(token: crate::token::Token) -> Gate {
+        Gate { token, replays: ReplayCache::default() }
+    }
+}
+
 /// Signatures accepted within the window: the same one again is a replay. Entries expire
 /// when their timestamp leaves the window (after that the window check refuses them).
 #[derive(Debug, Default)]

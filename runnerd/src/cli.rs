@@ -236,7 +236,8 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     );
     let limits = detect_limits(&config)?;
     let envs = open_envs(&config, &sandbox)?;
-    let app = Arc::new(App::new(config, token, sandbox, versions, managed, limits, envs));
+    let app = Arc::new(App::new(config, sandbox, versions, managed, limits, envs));
+    let gate = Arc::new(crate::auth::Gate::new(token));
     // Before anyone can learn that runnerd listens: a stop from then on is graceful.
     let signals = StopSignals::register();
     announce(&app, &address, usable)?;
@@ -248,7 +249,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
         tracing::warn!(event = "notify_failed", error = %e);
     }
-    http::serve(app.clone(), listener, shutdown(signals, app.clone())).await;
+    http::serve(app.clone(), gate, listener, shutdown(signals, app.clone())).await;
     app.managed.close(MANAGED_GRACE).await;
     app.limits.remove_spares();
     tracing::info!(event = "stopped");

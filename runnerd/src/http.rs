@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use crate::api::stream::ReplyBody;
 use crate::api::{self, ApiRequest, ApiResponse, error::ApiError};
 use crate::app::App;
-use crate::auth;
+use crate::auth::{self, Gate};
 use crate::memory::{self, Activity};
 
 mod bytes_compat {
@@ -235,7 +235,7 @@ impl Drop for ClientWatch {
     }
 }
 
-async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response<ReplyBody> {
+async fn handle(app: Arc<App>, gate: Arc<Gate>, req: Request<Incoming>, peer: String) -> Response<ReplyBody> {
     let method = req.method().as_str().to_owned();
     let path = req.uri().path().to_owned();
     if api::is_health(&method, &path) {
@@ -243,7 +243,7 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
         return respond(h.status, h.body, None);
     }
     let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes().to_vec());
-    if let Err(e) = authorize(&app, &req, &method, &path, &peer) {
+    if let Err(e) = authorize(&gate, &req, &method, &path, &peer) {
         return from_result(Err(e));
     }
     let text = |name: &str| header(name).and_then(|v| String::from_utf8(v).ok());
@@ -265,7 +265,7 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
     let watch = ClientWatch { tx, done: false };
     let (log_method, log_path, log_peer) = (method.clone(), path.clone(), peer.clone());
     let request = ApiRequest { method, path, query, peer, timestamp, signature, body, headers, upload };
-    let result = api::handle(app, request, rx).await;
+    let result = api::handle(app, &gate, request, rx).await;
     watch.done();
     match &result {
         Ok(ok) => {
@@ -280,7 +280,7 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: String) -> Response
 
 /// The request's one `Authorization` header, checked.
 fn authorize(
-    app: &App,
+    gate: &Gate,
     req: &Request<Incoming>,
     method: &str,
     path: &str,
@@ -299,7 +299,7 @@ fn authorize(
             ));
         }
     };
-    api::authorize(app, authorization, method, path, peer)
+    api::authorize(gate, authorization, method, path, peer)
 }
 
 /// The request body, read whole under `limit` (`None`: an upload, streamed later, reads
@@ -364,7 +364,7 @@ impl Drop for InFlight {
 }
 
 /// Serves until `shutdown` completes, then lets in-flight requests finish (bounded).
-pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Output = ()>) {
+pub async fn serve(app: Arc<App>, gate: Arc<Gate>, listener: Listener, shutdown: impl Future<Output = ()>) {
     let activity = Arc::new(Activity::default());
     let trimmer = tokio::spawn(memory::trimmer(activity.clone()));
     let graceful = GracefulShutdown::new();
@@ -389,14 +389,14 @@ pub async fn serve(app: Arc<App>, listener: Listener, shutdown: impl Future<Outp
                 continue;
             }
         };
-        let app = app.clone();
+        let (app, gate) = (app.clone(), gate.clone());
         let activity = activity.clone();
         let service = service_fn(move |req| {
-            let app = app.clone();
+            let (app, gate) = (app.clone(), gate.clone());
             let peer = peer.clone();
             let in_flight = InFlight::new(&activity);
             async move {
-                let response = handle(app, req, peer).await;
+                let response = handle(app, gate, req, peer).await;
                 drop(in_flight);
                 Ok::<_, Infallible>(response)
             }

@@ -94,8 +94,8 @@ mod tests {
         ];
         for (refused, code, text) in cases {
             assert!(!common::repeats_its_source(&refused), "{refused}");
-            let answered = crate::api::error::ApiError::from(EngineError::from(refused));
-            assert_eq!((answered.code, answered.message.as_str()), (code, text.as_str()));
+            let answered = EngineError::from(refused);
+            assert_eq!((answered.code().as_str(), answered.to_string()), (code, text));
         }
     }
 }

@@ -293,10 +293,9 @@ mod tests {
         let prober = ScriptedProber::with(&[0]);
         let inv = collect_npu(&cfg, None, &prober).await;
         assert_eq!((inv.supported, inv.devices.len(), inv.error.clone()), (false, 0, None));
-        let err =
-            resolve(&cfg, &[3], &[], &prober).await.map_err(crate::api::error::ApiError::from).unwrap_err();
+        let err = resolve(&cfg, &[3], &[], &prober).await.unwrap_err();
         assert_eq!(
-            err.message,
+            err.to_string(),
             "Requested NPU cards are not usable on this machine: This machine reports no Ascend NPU cards, so NPU 3 cannot be selected."
         );
         assert!(prober.calls().is_empty());
@@ -380,12 +379,9 @@ mod tests {
         assert!(view.devices.iter().any(|d| d.host_index == 4 && d.sandbox_usable));
         prober.usable.lock().unwrap().clear(); // another tenant takes chip 4
         prober.calls.lock().unwrap().clear();
-        let err = resolve(&accel.config, &[4], &[], &prober)
-            .await
-            .map_err(crate::api::error::ApiError::from)
-            .unwrap_err();
+        let err = resolve(&accel.config, &[4], &[], &prober).await.unwrap_err();
         assert_eq!(
-            err.message,
+            err.to_string(),
             format!(
                 "Requested NPU cards are not usable on this machine: NPU 4 cannot be opened inside the sandbox: {OCCUPIED}"
             )
@@ -405,17 +401,14 @@ mod tests {
         let prober = ScriptedProber::with(&[4, 6]);
         let mount = resolve(&cfg, &[6, 4], &[], &prober).await.unwrap().unwrap();
         assert_eq!(mount.ascend, [4, 6]);
-        let err = resolve(&cfg, &[4, 5, 9, 12], &[], &prober)
-            .await
-            .map_err(crate::api::error::ApiError::from)
-            .unwrap_err();
+        let err = resolve(&cfg, &[4, 5, 9, 12], &[], &prober).await.unwrap_err();
         assert_eq!(
-            err.message,
+            err.to_string(),
             format!(
                 "Requested NPU cards are not usable on this machine: NPU 5 cannot be opened inside the sandbox: {OCCUPIED} Only Ascend 910 series chips are supported; this one reports \"310P3\". NPU 12 is no longer present on this machine."
             )
         );
-        assert_eq!(err.code, "npu_unavailable");
+        assert_eq!(err.code().as_str(), "npu_unavailable");
     }
 
     #[test]
@@ -491,12 +484,12 @@ mod tests {
             mount.binds.iter().any(|b| !b.device && &b.source == smi),
             "a tool outside /usr is bound read-only"
         );
-        let err =
-            resolve(&cfg, &[], &[1], &prober).await.map_err(crate::api::error::ApiError::from).unwrap_err();
+        let err = resolve(&cfg, &[], &[1], &prober).await.unwrap_err();
         assert!(
-            err.message.starts_with("Requested GPUs are not usable on this machine: GPU 1 cannot be opened"),
+            err.to_string()
+                .starts_with("Requested GPUs are not usable on this machine: GPU 1 cannot be opened"),
             "{}",
-            err.message
+            err.to_string()
         );
     }
 }

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use crate::app::{App, runner_version};
-use crate::auth;
+use crate::auth::{self, Gate};
 use crate::exec;
 use crate::timefmt;
 use error::ApiError;
@@ -101,13 +101,13 @@ pub async fn health(app: &App) -> ApiResponse {
 
 /// The bearer check, made before the body is read (contract §1.3).
 pub fn authorize(
-    app: &App,
+    gate: &Gate,
     authorization: Option<&[u8]>,
     method: &str,
     path: &str,
     peer: &str,
 ) -> Result<(), ApiError> {
-    if auth::bearer_ok(authorization, app.token.expose()) {
+    if auth::bearer_ok(authorization, gate.token.expose()) {
         return Ok(());
     }
     let reason = if authorization.is_some() { "wrong token" } else { "no token" };
@@ -118,11 +118,12 @@ pub fn authorize(
 /// Everything after the bearer check: the signature where required, then the route.
 pub async fn handle(
     app: Arc<App>,
+    gate: &Gate,
     req: ApiRequest,
     client_gone: watch::Receiver<bool>,
 ) -> Result<ApiResponse, ApiError> {
     if signed(&req.method, &req.path) {
-        verify_signature(&app, &req)?;
+        verify_signature(&app, gate, &req)?;
     }
     // Exact paths only (contract §2): `//execute`, `/status/` or `/kernels//teardown` are
     // not routes. The signature check above saw this same string.
@@ -254,11 +255,11 @@ fn replay_checked(path: &str) -> bool {
     !(path == "/npu/jobs" || path.starts_with("/npu/jobs/"))
 }
 
-fn verify_signature(app: &App, req: &ApiRequest) -> Result<(), ApiError> {
+fn verify_signature(app: &App, gate: &Gate, req: &ApiRequest) -> Result<(), ApiError> {
     let now = timefmt::now_ms();
     let max_age = app.config.signature_max_age_ms;
     let checked = auth::verify(
-        app.token.expose(),
+        gate.token.expose(),
         req.timestamp.as_deref(),
         req.signature.as_deref(),
         &req.body,
@@ -271,7 +272,7 @@ fn verify_signature(app: &App, req: &ApiRequest) -> Result<(), ApiError> {
         }
         let ts = req.timestamp.as_deref().and_then(|t| t.parse::<u64>().ok()).unwrap_or(now);
         let signature = req.signature.as_deref().unwrap_or_default();
-        if app.replays.first_use(signature, now, ts.saturating_add(max_age)) {
+        if gate.replays.first_use(signature, now, ts.saturating_add(max_age)) {
             Ok(())
         } else {
             Err(auth::SignatureError::Replayed)

@@ -214,8 +214,9 @@ mod tests {
         let a = Admission::new(2, 1);
         let t1 = a.admit().unwrap();
         let _t2 = a.admit().unwrap();
-        let err = a.admit().map_err(crate::api::error::ApiError::from).unwrap_err();
-        assert_eq!((err.status, err.code, err.retry_after), (503, "queue_full", Some(1)));
+        let err = a.admit().unwrap_err();
+        assert_eq!(err.code().as_str(), "queue_full");
+        assert!(matches!(err, EngineError::QueueFull { retry_after_s: 1, .. }), "{err:?}");
         drop(t1);
         assert!(a.admit().is_ok());
     }
