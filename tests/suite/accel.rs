@@ -12,9 +12,9 @@ use runner_tests::server::{Server, ServerOptions, shell_request};
 use runnerctl::client::Reply;
 use serde_json::{Value, json};
 
-const FAKE_NPU_SMI: &str = include_str!("../../runnerd/src/accel/fixtures/fake-npu-smi.sh");
-const INFO_910B3: &str = include_str!("../../runnerd/src/accel/fixtures/npu-smi-info-910b3.txt");
-const FAKE_DCMI_C: &str = include_str!("../../runnerd/src/accel/fixtures/fake_dcmi.c");
+const FAKE_NPU_SMI: &str = include_str!("../../runnerd/engine/src/accel/fixtures/fake-npu-smi.sh");
+const INFO_910B3: &str = include_str!("../../runnerd/engine/src/accel/fixtures/npu-smi-info-910b3.txt");
+const FAKE_DCMI_C: &str = include_str!("../../runnerd/engine/src/accel/fixtures/fake_dcmi.c");
 const OCCUPIED: &str = "dcmi model initialized failed, because the device is used. ret is -8020";
 
 /// A fake GPU driver's `nvidia-smi -L`: one line per visible GPU node; fails like NVML when

@@ -34,7 +34,7 @@ fn check_sources(
 
 /// The install body, read by the route.
 #[derive(Debug, Clone)]
-pub(crate) struct InstallRequest {
+pub struct InstallRequest {
     pub packages: Vec<String>,
     pub channels: Option<Vec<String>>,
     pub manager: Manager,
@@ -63,7 +63,7 @@ struct InstallParts {
 
 impl EnvStore {
     /// `POST /environments/:id/install`.
-    pub(crate) async fn install(
+    pub async fn install(
         &self,
         app: &App,
         id: &str,

@@ -16,18 +16,18 @@ use super::{EnvStore, StoreError};
 
 impl EnvStore {
     /// `/health.scientificEnvs`.
-    pub(crate) fn health(&self) -> Value {
+    pub fn health(&self) -> Value {
         let v = self.lock_view();
         v.setup.health(&self.settings, v.starter_python_ready)
     }
 
     /// `GET /environment-setup`.
-    pub(crate) fn setup_view(&self) -> Value {
+    pub fn setup_view(&self) -> Value {
         self.lock_view().setup.view(&self.settings)
     }
 
     /// Whether executions may use environments now.
-    pub(crate) fn available(&self) -> bool {
+    pub fn available(&self) -> bool {
         let v = self.lock_view();
         self.settings.enabled && v.setup.state == setup::State::Ready && v.starter_python_ready
     }
@@ -46,7 +46,7 @@ impl EnvStore {
     }
 
     /// Starts setup in the background unless it is running or disabled; `false` then.
-    pub(crate) fn start_setup(app: &Arc<App>) -> bool {
+    pub fn start_setup(app: &Arc<App>) -> bool {
         let store = &app.envs;
         {
             let mut v = store.lock_view();

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 /// Host interpreters in `/usr/bin` (`python`, `python3`, `python3.N`, `R`, `Rscript`),
 /// resolved to their targets, deduplicated and sorted; dangling links dropped.
-pub(crate) fn host_interpreters(bin: &Path) -> Vec<PathBuf> {
+pub fn host_interpreters(bin: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(bin) else { return Vec::new() };
     let mut out: Vec<PathBuf> = entries
         .flatten()
@@ -17,7 +17,7 @@ pub(crate) fn host_interpreters(bin: &Path) -> Vec<PathBuf> {
 }
 
 /// `^(?:python(?:3(?:\.\d+)?)?|R|Rscript)$`.
-pub(crate) fn is_interpreter_name(name: &str) -> bool {
+pub fn is_interpreter_name(name: &str) -> bool {
     if name == "R" || name == "Rscript" || name == "python" || name == "python3" {
         return true;
     }

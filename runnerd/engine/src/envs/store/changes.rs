@@ -17,7 +17,7 @@ use super::{EnvStore, StoreError, audit, open_dir};
 
 /// The most one revision's package list may take, serialised (a real environment of a few
 /// thousand packages takes a few hundred kilobytes).
-pub(crate) const MAX_INSTALLED_BYTES: usize = 4 << 20;
+pub const MAX_INSTALLED_BYTES: usize = 4 << 20;
 
 /// What a change left in its prefix, to be recorded as a revision: the prefix, the channels
 /// (or the index, or the repository) the record names, the provisioner's answer (its conda

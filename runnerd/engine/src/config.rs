@@ -682,7 +682,7 @@ mod tests {
         assert_eq!(read.into_inner(), keys);
         // Embedded at build time: the tests also run as an unprivileged user who may not be
         // able to enter the checkout.
-        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"));
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
         for k in SCHEMA.keys {
             // `SCIENTIFIC_ENVS` is the original's one variable without the prefix.
             assert_eq!(k.var.strip_prefix("SCIENCE_AGENT_").unwrap_or(k.var).to_ascii_lowercase(), k.name);

@@ -38,9 +38,9 @@ use super::settings::EnvSettings;
 use super::setup::Setup;
 use super::{snapshot, wheels};
 
-pub(crate) use error::StoreError;
-pub(crate) use install::InstallRequest;
-pub(crate) use lease::Runtime;
+pub use error::StoreError;
+pub use install::InstallRequest;
+pub use lease::Runtime;
 pub use lease::Selection;
 
 /// What `/health` and `/environment-setup` read without touching the disk.
@@ -102,19 +102,19 @@ impl EnvStore {
     }
 
     /// `GET /environments`.
-    pub(crate) async fn list(&self) -> Result<Vec<Environment>, StoreError> {
+    pub async fn list(&self) -> Result<Vec<Environment>, StoreError> {
         self.require_available()?;
         Ok(self.cat().environments.clone())
     }
 
     /// `GET /environment-revisions`.
-    pub(crate) async fn revisions(&self) -> Result<Vec<EnvironmentRevision>, StoreError> {
+    pub async fn revisions(&self) -> Result<Vec<EnvironmentRevision>, StoreError> {
         self.require_available()?;
         Ok(self.cat().revisions.clone())
     }
 
     /// `GET /environment-revisions/:id/snapshot`: the stored bytes, re-verified.
-    pub(crate) async fn snapshot(&self, id: &str) -> Result<Vec<u8>, StoreError> {
+    pub async fn snapshot(&self, id: &str) -> Result<Vec<u8>, StoreError> {
         self.require_available()?;
         let revision = self.cat().revision(id).cloned();
         let revision = revision.ok_or_else(|| StoreError::UnknownRevision(id.to_owned()))?;

@@ -19,7 +19,7 @@ use super::{EnvStore, StoreError, View, open_dir};
 impl EnvStore {
     /// Opens the store under `data_dir` (created if absent), loads the catalog and marks an
     /// update interrupted by a crash as failed. Disabled: nothing is touched.
-    pub(crate) fn open(
+    pub fn open(
         data_dir: &Path,
         settings: EnvSettings,
         provisioner: PathBuf,

@@ -10,13 +10,13 @@ use common::provision::{self, Op};
 use super::sandboxed::{PROVISIONER_MOUNT, Step, Writes};
 
 /// A conda step may download and unpack a large environment.
-pub(crate) const CONDA_TIMEOUT: Duration = Duration::from_secs(60 * 60);
-pub(crate) const PIP_TIMEOUT: Duration = Duration::from_secs(30 * 60);
-pub(crate) const R_TIMEOUT: Duration = Duration::from_secs(60 * 60);
-pub(crate) const INVENTORY_TIMEOUT: Duration = Duration::from_secs(120);
+pub const CONDA_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+pub const PIP_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+pub const R_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+pub const INVENTORY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The host of an `http(s)://` URL (no userinfo, no port), lower-cased; `None` otherwise.
-pub(crate) fn url_host(url: &str) -> Option<String> {
+pub fn url_host(url: &str) -> Option<String> {
     let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"))?;
     let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
     let host_port = authority.rsplit('@').next().unwrap_or("");
@@ -28,12 +28,12 @@ pub(crate) fn url_host(url: &str) -> Option<String> {
 }
 
 /// The directory of a `file://` channel URL.
-pub(crate) fn file_channel_dir(url: &str) -> Option<PathBuf> {
+pub fn file_channel_dir(url: &str) -> Option<PathBuf> {
     url.strip_prefix("file://").filter(|p| p.starts_with('/')).map(|p| PathBuf::from(p.trim_end_matches('/')))
 }
 
 /// The hosts a set of URLs needs (sorted, unique).
-pub(crate) fn hosts_of<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+pub fn hosts_of<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<String> {
     let mut hosts: Vec<String> = urls.into_iter().filter_map(url_host).collect();
     hosts.sort();
     hosts.dedup();
@@ -43,7 +43,7 @@ pub(crate) fn hosts_of<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<Strin
 /// Whether a host is a literal private, loopback or link-local address, or `localhost`: a
 /// channel the operator configured there is allowed as configured (egressd otherwise
 /// refuses private destinations).
-pub(crate) fn is_private_host(host: &str) -> bool {
+pub fn is_private_host(host: &str) -> bool {
     if host == "localhost" || host.ends_with(".localhost") {
         return true;
     }
@@ -58,7 +58,7 @@ pub(crate) fn is_private_host(host: &str) -> bool {
 
 /// Hosts that serve the public channels and indexes (anaconda.org, the preset mirrors,
 /// PyPI, CRAN, Bioconductor): never on a private address, whoever configured them.
-pub(crate) const PUBLIC_HOSTS: [&str; 9] = [
+pub const PUBLIC_HOSTS: [&str; 9] = [
     "conda.anaconda.org",
     "repo.anaconda.com",
     "mirrors.tuna.tsinghua.edu.cn",
@@ -77,7 +77,7 @@ pub(crate) const PUBLIC_HOSTS: [&str; 9] = [
 /// (`configured`: a LAN mirror allowed as configured) that is not one of the public
 /// [`PUBLIC_HOSTS`]. A preset mirror or a default public host resolves to public addresses
 /// only, so a poisoned name cannot point a step into the LAN.
-pub(crate) fn private_allowed(hosts: &[String], configured: &[String]) -> bool {
+pub fn private_allowed(hosts: &[String], configured: &[String]) -> bool {
     !hosts.is_empty()
         && hosts
             .iter()
@@ -91,7 +91,7 @@ pub(crate) fn private_allowed(hosts: &[String], configured: &[String]) -> bool {
 /// port, as the original's host-side tools reached them. A URL a request named is never
 /// pinned. The private switch is then decided on the hosts left ([`private_allowed`], the
 /// configured URLs' hosts as the operator's).
-pub(crate) fn pin_configured(step: &mut Step, configured: &[String]) {
+pub fn pin_configured(step: &mut Step, configured: &[String]) {
     let mut hosts_left = step.hosts.clone();
     for url in configured {
         let (Some(host), Ok(origin)) = (url_host(url), common::egress::origin::Origin::of_url(url)) else {
@@ -113,7 +113,8 @@ pub(crate) fn pin_configured(step: &mut Step, configured: &[String]) {
 
 /// Where conda's packages are cached: the store's own cache (written by fetch steps), and the
 /// operator's offline cache (never written).
-pub(crate) struct CondaPlaces<'a> {
+#[derive(Debug)]
+pub struct CondaPlaces<'a> {
     pub provisioner: &'a Path,
     pub cache_dir: &'a Path,
     pub read_only_caches: &'a [PathBuf],
@@ -127,7 +128,7 @@ pub(crate) struct CondaPlaces<'a> {
 /// read-only and, for a change, the cache writable, `file://` channels read-only and network
 /// only to the remote channels' hosts; a link step sees the prefix writable, the caches
 /// read-only, no channel and no network.
-pub(crate) fn conda(
+pub fn conda(
     places: &CondaPlaces<'_>,
     op: Op,
     prefix: &Path,
@@ -182,13 +183,13 @@ pub(crate) fn conda(
 }
 
 /// pip's default index, and the host PyPI serves its files from.
-pub(crate) const PYPI: &str = "https://pypi.org/simple";
-pub(crate) const PYPI_FILES: &str = "files.pythonhosted.org";
+pub const PYPI: &str = "https://pypi.org/simple";
+pub const PYPI_FILES: &str = "files.pythonhosted.org";
 
 /// Where pip gets packages: an HTTPS index, the offline cache (`--no-index --find-links`),
 /// or nowhere (`--no-index`: only local wheels, whose dependencies must be installed).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum PipSource {
+pub enum PipSource {
     Index(String),
     Offline(PathBuf),
     WheelsOnly,
@@ -197,7 +198,7 @@ pub(crate) enum PipSource {
 /// pip through the environment's own interpreter, after `ensurepip` when the environment has
 /// no pip yet (`-I`: no user site, no `PYTHON*` variables; the sandbox's environment is empty
 /// anyway, so `PYTHONHOME`, `PYTHONPATH` and `PYTHONUSERBASE` are never set).
-pub(crate) fn pip(prefix: &Path, source: &PipSource, specs: &[String], wheels: &[PathBuf]) -> Step {
+pub fn pip(prefix: &Path, source: &PipSource, specs: &[String], wheels: &[PathBuf]) -> Step {
     let python = prefix.join("bin/python").to_string_lossy().into_owned();
     let script = r#"set -e
 py="$1"; shift
@@ -284,7 +285,7 @@ fn r_string(s: &str) -> String {
 /// mirror), unless it is a public one ([`private_allowed`]). A Bioconductor step also
 /// reaches `bioconductor.org`, which never may; egressd's switch is per step, so such a step
 /// reaches no private address at all.
-pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages: &[String]) -> Step {
+pub fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages: &[String]) -> Step {
     let list = packages.iter().map(|p| r_string(p)).collect::<Vec<_>>().join(", ");
     let install = match bioconductor {
         false => format!("install.packages(pkgs, repos = {}, Ncpus = 1)", r_string(cran)),
@@ -324,7 +325,7 @@ pub(crate) fn r_install(prefix: &Path, bioconductor: bool, cran: &str, packages:
 }
 
 /// The Python inventory: one JSON array of `{name, version, installer}` on stdout.
-pub(crate) fn python_inventory(prefix: &Path) -> Step {
+pub fn python_inventory(prefix: &Path) -> Step {
     let script = "import importlib.metadata as m, json\n\
         seen = {}\n\
         for d in m.distributions():\n\
@@ -353,7 +354,7 @@ pub(crate) fn python_inventory(prefix: &Path) -> Step {
 }
 
 /// The R inventory: `Package<TAB>Version<TAB>Repository` lines.
-pub(crate) fn r_inventory(prefix: &Path) -> Step {
+pub fn r_inventory(prefix: &Path) -> Step {
     let expr = "ip <- installed.packages(fields = \"Repository\"); write.table(ip[, c(\"Package\", \"Version\", \"Repository\"), drop = FALSE], sep = \"\\t\", quote = FALSE, row.names = FALSE, col.names = FALSE)";
     Step {
         label: "inventory",
@@ -380,7 +381,7 @@ pub(crate) fn r_inventory(prefix: &Path) -> Step {
 /// thousand). The interpreter that prints it lives in the prefix, where a pip or R step may
 /// have replaced it, and every revision's list is kept in the catalog for good: an
 /// inventory past this fails the change instead of growing the catalog by megabytes.
-pub(crate) const MAX_INVENTORY_ENTRIES: usize = 20_000;
+pub const MAX_INVENTORY_ENTRIES: usize = 20_000;
 /// The longest name (PyPI's limit) and version (no real one comes near) an entry may have.
 const MAX_NAME_BYTES: usize = 214;
 const MAX_VERSION_BYTES: usize = 128;
@@ -392,7 +393,7 @@ const MAX_SOURCE_BYTES: usize = 256;
 #[error(
     "the environment's {language} inventory lists more than {MAX_INVENTORY_ENTRIES} packages; a package step may have replaced its interpreter"
 )]
-pub(crate) struct InventoryTooLarge {
+pub struct InventoryTooLarge {
     pub language: &'static str,
 }
 
@@ -420,9 +421,7 @@ fn bounded(
 
 /// `{name, version, installer}` entries of the Python inventory; anything else, and any
 /// entry that does not look like a package ([`plausible`]), is dropped.
-pub(crate) fn parse_python_inventory(
-    stdout: &str,
-) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
+pub fn parse_python_inventory(stdout: &str) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
     let Ok(serde_json::Value::Array(items)) = serde_json::from_str::<serde_json::Value>(stdout.trim()) else {
         return Ok(Vec::new());
     };
@@ -441,7 +440,7 @@ pub(crate) fn parse_python_inventory(
 }
 
 /// `Package<TAB>Version<TAB>Repository` lines; malformed lines are dropped.
-pub(crate) fn parse_r_inventory(stdout: &str) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
+pub fn parse_r_inventory(stdout: &str) -> Result<Vec<(String, String, String)>, InventoryTooLarge> {
     let entries = stdout
         .lines()
         .filter_map(|l| {

@@ -11,7 +11,7 @@ pub mod admission;
 mod audit;
 pub mod code;
 pub mod dedupe;
-pub(crate) mod engine;
+pub mod engine;
 pub mod error;
 pub mod files;
 pub mod network_mode;
@@ -37,7 +37,7 @@ use common::seccomp::Profile;
 pub use audit::FinishAudit;
 pub use error::EngineError;
 pub use outcome::{Outcome, RunOutcome};
-pub(crate) use prepare::{Located, Prepared, RunOptions, locate, prepare};
+pub use prepare::{Located, Prepared, RunOptions, locate, prepare};
 use request::NetworkMode;
 pub use run::run_sandbox;
 pub use stop::{StopReason, StopToken};
@@ -56,11 +56,11 @@ pub const UNRESPONSIVE: ErrorCode = ErrorCode::SandboxUnresponsive;
 pub const QUOTA_POLL: Duration = Duration::from_millis(25);
 
 /// How often the quota is brought up to date from the change journal when no event comes.
-pub(crate) const JOURNAL_TICK: Duration = Duration::from_secs(1);
+pub const JOURNAL_TICK: Duration = Duration::from_secs(1);
 
 /// An insertion-ordered string map (the env map is reported in injection order).
 #[derive(Debug, Clone)]
-pub struct OrderedMap(pub(crate) Vec<(String, String)>);
+pub struct OrderedMap(pub Vec<(String, String)>);
 
 impl Serialize for OrderedMap {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -105,7 +105,7 @@ pub struct ExecutionResult {
     pub workspace_snapshot: Option<Value>,
 }
 
-pub(crate) fn language_name(l: Language) -> &'static str {
+pub fn language_name(l: Language) -> &'static str {
     match l {
         Language::Shell => "shell",
         Language::Python => "python",

@@ -43,7 +43,7 @@ fn id(st: &Stat) -> Id {
 
 /// The cache when a step started.
 #[derive(Debug, Default)]
-pub(crate) struct Start {
+pub struct Start {
     /// The directories of the cache root (`pkgs/`, `repodata/`): device and inode only,
     /// since adding an entry changes a directory's change time.
     layers: HashSet<(u64, u64)>,
@@ -57,7 +57,7 @@ pub(crate) struct Start {
 
 /// Reads the cache at `root` before a step runs: what it holds one and two levels down, and
 /// its count without the package directories. What cannot be read fails the step's start.
-pub(crate) fn start(root: &OwnedFd) -> io::Result<Start> {
+pub fn start(root: &OwnedFd) -> io::Result<Start> {
     let mut s = Start::default();
     for (_, name) in fsat::names(root)? {
         let st = Stat::at(root, &name)?;
@@ -85,14 +85,14 @@ pub(crate) fn start(root: &OwnedFd) -> io::Result<Start> {
 
 /// The growth since `start`: `now` less what the start counted (what was removed meanwhile
 /// makes it smaller, never below zero); what could not be read stays unreadable. Pure.
-pub(crate) fn growth(start: &Start, mut now: Measured) -> Measured {
+pub fn growth(start: &Start, mut now: Measured) -> Measured {
     now.bytes = now.bytes.saturating_sub(start.bytes);
     now.entries = now.entries.saturating_sub(start.entries);
     now
 }
 
 /// [`growth`] measured now, on the blocking pool; a walk that could not run fails closed.
-pub(crate) async fn grown_blocking(root: &OwnedFd, start: &Arc<Start>) -> Measured {
+pub async fn grown_blocking(root: &OwnedFd, start: &Arc<Start>) -> Measured {
     let (root, start) = match root.try_clone() {
         Ok(fd) => (fd, start.clone()),
         Err(e) => return files::unmeasured(&e.to_string()),
@@ -186,7 +186,7 @@ fn fail(mut m: Measured, rel: &str, error: io::Error) -> Measured {
 /// Removes every entry of the cache root and of its directories that was not there at
 /// `start`, or has changed since (no link followed, bounded descriptors: [`fsat::remove_tree_at`]); the number
 /// removed, and the first failure (the rest is still tried).
-pub(crate) fn remove_new(root: &OwnedFd, start: &Start) -> (u64, Option<io::Error>) {
+pub fn remove_new(root: &OwnedFd, start: &Start) -> (u64, Option<io::Error>) {
     let (mut removed, mut first) = (0u64, None);
     let mut remove =
         |dir: &OwnedFd, name: &CStr, first: &mut Option<io::Error>| match fsat::remove_tree_at(dir, name) {

@@ -25,7 +25,7 @@ type GateMap = Arc<Mutex<HashMap<String, Arc<RwLock<()>>>>>;
 /// All the environments' gates; one per store. (Catalog writes are serialised by the
 /// store's own lock on the in-memory catalog, held only between awaits.)
 #[derive(Debug, Default)]
-pub(crate) struct Gates {
+pub struct Gates {
     gates: GateMap,
 }
 
@@ -58,7 +58,7 @@ impl Drop for Registration {
 
 /// The read side of an environment: its prefix does not change while this lives.
 #[derive(Debug)]
-pub(crate) struct ReadGuard {
+pub struct ReadGuard {
     // Declared first, so released before the registration is looked at.
     _guard: OwnedRwLockReadGuard<()>,
     _registration: Registration,
@@ -66,7 +66,7 @@ pub(crate) struct ReadGuard {
 
 /// The write side of an environment: nobody runs from its prefix while this lives.
 #[derive(Debug)]
-pub(crate) struct WriteGuard {
+pub struct WriteGuard {
     _guard: OwnedRwLockWriteGuard<()>,
     _registration: Registration,
 }
@@ -79,20 +79,20 @@ impl Gates {
     }
 
     /// Waits for the read side of `env` (behind any writer queued before).
-    pub(crate) async fn read(&self, env: &str) -> ReadGuard {
+    pub async fn read(&self, env: &str) -> ReadGuard {
         let registration = self.register(env);
         ReadGuard { _guard: registration.gate().read_owned().await, _registration: registration }
     }
 
     /// Waits for the write side of `env` (behind everyone queued before).
-    pub(crate) async fn write(&self, env: &str) -> WriteGuard {
+    pub async fn write(&self, env: &str) -> WriteGuard {
         let registration = self.register(env);
         WriteGuard { _guard: registration.gate().write_owned().await, _registration: registration }
     }
 
     /// Gates currently held or waited for.
     #[cfg(test)]
-    pub(crate) fn tracked(&self) -> usize {
+    pub fn tracked(&self) -> usize {
         self.gates.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }

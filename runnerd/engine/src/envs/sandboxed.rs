@@ -23,15 +23,15 @@ use crate::sandbox::{Language, WorkspaceLayout};
 use super::cache_growth;
 
 /// Where the provisioner binary appears inside its sandbox.
-pub(crate) const PROVISIONER_MOUNT: &str = "/opt/runner-provisioner";
+pub const PROVISIONER_MOUNT: &str = "/opt/runner-provisioner";
 /// The name revisions record (`EnvironmentRevision.provisioner`).
-pub(crate) const PROVISIONER_NAME: &str = "runner-provisioner";
+pub const PROVISIONER_NAME: &str = "runner-provisioner";
 
 static SCRATCH: AtomicU64 = AtomicU64::new(0);
 
 /// What one step runs and may reach.
 #[derive(Debug, Clone)]
-pub(crate) struct Step {
+pub struct Step {
     /// What the audit and errors call it: `conda`, `pip`, `cran`, `bioconductor`, `inventory`.
     pub label: &'static str,
     pub command: Vec<String>,
@@ -57,7 +57,7 @@ pub(crate) struct Step {
 /// What a step writes beyond its scratch workspace (never both: no step has the cache and a
 /// prefix writable).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Writes {
+pub enum Writes {
     /// An environment's prefix (a link, pip or R step): what it holds, against
     /// `env_step_max_prefix_bytes`.
     Prefix(PathBuf),
@@ -69,7 +69,7 @@ pub(crate) enum Writes {
 
 /// What the step printed and how it ended.
 #[derive(Debug)]
-pub(crate) struct StepOutput {
+pub struct StepOutput {
     pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
@@ -77,12 +77,12 @@ pub(crate) struct StepOutput {
 }
 
 impl StepOutput {
-    pub(crate) fn succeeded(&self) -> bool {
+    pub fn succeeded(&self) -> bool {
         self.code == Some(0)
     }
 
     /// The last non-blank lines of stderr (then stdout): what an operator needs to see.
-    pub(crate) fn tail(&self) -> String {
+    pub fn tail(&self) -> String {
         let text = if self.stderr.trim().is_empty() { &self.stdout } else { &self.stderr };
         let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
         let start = lines.len().saturating_sub(6);
@@ -91,7 +91,7 @@ impl StepOutput {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum SandboxedError {
+pub enum SandboxedError {
     #[error("the sandbox is unavailable: {0}")]
     Unavailable(String),
     #[error("could not prepare the {label} step's sandbox")]
@@ -170,7 +170,7 @@ const PREFIX_POLL: Duration = Duration::from_millis(200);
 
 /// The most entries a step may leave in a prefix or add to the package cache (one bound
 /// with the provisioner's link check).
-pub(crate) use common::provision::MAX_PREFIX_ENTRIES;
+pub use common::provision::MAX_PREFIX_ENTRIES;
 
 /// Why a step's prefix (or what it added to the cache) is over one of its budgets.
 #[derive(Debug)]
@@ -391,7 +391,7 @@ async fn run_watched(
 }
 
 /// Runs `step` in a fresh sandbox and waits for it.
-pub(crate) async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
+pub async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
     let label = step.label;
     let prepare = |source| SandboxedError::Prepare { label, source };
     if let Some(why) = app.sandbox.isolation.unavailable() {

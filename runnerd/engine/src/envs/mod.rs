@@ -17,14 +17,14 @@
 //!   read lease) over those pieces.
 
 mod cache_growth;
-pub(crate) mod catalog;
+pub mod catalog;
 mod disk;
-pub(crate) mod gate;
-pub(crate) mod ids;
-pub(crate) mod sandboxed;
-pub(crate) mod settings;
-pub(crate) mod setup;
-pub(crate) mod snapshot;
-pub(crate) mod steps;
-pub(crate) mod store;
-pub(crate) mod wheels;
+pub mod gate;
+pub mod ids;
+pub mod sandboxed;
+pub mod settings;
+pub mod setup;
+pub mod snapshot;
+pub mod steps;
+pub mod store;
+pub mod wheels;

@@ -34,15 +34,15 @@ use crate::versioning::new_uuid_v4;
 const INCOMING_PREFIX: &str = ".incoming-";
 /// The largest wheel persisted (the largest on PyPI, CUDA builds of torch, are under 3 GiB):
 /// each is kept by content, so a caller must not be able to fill the store's disk with one.
-pub(crate) const MAX_WHEEL_BYTES: u64 = 4 << 30;
+pub const MAX_WHEEL_BYTES: u64 = 4 << 30;
 /// The most local wheels one install may name.
-pub(crate) const MAX_WHEELS_PER_INSTALL: usize = 64;
+pub const MAX_WHEELS_PER_INSTALL: usize = 64;
 /// The most local wheels one revision may carry: each revision records every wheel its
 /// environment got (earlier ones included), and every record stays in the catalog.
-pub(crate) const MAX_WHEELS_PER_REVISION: usize = 256;
+pub const MAX_WHEELS_PER_REVISION: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum WheelError {
+pub enum WheelError {
     #[error("Local wheels require a workspace: give workspaceRoot or runnerWorkspaceKey")]
     NoWorkspace,
     #[error("Remote pip URLs are not allowed; upload the wheel into the workspace and name its path: {0}")]
@@ -76,7 +76,7 @@ pub(crate) enum WheelError {
 
 /// A checked request: where the wheel is in the workspace and what its name says.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Request {
+pub struct Request {
     /// The directories above the file, workspace-relative, no `.`/`..`/empty ones.
     pub dirs: Vec<String>,
     pub filename: String,
@@ -87,7 +87,7 @@ pub(crate) struct Request {
 
 impl Request {
     /// `dir/…/file.whl`, the form recorded as `sourcePath`.
-    pub(crate) fn source_path(&self) -> String {
+    pub fn source_path(&self) -> String {
         let mut parts: Vec<&str> = self.dirs.iter().map(String::as_str).collect();
         parts.push(&self.filename);
         parts.join("/")
@@ -97,12 +97,12 @@ impl Request {
 /// Whether a pip install's package names a wheel file (or a URL) rather than a
 /// requirement: such entries go through [`persist`], the others through
 /// [`super::ids::check_spec`].
-pub(crate) fn is_wheel_request(package: &str) -> bool {
+pub fn is_wheel_request(package: &str) -> bool {
     package.ends_with(".whl") || package.contains("://") || package.contains('/')
 }
 
 /// Checks a request path without touching the disk.
-pub(crate) fn parse_request(path: &str) -> Result<Request, WheelError> {
+pub fn parse_request(path: &str) -> Result<Request, WheelError> {
     if path.contains("://") {
         return Err(WheelError::Remote(path.to_owned()));
     }
@@ -135,7 +135,7 @@ pub(crate) fn parse_request(path: &str) -> Result<Request, WheelError> {
 /// the version. The version is the first part after the distribution that starts with a
 /// digit, so a name that kept its `-` (`example-pkg-1.0-…`: not PEP 427, but seen in the
 /// wild) still parses.
-pub(crate) fn parse_wheel_name(filename: &str) -> Result<(String, String), WheelError> {
+pub fn parse_wheel_name(filename: &str) -> Result<(String, String), WheelError> {
     let Some(stem) = filename.strip_suffix(".whl") else {
         return Err(WheelError::NotWheel(filename.to_owned()));
     };
@@ -184,7 +184,7 @@ fn normalize_distribution(name: &str) -> String {
 
 /// How many wheels a revision carries after an install of `new` on top of `kept`: a new
 /// wheel replaces a kept one of the same file name.
-pub(crate) fn carried_after(kept: &[LocalWheel], new: &[&str]) -> usize {
+pub fn carried_after(kept: &[LocalWheel], new: &[&str]) -> usize {
     kept.iter().filter(|k| !new.contains(&k.filename.as_str())).count() + new.len()
 }
 
@@ -192,7 +192,7 @@ pub(crate) fn carried_after(kept: &[LocalWheel], new: &[&str]) -> usize {
 /// one install's failure never removes a copy another is about to hand to pip. Publishing a
 /// copy and releasing one happen under its lock.
 #[derive(Debug, Default)]
-pub(crate) struct InUse(std::sync::Mutex<HashMap<(String, String), usize>>);
+pub struct InUse(std::sync::Mutex<HashMap<(String, String), usize>>);
 
 impl InUse {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), usize>> {
@@ -201,7 +201,7 @@ impl InUse {
 
     /// How many stored wheels are held now.
     #[cfg(test)]
-    pub(crate) fn held(&self) -> usize {
+    pub fn held(&self) -> usize {
         self.lock().len()
     }
 }
@@ -213,7 +213,7 @@ fn key(wheel: &LocalWheel) -> (String, String) {
 /// Copies the workspace wheel `path` into the store below `store` (the
 /// `scientific-envs` directory) and returns its record, held in `in_use` until
 /// [`release`]d. An identical wheel already stored is reused; a corrupt one is replaced.
-pub(crate) fn persist(
+pub fn persist(
     store: &impl AsRawFd,
     workspace: &impl AsRawFd,
     path: &str,
@@ -372,7 +372,7 @@ fn hash_file(f: File) -> io::Result<ContentRef> {
 
 /// `wheels/<hash>/<filename>` of a record, relative to the store; the hash must be 64
 /// lowercase hex and the file name a wheel name, since both come from the catalog.
-pub(crate) fn stored_rel_path(wheel: &LocalWheel) -> Result<PathBuf, WheelError> {
+pub fn stored_rel_path(wheel: &LocalWheel) -> Result<PathBuf, WheelError> {
     let hash = &wheel.content.hash;
     let hash_ok = hash.len() == 64 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
     if !hash_ok || wheel.filename.contains('/') {
@@ -383,7 +383,7 @@ pub(crate) fn stored_rel_path(wheel: &LocalWheel) -> Result<PathBuf, WheelError>
 }
 
 /// Re-checks a persisted wheel before a later revision hands it to pip again.
-pub(crate) fn verify_persisted(store: &impl AsRawFd, wheel: &LocalWheel) -> Result<(), WheelError> {
+pub fn verify_persisted(store: &impl AsRawFd, wheel: &LocalWheel) -> Result<(), WheelError> {
     let corrupt = || WheelError::Corrupt(format!("{}/{}", wheel.content.hash, wheel.filename));
     stored_rel_path(wheel)?;
     let io = |e| WheelError::Io("check", e);
@@ -404,7 +404,7 @@ pub(crate) fn verify_persisted(store: &impl AsRawFd, wheel: &LocalWheel) -> Resu
 /// that `named` says no live revision names is removed (its hash directory too, once
 /// empty). Best effort: what fails to go is logged and swept at the next start. Returns how
 /// many went.
-pub(crate) fn release(
+pub fn release(
     store: &impl AsRawFd,
     wheels: &[LocalWheel],
     in_use: &InUse,
@@ -425,7 +425,7 @@ pub(crate) fn release(
 
 /// Removes each of `wheels` that no install holds and `named` does not name (a deleted
 /// environment's); returns how many went.
-pub(crate) fn forget(
+pub fn forget(
     store: &impl AsRawFd,
     wheels: &[LocalWheel],
     in_use: &InUse,
@@ -481,7 +481,7 @@ fn remove_stored(store: &impl AsRawFd, wheel: &LocalWheel) -> io::Result<bool> {
 /// what a crash between copy and record, or an older release, left), and any hash directory
 /// left empty. Only `<64 hex>/<wheel name>` entries are considered; anything else is left.
 /// Returns how many went.
-pub(crate) fn sweep_unreferenced(store: &impl AsRawFd, named: &dyn Fn(&str, &str) -> bool) -> usize {
+pub fn sweep_unreferenced(store: &impl AsRawFd, named: &dyn Fn(&str, &str) -> bool) -> usize {
     let Ok(Some(wheels)) = disk::open_dir(store, common::layout::ENV_WHEELS) else { return 0 };
     let Ok(hashes) = fsat::names(&wheels) else { return 0 };
     let mut removed = 0;
@@ -506,7 +506,7 @@ pub(crate) fn sweep_unreferenced(store: &impl AsRawFd, named: &dyn Fn(&str, &str
 }
 
 /// Removes `.incoming-*` temporaries a crash left in `wheels/` (at start-up).
-pub(crate) fn sweep_incoming(store: &impl AsRawFd) -> usize {
+pub fn sweep_incoming(store: &impl AsRawFd) -> usize {
     match disk::open_dir(store, common::layout::ENV_WHEELS) {
         Ok(Some(wheels)) => disk::sweep(&wheels, |name| name.starts_with(INCOMING_PREFIX)),
         _ => 0,

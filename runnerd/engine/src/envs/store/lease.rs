@@ -22,7 +22,7 @@ pub struct Selection {
 
 /// A leased environment: the prefix stays as it is until this is dropped.
 #[derive(Debug)]
-pub(crate) struct Runtime {
+pub struct Runtime {
     pub revision_id: String,
     pub prefix: PathBuf,
     /// Host interpreters to hide (Python and R runs only; internals §2.4).
@@ -40,7 +40,7 @@ pub(super) fn env_language(l: Language) -> catalog::Language {
 
 impl EnvStore {
     /// The environment an execution names, checked at `prepare` (the texts of contract §2A).
-    pub(crate) fn select(
+    pub fn select(
         &self,
         language: Language,
         environment_id: Option<&str>,
@@ -65,7 +65,7 @@ impl EnvStore {
     }
 
     /// The read lease for a run that is about to start.
-    pub(crate) async fn lease(&self, selection: &Selection) -> Result<Runtime, StoreError> {
+    pub async fn lease(&self, selection: &Selection) -> Result<Runtime, StoreError> {
         let guard = self.gates.read(&selection.environment_id).await;
         let catalog = self.cat();
         let env = catalog.environment(&selection.environment_id).cloned().ok_or_else(|| {

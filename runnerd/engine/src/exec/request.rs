@@ -39,7 +39,7 @@ pub fn code_required(language: Language) -> &'static str {
     }
 }
 
-pub(crate) fn mounts_text(language: Language) -> &'static str {
+pub fn mounts_text(language: Language) -> &'static str {
     match language {
         Language::Shell => "Shell execution accepts exactly one read-write workspace mount",
         Language::Python | Language::R => "M1 runner accepts exactly one read-write workspace mount",
@@ -59,7 +59,7 @@ pub struct NetworkAccess {
 }
 
 impl NetworkAccess {
-    pub(crate) fn none() -> NetworkAccess {
+    pub fn none() -> NetworkAccess {
         NetworkAccess { mode: "none".into(), revision: "none".into(), ..NetworkAccess::default() }
     }
 }

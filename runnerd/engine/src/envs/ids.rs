@@ -15,7 +15,7 @@ use crate::versioning::new_uuid_v4;
 
 /// Why an identifier, name, spec, channel or index URL is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum IdError {
+pub enum IdError {
     /// An environment or revision id outside the original's patterns.
     #[error("Environment metadata contains an unsafe identifier")]
     UnsafeIdentifier,
@@ -43,7 +43,7 @@ pub(crate) enum IdError {
 /// Who installs an install request's packages (`manager`, default `conda`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum Manager {
+pub enum Manager {
     Conda,
     Pip,
     Cran,
@@ -51,7 +51,7 @@ pub(crate) enum Manager {
 }
 
 impl Manager {
-    pub(crate) fn parse(text: &str) -> Result<Manager, IdError> {
+    pub fn parse(text: &str) -> Result<Manager, IdError> {
         match text {
             "conda" => Ok(Manager::Conda),
             "pip" => Ok(Manager::Pip),
@@ -62,7 +62,7 @@ impl Manager {
     }
 
     /// As the request and `requestedChanges` spell it.
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Manager::Conda => "conda",
             Manager::Pip => "pip",
@@ -73,16 +73,16 @@ impl Manager {
 }
 
 /// The two starter environments (kind `starter`, read-only, undeletable).
-pub(crate) const STARTER_PYTHON: &str = "starter-python";
-pub(crate) const STARTER_R: &str = "starter-r";
+pub const STARTER_PYTHON: &str = "starter-python";
+pub const STARTER_R: &str = "starter-r";
 
 /// The longest package spec accepted.
-pub(crate) const MAX_SPEC_CHARS: usize = 160;
+pub const MAX_SPEC_CHARS: usize = 160;
 /// The longest environment name accepted.
-pub(crate) const MAX_NAME_CHARS: usize = 80;
+pub const MAX_NAME_CHARS: usize = 80;
 
 /// The configured channels' default (`SCIENCE_AGENT_SCIENTIFIC_CHANNELS` unset).
-pub(crate) const DEFAULT_CHANNEL: &str = "conda-forge";
+pub const DEFAULT_CHANNEL: &str = "conda-forge";
 
 /// Where a bare channel name lives (`conda-forge` → `https://conda.anaconda.org/conda-forge`).
 const ANACONDA_ORG: &str = "https://conda.anaconda.org";
@@ -90,7 +90,7 @@ const ANACONDA_ORG: &str = "https://conda.anaconda.org";
 /// conda-forge mirrors a request may name even when the operator configured only
 /// `conda-forge`: the original's built-in presets (the tuna mirror is in its tests), plus
 /// the other common university mirrors and conda-forge's own URL.
-pub(crate) const PRESET_MIRRORS: [&str; 4] = [
+pub const PRESET_MIRRORS: [&str; 4] = [
     "https://conda.anaconda.org/conda-forge",
     "https://mirrors.tuna.tsinghua.edu.cn/anaconda/cloud/conda-forge",
     "https://mirrors.bfsu.edu.cn/anaconda/cloud/conda-forge",
@@ -98,14 +98,14 @@ pub(crate) const PRESET_MIRRORS: [&str; 4] = [
 ];
 
 /// `^(?:starter-(?:python|r)|task-[a-f0-9-]+)$`.
-pub(crate) fn check_env_id(id: &str) -> Result<(), IdError> {
+pub fn check_env_id(id: &str) -> Result<(), IdError> {
     let ok =
         id == STARTER_PYTHON || id == STARTER_R || id.strip_prefix("task-").is_some_and(is_lower_hex_dashes);
     ok.then_some(()).ok_or(IdError::UnsafeIdentifier)
 }
 
 /// `^rev-[a-f0-9-]+$`.
-pub(crate) fn check_revision_id(id: &str) -> Result<(), IdError> {
+pub fn check_revision_id(id: &str) -> Result<(), IdError> {
     id.strip_prefix("rev-").is_some_and(is_lower_hex_dashes).then_some(()).ok_or(IdError::UnsafeIdentifier)
 }
 
@@ -115,17 +115,17 @@ fn is_lower_hex_dashes(s: &str) -> bool {
 }
 
 /// A fresh task environment id: `task-<uuid v4>`.
-pub(crate) fn new_task_env_id() -> String {
+pub fn new_task_env_id() -> String {
     format!("task-{}", new_uuid_v4())
 }
 
 /// A fresh revision id: `rev-<uuid v4>`.
-pub(crate) fn new_revision_id() -> String {
+pub fn new_revision_id() -> String {
     format!("rev-{}", new_uuid_v4())
 }
 
 /// 1–80 characters matching `^[a-zA-Z0-9][a-zA-Z0-9 ._-]*$`.
-pub(crate) fn check_name(name: &str) -> Result<(), IdError> {
+pub fn check_name(name: &str) -> Result<(), IdError> {
     let b = name.as_bytes();
     let ok = (1..=MAX_NAME_CHARS).contains(&b.len())
         && b[0].is_ascii_alphanumeric()
@@ -135,10 +135,7 @@ pub(crate) fn check_name(name: &str) -> Result<(), IdError> {
 
 /// [`check_name`], and no name in `existing` equal to it ignoring ASCII case (names are
 /// ASCII by the pattern, so ASCII folding is the whole of "case-insensitively").
-pub(crate) fn check_new_name<'a>(
-    name: &str,
-    existing: impl IntoIterator<Item = &'a str>,
-) -> Result<(), IdError> {
+pub fn check_new_name<'a>(name: &str, existing: impl IntoIterator<Item = &'a str>) -> Result<(), IdError> {
     check_name(name)?;
     match existing.into_iter().any(|other| other.eq_ignore_ascii_case(name)) {
         true => Err(IdError::DuplicateName(name.to_owned())),
@@ -151,7 +148,7 @@ pub(crate) fn check_new_name<'a>(
 ///
 /// The name's class has none of the operator characters, so the pattern splits at the first
 /// character outside it: no backtracking is needed for an exact match.
-pub(crate) fn check_spec(spec: &str) -> Result<(), IdError> {
+pub fn check_spec(spec: &str) -> Result<(), IdError> {
     let name_char = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b':' | b'+' | b'-');
     let op_char = |c: u8| matches!(c, b'<' | b'>' | b'=' | b'!' | b'~');
     let constraint_char = |c: u8| name_char(c) || op_char(c) || c == b'*';
@@ -171,7 +168,7 @@ pub(crate) fn check_spec(spec: &str) -> Result<(), IdError> {
 }
 
 /// Every spec of an install or uninstall request; at least one.
-pub(crate) fn check_specs<S: AsRef<str>>(specs: &[S]) -> Result<(), IdError> {
+pub fn check_specs<S: AsRef<str>>(specs: &[S]) -> Result<(), IdError> {
     if specs.is_empty() {
         return Err(IdError::NoPackages);
     }
@@ -180,7 +177,7 @@ pub(crate) fn check_specs<S: AsRef<str>>(specs: &[S]) -> Result<(), IdError> {
 
 /// A comma-separated spec list (`SCIENCE_AGENT_STARTER_PYTHON_SPECS`, `…_R_SPECS`):
 /// entries trimmed, empty ones dropped, each checked; at least one.
-pub(crate) fn parse_spec_list(text: &str) -> Result<Vec<String>, IdError> {
+pub fn parse_spec_list(text: &str) -> Result<Vec<String>, IdError> {
     let specs: Vec<String> =
         text.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect();
     check_specs(&specs)?;
@@ -189,7 +186,7 @@ pub(crate) fn parse_spec_list(text: &str) -> Result<Vec<String>, IdError> {
 
 /// The comma-separated `SCIENCE_AGENT_SCIENTIFIC_CHANNELS`: entries trimmed, empty ones
 /// dropped, each a channel name or URL; none at all is [`DEFAULT_CHANNEL`].
-pub(crate) fn parse_channel_list(text: &str) -> Result<Vec<String>, IdError> {
+pub fn parse_channel_list(text: &str) -> Result<Vec<String>, IdError> {
     let channels: Vec<String> =
         text.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect();
     channels.iter().try_for_each(|c| channel_url(c).map(drop))?;
@@ -203,10 +200,7 @@ pub(crate) fn parse_channel_list(text: &str) -> Result<Vec<String>, IdError> {
 /// none. A requested channel must be one of the configured ones or a preset mirror,
 /// compared by URL (`conda-forge` is `https://conda.anaconda.org/conda-forge`, a trailing
 /// `/` is no difference); otherwise every refused one is listed.
-pub(crate) fn allowed_channels<S: AsRef<str>>(
-    requested: &[S],
-    configured: &[S],
-) -> Result<Vec<String>, IdError> {
+pub fn allowed_channels<S: AsRef<str>>(requested: &[S], configured: &[S]) -> Result<Vec<String>, IdError> {
     if requested.is_empty() {
         return Ok(configured.iter().map(|c| c.as_ref().to_owned()).collect());
     }
@@ -224,7 +218,7 @@ pub(crate) fn allowed_channels<S: AsRef<str>>(
 /// The URL the provisioner is given for a channel: `https://`, `http://` and `file://`
 /// URLs as they are (a trailing `/` trimmed), a name such as `conda-forge` or
 /// `bioconda/label/dev` on anaconda.org.
-pub(crate) fn channel_url(channel: &str) -> Result<String, IdError> {
+pub fn channel_url(channel: &str) -> Result<String, IdError> {
     let invalid = || IdError::InvalidChannel(channel.to_owned());
     if channel.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(invalid());
@@ -250,7 +244,7 @@ pub(crate) fn channel_url(channel: &str) -> Result<String, IdError> {
 }
 
 /// A pip index URL: `https://` with a host, nothing that could split the argument.
-pub(crate) fn check_index_url(url: &str) -> Result<(), IdError> {
+pub fn check_index_url(url: &str) -> Result<(), IdError> {
     let host = url.get(..8).filter(|s| s.eq_ignore_ascii_case("https://")).map(|_| &url[8..]);
     let ok = host.is_some_and(|h| {
         !h.is_empty() && !h.starts_with('/') && !url.chars().any(|c| c.is_whitespace() || c.is_control())

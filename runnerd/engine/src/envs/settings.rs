@@ -9,30 +9,30 @@ use super::ids;
 use crate::config::ConfigError;
 
 /// No `SCIENCE_AGENT_` prefix, as in the original.
-pub(crate) const ENABLED_VAR: &str = "SCIENTIFIC_ENVS";
-pub(crate) const CHANNELS_VAR: &str = "SCIENCE_AGENT_SCIENTIFIC_CHANNELS";
-pub(crate) const PACKAGE_CACHE_VAR: &str = "SCIENCE_AGENT_PACKAGE_CACHE_DIR";
-pub(crate) const STARTER_PYTHON_VAR: &str = "SCIENCE_AGENT_STARTER_PYTHON_SPECS";
-pub(crate) const STARTER_R_VAR: &str = "SCIENCE_AGENT_STARTER_R_SPECS";
+pub const ENABLED_VAR: &str = "SCIENTIFIC_ENVS";
+pub const CHANNELS_VAR: &str = "SCIENCE_AGENT_SCIENTIFIC_CHANNELS";
+pub const PACKAGE_CACHE_VAR: &str = "SCIENCE_AGENT_PACKAGE_CACHE_DIR";
+pub const STARTER_PYTHON_VAR: &str = "SCIENCE_AGENT_STARTER_PYTHON_SPECS";
+pub const STARTER_R_VAR: &str = "SCIENCE_AGENT_STARTER_R_SPECS";
 /// Ours: the `runner-provisioner` binary (default: next to runnerd).
-pub(crate) const PROVISIONER_VAR: &str = "SCIENCE_AGENT_RUNNER_PROVISIONER_PATH";
-pub(crate) const CRAN_VAR: &str = "SCIENCE_AGENT_CRAN_REPO";
+pub const PROVISIONER_VAR: &str = "SCIENCE_AGENT_RUNNER_PROVISIONER_PATH";
+pub const CRAN_VAR: &str = "SCIENCE_AGENT_CRAN_REPO";
 /// Ours: the largest file one provisioning step may write (`RLIMIT_FSIZE`; 0: none).
-pub(crate) const STEP_MAX_FILE_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES";
+pub const STEP_MAX_FILE_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FILE_BYTES";
 /// Ours: the most a prefix may hold while and after a step writes it (0: no limit).
-pub(crate) const STEP_MAX_PREFIX_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES";
+pub const STEP_MAX_PREFIX_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_PREFIX_BYTES";
 /// Ours: the most one conda fetch step may add to the shared package cache (0: no limit).
-pub(crate) const STEP_MAX_FETCH_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES";
+pub const STEP_MAX_FETCH_VAR: &str = "SCIENCE_AGENT_ENV_STEP_MAX_FETCH_BYTES";
 
 /// The largest single files of real environments (CUDA libraries, torch's) take 1-3 GiB.
-pub(crate) const DEFAULT_STEP_MAX_FILE_BYTES: u64 = 16 << 30;
+pub const DEFAULT_STEP_MAX_FILE_BYTES: u64 = 16 << 30;
 /// A CUDA PyTorch environment takes 10-20 GiB; four times that is no real prefix.
-pub(crate) const DEFAULT_STEP_MAX_PREFIX_BYTES: u64 = 64 << 30;
+pub const DEFAULT_STEP_MAX_PREFIX_BYTES: u64 = 64 << 30;
 /// What one change fetches is what its link step then copies into a prefix: no more than a
 /// prefix may hold.
-pub(crate) const DEFAULT_STEP_MAX_FETCH_BYTES: u64 = DEFAULT_STEP_MAX_PREFIX_BYTES;
+pub const DEFAULT_STEP_MAX_FETCH_BYTES: u64 = DEFAULT_STEP_MAX_PREFIX_BYTES;
 
-pub(crate) const DEFAULT_CRAN: &str = "https://cloud.r-project.org";
+pub const DEFAULT_CRAN: &str = "https://cloud.r-project.org";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvSettings {
@@ -82,7 +82,7 @@ fn list(
 
 impl EnvSettings {
     /// `get` yields only non-empty values.
-    pub(crate) fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<EnvSettings, ConfigError> {
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<EnvSettings, ConfigError> {
         Ok(EnvSettings {
             enabled: get(ENABLED_VAR)
                 .is_none_or(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes")),
@@ -126,7 +126,7 @@ impl EnvSettings {
     }
 
     /// Offline-cache mode (the original adds `--offline`).
-    pub(crate) fn offline(&self) -> bool {
+    pub fn offline(&self) -> bool {
         self.package_cache_dir.is_some()
     }
 }

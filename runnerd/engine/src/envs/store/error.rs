@@ -10,7 +10,7 @@ use crate::envs::snapshot;
 use crate::envs::wheels;
 
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum StoreError {
+pub enum StoreError {
     /// The store cannot be used now (disabled, setup not ready): the reason is the text.
     #[error("{0}")]
     Unavailable(String),

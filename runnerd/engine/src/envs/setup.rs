@@ -13,7 +13,7 @@ use super::settings::EnvSettings;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum State {
+pub enum State {
     Disabled,
     NotStarted,
     Installing,
@@ -23,7 +23,7 @@ pub(crate) enum State {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum Phase {
+pub enum Phase {
     Idle,
     Provisioner,
     StarterPython,
@@ -34,7 +34,7 @@ pub(crate) enum Phase {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum ComponentState {
+pub enum ComponentState {
     Pending,
     Checking,
     Installing,
@@ -45,7 +45,7 @@ pub(crate) enum ComponentState {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct Component {
+pub struct Component {
     pub state: ComponentState,
     pub detail: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -60,7 +60,7 @@ impl Component {
 
 /// Why the starter could not be made, as far as runnerd can tell: it picks the action text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FailureKind {
+pub enum FailureKind {
     /// The provisioner is missing or not executable by the sandbox user.
     Provisioner,
     /// No space left on the data directory's filesystem.
@@ -73,12 +73,7 @@ pub(crate) enum FailureKind {
 }
 
 /// The next step for a failure, in words an operator can act on.
-pub(crate) fn action(
-    kind: FailureKind,
-    settings: &EnvSettings,
-    provisioner: &str,
-    store_dir: &str,
-) -> String {
+pub fn action(kind: FailureKind, settings: &EnvSettings, provisioner: &str, store_dir: &str) -> String {
     match kind {
         FailureKind::Provisioner => format!(
             "Verify that {provisioner} exists and is executable by the Runner user (install runner-provisioner next to runnerd or set SCIENCE_AGENT_RUNNER_PROVISIONER_PATH), then POST /environment-setup {{\"confirmed\":true}}"
@@ -104,7 +99,7 @@ pub(crate) fn action(
 
 /// The whole setup view.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Setup {
+pub struct Setup {
     pub state: State,
     pub phase: Phase,
     pub started_at: Option<String>,
@@ -115,7 +110,7 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
-    pub(crate) fn initial(enabled: bool) -> Setup {
+    pub fn initial(enabled: bool) -> Setup {
         let (state, c) = match enabled {
             true => (State::NotStarted, ComponentState::Pending),
             false => (State::Disabled, ComponentState::Disabled),
@@ -132,7 +127,7 @@ impl Setup {
     }
 
     /// A new attempt begins (start-up, or `POST /environment-setup`).
-    pub(crate) fn begin(&mut self, now: String) {
+    pub fn begin(&mut self, now: String) {
         self.state = State::Installing;
         self.phase = Phase::Provisioner;
         self.started_at = Some(now);
@@ -142,13 +137,13 @@ impl Setup {
         self.conda = Component::new(ComponentState::Pending, "waiting for the provisioner check");
     }
 
-    pub(crate) fn provisioner_ready(&mut self, detail: String) {
+    pub fn provisioner_ready(&mut self, detail: String) {
         self.provisioner = Component::new(ComponentState::Ready, detail);
         self.phase = Phase::StarterPython;
         self.conda = Component::new(ComponentState::Installing, "creating starter-python");
     }
 
-    pub(crate) fn ready(&mut self, now: String, detail: String) {
+    pub fn ready(&mut self, now: String, detail: String) {
         self.state = State::Ready;
         self.phase = Phase::Done;
         self.finished_at = Some(now);
@@ -156,7 +151,7 @@ impl Setup {
     }
 
     /// The attempt failed in the current phase: that component fails, a later one is skipped.
-    pub(crate) fn failed(&mut self, now: String, error: String, action: String) {
+    pub fn failed(&mut self, now: String, error: String, action: String) {
         self.state = State::Failed;
         self.finished_at = Some(now);
         let failed = Component { state: ComponentState::Failed, detail: error.clone(), action: Some(action) };
@@ -173,7 +168,7 @@ impl Setup {
     }
 
     /// `GET /environment-setup`'s body.
-    pub(crate) fn view(&self, settings: &EnvSettings) -> Value {
+    pub fn view(&self, settings: &EnvSettings) -> Value {
         let mut v = json!({
             "state": self.state,
             "phase": self.phase,
@@ -196,7 +191,7 @@ impl Setup {
     }
 
     /// `/health.scientificEnvs`: `available` needs setup `ready` and starter-python present.
-    pub(crate) fn health(&self, settings: &EnvSettings, starter_python_ready: bool) -> Value {
+    pub fn health(&self, settings: &EnvSettings, starter_python_ready: bool) -> Value {
         if !settings.enabled {
             return json!({
                 "available": false, "enabled": false, "languages": [], "provisioner": null,
@@ -219,7 +214,7 @@ impl Setup {
     }
 
     /// Why executions and environment routes cannot use the store now.
-    pub(crate) fn unavailable_reason(&self) -> String {
+    pub fn unavailable_reason(&self) -> String {
         match self.state {
             State::Disabled => "Scientific environments are disabled by configuration".to_owned(),
             State::NotStarted => "Scientific environment setup has not started".to_owned(),

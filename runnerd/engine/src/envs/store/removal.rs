@@ -13,7 +13,7 @@ use super::{EnvStore, StoreError, audit, audit_failed, open_dir};
 
 impl EnvStore {
     /// `POST /environments/:id/uninstall` (conda packages).
-    pub(crate) async fn uninstall(
+    pub async fn uninstall(
         &self,
         app: &App,
         id: &str,
@@ -44,7 +44,7 @@ impl EnvStore {
     }
 
     /// `DELETE /environments/:id`: the prefix goes; revisions and snapshots stay.
-    pub(crate) async fn delete(&self, id: &str) -> Result<String, StoreError> {
+    pub async fn delete(&self, id: &str) -> Result<String, StoreError> {
         self.require_available()?;
         if id == STARTER_PYTHON || id == STARTER_R {
             return Err(StoreError::Invalid(format!("Starter environment {id} cannot be deleted")));

@@ -16,16 +16,16 @@ use super::catalog::{ContentRef, EnvironmentRevision, Language, LocalWheel, PROV
 use super::disk::{self, Found};
 use super::ids::{self, IdError, Manager};
 
-pub(crate) const FORMAT: &str = "sciencediscovery-environment-revision-v2";
-pub(crate) const RECONSTRUCTION_STATUS: &str = "reference-only";
-pub(crate) const RECONSTRUCTION_REASON: &str =
+pub const FORMAT: &str = "sciencediscovery-environment-revision-v2";
+pub const RECONSTRUCTION_STATUS: &str = "reference-only";
+pub const RECONSTRUCTION_REASON: &str =
     "Package inventory is retained; remote installation artifacts are not guaranteed to remain available.";
 /// A snapshot larger than this is never read (an inventory of thousands of packages is a
 /// few hundred KiB).
-pub(crate) const MAX_SNAPSHOT_BYTES: u64 = 64 << 20;
+pub const MAX_SNAPSHOT_BYTES: u64 = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum SnapshotError {
+pub enum SnapshotError {
     #[error(transparent)]
     Id(#[from] IdError),
     #[error("Environment revision snapshot already exists: {0}")]
@@ -39,7 +39,7 @@ pub(crate) enum SnapshotError {
 
 /// One conda package of the prefix.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub(crate) struct CondaPackage {
+pub struct CondaPackage {
     pub name: String,
     pub version: String,
     pub build: String,
@@ -59,7 +59,7 @@ impl From<&common::provision::Package> for CondaPackage {
 
 /// One Python distribution (`importlib.metadata`: name, version, `INSTALLER`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub(crate) struct PythonPackage {
+pub struct PythonPackage {
     pub name: String,
     pub version: String,
     pub installer: String,
@@ -67,21 +67,21 @@ pub(crate) struct PythonPackage {
 
 /// One R package (`installed.packages()`: Package, Version, Repository).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub(crate) struct RPackage {
+pub struct RPackage {
     pub name: String,
     pub version: String,
     pub repository: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Installed {
+pub struct Installed {
     pub conda: Vec<CondaPackage>,
     pub python: Vec<PythonPackage>,
     pub r: Vec<RPackage>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Reconstruction {
+pub struct Reconstruction {
     pub status: String,
     pub reason: String,
 }
@@ -89,7 +89,7 @@ pub(crate) struct Reconstruction {
 /// The snapshot, fields in the original's order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct Snapshot {
+pub struct Snapshot {
     pub format: String,
     pub channels: Vec<String>,
     pub created_at: String,
@@ -110,7 +110,7 @@ pub(crate) struct Snapshot {
 
 /// What a provisioning step leaves to record.
 #[derive(Debug, Clone)]
-pub(crate) struct Parts {
+pub struct Parts {
     pub revision_id: String,
     pub environment_id: String,
     pub language: Language,
@@ -126,7 +126,7 @@ pub(crate) struct Parts {
 impl Snapshot {
     /// The snapshot of a step, inventories sorted, `packages` derived from them, this
     /// runner's platform and provisioner.
-    pub(crate) fn new(parts: Parts) -> Snapshot {
+    pub fn new(parts: Parts) -> Snapshot {
         let mut installed = parts.installed;
         sort_unique(&mut installed.conda);
         sort_unique(&mut installed.python);
@@ -154,14 +154,14 @@ impl Snapshot {
     }
 
     /// 2-space pretty JSON and a trailing newline: the file, and what the hash covers.
-    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+    pub fn to_bytes(&self) -> Vec<u8> {
         let mut bytes = serde_json::to_vec_pretty(self).expect("a snapshot always serialises");
         bytes.push(b'\n');
         bytes
     }
 
     /// The revision record of this snapshot, once its bytes are stored as `stored`.
-    pub(crate) fn revision(&self, stored: ContentRef) -> EnvironmentRevision {
+    pub fn revision(&self, stored: ContentRef) -> EnvironmentRevision {
         EnvironmentRevision {
             channels: self.channels.clone(),
             created_at: self.created_at.clone(),
@@ -180,7 +180,7 @@ impl Snapshot {
     }
 
     /// Writes the snapshot once below the store `dir` and returns its revision record.
-    pub(crate) fn record(&self, dir: &impl AsRawFd) -> Result<EnvironmentRevision, SnapshotError> {
+    pub fn record(&self, dir: &impl AsRawFd) -> Result<EnvironmentRevision, SnapshotError> {
         let stored = write_once(dir, &self.revision_id, &self.to_bytes())?;
         Ok(self.revision(stored))
     }
@@ -188,12 +188,12 @@ impl Snapshot {
 
 /// `requestedChanges` of an install: `<manager>:<package>` (`conda:scanpy=1.10`,
 /// `cran:survival`, `pip:wheels/pkg-1.0-py3-none-any.whl`).
-pub(crate) fn requested_install<S: AsRef<str>>(manager: Manager, packages: &[S]) -> Vec<String> {
+pub fn requested_install<S: AsRef<str>>(manager: Manager, packages: &[S]) -> Vec<String> {
     packages.iter().map(|p| format!("{}:{}", manager.as_str(), p.as_ref())).collect()
 }
 
 /// `requestedChanges` of an uninstall: `conda:remove:<package>`.
-pub(crate) fn requested_removal<S: AsRef<str>>(packages: &[S]) -> Vec<String> {
+pub fn requested_removal<S: AsRef<str>>(packages: &[S]) -> Vec<String> {
     packages.iter().map(|p| format!("conda:remove:{}", p.as_ref())).collect()
 }
 
@@ -204,7 +204,7 @@ fn sort_unique<T: Ord>(v: &mut Vec<T>) {
 
 /// The revision's `packages`: conda `name=ver=build` (`name=ver` without a build),
 /// `python:<n>==<v>`, `r:<n>==<v>`; sorted, unique.
-pub(crate) fn package_strings(installed: &Installed) -> Vec<String> {
+pub fn package_strings(installed: &Installed) -> Vec<String> {
     let conda = installed.conda.iter().map(|p| match p.build.is_empty() {
         true => format!("{}={}", p.name, p.version),
         false => format!("{}={}={}", p.name, p.version, p.build),
@@ -215,7 +215,7 @@ pub(crate) fn package_strings(installed: &Installed) -> Vec<String> {
 }
 
 /// `X.Y` of the installed interpreter package (`python` or `r-base`), `None` without one.
-pub(crate) fn language_version(language: Language, conda: &[CondaPackage]) -> Option<String> {
+pub fn language_version(language: Language, conda: &[CondaPackage]) -> Option<String> {
     let name = match language {
         Language::Python => "python",
         Language::R => "r-base",
@@ -232,11 +232,7 @@ fn file_name(revision_id: &str) -> Result<String, IdError> {
 
 /// Creates `snapshots/<revId>.json` below the store `dir` (`O_EXCL | O_NOFOLLOW`, 0600),
 /// writes and fsyncs it and the directory. An existing snapshot is never replaced.
-pub(crate) fn write_once(
-    dir: &impl AsRawFd,
-    revision_id: &str,
-    bytes: &[u8],
-) -> Result<ContentRef, SnapshotError> {
+pub fn write_once(dir: &impl AsRawFd, revision_id: &str, bytes: &[u8]) -> Result<ContentRef, SnapshotError> {
     let name = file_name(revision_id)?;
     let snapshots = disk::ensure_dir(dir, common::layout::ENV_SNAPSHOTS, 0o700)
         .map_err(|e| SnapshotError::Io("open the directory of", e))?;
@@ -253,7 +249,7 @@ pub(crate) fn write_once(
 
 /// The snapshot's bytes if they are exactly the recorded ones (size and sha256); anything
 /// else, a missing file included, is corrupt.
-pub(crate) fn read_verified(
+pub fn read_verified(
     dir: &impl AsRawFd,
     revision_id: &str,
     expected: &ContentRef,

@@ -17,21 +17,21 @@ use crate::fsat;
 use crate::versioning::new_uuid_v4;
 
 /// The only catalog version there is.
-pub(crate) const CATALOG_VERSION: u64 = 1;
+pub const CATALOG_VERSION: u64 = 1;
 /// A catalog larger than this is refused rather than read (thousands of revisions are a
 /// few MiB).
-pub(crate) const MAX_CATALOG_BYTES: u64 = 64 << 20;
+pub const MAX_CATALOG_BYTES: u64 = 64 << 20;
 /// The revisions' `provisioner`: the basename of the binary that provisions.
-pub(crate) const PROVISIONER: &str = "runner-provisioner";
+pub const PROVISIONER: &str = "runner-provisioner";
 
 /// `error` of an environment whose in-place update failed (internals §5.5 step 3).
-pub(crate) const UPDATE_FAILED: &str = "In-place update failed; installed files may differ from the last successful revision. Retry through environment management.";
+pub const UPDATE_FAILED: &str = "In-place update failed; installed files may differ from the last successful revision. Retry through environment management.";
 /// `error` of an environment found `updating` at start-up (internals §5.5 step 4).
-pub(crate) const UPDATE_INTERRUPTED: &str =
+pub const UPDATE_INTERRUPTED: &str =
     "Environment update was interrupted; repair through environment management before execution.";
 
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum CatalogError {
+pub enum CatalogError {
     #[error(transparent)]
     Id(#[from] IdError),
     #[error("Environment catalog version {0} is not supported")]
@@ -52,21 +52,21 @@ pub(crate) enum CatalogError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum Kind {
+pub enum Kind {
     Starter,
     Task,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum Language {
+pub enum Language {
     Python,
     R,
 }
 
 impl Language {
     /// `python` / `r`, as the wire spells it.
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Language::Python => "python",
             Language::R => "r",
@@ -74,7 +74,7 @@ impl Language {
     }
 
     /// The original's starter specs (`SCIENCE_AGENT_STARTER_*_SPECS` unset).
-    pub(crate) fn default_starter_specs(self) -> &'static [&'static str] {
+    pub fn default_starter_specs(self) -> &'static [&'static str] {
         match self {
             Language::Python => &["python=3.12", "numpy=2.0", "pandas=2.2", "scipy=1.14", "matplotlib=3.9"],
             Language::R => &["r-base=4.4", "r-tidyverse=2.0", "r-data.table=1.16"],
@@ -82,7 +82,7 @@ impl Language {
     }
 
     /// The starter environment of this language.
-    pub(crate) fn starter_id(self) -> &'static str {
+    pub fn starter_id(self) -> &'static str {
         match self {
             Language::Python => ids::STARTER_PYTHON,
             Language::R => ids::STARTER_R,
@@ -92,14 +92,14 @@ impl Language {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum Status {
+pub enum Status {
     Ready,
     Updating,
     Failed,
 }
 
 impl Status {
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Status::Ready => "ready",
             Status::Updating => "updating",
@@ -111,7 +111,7 @@ impl Status {
 /// One named environment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct Environment {
+pub struct Environment {
     pub id: String,
     pub name: String,
     pub kind: Kind,
@@ -134,12 +134,12 @@ pub(crate) struct Environment {
 
 impl Environment {
     /// The revision whose directory is the prefix.
-    pub(crate) fn runtime_revision(&self) -> &str {
+    pub fn runtime_revision(&self) -> &str {
         self.runtime_revision_id.as_deref().unwrap_or(&self.current_revision_id)
     }
 
     /// `revisions/<envId>/<runtimeRevisionId>`, relative to the store, ids validated.
-    pub(crate) fn prefix_rel(&self) -> Result<PathBuf, IdError> {
+    pub fn prefix_rel(&self) -> Result<PathBuf, IdError> {
         ids::check_env_id(&self.id)?;
         ids::check_revision_id(self.runtime_revision())?;
         Ok([common::layout::ENV_REVISIONS, &self.id, self.runtime_revision()].iter().collect())
@@ -155,13 +155,13 @@ impl Environment {
 
 /// `{hash, size}`: lowercase hex sha256 and byte count of a stored file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct ContentRef {
+pub struct ContentRef {
     pub hash: String,
     pub size: u64,
 }
 
 impl ContentRef {
-    pub(crate) fn of(bytes: &[u8]) -> ContentRef {
+    pub fn of(bytes: &[u8]) -> ContentRef {
         ContentRef { hash: crate::versioning::names::sha256_hex(bytes), size: bytes.len() as u64 }
     }
 }
@@ -169,14 +169,14 @@ impl ContentRef {
 /// The only installer of local wheels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum WheelManager {
+pub enum WheelManager {
     Pip,
 }
 
 /// A workspace wheel persisted under `wheels/<content.hash>/<filename>`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct LocalWheel {
+pub struct LocalWheel {
     pub content: ContentRef,
     /// PEP 503-normalised (`example_pkg` → `example-pkg`).
     pub distribution: String,
@@ -190,7 +190,7 @@ pub(crate) struct LocalWheel {
 /// One revision record (internals §5.4): audit metadata that outlives its environment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct EnvironmentRevision {
+pub struct EnvironmentRevision {
     /// Sorted.
     pub channels: Vec<String>,
     pub created_at: String,
@@ -213,7 +213,7 @@ pub(crate) struct EnvironmentRevision {
 
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Catalog {
+pub struct Catalog {
     pub environments: Vec<Environment>,
     pub revisions: Vec<EnvironmentRevision>,
     pub version: u64,
@@ -226,7 +226,7 @@ impl Default for Catalog {
 }
 
 /// `<process.platform>-<process.arch>` as Node spells them (`linux-x64`, `linux-arm64`).
-pub(crate) fn node_platform() -> String {
+pub fn node_platform() -> String {
     let arch = match std::env::consts::ARCH {
         "x86_64" => "x64",
         "aarch64" => "arm64",
@@ -244,7 +244,7 @@ pub(crate) fn node_platform() -> String {
 /// following a symlink. Both directories are 0755: bwrap resolves a bind's source as the
 /// sandbox user, who must reach the prefixes (the files that are private, the catalog and
 /// the snapshots, are 0600 and 0700).
-pub(crate) fn open_store(data_dir: &Path) -> Result<(PathBuf, OwnedFd), CatalogError> {
+pub fn open_store(data_dir: &Path) -> Result<(PathBuf, OwnedFd), CatalogError> {
     let store_err = |what: &str| {
         let what = what.to_owned();
         move |e| CatalogError::Store(what, e)
@@ -261,7 +261,7 @@ pub(crate) fn open_store(data_dir: &Path) -> Result<(PathBuf, OwnedFd), CatalogE
 
 /// `revisions/<envId>/` below the store, created (0755); the provisioner creates the
 /// revision's prefix inside it.
-pub(crate) fn ensure_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<OwnedFd, CatalogError> {
+pub fn ensure_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<OwnedFd, CatalogError> {
     ids::check_env_id(env_id)?;
     let open = |e| CatalogError::Store(format!("{}/{env_id}", common::layout::ENV_REVISIONS), e);
     let revisions =
@@ -271,7 +271,7 @@ pub(crate) fn ensure_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<Owned
 
 /// Removes `revisions/<envId>/` and everything in it (a deleted task environment; its
 /// revision records and snapshots stay). Absent is fine.
-pub(crate) fn remove_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<(), CatalogError> {
+pub fn remove_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<(), CatalogError> {
     ids::check_env_id(env_id)?;
     let err = |e| CatalogError::Store(format!("{}/{env_id}", common::layout::ENV_REVISIONS), e);
     let Some(revisions) = disk::open_dir(store, common::layout::ENV_REVISIONS).map_err(err)? else {
@@ -283,7 +283,7 @@ pub(crate) fn remove_env_dir(store: &impl AsRawFd, env_id: &str) -> Result<(), C
 impl Catalog {
     /// Reads `catalog.json` below `dir` (the store's directory). An absent file is an empty
     /// catalog; another version, or any unsafe id, is refused.
-    pub(crate) fn load(dir: &impl AsRawFd) -> Result<Catalog, CatalogError> {
+    pub fn load(dir: &impl AsRawFd) -> Result<Catalog, CatalogError> {
         let bytes = match disk::read_regular(dir, common::layout::ENV_CATALOG, MAX_CATALOG_BYTES)
             .map_err(|e| CatalogError::Io("read", e))?
         {
@@ -297,7 +297,7 @@ impl Catalog {
 
     /// The file's bytes to a checked catalog: the version is looked at before the shape, so
     /// a future format is reported as such rather than as malformed.
-    pub(crate) fn parse(bytes: &[u8]) -> Result<Catalog, CatalogError> {
+    pub fn parse(bytes: &[u8]) -> Result<Catalog, CatalogError> {
         let value: serde_json::Value = serde_json::from_slice(bytes).map_err(CatalogError::Invalid)?;
         let version = value.get("version").cloned().unwrap_or(serde_json::Value::Null);
         if version.as_u64() != Some(CATALOG_VERSION) {
@@ -332,7 +332,7 @@ impl Catalog {
     }
 
     /// 2-space pretty JSON and a newline.
-    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+    pub fn to_bytes(&self) -> Vec<u8> {
         let mut bytes = serde_json::to_vec_pretty(self).expect("a catalog always serialises");
         bytes.push(b'\n');
         bytes
@@ -341,7 +341,7 @@ impl Catalog {
     /// Replaces `catalog.json` below `dir` atomically and durably. Ids and the size are
     /// checked first: a catalog that could not be loaded again (at the next start) is never
     /// written.
-    pub(crate) fn save(&self, dir: &impl AsRawFd) -> Result<(), CatalogError> {
+    pub fn save(&self, dir: &impl AsRawFd) -> Result<(), CatalogError> {
         self.check_ids()?;
         let bytes = self.to_bytes();
         if bytes.len() as u64 > MAX_CATALOG_BYTES {
@@ -363,39 +363,36 @@ impl Catalog {
 
     /// Removes `catalog.json.*.tmp` files a crash left below `dir` (at start-up, before any
     /// save); returns how many.
-    pub(crate) fn sweep_temporaries(dir: &OwnedFd) -> usize {
+    pub fn sweep_temporaries(dir: &OwnedFd) -> usize {
         let prefix = format!("{}.", common::layout::ENV_CATALOG);
         disk::sweep(dir, |name| name.starts_with(&prefix) && name.ends_with(".tmp"))
     }
 
-    pub(crate) fn environment(&self, id: &str) -> Option<&Environment> {
+    pub fn environment(&self, id: &str) -> Option<&Environment> {
         self.environments.iter().find(|e| e.id == id)
     }
 
-    pub(crate) fn environment_mut(&mut self, id: &str) -> Option<&mut Environment> {
+    pub fn environment_mut(&mut self, id: &str) -> Option<&mut Environment> {
         self.environments.iter_mut().find(|e| e.id == id)
     }
 
-    pub(crate) fn revision(&self, id: &str) -> Option<&EnvironmentRevision> {
+    pub fn revision(&self, id: &str) -> Option<&EnvironmentRevision> {
         self.revisions.iter().find(|r| r.id == id)
     }
 
     /// An environment's revisions, oldest first (the order they were recorded in).
-    pub(crate) fn revisions_of<'a>(
-        &'a self,
-        env_id: &'a str,
-    ) -> impl Iterator<Item = &'a EnvironmentRevision> + 'a {
+    pub fn revisions_of<'a>(&'a self, env_id: &'a str) -> impl Iterator<Item = &'a EnvironmentRevision> + 'a {
         self.revisions.iter().filter(move |r| r.environment_id == env_id)
     }
 
     /// The environments' names (for [`ids::check_new_name`]).
-    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+    pub fn names(&self) -> impl Iterator<Item = &str> {
         self.environments.iter().map(|e| e.name.as_str())
     }
 
     /// At start-up: every `updating` environment becomes `failed` with the original's text
     /// (its prefix may be half changed). Returns whether anything changed (then save).
-    pub(crate) fn recover_interrupted(&mut self, now: &str) -> bool {
+    pub fn recover_interrupted(&mut self, now: &str) -> bool {
         let mut changed = false;
         for env in self.environments.iter_mut().filter(|e| e.status == Status::Updating) {
             env.status = Status::Failed;
@@ -408,12 +405,12 @@ impl Catalog {
 
     /// Update step 1: `updating`, to be saved before any package is touched. `false` when
     /// there is no such environment.
-    pub(crate) fn begin_update(&mut self, env_id: &str, now: &str) -> bool {
+    pub fn begin_update(&mut self, env_id: &str, now: &str) -> bool {
         self.transition(env_id, now, Status::Updating, None)
     }
 
     /// Update step 2: the new revision is recorded and becomes current; `ready`.
-    pub(crate) fn commit_revision(&mut self, revision: EnvironmentRevision, now: &str) -> bool {
+    pub fn commit_revision(&mut self, revision: EnvironmentRevision, now: &str) -> bool {
         let (env_id, rev_id) = (revision.environment_id.clone(), revision.id.clone());
         let Some(env) = self.environment_mut(&env_id) else { return false };
         env.current_revision_id = rev_id;
@@ -422,7 +419,7 @@ impl Catalog {
     }
 
     /// Update step 3: `failed` with the original's text; the current revision stays.
-    pub(crate) fn fail_update(&mut self, env_id: &str, now: &str) -> bool {
+    pub fn fail_update(&mut self, env_id: &str, now: &str) -> bool {
         self.transition(env_id, now, Status::Failed, Some(UPDATE_FAILED))
     }
 
@@ -436,10 +433,10 @@ impl Catalog {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+pub mod tests {
     use super::*;
 
-    pub(crate) fn environment(id: &str, rev: &str) -> Environment {
+    pub fn environment(id: &str, rev: &str) -> Environment {
         Environment {
             id: id.into(),
             name: id.into(),
@@ -455,7 +452,7 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) fn revision(env: &str, id: &str) -> EnvironmentRevision {
+    pub fn revision(env: &str, id: &str) -> EnvironmentRevision {
         EnvironmentRevision {
             channels: vec!["conda-forge".into()],
             created_at: "2026-12-01T00:00:00.000Z".into(),

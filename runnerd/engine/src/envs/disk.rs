@@ -11,13 +11,13 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use crate::fsat;
 
 /// A name as the `*at` calls take it.
-pub(crate) fn cstr(name: &str) -> io::Result<CString> {
+pub fn cstr(name: &str) -> io::Result<CString> {
     CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 /// The subdirectory `name` of `dir`, created with exactly `mode` (whatever the umask) if
 /// absent; never through a symlink (`ENOTDIR` or `ELOOP`), never anything but a directory.
-pub(crate) fn ensure_dir(dir: &impl AsRawFd, name: &str, mode: libc::mode_t) -> io::Result<OwnedFd> {
+pub fn ensure_dir(dir: &impl AsRawFd, name: &str, mode: libc::mode_t) -> io::Result<OwnedFd> {
     let c = cstr(name)?;
     let created = match fsat::mkdir_at(dir, &c, mode) {
         Ok(()) => true,
@@ -33,13 +33,13 @@ pub(crate) fn ensure_dir(dir: &impl AsRawFd, name: &str, mode: libc::mode_t) -> 
 }
 
 /// `fchmod`.
-pub(crate) fn fchmod(fd: &impl AsRawFd, mode: libc::mode_t) -> io::Result<()> {
+pub fn fchmod(fd: &impl AsRawFd, mode: libc::mode_t) -> io::Result<()> {
     // SAFETY: fchmod on a descriptor we own.
     common::sys::cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
 /// The subdirectory `name` of `dir` if it exists (`None` for `ENOENT`).
-pub(crate) fn open_dir(dir: &impl AsRawFd, name: &str) -> io::Result<Option<OwnedFd>> {
+pub fn open_dir(dir: &impl AsRawFd, name: &str) -> io::Result<Option<OwnedFd>> {
     match fsat::open_dir_at(dir, &cstr(name)?) {
         Ok(fd) => Ok(Some(fd)),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
@@ -49,7 +49,7 @@ pub(crate) fn open_dir(dir: &impl AsRawFd, name: &str) -> io::Result<Option<Owne
 
 /// What [`read_regular`] found at a name.
 #[derive(Debug)]
-pub(crate) enum Found {
+pub enum Found {
     Bytes(Vec<u8>),
     /// Nothing (`ENOENT`).
     Missing,
@@ -61,7 +61,7 @@ pub(crate) enum Found {
 
 /// Reads the regular file `name` below `dir`, at most `max` bytes, without following a
 /// symlink or blocking on a FIFO.
-pub(crate) fn read_regular(dir: &impl AsRawFd, name: &str, max: u64) -> io::Result<Found> {
+pub fn read_regular(dir: &impl AsRawFd, name: &str, max: u64) -> io::Result<Found> {
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
     let fd = match fsat::open_at(dir, &cstr(name)?, flags) {
         Ok(fd) => fd,
@@ -86,7 +86,7 @@ pub(crate) fn read_regular(dir: &impl AsRawFd, name: &str, max: u64) -> io::Resu
 
 /// Creates `name` below `dir` (`O_EXCL | O_NOFOLLOW`, `mode`), writes `bytes` and fsyncs
 /// it; on any failure the partial file is removed. The directory is not synced here.
-pub(crate) fn write_new(dir: &impl AsRawFd, name: &str, bytes: &[u8], mode: libc::mode_t) -> io::Result<()> {
+pub fn write_new(dir: &impl AsRawFd, name: &str, bytes: &[u8], mode: libc::mode_t) -> io::Result<()> {
     let c = cstr(name)?;
     let mut f = File::from(fsat::create_new_at(dir, &c, mode)?);
     let written = f.write_all(bytes).and_then(|()| f.sync_all());
@@ -96,11 +96,11 @@ pub(crate) fn write_new(dir: &impl AsRawFd, name: &str, bytes: &[u8], mode: libc
     written
 }
 
-pub(crate) use crate::fsat::sync_dir;
+pub use crate::fsat::sync_dir;
 
 /// Removes the entries of `dir` whose names `stale` selects (temporaries an interrupted
 /// write left); best effort, returns how many went.
-pub(crate) fn sweep(dir: &OwnedFd, stale: impl Fn(&str) -> bool) -> usize {
+pub fn sweep(dir: &OwnedFd, stale: impl Fn(&str) -> bool) -> usize {
     let Ok(names) = fsat::names(dir) else { return 0 };
     names
         .into_iter()

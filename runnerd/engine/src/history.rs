@@ -70,7 +70,7 @@ pub enum Trigger {
 }
 
 impl Trigger {
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Trigger::Requested => "requested",
             Trigger::Periodic => "periodic",

@@ -59,7 +59,7 @@ impl EnvStore {
     }
 
     /// `POST /environments`: a task environment cloned from its base's current packages.
-    pub(crate) async fn create(
+    pub async fn create(
         &self,
         app: &App,
         name: &str,
