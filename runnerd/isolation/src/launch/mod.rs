@@ -1,4 +1,4 @@
-//! Launching a sandbox: the API the HTTP layer calls.
+//! Launching a sandbox through sandbox-init: what the bubblewrap backend (`crate::isolation`) runs.
 //!
 //! [`Launcher::run`] prepares the sandbox's descriptors (stdio pipes, a sealed memfd with the
 //! seccomp program, bwrap's info pipe), has the [`spawner`] thread start `sandbox-init` and
