@@ -37,7 +37,7 @@ use common::seccomp::Profile;
 pub use audit::FinishAudit;
 pub use error::EngineError;
 pub use outcome::{Outcome, RunOutcome};
-pub use prepare::{Located, Prepared, RunOptions, locate, prepare};
+pub use prepare::{Located, Prepared, RunOptions, budgets, check_mounts, locate, prepare};
 use request::NetworkMode;
 pub use run::run_sandbox;
 pub use stop::{StopReason, StopToken};

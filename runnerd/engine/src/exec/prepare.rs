@@ -58,12 +58,28 @@ pub fn locate(app: &App, ws: &request::WorkspaceRef) -> Result<Located, EngineEr
     Ok(Located { root, read_only })
 }
 
+/// The mounts check (step 5), both routes': exactly one read-write workspace mount.
+pub fn check_mounts(req: &request::ExecRequest) -> Result<(), EngineError> {
+    match req.single_workspace_mount {
+        true => Ok(()),
+        false => Err(request::mounts_error(req.language)),
+    }
+}
+
+/// The output and workspace budgets of a request (`maxOutputBytes`, `maxWorkspaceBytes`):
+/// its own, else the configured defaults. Both routes', decided once here.
+pub fn budgets(app: &App, req: &request::ExecRequest) -> (u64, u64) {
+    let cfg = &app.config;
+    (
+        req.max_output_bytes.unwrap_or(cfg.max_output_bytes),
+        req.max_workspace_bytes.unwrap_or(cfg.max_workspace_bytes),
+    )
+}
+
 /// A synchronous execution's admission (steps 5–9): the mounts, a place in the bounded
 /// queue, then the id — length, the 60 s dedupe, blank — and the agent.
 pub fn admit(app: &App, req: &request::ExecRequest) -> Result<admission::Ticket, EngineError> {
-    if !req.single_workspace_mount {
-        return Err(request::mounts_error(req.language));
-    }
+    check_mounts(req)?;
     // Ours: a full queue answers 503 before the id is recorded, so a retry after
     // `Retry-After` is not refused as a duplicate.
     let ticket = app.admission.admit();
@@ -229,6 +245,7 @@ pub fn prepare(
     let epoch_revision = req.epoch_environment_revision_id.as_deref();
     let (environment_revision_id, environment) = select_environment(app, &req, epoch_revision)?;
     let egress_route = egress_route(&req)?;
+    let (max_output, max_workspace) = budgets(app, &req);
     let network = req.network;
     let npu_devices = crate::accel::select::requested(req.npu_devices.as_ref(), "npuDevices")?;
     let gpu_devices = crate::accel::select::requested(req.gpu_devices.as_ref(), "gpuDevices")?;
@@ -244,8 +261,6 @@ pub fn prepare(
         true => req.execution_timeout_ms.unwrap_or(cfg.exec_timeout_ms),
         false => 0,
     };
-    let max_output = req.max_output_bytes.unwrap_or(cfg.max_output_bytes);
-    let max_workspace = req.max_workspace_bytes.unwrap_or(cfg.max_workspace_bytes);
     let (cwd, deferred_cwd) = working_directory(app, &located.root, req.cwd, opts)?;
     let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
         .map_err(|m| EngineError::invalid(ErrorCode::InvalidResourceLimits, m))?;

@@ -235,15 +235,14 @@ impl Manager {
         if !db_do(&self.db, move |db| db.insert_new(&stored)).await? {
             return Err(ManagedError::IdUsed);
         }
+        let (max_output, max_workspace) = exec::budgets(&app, &req);
         let submitted = Submitted {
             root: located.root.clone(),
             code: req.code.clone(),
-            max_output: req.max_output_bytes.unwrap_or(app.config.max_output_bytes),
-            max_workspace: req.max_workspace_bytes.unwrap_or(app.config.max_workspace_bytes),
-            prepared: match req.single_workspace_mount {
-                true => exec::prepare(&app, req, located, exec::RunOptions::MANAGED),
-                false => Err(request::mounts_error(crate::sandbox::Language::Shell)),
-            },
+            max_output,
+            max_workspace,
+            prepared: exec::check_mounts(&req)
+                .and_then(|()| exec::prepare(&app, req, located, exec::RunOptions::MANAGED)),
         };
         let stop = exec::StopToken::new();
         self.controllers().insert(id.clone(), stop.clone());
