@@ -30,6 +30,7 @@ pub mod token;
 // paths the HTTP layer, the integration suite and the benchmarks use.
 pub use runner_engine::{
     ClientSettings, accel, app, audit, blocking, client_settings, config, coordination, dbcheck, egress,
-    envs, error_chain, exec, fsat, history, isolation, journal, launch, limits, managed, metrics, npu_broker,
-    quota, remote, sandbox, skill_bundle, skills, startup, timefmt, versioning, workspace, writer,
+    envs, error_chain, exec, fsat, history, isolation, journal, launch, limits, managed, measure, metrics,
+    npu_broker, quota, remote, sandbox, skill_bundle, skills, startup, timefmt, versioning, workspace,
+    writer,
 };

@@ -24,6 +24,7 @@ pub mod exec;
 pub mod history;
 pub mod journal;
 pub mod managed;
+pub mod measure;
 pub mod metrics;
 pub mod npu_broker;
 pub mod skills;

@@ -1,5 +1,5 @@
 //! What a file costs against a workspace's quota: one measure for the walk that checks the
-//! quota (runnerd's `exec::files`), the change journal and the remote workspace's uploads.
+//! quota (the engine's `measure`), the change journal and the remote workspace's uploads.
 
 /// What one regular file costs against the quota: its apparent size, as the original sums
 /// `stat.size` (and what a snapshot stores), plus whatever is allocated beyond that size

@@ -102,7 +102,7 @@ fn enforcement(app: &App) -> (Value, Value) {
     let cfg = &app.config;
     let cap = &app.sandbox.capability;
     let [memory, pids, cpu] = crate::limits::health_entries(&app.limits, cfg.exec_timeout_ms);
-    let workspace = crate::exec::files::quota_enforcement(cfg.max_workspace_bytes, app.journal.enabled());
+    let workspace = crate::measure::quota_enforcement(cfg.max_workspace_bytes, app.journal.enabled());
     let enforced = json!({
         "memory": memory.1,
         "pids": pids.1,

@@ -288,7 +288,7 @@ pub async fn put_file(
         }
         if max > 0 {
             // A directory the walk cannot read counts as over the quota (fail closed).
-            let m = crate::exec::files::measure(std::os::fd::AsFd::as_fd(&fd));
+            let m = crate::measure::measure(std::os::fd::AsFd::as_fd(&fd));
             let used = if m.unreadable.is_some() { u64::MAX } else { m.bytes };
             if used.saturating_sub(replaced).saturating_add(staged.size) > max {
                 return Err(remote_err(RemoteError::Quota));

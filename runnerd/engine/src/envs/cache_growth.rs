@@ -27,8 +27,8 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::exec::files::{self, Measured, Unreadable};
 use crate::fsat::{self, Stat};
+use crate::measure::{self as files, Measured, Unreadable};
 
 /// rattler's package layer inside the cache (`runner-provisioner`'s layout).
 const PACKAGES: &CStr = c"pkgs";

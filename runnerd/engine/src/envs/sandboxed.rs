@@ -175,7 +175,7 @@ pub use common::provision::MAX_PREFIX_ENTRIES;
 /// Why a step's prefix (or what it added to the cache) is over one of its budgets.
 #[derive(Debug)]
 enum PrefixBreach {
-    Bytes(crate::exec::files::Breach),
+    Bytes(crate::measure::Breach),
     Entries(u64),
 }
 
@@ -187,7 +187,7 @@ enum Place {
 }
 
 fn prefix_breach(label: &'static str, place: Place, limit: u64, breach: PrefixBreach) -> SandboxedError {
-    use crate::exec::files::Breach;
+    use crate::measure::Breach;
     match (place, breach) {
         (Place::Prefix, PrefixBreach::Bytes(Breach::Over { bytes })) => {
             SandboxedError::PrefixTooLarge { label, bytes, limit }
@@ -231,7 +231,7 @@ impl Watched {
     /// the blocking pool.
     async fn measure(&self, limit: u64) -> Result<(), PrefixBreach> {
         let m = match self {
-            Watched::Prefix(root) => crate::exec::files::count_blocking(root).await,
+            Watched::Prefix(root) => crate::measure::count_blocking(root).await,
             Watched::Cache(root, start) => cache_growth::grown_blocking(root, start).await,
         };
         judge_prefix(m, limit, MAX_PREFIX_ENTRIES)
@@ -240,15 +240,11 @@ impl Watched {
 
 /// The verdict on one walk of a prefix: its entries against `max_entries`, its bytes against
 /// `max_bytes` (0: no byte limit). Pure.
-fn judge_prefix(
-    m: crate::exec::files::Measured,
-    max_bytes: u64,
-    max_entries: u64,
-) -> Result<(), PrefixBreach> {
+fn judge_prefix(m: crate::measure::Measured, max_bytes: u64, max_entries: u64) -> Result<(), PrefixBreach> {
     if m.entries > max_entries {
         return Err(PrefixBreach::Entries(m.entries));
     }
-    crate::exec::files::check(m, max_bytes).map(drop).map_err(PrefixBreach::Bytes)
+    crate::measure::check(m, max_bytes).map(drop).map_err(PrefixBreach::Bytes)
 }
 
 /// Completes with the breach once the prefix (or the cache's growth) outgrows a budget;
@@ -664,7 +660,7 @@ mod tests {
     #[test]
     fn a_prefix_is_judged_by_its_entries_and_its_bytes() {
         let walk = |bytes, entries| {
-            let mut m = crate::exec::files::Measured::default();
+            let mut m = crate::measure::Measured::default();
             (m.bytes, m.entries) = (bytes, entries);
             m
         };
@@ -687,7 +683,7 @@ mod tests {
         }
         let e = prefix_breach("pip", Place::Prefix, 10, PrefixBreach::Entries(2_000_001)).to_string();
         assert!(e.contains("held 2000001 files, directories and links, more than the 2000000"), "{e}");
-        let over = crate::exec::files::Breach::Over { bytes: 11 };
+        let over = crate::measure::Breach::Over { bytes: 11 };
         for (place, breach, want) in [
             (
                 Place::Cache,

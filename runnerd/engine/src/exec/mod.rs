@@ -13,7 +13,7 @@ pub mod code;
 pub mod dedupe;
 pub mod engine;
 pub mod error;
-pub mod files;
+use crate::measure as files;
 pub mod network_mode;
 pub mod outcome;
 mod prepare;
@@ -49,11 +49,7 @@ pub const MAX_EXECUTION_ID: usize = 1024;
 /// The error code of a sandbox that did not die: its caller keeps the workspace locked.
 pub const UNRESPONSIVE: ErrorCode = ErrorCode::SandboxUnresponsive;
 
-/// How often the workspace quota is re-measured during a run, at the most: the original
-/// polls every 100 ms; ours waits 25 ms, or as long as the last walk took if that was longer
-/// (a large workspace is never walked more than half the time), so the overshoot between
-/// two measurements is a quarter of the original's on a small workspace.
-pub const QUOTA_POLL: Duration = Duration::from_millis(25);
+pub use crate::measure::QUOTA_POLL;
 
 /// How often the quota is brought up to date from the change journal when no event comes.
 pub const JOURNAL_TICK: Duration = Duration::from_secs(1);

@@ -4,7 +4,7 @@
 //! sets share no text, so each outcome is one label.
 
 use super::code::ErrorCode;
-use crate::managed::ManagedState;
+use runner_store::execution_state::ManagedState;
 
 common::named_enum! {
     /// An end that is no error's code: the sandbox's own, the queue's, and a managed

@@ -29,8 +29,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 
-use crate::exec::files::{Fingerprints, Measured};
 use crate::fsat::{self, Stat};
+use crate::measure::{Fingerprints, Measured};
 use crate::versioning::snapshot::Reuse;
 use tree::{Lost, Tree};
 
@@ -446,11 +446,11 @@ impl Journal {
     /// Blocking (it may walk the workspace).
     pub fn begin(&self, key: &Path, root: &OwnedFd) -> (Measured, Option<RunWatch>) {
         let Some(inner) = &self.inner else {
-            return (crate::exec::files::measure(root.as_fd()), None);
+            return (crate::measure::measure(root.as_fd()), None);
         };
         let Some(watched) = inner.slot(key, root) else {
             inner.count(Fallback::NoSlot);
-            return (crate::exec::files::measure(root.as_fd()), None);
+            return (crate::measure::measure(root.as_fd()), None);
         };
         // `slot` counted this run as a user of the workspace; dropping the run uncounts it.
         let run = RunWatch(Arc::new(Run { inner: inner.clone(), watched }));
@@ -770,7 +770,7 @@ impl RunWatch {
                     lock(&w.pending).lose(why);
                     *tree = None;
                     self.0.inner.count(Fallback::Unrepresentable);
-                    return (crate::exec::files::measure(w.root.as_fd()), false);
+                    return (crate::measure::measure(w.root.as_fd()), false);
                 }
             }
         }

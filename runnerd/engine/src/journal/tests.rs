@@ -1,5 +1,5 @@
 use super::*;
-use crate::exec::files;
+use crate::measure as files;
 use crate::versioning::snapshot::SnapshotScope;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

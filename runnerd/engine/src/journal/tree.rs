@@ -15,8 +15,8 @@ use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use crate::exec::files::{self, Fingerprints, Measured, Seen};
 use crate::fsat::{self, Stat};
+use crate::measure::{self as files, Fingerprints, Measured, Seen};
 
 /// What the journal keeps of one regular file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
