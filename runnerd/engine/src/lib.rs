@@ -17,9 +17,11 @@
 
 pub mod accel;
 pub mod app;
+pub mod code;
 pub mod config;
 pub mod egress;
 pub mod envs;
+pub mod error;
 pub mod exec;
 pub mod history;
 pub mod journal;

@@ -5,11 +5,49 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-use crate::exec::EngineError;
+use crate::app::App;
+use crate::code::ErrorCode;
+use crate::error::EngineError;
 use crate::sandbox::user::Identity;
 use runner_store::workspace as store;
 
 pub use runner_store::workspace::{PROJECTS, REMOTE_WORKSPACES, WorkspaceError};
+
+/// Where the request says its workspace is (resolved by the engine, contract §2A step 4).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkspaceRef {
+    /// `runnerWorkspaceKey`, when non-empty: it wins and drops `readOnlyWorkspaceRoot`.
+    pub key: Option<String>,
+    pub root: Option<String>,
+    /// `readOnlyWorkspaceRoot`, when non-blank.
+    pub read_only: Option<String>,
+}
+
+/// The workspace a request runs in, resolved beneath the data directory (step 4).
+#[derive(Debug, Clone)]
+pub struct Located {
+    pub root: PathBuf,
+    pub read_only: Option<PathBuf>,
+}
+
+/// Workspace resolution (step 4): a `runnerWorkspaceKey` wins and drops
+/// `readOnlyWorkspaceRoot`; otherwise `workspaceRoot` must be inside the roots.
+pub fn locate(app: &App, ws: &WorkspaceRef) -> Result<Located, EngineError> {
+    let data = &app.data_dir;
+    if let Some(key) = &ws.key {
+        let root = ensure_remote_workspace(data, key, &app.sandbox.user)?;
+        return Ok(Located { root: validated_workspace(data, &root)?, read_only: None });
+    }
+    let root = ws.root.as_deref().ok_or_else(|| {
+        EngineError::invalid(ErrorCode::WorkspaceRequired, "workspaceRoot or runnerWorkspaceKey is required")
+    })?;
+    let root = validated_workspace(data, Path::new(root))?;
+    let read_only = match &ws.read_only {
+        Some(p) => Some(validated_workspace(data, Path::new(p))?),
+        None => None,
+    };
+    Ok(Located { root, read_only })
+}
 
 /// [`store::ensure_remote_workspace`]: what it creates belongs to the sandbox user (`owner`).
 pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> Result<PathBuf, EngineError> {

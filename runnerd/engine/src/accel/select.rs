@@ -16,7 +16,8 @@ use super::{
     AccelConfig, GpuDevice, GpuInventory, INVENTORY_TTL, NpuDevice, NpuInventory, PROBE_TIMEOUT, join_all,
 };
 use crate::app::App;
-use crate::exec::{EngineError, ErrorCode};
+use crate::code::ErrorCode;
+use crate::error::EngineError;
 use crate::timefmt;
 
 /// Ascend 910 series only (910A, 910B, 910C …, not 310).

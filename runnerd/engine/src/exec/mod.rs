@@ -9,10 +9,8 @@
 
 pub mod admission;
 mod audit;
-pub mod code;
 pub mod dedupe;
 pub mod engine;
-pub mod error;
 use crate::measure as files;
 pub mod network_mode;
 pub mod outcome;
@@ -29,15 +27,16 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::Value;
 
+pub use crate::code::{self, ErrorCode};
 use crate::launch::OutputText;
 use crate::sandbox::{Language, argv};
-pub use code::ErrorCode;
 use common::seccomp::Profile;
 
+pub use crate::error::{self, EngineError};
+pub use crate::workspace::{Located, locate};
 pub use audit::FinishAudit;
-pub use error::EngineError;
 pub use outcome::{Outcome, RunOutcome};
-pub use prepare::{Located, Prepared, RunOptions, budgets, check_mounts, locate, prepare};
+pub use prepare::{Prepared, RunOptions, budgets, check_mounts, prepare};
 use request::NetworkMode;
 pub use run::run_sandbox;
 pub use stop::{StopReason, StopToken};

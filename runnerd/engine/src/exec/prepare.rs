@@ -15,7 +15,7 @@ use super::request::NetworkMode;
 use super::{EngineError, ErrorCode, MAX_EXECUTION_ID, admission, profile_for, request};
 use crate::app::App;
 use crate::sandbox::Language;
-use crate::workspace;
+use crate::workspace::{self, Located};
 
 /// How the routes differ in one engine: the synchronous routes honour `executionTimeoutMs`
 /// and run at once; the managed route has no deadline (the caller's concern, contract §3)
@@ -30,32 +30,6 @@ pub struct RunOptions {
 impl RunOptions {
     pub const SYNC: RunOptions = RunOptions { honour_timeout: true, defer_cwd: false };
     pub const MANAGED: RunOptions = RunOptions { honour_timeout: false, defer_cwd: true };
-}
-
-/// The workspace a request runs in, resolved beneath the data directory (step 4).
-#[derive(Debug, Clone)]
-pub struct Located {
-    pub root: PathBuf,
-    pub read_only: Option<PathBuf>,
-}
-
-/// Workspace resolution (step 4): a `runnerWorkspaceKey` wins and drops
-/// `readOnlyWorkspaceRoot`; otherwise `workspaceRoot` must be inside the roots.
-pub fn locate(app: &App, ws: &request::WorkspaceRef) -> Result<Located, EngineError> {
-    let data = &app.data_dir;
-    if let Some(key) = &ws.key {
-        let root = workspace::ensure_remote_workspace(data, key, &app.sandbox.user)?;
-        return Ok(Located { root: workspace::validated_workspace(data, &root)?, read_only: None });
-    }
-    let root = ws.root.as_deref().ok_or_else(|| {
-        EngineError::invalid(ErrorCode::WorkspaceRequired, "workspaceRoot or runnerWorkspaceKey is required")
-    })?;
-    let root = workspace::validated_workspace(data, Path::new(root))?;
-    let read_only = match &ws.read_only {
-        Some(p) => Some(workspace::validated_workspace(data, Path::new(p))?),
-        None => None,
-    };
-    Ok(Located { root, read_only })
 }
 
 /// The mounts check (step 5), both routes': exactly one read-write workspace mount.

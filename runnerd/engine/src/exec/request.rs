@@ -9,6 +9,7 @@ use super::code::ErrorCode;
 use super::error::EngineError;
 pub use super::network_mode::NetworkMode;
 use crate::sandbox::Language;
+pub use crate::workspace::WorkspaceRef;
 
 /// Which route asked: its language and error labels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,16 +63,6 @@ impl NetworkAccess {
     pub fn none() -> NetworkAccess {
         NetworkAccess { mode: "none".into(), revision: "none".into(), ..NetworkAccess::default() }
     }
-}
-
-/// Where the request says its workspace is (resolved by the engine, contract §2A step 4).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct WorkspaceRef {
-    /// `runnerWorkspaceKey`, when non-empty: it wins and drops `readOnlyWorkspaceRoot`.
-    pub key: Option<String>,
-    pub root: Option<String>,
-    /// `readOnlyWorkspaceRoot`, when non-blank.
-    pub read_only: Option<String>,
 }
 
 /// An execution request read once, after the route-level checks ([`parse`]): typed fields,

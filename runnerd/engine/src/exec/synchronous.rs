@@ -7,12 +7,13 @@ use std::time::Instant;
 
 use super::audit::FinishAudit;
 use super::engine::{Execution, Flow, Queue, Route};
-use super::prepare::{RunOptions, admit, attach_egress, locate, prepare};
+use super::prepare::{RunOptions, admit, attach_egress, prepare};
 use super::registry::{ActiveExecution, Registration};
 use super::{EngineError, ExecutionResult, RunOutcome, StopToken, admission, language_name, request};
 use crate::app::App;
 use crate::metrics::Phase;
 use crate::versioning::Ref;
+use crate::workspace::locate;
 use crate::writer::{WriteError, Writer};
 
 /// Runs one synchronous execution. `stop` ends it early: a queued call leaves the queue, a

@@ -24,7 +24,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::exec::code::ErrorCode;
+use crate::code::ErrorCode;
 use crate::fsat;
 use crate::sandbox::user::Identity;
 

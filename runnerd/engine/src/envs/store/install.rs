@@ -39,7 +39,7 @@ pub struct InstallRequest {
     pub channels: Option<Vec<String>>,
     pub manager: Manager,
     pub index_url: Option<String>,
-    pub workspace: crate::exec::request::WorkspaceRef,
+    pub workspace: crate::workspace::WorkspaceRef,
 }
 
 /// What an install checked before its gate: the specs (wheel paths apart), the conda
@@ -275,7 +275,8 @@ fn locate_workspace(app: &App, req: &InstallRequest) -> Result<PathBuf, StoreErr
     if req.workspace.key.is_none() && req.workspace.root.is_none() {
         return Err(wheels::WheelError::NoWorkspace.into());
     }
-    let located = crate::exec::locate(app, &req.workspace).map_err(|e| StoreError::Invalid(e.to_string()))?;
+    let located =
+        crate::workspace::locate(app, &req.workspace).map_err(|e| StoreError::Invalid(e.to_string()))?;
     Ok(located.root)
 }
 

@@ -1,10 +1,10 @@
 //! The engine's error codes: the stable machine-readable name of every failure an
-//! [`EngineError`](super::EngineError) can carry — the HTTP answer's `code` (api.md
+//! [`EngineError`](crate::error::EngineError) can carry — the HTTP answer's `code` (api.md
 //! improvement 1), the audit outcome of an execution it ended and a metric label. One
 //! closed set, so a code is a variant rather than a string each call site spells.
 
 common::named_enum! {
-    /// An [`EngineError`](super::EngineError)'s code.
+    /// An [`EngineError`](crate::error::EngineError)'s code.
     pub enum ErrorCode {
         // The request as sent (contract validation, api.md improvement 1).
         InvalidJson => "invalid_json",
@@ -48,7 +48,7 @@ common::named_enum! {
         SkillsUnavailable => "skills_unavailable",
         NpuUnavailable => "npu_unavailable",
         GpuUnavailable => "gpu_unavailable",
-        // The workspace's writer (`super::error::workspace_code`).
+        // The workspace's writer (`crate::error::workspace_code`).
         WorkspaceRetired => "workspace_retired",
         WorkspaceInterrupted => "workspace_interrupted",
         WorkspacePoisoned => "workspace_poisoned",

@@ -2,7 +2,7 @@
 //! no HTTP in it. `crate::api::error` maps each variant to the contract's status, our stable
 //! `code` and the text, in one table (`ApiError::from(EngineError)`).
 
-use super::code::ErrorCode;
+use crate::code::ErrorCode;
 use crate::coordination::CoordError;
 use crate::workspace::WorkspaceError;
 use crate::writer::WriteError;
@@ -118,7 +118,7 @@ impl EngineError {
             EngineError::Aborted { .. } => ErrorCode::ExecutionAborted,
             EngineError::QuotaExceeded(_) => ErrorCode::WorkspaceQuotaExceeded,
             EngineError::LaunchFailed(_) => ErrorCode::SandboxLaunchFailed,
-            EngineError::Unresponsive(_) => super::UNRESPONSIVE,
+            EngineError::Unresponsive(_) => ErrorCode::SandboxUnresponsive,
             EngineError::CommitFailed(_) => ErrorCode::VersionCommitFailed,
             EngineError::Internal(_) => ErrorCode::Internal,
         }
