@@ -56,6 +56,15 @@ pub struct App {
 }
 
 impl App {
+    /// The accelerator probes' view of this daemon: its sandboxes, data directory and chips.
+    pub fn accel_prober(&self) -> crate::accel::probe::SandboxProber<'_> {
+        crate::accel::probe::SandboxProber {
+            sandbox: &self.sandbox,
+            data_dir: &self.data_dir,
+            config: &self.accel.config,
+        }
+    }
+
     pub fn new(
         config: RunnerConfig,
         sandbox: SandboxRuntime,

@@ -138,11 +138,17 @@ pub async fn handle(
         ("GET", ["resources"]) => ok(resources::resources(&app).await),
         ("GET", ["npu", "devices"]) => {
             let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
-            ok(serde_json::to_value(crate::accel::select::npu_view(&app, refresh).await).unwrap_or_default())
+            ok(serde_json::to_value(
+                crate::accel::select::npu_view(&app.accel, &app.accel_prober(), refresh).await,
+            )
+            .unwrap_or_default())
         }
         ("GET", ["gpu", "devices"]) => {
             let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
-            ok(serde_json::to_value(crate::accel::select::gpu_view(&app, refresh).await).unwrap_or_default())
+            ok(serde_json::to_value(
+                crate::accel::select::gpu_view(&app.accel, &app.accel_prober(), refresh).await,
+            )
+            .unwrap_or_default())
         }
         ("GET", ["skill-packages", id]) if skills::is_package_id(id) => skills::get(&app, id).await,
         ("POST", ["skill-packages"]) => skills::post(&app, req.body).await,

@@ -63,7 +63,7 @@ pub async fn resources(app: &App) -> Value {
         );
     }
     // The cached NPU inventory, only where this host has the Ascend tooling (contract §5.4).
-    let npu = crate::accel::select::npu_view(app, false).await;
+    let npu = crate::accel::select::npu_view(&app.accel, &app.accel_prober(), false).await;
     if npu.supported {
         out["npu"] = serde_json::to_value(npu).unwrap_or_default();
     }

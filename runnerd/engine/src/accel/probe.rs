@@ -10,11 +10,12 @@ use std::pin::Pin;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::AccelConfig;
 use super::{MAX_TOOL_OUTPUT, PROBE_TIMEOUT, mount};
-use crate::app::App;
 use crate::isolation::{Dir, Job, SandboxSpec, WorkspaceDirs};
 use crate::launch::{OutputBudget, Termination};
 use crate::sandbox::{Language, WorkspaceLayout, argv};
+use crate::startup::SandboxRuntime;
 
 /// Which kind of chip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,10 +71,14 @@ pub fn unusable_reason(family: Family, host_index: u32, detail: &str) -> String 
     format!("{} {host_index} cannot be opened inside the sandbox: {detail}", family.label())
 }
 
-/// Probes through real sandboxes of the executions' form.
-#[derive(Debug)]
+/// Probes through real sandboxes of the executions' form: the sandbox side's start-up facts
+/// (its isolation backend, host runtime and user), where scratch workspaces go, and the
+/// chips' configuration.
+#[derive(Debug, Clone, Copy)]
 pub struct SandboxProber<'a> {
-    pub app: &'a App,
+    pub sandbox: &'a SandboxRuntime,
+    pub data_dir: &'a Path,
+    pub config: &'a AccelConfig,
 }
 
 static SCRATCH: AtomicU64 = AtomicU64::new(0);
@@ -81,9 +86,8 @@ static SCRATCH: AtomicU64 = AtomicU64::new(0);
 impl SandboxProber<'_> {
     async fn run(&self, family: Family, host_index: u32) -> ProbeOutcome {
         let fail = |detail: String| ProbeOutcome { usable: false, stdout: String::new(), detail };
-        let app = self.app;
-        let cfg = &app.accel.config;
-        if app.sandbox.isolation.unavailable().is_some() {
+        let (sandbox, cfg) = (self.sandbox, self.config);
+        if sandbox.isolation.unavailable().is_some() {
             return fail("no sandbox can be built on this host (see /health sandboxProfile)".into());
         }
         let exists = |p: &Path| p.exists();
@@ -110,7 +114,7 @@ impl SandboxProber<'_> {
             }
         };
         // A throwaway, empty workspace: the probe's sandbox has the executions' layout.
-        let scratch = match make_scratch(&app.data_dir, &app.sandbox.user) {
+        let scratch = match make_scratch(self.data_dir, &sandbox.user) {
             Ok(dir) => dir,
             Err(e) => return fail(format!("could not create the probe's scratch directory: {e}")),
         };
@@ -121,7 +125,7 @@ impl SandboxProber<'_> {
             Err(e) => return fail(format!("could not open the probe's scratch directory: {e}")),
         };
         let layout = WorkspaceLayout::new(scratch.clone(), None);
-        let mut spec = SandboxSpec::new(&app.sandbox.host, &layout, Language::Shell);
+        let mut spec = SandboxSpec::new(&sandbox.host, &layout, Language::Shell);
         spec.workspace_dirs =
             Some(WorkspaceDirs { root: Dir { fd: &scratch_fd, owner: None }, read_only: None });
         spec.accel = Some(&one);
@@ -130,7 +134,7 @@ impl SandboxProber<'_> {
         let mut job = Job::new(spec);
         job.timeout = Some(PROBE_TIMEOUT);
         let mut output = OutputBudget::new(MAX_TOOL_OUTPUT);
-        let ran = app.sandbox.isolation.run(job, &mut output).await.outcome;
+        let ran = sandbox.isolation.run(job, &mut output).await.outcome;
         let _ = std::fs::remove_dir_all(&scratch);
         let out = output.finish();
         let (stdout, stderr) = (out.stdout, out.stderr);

@@ -15,7 +15,6 @@ use super::probe::{Family, Prober, SandboxProber, host_tool, unusable_reason};
 use super::{
     AccelConfig, GpuDevice, GpuInventory, INVENTORY_TTL, NpuDevice, NpuInventory, PROBE_TIMEOUT, join_all,
 };
-use crate::app::App;
 use crate::code::ErrorCode;
 use crate::error::EngineError;
 use crate::timefmt;
@@ -44,10 +43,9 @@ impl Accelerators {
 }
 
 /// `GET /npu/devices[?refresh=1]`: the cached inventory (60 s), or a fresh one.
-pub async fn npu_view(app: &App, refresh: bool) -> NpuInventory {
-    let prober = SandboxProber { app };
-    let cfg = &app.accel.config;
-    app.accel.npu.get(refresh, INVENTORY_TTL, || collect_npu(cfg, None, &prober), keep_npu).await
+pub async fn npu_view(accel: &Accelerators, prober: &SandboxProber<'_>, refresh: bool) -> NpuInventory {
+    let cfg = &accel.config;
+    accel.npu.get(refresh, INVENTORY_TTL, || collect_npu(cfg, None, prober), keep_npu).await
 }
 
 /// Which NPU inventories the status view keeps: all of them. An inventory whose listing
@@ -58,10 +56,9 @@ pub fn keep_npu(_: &NpuInventory) -> bool {
 }
 
 /// `GET /gpu/devices[?refresh=1]`.
-pub async fn gpu_view(app: &App, refresh: bool) -> GpuInventory {
-    let prober = SandboxProber { app };
-    let cfg = &app.accel.config;
-    app.accel.gpu.get(refresh, INVENTORY_TTL, || collect_gpu(cfg, None, &prober), |i| i.error.is_none()).await
+pub async fn gpu_view(accel: &Accelerators, prober: &SandboxProber<'_>, refresh: bool) -> GpuInventory {
+    let cfg = &accel.config;
+    accel.gpu.get(refresh, INVENTORY_TTL, || collect_gpu(cfg, None, prober), |i| i.error.is_none()).await
 }
 
 /// DCMI first (off the runtime, bounded), else `npu-smi info -m` + `npu-smi info`.

@@ -118,7 +118,7 @@ async fn with_resources(
 ) -> Result<Staged, EngineError> {
     // A fresh probe of exactly the named chips; one refused chip refuses the run (never a
     // run on fewer chips).
-    let prober = crate::accel::probe::SandboxProber { app };
+    let prober = app.accel_prober();
     staged.accel =
         crate::accel::select::resolve(&app.accel.config, &p.npu_devices, &p.gpu_devices, &prober).await?;
     staged.skills = match &p.skills {
