@@ -281,7 +281,7 @@ async fn an_overflowing_queue_falls_back_to_a_walk() {
     }
     if !runner_tests::is_root() {
         // The unprivileged pass: the same fallback is unit-tested there (the reader starved
-        // past the default queue, runnerd/src/journal/tests.rs).
+        // past the default queue, runnerd/engine/src/journal/tests.rs).
         eprintln!("SKIP an_overflowing_queue_falls_back_to_a_walk: the inotify queue limit is a root sysctl");
         return;
     }

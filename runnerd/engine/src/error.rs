@@ -1,5 +1,5 @@
 //! Why the engine did not run a request, or why a run failed: the engine's own error, with
-//! no HTTP in it. `crate::api::error` maps each variant to the contract's status, our stable
+//! no HTTP in it. The HTTP layer's `runnerd::api::error` maps each variant to the contract's status, our stable
 //! `code` and the text, in one table (`ApiError::from(EngineError)`).
 
 use crate::code::ErrorCode;

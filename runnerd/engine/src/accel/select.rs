@@ -28,7 +28,7 @@ pub fn unsupported_reason(name: &str) -> String {
     format!("Only Ascend 910 series chips are supported; this one reports \"{name}\".")
 }
 
-/// The chips and their status views' caches, held by the [`App`].
+/// The chips and their status views' caches, held by the [`crate::app::App`].
 #[derive(Debug, Default)]
 pub struct Accelerators {
     pub config: AccelConfig,

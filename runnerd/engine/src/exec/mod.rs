@@ -1,17 +1,19 @@
-//! The engine: every execution, whichever route asked for it, in the original's order
-//! (contract §2A): parse (`api`) → [`prepare`]: kernelMode, workspace, mounts, executionId
-//! dedupe, admission, the request's checks → [`engine`]: queue, writer lease, [`stage`]
-//! (quota pre-check, chips, skills, the environment lease) → [`run`]: the sandbox through
-//! the isolation backend, with quota watchdog, timeout and cancellation, then the quota
-//! post-check → the version → the result. [`synchronous`] answers `/execute` and
-//! `/execute-shell`; `crate::managed` runs `/shell-executions` through the same
-//! [`engine::Execution`].
+//! The execution path, in the original's order (contract §2A). The HTTP layer checks
+//! `kernelMode`, the language and the field types and hands over a typed request; then the
+//! workspace is found (`crate::workspace::locate`); the route accepts it (the synchronous
+//! routes: [`prepare::admit`] — mounts, the bounded queue, the id's length, dedupe and blank,
+//! the agent; the managed route: `crate::managed::Manager::start` — its id rules, the record,
+//! the mounts) and [`prepare`] decides everything the sandbox needs; then both routes run
+//! through the same [`engine::Execution`]: queue, writer lease, [`stage`] (owners, quota
+//! pre-check, chips, skills, the environment lease), [`run`] (the sandbox through the
+//! isolation backend, with quota watchdog, timeout and cancellation, then the quota
+//! post-check), the version, the result. [`synchronous`] answers `/execute` and
+//! `/execute-shell`.
 
 pub mod admission;
 mod audit;
 pub mod dedupe;
 pub mod engine;
-use crate::measure as files;
 pub mod network_mode;
 pub mod outcome;
 mod prepare;
@@ -73,7 +75,7 @@ impl Serialize for OrderedMap {
 #[serde(rename_all = "camelCase")]
 pub struct ExecutionResult {
     pub exit_code: i32,
-    /// The kept output, as the budget rendered it (no copy; see [`answer`]).
+    /// The kept output, as the budget rendered it (no copy; see `runnerd::api::answer`).
     pub stdout: OutputText,
     pub stderr: OutputText,
     pub cgroup_mode: &'static str,

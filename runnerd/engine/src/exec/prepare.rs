@@ -1,7 +1,9 @@
-//! From a parsed request to a run, decided once (contract §2A steps 4–9 and the checks after
-//! them): where the workspace is ([`locate`]), admission ([`admit`]), and everything the
-//! sandbox needs ([`prepare`] → [`Prepared`]), with the egress gateway held
-//! ([`attach_egress`]).
+//! From a parsed request to a run, decided once (contract §2A steps 5–9 and the checks after
+//! them; the workspace is found first by `crate::workspace::locate`): the synchronous routes'
+//! admission ([`admit`]: mounts, the bounded queue, then the id), both routes' mounts check
+//! and budgets, and everything the sandbox needs ([`prepare`] → [`Prepared`]), with the
+//! deferred cwd found ([`resolve_cwd`]) and the egress gateway held ([`attach_egress`]) when
+//! the run starts.
 
 use std::path::{Path, PathBuf};
 

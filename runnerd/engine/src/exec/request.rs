@@ -1,5 +1,5 @@
 //! The execution request the engine runs (contract §2A): [`ExecRequest`], the body read
-//! once into typed fields by the HTTP layer (`crate::api::request`). What the contract checks
+//! once into typed fields by the HTTP layer (`runnerd::api::request`). What the contract checks
 //! after the route-level checks (blank ids, code, the network policy …) the engine checks in
 //! its order on these fields; the JSON is not consulted again.
 
@@ -65,7 +65,7 @@ impl NetworkAccess {
     }
 }
 
-/// An execution request read once, after the route-level checks ([`parse`]): typed fields,
+/// An execution request read once, after the route-level checks (`runnerd::api::request::parse`): typed fields,
 /// the JSON dropped. Semantic checks that the contract orders after the workspace and the
 /// admission (blank ids, code, the network policy …) are the engine's, on these fields.
 #[derive(Debug)]
@@ -92,7 +92,7 @@ pub struct ExecRequest {
     pub gpu_devices: Option<Value>,
     /// `skillPackagesRoot`, when non-empty.
     pub skill_packages_root: Option<String>,
-    /// The three limits, already range-checked by [`check_fields`]; `None` = the default.
+    /// The three limits, already range-checked by the HTTP layer (`runnerd::api::request::check_fields`); `None` = the default.
     pub execution_timeout_ms: Option<u64>,
     pub max_output_bytes: Option<u64>,
     pub max_workspace_bytes: Option<u64>,

@@ -13,11 +13,12 @@ use super::prepare::Prepared;
 use super::stage::{Staged, stage};
 use super::{
     EngineError, ErrorCode, ExecutionResult, JOURNAL_TICK, OrderedMap, QUOTA_POLL, RunOutcome, StopReason,
-    StopToken, UNRESPONSIVE, files, language_name,
+    StopToken, UNRESPONSIVE, language_name,
 };
 use crate::app::{App, runner_version};
 use crate::isolation::{Dir, Egress, Job, Ran, SandboxSpec, Skills, WorkspaceDirs};
 use crate::launch::{LaunchError, OutputBudget, OutputSink, Stream, Termination, default_rlimits};
+use crate::measure;
 use crate::sandbox::WorkspaceLayout;
 use crate::timefmt;
 
@@ -138,7 +139,7 @@ fn limited(
     audit: &FinishAudit,
     job: &mut Job<'_>,
 ) -> Result<Option<crate::limits::ExecCgroup>, EngineError> {
-    job.rlimits = default_rlimits(files::file_size_cap(p.max_workspace));
+    job.rlimits = default_rlimits(measure::file_size_cap(p.max_workspace));
     job.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, &p.limits, p.timeout_ms));
     let made = app.limits.create(&p.limits).and_then(|c| {
         let fds = c.as_ref().map(|c| c.procs_fds()).transpose()?;
@@ -205,14 +206,15 @@ async fn launch(
         .limits
         .finish_execution(cgroup, move || match (ended, walked) {
             (true, Ok(fd)) => Some(after_run(watch.as_ref(), &fd)),
-            (true, Err(e)) => {
-                Some(After::Walked(files::unmeasured(&format!("cannot open the workspace again: {e}")), None))
-            }
+            (true, Err(e)) => Some(After::Walked(
+                measure::unmeasured(&format!("cannot open the workspace again: {e}")),
+                None,
+            )),
             (false, _) => None,
         })
         .await
         .unwrap_or_else(|| {
-            (None, Some(After::Walked(files::unmeasured("the measuring task stopped"), None)))
+            (None, Some(After::Walked(measure::unmeasured("the measuring task stopped"), None)))
         });
     let Ran { outcome, env, cwd } = ran;
     let outcome = launched_or_failed(app, p, audit, outcome, launched)?;
@@ -356,7 +358,7 @@ fn exit_code(
         Termination::Cancelled => Err(match stop.take_breach() {
             Some(breach) => {
                 finish(ErrorCode::WorkspaceQuotaExceeded.into(), None);
-                EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, true))
+                EngineError::QuotaExceeded(measure::breach_message(p.max_workspace, &breach, true))
             }
             None => {
                 finish(RunOutcome::Aborted.into(), None);
@@ -370,25 +372,25 @@ fn exit_code(
 /// left it (from the journal, or walked against the fingerprints from before the run).
 fn changed_files(
     p: &Prepared,
-    before: &files::Fingerprints,
+    before: &measure::Fingerprints,
     after: Option<After>,
     exit_code: i32,
     finish: &dyn Fn(super::Outcome, Option<i32>),
 ) -> Result<(Vec<String>, Vec<String>), EngineError> {
     let after =
-        after.unwrap_or_else(|| After::Walked(files::unmeasured("the run's end was not measured"), None));
+        after.unwrap_or_else(|| After::Walked(measure::unmeasured("the run's end was not measured"), None));
     let (after, changes) = match after {
         After::Journal(m, changes) => (m, changes),
         After::Walked(m, before_override) => {
-            let changes = files::changes(before_override.as_ref().unwrap_or(before), &m.prints);
+            let changes = measure::changes(before_override.as_ref().unwrap_or(before), &m.prints);
             (m, changes)
         }
     };
-    match files::check(after, p.max_workspace) {
+    match measure::check(after, p.max_workspace) {
         Ok(_) => Ok(changes),
         Err(breach) => {
             finish(ErrorCode::WorkspaceQuotaExceeded.into(), Some(exit_code));
-            Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)))
+            Err(EngineError::QuotaExceeded(measure::breach_message(p.max_workspace, &breach, false)))
         }
     }
 }
@@ -397,12 +399,12 @@ fn changed_files(
 /// or walked, with the fingerprints from before the run when the journal lost track during
 /// it (the walk before the run was skipped then).
 enum After {
-    Journal(files::Measured, crate::journal::Changes),
-    Walked(files::Measured, Option<files::Fingerprints>),
+    Journal(measure::Measured, crate::journal::Changes),
+    Walked(measure::Measured, Option<measure::Fingerprints>),
 }
 
 fn after_run(watch: Option<&crate::journal::RunWatch>, root: &OwnedFd) -> After {
-    let walk = || files::measure(std::os::fd::AsFd::as_fd(root));
+    let walk = || measure::measure(std::os::fd::AsFd::as_fd(root));
     match watch.map(|w| w.finish()) {
         Some(Ok((m, changes))) => After::Journal(m, changes),
         Some(Err(before)) => After::Walked(walk(), Some(before)),
@@ -435,7 +437,7 @@ async fn quota_watchdog(
             let w = watch.clone();
             match crate::blocking::run(move || w.measure()).await {
                 Ok(Some(m)) => {
-                    if let Err(breach) = files::check(m, max_workspace) {
+                    if let Err(breach) = measure::check(m, max_workspace) {
                         stop.stop(StopReason::Quota(breach));
                         return;
                     }
@@ -448,7 +450,7 @@ async fn quota_watchdog(
     loop {
         tokio::time::sleep(pause).await;
         let walk = Instant::now();
-        if let Err(breach) = files::check(files::measure_blocking(&root).await, max_workspace) {
+        if let Err(breach) = measure::check(measure::measure_blocking(&root).await, max_workspace) {
             stop.stop(StopReason::Quota(breach));
             return;
         }

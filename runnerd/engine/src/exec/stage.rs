@@ -9,8 +9,9 @@ use common::plan::IdPair;
 
 use super::audit::FinishAudit;
 use super::prepare::Prepared;
-use super::{EngineError, ErrorCode, RunOutcome, files};
+use super::{EngineError, ErrorCode, RunOutcome};
 use crate::app::App;
+use crate::measure;
 use crate::sandbox::{WorkspaceLayout, ownership};
 use crate::workspace;
 
@@ -22,7 +23,7 @@ pub(super) struct Staged {
     /// Whose ids the workspace and its parent are seen with (`Some`: idmapped).
     pub owners: (Option<IdPair>, Option<IdPair>),
     /// The workspace's fingerprints before the run (empty when the journal vouches for it).
-    pub before: files::Fingerprints,
+    pub before: measure::Fingerprints,
     /// The change journal's watch of this run, when it has one.
     pub watch: Option<crate::journal::RunWatch>,
     pub accel: Option<crate::accel::mount::AccelMount>,
@@ -57,7 +58,7 @@ pub(super) async fn stage(
         let fd = root_fd.try_clone().map_err(EngineError::internal)?;
         crate::blocking::run(move || journal.begin(&key, &fd))
             .await
-            .unwrap_or_else(|e| (files::unmeasured(&e.to_string()), None))
+            .unwrap_or_else(|e| (measure::unmeasured(&e.to_string()), None))
     };
     journal.clone_from(&watch);
     let staged = Staged {
@@ -77,10 +78,10 @@ pub(super) async fn stage(
 fn before_run(
     p: &Prepared,
     audit: &FinishAudit,
-    measured: files::Measured,
+    measured: measure::Measured,
     idmapped: bool,
-) -> Result<files::Fingerprints, EngineError> {
-    match files::check(measured, p.max_workspace) {
+) -> Result<measure::Fingerprints, EngineError> {
+    match measure::check(measured, p.max_workspace) {
         Ok(m) if idmapped && m.set_id.is_some() => {
             let path = m.set_id.unwrap_or_default();
             audit.finished(
@@ -102,7 +103,7 @@ fn before_run(
         Ok(m) => Ok(m.prints),
         Err(breach) => {
             audit.finished(RunOutcome::WorkspaceQuotaExceededBeforeRun, None, None, None);
-            Err(EngineError::QuotaExceeded(files::breach_message(p.max_workspace, &breach, false)))
+            Err(EngineError::QuotaExceeded(measure::breach_message(p.max_workspace, &breach, false)))
         }
     }
 }

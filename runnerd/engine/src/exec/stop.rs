@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
-use super::files::Breach;
+use crate::measure::Breach;
 
 /// Why a run was stopped from outside the sandbox.
 #[derive(Debug)]

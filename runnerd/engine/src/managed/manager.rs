@@ -114,7 +114,7 @@ pub struct Manager {
     idle: Notify,
 }
 
-/// Why a managed-execution request was refused; `crate::api::managed` maps each to its
+/// Why a managed-execution request was refused; `runnerd::api::managed` maps each to its
 /// answer (the contract's 400 texts; 503 while output memory is busy; 500 for our storage).
 #[derive(Debug, thiserror::Error)]
 pub enum ManagedError {

@@ -8,7 +8,7 @@
 //! ([`crate::sandbox::argv`]), places the descriptors in numbered slots, and starts it
 //! through sandbox-init ([`crate::launch::Launcher`]). Its start-up probes (the sandbox's
 //! form, idmapped mounts) use the same launcher with the original's probe argv
-//! ([`Bubblewrap::probe`]). A microVM backend or pre-started sandboxes implement the trait;
+//! ([`bubblewrap::probe`]). A microVM backend or pre-started sandboxes implement the trait;
 //! nothing in `exec`, `envs` or `managed` changes for them.
 
 pub mod bubblewrap;
