@@ -387,7 +387,9 @@ async fn run_watched(
 }
 
 /// Runs `step` in a fresh sandbox and waits for it.
-pub async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
+pub async fn run(app: &App, mut step: Step) -> Result<StepOutput, SandboxedError> {
+    // The request goes to the sandbox's stdin as it is (moved, never copied).
+    let stdin = std::mem::take(&mut step.stdin);
     let label = step.label;
     let prepare = |source| SandboxedError::Prepare { label, source };
     if let Some(why) = app.sandbox.isolation.unavailable() {
@@ -426,7 +428,7 @@ pub async fn run(app: &App, step: Step) -> Result<StepOutput, SandboxedError> {
     spec.profile = argv::profile(lease.is_some(), false);
     let mut job = Job::new(spec);
     job.timeout = Some(step.timeout);
-    job.stdin = step.stdin.clone();
+    job.stdin = stdin;
     // No file a step writes (a package's, the cache's, a build's) grows past this: a
     // hostile package is stopped at its first oversized file, whatever it links or unpacks.
     let max_file = app.envs.settings.step_max_file_bytes;
