@@ -11,6 +11,7 @@
 //! * [`app`]: the daemon's state every part reads; [`config`]: its settings;
 //!   [`metrics`]: `GET /metrics`; [`egress`], [`npu_broker`]: the helper daemons' clients;
 //!   [`workspace`]: the store's workspace resolution with its refusals as `EngineError`s.
+//! * [`transfer`]: workspaces moved between nodes, replicated and restored (issue #34).
 //!
 //! The workspace store (`runner_store`) and the isolation backends (`runner_isolation`) are
 //! crates of their own below this one, re-exported here under the paths the engine uses.
@@ -30,6 +31,7 @@ pub mod measure;
 pub mod metrics;
 pub mod npu_broker;
 pub mod skills;
+pub mod transfer;
 pub mod workspace;
 
 pub use common::{audit, error_chain, timefmt};

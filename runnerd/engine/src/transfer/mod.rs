@@ -1,0 +1,8 @@
+//! Workspaces that leave their node (issue #34): moved to another runnerd by object hash,
+//! replicated to an object store, restored anywhere, fenced by epochs.
+//!
+//! * [`ident`]: a workspace's name that means the same on every node.
+
+pub mod ident;
+
+pub use ident::{Ident, IdentError};
