@@ -57,6 +57,8 @@ pub enum TransferError {
     Clear(#[source] crate::remote::files::RemoteError),
     #[error("The workspace's files are the tree {found}, not the tree {expected}; nothing was committed")]
     TreeMismatch { expected: String, found: String },
+    #[error("The head {head} being imported does not name the tree {tree}; nothing was committed")]
+    HeadMismatch { head: String, tree: String },
     #[error("Workspace path {path:?} is not UTF-8; placement keys are text")]
     PathNotUtf8 { path: PathBuf },
 }
