@@ -746,6 +746,12 @@ impl Versions {
         };
         let Some(admitted) = self.lifecycle.try_admit(canonical).await? else { return busy().await };
         let Some(lease) = self.lifecycle.try_lease(canonical)? else { return busy().await };
+        match self.refuse_fenced_blocking(canonical, Fence::Refuse).await {
+            // A copy that moved away commits nothing more: its last committed tree.
+            Err(WriteError::Fenced { .. }) => return busy().await,
+            Err(e) => return Err(e),
+            Ok(()) => {}
+        }
         let me = self.clone();
         let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(pinned));
         let observed = blocking_retry(self.clone(), move || {
@@ -908,6 +914,7 @@ impl Versions {
     pub async fn repair(self: &Arc<Self>, canonical: &Path, pinned: OwnedFd) -> Result<Repaired, WriteError> {
         let admitted = self.lifecycle.admit(canonical, None).await?;
         let lease = self.lifecycle.repair_lease(canonical, None).await?;
+        self.refuse_fenced_blocking(canonical, Fence::Refuse).await?;
         let me = self.clone();
         let (root, dir) = (canonical.to_owned(), crate::fsat::pinned_dir(&pinned));
         let committed = blocking_retry(self.clone(), move || {
@@ -1152,6 +1159,10 @@ mod tests {
         );
         assert_eq!(e.to_string(), "Workspace moved to http://node-b:8080 (epoch 7); send it there");
         assert_eq!(versions.head(&root).unwrap(), None, "no baseline for a stale copy");
+        let e = versions.repair(&root, pin(&root)).await.unwrap_err();
+        assert!(matches!(e, WriteError::Fenced { .. }), "{e}");
+        let e = versions.observed_tree(&root, &pin(&root)).await.unwrap_err();
+        assert!(matches!(e, WriteError::NoBaseline), "an observer commits no checkpoint: {e}");
         // The refusal let go of the lease: an import takes it at once.
         let writer = versions.begin_import(&root, pin(&root), None).await.unwrap();
         drop(writer);
