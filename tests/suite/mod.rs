@@ -18,6 +18,7 @@ mod lifecycle;
 mod limits;
 mod managed;
 mod metrics;
+mod moves;
 mod network;
 mod network_tenants;
 mod npu_broker;

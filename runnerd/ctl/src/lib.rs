@@ -19,6 +19,7 @@ use runnerd::token::{self, Fallback};
 use crate::client::{Endpoint, RunnerClient, encode, new_execution_id, permission_epoch};
 
 pub mod client;
+mod workspace;
 
 const USAGE: &str = "\
 runnerctl: talk to a running runnerd.
@@ -66,6 +67,17 @@ Usage:
   runnerctl env uninstall ENV PKG...    remove conda packages from ENV
   runnerctl env rm ENV                  delete a task environment (its revisions stay)
   runnerctl env revisions [ENV]         list revisions (of ENV)
+  runnerctl workspace push KEY --to URL move a workspace to the runnerd at URL by object hash
+                                        (only what it lacks is sent; progress on stderr);
+                                        this copy is fenced: writes here answer 409 movedTo
+  runnerctl workspace backup KEY        replicate the workspace's head to the object store now
+  runnerctl workspace restore KEY [--version V] [--from-store]
+                                        make version V (a head digest from this node's history)
+                                        the workspace's files again; --from-store: the object
+                                        store's latest (or V) on this node, fencing older copies
+  runnerctl workspace where KEY         head, epoch, fenced or not and where to, replicated head
+                                        (every workspace command takes --project PATH instead of
+                                        KEY for a workspace under <data>/projects)
 Options:
   --workspace KEY        remote workspace key (default: runnerctl/default)
   --workspace-root PATH  exec, run: a workspace directory under <data>/projects instead
@@ -123,6 +135,10 @@ struct Options {
     index_url: Option<String>,
     confirm: bool,
     dry_run: bool,
+    to: Option<String>,
+    version: Option<String>,
+    from_store: bool,
+    project: Option<String>,
 }
 
 impl Default for Options {
@@ -152,6 +168,10 @@ impl Default for Options {
             index_url: None,
             confirm: false,
             dry_run: false,
+            to: None,
+            version: None,
+            from_store: false,
+            project: None,
         }
     }
 }
@@ -188,12 +208,16 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
             "--bioconductor" => o.manager = Some("bioconductor"),
             "--confirm" => o.confirm = true,
             "--dry-run" => o.dry_run = true,
+            "--to" => o.to = Some(value("--to")?),
+            "--version" => o.version = Some(value("--version")?),
+            "--from-store" => o.from_store = true,
+            "--project" => o.project = Some(value("--project")?),
             "--" => {
                 let rest: Vec<String> = it.by_ref().collect();
                 o.script = Some(rest.join(" "));
             }
             "health" | "status" | "metrics" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put"
-            | "get" | "repair" | "skills" | "env" | "history" | "gc"
+            | "get" | "repair" | "skills" | "env" | "history" | "gc" | "workspace"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -217,6 +241,7 @@ fn complete(o: Options) -> Result<Options, String> {
     let wanted = match o.command.as_str() {
         "logs" | "show" | "cancel" | "repair" => 1..=1,
         "put" | "skills" => 2..=2,
+        "workspace" => 1..=2,
         "get" => 1..=2,
         "env" => env_arity(o.positional.first().map(String::as_str))?,
         _ => 0..=0,
@@ -307,6 +332,18 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
         "repair" => repair(&client, &o.positional[0]).await,
         "skills" => skills(&client, &o.positional[0], &o.positional[1]).await,
         "env" => environments(&client, &o).await,
+        "workspace" => {
+            let target = workspace::Target {
+                key: o.positional.get(1).map(String::as_str),
+                project: o.project.as_deref(),
+            };
+            let args = workspace::Args {
+                to: o.to.as_deref(),
+                version: o.version.as_deref(),
+                from_store: o.from_store,
+            };
+            workspace::run(&client, &o.positional[0], target, args).await
+        }
         "history" => {
             let reply = client.get("/versioning").await?;
             outln!("{}", serde_json::to_string_pretty(&reply.json())?);

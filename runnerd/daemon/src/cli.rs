@@ -245,6 +245,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     // After listen, in the background: `/health` answers while it runs (contract §4).
     crate::envs::store::EnvStore::start_setup(&app);
     crate::history::History::start(&app);
+    crate::transfer::sweep::start(&app);
     // Type=notify: systemd starts dependants (and counts the start as done) only now.
     if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
         tracing::warn!(event = "notify_failed", error = %e);

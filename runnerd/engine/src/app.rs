@@ -53,6 +53,8 @@ pub struct App {
     pub history: crate::history::History,
     /// The skill packages executions hold (`DELETE /skill-packages/:id` waits for none).
     pub skills_in_use: std::sync::Arc<crate::skills::in_use::InUse>,
+    /// The workspace moves this node is sending (issue #34), for `where`'s progress.
+    pub moves: crate::transfer::outgoing::Moves,
 }
 
 impl App {
@@ -109,6 +111,7 @@ impl App {
             journal: crate::journal::Journal::new(journal_settings),
             history: crate::history::History::new(history_settings),
             skills_in_use: crate::skills::in_use::InUse::new(),
+            moves: crate::transfer::outgoing::Moves::default(),
         }
     }
 }

@@ -72,6 +72,9 @@ pub struct RunnerConfig {
     pub journal: crate::journal::JournalSettings,
     /// Ours: the version history's retention and collector (`crate::history`).
     pub history: crate::history::HistorySettings,
+    /// Ours (issue #34): how long a copy that moved to another node keeps its files before
+    /// they are removed (`crate::transfer::sweep`).
+    pub moved_grace_secs: u64,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -191,6 +194,10 @@ impl RunnerConfig {
             scientific: crate::envs::settings::EnvSettings::from_vars(get)?,
             journal: vars.journal()?,
             history: vars.history()?,
+            moved_grace_secs: vars.non_negative(
+                crate::transfer::sweep::GRACE_VAR,
+                crate::transfer::sweep::DEFAULT_GRACE_SECS,
+            )?,
         })
     }
 }
@@ -315,6 +322,7 @@ pub static SCHEMA: Schema = Schema {
         Key::new("history_gc_interval_secs", crate::history::INTERVAL_VAR, Kind::Integer),
         Key::new("history_gc_free_percent", crate::history::FREE_PERCENT_VAR, Kind::Integer),
         Key::new("history_gc_grace_secs", crate::history::GRACE_VAR, Kind::Integer),
+        Key::new("moved_workspace_grace_secs", crate::transfer::sweep::GRACE_VAR, Kind::Integer),
         Key::new("package_cache_dir", crate::envs::settings::PACKAGE_CACHE_VAR, Kind::Text),
         Key::new("starter_python_specs", crate::envs::settings::STARTER_PYTHON_VAR, Kind::Text),
         Key::new("starter_r_specs", crate::envs::settings::STARTER_R_VAR, Kind::Text),
@@ -471,6 +479,7 @@ impl Loaded {
                     "history_gc_interval_secs" => c.history.interval_secs.to_string(),
                     "history_gc_free_percent" => c.history.free_percent.to_string(),
                     "history_gc_grace_secs" => c.history.grace_secs.to_string(),
+                    "moved_workspace_grace_secs" => c.moved_grace_secs.to_string(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),

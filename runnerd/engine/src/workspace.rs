@@ -54,6 +54,15 @@ pub fn ensure_remote_workspace(data_dir: &Path, key: &str, owner: &Identity) -> 
     Ok(store::ensure_remote_workspace(data_dir, key, owner)?)
 }
 
+/// [`store::ensure_project_workspace`]: what it creates belongs to the sandbox user (`owner`).
+pub fn ensure_project_workspace(
+    data_dir: &Path,
+    path: &str,
+    owner: &Identity,
+) -> Result<PathBuf, EngineError> {
+    Ok(store::ensure_project_workspace(data_dir, path, owner)?)
+}
+
 /// [`store::validated_workspace`].
 pub fn validated_workspace(data_dir: &Path, path: &Path) -> Result<PathBuf, EngineError> {
     Ok(store::validated_workspace(data_dir, path)?)

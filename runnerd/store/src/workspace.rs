@@ -158,6 +158,25 @@ pub fn ensure_remote_workspace(
     key: &str,
     owner: &dyn HandOver,
 ) -> Result<PathBuf, WorkspaceError> {
+    ensure_workspace_under(data_dir, REMOTE_WORKSPACES, key, owner)
+}
+
+/// [`ensure_remote_workspace`] beneath `projects/`: a project workspace moved or restored to
+/// a node that never had it (issue #34), its path held to the key's rules.
+pub fn ensure_project_workspace(
+    data_dir: &Path,
+    path: &str,
+    owner: &dyn HandOver,
+) -> Result<PathBuf, WorkspaceError> {
+    ensure_workspace_under(data_dir, PROJECTS, path, owner)
+}
+
+fn ensure_workspace_under(
+    data_dir: &Path,
+    top: &'static str,
+    key: &str,
+    owner: &dyn HandOver,
+) -> Result<PathBuf, WorkspaceError> {
     let segments = key_segments(key)?;
     fs::create_dir_all(data_dir).map_err(WorkspaceError::DataDirUnavailable)?;
     // Walk by descriptor: each segment is created with mkdirat and opened with O_NOFOLLOW
@@ -168,9 +187,9 @@ pub fn ensure_remote_workspace(
     let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
     let mut path = data_real;
     let mut shown = String::new();
-    for segment in std::iter::once(REMOTE_WORKSPACES).chain(segments) {
+    for (i, segment) in std::iter::once(top).chain(segments).enumerate() {
         path.push(segment);
-        if segment != REMOTE_WORKSPACES {
+        if i > 0 {
             shown.push_str(if shown.is_empty() { "" } else { "/" });
             shown.push_str(segment);
         }
@@ -179,13 +198,13 @@ pub fn ensure_remote_workspace(
             Ok(()) => true,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
             Err(source) => {
-                let what = if shown.is_empty() { REMOTE_WORKSPACES.to_owned() } else { format!("'{shown}'") };
+                let what = if shown.is_empty() { top.to_owned() } else { format!("'{shown}'") };
                 return Err(WorkspaceError::Create { what, source });
             }
         };
         // O_NOFOLLOW refuses a symlink.
         dir = fsat::open_at(&dir, &name, flags | libc::O_NOFOLLOW).map_err(|_| WorkspaceError::KeySymlink)?;
-        if made && segment != REMOTE_WORKSPACES {
+        if made && i > 0 {
             owner
                 .hand_over(dir.as_fd())
                 .map_err(|source| WorkspaceError::HandOver { shown: shown.clone(), source })?;

@@ -382,6 +382,12 @@ impl Versions {
         Ok(self.refs().head(&workspace_head_name(canonical))?)
     }
 
+    /// The heads a workspace has had that its history still keeps, oldest first (a restore
+    /// names one of them).
+    pub fn history(&self, canonical: &Path) -> Result<Vec<Ref>, WriteError> {
+        Ok(self.refs().history(&workspace_head_name(canonical))?)
+    }
+
     fn refs(&self) -> std::sync::MutexGuard<'_, Refs> {
         self.refs.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -12,22 +12,26 @@ pub struct ApiError {
     pub code: &'static str,
     /// Seconds, for 503 `queue_full`.
     pub retry_after: Option<u64>,
+    /// Where a fenced workspace went (409 `workspace_moved`, issue #34; ours).
+    pub moved_to: Option<String>,
 }
 
 #[derive(Serialize)]
 struct Body<'a> {
     error: &'a str,
     code: &'a str,
+    #[serde(rename = "movedTo", skip_serializing_if = "Option::is_none")]
+    moved_to: Option<&'a str>,
 }
 
 impl ApiError {
     /// A 400 — the original answers every handler failure with 400.
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status: 400, message: message.into(), code, retry_after: None }
+        ApiError { status: 400, message: message.into(), code, retry_after: None, moved_to: None }
     }
 
     pub fn with_status(status: u16, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), code, retry_after: None }
+        ApiError { status, message: message.into(), code, retry_after: None, moved_to: None }
     }
 
     pub fn unauthorized() -> ApiError {
@@ -39,7 +43,8 @@ impl ApiError {
     }
 
     pub fn body_json(&self) -> String {
-        serde_json::to_string(&Body { error: &self.message, code: self.code }).unwrap_or_default()
+        let body = Body { error: &self.message, code: self.code, moved_to: self.moved_to.as_deref() };
+        serde_json::to_string(&body).unwrap_or_default()
     }
 }
 
@@ -56,6 +61,11 @@ impl std::error::Error for ApiError {}
 /// id; 503 with `Retry-After` for a full queue), the failure's stable `code`, and its text.
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> ApiError {
+        if let EngineError::Workspace(w) = &e
+            && let Some(moved) = ApiError::moved(w)
+        {
+            return moved;
+        }
         let status = match &e {
             EngineError::Duplicate => 409,
             EngineError::QueueFull { .. } => 503,
@@ -65,7 +75,29 @@ impl From<EngineError> for ApiError {
             EngineError::QueueFull { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         };
-        ApiError { status, message: e.to_string(), code: e.code().as_str(), retry_after }
+        ApiError { status, message: e.to_string(), code: e.code().as_str(), retry_after, moved_to: None }
+    }
+}
+
+impl ApiError {
+    /// A write refused because the workspace moved to another node: 409 naming where (ours,
+    /// issue #34), for every route that writes.
+    pub fn moved(e: &crate::writer::WriteError) -> Option<ApiError> {
+        match e {
+            crate::writer::WriteError::Fenced { moved_to, .. } => Some(ApiError {
+                moved_to: Some(moved_to.clone()),
+                ..ApiError::with_status(409, "workspace_moved", e.to_string())
+            }),
+            _ => None,
+        }
+    }
+
+    /// A write's failure as the workspace routes answer it: 409 when the workspace moved,
+    /// else 400 with the failure's code.
+    pub fn from_write(e: crate::writer::WriteError) -> ApiError {
+        ApiError::moved(&e).unwrap_or_else(|| {
+            ApiError::bad_request(crate::exec::error::workspace_code(&e).as_str(), e.to_string())
+        })
     }
 }
 

@@ -22,6 +22,10 @@ impl From<ManagedError> for ApiError {
             ManagedError::OutputBusy => {
                 ApiError { retry_after: Some(1), ..ApiError::with_status(503, e.code(), e.to_string()) }
             }
+            ManagedError::Moved { ref moved_to, .. } => ApiError {
+                moved_to: Some(moved_to.clone()),
+                ..ApiError::with_status(409, e.code(), e.to_string())
+            },
             _ => ApiError::bad_request(e.code(), e.to_string()),
         }
     }

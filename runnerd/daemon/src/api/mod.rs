@@ -14,6 +14,7 @@ pub mod request;
 mod resources;
 pub mod skills;
 pub mod stream;
+mod transfer;
 mod versioning;
 
 use std::sync::Arc;
@@ -64,7 +65,8 @@ fn ok(body: Value) -> Result<ApiResponse, ApiError> {
 
 /// The routes whose request body is streamed to disk rather than read whole.
 pub fn streams_upload(method: &str, path: &str) -> bool {
-    method == "PUT" && matches!(path, "/remote-workspace/file" | "/remote-workspace/transfer-file")
+    (method == "PUT" && matches!(path, "/remote-workspace/file" | "/remote-workspace/transfer-file"))
+        || (method == "POST" && path == "/workspace-transfer/objects")
 }
 
 /// The most bytes a route's body may have: the original's 2,000,000, and 64 MiB for
@@ -83,7 +85,8 @@ fn signed(method: &str, path: &str) -> bool {
         && (matches!(
             path,
             "/execute" | "/execute-shell" | "/shell-executions" | "/npu/jobs" | "/remote-workspace/repair"
-        ) || (path.starts_with("/npu/jobs/") && path.ends_with("/cancel")))
+        ) || (path.starts_with("/npu/jobs/") && path.ends_with("/cancel"))
+            || path.starts_with("/workspace-transfer/"))
 }
 
 /// Whether the request may be answered before its body is read (health needs no body).
@@ -247,6 +250,19 @@ pub async fn handle(
         ("POST", ["environment-setup"]) => envs::start_setup(&app, &req.peer, &req.body),
         ("GET", ["environment-revisions"]) => envs::revisions(&app).await,
         ("GET", ["environment-revisions", id, "snapshot"]) => envs::snapshot(&app, &percent_decode(id)).await,
+        ("POST", ["workspace-transfer", "missing"]) => transfer::missing(&app, &req.body).await,
+        ("POST", ["workspace-transfer", "objects"]) => transfer::objects(&app, req.upload).await,
+        ("POST", ["workspace-transfer", "commit"]) => {
+            detached(async move { transfer::commit(&app, &req.body).await }).await
+        }
+        ("POST", ["workspace-transfer", "push"]) => {
+            let token = gate.token.expose().to_owned();
+            detached(async move { transfer::push(&app, &token, &req.body).await }).await
+        }
+        ("GET", ["workspace-transfer", "where"]) => transfer::where_is(&app, req.query.as_deref()).await,
+        ("POST", ["workspace-transfer", "restore"]) => {
+            detached(async move { transfer::restore(&app, &req.body).await }).await
+        }
         _ => Err(ApiError::not_found()),
     }
 }
@@ -264,11 +280,19 @@ fn replay_checked(path: &str) -> bool {
 fn verify_signature(app: &App, gate: &Gate, req: &ApiRequest) -> Result<(), ApiError> {
     let now = timefmt::now_ms();
     let max_age = app.config.signature_max_age_ms;
+    // A streamed object upload signs its path and query; its bytes are checked by digest.
+    let streamed;
+    let signed_bytes: &[u8] = if streams_upload(&req.method, &req.path) {
+        streamed = transfer::signed_stream_bytes(&req.path, req.query.as_deref());
+        &streamed
+    } else {
+        &req.body
+    };
     let checked = auth::verify(
         gate.token.expose(),
         req.timestamp.as_deref(),
         req.signature.as_deref(),
-        &req.body,
+        signed_bytes,
         now,
         max_age,
     )

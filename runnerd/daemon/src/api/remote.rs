@@ -14,7 +14,6 @@ use super::request::parse_object as request_parse;
 use super::stream::{self, Download, UploadError};
 use super::{ApiResponse, query};
 use crate::app::App;
-use crate::exec::error::workspace_code as e_code;
 use crate::remote::files::{self, RemoteError};
 use crate::remote::paths;
 use crate::timefmt;
@@ -46,7 +45,7 @@ fn remote_err(e: RemoteError) -> ApiError {
 }
 
 fn write_err(e: WriteError) -> ApiError {
-    ApiError::bad_request(e_code(&e).as_str(), e.to_string())
+    ApiError::from_write(e)
 }
 
 fn path_err(message: &'static str) -> ApiError {

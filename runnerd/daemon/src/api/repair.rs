@@ -12,7 +12,6 @@ use super::ApiResponse;
 use super::error::ApiError;
 use super::request;
 use crate::app::App;
-use crate::exec::error::workspace_code as e_code;
 use crate::workspace;
 
 pub const KEY_REQUIRED: &str = "workspace is required";
@@ -28,11 +27,7 @@ pub async fn repair(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError
     let root = workspace::validated_workspace(&app.data_dir, &root)?;
     let pinned = workspace::open_beneath(&app.data_dir, &root)?;
     tracing::warn!(event = "workspace_repair_requested", workspace = %root.display(), key = %key);
-    let repaired = app
-        .versions
-        .repair(&root, pinned)
-        .await
-        .map_err(|e| ApiError::bad_request(e_code(&e).as_str(), e.to_string()))?;
+    let repaired = app.versions.repair(&root, pinned).await.map_err(ApiError::from_write)?;
     let previous = repaired.previous.as_ref().map(|(head, verified)| {
         let verified = match verified {
             Ok(objects) => json!({"ok": true, "objects": objects}),

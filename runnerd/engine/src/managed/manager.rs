@@ -109,6 +109,9 @@ pub struct Manager {
     /// What opening the database found (for the start-up line and `/health`).
     opened: OpenReport,
     controllers: Mutex<HashMap<String, exec::StopToken>>,
+    /// The workspaces accepted runs are in, counted until each run ends: a move waits for
+    /// none of them and refuses instead (issue #34).
+    held: Mutex<HashMap<std::path::PathBuf, usize>>,
     closing: AtomicBool,
     active: AtomicUsize,
     idle: Notify,
@@ -135,6 +138,9 @@ pub enum ManagedError {
     /// The records' database (or a record's text) failed.
     #[error("{0}")]
     Store(String),
+    /// The workspace moved to another node (issue #34): runs go there.
+    #[error("Workspace moved to {moved_to} (epoch {epoch}); send it there")]
+    Moved { moved_to: String, epoch: u64 },
 }
 
 impl ManagedError {
@@ -149,6 +155,7 @@ impl ManagedError {
             ManagedError::InvalidCursor => "invalid_cursor",
             ManagedError::OutputBusy => "output_memory_busy",
             ManagedError::Store(_) => "internal",
+            ManagedError::Moved { .. } => "workspace_moved",
         }
     }
 }
@@ -194,6 +201,7 @@ impl Manager {
             unsaved,
             opened,
             controllers: Mutex::default(),
+            held: Mutex::default(),
             closing: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             idle: Notify::new(),
@@ -202,6 +210,20 @@ impl Manager {
 
     fn controllers(&self) -> std::sync::MutexGuard<'_, HashMap<String, exec::StopToken>> {
         self.controllers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether an accepted managed run (queued or running) is in the workspace `root`.
+    pub fn holds(&self, root: &std::path::Path) -> bool {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).contains_key(root)
+    }
+
+    fn hold(&self, root: &std::path::Path, delta: isize) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let count = held.entry(root.to_owned()).or_default();
+        *count = count.saturating_add_signed(delta);
+        if *count == 0 {
+            held.remove(root);
+        }
     }
 
     /// `ExecutionManager.start`: checks, the queued record, and the background run. The run's
@@ -224,6 +246,11 @@ impl Manager {
         }
         if app.versions.lifecycle().is_poisoned(&located.root) {
             return Err(ManagedError::Poisoned);
+        }
+        if let Ok(Some(placed)) = app.versions.placement().get(&located.root)
+            && let Some(moved_to) = placed.moved_to
+        {
+            return Err(ManagedError::Moved { moved_to, epoch: placed.epoch });
         }
         let rec = ManagedExecution::queued(
             req.agent_id.clone(),
@@ -254,8 +281,11 @@ impl Manager {
         audit.admitted("shell", true);
         let me = self.clone();
         let queued = rec.clone();
+        let held = submitted.root.clone();
+        self.hold(&held, 1);
         tokio::spawn(async move {
             me.run(app, queued, submitted, stop, &audit).await;
+            me.hold(&held, -1);
             me.controllers().remove(&id);
             if me.active.fetch_sub(1, Ordering::SeqCst) == 1 {
                 me.idle.notify_waiters();

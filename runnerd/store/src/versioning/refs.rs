@@ -209,7 +209,6 @@ impl Refs {
     }
 
     /// Every target `name` has had, oldest first.
-    #[cfg(test)]
     pub fn history(&self, name: &str) -> Result<Vec<Ref>, VersionError> {
         self.targets("SELECT target FROM history_refs WHERE name=? ORDER BY id", [name])
     }
@@ -220,7 +219,6 @@ impl Refs {
         self.targets("SELECT target FROM live_refs UNION SELECT target FROM history_refs ORDER BY target", [])
     }
 
-    #[cfg(test)]
     fn targets<P: rusqlite::Params>(&self, query: &str, params: P) -> Result<Vec<Ref>, VersionError> {
         let mut stmt = self.conn.prepare(query).map_err(sql("prepare a query", &self.path))?;
         let texts = stmt

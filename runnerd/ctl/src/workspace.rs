@@ -1,0 +1,112 @@
+//! `runnerctl workspace push|backup|restore|where` (issue #34): a workspace moved to another
+//! runnerd, replicated to the object store now, restored, or located. A push prints its
+//! progress on stderr while it runs (polled from `where`, which shows the move in flight).
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::client::RunnerClient;
+
+/// How often a long push's progress is printed.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+/// What names the workspace: a remote key, or `--project PATH`.
+pub struct Target<'a> {
+    pub key: Option<&'a str>,
+    pub project: Option<&'a str>,
+}
+
+impl Target<'_> {
+    fn json(&self) -> Result<Value, String> {
+        match (self.key, self.project) {
+            (Some(key), None) => Ok(json!({"workspace": key})),
+            (None, Some(path)) => Ok(json!({"project": path})),
+            _ => Err("name the workspace: a remote workspace KEY, or --project PATH (not both)".into()),
+        }
+    }
+
+    fn query(&self) -> String {
+        // Keys and project paths are `[A-Za-z0-9._-/]` (runnerd refuses anything else), which
+        // a query carries as it is.
+        match (self.key, self.project) {
+            (Some(key), _) => format!("workspace={key}"),
+            (_, Some(path)) => format!("project={path}"),
+            _ => String::new(),
+        }
+    }
+}
+
+/// What the subcommand needs besides the workspace.
+pub struct Args<'a> {
+    pub to: Option<&'a str>,
+    pub version: Option<&'a str>,
+    pub from_store: bool,
+}
+
+pub async fn run(
+    client: &RunnerClient,
+    sub: &str,
+    target: Target<'_>,
+    args: Args<'_>,
+) -> anyhow::Result<i32> {
+    let mut body = target.json().map_err(anyhow::Error::msg)?;
+    // The client has no clock offset yet: one cheap request learns it from `Date`.
+    let _ = client.raw("GET", "/health", &[], Vec::new()).await;
+    let reply = match sub {
+        "where" => client.get(&format!("/workspace-transfer/where?{}", target.query())).await?,
+        "push" => {
+            let to = args.to.ok_or_else(|| anyhow::anyhow!("push needs --to URL (the target runnerd)"))?;
+            body["to"] = json!(to);
+            let pushing = client.post_signed("/workspace-transfer/push", &body);
+            tokio::pin!(pushing);
+            loop {
+                tokio::select! {
+                    reply = &mut pushing => break reply?,
+                    _ = tokio::time::sleep(PROGRESS_EVERY) => progress(client, &target).await,
+                }
+            }
+        }
+        "backup" => client.post_signed("/workspace-transfer/backup", &body).await?,
+        "restore" => {
+            if let Some(v) = args.version {
+                body["version"] = json!(v);
+            }
+            body["fromStore"] = json!(args.from_store);
+            client.post_signed("/workspace-transfer/restore", &body).await?
+        }
+        other => anyhow::bail!("unknown workspace command {other:?} (push, backup, restore, where)"),
+    };
+    if reply.status != 200 {
+        let answer = reply.json();
+        let moved = answer["movedTo"].as_str().map(|m| format!(" (moved to {m})")).unwrap_or_default();
+        eprintln!(
+            "runnerctl: runnerd answered {}: {}{moved}",
+            reply.status,
+            answer["error"].as_str().unwrap_or("(no error text)")
+        );
+        return Ok(1);
+    }
+    println!("{}", serde_json::to_string_pretty(&reply.json())?);
+    Ok(0)
+}
+
+/// One progress line from the move in flight (nothing when none is reported yet).
+async fn progress(client: &RunnerClient, target: &Target<'_>) {
+    let Ok(reply) = client.get(&format!("/workspace-transfer/where?{}", target.query())).await else {
+        return;
+    };
+    let t = &reply.json()["transfer"];
+    let n = |k: &str| t[k].as_u64().unwrap_or(0);
+    if t.is_object() {
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        eprintln!(
+            "runnerctl: sent {}/{} objects, {:.1}/{:.1} MiB to {}",
+            n("objectsSent"),
+            n("objectsTotal"),
+            mib(n("bytesSent")),
+            mib(n("bytesTotal")),
+            t["to"].as_str().unwrap_or("?")
+        );
+    }
+}

@@ -1,0 +1,266 @@
+//! `/workspace-transfer/*` (ours, issue #34): workspaces moved between runnerd nodes by object
+//! hash, their placement shown, restored. Every route needs the bearer token; every `POST` is
+//! signed like the execution routes (the object stream's signature covers its query, its
+//! bytes are verified by their digests).
+//!
+//! The target's routes: `missing`, `objects`, `commit`. The source's: `push` (drives the
+//! target's three through [`crate::peer`]). Either's: `where`, `restore`, `backup`.
+
+use std::io::Read;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::stream::UPLOAD_IDLE;
+use super::{ApiResponse, query};
+use crate::app::App;
+use crate::peer::{Peer, PeerError};
+use crate::transfer::protocol::{self, ProtocolError};
+use crate::transfer::receive::{self, Install};
+use crate::transfer::{Ident, TransferFailed, outgoing, status};
+use crate::versioning::Ref;
+
+/// The one place a transfer failure becomes an answer.
+impl From<TransferFailed> for ApiError {
+    fn from(e: TransferFailed) -> ApiError {
+        let message = crate::error_chain(&e);
+        match e {
+            TransferFailed::Write(ref w) if ApiError::moved(w).is_some() => {
+                ApiError::moved(w).expect("checked just above")
+            }
+            TransferFailed::Stale { .. } | TransferFailed::Busy { .. } => {
+                ApiError::with_status(409, e.code(), message)
+            }
+            TransferFailed::Task(_) => ApiError::with_status(500, e.code(), message),
+            TransferFailed::Workspace(w) => ApiError::from(w),
+            _ => ApiError::bad_request(e.code(), message),
+        }
+    }
+}
+
+impl From<ProtocolError> for ApiError {
+    fn from(e: ProtocolError) -> ApiError {
+        ApiError::from(TransferFailed::from(e))
+    }
+}
+
+fn peer_err(e: PeerError) -> ApiError {
+    let code = match &e {
+        PeerError::Refused { status: 409, .. } => "target_refused",
+        PeerError::Refused { .. } => "target_refused",
+        PeerError::Local(_) => "transfer_refused",
+        _ => "target_unreachable",
+    };
+    let status = match &e {
+        PeerError::Refused { status: 409, .. } => 409,
+        PeerError::Local(_) => 400,
+        _ => 502,
+    };
+    ApiError::with_status(status, code, crate::error_chain(&e))
+}
+
+fn ok(status: u16, body: Value) -> Result<ApiResponse, ApiError> {
+    Ok(ApiResponse::json(status, body.to_string()))
+}
+
+/// `POST /workspace-transfer/missing` `{objects: [Ref…]}` → `{missing: [Ref…]}`.
+pub async fn missing(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let asked = protocol::asked(&protocol::object(body)?)?;
+    let versions = app.versions.clone();
+    let lacking = tokio::task::spawn_blocking(move || receive::missing(versions.store(), &asked))
+        .await
+        .map_err(|e| ApiError::with_status(500, "internal", e.to_string()))?;
+    ok(200, json!({"missing": lacking}))
+}
+
+/// `POST /workspace-transfer/objects?stream=ID`: the object stream, read as it arrives.
+pub async fn objects(app: &Arc<App>, upload: Option<hyper::body::Incoming>) -> Result<ApiResponse, ApiError> {
+    let upload =
+        upload.ok_or_else(|| ApiError::bad_request("body_unreadable", "The object stream is missing"))?;
+    let (tx, rx) = mpsc::channel::<Result<hyper::body::Bytes, String>>(8);
+    let pump = tokio::spawn(pump(upload, tx));
+    let versions = app.versions.clone();
+    let received = tokio::task::spawn_blocking(move || {
+        let mut stream =
+            std::io::BufReader::with_capacity(256 * 1024, BodyReader { rx, current: Default::default() });
+        receive::receive_objects(versions.store(), &mut stream)
+    })
+    .await
+    .map_err(|e| ApiError::with_status(500, "internal", e.to_string()))?;
+    pump.abort();
+    let got = received?;
+    tracing::info!(
+        event = "workspace_objects_received",
+        stored = got.stored,
+        present = got.present,
+        bytes = got.bytes
+    );
+    ok(200, json!({"stored": got.stored, "present": got.present, "bytes": got.bytes}))
+}
+
+/// Feeds an upload's frames to the blocking reader; an idle or broken upload ends it with an
+/// error (the reader then fails the object it was reading: nothing partial is published).
+async fn pump(mut body: hyper::body::Incoming, tx: mpsc::Sender<Result<hyper::body::Bytes, String>>) {
+    loop {
+        let frame = match tokio::time::timeout(UPLOAD_IDLE, body.frame()).await {
+            Err(_) => Err("the object stream stalled".to_owned()),
+            Ok(None) => return,
+            Ok(Some(Err(e))) => Err(format!("the object stream broke: {e}")),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => Ok(data),
+                Err(_) => continue,
+            },
+        };
+        let failed = frame.is_err();
+        if tx.send(frame).await.is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// A blocking reader over the frames [`pump`] sends.
+struct BodyReader {
+    rx: mpsc::Receiver<Result<hyper::body::Bytes, String>>,
+    current: hyper::body::Bytes,
+}
+
+impl Read for BodyReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.rx.blocking_recv() {
+                None => return Ok(0),
+                Some(Ok(data)) => self.current = data,
+                Some(Err(e)) => return Err(std::io::Error::other(e)),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
+}
+
+/// `POST /workspace-transfer/commit` `{workspace|project, head, epoch, from?}`: the head (whose
+/// closure must all be here) becomes this node's copy at `epoch`.
+pub async fn commit(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let req = protocol::commit_request(&protocol::object(body)?)?;
+    let installed =
+        receive::install(app, &req.ident, &req.head, Install::SameHead { epoch: req.epoch }).await?;
+    tracing::info!(event = "workspace_arrived", workspace = %req.ident, from = %req.from, epoch = req.epoch,
+        head = %req.head.digest, files = installed.materialized.files, bytes = installed.materialized.bytes);
+    ok(200, installed_json(&req.ident, &installed))
+}
+
+fn installed_json(ident: &Ident, installed: &receive::Installed) -> Value {
+    let m = &installed.materialized;
+    json!({
+        "ident": ident.to_json(),
+        "head": installed.head,
+        "tree": installed.tree,
+        "epoch": installed.epoch,
+        "files": m.files,
+        "directories": m.dirs,
+        "symlinks": m.symlinks,
+        "bytes": m.bytes,
+    })
+}
+
+/// `POST /workspace-transfer/push` `{workspace|project, to}`: moves the workspace to the runnerd
+/// at `to` and fences this copy. Resumable: objects that arrived before a break are not sent
+/// again.
+pub async fn push(app: &Arc<App>, token: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let req = protocol::push_request(&protocol::object(body)?)?;
+    let out = outgoing::prepare(app, &req.ident, &req.to).await?;
+    let peer = Peer::new(&req.to, token);
+    let lacking = peer.missing(&out.objects).await.map_err(peer_err)?;
+    let skipped = out.objects.len() - lacking.len();
+    let skipped_bytes: u64 =
+        out.progress.bytes_total.load(Ordering::Relaxed) - lacking.iter().map(|r| r.size).sum::<u64>();
+    let (sent_objects, sent_bytes) = (lacking.len() as u64, lacking.iter().map(|r| r.size).sum::<u64>());
+    if !lacking.is_empty() {
+        peer.send_objects(app.versions.clone(), lacking, out.progress.clone()).await.map_err(peer_err)?;
+    }
+    let mut offer = req.ident.to_json();
+    offer["head"] = serde_json::to_value(&out.head).unwrap_or_default();
+    offer["epoch"] = json!(out.epoch);
+    let arrived = peer.post("/workspace-transfer/commit", &offer).await.map_err(peer_err)?;
+    let (head, tree, epoch) = (out.head.clone(), out.tree.clone(), out.epoch);
+    out.fence()?;
+    ok(
+        200,
+        json!({
+            "ident": req.ident.to_json(),
+            "to": req.to,
+            "head": head,
+            "tree": tree,
+            "epoch": epoch,
+            "objects": {"total": skipped as u64 + sent_objects, "sent": sent_objects, "alreadyThere": skipped},
+            "bytes": {"total": skipped_bytes + sent_bytes, "sent": sent_bytes, "alreadyThere": skipped_bytes},
+            "target": arrived,
+        }),
+    )
+}
+
+/// `GET /workspace-transfer/where?workspace=K` (or `project=P`).
+pub async fn where_is(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiError> {
+    let mut obj = serde_json::Map::new();
+    for name in ["workspace", "project"] {
+        if let Some(v) = query::get(q, name) {
+            obj.insert(name.to_owned(), Value::String(v));
+        }
+    }
+    let ident = Ident::from_json(&obj).map_err(ProtocolError::from)?;
+    let app2 = app.clone();
+    let answer = tokio::task::spawn_blocking(move || status::where_is(&app2, &ident))
+        .await
+        .map_err(|e| ApiError::with_status(500, "internal", e.to_string()))??;
+    ok(200, answer)
+}
+
+/// `POST /workspace-transfer/restore` `{workspace|project, version?, fromStore?}`: from this
+/// node's history, a version (a head record's digest) becomes the workspace's files again,
+/// committed as a `workspace-restore`.
+pub async fn restore(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let req = protocol::restore_request(&protocol::object(body)?)?;
+    if req.from_store {
+        return Err(ApiError::with_status(
+            503,
+            "replication_off",
+            "No object store is configured on this node (replica_endpoint); restore from its own history instead",
+        ));
+    }
+    let version = req.version.clone().ok_or_else(|| {
+        ApiError::bad_request(
+            "version_required",
+            "name the version to restore (`version`: a head record's digest)",
+        )
+    })?;
+    let head = local_version(app, &req.ident, &version).await?;
+    let installed = receive::install(app, &req.ident, &head, Install::Restored).await?;
+    tracing::info!(event = "workspace_restored", workspace = %req.ident, version = %version, head = %installed.head.digest);
+    ok(200, installed_json(&req.ident, &installed))
+}
+
+/// The record of `digest` in this node's history of `ident`.
+async fn local_version(app: &Arc<App>, ident: &Ident, digest: &str) -> Result<Ref, ApiError> {
+    let (canonical, _) = receive::existing_workspace(app, ident).map_err(ApiError::from)?;
+    let history = app.versions.history(&canonical).map_err(ApiError::from_write)?;
+    history.into_iter().rev().find(|r| r.digest == digest).ok_or_else(|| {
+        ApiError::bad_request(
+            "version_not_found",
+            format!("{ident} has no version {digest} in this node's history"),
+        )
+    })
+}
+
+/// The signed bytes of a `/workspace-transfer/objects` request: its path and query (its body
+/// is verified object by object instead).
+pub fn signed_stream_bytes(path: &str, q: Option<&str>) -> Vec<u8> {
+    match q {
+        Some(q) => format!("{path}?{q}").into_bytes(),
+        None => path.as_bytes().to_vec(),
+    }
+}

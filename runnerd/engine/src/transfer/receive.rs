@@ -1,0 +1,294 @@
+//! The target's side of a move, and the install every restore shares: which objects this
+//! node lacks, the object stream (each object verified by its digest before it is
+//! published), and the install of a head (closure checked whole, tree materialized beside the
+//! workspace, swapped in under the writer lease, head committed, epoch raised).
+
+use std::io::BufRead;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::protocol::{self, MAX_HEADER};
+use super::{Ident, TransferFailed, blocking};
+use crate::app::App;
+use crate::error::EngineError;
+use crate::versioning::store::Store;
+use crate::versioning::{Ref, names::new_uuid_v4};
+use crate::workspace;
+use runner_store::transfer::materialize;
+
+/// Where materialized trees wait before they are swapped into their workspace: under the data
+/// directory, so the swap is a rename on one filesystem.
+pub const STAGING: &str = ".runner-transfers";
+
+/// The refs of `asked` this node has no object for.
+pub fn missing(store: &Store, asked: &[Ref]) -> Vec<Ref> {
+    asked.iter().filter(|r| !store.has(r)).cloned().collect()
+}
+
+/// What one object stream brought.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Received {
+    /// Objects published now.
+    pub stored: u64,
+    /// Objects this node already had (the bytes were read and dropped).
+    pub present: u64,
+    pub bytes: u64,
+}
+
+/// Reads frames (`<pool> <hex> <size>\n` then the bytes) until the stream ends at a frame
+/// boundary. Each object is published only if its bytes match its digest; the first that
+/// does not (or a stream cut inside a frame) ends the stream with an error, and what was
+/// published before it stays (a resumed move does not send it again).
+pub fn receive_objects(store: &Store, stream: &mut dyn BufRead) -> Result<Received, TransferFailed> {
+    let mut got = Received::default();
+    let mut line = Vec::with_capacity(MAX_HEADER);
+    loop {
+        line.clear();
+        let n =
+            BufRead::read_until(&mut std::io::Read::take(&mut *stream, MAX_HEADER as u64), b'\n', &mut line)
+                .map_err(|e| TransferFailed::Task(format!("the object stream could not be read: {e}")))?;
+        if n == 0 {
+            return Ok(got);
+        }
+        let text = line.strip_suffix(b"\n").ok_or(protocol::ProtocolError::BadFrame)?;
+        let expected =
+            protocol::parse_frame(std::str::from_utf8(text).map_err(|_| protocol::ProtocolError::BadFrame)?)?;
+        let mut body = std::io::Read::take(&mut *stream, expected.size);
+        if store.put_verified(&expected, &mut body)? {
+            got.stored += 1;
+        } else {
+            got.present += 1;
+        }
+        got.bytes += expected.size;
+    }
+}
+
+/// The workspace directory of `ident` on this node, created when it does not exist yet (a
+/// first move here), its canonical path and a descriptor pinning it.
+pub fn ensure_workspace(app: &App, ident: &Ident) -> Result<(PathBuf, OwnedFd), EngineError> {
+    let made = match ident {
+        Ident::Remote(key) => workspace::ensure_remote_workspace(&app.data_dir, key, &app.sandbox.user)?,
+        Ident::Project(path) => workspace::ensure_project_workspace(&app.data_dir, path, &app.sandbox.user)?,
+    };
+    let canonical = workspace::validated_workspace(&app.data_dir, &made)?;
+    let fd = workspace::open_beneath(&app.data_dir, &canonical)?;
+    Ok((canonical, fd))
+}
+
+/// The workspace of `ident` as it exists here (nothing is created).
+pub fn existing_workspace(app: &App, ident: &Ident) -> Result<(PathBuf, OwnedFd), EngineError> {
+    let data_real = std::fs::canonicalize(&app.data_dir)
+        .map_err(|e| EngineError::from(workspace::WorkspaceError::DataDirUnavailable(e)))?;
+    let canonical = workspace::validated_workspace(&app.data_dir, &ident.path_under(&data_real))?;
+    let fd = workspace::open_beneath(&app.data_dir, &canonical)?;
+    Ok((canonical, fd))
+}
+
+/// How the installed head is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Install {
+    /// The same head ref as the copy it came from (a move, a restore from the object store),
+    /// at this epoch.
+    SameHead { epoch: u64 },
+    /// A new `workspace-restore` mutation whose tree is the version's (a restore from this
+    /// node's own history: the history stays in order).
+    Restored,
+}
+
+/// What an install did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Installed {
+    pub canonical: PathBuf,
+    pub head: Ref,
+    pub tree: Ref,
+    pub epoch: u64,
+    pub materialized: materialize::Materialized,
+}
+
+/// The epoch this node holds for `canonical` (0: never set).
+pub fn local_epoch(app: &App, canonical: &Path) -> Result<u64, TransferFailed> {
+    Ok(app.versions.placement().get(canonical)?.map_or(0, |p| p.epoch))
+}
+
+fn refuse_stale(app: &App, ident: &Ident, canonical: &Path, offered: u64) -> Result<(), TransferFailed> {
+    let local = local_epoch(app, canonical)?;
+    if local >= offered {
+        return Err(TransferFailed::Stale { ident: ident.to_string(), local, offered });
+    }
+    Ok(())
+}
+
+/// The tree a head record names, the head's whole closure checked first (every object
+/// present, every blob's bytes matching its digest, every record canonical).
+pub fn checked_tree(store: &Store, head: &Ref) -> Result<Ref, TransferFailed> {
+    store.validate_closure(head)?;
+    let record = store.read_record(head, None)?;
+    if record.kind != "WorkspaceMutation" && record.kind != "WorkspaceExecution" {
+        return Err(TransferFailed::NotAHead);
+    }
+    let tree = record.value.get("workspace").ok_or(TransferFailed::NotAHead)?;
+    let tree = Ref::from_value(tree).map_err(|_| TransferFailed::NotAHead)?;
+    store.read_record(&tree, Some("WorkspaceTree")).map_err(|_| TransferFailed::NotAHead)?;
+    Ok(tree)
+}
+
+/// Makes `head` (whose closure is all here) the copy of `ident` on this node: refuses a
+/// stale epoch and a workspace a managed run holds, materializes the tree into a staging
+/// directory, then under the writer lease empties the workspace, moves the tree in and
+/// commits. A failure before the swap leaves the workspace and its head as they were.
+pub async fn install(
+    app: &Arc<App>,
+    ident: &Ident,
+    head: &Ref,
+    how: Install,
+) -> Result<Installed, TransferFailed> {
+    let (canonical, pinned) = ensure_workspace(app, ident)?;
+    if let Install::SameHead { epoch } = how {
+        refuse_stale(app, ident, &canonical, epoch)?;
+    }
+    let versions = app.versions.clone();
+    let (head_c, owner) = (head.clone(), owner_of(&pinned));
+    let staging_parent = app.data_dir.clone();
+    let (tree, staged) = blocking(move || {
+        let tree = checked_tree(versions.store(), &head_c)?;
+        let staged = Staged::make(&staging_parent)?;
+        let made = materialize::materialize(versions.store(), &tree, staged.dir.as_fd(), owner)?;
+        Ok((tree, (staged, made)))
+    })
+    .await?;
+    let (staged, materialized) = staged;
+    if app.managed.holds(&canonical) {
+        return Err(TransferFailed::Busy { ident: ident.to_string() });
+    }
+    let writer_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
+    let writer = app.versions.begin_import(&canonical, writer_pin, None).await?;
+    // Checked again under the lease: another install may have won meanwhile.
+    if let Install::SameHead { epoch } = how {
+        refuse_stale(app, ident, &canonical, epoch)?;
+    }
+    if app.managed.holds(&canonical) {
+        return Err(TransferFailed::Busy { ident: ident.to_string() });
+    }
+    let root = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
+    let staged = blocking(move || {
+        materialize::swap_in(staged.dir.as_fd(), root.as_fd())?;
+        Ok(staged)
+    })
+    .await?;
+    drop(staged);
+    let (head, epoch) = match how {
+        Install::SameHead { epoch } => {
+            app.versions.commit_imported(&writer, head, &tree).await?;
+            app.versions.placement().set_epoch(&canonical, epoch)?;
+            (head.clone(), epoch)
+        }
+        Install::Restored => {
+            app.versions.commit_mutation(&writer, "workspace-restore", None, true).await?;
+            let head = app.versions.head(&canonical)?.ok_or(TransferFailed::NotAHead)?;
+            (head, local_epoch(app, &canonical)?)
+        }
+    };
+    drop(writer);
+    Ok(Installed { canonical, head, tree, epoch, materialized })
+}
+
+/// Who the materialized entries belong to: the workspace directory's owner, when runnerd is
+/// root (the sandbox user for runnerd's workspaces, the caller for theirs), so the tree is
+/// owned as the files a run would have written; nobody to change otherwise.
+fn owner_of(dir: &OwnedFd) -> Option<(u32, u32)> {
+    if !nix::unistd::geteuid().is_root() {
+        return None;
+    }
+    let st = crate::fsat::Stat::of_fd(dir).ok()?;
+    Some((st.uid, st.gid))
+}
+
+/// A staging directory of its own under `<data>/.runner-transfers`, removed when dropped.
+struct Staged {
+    parent: OwnedFd,
+    name: std::ffi::CString,
+    dir: OwnedFd,
+}
+
+impl Staged {
+    fn make(data_dir: &Path) -> Result<Staged, TransferFailed> {
+        let io = |what: &str, e: std::io::Error| TransferFailed::Task(format!("{what}: {e}"));
+        let data = crate::fsat::open_path(data_dir, libc::O_PATH | libc::O_DIRECTORY)
+            .map_err(|e| io("open the data directory", e))?;
+        let top = std::ffi::CString::new(STAGING).expect("no NUL");
+        match crate::fsat::mkdir_at(&data, &top, 0o700) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io("create the staging directory", e)),
+        }
+        let parent =
+            crate::fsat::open_dir_at(&data, &top).map_err(|e| io("open the staging directory", e))?;
+        let name = std::ffi::CString::new(new_uuid_v4()).expect("no NUL");
+        crate::fsat::mkdir_at(&parent, &name, 0o700).map_err(|e| io("create a staging directory", e))?;
+        let dir = crate::fsat::open_dir_at(&parent, &name).map_err(|e| io("open a staging directory", e))?;
+        Ok(Staged { parent, name, dir })
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Err(e) = crate::fsat::remove_tree_at(&self.parent, &self.name) {
+            tracing::warn!(event = "transfer_staging_left", fd = self.parent.as_raw_fd(), error = %e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> (tempfile::TempDir, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        (dir, store)
+    }
+
+    fn framed(objects: &[(&Ref, &[u8])]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (r, bytes) in objects {
+            out.extend_from_slice(protocol::frame_header(r).as_bytes());
+            out.extend_from_slice(bytes);
+        }
+        out
+    }
+
+    #[test]
+    fn a_stream_stores_what_matches_and_stops_at_the_first_mismatch() {
+        let (_src_dir, src) = store();
+        let a = src.put(crate::versioning::Pool::Data, b"alpha", crate::versioning::OCTET_STREAM).unwrap();
+        let b = src.put(crate::versioning::Pool::Data, b"beta", crate::versioning::OCTET_STREAM).unwrap();
+        let (_dir, target) = store();
+        let got = receive_objects(&target, &mut &framed(&[(&a, b"alpha"), (&b, b"beta")])[..]).unwrap();
+        assert_eq!(got, Received { stored: 2, present: 0, bytes: 9 });
+        assert_eq!(missing(&target, &[a.clone(), b.clone()]), Vec::<Ref>::new());
+        let again = receive_objects(&target, &mut &framed(&[(&a, b"alpha")])[..]).unwrap();
+        assert_eq!(again, Received { stored: 0, present: 1, bytes: 5 });
+
+        let (_dir2, fresh) = store();
+        let lying = framed(&[(&a, b"alpha"), (&b, b"BETA")]);
+        assert!(receive_objects(&fresh, &mut &lying[..]).is_err());
+        assert_eq!(
+            missing(&fresh, &[a.clone(), b.clone()]),
+            vec![b.clone()],
+            "the good one stays, the bad one is not published"
+        );
+
+        let (_dir3, cut) = store();
+        let whole = framed(&[(&a, b"alpha"), (&b, b"beta")]);
+        assert!(
+            receive_objects(&cut, &mut &whole[..whole.len() - 2]).is_err(),
+            "a stream cut inside a frame fails"
+        );
+        assert_eq!(missing(&cut, &[a, b.clone()]), vec![b]);
+
+        let (_dir4, junk) = store();
+        assert!(receive_objects(&junk, &mut &b"data ../x 1\nx"[..]).is_err());
+        assert!(receive_objects(&junk, &mut &[b'a'; 4096][..]).is_err(), "an endless header is refused");
+    }
+}
