@@ -40,9 +40,12 @@ async fn shell(server: &Server, key: &str, code: &str) -> Value {
     body
 }
 
-async fn push(from: &Server, body: Value) -> (u16, Value) {
+async fn push(from: &Server, mut body: Value) -> (u16, Value) {
     let client = from.client();
     let _ = client.get("/health").await;
+    // Two identical pushes signed at one timestamp carry one signature, which the replay
+    // check refuses (as it should a captured request): each push says something of its own.
+    body["requestId"] = json!(runnerctl::client::new_execution_id());
     let reply = client.post_signed("/workspace-transfer/push", &body).await.unwrap();
     (reply.status, reply.json())
 }
@@ -317,4 +320,58 @@ fn base64url(bytes: &[u8]) -> String {
         }
     }
     out
+}
+
+fn runnerctl(server: &Server, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(runner_tests::bin("runnerctl"))
+        .args(["--url", &url(server)])
+        .args(args)
+        .env("SCIENCE_AGENT_RUNNER_TOKEN", runner_tests::server::TEST_TOKEN)
+        .env("SCIENCE_AGENT_DATA_DIR", &server.data_dir)
+        .output()
+        .unwrap();
+    let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+    (out.status.code().unwrap_or(-1), text(out.stdout), text(out.stderr))
+}
+
+#[tokio::test]
+async fn runnerctl_pushes_locates_and_restores_a_version_from_history() {
+    let (a, b) = (node(3600), node(3600));
+    let key = "moves/ctl";
+    let first = shell(&a, key, "echo one > f").await["workspaceSnapshot"].clone();
+    let v1 = where_is(&a, &format!("workspace={key}")).await["head"]["digest"].as_str().unwrap().to_owned();
+    shell(&a, key, "echo two > f && echo extra > g").await;
+
+    // A version from this node's history becomes the files again, as a new version.
+    let (code, out, err) = runnerctl(&a, &["workspace", "restore", key, "--version", &v1]);
+    assert_eq!(code, 0, "{out}{err}");
+    let restored: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(restored["tree"], first, "{restored}");
+    assert_ne!(
+        restored["head"]["digest"],
+        json!(v1),
+        "a restore is a new version, the history stays in order"
+    );
+    let now = shell(&a, key, "cat f; ls").await;
+    assert_eq!((now["stdout"].clone(), now["workspaceSnapshot"].clone()), (json!("one\nf\n"), first));
+    let (code, _, err) =
+        runnerctl(&a, &["workspace", "restore", key, "--version", &format!("sha256:{}", "0".repeat(64))]);
+    assert_eq!(code, 1);
+    assert!(err.contains("has no version"), "{err}");
+
+    // Push, then where on both sides; a push to the node itself is refused, not deadlocked.
+    let (code, out, err) = runnerctl(&a, &["workspace", "push", key, "--to", &url(&a)]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("409"), "{err}");
+    let (code, out, err) = runnerctl(&a, &["workspace", "push", key, "--to", &url(&b)]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, _) = runnerctl(&a, &["workspace", "where", key]);
+    assert_eq!(code, 0);
+    let w: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((w["fenced"].clone(), w["movedTo"].clone()), (json!(true), json!(url(&b))));
+    let (_, out, _) = runnerctl(&b, &["workspace", "where", key]);
+    let w: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((w["fenced"].clone(), w["epoch"].clone()), (json!(false), json!(1)));
+    let (code, _, err) = runnerctl(&a, &["workspace", "where"]);
+    assert_eq!(code, 1, "{err}");
 }

@@ -51,6 +51,8 @@ pub async fn run(
     args: Args<'_>,
 ) -> anyhow::Result<i32> {
     let mut body = target.json().map_err(anyhow::Error::msg)?;
+    // Each request its own: a retry signed at the same timestamp is not refused as a replay.
+    body["requestId"] = json!(runner_store::versioning::new_uuid_v4());
     // The client has no clock offset yet: one cheap request learns it from `Date`.
     let _ = client.raw("GET", "/health", &[], Vec::new()).await;
     let reply = match sub {

@@ -110,8 +110,12 @@ impl Peer {
             .expect("a request of valid parts")
     }
 
-    /// A signed `POST` of a JSON body.
+    /// A signed `POST` of a JSON object.
     pub async fn post(&self, path: &str, body: &Value) -> Result<Value, PeerError> {
+        // Each request its own bytes: two alike signed in one millisecond would share a
+        // signature, and the peer's replay check would refuse the second.
+        let mut body = body.clone();
+        body["requestId"] = Value::String(crate::versioning::names::new_uuid_v4());
         let raw = Bytes::from(body.to_string());
         let request = self.request("POST", path, &raw, ReplyBody::Full(Some(raw.clone())));
         Ok(self.exchange(request).await?.1)

@@ -32,7 +32,7 @@ impl From<TransferFailed> for ApiError {
             TransferFailed::Write(ref w) if ApiError::moved(w).is_some() => {
                 ApiError::moved(w).expect("checked just above")
             }
-            TransferFailed::Stale { .. } | TransferFailed::Busy { .. } => {
+            TransferFailed::Stale { .. } | TransferFailed::Busy { .. } | TransferFailed::Sending { .. } => {
                 ApiError::with_status(409, e.code(), message)
             }
             TransferFailed::Task(_) => ApiError::with_status(500, e.code(), message),

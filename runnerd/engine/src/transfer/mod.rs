@@ -43,6 +43,12 @@ pub enum TransferFailed {
     Stale { ident: String, local: u64, offered: u64 },
     #[error("{ident} is held by a managed run; wait for it to finish or cancel it, then move the workspace")]
     Busy { ident: String },
+    /// This node is itself sending the workspace away (a push to its own URL, or a commit
+    /// arriving while a push of the same workspace is under way).
+    #[error(
+        "{ident} is being moved away from this node; a copy cannot arrive here at the same time (is the target this node itself?)"
+    )]
+    Sending { ident: String },
     #[error("{ident} has no committed version to send")]
     NoHead { ident: String },
     #[error("the head is not a workspace version (a WorkspaceMutation or WorkspaceExecution with a tree)")]
@@ -81,6 +87,7 @@ impl TransferFailed {
             TransferFailed::Workspace(e) => e.code().as_str(),
             TransferFailed::Stale { .. } => "stale_epoch",
             TransferFailed::Busy { .. } => "workspace_busy",
+            TransferFailed::Sending { .. } => "workspace_sending",
             TransferFailed::NoHead { .. } => "no_version",
             TransferFailed::NotAHead => "not_a_version",
             TransferFailed::Store(_) => "transfer_refused",

@@ -144,6 +144,9 @@ pub async fn install(
     how: Install,
 ) -> Result<Installed, TransferFailed> {
     let (canonical, pinned) = ensure_workspace(app, ident)?;
+    if app.moves.get(&canonical).is_some() {
+        return Err(TransferFailed::Sending { ident: ident.to_string() });
+    }
     if let Install::SameHead { epoch } = how {
         refuse_stale(app, ident, &canonical, epoch)?;
     }
