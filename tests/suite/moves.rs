@@ -234,9 +234,15 @@ fn head_over(tree: &[u8]) -> Vec<u8> {
 
 #[tokio::test]
 async fn hostile_objects_and_heads_change_nothing_on_the_target() {
-    let b = node(3600);
+    let (a, b) = (node(3600), node(3600));
     let key = "moves/hostile";
-    let before = shell(&b, key, "echo keep > kept").await["workspaceSnapshot"].clone();
+    // b's copy moved away to a (fenced, files kept for the grace): a copy an arriving head
+    // may replace, so every refusal below is the head's own.
+    shell(&b, key, "echo keep > kept").await;
+    let (status, moved) = push(&b, json!({"workspace": key, "to": url(&a)})).await;
+    assert_eq!(status, 200, "{moved}");
+    let kept = b.path(&format!("remote-workspaces/{key}/kept"));
+    let before = where_is(&b, &format!("workspace={key}")).await;
 
     // A digest that does not match its bytes: refused, nothing published under it.
     let liar = hex(b"the real bytes");
@@ -254,36 +260,27 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
     assert_eq!(status, 400);
     let asked = json!({"objects": [file_ref(b"complete"), file_ref(b"never finished")]});
     let missing = b.client().post_signed("/workspace-transfer/missing", &asked).await.unwrap().json();
-    assert_eq!(
-        missing["missing"],
-        json!([file_ref(b"never finished")]),
-        "resumable: only the cut object is missing"
-    );
+    assert_eq!(missing["missing"], json!([file_ref(b"never finished")]), "resumable: only the cut object is missing");
 
     // Heads the target must refuse, each with its closure sent: a tree naming a blob that is
-    // not there, a name that escapes, a record that does not re-canonicalise.
+    // not there, names that escape, a record that does not re-canonicalise, entries out of
+    // order (its files would snapshot to another tree).
     let name = |n: &[u8]| base64url(n);
+    let file = |n: &[u8], content: &Value| json!({"content": content, "executable": 0, "name": name(n), "type": "file"});
     let absent = file_ref(b"not sent");
-    let tree_missing = record(
-        "WorkspaceTree",
-        json!({"entries": [{"content": absent, "executable": 0, "name": name(b"f"), "type": "file"}]}),
-        vec![absent.clone()],
-    );
     let present = b"present".to_vec();
-    let escaping = record(
-        "WorkspaceTree",
-        json!({"entries": [{"content": file_ref(&present), "executable": 0, "name": name(b".."), "type": "file"}]}),
-        vec![file_ref(&present)],
-    );
-    let slash = record(
-        "WorkspaceTree",
-        json!({"entries": [{"content": file_ref(&present), "executable": 0, "name": name(b"a/b"), "type": "file"}]}),
-        vec![file_ref(&present)],
-    );
+    let p = file_ref(&present);
+    let tree = |entries: Vec<Value>, deps: Vec<Value>| record("WorkspaceTree", json!({"entries": entries}), deps);
     let spaced = b"{\"dependencies\": [], \"kind\": \"WorkspaceTree\", \"schemaVersion\": 1, \"value\": {\"entries\": []}}".to_vec();
-    for (what, tree) in
-        [("missing blob", tree_missing), ("..", escaping), ("a/b", slash), ("not canonical", spaced)]
-    {
+    let cases = [
+        ("missing blob", tree(vec![file(b"f", &absent)], vec![absent.clone()]), "missing"),
+        ("..", tree(vec![file(b"..", &p)], vec![p.clone()]), "name"),
+        ("a/b", tree(vec![file(b"a/b", &p)], vec![p.clone()]), "name"),
+        ("coordination", tree(vec![file(b".workspace-coordination", &p)], vec![p.clone()]), "name"),
+        ("not canonical", spaced, "schema"),
+        ("out of order", tree(vec![file(b"b", &p), file(b"a", &p)], vec![p.clone()]), "tree"),
+    ];
+    for (what, tree, _why) in cases {
         let head = head_over(&tree);
         let mut frames = frame("data", &present, None);
         frames.extend(frame("agent-state", &tree, None));
@@ -292,22 +289,64 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
         assert_eq!(status, 200, "{what}: the objects themselves are well-formed: {body}");
         let offer = json!({"workspace": key, "head": record_ref(&head), "epoch": 5});
         let refused = b.client().post_signed("/workspace-transfer/commit", &offer).await.unwrap();
-        assert_eq!(refused.status, 400, "{what}: {}", refused.json());
-        let after = shell(&b, key, "cat kept").await;
-        assert_eq!(
-            (after["workspaceSnapshot"].clone(), after["stdout"].clone()),
-            (before.clone(), json!("keep\n")),
-            "{what}"
-        );
-        assert_eq!(where_is(&b, &format!("workspace={key}")).await["epoch"], 0, "{what}");
+        assert_eq!((refused.status, refused.json()["code"].clone()), (400, json!("transfer_refused")), "{what}: {}", refused.json());
+        assert_eq!(std::fs::read_to_string(&kept).unwrap(), "keep\n", "{what}: the files stay");
+        assert_eq!(where_is(&b, &format!("workspace={key}")).await, before, "{what}: head, epoch and fence stay");
     }
 
+    // A live copy with files of its own is not replaced by a peer's head.
+    shell(&a, "moves/other", "echo mine > m").await;
+    let head = where_is(&b, &format!("workspace={key}")).await["head"].clone();
+    let offer = json!({"workspace": "moves/other", "head": head, "epoch": 9});
+    let refused = a.client().post_signed("/workspace-transfer/commit", &offer).await.unwrap();
+    assert_eq!((refused.status, refused.json()["code"].clone()), (409, json!("workspace_exists")), "{}", refused.json());
+
     // Unsigned or wrongly named requests never reach the store.
-    let unsigned =
-        b.client().post_json("/workspace-transfer/commit", &json!({"workspace": key})).await.unwrap();
+    let unsigned = b.client().post_json("/workspace-transfer/commit", &json!({"workspace": key})).await.unwrap();
     assert_eq!(unsigned.status, 401);
-    let (status, body) = push(&b, json!({"workspace": key, "to": "file:///etc/passwd"})).await;
+    let (status, body) = push(&a, json!({"workspace": key, "to": "file:///etc/passwd"})).await;
     assert_eq!((status, body["code"].clone()), (400, json!("invalid_transfer_request")));
+}
+
+/// Something on `to` that answers 200 to everything (not a runnerd): the move fails and the
+/// source stays live.
+#[tokio::test]
+async fn a_target_that_is_not_a_runnerd_never_fences_the_source() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten().take(8) {
+            let mut stream = stream;
+            let mut buf = [0u8; 65536];
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(300)));
+            while stream.read(&mut buf).is_ok_and(|n| n > 0) {}
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}");
+        }
+    });
+    let a = node(3600);
+    let key = "moves/fake";
+    shell(&a, key, "echo x > f").await;
+    let (status, body) = push(&a, json!({"workspace": key, "to": fake})).await;
+    assert_eq!(status, 502, "{body}");
+    let w = where_is(&a, &format!("workspace={key}")).await;
+    assert_eq!((w["fenced"].clone(), w["epoch"].clone()), (json!(false), json!(0)), "{w}");
+    shell(&a, key, "cat f").await;
+
+    // The other write routes refuse a fenced copy too, and a restore into it.
+    let b = node(3600);
+    let (status, moved) = push(&a, json!({"workspace": key, "to": url(&b)})).await;
+    assert_eq!(status, 200, "{moved}");
+    let clear = a.client().send_bytes("DELETE", &format!("/remote-workspace?workspace={key}"), &[], Vec::new()).await.unwrap();
+    assert_eq!((clear.status, clear.json()["code"].clone()), (409, json!("workspace_moved")));
+    let mut python = keyed_shell_request("a", "s", key, "print(1)");
+    python["executionId"] = json!(runnerctl::client::new_execution_id());
+    let exec = a.client().post_signed("/execute", &python).await.unwrap();
+    assert_eq!((exec.status, exec.json()["movedTo"].clone()), (409, json!(url(&b))), "{}", exec.json());
+    let version = w["head"]["digest"].as_str().unwrap().to_owned();
+    let (code, out, err) = runnerctl(&a, &["workspace", "restore", key, "--version", &version]);
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("409") && err.contains(&url(&b)), "{err}");
 }
 
 fn base64url(bytes: &[u8]) -> String {

@@ -291,6 +291,10 @@ async fn open_versions(config: &RunnerConfig) -> anyhow::Result<Arc<Versions>> {
     let versions = Arc::new(versions.with_default_snapshot_limit(config.max_workspace_bytes));
     let swept = crate::api::stream::sweep_staging(&config.data_dir.join(crate::api::remote::STAGING));
     crate::skills::store::sweep_staging(&config.data_dir);
+    let staged = crate::transfer::receive::sweep_staging(&config.data_dir);
+    if staged > 0 {
+        tracing::info!(event = "transfers_swept", count = staged, reason = "trees left staged by a previous process");
+    }
     if swept > 0 {
         tracing::info!(
             event = "uploads_swept",

@@ -27,6 +27,8 @@ const CONNECT: Duration = Duration::from_secs(10);
 /// How long a JSON exchange may take (a commit materializes the whole tree on the target).
 const EXCHANGE: Duration = Duration::from_secs(3600);
 const CHUNK: usize = 256 * 1024;
+/// The most a peer's answer may hold (a `missing` list of 10,000 refs is ~1.5 MB).
+const ANSWER_LIMIT: usize = 16 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
@@ -43,6 +45,9 @@ pub enum PeerError {
     Local(#[source] crate::versioning::VersionError),
     #[error("the task reading the objects failed: {0}")]
     Task(String),
+    /// The peer answered 2xx with something a runnerd does not say.
+    #[error("{0} is not a runnerd that took the transfer: {1}")]
+    Answer(String, String),
 }
 
 /// Another runnerd, by its base URL (`http://host:port`).
@@ -76,8 +81,11 @@ impl Peer {
         let answered = async {
             let response = sender.send_request(request).await.map_err(|e| PeerError::Http(url.clone(), e))?;
             let status = response.status().as_u16();
-            let body =
-                response.into_body().collect().await.map_err(|e| PeerError::Http(url.clone(), e))?.to_bytes();
+            let body = http_body_util::Limited::new(response.into_body(), ANSWER_LIMIT)
+                .collect()
+                .await
+                .map_err(|e| PeerError::Answer(url.clone(), format!("its answer could not be read: {e}")))?
+                .to_bytes();
             Ok::<_, PeerError>((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
         };
         let (status, body) =
@@ -121,17 +129,32 @@ impl Peer {
         Ok(self.exchange(request).await?.1)
     }
 
-    /// The refs of `objects` the peer lacks, asked in bounded batches.
+    /// A `GET` with the bearer token.
+    pub async fn get(&self, path_and_query: &str) -> Result<Value, PeerError> {
+        let request = Request::builder()
+            .method("GET")
+            .uri(path_and_query)
+            .header("host", &self.authority)
+            .header("authorization", format!("Bearer {}", self.token))
+            .body(ReplyBody::Full(None))
+            .expect("a request of valid parts");
+        Ok(self.exchange(request).await?.1)
+    }
+
+    /// The refs of `objects` the peer lacks, asked in bounded batches. Only what was asked
+    /// counts, each once: a peer cannot make this node read other objects.
     pub async fn missing(&self, objects: &[Ref]) -> Result<Vec<Ref>, PeerError> {
         let mut lacking = Vec::new();
         for batch in objects.chunks(protocol::MAX_ASKED) {
-            let answer =
-                self.post("/workspace-transfer/missing", &serde_json::json!({"objects": batch})).await?;
-            let list = answer.get("missing").and_then(Value::as_array).cloned().unwrap_or_default();
-            // Only what was asked counts: a peer cannot make this node read other objects.
+            let answer = self.post("/workspace-transfer/missing", &serde_json::json!({"objects": batch})).await?;
+            let list = answer
+                .get("missing")
+                .and_then(Value::as_array)
+                .ok_or_else(|| PeerError::Answer(self.url.clone(), "its answer has no `missing` list".into()))?;
+            let mut asked: std::collections::HashSet<&Ref> = batch.iter().collect();
             for r in list.iter().filter_map(|v| Ref::from_value(v).ok()) {
-                if batch.contains(&r) {
-                    lacking.push(r);
+                if let Some(r) = asked.take(&r) {
+                    lacking.push(r.clone());
                 }
             }
         }

@@ -32,7 +32,10 @@ impl From<TransferFailed> for ApiError {
             TransferFailed::Write(ref w) if ApiError::moved(w).is_some() => {
                 ApiError::moved(w).expect("checked just above")
             }
-            TransferFailed::Stale { .. } | TransferFailed::Busy { .. } | TransferFailed::Sending { .. } => {
+            TransferFailed::Stale { .. }
+            | TransferFailed::Busy { .. }
+            | TransferFailed::Sending { .. }
+            | TransferFailed::Exists { .. } => {
                 ApiError::with_status(409, e.code(), message)
             }
             TransferFailed::Task(_) => ApiError::with_status(500, e.code(), message),
@@ -148,7 +151,7 @@ impl Read for BodyReader {
 pub async fn commit(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let req = protocol::commit_request(&protocol::object(body)?)?;
     let installed =
-        receive::install(app, &req.ident, &req.head, Install::SameHead { epoch: req.epoch }).await?;
+        receive::install(app, &req.ident, &req.head, Install::SameHead { epoch: req.epoch, replace_live: false }).await?;
     tracing::info!(event = "workspace_arrived", workspace = %req.ident, from = %req.from, epoch = req.epoch,
         head = %req.head.digest, files = installed.materialized.files, bytes = installed.materialized.bytes);
     ok(200, installed_json(&req.ident, &installed))
@@ -170,15 +173,14 @@ fn installed_json(ident: &Ident, installed: &receive::Installed) -> Value {
 
 /// `POST /workspace-transfer/push` `{workspace|project, to}`: moves the workspace to the runnerd
 /// at `to` and fences this copy. Resumable: objects that arrived before a break are not sent
-/// again.
+/// again. The fence is set only once the target has said it holds this head at this epoch.
 pub async fn push(app: &Arc<App>, token: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let req = protocol::push_request(&protocol::object(body)?)?;
     let out = outgoing::prepare(app, &req.ident, &req.to).await?;
     let peer = Peer::new(&req.to, token);
     let lacking = peer.missing(&out.objects).await.map_err(peer_err)?;
-    let skipped = out.objects.len() - lacking.len();
-    let skipped_bytes: u64 =
-        out.progress.bytes_total.load(Ordering::Relaxed) - lacking.iter().map(|r| r.size).sum::<u64>();
+    let total_objects = out.objects.len() as u64;
+    let total_bytes = out.progress.bytes_total.load(Ordering::Relaxed);
     let (sent_objects, sent_bytes) = (lacking.len() as u64, lacking.iter().map(|r| r.size).sum::<u64>());
     if !lacking.is_empty() {
         peer.send_objects(app.versions.clone(), lacking, out.progress.clone()).await.map_err(peer_err)?;
@@ -186,7 +188,16 @@ pub async fn push(app: &Arc<App>, token: &str, body: &[u8]) -> Result<ApiRespons
     let mut offer = req.ident.to_json();
     offer["head"] = serde_json::to_value(&out.head).unwrap_or_default();
     offer["epoch"] = json!(out.epoch);
-    let arrived = peer.post("/workspace-transfer/commit", &offer).await.map_err(peer_err)?;
+    let arrived = match peer.post("/workspace-transfer/commit", &offer).await {
+        Ok(answer) => answer,
+        // Refused: the target did not take it. Anything else (the connection broke, no answer
+        // in time) is ambiguous: the target may have committed. Ask it before deciding.
+        Err(e @ PeerError::Refused { .. }) => return Err(peer_err(e)),
+        Err(e) => confirmed(&peer, &req.ident, &out).await.ok_or_else(|| peer_err(e))?,
+    };
+    if !holds(&arrived, &out.head, out.epoch) {
+        return Err(peer_err(PeerError::Answer(req.to.clone(), format!("its commit answered {arrived}"))));
+    }
     let (head, tree, epoch) = (out.head.clone(), out.tree.clone(), out.epoch);
     out.fence()?;
     ok(
@@ -197,11 +208,31 @@ pub async fn push(app: &Arc<App>, token: &str, body: &[u8]) -> Result<ApiRespons
             "head": head,
             "tree": tree,
             "epoch": epoch,
-            "objects": {"total": skipped as u64 + sent_objects, "sent": sent_objects, "alreadyThere": skipped},
-            "bytes": {"total": skipped_bytes + sent_bytes, "sent": sent_bytes, "alreadyThere": skipped_bytes},
+            "objects": {"total": total_objects, "sent": sent_objects, "alreadyThere": total_objects.saturating_sub(sent_objects)},
+            "bytes": {"total": total_bytes, "sent": sent_bytes, "alreadyThere": total_bytes.saturating_sub(sent_bytes)},
             "target": arrived,
         }),
     )
+}
+
+/// Whether a peer's answer says it holds `head` at `epoch`.
+fn holds(answer: &Value, head: &Ref, epoch: u64) -> bool {
+    answer["head"]["digest"].as_str() == Some(head.digest.as_str()) && answer["epoch"].as_u64() == Some(epoch)
+}
+
+/// After an ambiguous commit, the target's own word on where the workspace is: its `where`
+/// answer when it holds this head at this epoch, else none (the move failed; this copy stays
+/// live, and the target's copy, if its commit is still running, is refused by the next
+/// push's epoch or fenced by replication).
+async fn confirmed(peer: &Peer, ident: &Ident, out: &outgoing::Outgoing) -> Option<Value> {
+    let query = match ident {
+        Ident::Remote(key) => format!("workspace={key}"),
+        Ident::Project(path) => format!("project={path}"),
+    };
+    let answer = peer.get(&format!("/workspace-transfer/where?{query}")).await.ok()?;
+    let held = holds(&answer, &out.head, out.epoch) && answer["fenced"] == json!(false);
+    tracing::warn!(event = "workspace_move_unconfirmed", workspace = %ident, to = %peer.url, confirmed = held);
+    held.then_some(answer)
 }
 
 /// `GET /workspace-transfer/where?workspace=K` (or `project=P`).

@@ -247,10 +247,14 @@ impl Manager {
         if app.versions.lifecycle().is_poisoned(&located.root) {
             return Err(ManagedError::Poisoned);
         }
-        if let Ok(Some(placed)) = app.versions.placement().get(&located.root)
-            && let Some(moved_to) = placed.moved_to
-        {
-            return Err(ManagedError::Moved { moved_to, epoch: placed.epoch });
+        // Fail closed: a placement that cannot be read may be a fence.
+        match app.versions.placement().get(&located.root) {
+            Ok(Some(placed)) if placed.moved_to.is_some() => {
+                let moved_to = placed.moved_to.unwrap_or_default();
+                return Err(ManagedError::Moved { moved_to, epoch: placed.epoch });
+            }
+            Ok(_) => {}
+            Err(e) => return Err(internal(crate::error_chain(&e))),
         }
         let rec = ManagedExecution::queued(
             req.agent_id.clone(),

@@ -49,6 +49,10 @@ pub enum TransferFailed {
         "{ident} is being moved away from this node; a copy cannot arrive here at the same time (is the target this node itself?)"
     )]
     Sending { ident: String },
+    /// The target holds a live copy of its own with files (a node that never had this
+    /// workspace, an empty or a fenced copy take one; an operator restores over a live one).
+    #[error("this node holds a live copy of {ident} with files of its own; move or clear it first, or restore explicitly")]
+    Exists { ident: String },
     #[error("{ident} has no committed version to send")]
     NoHead { ident: String },
     #[error("the head is not a workspace version (a WorkspaceMutation or WorkspaceExecution with a tree)")]
@@ -88,6 +92,7 @@ impl TransferFailed {
             TransferFailed::Stale { .. } => "stale_epoch",
             TransferFailed::Busy { .. } => "workspace_busy",
             TransferFailed::Sending { .. } => "workspace_sending",
+            TransferFailed::Exists { .. } => "workspace_exists",
             TransferFailed::NoHead { .. } => "no_version",
             TransferFailed::NotAHead => "not_a_version",
             TransferFailed::Store(_) => "transfer_refused",

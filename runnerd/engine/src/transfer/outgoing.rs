@@ -95,7 +95,10 @@ pub async fn prepare(app: &Arc<App>, ident: &Ident, to: &str) -> Result<Outgoing
     let tree = app.versions.commit_mutation(&writer, "workspace-move", None, true).await?;
     let head =
         app.versions.head(&canonical)?.ok_or_else(|| TransferFailed::NoHead { ident: ident.to_string() })?;
-    let epoch = local_epoch(app, &canonical)? + 1;
+    let epoch = local_epoch(app, &canonical)?
+        .checked_add(1)
+        .filter(|e| *e <= super::protocol::MAX_EPOCH)
+        .ok_or_else(|| TransferFailed::Task("the workspace's epoch cannot be raised any further".into()))?;
     let versions = app.versions.clone();
     let root = head.clone();
     let objects = blocking(move || Ok(closure(versions.store(), &root, &mut |_| false)?)).await?;

@@ -12,6 +12,9 @@ pub const MAX_ASKED: usize = 10_000;
 /// The most bytes one object in a stream may declare: the store's own bound on a file is
 /// the workspace quota, checked by the target's import; this only refuses absurd headers.
 pub const MAX_OBJECT: u64 = 1 << 46;
+/// The highest epoch: what the placement database stores (an SQLite integer) and a move can
+/// still raise.
+pub const MAX_EPOCH: u64 = i64::MAX as u64 - 1;
 /// A frame header's longest line: `agent-state <64 hex> <20 digits>\n`.
 pub const MAX_HEADER: usize = 100;
 
@@ -26,7 +29,7 @@ pub enum ProtocolError {
     BadRef(&'static str),
     #[error("`objects` must be an array of at most {MAX_ASKED} object refs")]
     BadList,
-    #[error("`epoch` must be a positive integer")]
+    #[error("`epoch` must be a positive integer below 2^63 - 1")]
     BadEpoch,
     #[error("`{0}` must be an http:// URL of a runnerd (host:port)")]
     BadUrl(&'static str),
@@ -74,7 +77,11 @@ pub fn commit_request(obj: &Map<String, Value>) -> Result<CommitRequest, Protoco
     if head.pool != Pool::AgentState || !head.is_record() {
         return Err(ProtocolError::BadRef("head"));
     }
-    let epoch = obj.get("epoch").and_then(Value::as_u64).filter(|e| *e > 0).ok_or(ProtocolError::BadEpoch)?;
+    let epoch = obj
+        .get("epoch")
+        .and_then(Value::as_u64)
+        .filter(|e| *e > 0 && *e <= MAX_EPOCH)
+        .ok_or(ProtocolError::BadEpoch)?;
     let from = match obj.get("from").and_then(Value::as_str) {
         Some(url) => node_url(url).ok_or(ProtocolError::BadUrl("from"))?,
         None => String::new(),
@@ -229,6 +236,7 @@ mod tests {
             json!({"workspace": "p", "head": data_head, "epoch": 1}),
             json!({"workspace": "p", "head": record(), "epoch": 0}),
             json!({"workspace": "p", "head": record(), "epoch": -1}),
+            json!({"workspace": "p", "head": record(), "epoch": u64::MAX}),
             json!({"workspace": "p", "head": record(), "epoch": 1, "from": "ftp://x"}),
         ];
         for body in bad {

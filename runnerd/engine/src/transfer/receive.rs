@@ -15,7 +15,8 @@ use crate::error::EngineError;
 use crate::versioning::store::Store;
 use crate::versioning::{Ref, names::new_uuid_v4};
 use crate::workspace;
-use runner_store::transfer::materialize;
+use crate::versioning::snapshot::SnapshotScope;
+use runner_store::transfer::{TransferError, materialize};
 
 /// Where materialized trees wait before they are swapped into their workspace: under the data
 /// directory, so the swap is a rename on one filesystem.
@@ -89,10 +90,12 @@ pub fn existing_workspace(app: &App, ident: &Ident) -> Result<(PathBuf, OwnedFd)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Install {
     /// The same head ref as the copy it came from (a move, a restore from the object store),
-    /// at this epoch.
-    SameHead { epoch: u64 },
+    /// at this epoch. `replace_live`: whether a live copy here with files of its own may be
+    /// replaced (an operator's restore: yes; a peer's move: no, it would silently drop this
+    /// node's own history from the head).
+    SameHead { epoch: u64, replace_live: bool },
     /// A new `workspace-restore` mutation whose tree is the version's (a restore from this
-    /// node's own history: the history stays in order).
+    /// node's own history: the history stays in order). A fenced copy refuses it.
     Restored,
 }
 
@@ -134,54 +137,78 @@ pub fn checked_tree(store: &Store, head: &Ref) -> Result<Ref, TransferFailed> {
 }
 
 /// Makes `head` (whose closure is all here) the copy of `ident` on this node: refuses a
-/// stale epoch and a workspace a managed run holds, materializes the tree into a staging
-/// directory, then under the writer lease empties the workspace, moves the tree in and
-/// commits. A failure before the swap leaves the workspace and its head as they were.
-pub async fn install(
-    app: &Arc<App>,
-    ident: &Ident,
-    head: &Ref,
-    how: Install,
-) -> Result<Installed, TransferFailed> {
+/// stale epoch, a workspace a managed run holds or this node is sending, materializes the
+/// tree into a staging directory and checks that its snapshot is that very tree (within the
+/// quota), then under the writer lease empties the workspace, moves the tree in and commits.
+/// A failure before the swap leaves the workspace and its head as they were.
+pub async fn install(app: &Arc<App>, ident: &Ident, head: &Ref, how: Install) -> Result<Installed, TransferFailed> {
     let (canonical, pinned) = ensure_workspace(app, ident)?;
-    if app.moves.get(&canonical).is_some() {
-        return Err(TransferFailed::Sending { ident: ident.to_string() });
-    }
-    if let Install::SameHead { epoch } = how {
-        refuse_stale(app, ident, &canonical, epoch)?;
-    }
+    let refusals = |app: &App| -> Result<(), TransferFailed> {
+        if app.moves.get(&canonical).is_some() {
+            return Err(TransferFailed::Sending { ident: ident.to_string() });
+        }
+        if app.managed.holds(&canonical) {
+            return Err(TransferFailed::Busy { ident: ident.to_string() });
+        }
+        if let Install::SameHead { epoch, replace_live } = how {
+            refuse_stale(app, ident, &canonical, epoch)?;
+            if !replace_live && live_copy(app, &canonical, &pinned, head)? {
+                return Err(TransferFailed::Exists { ident: ident.to_string() });
+            }
+        }
+        Ok(())
+    };
+    refusals(app)?;
     let versions = app.versions.clone();
     let (head_c, owner) = (head.clone(), owner_of(&pinned));
-    let staging_parent = app.data_dir.clone();
+    let (staging_parent, quota) = (app.data_dir.clone(), app.config.max_workspace_bytes);
     let (tree, staged) = blocking(move || {
-        let tree = checked_tree(versions.store(), &head_c)?;
+        let store = versions.store();
+        let tree = checked_tree(store, &head_c)?;
         let staged = Staged::make(&staging_parent)?;
-        let made = materialize::materialize(versions.store(), &tree, staged.dir.as_fd(), owner)?;
+        let made = materialize::materialize(store, &tree, staged.dir.as_fd(), owner)?;
+        // What the workspace will hold must snapshot to the tree itself (a tree whose entries
+        // are out of order would not), within the quota, before the live copy is touched.
+        let scope = SnapshotScope { canonical: None, max_bytes: quota, reuse: None };
+        let seen = store.snapshot_scoped(&crate::fsat::pinned_dir(&staged.dir), &scope)?;
+        if seen.digest != tree.digest {
+            return Err(TransferFailed::Store(TransferError::TreeMismatch {
+                expected: tree.digest.clone(),
+                found: seen.digest,
+            }));
+        }
         Ok((tree, (staged, made)))
     })
     .await?;
     let (staged, materialized) = staged;
-    if app.managed.holds(&canonical) {
-        return Err(TransferFailed::Busy { ident: ident.to_string() });
-    }
     let writer_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
-    let writer = app.versions.begin_import(&canonical, writer_pin, None).await?;
-    // Checked again under the lease: another install may have won meanwhile.
-    if let Install::SameHead { epoch } = how {
-        refuse_stale(app, ident, &canonical, epoch)?;
-    }
-    if app.managed.holds(&canonical) {
-        return Err(TransferFailed::Busy { ident: ident.to_string() });
+    let writer = match how {
+        // A restore from this node's history writes into this copy: a fenced one refuses it.
+        Install::Restored => app.versions.begin(&canonical, writer_pin, None).await,
+        Install::SameHead { .. } => app.versions.begin_import(&canonical, writer_pin, None).await,
+    };
+    let writer = match writer {
+        Ok(w) => w,
+        Err(e) => {
+            discard(staged).await;
+            return Err(e.into());
+        }
+    };
+    // Checked again under the lease: another install or a run may have won meanwhile.
+    if let Err(e) = refusals(app) {
+        drop(writer);
+        discard(staged).await;
+        return Err(e);
     }
     let root = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
-    let staged = blocking(move || {
+    blocking(move || {
         materialize::swap_in(staged.dir.as_fd(), root.as_fd())?;
-        Ok(staged)
+        drop(staged);
+        Ok(())
     })
     .await?;
-    drop(staged);
     let (head, epoch) = match how {
-        Install::SameHead { epoch } => {
+        Install::SameHead { epoch, .. } => {
             app.versions.commit_imported(&writer, head, &tree).await?;
             app.versions.placement().set_epoch(&canonical, epoch)?;
             (head.clone(), epoch)
@@ -196,6 +223,36 @@ pub async fn install(
     Ok(Installed { canonical, head, tree, epoch, materialized })
 }
 
+/// Removes a staged tree off the async threads (it may be large).
+async fn discard(staged: Staged) {
+    let _ = tokio::task::spawn_blocking(move || drop(staged)).await;
+}
+
+/// Whether this node holds a live copy of its own that an arriving head would replace: not
+/// fenced, and either a committed tree with entries (other than the offered head's) or
+/// files in its directory. An empty or fenced copy, or one already at the offered head, is
+/// not.
+fn live_copy(app: &App, canonical: &Path, pinned: &OwnedFd, offered: &Ref) -> Result<bool, TransferFailed> {
+    if app.versions.placement().get(canonical)?.is_some_and(|p| p.moved_to.is_some()) {
+        return Ok(false);
+    }
+    if let Some(head) = app.versions.head(canonical)? {
+        if head == *offered {
+            return Ok(false);
+        }
+        if let Some(tree) = app.versions.head_tree(canonical)? {
+            let record = app.versions.store().read_record(&tree, Some("WorkspaceTree"))?;
+            if record.value.get("entries").and_then(serde_json::Value::as_array).is_some_and(|e| !e.is_empty()) {
+                return Ok(true);
+            }
+        }
+    }
+    let dir = crate::fsat::open_dir_at(pinned, c".")
+        .map_err(|e| TransferFailed::Task(format!("read the workspace directory: {e}")))?;
+    let names = crate::fsat::names(&dir).map_err(|e| TransferFailed::Task(format!("read the workspace directory: {e}")))?;
+    Ok(!names.is_empty())
+}
+
 /// Who the materialized entries belong to: the workspace directory's owner, when runnerd is
 /// root (the sandbox user for runnerd's workspaces, the caller for theirs), so the tree is
 /// owned as the files a run would have written; nobody to change otherwise.
@@ -205,6 +262,16 @@ fn owner_of(dir: &OwnedFd) -> Option<(u32, u32)> {
     }
     let st = crate::fsat::Stat::of_fd(dir).ok()?;
     Some((st.uid, st.gid))
+}
+
+/// Removes the staged trees a previous process left (a crash or a kill mid-install): nothing
+/// reads them, and each may be a whole workspace. Returns how many.
+pub fn sweep_staging(data_dir: &Path) -> usize {
+    let top = std::ffi::CString::new(STAGING).expect("no NUL");
+    let Ok(data) = crate::fsat::open_path(data_dir, libc::O_PATH | libc::O_DIRECTORY) else { return 0 };
+    let Ok(parent) = crate::fsat::open_dir_at(&data, &top) else { return 0 };
+    let names = crate::fsat::names(&parent).unwrap_or_default();
+    names.iter().filter(|(_, c)| crate::fsat::remove_tree_at(&parent, c).is_ok()).count()
 }
 
 /// A staging directory of its own under `<data>/.runner-transfers`, removed when dropped.

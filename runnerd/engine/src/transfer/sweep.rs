@@ -28,7 +28,7 @@ pub async fn remove_due(app: &Arc<App>) -> usize {
     };
     let mut removed = 0;
     for canonical in due {
-        match remove_one(app, &canonical).await {
+        match remove_one(app, &canonical, before).await {
             Ok(()) => {
                 removed += 1;
                 tracing::info!(event = "moved_workspace_removed", workspace = %canonical.display());
@@ -41,19 +41,30 @@ pub async fn remove_due(app: &Arc<App>) -> usize {
     removed
 }
 
-async fn remove_one(app: &Arc<App>, canonical: &std::path::Path) -> Result<(), String> {
+async fn remove_one(app: &Arc<App>, canonical: &std::path::Path, before: u64) -> Result<(), String> {
     let now = crate::timefmt::now_ms();
-    let pinned = match crate::workspace::open_beneath(&app.data_dir, canonical) {
+    let pinned = match runner_store::workspace::open_beneath(&app.data_dir, canonical) {
         Ok(fd) => fd,
         // Gone already (deleted by hand): nothing left to remove.
-        Err(_) => {
+        Err(_) if std::fs::symlink_metadata(canonical).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) => {
             return app.versions.placement().mark_removed(canonical, now).map_err(|e| crate::error_chain(&e));
         }
+        Err(e) => return Err(crate::error_chain(&e)),
     };
     let held = pinned.try_clone().map_err(|e| e.to_string())?;
     // The lease, so no writer the fence let through before it was set is still at work.
-    let writer =
-        app.versions.begin_import(canonical, held, None).await.map_err(|e| crate::error_chain(&e))?;
+    let writer = app.versions.begin_import(canonical, held, None).await.map_err(|e| crate::error_chain(&e))?;
+    // Under the lease, the row again: a copy that came back meanwhile (an install cleared the
+    // fence) is live and keeps its files.
+    let still_due = app
+        .versions
+        .placement()
+        .get(canonical)
+        .map_err(|e| crate::error_chain(&e))?
+        .is_some_and(|p| p.moved_to.is_some() && p.removed_at_ms.is_none() && p.fenced_at_ms.is_some_and(|at| at <= before));
+    if !still_due {
+        return Ok(());
+    }
     let cleared = tokio::task::spawn_blocking(move || crate::remote::files::clear(&pinned))
         .await
         .map_err(|e| e.to_string())?;
