@@ -803,7 +803,8 @@ impl Versions {
 
     /// Start-up recovery (ours): every workspace whose lease our previous process held when
     /// it died gets a `runner-recovery` mutation committed (the files as they are now), its
-    /// `.active` marker removed, and an audit event. Roots someone else holds are left.
+    /// `.active` marker removed, and an audit event. Roots someone else holds are left; a
+    /// fenced one (it moved away) has its marker removed and nothing committed.
     pub async fn recover_interrupted(self: &Arc<Self>) -> Vec<PathBuf> {
         let mut recovered = Vec::new();
         for (root, entry) in self.lifecycle.journaled_roots() {
@@ -839,6 +840,30 @@ impl Versions {
                 return false;
             }
         };
+        // Checked with the lease held, so no move slips in between. A copy that moved away
+        // commits nothing: a crash while its files were being cleared would otherwise make
+        // the half-cleared tree a new head here. Its marker and journal entry go (dropping
+        // the lease): nothing is left to recover on this node.
+        match self.refuse_fenced_blocking(root, Fence::Refuse).await {
+            Ok(()) => {}
+            Err(WriteError::Fenced { moved_to, epoch }) => {
+                tracing::warn!(
+                    event = "workspace_recovery_fenced",
+                    workspace = %root.display(),
+                    movedTo = %moved_to,
+                    epoch,
+                    reason = "runnerd stopped while it held the lease of a workspace that moved away; nothing was committed",
+                );
+                drop(lease);
+                drop(admitted);
+                return false;
+            }
+            Err(e) => {
+                tracing::error!(event = "workspace_recovery_failed", workspace = %root.display(), error = %common::error_chain(&e));
+                lease.release_keeping_marker();
+                return false;
+            }
+        }
         // Pinned by descriptor, walked beneath the data directory without following a
         // symlink, like every other commit: an enclosing sandbox may have planted one.
         let pinned = match crate::workspace::open_beneath(&self.data_dir, root) {
@@ -1174,6 +1199,40 @@ mod tests {
         drop(writer);
         versions.placement().set_epoch(&root, 8).unwrap();
         versions.begin(&root, pin(&root), None).await.expect("back here: writable");
+    }
+
+    /// A crash while a moved copy's files were being cleared leaves its marker and journal
+    /// entry: start-up recovery removes both and commits nothing (the half-cleared files
+    /// must not become a head on a copy that moved away); an unfenced one is recovered.
+    #[tokio::test]
+    async fn recovery_commits_nothing_for_a_fenced_workspace() {
+        let dir = tempfile::tempdir().unwrap();
+        let (versions, root) = node("a", dir.path());
+        std::fs::write(root.join("f.txt"), "v1").unwrap();
+        drop(versions.begin(&root, pin(&root), None).await.unwrap());
+        let head = versions.head(&root).unwrap().unwrap();
+        let crash = |versions: Arc<Versions>, root: PathBuf| async move {
+            // What a crash leaves: the marker and the journal entry, the lock gone.
+            let lease = versions.lifecycle().lease(&root, None).await.unwrap();
+            let active = lease.paths().active.clone();
+            lease.release_keeping_marker();
+            assert!(active.exists() && versions.lifecycle().journaled_roots().len() == 1);
+            active
+        };
+        let active = crash(versions.clone(), root.clone()).await;
+        versions.placement().fence(&root, 3, "http://node-b:8080", 1).unwrap();
+        std::fs::remove_file(root.join("f.txt")).unwrap(); // half cleared
+        assert!(versions.recover_interrupted().await.is_empty(), "nothing recovered");
+        assert_eq!(versions.head(&root).unwrap(), Some(head.clone()), "no recovery version");
+        assert!(!active.exists(), "the marker is gone");
+        assert!(versions.lifecycle().journaled_roots().is_empty(), "so is the journal entry");
+
+        // Back here, the same crash is recovered as before.
+        versions.placement().set_epoch(&root, 4).unwrap();
+        let active = crash(versions.clone(), root.clone()).await;
+        assert_eq!(versions.recover_interrupted().await, vec![root.clone()]);
+        assert_ne!(versions.head(&root).unwrap(), Some(head));
+        assert!(!active.exists());
     }
 
     /// Node A's head arrives at node B object by object, B writes the tree out and commits

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 use super::TransferError;
+pub use super::nested::contains_nested;
 use crate::fsat::{self, Stat};
 use crate::versioning::names::b64url_decode;
 use crate::versioning::sparse::SparseWriter;
@@ -43,7 +44,7 @@ const CHUNK: usize = 64 * 1024;
 
 /// One entry of a `WorkspaceTree`, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Entry {
+pub(super) enum Entry {
     File { name: CString, content: Ref, exec: u32 },
     Dir { name: CString, tree: Ref },
     Symlink { name: CString, target: CString },
@@ -70,6 +71,13 @@ fn plain_name(name: &[u8]) -> bool {
     !name.is_empty() && name != b"." && name != b".." && !name.contains(&b'/') && !name.contains(&0)
 }
 
+/// Whether `name` is one runnerd keeps for itself ([`crate::workspace::RESERVED_NAMES`]): at
+/// any depth a tree could otherwise plant lease files or a coordination directory that the
+/// writer of a workspace beneath would trust.
+fn reserved_name(name: &[u8]) -> bool {
+    crate::workspace::RESERVED_NAMES.iter().any(|r| r.as_bytes() == name)
+}
+
 /// The checked entries of a tree record's value, pure: names decoded and refused unless
 /// plain and distinct, kinds limited to file, directory and symlink, executable bits only.
 fn parse_entries(value: &Value) -> Result<Vec<Entry>, Refused> {
@@ -81,7 +89,7 @@ fn parse_entries(value: &Value) -> Result<Vec<Entry>, Refused> {
         let text = |key: &str| field(key)?.as_str().ok_or(Refused::BadEntry("an entry field is not text"));
         let raw =
             b64url_decode(text("name")?).map_err(|_| Refused::BadEntry("an entry name is not base64url"))?;
-        if !plain_name(&raw) || !seen.insert(raw.clone()) {
+        if !plain_name(&raw) || reserved_name(&raw) || !seen.insert(raw.clone()) {
             return Err(Refused::BadName(raw));
         }
         let name = CString::new(raw).map_err(|e| Refused::BadName(e.into_vec()))?;
@@ -145,14 +153,23 @@ fn shown(stack: &[Level], name: &[u8]) -> PathBuf {
 
 /// The checked entries of the tree record `tree` (read verified), at `path`.
 fn entries_of(store: &Store, tree: &Ref, path: PathBuf) -> Result<Vec<Entry>, TransferError> {
+    entries_at(store, tree, || path)
+}
+
+/// [`entries_of`], with the path made only for an error (a walk that keeps no names).
+pub(super) fn entries_at(
+    store: &Store,
+    tree: &Ref,
+    path: impl FnOnce() -> PathBuf,
+) -> Result<Vec<Entry>, TransferError> {
     let record = match store.read_record(tree, Some("WorkspaceTree")) {
-        Err(VersionError::KindMismatch { .. }) => return Err(TransferError::NotATree { path }),
+        Err(VersionError::KindMismatch { .. }) => return Err(TransferError::NotATree { path: path() }),
         other => other?,
     };
     parse_entries(&record.value).map_err(|refused| match refused {
-        Refused::NotATree => TransferError::NotATree { path },
-        Refused::BadName(name) => TransferError::BadName { name: shown_name(path, &name) },
-        Refused::BadEntry(detail) => TransferError::BadEntry { path, detail },
+        Refused::NotATree => TransferError::NotATree { path: path() },
+        Refused::BadName(name) => TransferError::BadName { name: shown_name(path(), &name) },
+        Refused::BadEntry(detail) => TransferError::BadEntry { path: path(), detail },
     })
 }
 
@@ -164,8 +181,8 @@ fn shown_name(mut dir: PathBuf, name: &[u8]) -> String {
 /// Writes the tree record `tree` into the empty directory `dir` (descriptor-relative,
 /// O_NOFOLLOW|O_EXCL creates): dirs 0755, files 0644 | the entry's executable bits, symlinks
 /// with their raw target bytes; names decoded from base64url and refused when empty, ".",
-/// "..", containing '/' or NUL, or repeated in one directory (TransferError::BadName: "a path
-/// that escapes"); every blob read through the verifying reader; zero blocks written sparse;
+/// "..", containing '/' or NUL, repeated in one directory, or reserved
+/// ([`crate::workspace::RESERVED_NAMES`], at any depth) (TransferError::BadName); every blob read through the verifying reader; zero blocks written sparse;
 /// `owner` (uid, gid): fchown every created entry (root only). Iterative. On an error `dir`
 /// holds part of the tree: write into a staging directory and [`swap_in`] only on success.
 pub fn materialize(
@@ -294,11 +311,21 @@ fn write_content(
     Ok(content.size)
 }
 
-/// Empties `root` and moves every entry of `staging` (same filesystem) into it
-/// (renameat). Used after a full materialize so a failure before it leaves the live copy as it was.
+/// Empties `root` and moves every entry of `staging` into it (renameat). Used after a full
+/// materialize so a failure before it leaves the live copy as it was. The two must be on one
+/// filesystem, checked before `root` is touched ([`TransferError::NotSameFilesystem`]):
+/// otherwise every rename would fail after the clear, leaving the workspace empty.
 pub fn swap_in(staging: BorrowedFd<'_>, root: BorrowedFd<'_>) -> Result<(), TransferError> {
     let io = |what| move |source| TransferError::Io { what, path: PathBuf::from("."), source };
     let (staging, root) = (fsat::dup(&staging).map_err(io("open"))?, fsat::dup(&root).map_err(io("open"))?);
+    let staging_dev = Stat::of_fd(&staging).map_err(io("inspect the staging directory"))?.dev;
+    let root_dev = Stat::of_fd(&root).map_err(io("inspect the workspace directory"))?.dev;
+    if staging_dev != root_dev {
+        return Err(TransferError::NotSameFilesystem {
+            staging: device(staging_dev),
+            root: device(root_dev),
+        });
+    }
     crate::remote::files::clear(&root).map_err(TransferError::Clear)?;
     for (name, cname) in fsat::names(&staging).map_err(io("list the staging directory"))? {
         fsat::rename_between(&staging, &cname, &root, &cname).map_err(|source| TransferError::Io {
@@ -311,12 +338,17 @@ pub fn swap_in(staging: BorrowedFd<'_>, root: BorrowedFd<'_>) -> Result<(), Tran
     fsat::sync_dir(&staging).map_err(io("fsync the staging directory"))
 }
 
+/// A device number as `major:minor`, as `stat` and `/proc/self/mountinfo` show it.
+fn device(dev: u64) -> String {
+    format!("{}:{}", libc::major(dev), libc::minor(dev))
+}
+
 #[cfg(test)]
 mod tests {
     use std::fs;
     use std::os::fd::AsFd;
     use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
-    use std::path::Path;
+    use std::path::{Path, PathBuf};
 
     use serde_json::json;
 
@@ -442,6 +474,63 @@ mod tests {
         let e = materialize(&store, &tree, open(&out).as_fd(), None).unwrap_err();
         assert!(matches!(&e, TransferError::BadName { name } if name == "sub/.."), "{e}");
         assert_eq!(fs::read_dir(out.join("sub")).unwrap().count(), 0);
+    }
+
+    /// A lease file or coordination directory planted by a tree would be trusted by the
+    /// writer of a workspace beneath: each reserved name is refused, at the top and deep down,
+    /// whatever kind of entry carries it, before anything of its directory is written.
+    #[test]
+    fn reserved_names_are_refused_at_any_depth() {
+        let (data, store) = temp_store();
+        let empty = tree_of(&store, json!([]));
+        let leaf = store.put(Pool::Data, b"x", OCTET_STREAM).unwrap();
+        for (i, reserved) in crate::workspace::RESERVED_NAMES.into_iter().enumerate() {
+            let name = reserved.as_bytes();
+            for k in 0..3 {
+                let planted = entry_named(&empty, &leaf, name, k);
+                let ok = json!({"name": b64(b"ok"), "target": b64(b"x"), "type": "symlink"});
+                let deep = tree_of(&store, json!([ok, planted]));
+                let mid = tree_of(
+                    &store,
+                    json!([{"name": b64(b"b"), "tree": deep.to_value(), "type": "directory"}]),
+                );
+                let top = tree_of(
+                    &store,
+                    json!([{"name": b64(b"a"), "tree": mid.to_value(), "type": "directory"}]),
+                );
+                let out = empty_dir(data.path(), &format!("deep{i}-{k}"));
+                let e = materialize(&store, &top, open(&out).as_fd(), None).unwrap_err();
+                let want = format!("a/b/{reserved}");
+                assert!(matches!(&e, TransferError::BadName { name } if *name == want), "{want}: {e}");
+                assert!(e.to_string().contains("reserved"), "{e}");
+                assert_eq!(fs::read_dir(out.join("a/b")).unwrap().count(), 0, "{want}: nothing written");
+
+                let top = tree_of(&store, json!([entry_named(&empty, &leaf, name, k)]));
+                let out = empty_dir(data.path(), &format!("top{i}-{k}"));
+                let e = materialize(&store, &top, open(&out).as_fd(), None).unwrap_err();
+                assert!(matches!(&e, TransferError::BadName { name } if name == reserved), "{e}");
+                assert_eq!(fs::read_dir(&out).unwrap().count(), 0);
+            }
+        }
+        // Names that only resemble them are plain names.
+        let near = tree_of(
+            &store,
+            json!([
+                {"name": b64(b".workspace-coordination2"), "target": b64(b"x"), "type": "symlink"},
+                {"name": b64(b"workspace-coordination"), "target": b64(b"x"), "type": "symlink"},
+            ]),
+        );
+        let out = empty_dir(data.path(), "near");
+        materialize(&store, &near, open(&out).as_fd(), None).unwrap();
+    }
+
+    /// The `k`th kind of entry (directory, file, symlink) named `name`.
+    fn entry_named(empty: &Ref, leaf: &Ref, name: &[u8], k: usize) -> Value {
+        match k {
+            0 => json!({"name": b64(name), "tree": empty.to_value(), "type": "directory"}),
+            1 => json!({"content": leaf.to_value(), "executable": 0, "name": b64(name), "type": "file"}),
+            _ => json!({"name": b64(name), "target": b64(b"x"), "type": "symlink"}),
+        }
     }
 
     #[test]
@@ -601,5 +690,39 @@ mod tests {
         assert_eq!(fs::read(root.join("new/f")).unwrap(), b"new");
         assert_eq!(fs::read_dir(&staging).unwrap().count(), 0);
         assert_eq!(fs::read(outside.join("keep")).unwrap(), b"k", "a link's target is untouched");
+    }
+
+    /// A directory on another filesystem than `near` (tmpfs where there is one), or `None`.
+    fn elsewhere(near: &Path) -> Option<tempfile::TempDir> {
+        let dev = fs::metadata(near).unwrap().dev();
+        let uid = nix::unistd::geteuid().as_raw();
+        [PathBuf::from("/dev/shm"), PathBuf::from(format!("/run/user/{uid}"))]
+            .into_iter()
+            .filter(|p| fs::metadata(p).is_ok_and(|m| m.dev() != dev))
+            .find_map(|p| tempfile::tempdir_in(p).ok())
+    }
+
+    /// A rename cannot cross filesystems: swap_in must refuse before it empties the live copy.
+    #[test]
+    fn swap_in_across_filesystems_is_refused_before_the_live_copy_is_touched() {
+        let base = tempfile::tempdir().unwrap();
+        let Some(other) = elsewhere(base.path()) else {
+            eprintln!("SKIPPED swap_in_across_filesystems: no writable directory on another filesystem");
+            return;
+        };
+        let root = empty_dir(base.path(), "root");
+        fs::write(root.join("live"), b"still here").unwrap();
+        let staging = empty_dir(other.path(), "staging");
+        fs::write(staging.join("new"), b"new").unwrap();
+        let e = swap_in(open(&staging).as_fd(), open(&root).as_fd()).unwrap_err();
+        let (sdev, rdev) = (fs::metadata(&staging).unwrap().dev(), fs::metadata(&root).unwrap().dev());
+        assert!(
+            matches!(&e, TransferError::NotSameFilesystem { staging, root }
+                if *staging == device(sdev) && *root == device(rdev)),
+            "{e}"
+        );
+        assert!(e.to_string().contains("left as it was"), "{e}");
+        assert_eq!(fs::read(root.join("live")).unwrap(), b"still here", "the live copy was not cleared");
+        assert_eq!(fs::read(staging.join("new")).unwrap(), b"new");
     }
 }

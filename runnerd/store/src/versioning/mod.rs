@@ -52,6 +52,11 @@ pub(crate) fn cores() -> usize {
 pub const RECORD_MEDIA_TYPE: &str = "application/vnd.sciencediscovery.record.v1+json";
 /// The mediaType of streamed workspace files and of `put` without an explicit type.
 pub const OCTET_STREAM: &str = "application/octet-stream";
+/// The most bytes a record may hold. A record is read whole and parsed in memory, and a ref
+/// from another node declares its own size: without a bound a peer could make runnerd
+/// allocate whatever it names. A `WorkspaceTree` entry is a few hundred bytes, so this is a
+/// directory of some 200,000 entries.
+pub const MAX_RECORD_BYTES: u64 = 64 << 20;
 
 /// Everything that can go wrong in the version store. Where the original has an exact message
 /// (the API and tests match on them) the text is the original's.
@@ -71,6 +76,12 @@ pub enum VersionError {
     Mismatch { digest: String, size: u64, arrived: String },
     #[error("Invalid or cross-pool reference")]
     InvalidRef,
+    /// A record ref whose declared size is over [`MAX_RECORD_BYTES`]: refused before a
+    /// byte is read or allocated.
+    #[error(
+        "Record {digest} declares {size} bytes, more than the {MAX_RECORD_BYTES} a record may hold; it is refused"
+    )]
+    RecordTooLarge { digest: String, size: u64 },
     #[error("Unsupported or invalid record schema")]
     Schema,
     #[error("Expected a {expected} record but the ref points to a {found} record")]

@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 
 use super::names::{hex, new_uuid_v4};
 use super::snapshot::FileCache;
-use super::{OCTET_STREAM, Pool, RECORD_MEDIA_TYPE, Ref, VersionError, io_err, jcs};
+use super::{MAX_RECORD_BYTES, OCTET_STREAM, Pool, RECORD_MEDIA_TYPE, Ref, VersionError, io_err, jcs};
 
 /// `oci-layout` of each pool, exactly (30 bytes, no newline).
 pub const OCI_LAYOUT: &[u8] = br#"{"imageLayoutVersion":"1.0.0"}"#;
@@ -330,11 +330,15 @@ impl Store {
     /// when size and SHA-256 match: Ok(true) stored now, Ok(false) already present (and
     /// re-hashed). Reads at most `expected.size + 1` bytes, so a sender cannot stream without
     /// bound. A mismatch publishes nothing and says what arrived. For objects copied from
-    /// another node, whose bytes are only trusted once they hash to the ref.
+    /// another node, whose bytes are only trusted once they hash to the ref. A record over
+    /// [`MAX_RECORD_BYTES`] is refused before anything is read: it could never be read back.
     pub fn put_verified(&self, expected: &Ref, reader: &mut dyn Read) -> Result<bool, VersionError> {
         expected.validate()?;
         if expected.is_record() && expected.pool != Pool::AgentState {
             return Err(VersionError::InvalidRef);
+        }
+        if expected.is_record() {
+            record_within_bound(expected)?;
         }
         let mut bounded = reader.take(expected.size.saturating_add(1));
         let streamed = self.stream_temp(expected.pool, &mut bounded)?;
@@ -532,11 +536,13 @@ impl Store {
     }
 
     /// Reads a record with every check the original's `readRecord` makes, so whatever passes
-    /// here passes in the API too.
+    /// here passes in the API too; a ref declaring more than [`MAX_RECORD_BYTES`] is refused
+    /// before its size is allocated.
     pub fn read_record(&self, r: &Ref, expected_kind: Option<&str>) -> Result<Record, VersionError> {
         if r.pool != Pool::AgentState || !r.is_record() {
             return Err(VersionError::InvalidRef);
         }
+        record_within_bound(r)?;
         let bytes = self.read(r)?;
         let parsed: Value = serde_json::from_slice(&bytes).map_err(json_error)?;
         let obj = parsed.as_object().ok_or(VersionError::Schema)?;
@@ -799,6 +805,15 @@ impl Store {
 /// `JSON.parse` accepts escaped lone surrogates and the original's re-canonicalisation then
 /// rejects them; serde_json already refuses to parse them (only in surrogate escapes does it
 /// report these two errors), so keep the original's message for that case.
+/// [`VersionError::RecordTooLarge`] for a record ref declaring more than
+/// [`MAX_RECORD_BYTES`].
+fn record_within_bound(r: &Ref) -> Result<(), VersionError> {
+    if r.size > MAX_RECORD_BYTES {
+        return Err(VersionError::RecordTooLarge { digest: r.digest.clone(), size: r.size });
+    }
+    Ok(())
+}
+
 fn json_error(e: serde_json::Error) -> VersionError {
     let text = e.to_string();
     if text.contains("lone leading surrogate") || text.contains("unexpected end of hex escape") {
@@ -1183,6 +1198,52 @@ mod tests {
         // A record ref must name the agent-state pool.
         let record = Ref { pool: Pool::Data, media_type: RECORD_MEDIA_TYPE.into(), ..r.clone() };
         assert!(matches!(store.put_verified(&record, &mut bytes.as_slice()), Err(VersionError::InvalidRef)));
+    }
+
+    /// A peer names a record's size itself: one over [`MAX_RECORD_BYTES`] is refused before
+    /// a byte of it is read (intake) or its size is allocated (read), saying which and why.
+    #[test]
+    fn records_over_the_bound_are_refused_before_anything_is_read() {
+        let (_dir, store) = temp_store();
+        let huge = Ref::new(Pool::AgentState, &"ab".repeat(32), MAX_RECORD_BYTES + 1, RECORD_MEDIA_TYPE);
+        let read = std::cell::Cell::new(0u64);
+        let mut zeros = io::repeat(0);
+        let mut counting = ReadCounter { inner: &mut zeros, read: &read };
+        let e = store.put_verified(&huge, &mut counting).unwrap_err();
+        assert!(
+            matches!(&e, VersionError::RecordTooLarge { size, .. } if *size == MAX_RECORD_BYTES + 1),
+            "{e}"
+        );
+        assert_eq!(read.get(), 0, "nothing was read from the sender");
+        assert!(e.to_string().contains(&huge.digest) && e.to_string().contains("67108864"), "{e}");
+        assert!(fs::read_dir(store.blob_dir(Pool::AgentState)).unwrap().next().is_none(), "no temp file");
+
+        // Even with a file of that size at the digest's name, it is never opened.
+        let planted = File::create(store.blob_path(Pool::AgentState, huge.hex())).unwrap();
+        planted.set_len(MAX_RECORD_BYTES + 1).unwrap();
+        let e = store.read_record(&huge, None).unwrap_err();
+        assert!(matches!(e, VersionError::RecordTooLarge { .. }), "{e}");
+
+        // The bound is the record's, inclusive; other agent-state objects (logs) stream.
+        let at = Ref { size: MAX_RECORD_BYTES, ..huge.clone() };
+        assert!(record_within_bound(&at).is_ok());
+        let log = Ref { media_type: OCTET_STREAM.into(), ..huge.clone() };
+        let e = store.put_verified(&log, &mut &b"short"[..]).unwrap_err();
+        assert!(matches!(e, VersionError::Mismatch { .. }), "read and compared, not refused: {e}");
+    }
+
+    /// A reader that counts the bytes it hands out.
+    struct ReadCounter<'a> {
+        inner: &'a mut dyn Read,
+        read: &'a std::cell::Cell<u64>,
+    }
+
+    impl Read for ReadCounter<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.read.set(self.read.get() + n as u64);
+            Ok(n)
+        }
     }
 
     #[test]
