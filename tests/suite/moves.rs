@@ -162,6 +162,14 @@ async fn a_managed_run_holds_its_workspace_and_projects_move_too() {
     let (status, moved) = push(&a, json!({"workspace": key, "to": url(&b)})).await;
     assert_eq!(status, 200, "{moved}");
 
+    // A workspace with another nested in it (whose leases live inside it) does not move.
+    shell(&a, "moves/nest", "echo p > p").await;
+    shell(&a, "moves/nest/inner", "echo i > i").await;
+    let (status, nested) = push(&a, json!({"workspace": "moves/nest", "to": url(&b)})).await;
+    assert_eq!((status, nested["code"].clone()), (409, json!("nested_workspaces")), "{nested}");
+    let (status, inner) = push(&a, json!({"workspace": "moves/nest/inner", "to": url(&b)})).await;
+    assert_eq!(status, 200, "the nested one itself moves: {inner}");
+
     // A project workspace (a directory under projects/) moves by its path.
     let root = a.project_workspace("p1");
     std::fs::write(root.join("notes.md"), "n").unwrap();
@@ -260,7 +268,11 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
     assert_eq!(status, 400);
     let asked = json!({"objects": [file_ref(b"complete"), file_ref(b"never finished")]});
     let missing = b.client().post_signed("/workspace-transfer/missing", &asked).await.unwrap().json();
-    assert_eq!(missing["missing"], json!([file_ref(b"never finished")]), "resumable: only the cut object is missing");
+    assert_eq!(
+        missing["missing"],
+        json!([file_ref(b"never finished")]),
+        "resumable: only the cut object is missing"
+    );
 
     // Heads the target must refuse, each with its closure sent: a tree naming a blob that is
     // not there, names that escape, a record that does not re-canonicalise, entries out of
@@ -270,7 +282,8 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
     let absent = file_ref(b"not sent");
     let present = b"present".to_vec();
     let p = file_ref(&present);
-    let tree = |entries: Vec<Value>, deps: Vec<Value>| record("WorkspaceTree", json!({"entries": entries}), deps);
+    let tree =
+        |entries: Vec<Value>, deps: Vec<Value>| record("WorkspaceTree", json!({"entries": entries}), deps);
     let spaced = b"{\"dependencies\": [], \"kind\": \"WorkspaceTree\", \"schemaVersion\": 1, \"value\": {\"entries\": []}}".to_vec();
     let cases = [
         ("missing blob", tree(vec![file(b"f", &absent)], vec![absent.clone()]), "missing"),
@@ -289,9 +302,18 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
         assert_eq!(status, 200, "{what}: the objects themselves are well-formed: {body}");
         let offer = json!({"workspace": key, "head": record_ref(&head), "epoch": 5});
         let refused = b.client().post_signed("/workspace-transfer/commit", &offer).await.unwrap();
-        assert_eq!((refused.status, refused.json()["code"].clone()), (400, json!("transfer_refused")), "{what}: {}", refused.json());
+        assert_eq!(
+            (refused.status, refused.json()["code"].clone()),
+            (400, json!("transfer_refused")),
+            "{what}: {}",
+            refused.json()
+        );
         assert_eq!(std::fs::read_to_string(&kept).unwrap(), "keep\n", "{what}: the files stay");
-        assert_eq!(where_is(&b, &format!("workspace={key}")).await, before, "{what}: head, epoch and fence stay");
+        assert_eq!(
+            where_is(&b, &format!("workspace={key}")).await,
+            before,
+            "{what}: head, epoch and fence stay"
+        );
     }
 
     // A live copy with files of its own is not replaced by a peer's head.
@@ -299,10 +321,16 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
     let head = where_is(&b, &format!("workspace={key}")).await["head"].clone();
     let offer = json!({"workspace": "moves/other", "head": head, "epoch": 9});
     let refused = a.client().post_signed("/workspace-transfer/commit", &offer).await.unwrap();
-    assert_eq!((refused.status, refused.json()["code"].clone()), (409, json!("workspace_exists")), "{}", refused.json());
+    assert_eq!(
+        (refused.status, refused.json()["code"].clone()),
+        (409, json!("workspace_exists")),
+        "{}",
+        refused.json()
+    );
 
     // Unsigned or wrongly named requests never reach the store.
-    let unsigned = b.client().post_json("/workspace-transfer/commit", &json!({"workspace": key})).await.unwrap();
+    let unsigned =
+        b.client().post_json("/workspace-transfer/commit", &json!({"workspace": key})).await.unwrap();
     assert_eq!(unsigned.status, 401);
     let (status, body) = push(&a, json!({"workspace": key, "to": "file:///etc/passwd"})).await;
     assert_eq!((status, body["code"].clone()), (400, json!("invalid_transfer_request")));
@@ -337,7 +365,11 @@ async fn a_target_that_is_not_a_runnerd_never_fences_the_source() {
     let b = node(3600);
     let (status, moved) = push(&a, json!({"workspace": key, "to": url(&b)})).await;
     assert_eq!(status, 200, "{moved}");
-    let clear = a.client().send_bytes("DELETE", &format!("/remote-workspace?workspace={key}"), &[], Vec::new()).await.unwrap();
+    let clear = a
+        .client()
+        .send_bytes("DELETE", &format!("/remote-workspace?workspace={key}"), &[], Vec::new())
+        .await
+        .unwrap();
     assert_eq!((clear.status, clear.json()["code"].clone()), (409, json!("workspace_moved")));
     let mut python = keyed_shell_request("a", "s", key, "print(1)");
     python["executionId"] = json!(runnerctl::client::new_execution_id());

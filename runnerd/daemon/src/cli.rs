@@ -293,7 +293,11 @@ async fn open_versions(config: &RunnerConfig) -> anyhow::Result<Arc<Versions>> {
     crate::skills::store::sweep_staging(&config.data_dir);
     let staged = crate::transfer::receive::sweep_staging(&config.data_dir);
     if staged > 0 {
-        tracing::info!(event = "transfers_swept", count = staged, reason = "trees left staged by a previous process");
+        tracing::info!(
+            event = "transfers_swept",
+            count = staged,
+            reason = "trees left staged by a previous process"
+        );
     }
     if swept > 0 {
         tracing::info!(

@@ -146,11 +146,11 @@ impl Peer {
     pub async fn missing(&self, objects: &[Ref]) -> Result<Vec<Ref>, PeerError> {
         let mut lacking = Vec::new();
         for batch in objects.chunks(protocol::MAX_ASKED) {
-            let answer = self.post("/workspace-transfer/missing", &serde_json::json!({"objects": batch})).await?;
-            let list = answer
-                .get("missing")
-                .and_then(Value::as_array)
-                .ok_or_else(|| PeerError::Answer(self.url.clone(), "its answer has no `missing` list".into()))?;
+            let answer =
+                self.post("/workspace-transfer/missing", &serde_json::json!({"objects": batch})).await?;
+            let list = answer.get("missing").and_then(Value::as_array).ok_or_else(|| {
+                PeerError::Answer(self.url.clone(), "its answer has no `missing` list".into())
+            })?;
             let mut asked: std::collections::HashSet<&Ref> = batch.iter().collect();
             for r in list.iter().filter_map(|v| Ref::from_value(v).ok()) {
                 if let Some(r) = asked.take(&r) {

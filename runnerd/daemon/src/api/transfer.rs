@@ -35,10 +35,10 @@ impl From<TransferFailed> for ApiError {
             TransferFailed::Stale { .. }
             | TransferFailed::Busy { .. }
             | TransferFailed::Sending { .. }
-            | TransferFailed::Exists { .. } => {
-                ApiError::with_status(409, e.code(), message)
-            }
+            | TransferFailed::Exists { .. }
+            | TransferFailed::Nested => ApiError::with_status(409, e.code(), message),
             TransferFailed::Task(_) => ApiError::with_status(500, e.code(), message),
+            TransferFailed::NoSpace { .. } => ApiError::with_status(507, e.code(), message),
             TransferFailed::Workspace(w) => ApiError::from(w),
             _ => ApiError::bad_request(e.code(), message),
         }
@@ -150,8 +150,13 @@ impl Read for BodyReader {
 /// closure must all be here) becomes this node's copy at `epoch`.
 pub async fn commit(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let req = protocol::commit_request(&protocol::object(body)?)?;
-    let installed =
-        receive::install(app, &req.ident, &req.head, Install::SameHead { epoch: req.epoch, replace_live: false }).await?;
+    let installed = receive::install(
+        app,
+        &req.ident,
+        &req.head,
+        Install::SameHead { epoch: req.epoch, replace_live: false },
+    )
+    .await?;
     tracing::info!(event = "workspace_arrived", workspace = %req.ident, from = %req.from, epoch = req.epoch,
         head = %req.head.digest, files = installed.materialized.files, bytes = installed.materialized.bytes);
     ok(200, installed_json(&req.ident, &installed))

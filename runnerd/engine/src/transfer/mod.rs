@@ -51,8 +51,18 @@ pub enum TransferFailed {
     Sending { ident: String },
     /// The target holds a live copy of its own with files (a node that never had this
     /// workspace, an empty or a fenced copy take one; an operator restores over a live one).
-    #[error("this node holds a live copy of {ident} with files of its own; move or clear it first, or restore explicitly")]
+    #[error(
+        "this node holds a live copy of {ident} with files of its own; move or clear it first, or restore explicitly"
+    )]
     Exists { ident: String },
+    /// Workspaces are nested in this one (their leases live inside it): it cannot move or
+    /// be replaced without theirs.
+    #[error(
+        "workspaces are nested inside this one (a .workspace-coordination directory holds their leases); move those, not their parent"
+    )]
+    Nested,
+    #[error("the tree needs {needed} bytes and the data directory has {free} free")]
+    NoSpace { needed: u64, free: u64 },
     #[error("{ident} has no committed version to send")]
     NoHead { ident: String },
     #[error("the head is not a workspace version (a WorkspaceMutation or WorkspaceExecution with a tree)")]
@@ -93,6 +103,9 @@ impl TransferFailed {
             TransferFailed::Busy { .. } => "workspace_busy",
             TransferFailed::Sending { .. } => "workspace_sending",
             TransferFailed::Exists { .. } => "workspace_exists",
+            TransferFailed::Nested => "nested_workspaces",
+            TransferFailed::NoSpace { .. } => "insufficient_space",
+            TransferFailed::Store(TransferError::TooLarge { .. }) => "workspace_quota_exceeded",
             TransferFailed::NoHead { .. } => "no_version",
             TransferFailed::NotAHead => "not_a_version",
             TransferFailed::Store(_) => "transfer_refused",

@@ -4,6 +4,7 @@
 //! for `where` to show their progress.
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -88,9 +89,14 @@ pub async fn prepare(app: &Arc<App>, ident: &Ident, to: &str) -> Result<Outgoing
     if app.managed.holds(&canonical) {
         return Err(TransferFailed::Busy { ident: ident.to_string() });
     }
+    let nested_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
     let writer = app.versions.begin(&canonical, pinned, None).await?;
     if app.managed.holds(&canonical) {
         return Err(TransferFailed::Busy { ident: ident.to_string() });
+    }
+    if blocking(move || Ok(runner_store::transfer::materialize::contains_nested(nested_pin.as_fd())?)).await?
+    {
+        return Err(TransferFailed::Nested);
     }
     let tree = app.versions.commit_mutation(&writer, "workspace-move", None, true).await?;
     let head =

@@ -12,11 +12,11 @@ use super::protocol::{self, MAX_HEADER};
 use super::{Ident, TransferFailed, blocking};
 use crate::app::App;
 use crate::error::EngineError;
+use crate::versioning::snapshot::SnapshotScope;
 use crate::versioning::store::Store;
 use crate::versioning::{Ref, names::new_uuid_v4};
 use crate::workspace;
-use crate::versioning::snapshot::SnapshotScope;
-use runner_store::transfer::{TransferError, materialize};
+use runner_store::transfer::{TransferError, budget, materialize};
 
 /// Where materialized trees wait before they are swapped into their workspace: under the data
 /// directory, so the swap is a rename on one filesystem.
@@ -141,7 +141,12 @@ pub fn checked_tree(store: &Store, head: &Ref) -> Result<Ref, TransferFailed> {
 /// tree into a staging directory and checks that its snapshot is that very tree (within the
 /// quota), then under the writer lease empties the workspace, moves the tree in and commits.
 /// A failure before the swap leaves the workspace and its head as they were.
-pub async fn install(app: &Arc<App>, ident: &Ident, head: &Ref, how: Install) -> Result<Installed, TransferFailed> {
+pub async fn install(
+    app: &Arc<App>,
+    ident: &Ident,
+    head: &Ref,
+    how: Install,
+) -> Result<Installed, TransferFailed> {
     let (canonical, pinned) = ensure_workspace(app, ident)?;
     let refusals = |app: &App| -> Result<(), TransferFailed> {
         if app.moves.get(&canonical).is_some() {
@@ -162,9 +167,16 @@ pub async fn install(app: &Arc<App>, ident: &Ident, head: &Ref, how: Install) ->
     let versions = app.versions.clone();
     let (head_c, owner) = (head.clone(), owner_of(&pinned));
     let (staging_parent, quota) = (app.data_dir.clone(), app.config.max_workspace_bytes);
+    let nested_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
     let (tree, staged) = blocking(move || {
         let store = versions.store();
         let tree = checked_tree(store, &head_c)?;
+        // Workspaces nested in this one keep their files and leases inside it: emptying it
+        // would take theirs too.
+        if materialize::contains_nested(nested_pin.as_fd())? {
+            return Err(TransferFailed::Nested);
+        }
+        fits(store, &tree, quota, &staging_parent)?;
         let staged = Staged::make(&staging_parent)?;
         let made = materialize::materialize(store, &tree, staged.dir.as_fd(), owner)?;
         // What the workspace will hold must snapshot to the tree itself (a tree whose entries
@@ -223,6 +235,27 @@ pub async fn install(app: &Arc<App>, ident: &Ident, head: &Ref, how: Install) ->
     Ok(Installed { canonical, head, tree, epoch, materialized })
 }
 
+/// The most entries a tree may bring (files, directories, links): beyond any real workspace,
+/// short of what a tree whose subtrees are shared could expand to.
+pub const MAX_ENTRIES: u64 = 10_000_000;
+
+/// Refuses, before anything is written, a tree that would expand beyond [`MAX_ENTRIES`],
+/// the workspace quota (0: none) or the data directory's free space.
+fn fits(store: &Store, tree: &Ref, quota: u64, data_dir: &Path) -> Result<(), TransferFailed> {
+    let totals = budget::tree_totals(store, tree, MAX_ENTRIES)?;
+    let too_large = || TransferError::TooLarge { entries: totals.entries, bytes: totals.bytes };
+    if quota > 0 && totals.bytes > quota {
+        return Err(too_large().into());
+    }
+    if let Ok(fs) = nix::sys::statvfs::statvfs(data_dir) {
+        let free = u64::from(fs.blocks_available()).saturating_mul(u64::from(fs.fragment_size()));
+        if totals.bytes > free {
+            return Err(TransferFailed::NoSpace { needed: totals.bytes, free });
+        }
+    }
+    Ok(())
+}
+
 /// Removes a staged tree off the async threads (it may be large).
 async fn discard(staged: Staged) {
     let _ = tokio::task::spawn_blocking(move || drop(staged)).await;
@@ -242,14 +275,20 @@ fn live_copy(app: &App, canonical: &Path, pinned: &OwnedFd, offered: &Ref) -> Re
         }
         if let Some(tree) = app.versions.head_tree(canonical)? {
             let record = app.versions.store().read_record(&tree, Some("WorkspaceTree"))?;
-            if record.value.get("entries").and_then(serde_json::Value::as_array).is_some_and(|e| !e.is_empty()) {
+            if record
+                .value
+                .get("entries")
+                .and_then(serde_json::Value::as_array)
+                .is_some_and(|e| !e.is_empty())
+            {
                 return Ok(true);
             }
         }
     }
     let dir = crate::fsat::open_dir_at(pinned, c".")
         .map_err(|e| TransferFailed::Task(format!("read the workspace directory: {e}")))?;
-    let names = crate::fsat::names(&dir).map_err(|e| TransferFailed::Task(format!("read the workspace directory: {e}")))?;
+    let names = crate::fsat::names(&dir)
+        .map_err(|e| TransferFailed::Task(format!("read the workspace directory: {e}")))?;
     Ok(!names.is_empty())
 }
 

@@ -46,24 +46,37 @@ async fn remove_one(app: &Arc<App>, canonical: &std::path::Path, before: u64) ->
     let pinned = match runner_store::workspace::open_beneath(&app.data_dir, canonical) {
         Ok(fd) => fd,
         // Gone already (deleted by hand): nothing left to remove.
-        Err(_) if std::fs::symlink_metadata(canonical).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) => {
+        Err(_)
+            if std::fs::symlink_metadata(canonical)
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+        {
             return app.versions.placement().mark_removed(canonical, now).map_err(|e| crate::error_chain(&e));
         }
         Err(e) => return Err(crate::error_chain(&e)),
     };
     let held = pinned.try_clone().map_err(|e| e.to_string())?;
     // The lease, so no writer the fence let through before it was set is still at work.
-    let writer = app.versions.begin_import(canonical, held, None).await.map_err(|e| crate::error_chain(&e))?;
+    let writer =
+        app.versions.begin_import(canonical, held, None).await.map_err(|e| crate::error_chain(&e))?;
     // Under the lease, the row again: a copy that came back meanwhile (an install cleared the
     // fence) is live and keeps its files.
-    let still_due = app
-        .versions
-        .placement()
-        .get(canonical)
-        .map_err(|e| crate::error_chain(&e))?
-        .is_some_and(|p| p.moved_to.is_some() && p.removed_at_ms.is_none() && p.fenced_at_ms.is_some_and(|at| at <= before));
+    let still_due =
+        app.versions.placement().get(canonical).map_err(|e| crate::error_chain(&e))?.is_some_and(|p| {
+            p.moved_to.is_some() && p.removed_at_ms.is_none() && p.fenced_at_ms.is_some_and(|at| at <= before)
+        });
     if !still_due {
         return Ok(());
+    }
+    let probe = pinned.try_clone().map_err(|e| e.to_string())?;
+    let nested = tokio::task::spawn_blocking(move || {
+        runner_store::transfer::materialize::contains_nested(std::os::fd::AsFd::as_fd(&probe))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| crate::error_chain(&e))?;
+    if nested {
+        // A workspace made inside the moved one since: its files are its own.
+        return Err("workspaces are nested inside it; its files stay".into());
     }
     let cleared = tokio::task::spawn_blocking(move || crate::remote::files::clear(&pinned))
         .await
