@@ -248,7 +248,7 @@ fn fits(store: &Store, tree: &Ref, quota: u64, data_dir: &Path) -> Result<(), Tr
         return Err(too_large().into());
     }
     if let Ok(fs) = nix::sys::statvfs::statvfs(data_dir) {
-        let free = u64::from(fs.blocks_available()).saturating_mul(u64::from(fs.fragment_size()));
+        let free = fs.blocks_available().saturating_mul(fs.fragment_size());
         if totals.bytes > free {
             return Err(TransferFailed::NoSpace { needed: totals.bytes, free });
         }
