@@ -292,6 +292,19 @@ async fn local_version(app: &Arc<App>, ident: &Ident, digest: &str) -> Result<Re
     })
 }
 
+/// 409 `workspace_moved` when the workspace at `root` moved to another node (for routes that
+/// write without the writer lease: NPU jobs). A placement that cannot be read refuses too.
+pub fn refuse_fenced(app: &App, root: &std::path::Path) -> Result<(), ApiError> {
+    match app.versions.placement().get(root) {
+        Ok(Some(p)) if p.moved_to.is_some() => {
+            let moved_to = p.moved_to.unwrap_or_default();
+            Err(ApiError::from_write(crate::writer::WriteError::Fenced { moved_to, epoch: p.epoch }))
+        }
+        Ok(_) => Ok(()),
+        Err(e) => Err(ApiError::with_status(500, "internal", crate::error_chain(&e))),
+    }
+}
+
 /// The signed bytes of a `/workspace-transfer/objects` request: its path and query (its body
 /// is verified object by object instead).
 pub fn signed_stream_bytes(path: &str, q: Option<&str>) -> Vec<u8> {
