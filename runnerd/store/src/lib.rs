@@ -10,6 +10,7 @@
 //! * [`coordination`]: the cross-process writer admission and lease of a workspace.
 //! * [`writer`]: the writer protocol over both (lease, snapshot, commit, recovery, repair).
 //! * [`remote`]: the remote workspace's file operations.
+//! * [`transfer`]: moving a workspace's versions between nodes (closure, files, placement).
 //! * [`dbcheck`]: whether a shared SQLite database is damaged, and the remedy.
 //! * [`execution_state`]: a managed execution's state, in its record and its version.
 //! * [`blocking`], [`owner`], [`quota`]: the blocking-work helper, the sandbox user's hand-over
@@ -23,6 +24,7 @@ pub mod fsat;
 pub mod owner;
 pub mod quota;
 pub mod remote;
+pub mod transfer;
 pub mod versioning;
 pub mod workspace;
 pub mod writer;

@@ -27,11 +27,11 @@ pub mod records;
 pub mod refs;
 pub mod retention;
 pub mod snapshot;
-mod sparse;
+pub(crate) mod sparse;
 pub mod store;
 pub mod sweep;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 pub use export::export_value;
 pub use names::{new_uuid_v4, workspace_head_name};
@@ -66,6 +66,9 @@ pub enum VersionError {
          restore it from a backup"
     )]
     Missing { digest: String, pool: &'static str },
+    /// A transferred object whose bytes are not the ones its ref names ([`Store::put_verified`]).
+    #[error("Received {arrived} for the object {digest} of {size} bytes; nothing was stored")]
+    Mismatch { digest: String, size: u64, arrived: String },
     #[error("Invalid or cross-pool reference")]
     InvalidRef,
     #[error("Unsupported or invalid record schema")]

@@ -320,10 +320,46 @@ impl Store {
     /// Streams content into `pool` without buffering it whole (the original's `putStream`);
     /// the ref's mediaType is always `application/octet-stream`.
     pub fn put_stream(&self, pool: Pool, reader: &mut dyn Read) -> Result<Ref, VersionError> {
+        let streamed = self.stream_temp(pool, reader)?;
+        let r = Ref::new(pool, &streamed.hex, streamed.size, OCTET_STREAM);
+        self.link_streamed(pool, streamed)?;
+        Ok(r)
+    }
+
+    /// Stores the bytes of `reader` as the object `expected` names (its pool), published only
+    /// when size and SHA-256 match: Ok(true) stored now, Ok(false) already present (and
+    /// re-hashed). Reads at most `expected.size + 1` bytes, so a sender cannot stream without
+    /// bound. A mismatch publishes nothing and says what arrived. For objects copied from
+    /// another node, whose bytes are only trusted once they hash to the ref.
+    pub fn put_verified(&self, expected: &Ref, reader: &mut dyn Read) -> Result<bool, VersionError> {
+        expected.validate()?;
+        if expected.is_record() && expected.pool != Pool::AgentState {
+            return Err(VersionError::InvalidRef);
+        }
+        let mut bounded = reader.take(expected.size.saturating_add(1));
+        let streamed = self.stream_temp(expected.pool, &mut bounded)?;
+        if streamed.size != expected.size || streamed.hex != expected.hex() {
+            let arrived = if streamed.size > expected.size {
+                format!("more than {} bytes", expected.size)
+            } else {
+                format!("{} bytes with digest sha256:{}", streamed.size, streamed.hex)
+            };
+            // The temp file goes with `streamed`.
+            return Err(VersionError::Mismatch {
+                digest: expected.digest.clone(),
+                size: expected.size,
+                arrived,
+            });
+        }
+        self.link_streamed(expected.pool, streamed)
+    }
+
+    /// Writes `reader` into a new temp file of `pool`'s blob directory, hashing as it goes,
+    /// with holes where the content has whole blocks of zeros: a sparse workspace file costs
+    /// the store what it costs the workspace (issue #32). Not yet fsynced nor published.
+    fn stream_temp(&self, pool: Pool, reader: &mut dyn Read) -> Result<Streamed, VersionError> {
         let dir = self.blob_dir(pool);
         let tmp = TempFile(dir.join(format!("{}{}", new_uuid_v4(), super::sweep::own_suffix())));
-        // Holes where the content has whole blocks of zeros: a sparse workspace file costs
-        // the store what it costs the workspace (issue #32).
         let mut sparse = super::sparse::SparseWriter::new(create_exclusive(&tmp.0)?);
         let mut hasher = Sha256::new();
         let mut size = 0u64;
@@ -340,8 +376,16 @@ impl Store {
             size += n as u64;
         }
         let file = sparse.finish().map_err(io_err("write the temporary object", &tmp.0))?;
+        Ok(Streamed { tmp, file, hex: hex(&hasher.finalize()), size })
+    }
+
+    /// Fsyncs a streamed temp file and hard-links it to its digest name; an object already
+    /// there is re-hashed (a mismatch is `Object integrity failure`). Whether this call
+    /// published it.
+    fn link_streamed(&self, pool: Pool, streamed: Streamed) -> Result<bool, VersionError> {
+        let Streamed { tmp, file, hex, size } = streamed;
         file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
-        let hex = hex(&hasher.finalize());
+        let dir = self.blob_dir(pool);
         let final_path = dir.join(&hex);
         let mut fresh = false;
         match fs::hard_link(&tmp.0, &final_path) {
@@ -361,7 +405,7 @@ impl Store {
             // We hashed these bytes as we wrote them into our own 0600 file.
             self.remember_verified(pool, &hex, stamp);
         }
-        Ok(Ref::new(pool, &hex, size, OCTET_STREAM))
+        Ok(fresh)
     }
 
     /// Opens the blob of `r`: its own pool, then the other pool, then the legacy store.
@@ -877,6 +921,14 @@ fn integrity_or_io(e: io::Error, path: &Path) -> VersionError {
 /// A temp file that is always removed when dropped (the original's `finally`), ENOENT ignored.
 struct TempFile(PathBuf);
 
+/// Content written into a temp file of a pool by [`Store::stream_temp`], not yet published.
+struct Streamed {
+    tmp: TempFile,
+    file: File,
+    hex: String,
+    size: u64,
+}
+
 /// The stamp of an object this call just linked from `tmp`, taken from the descriptor its
 /// bytes were written through (not by name: whatever holds the name then is not what was
 /// hashed), after the temp name is removed (which changes the inode's ctime). `None` if the
@@ -1085,6 +1137,52 @@ mod tests {
         assert!(pending(&store).is_some(), "a directory left the set with a link its fsync may have missed");
         store.sync_pending().unwrap();
         assert_eq!(pending(&store), None);
+    }
+
+    /// Objects copied from another node are published only when they are what their ref
+    /// says; anything else leaves neither the object nor a temp file behind.
+    #[test]
+    fn put_verified_publishes_only_the_bytes_the_ref_names() {
+        let (_dir, store) = temp_store();
+        let bytes: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+        let r = Ref::new(Pool::Data, &sha256_hex(&bytes), bytes.len() as u64, OCTET_STREAM);
+        let path = store.blob_path(Pool::Data, r.hex());
+        let only_blobs = |store: &Store, want: &[&str]| {
+            let mut names: Vec<String> = fs::read_dir(store.blob_dir(Pool::Data))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            names.sort();
+            assert_eq!(names, want, "no temp file is left");
+        };
+        let mut wrong = bytes.clone();
+        wrong[5] ^= 1;
+        let mut longer = bytes.clone();
+        longer.push(0);
+        let cases: [(&[u8], &str); 3] = [
+            (&wrong, "100000 bytes with digest sha256:"),
+            (&longer, "more than 100000 bytes"),
+            (&bytes[..99_999], "99999 bytes with digest sha256:"),
+        ];
+        for (sent, arrived) in cases {
+            let e = store.put_verified(&r, &mut &sent[..]).unwrap_err();
+            assert!(matches!(e, VersionError::Mismatch { .. }), "{e}");
+            let text = e.to_string();
+            assert!(text.contains(arrived) && text.contains(&r.digest), "{text}");
+            assert!(!path.exists(), "nothing published for {arrived}");
+            only_blobs(&store, &[]);
+        }
+        // A sender that never stops is read no further than one byte past the size.
+        let mut endless = io::repeat(7);
+        let e = store.put_verified(&r, &mut endless).unwrap_err();
+        assert!(e.to_string().contains("more than 100000 bytes"), "{e}");
+        assert!(store.put_verified(&r, &mut bytes.as_slice()).unwrap(), "stored now");
+        assert_eq!(store.read(&r).unwrap(), bytes);
+        assert!(!store.put_verified(&r, &mut bytes.as_slice()).unwrap(), "already present");
+        only_blobs(&store, &[r.hex()]);
+        // A record ref must name the agent-state pool.
+        let record = Ref { pool: Pool::Data, media_type: RECORD_MEDIA_TYPE.into(), ..r.clone() };
+        assert!(matches!(store.put_verified(&record, &mut bytes.as_slice()), Err(VersionError::InvalidRef)));
     }
 
     #[test]
