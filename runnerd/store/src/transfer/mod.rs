@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use crate::versioning::VersionError;
 
 pub mod closure;
+pub mod placement;
 
 /// Everything that can go wrong moving a workspace.
 #[derive(Debug, thiserror::Error)]
@@ -22,4 +23,18 @@ pub enum TransferError {
         #[source]
         source: io::Error,
     },
+    #[error("could not {what} in the placement database")]
+    Sql {
+        what: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("could not open the placement directory beneath the data directory")]
+    Dir(#[source] crate::coordination::CoordError),
+    /// Only runnerd writes the placement directory: anything else at the database's name is
+    /// damage, and is never used.
+    #[error("Refusing {name}: it is not a database file of runnerd's own; remove it")]
+    Planted { name: String },
+    #[error("Workspace path {path:?} is not UTF-8; placement keys are text")]
+    PathNotUtf8 { path: PathBuf },
 }
