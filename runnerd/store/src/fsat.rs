@@ -190,6 +190,29 @@ pub fn mknod_regular_at(dir: &impl AsRawFd, name: &CStr, mode: libc::mode_t) -> 
     Ok(())
 }
 
+/// `symlinkat(target, dir, name)`: a new symlink with the raw `target` bytes (never
+/// resolved); an existing entry of any kind is `AlreadyExists`.
+pub fn symlink_at(dir: &impl AsRawFd, name: &CStr, target: &CStr) -> io::Result<()> {
+    // SAFETY: symlinkat with NUL-terminated strings relative to a directory descriptor we own.
+    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+    Ok(())
+}
+
+/// `fchownat(dir, name, uid, gid, AT_SYMLINK_NOFOLLOW)`: changes the entry itself (a
+/// symlink's own owner, never its target's).
+pub fn lchown_at(dir: &impl AsRawFd, name: &CStr, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: fchownat relative to a directory descriptor we own, NUL-terminated name.
+    cvt(unsafe { libc::fchownat(dir.as_raw_fd(), name.as_ptr(), uid, gid, libc::AT_SYMLINK_NOFOLLOW) })?;
+    Ok(())
+}
+
+/// `fchmod(fd, mode)` of a file or directory opened (not `O_PATH`): exactly `mode`, no umask.
+pub fn fchmod(fd: &impl AsRawFd, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: fchmod of a descriptor we own; the result is checked.
+    cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) })?;
+    Ok(())
+}
+
 /// `unlinkat(dir, name, 0)`: removes the entry itself (a symlink, never its target).
 pub fn unlink_at(dir: &impl AsRawFd, name: &CStr) -> io::Result<()> {
     // SAFETY: unlinkat relative to a directory descriptor we own, NUL-terminated name.

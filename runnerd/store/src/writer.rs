@@ -7,7 +7,7 @@
 //! The store work is blocking file I/O and runs on tokio's blocking pool.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use std::os::fd::OwnedFd;
 
@@ -15,6 +15,8 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::coordination::{Admitted, CoordError, Lease, Lifecycle};
+use crate::transfer::TransferError;
+use crate::transfer::placement::Placement;
 use crate::versioning::snapshot::{Reuse, SnapshotScope};
 use crate::versioning::{
     self, ExecutionFields, Pool, Ref, Refs, Store, VersionError, execution_value, mutation_value,
@@ -41,6 +43,18 @@ pub enum WriteError {
     Deleted,
     #[error("The version store task stopped unexpectedly: {0}")]
     Task(String),
+    /// The workspace moved to another node: this copy is stale and takes no writes.
+    #[error("Workspace moved to {moved_to} (epoch {epoch}); send it there")]
+    Fenced { moved_to: String, epoch: u64 },
+    /// Placement, or an import that does not match what it claims (rendered whole, as above).
+    #[error("{}", common::error_chain(.0))]
+    Transfer(TransferError),
+}
+
+impl From<TransferError> for WriteError {
+    fn from(e: TransferError) -> WriteError {
+        WriteError::Transfer(e)
+    }
 }
 
 impl From<CoordError> for WriteError {
@@ -79,7 +93,14 @@ pub struct Versions {
     /// found damaged: kept where they are, since the API process has them open too, and
     /// named in `/health` with the remedy (issue #32).
     damaged: Vec<(PathBuf, String)>,
+    /// Where each workspace lives (issue #34): a fenced one refuses writers.
+    placement: Placement,
+    /// Told of every workspace head committed ([`Versions::on_commit`]).
+    on_commit: OnceLock<CommitHook>,
 }
+
+/// What [`Versions::on_commit`] calls: the workspace's canonical path and its new head.
+pub type CommitHook = Arc<dyn Fn(&Path, &Ref) + Send + Sync>;
 
 impl std::fmt::Debug for Versions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -92,7 +113,6 @@ impl std::fmt::Debug for Versions {
 #[derive(Debug)]
 pub struct Writer {
     root: PathBuf,
-    head: String,
     pinned: OwnedFd,
     /// The quota the commit's snapshot may store at most (0: none).
     max_bytes: u64,
@@ -186,6 +206,33 @@ enum Quick {
     Busy,
 }
 
+/// Whether a writer may take a workspace that moved to another node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fence {
+    /// Every ordinary writer: a fenced workspace is refused ([`WriteError::Fenced`]).
+    Refuse,
+    /// A copy coming back (an import): the fence is what it lifts.
+    Pass,
+}
+
+/// The ref a commit moves.
+#[derive(Debug, Clone, Copy)]
+enum Target<'a> {
+    /// A workspace's head, by its canonical path (what [`Versions::on_commit`] is told).
+    Workspace(&'a Path),
+    /// Any other ref (`workspace-exports/<id>`).
+    Named(&'a str),
+}
+
+impl Target<'_> {
+    fn name(self) -> String {
+        match self {
+            Target::Workspace(root) => workspace_head_name(root),
+            Target::Named(name) => name.to_owned(),
+        }
+    }
+}
+
 /// How much of a commit's closure is checked.
 #[derive(Debug, Clone, Copy)]
 enum Closure {
@@ -252,6 +299,7 @@ impl Versions {
                 remedy = %crate::dbcheck::recover_hint(path));
         }
         let lifecycle = Lifecycle::open(data_dir)?;
+        let placement = Placement::open(data_dir)?;
         let store = Store::open(data_dir)?;
         let refs = Refs::open(&store)?;
         let swept = store.sweep_temporaries();
@@ -269,7 +317,24 @@ impl Versions {
             data_dir: data_dir.to_owned(),
             default_max_bytes: 0,
             damaged,
+            placement,
+            on_commit: OnceLock::new(),
         })
+    }
+
+    /// Where each workspace lives, as this node knows it.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// Calls `hook` after every successful workspace head commit (any kind: baseline,
+    /// mutation, execution, checkpoint, recovery, repair, import), outside every lock, with
+    /// the canonical path and the new head: the replicator follows heads this way. Set once
+    /// (a second hook is ignored); it must be quick and must not panic.
+    pub fn on_commit(&self, hook: CommitHook) {
+        if self.on_commit.set(hook).is_err() {
+            tracing::warn!(event = "commit_hook_ignored", reason = "a commit hook is already set");
+        }
     }
 
     /// With [`Versions::default_max_bytes`] set: the workspace quota (0: none).
@@ -326,31 +391,59 @@ impl Versions {
     /// failed it is the workspace's own content (a FIFO, say): then there is no baseline and
     /// the write goes ahead (ours: so that the write, a DELETE say, can remove it). `pinned`
     /// is the workspace directory as the caller opened it (snapshots read it, not the path).
+    /// A workspace that moved to another node is refused once the lease is taken
+    /// ([`WriteError::Fenced`]; the lease is dropped): its copy here is stale.
     pub async fn begin(
         self: &Arc<Self>,
         canonical: &Path,
         pinned: OwnedFd,
         cancel: Option<&watch::Receiver<bool>>,
     ) -> Result<Writer, WriteError> {
+        self.begin_as(canonical, pinned, cancel, Fence::Refuse).await
+    }
+
+    /// [`Versions::begin`] for a copy coming back to this node (an import), which a fence
+    /// does not refuse: the import's commit is what replaces the stale copy.
+    pub async fn begin_import(
+        self: &Arc<Self>,
+        canonical: &Path,
+        pinned: OwnedFd,
+        cancel: Option<&watch::Receiver<bool>>,
+    ) -> Result<Writer, WriteError> {
+        self.begin_as(canonical, pinned, cancel, Fence::Pass).await
+    }
+
+    async fn begin_as(
+        self: &Arc<Self>,
+        canonical: &Path,
+        pinned: OwnedFd,
+        cancel: Option<&watch::Receiver<bool>>,
+        fence: Fence,
+    ) -> Result<Writer, WriteError> {
         let quick = if cancel.is_some_and(|c| *c.borrow()) {
             Quick::Busy
         } else {
             let (me, root) = (self.clone(), canonical.to_owned());
-            crate::blocking::run(move || me.try_hold(&root))
+            crate::blocking::run(move || me.try_hold(&root, fence))
                 .await
                 .map_err(|e| WriteError::Task(e.to_string()))??
         };
         let (admitted, lease, has_head) = match quick {
             Quick::Held(admitted, lease, has_head) => (admitted, *lease, has_head),
-            Quick::Admitted(admitted) => (admitted, self.lifecycle.lease(canonical, cancel).await?, false),
+            Quick::Admitted(admitted) => {
+                let lease = self.lifecycle.lease(canonical, cancel).await?;
+                self.refuse_fenced_blocking(canonical, fence).await?;
+                (admitted, lease, false)
+            }
             Quick::Busy => {
                 let admitted = self.lifecycle.admit(canonical, cancel).await?;
-                (admitted, self.lifecycle.lease(canonical, cancel).await?, false)
+                let lease = self.lifecycle.lease(canonical, cancel).await?;
+                self.refuse_fenced_blocking(canonical, fence).await?;
+                (admitted, lease, false)
             }
         };
         let writer = Writer {
             root: canonical.to_owned(),
-            head: workspace_head_name(canonical),
             pinned,
             max_bytes: self.default_max_bytes,
             journal: None,
@@ -379,11 +472,40 @@ impl Versions {
     /// Admission, the lease and whether the workspace has a head, without waiting, in one
     /// blocking task: the uncontended writer's path (the same steps in the same order as
     /// [`Versions::begin`]'s waiting path, which takes over where this one finds a holder).
-    fn try_hold(&self, canonical: &Path) -> Result<Quick, WriteError> {
+    fn try_hold(&self, canonical: &Path, fence: Fence) -> Result<Quick, WriteError> {
         let Some(admitted) = self.lifecycle.try_admit_blocking(canonical)? else { return Ok(Quick::Busy) };
         let Some(lease) = self.lifecycle.try_lease(canonical)? else { return Ok(Quick::Admitted(admitted)) };
+        // Refused with the lease held, so no move can slip between the check and the write;
+        // returning drops the lease and the admission.
+        self.refuse_fenced(canonical, fence)?;
         let has_head = self.refs().head(&workspace_head_name(canonical))?.is_some();
         Ok(Quick::Held(admitted, Box::new(lease), has_head))
+    }
+
+    /// [`WriteError::Fenced`] when the workspace moved away and `fence` refuses that.
+    fn refuse_fenced(&self, canonical: &Path, fence: Fence) -> Result<(), WriteError> {
+        if fence == Fence::Pass {
+            return Ok(());
+        }
+        match self.placement.get(canonical)? {
+            Some(placed) => match placed.moved_to {
+                Some(moved_to) => Err(WriteError::Fenced { moved_to, epoch: placed.epoch }),
+                None => Ok(()),
+            },
+            None => Ok(()),
+        }
+    }
+
+    /// [`Versions::refuse_fenced`] from the waiting path (a database read: blocking work).
+    async fn refuse_fenced_blocking(
+        self: &Arc<Self>,
+        canonical: &Path,
+        fence: Fence,
+    ) -> Result<(), WriteError> {
+        let (me, root) = (self.clone(), canonical.to_owned());
+        crate::blocking::run(move || me.refuse_fenced(&root, fence))
+            .await
+            .map_err(|e| WriteError::Task(e.to_string()))?
     }
 
     fn ensure_baseline(
@@ -398,7 +520,7 @@ impl Versions {
         }
         let tree = self.snapshot_live(dir, scope)?;
         let record = self.commit_mutation_record(
-            &name,
+            root,
             &tree,
             (None, "baseline", true),
             Expected::Exactly(None),
@@ -431,7 +553,7 @@ impl Versions {
         completed: bool,
     ) -> (Result<Ref, WriteError>, std::time::Duration) {
         let me = self.clone();
-        let (dir, head, kind_owned) = (writer.snapshot_dir(), writer.head.clone(), kind.to_owned());
+        let (dir, root, kind_owned) = (writer.snapshot_dir(), writer.root.clone(), kind.to_owned());
         let attempts = writer.attempts();
         let id = id.unwrap_or_else(new_uuid_v4);
         let snapshot_took = Arc::new(Mutex::new(std::time::Duration::ZERO));
@@ -443,7 +565,7 @@ impl Versions {
             let tree = me.snapshot_live(&dir, &scope)?;
             *took.lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
             me.commit_mutation_record(
-                &head,
+                &root,
                 &tree,
                 (Some(&id), &kind_owned, completed),
                 Expected::Current,
@@ -469,7 +591,7 @@ impl Versions {
         facts: ExecutionFacts,
     ) -> Result<(Ref, Ref), WriteError> {
         let me = self.clone();
-        let (dir, head, attempts) = (writer.snapshot_dir(), writer.head.clone(), writer.attempts());
+        let (dir, root, attempts) = (writer.snapshot_dir(), writer.root.clone(), writer.attempts());
         blocking_retry(self.clone(), move || {
             let scope = attempts.scope();
             let closure = Closure::of(&scope);
@@ -489,9 +611,43 @@ impl Versions {
                 workspace: &tree,
             });
             let record = me.store.put_record("WorkspaceExecution", value)?;
-            me.commit_head(&head, &record, closure)?;
+            me.commit_head(&root, &record, closure)?;
             attempts.committed(&scope);
             Ok((record, tree))
+        })
+        .await
+    }
+
+    /// Commits `head`, a version made on another node (its objects already stored here), as
+    /// the workspace's head over the current one, once the files under the writer are that
+    /// version: their snapshot must be `tree` and `head` must name `tree` (else
+    /// [`TransferError::TreeMismatch`] or [`TransferError::HeadMismatch`], and nothing moves).
+    /// The head is the very ref the source committed, so both nodes agree on the version.
+    /// Nothing is poisoned on failure: the caller decides what a failed import means.
+    pub async fn commit_imported(
+        self: &Arc<Self>,
+        writer: &Writer,
+        head: &Ref,
+        tree: &Ref,
+    ) -> Result<(), WriteError> {
+        let me = self.clone();
+        let (dir, root, scope) = (writer.snapshot_dir(), writer.root.clone(), writer.scope());
+        let (head, tree) = (head.clone(), tree.clone());
+        blocking_retry(self.clone(), move || {
+            let found = me.snapshot_live(&dir, &scope)?;
+            if found != tree {
+                let (expected, found) = (tree.digest.clone(), found.digest);
+                return Err(TransferError::TreeMismatch { expected, found }.into());
+            }
+            let named = me.tree_of(&head)?;
+            if named != tree {
+                return Err(TransferError::HeadMismatch {
+                    head: head.digest.clone(),
+                    tree: tree.digest.clone(),
+                }
+                .into());
+            }
+            me.commit_ref(Target::Workspace(&root), Expected::Current, &head, Closure::Full)
         })
         .await
     }
@@ -508,16 +664,17 @@ impl Versions {
 
     /// Commits over the current head: the lease this writer holds serialises the head's
     /// writers ([`Expected::Current`]).
-    fn commit_head(&self, name: &str, record: &Ref, closure: Closure) -> Result<(), WriteError> {
-        self.commit_ref(name, Expected::Current, record, closure)
+    fn commit_head(&self, root: &Path, record: &Ref, closure: Closure) -> Result<(), WriteError> {
+        self.commit_ref(Target::Workspace(root), Expected::Current, record, closure)
     }
 
     /// Validates `record`'s closure and makes its objects durable — without the refs lock,
     /// so one commit's checks do not hold up other workspaces' commits — then commits it
     /// under the lock (compare-and-swap against `expected`, or over the current head).
+    /// Every ref commit passes here: a workspace head's is told to [`Versions::on_commit`].
     fn commit_ref(
         &self,
-        name: &str,
+        target: Target<'_>,
         expected: Expected,
         record: &Ref,
         closure: Closure,
@@ -527,25 +684,31 @@ impl Versions {
             Closure::SinceValidated => self.store.validate_closure_since_validated(record)?,
         };
         self.store.sync_pending()?;
-        let mut refs = self.refs();
-        match expected {
-            Expected::Current => refs.commit_over_current(name, record)?,
-            Expected::Exactly(r) => refs.commit_validated(name, r.as_ref(), record)?,
+        let name = target.name();
+        {
+            let mut refs = self.refs();
+            match expected {
+                Expected::Current => refs.commit_over_current(&name, record)?,
+                Expected::Exactly(r) => refs.commit_validated(&name, r.as_ref(), record)?,
+            }
+        }
+        if let (Target::Workspace(root), Some(hook)) = (target, self.on_commit.get()) {
+            hook(root, record);
         }
         Ok(())
     }
 
-    /// Puts a `WorkspaceMutation` for `tree` and commits it as the head `name`.
+    /// Puts a `WorkspaceMutation` for `tree` and commits it as the head of `root`.
     fn commit_mutation_record(
         &self,
-        name: &str,
+        root: &Path,
         tree: &Ref,
         (id, kind, completed): (Option<&str>, &str, bool),
         expected: Expected,
         closure: Closure,
     ) -> Result<Ref, WriteError> {
         let record = self.store.put_record("WorkspaceMutation", mutation_value(id, kind, completed, tree))?;
-        self.commit_ref(name, expected, &record, closure)?;
+        self.commit_ref(Target::Workspace(root), expected, &record, closure)?;
         Ok(record)
     }
 
@@ -596,7 +759,7 @@ impl Versions {
             let head = me.refs().head(&name)?;
             let kind = if head.is_some() { "checkpoint" } else { "baseline" };
             me.commit_mutation_record(
-                &name,
+                &root,
                 &tree,
                 (None, kind, true),
                 Expected::Exactly(head),
@@ -613,12 +776,17 @@ impl Versions {
     /// The tree of the current head (`value.workspace` of a mutation or execution record).
     pub fn head_tree(&self, canonical: &Path) -> Result<Option<Ref>, WriteError> {
         let Some(head) = self.head(canonical)? else { return Ok(None) };
-        let record = self.store.read_record(&head, None)?;
+        Ok(Some(self.tree_of(&head)?))
+    }
+
+    /// The tree a head record names (`value.workspace` of a mutation or execution record).
+    fn tree_of(&self, head: &Ref) -> Result<Ref, WriteError> {
+        let record = self.store.read_record(head, None)?;
         if record.kind != "WorkspaceMutation" && record.kind != "WorkspaceExecution" {
             return Err(WriteError::HeadKind);
         }
         let tree = record.value.get("workspace").ok_or(WriteError::HeadKind)?;
-        Ok(Some(Ref::from_value(tree)?))
+        Ok(Ref::from_value(tree)?)
     }
 
     /// Start-up recovery (ours): every workspace whose lease our previous process held when
@@ -708,7 +876,7 @@ impl Versions {
             None => (None, "baseline"),
         };
         self.commit_mutation_record(
-            &name,
+            root,
             &tree,
             (id.as_deref(), kind, true),
             Expected::Exactly(head),
@@ -754,7 +922,7 @@ impl Versions {
             let tree = me.snapshot_live(&dir, &scope)?;
             let id = new_uuid_v4();
             let record = me.commit_mutation_record(
-                &name,
+                &root,
                 &tree,
                 (Some(&id), "repair", true),
                 Expected::Exactly(head),
@@ -792,7 +960,8 @@ impl Versions {
         let _guard = self.store.commit_guard();
         let record = self.store.put_record("WorkspaceExport", value)?;
         let id = new_uuid_v4();
-        self.commit_ref(&format!("workspace-exports/{id}"), Expected::Exactly(None), &record, Closure::Full)?;
+        let name = format!("workspace-exports/{id}");
+        self.commit_ref(Target::Named(&name), Expected::Exactly(None), &record, Closure::Full)?;
         Ok((id, record))
     }
 
@@ -955,5 +1124,122 @@ mod tests {
         std::fs::File::options().write(true).open(&stale).unwrap().set_modified(old).unwrap();
         drop(Versions::open(&data).unwrap());
         assert!(!dead.exists() && !stale.exists() && fresh.exists());
+    }
+
+    /// A workspace, its data directory and versions, and a pin maker (issue #34 tests).
+    fn node(name: &str, base: &Path) -> (Arc<Versions>, PathBuf) {
+        let data = base.join(name);
+        let root = data.join("remote-workspaces/w");
+        std::fs::create_dir_all(&root).unwrap();
+        let root = root.canonicalize().unwrap();
+        (Arc::new(Versions::open(&data).unwrap()), root)
+    }
+
+    fn pin(p: &Path) -> OwnedFd {
+        OwnedFd::from(std::fs::File::open(p).unwrap())
+    }
+
+    /// A copy that moved away refuses writers, saying where it went; an import passes.
+    #[tokio::test]
+    async fn a_fenced_workspace_refuses_writers_but_takes_an_import() {
+        let dir = tempfile::tempdir().unwrap();
+        let (versions, root) = node("a", dir.path());
+        versions.placement().fence(&root, 7, "http://node-b:8080", 1).unwrap();
+        let e = versions.begin(&root, pin(&root), None).await.unwrap_err();
+        assert!(
+            matches!(&e, WriteError::Fenced { moved_to, epoch: 7 } if moved_to == "http://node-b:8080"),
+            "{e}"
+        );
+        assert_eq!(e.to_string(), "Workspace moved to http://node-b:8080 (epoch 7); send it there");
+        assert_eq!(versions.head(&root).unwrap(), None, "no baseline for a stale copy");
+        // The refusal let go of the lease: an import takes it at once.
+        let writer = versions.begin_import(&root, pin(&root), None).await.unwrap();
+        drop(writer);
+        versions.placement().set_epoch(&root, 8).unwrap();
+        versions.begin(&root, pin(&root), None).await.expect("back here: writable");
+    }
+
+    /// Node A's head arrives at node B object by object, B writes the tree out and commits
+    /// A's very head; files that are not that tree are refused and the head stays.
+    #[tokio::test]
+    async fn an_imported_head_is_committed_as_it_is_only_over_its_own_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, a_root) = node("a", dir.path());
+        std::fs::create_dir(a_root.join("sub")).unwrap();
+        std::fs::write(a_root.join("sub/f.txt"), "from a").unwrap();
+        let writer = a.begin(&a_root, pin(&a_root), None).await.unwrap();
+        let tree = a.commit_mutation(&writer, "test", None, true).await.unwrap();
+        drop(writer);
+        let head = a.head(&a_root).unwrap().unwrap();
+
+        let (b, b_root) = node("b", dir.path());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let hook_seen = seen.clone();
+        b.on_commit(Arc::new(move |root: &Path, head: &Ref| {
+            hook_seen.lock().unwrap().push((root.to_owned(), head.clone()));
+        }));
+        for r in crate::transfer::closure::closure(a.store(), &head, &mut |_| false).unwrap() {
+            let mut bytes = a.store().open_reader(&r).unwrap();
+            assert!(b.store().put_verified(&r, &mut bytes).unwrap());
+        }
+        let writer = b.begin_import(&b_root, pin(&b_root), None).await.unwrap();
+        let baseline = b.head(&b_root).unwrap().unwrap();
+        let staging = b_root.parent().unwrap().join(".staging");
+        std::fs::create_dir(&staging).unwrap();
+        crate::transfer::materialize::materialize(
+            b.store(),
+            &tree,
+            std::os::fd::AsFd::as_fd(&pin(&staging)),
+            None,
+        )
+        .unwrap();
+        std::fs::write(b_root.join("stray"), "not in the tree").unwrap();
+        crate::transfer::materialize::swap_in(
+            std::os::fd::AsFd::as_fd(&pin(&staging)),
+            std::os::fd::AsFd::as_fd(&pin(&b_root)),
+        )
+        .unwrap();
+        std::fs::write(b_root.join("late"), "written after the swap").unwrap();
+        let e = b.commit_imported(&writer, &head, &tree).await.unwrap_err();
+        assert!(matches!(e, WriteError::Transfer(TransferError::TreeMismatch { .. })), "{e}");
+        assert!(e.to_string().contains(&tree.digest), "{e}");
+        assert_eq!(b.head(&b_root).unwrap(), Some(baseline.clone()), "the head did not move");
+        // A head that names another tree is refused even over the right files.
+        std::fs::remove_file(b_root.join("late")).unwrap();
+        let e = b.commit_imported(&writer, &baseline, &tree).await.unwrap_err();
+        assert!(matches!(e, WriteError::Transfer(TransferError::HeadMismatch { .. })), "{e}");
+        assert_eq!(b.head(&b_root).unwrap(), Some(baseline.clone()));
+
+        b.commit_imported(&writer, &head, &tree).await.unwrap();
+        assert_eq!(b.head(&b_root).unwrap(), Some(head.clone()), "exactly A's head");
+        assert_eq!(b.head_tree(&b_root).unwrap(), Some(tree));
+        assert_eq!(*seen.lock().unwrap(), vec![(b_root.clone(), baseline), (b_root.clone(), head)]);
+    }
+
+    /// The hook hears of every workspace head commit, whatever made it, and of nothing else.
+    #[tokio::test]
+    async fn the_commit_hook_hears_every_workspace_head_and_only_those() {
+        let dir = tempfile::tempdir().unwrap();
+        let (versions, root) = node("a", dir.path());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let hook_seen = seen.clone();
+        versions.on_commit(Arc::new(move |root: &Path, head: &Ref| {
+            hook_seen.lock().unwrap().push((root.to_owned(), head.clone()));
+        }));
+        let writer = versions.begin(&root, pin(&root), None).await.unwrap();
+        let baseline = versions.head(&root).unwrap().unwrap();
+        std::fs::write(root.join("f"), "x").unwrap();
+        versions.commit_mutation(&writer, "test", None, true).await.unwrap();
+        let mutation = versions.head(&root).unwrap().unwrap();
+        drop(writer);
+        versions.put_export(serde_json::json!({"workspace": "w"})).unwrap();
+        std::fs::write(root.join("g"), "y").unwrap();
+        versions.observed_tree(&root, &pin(&root)).await.unwrap();
+        let checkpoint = versions.head(&root).unwrap().unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(root.clone(), baseline), (root.clone(), mutation), (root.clone(), checkpoint)],
+            "an export is no workspace head"
+        );
     }
 }

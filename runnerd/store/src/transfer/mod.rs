@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use crate::versioning::VersionError;
 
 pub mod closure;
+pub mod materialize;
 pub mod placement;
 
 /// Everything that can go wrong moving a workspace.
@@ -35,6 +36,29 @@ pub enum TransferError {
     /// damage, and is never used.
     #[error("Refusing {name}: it is not a database file of runnerd's own; remove it")]
     Planted { name: String },
+    /// A tree entry name that would not be one plain entry of its directory.
+    #[error(
+        "Tree entry {name:?} is a path that escapes (empty, '.', '..', containing '/' or NUL, or repeated in its directory); the tree is refused"
+    )]
+    BadName { name: String },
+    #[error("Tree entry in {} is malformed: {detail}; the tree is refused", .path.display())]
+    BadEntry { path: PathBuf, detail: &'static str },
+    #[error("{} is not a WorkspaceTree record", .path.display())]
+    NotATree { path: PathBuf },
+    #[error("could not write {path:?} from the version store")]
+    Blob {
+        path: String,
+        #[source]
+        source: Box<VersionError>,
+    },
+    #[error("A workspace is only written into an empty directory")]
+    NotEmpty,
+    #[error("could not empty the workspace directory")]
+    Clear(#[source] crate::remote::files::RemoteError),
+    #[error("The workspace's files are the tree {found}, not the tree {expected}; nothing was committed")]
+    TreeMismatch { expected: String, found: String },
+    #[error("The head {head} being imported does not name the tree {tree}; nothing was committed")]
+    HeadMismatch { head: String, tree: String },
     #[error("Workspace path {path:?} is not UTF-8; placement keys are text")]
     PathNotUtf8 { path: PathBuf },
 }
