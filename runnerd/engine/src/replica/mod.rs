@@ -6,6 +6,8 @@
 //! * [`settings`]: the configuration (pure); [`layout`]: keys and the head document (pure);
 //! * [`pending`]: the queue, one entry per workspace (pure);
 //! * [`client`]: the bucket through `object_store` (objects up and down, head documents);
+//!   epochs, fences and what was replicated are the version store's placement database
+//!   (`Versions::placement`);
 //! * [`replicator`]: one workspace's replication, fencing a stale copy;
 //! * this module: [`Replica`], the running replicator with its report (`/health`,
 //!   `/metrics`) and [`Replica::backup_now`] for the routes.
@@ -21,8 +23,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
-
-use runner_store::transfer::placement::Placement;
 
 pub use client::{Bucket, ClientError, Fetched};
 pub use layout::HeadDoc;
@@ -44,8 +44,6 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
-    #[error("opening the placement database")]
-    Placement(#[source] runner_store::transfer::TransferError),
     #[error(transparent)]
     Client(#[from] ClientError),
 }
@@ -67,10 +65,6 @@ pub struct Connection {
     pub data_real: PathBuf,
     /// This node's URL (`node_url`).
     pub node: String,
-    /// Epochs, fences and what was replicated. Until the version store owns it
-    /// (`Versions::placement`), a connection of its own to the same database (WAL: each
-    /// sees the other's commits).
-    pub placement: Arc<Placement>,
 }
 
 /// The configured bucket's client, or `None` when replication is off. `env` gives the
@@ -85,9 +79,8 @@ pub fn connect(
     let credentials = settings::secret(settings, env).map_err(StartError::Credentials)?;
     let data_real = std::fs::canonicalize(data_dir)
         .map_err(|source| StartError::DataDir { path: data_dir.to_owned(), source })?;
-    let placement = Arc::new(Placement::open(&data_real).map_err(StartError::Placement)?);
     let bucket = Bucket::connect(settings, credentials)?;
-    Ok(Some(Connection { settings: settings.clone(), bucket, data_real, node: node.to_owned(), placement }))
+    Ok(Some(Connection { settings: settings.clone(), bucket, data_real, node: node.to_owned() }))
 }
 
 /// The running replicator: its queue, its last error and its totals.
@@ -98,7 +91,6 @@ pub struct Replica {
     pub data_real: PathBuf,
     pub node: String,
     versions: Arc<Versions>,
-    placement: Arc<Placement>,
     counters: Counters,
     queue: Mutex<pending::Queue>,
     /// Wakes the background task when a head is queued.
@@ -118,7 +110,6 @@ impl Replica {
             data_real: connection.data_real,
             node: connection.node,
             versions,
-            placement: connection.placement,
             counters,
             queue: Mutex::default(),
             wake: tokio::sync::Notify::new(),
@@ -143,7 +134,6 @@ impl Replica {
         replicator::Target {
             bucket: &self.bucket,
             versions: &self.versions,
-            placement: &self.placement,
             data_real: &self.data_real,
             node: &self.node,
             counters: &self.counters,
@@ -200,8 +190,16 @@ impl Replica {
         self.bucket.fetch_closure(&self.versions, head).await
     }
 
-    /// The background task: replicates queued heads, oldest first, retrying with backoff.
+    /// Follows the version store's commits ([`Versions::on_commit`]) and starts the
+    /// background task: replicates queued heads, oldest first, retrying with backoff.
     pub fn start(self: &Arc<Self>, mut stopping: tokio::sync::watch::Receiver<bool>) {
+        // Weak: the version store holds the hook, and this holds the version store.
+        let weak = Arc::downgrade(self);
+        self.versions.on_commit(Arc::new(move |canonical: &Path, head: &Ref| {
+            if let Some(replica) = weak.upgrade() {
+                replica.committed(canonical, head);
+            }
+        }));
         let replica = self.clone();
         tokio::spawn(async move {
             let mut failures = 0u32;

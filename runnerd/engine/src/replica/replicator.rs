@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use runner_store::transfer::TransferError;
-use runner_store::transfer::placement::Placement;
 
 use super::client::{Bucket, ClientError};
 use super::layout::HeadDoc;
@@ -85,7 +84,6 @@ pub struct Sent {
 pub struct Target<'a> {
     pub bucket: &'a Bucket,
     pub versions: &'a Arc<Versions>,
-    pub placement: &'a Arc<Placement>,
     /// The data directory's real path (workspaces' canonical paths are beneath it).
     pub data_real: &'a Path,
     /// This node's URL, written into head documents.
@@ -107,8 +105,8 @@ pub async fn replicate(t: &Target<'_>, canonical: &Path, head: &Ref) -> Result<S
     let ident = Ident::from_canonical(t.data_real, canonical)
         .ok_or_else(|| ReplicaError::Unnamed(canonical.to_owned()))?;
     let placed = {
-        let (p, c) = (t.placement.clone(), canonical.to_owned());
-        blocking(move || p.get(&c)).await?.map_err(placement_err)?.unwrap_or_default()
+        let (v, c) = (t.versions.clone(), canonical.to_owned());
+        blocking(move || v.placement().get(&c)).await?.map_err(placement_err)?.unwrap_or_default()
     };
     if let Some(moved_to) = placed.moved_to {
         return Err(ReplicaError::Moved { ident, moved_to, epoch: placed.epoch });
@@ -128,9 +126,9 @@ pub async fn replicate(t: &Target<'_>, canonical: &Path, head: &Ref) -> Result<S
         return Ok(sent);
     }
     let objects = {
-        let (v, p, h) = (t.versions.clone(), t.placement.clone(), head.clone());
+        let (v, h) = (t.versions.clone(), head.clone());
         blocking(move || {
-            let mut known = |r: &Ref| p.is_replicated(r).unwrap_or(false);
+            let mut known = |r: &Ref| v.placement().is_replicated(r).unwrap_or(false);
             runner_store::transfer::closure::closure(v.store(), &h, &mut known)
         })
         .await?
@@ -155,8 +153,8 @@ pub async fn replicate(t: &Target<'_>, canonical: &Path, head: &Ref) -> Result<S
     drop(uploads);
     let records: Vec<Ref> = objects.into_iter().filter(Ref::is_record).collect();
     {
-        let p = t.placement.clone();
-        blocking(move || p.mark_replicated(&records)).await?.map_err(placement_err)?;
+        let v = t.versions.clone();
+        blocking(move || v.placement().mark_replicated(&records)).await?.map_err(placement_err)?;
     }
     if let Some(fenced) = fence_if_newer(t, canonical, &sent.ident, epoch).await? {
         sent.outcome = fenced;
@@ -171,8 +169,8 @@ pub async fn replicate(t: &Target<'_>, canonical: &Path, head: &Ref) -> Result<S
         committed_at_ms: now,
     };
     t.bucket.write_head(&doc).await?;
-    let (p, c, h) = (t.placement.clone(), canonical.to_owned(), head.clone());
-    blocking(move || p.set_replicated(&c, &h, epoch, now)).await?.map_err(placement_err)?;
+    let (v, c, h) = (t.versions.clone(), canonical.to_owned(), head.clone());
+    blocking(move || v.placement().set_replicated(&c, &h, epoch, now)).await?.map_err(placement_err)?;
     Ok(sent)
 }
 
@@ -205,8 +203,8 @@ async fn fence_if_newer(
     if theirs.epoch <= ours {
         return Ok(None);
     }
-    let (p, c, node) = (t.placement.clone(), canonical.to_owned(), theirs.node.clone());
-    blocking(move || p.fence(&c, theirs.epoch, &node, common::timefmt::now_ms()))
+    let (v, c, node) = (t.versions.clone(), canonical.to_owned(), theirs.node.clone());
+    blocking(move || v.placement().fence(&c, theirs.epoch, &node, common::timefmt::now_ms()))
         .await?
         .map_err(placement_err)?;
     tracing::warn!(event = "replica_fenced", workspace = %ident, our_epoch = ours, their_epoch = theirs.epoch,
