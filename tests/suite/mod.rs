@@ -27,4 +27,5 @@ mod preflight;
 mod python_packages;
 mod quota;
 mod remote;
+mod replica;
 mod skills;
