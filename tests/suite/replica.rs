@@ -262,3 +262,55 @@ async fn a_newer_epoch_in_the_bucket_fences_the_copy_instead_of_being_overwritte
     assert!(r.status >= 400, "a write to a fenced copy: {} {}", r.status, String::from_utf8_lossy(&r.body));
     assert_eq!(weed.get(&head_key(key)).as_deref(), Some(theirs.as_slice()));
 }
+
+/// The bucket as another node sees it: `fetch_closure` brings a replicated head's whole
+/// closure into an empty version store, big objects included (multipart up, streamed down),
+/// each verified; an object missing from the bucket is an error that names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_node_fetches_the_whole_closure_from_the_bucket() {
+    let test = "another_node_fetches_the_whole_closure_from_the_bucket";
+    let Some(weed) = Seaweed::start_or_skip(test) else { return };
+    let server = start_runnerd(&weed);
+    let client = server.client();
+    let key = "team/fetched";
+    // Bigger than one multipart part (8 MiB), and not all one byte.
+    let big: Vec<u8> = (0..9u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    upload(&client, key, "big.bin", &big).await;
+    upload(&client, key, "small.txt", b"small").await;
+    let (_, head) = local_head(&server, key);
+    replicated(&client, &weed, key, &head).await;
+    assert_eq!(weed.get(&format!("{PREFIX}objects/data/{}", hex(&big))).map(|b| b.len()), Some(big.len()));
+
+    let other = runner_tests::scratch_dir();
+    let versions = std::sync::Arc::new(runnerd::writer::Versions::open(other.path()).unwrap());
+    let settings = runnerd::replica::settings::from_vars(|k| {
+        weed.runnerd_env(PREFIX)
+            .into_iter()
+            .find(|(name, _)| name == k)
+            .map(|(_, v)| v)
+            .filter(|v| !v.is_empty())
+    })
+    .unwrap()
+    .unwrap();
+    let bucket = runnerd::replica::Bucket::connect(&settings, None).unwrap();
+    let ident = runnerd::transfer::Ident::remote(key).unwrap();
+    let doc = bucket.read_head(&ident).await.unwrap().expect("the head document");
+    assert_eq!(doc.head.to_value(), head);
+    let fetched = bucket.fetch_closure(&versions, &doc.head).await.unwrap();
+    let keys = closure_keys(&server, &head);
+    assert_eq!((fetched.objects as usize, fetched.present), (keys.len(), 0), "{fetched:?}");
+    assert!(fetched.bytes >= big.len() as u64, "{fetched:?}");
+    assert_eq!(versions.store().validate_closure(&doc.head).unwrap(), keys.len());
+    // Again: everything is here already.
+    let again = bucket.fetch_closure(&versions, &doc.head).await.unwrap();
+    assert_eq!((again.objects, again.present as usize), (0, keys.len()));
+
+    // A bucket that lost an object: the fetch names it.
+    let small_key = format!("{PREFIX}objects/data/{}", hex(b"small"));
+    weed.delete(&small_key);
+    let empty = runner_tests::scratch_dir();
+    let fresh = std::sync::Arc::new(runnerd::writer::Versions::open(empty.path()).unwrap());
+    let err = bucket.fetch_closure(&fresh, &doc.head).await.unwrap_err();
+    let text = runnerd::error_chain(&err);
+    assert!(text.contains(&small_key), "{text}");
+}

@@ -216,6 +216,17 @@ impl Seaweed {
         assert_eq!(status, 200, "PUT {key}: {}", String::from_utf8_lossy(&text));
     }
 
+    /// Deletes an object (S3 answers 204 whether or not it existed).
+    pub fn delete(&self, key: &str) {
+        let (status, text) =
+            self.request("DELETE", &format!("/{}/{key}", self.bucket), b"").expect("DELETE from SeaweedFS");
+        assert!(
+            status == 204 || status == 200,
+            "DELETE {key}: HTTP {status}: {}",
+            String::from_utf8_lossy(&text)
+        );
+    }
+
     /// Every key under `prefix` (ListObjectsV2, following continuation tokens).
     pub fn list(&self, prefix: &str) -> Vec<String> {
         let mut keys = Vec::new();
