@@ -14,6 +14,9 @@ pub struct Pending {
     pub head: Ref,
     /// When the workspace became unreplicated (ms since the epoch): the oldest head waiting.
     pub since_ms: u64,
+    /// Failed attempts at this head: a workspace that keeps failing (a damaged object) waits
+    /// behind the others instead of holding them up.
+    pub failures: u32,
 }
 
 /// The waiting workspaces, and the one being replicated.
@@ -33,12 +36,13 @@ impl Queue {
             .map(|p| p.since_ms)
             .or_else(|| self.in_flight.as_ref().filter(|(c, _)| c == canonical).map(|(_, p)| p.since_ms))
             .unwrap_or(now_ms);
-        self.waiting.insert(canonical.to_owned(), Pending { head, since_ms });
+        self.waiting.insert(canonical.to_owned(), Pending { head, since_ms, failures: 0 });
     }
 
-    /// The workspace waiting longest, now in flight.
+    /// The workspace waiting longest among those that failed least, now in flight.
     pub fn take(&mut self) -> Option<(PathBuf, Pending)> {
-        let oldest = self.waiting.iter().min_by_key(|(path, p)| (p.since_ms, (*path).clone()))?.0.clone();
+        let oldest =
+            self.waiting.iter().min_by_key(|(path, p)| (p.failures, p.since_ms, (*path).clone()))?.0.clone();
         let pending = self.waiting.remove(&oldest)?;
         self.in_flight = Some((oldest.clone(), pending.clone()));
         Some((oldest, pending))
@@ -51,7 +55,8 @@ impl Queue {
         match self.waiting.get_mut(&canonical) {
             Some(newer) => newer.since_ms = newer.since_ms.min(pending.since_ms),
             None if !ok => {
-                self.waiting.insert(canonical, pending);
+                let failures = pending.failures.saturating_add(1);
+                self.waiting.insert(canonical, Pending { failures, ..pending });
             }
             None => {}
         }
@@ -117,14 +122,14 @@ mod tests {
         assert_eq!(q.oldest(), Some((a, 100)));
         assert_eq!(q.lag_seconds(1100), 1.0);
         let (path, p) = q.take().unwrap();
-        assert_eq!((path.as_path(), p), (a, Pending { head: r(2), since_ms: 100 }));
+        assert_eq!((path.as_path(), p), (a, Pending { head: r(2), since_ms: 100, failures: 0 }));
         // Still unreplicated while in flight.
         assert_eq!((q.len(), q.oldest()), (2, Some((a, 100))));
         // A commit during the flight waits again, with the older time.
         q.push(a, r(4), 300);
         q.finish(true);
         assert_eq!(q.len(), 2);
-        assert_eq!(q.take().unwrap(), (a.to_owned(), Pending { head: r(4), since_ms: 100 }));
+        assert_eq!(q.take().unwrap(), (a.to_owned(), Pending { head: r(4), since_ms: 100, failures: 0 }));
         q.finish(true);
         assert_eq!(q.take().unwrap().0, b);
         q.finish(true);
@@ -139,8 +144,14 @@ mod tests {
         q.push(a, r(1), 10);
         q.take().unwrap();
         q.finish(false);
-        assert_eq!(q.take().unwrap().1, Pending { head: r(1), since_ms: 10 });
+        // A younger workspace goes before the one that failed.
+        let b = Path::new("/d/b");
+        q.push(b, r(2), 20);
+        assert_eq!(q.take().unwrap().0, b);
+        q.finish(true);
+        assert_eq!(q.take().unwrap().1, Pending { head: r(1), since_ms: 10, failures: 1 });
         q.finish(false);
+        assert_eq!(q.oldest(), Some((a, 10)));
         q.replicated(a, &r(9));
         assert_eq!(q.len(), 1);
         q.replicated(a, &r(1));
