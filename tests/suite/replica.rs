@@ -314,3 +314,21 @@ async fn another_node_fetches_the_whole_closure_from_the_bucket() {
     let text = runnerd::error_chain(&err);
     assert!(text.contains(&small_key), "{text}");
 }
+
+/// Heads committed while replication was off (or before a restart) are sent when a runnerd
+/// with the store configured starts on that data directory.
+#[tokio::test]
+async fn heads_committed_before_start_are_sent_after_it() {
+    let test = "heads_committed_before_start_are_sent_after_it";
+    let Some(weed) = Seaweed::start_or_skip(test) else { return };
+    let mut plain = Server::start();
+    let key = "team/earlier";
+    upload(&plain.client(), key, "a.txt", b"committed with replication off").await;
+    let (_, head) = local_head(&plain, key);
+    plain.stop();
+    let mut env = weed.runnerd_env(PREFIX);
+    env.push(("SCIENCE_AGENT_DATA_DIR".into(), plain.data_dir.display().to_string()));
+    let server = Server::start_with(ServerOptions { env, ..Default::default() });
+    replicated(&server.client(), &weed, key, &head).await;
+    assert_eq!(missing(&weed, &closure_keys(&plain, &head)), Vec::<String>::new());
+}

@@ -202,6 +202,24 @@ impl Replica {
         }));
         let replica = self.clone();
         tokio::spawn(async move {
+            let me = replica.clone();
+            match crate::blocking::run(move || me.unreplicated()).await {
+                Ok(heads) => {
+                    if !heads.is_empty() {
+                        tracing::info!(
+                            event = "replica_backfill",
+                            workspaces = heads.len(),
+                            reason = "heads committed while this process did not replicate them"
+                        );
+                    }
+                    let now = common::timefmt::now_ms();
+                    let mut q = replica.queue();
+                    for (canonical, head) in heads {
+                        q.push(&canonical, head, now);
+                    }
+                }
+                Err(e) => tracing::warn!(event = "replica_backfill_failed", error = %e),
+            }
             let mut failures = 0u32;
             loop {
                 if failures > 0 {
@@ -229,6 +247,24 @@ impl Replica {
                 failures = if done { 0 } else { failures.saturating_add(1) };
             }
         });
+    }
+
+    /// Every workspace here whose head is not the one last replicated (not fenced, with a
+    /// portable name): what a previous process left unsent when it stopped, or all of them
+    /// when replication has just been switched on.
+    fn unreplicated(&self) -> Vec<(PathBuf, Ref)> {
+        let mut out = Vec::new();
+        for canonical in self.versions.lifecycle().registered_roots() {
+            if Ident::from_canonical(&self.data_real, &canonical).is_none() {
+                continue;
+            }
+            let Ok(Some(head)) = self.versions.head(&canonical) else { continue };
+            let placed = self.versions.placement().get(&canonical).ok().flatten().unwrap_or_default();
+            if placed.moved_to.is_none() && placed.replicated_head.as_ref() != Some(&head) {
+                out.push((canonical, head));
+            }
+        }
+        out
     }
 
     /// `/health`'s `replication`.
