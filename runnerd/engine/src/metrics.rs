@@ -136,7 +136,7 @@ impl PhaseClock {
 }
 
 /// What a scrape reads from elsewhere (egressd, the admission counts), set just before encoding.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
     pub admitted: i64,
     pub running: i64,
@@ -147,6 +147,8 @@ pub struct Snapshot {
     pub journal: JournalCounts,
     /// The version collector's totals since start-up and the store's size at its last run.
     pub history: HistoryCounts,
+    /// Replication to the object store: (lag in seconds, workspaces pending); `None` when off.
+    pub replication: Option<(f64, u64)>,
 }
 
 /// The version collector at a scrape (`crate::history::History::metrics`).
@@ -189,6 +191,8 @@ pub struct Metrics {
     phase_seconds: Histograms,
     /// Set from other parts' state at each scrape.
     state: StateGauges,
+    /// Counted by the replicator as it sends (`crate::replica::Replica`).
+    replication: crate::replica::Counters,
     /// One scrape at a time: the gauges set for it are the ones it encodes.
     scrape: Mutex<()>,
 }
@@ -207,6 +211,8 @@ struct StateGauges {
     history_deleted_bytes: Gauge,
     history_pruned_versions: Gauge,
     history_stored_bytes: Gauge,
+    replication_lag: Gauge<f64, std::sync::atomic::AtomicU64>,
+    replication_pending: Gauge,
 }
 
 impl StateGauges {
@@ -272,7 +278,21 @@ impl StateGauges {
             "Disk bytes the version store held at the last collection (-1 before the first)",
             Gauge::default(),
         );
+        let replication_lag = registered(
+            registry,
+            "replication_lag_seconds",
+            "How long the oldest head not yet in the object store has waited (0 when none, or replication off)",
+            Gauge::<f64, std::sync::atomic::AtomicU64>::default(),
+        );
+        let replication_pending = registered(
+            registry,
+            "replication_pending",
+            "Workspaces whose newest head is not in the object store yet",
+            Gauge::default(),
+        );
         StateGauges {
+            replication_lag,
+            replication_pending,
             egress_decisions,
             egress_up,
             journal_workspaces,
@@ -376,7 +396,28 @@ impl Metrics {
             Family::new_with_constructor(phase_histogram),
         );
         let state = StateGauges::register(registry);
+        let replication = crate::replica::Counters {
+            objects: registered(
+                registry,
+                "replication_objects",
+                "Objects sent to the object store since start-up",
+                Counter::default(),
+            ),
+            bytes: registered(
+                registry,
+                "replication_bytes",
+                "Bytes sent to the object store since start-up",
+                Counter::default(),
+            ),
+            errors: registered(
+                registry,
+                "replication_errors",
+                "Replications that failed since start-up (each is retried)",
+                Counter::default(),
+            ),
+        };
         Metrics {
+            replication,
             registry: owned,
             requests,
             executions,
@@ -453,6 +494,11 @@ impl Metrics {
         }
     }
 
+    /// The counters the replicator increments.
+    pub fn replication(&self) -> crate::replica::Counters {
+        self.replication.clone()
+    }
+
     /// The text a scrape answers.
     pub fn render(&self, snapshot: &Snapshot) -> String {
         let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
@@ -484,6 +530,9 @@ impl Metrics {
         self.state.history_deleted_bytes.set(count(h.disk_bytes_deleted));
         self.state.history_pruned_versions.set(count(h.versions_pruned));
         self.state.history_stored_bytes.set(h.disk_bytes_stored.map_or(-1, count));
+        let (lag, pending) = snapshot.replication.unwrap_or_default();
+        self.state.replication_lag.set(lag);
+        self.state.replication_pending.set(count(pending));
         for (why, n) in &j.walked {
             runs(why, *n);
         }
@@ -676,6 +725,7 @@ mod tests {
             Duration::from_millis(30),
         );
         m.admission(false);
+        m.replication().objects.inc_by(3);
         let text = m.render(&Snapshot {
             admitted: 3,
             running: 1,
@@ -695,6 +745,7 @@ mod tests {
                 versions_pruned: 3,
                 disk_bytes_stored: None,
             },
+            replication: Some((1.5, 2)),
         });
         for line in [
             "runner_execution_requests_total{route=\"execute\",code=\"ok\"} 1",
@@ -710,6 +761,9 @@ mod tests {
             "runner_history_deleted_bytes 4096",
             "runner_history_pruned_versions 3",
             "runner_history_stored_bytes -1",
+            "runner_replication_lag_seconds 1.5",
+            "runner_replication_pending 2",
+            "runner_replication_objects_total 3",
             "runner_journal_watches 7",
             "runner_journal_runs{measured=\"journal\"} 5",
             "runner_journal_runs{measured=\"events_lost\"} 1",

@@ -93,6 +93,8 @@ pub fn health(
     health["resourceLimits"] = crate::limits::health_block(&app.limits, &cfg.limits);
     health["executionRecords"] = app.managed.health_block();
     health["versionHistory"] = app.history.health();
+    health["replication"] =
+        app.replica.as_ref().map_or_else(crate::replica::Replica::health_off, |r| r.health());
     health["sharedDatabases"] = app.versions.damaged_json();
     health
 }

@@ -368,6 +368,7 @@ async fn metrics(app: &App) -> ApiResponse {
         egress,
         journal: app.journal.metrics(),
         history: app.history.metrics(),
+        replication: app.replica.as_ref().map(|r| r.gauges()),
     };
     let text = app.metrics.render(&snapshot);
     ApiResponse {
