@@ -332,3 +332,93 @@ async fn heads_committed_before_start_are_sent_after_it() {
     replicated(&server.client(), &weed, key, &head).await;
     assert_eq!(missing(&weed, &closure_keys(&plain, &head)), Vec::<String>::new());
 }
+
+/// A node of its own on the same store (its node URL is the address it got).
+fn other_node(weed: &Seaweed) -> Server {
+    Server::start_with(ServerOptions { env: weed.runnerd_env(PREFIX), ..Default::default() })
+}
+
+async fn run(server: &Server, key: &str, code: &str) -> Value {
+    let r = server
+        .client()
+        .post_signed("/execute-shell", &keyed_shell_request("main", "s1", key, code))
+        .await
+        .unwrap();
+    (r.status == 200).then(|| r.json()).unwrap_or_else(|| json!({"status": r.status, "answer": r.json()}))
+}
+
+async fn restore_from_store(server: &Server, key: &str) -> (u16, Value) {
+    let client = server.client();
+    let _ = client.get("/health").await;
+    let body =
+        json!({"workspace": key, "fromStore": true, "requestId": runnerctl::client::new_execution_id()});
+    let r = client.post_signed("/workspace-transfer/restore", &body).await.unwrap();
+    (r.status, r.json())
+}
+
+async fn where_is(server: &Server, key: &str) -> Value {
+    server.client().get(&format!("/workspace-transfer/where?workspace={key}")).await.unwrap().json()
+}
+
+#[tokio::test]
+async fn a_workspace_restores_from_the_store_after_its_node_is_lost_and_the_older_copy_is_fenced() {
+    let test = "a_workspace_restores_from_the_store_after_its_node_is_lost_and_the_older_copy_is_fenced";
+    if !sandbox_or_skip(test) {
+        return;
+    }
+    let Some(weed) = Seaweed::start_or_skip(test) else { return };
+    let key = "team/restored";
+    // A makes the workspace and replicates it; B restores it from the store (epoch 1) and
+    // later goes away for a while; A is lost with its data directory.
+    let mut a = start_runnerd(&weed);
+    let made = run(&a, key, "mkdir -p d/empty && echo one > d/f && ln -s d/f link && chmod 755 d/f").await;
+    let tree = made["workspaceSnapshot"].clone();
+    let (_, head) = local_head(&a, key);
+    replicated(&a.client(), &weed, key, &head).await;
+    let b = other_node(&weed);
+    let (status, on_b) = restore_from_store(&b, key).await;
+    assert_eq!(
+        (status, on_b["epoch"].clone(), on_b["tree"].clone()),
+        (200, json!(1), tree.clone()),
+        "{on_b}"
+    );
+    assert_eq!(on_b["fromNode"], json!(NODE));
+    a.stop();
+    std::fs::remove_dir_all(&a.data_dir).unwrap();
+
+    // C restores the store's latest (B's, epoch 1) at epoch 2: the same files, same tree.
+    let c = other_node(&weed);
+    let (status, on_c) = restore_from_store(&c, key).await;
+    assert_eq!((status, on_c["epoch"].clone()), (200, json!(2)), "{on_c}");
+    let seen = run(&c, key, "cat d/f; readlink link; stat -c %a d/f; ls -d d/empty").await;
+    assert_eq!(seen["workspaceSnapshot"], tree, "{seen}");
+    assert_eq!(seen["stdout"], json!("one\nd/f\n755\nd/empty\n"));
+    let doc: Value = serde_json::from_slice(&weed.get(&head_key(key)).unwrap()).unwrap();
+    assert_eq!(doc["epoch"], 2, "{doc}");
+
+    // B, the older copy, writes again: its replication finds epoch 2 in the bucket and fences
+    // it instead of overwriting; its next write answers where the workspace is now.
+    let wrote = run(&b, key, "echo stale > d/f").await;
+    assert!(wrote["workspaceSnapshot"].is_object(), "{wrote}");
+    let deadline = Instant::now() + WITHIN;
+    while where_is(&b, key).await["fenced"] != json!(true) {
+        assert!(Instant::now() < deadline, "B was not fenced: {}", where_is(&b, key).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let refused = run(&b, key, "true").await;
+    assert_eq!(refused["status"], 409, "{refused}");
+    let doc: Value = serde_json::from_slice(&weed.get(&head_key(key)).unwrap()).unwrap();
+    assert_eq!(doc["epoch"], 2, "the newer copy's document stays: {doc}");
+    assert_eq!(run(&c, key, "cat d/f").await["stdout"], json!("one\n"), "C's copy is untouched");
+
+    // A backup on demand, and a restore of a workspace the store never saw.
+    let (status, backup) = {
+        let client = c.client();
+        let body = json!({"workspace": key, "requestId": runnerctl::client::new_execution_id()});
+        let r = client.post_signed("/workspace-transfer/backup", &body).await.unwrap();
+        (r.status, r.json())
+    };
+    assert_eq!((status, backup["outcome"].clone()), (200, json!("replicated")), "{backup}");
+    let (status, none) = restore_from_store(&c, "team/never").await;
+    assert_eq!((status, none["code"].clone()), (404, json!("not_in_store")), "{none}");
+}

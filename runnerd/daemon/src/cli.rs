@@ -211,7 +211,7 @@ const MANAGED_GRACE: Duration = Duration::from_secs(20);
 
 async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool) -> anyhow::Result<i32> {
     raise_nofile();
-    let config = loaded.config;
+    let mut config = loaded.config;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating the data directory {}", config.data_dir.display()))?;
     let (token, source) =
@@ -228,6 +228,14 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     log_config(&config, &source, &sandbox, sink, &loaded.settings.file_status());
     startup::log_confinement();
     let address = listener.describe();
+    // Port 0 asks for any port: unless node_url was set, this node's name is the one it got.
+    if config.port == 0
+        && config.socket_path.is_none()
+        && loaded.settings.origin(crate::replica::settings::NODE_URL_VAR) == common::settings::Origin::Default
+        && !address.starts_with("unix:")
+    {
+        config.node_url = format!("http://{address}");
+    }
     let usable = sandbox.capability.sandbox_usable;
     let versions = open_versions(&config).await?;
     let managed = Arc::new(

@@ -260,6 +260,9 @@ pub async fn handle(
             detached(async move { transfer::push(&app, &token, &req.body).await }).await
         }
         ("GET", ["workspace-transfer", "where"]) => transfer::where_is(&app, req.query.as_deref()).await,
+        ("POST", ["workspace-transfer", "backup"]) => {
+            detached(async move { transfer::backup(&app, &req.body).await }).await
+        }
         ("POST", ["workspace-transfer", "restore"]) => {
             detached(async move { transfer::restore(&app, &req.body).await }).await
         }

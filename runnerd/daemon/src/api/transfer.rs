@@ -39,6 +39,9 @@ impl From<TransferFailed> for ApiError {
             | TransferFailed::Nested => ApiError::with_status(409, e.code(), message),
             TransferFailed::Task(_) => ApiError::with_status(500, e.code(), message),
             TransferFailed::NoSpace { .. } => ApiError::with_status(507, e.code(), message),
+            TransferFailed::ReplicationOff => ApiError::with_status(503, e.code(), message),
+            TransferFailed::NotInStore { .. } => ApiError::with_status(404, e.code(), message),
+            TransferFailed::Replica(_) => ApiError::with_status(502, e.code(), message),
             TransferFailed::Workspace(w) => ApiError::from(w),
             _ => ApiError::bad_request(e.code(), message),
         }
@@ -193,6 +196,7 @@ pub async fn push(app: &Arc<App>, token: &str, body: &[u8]) -> Result<ApiRespons
     let mut offer = req.ident.to_json();
     offer["head"] = serde_json::to_value(&out.head).unwrap_or_default();
     offer["epoch"] = json!(out.epoch);
+    offer["from"] = json!(app.config.node_url);
     let arrived = match peer.post("/workspace-transfer/commit", &offer).await {
         Ok(answer) => answer,
         // Refused: the target did not take it. Anything else (the connection broke, no answer
@@ -258,15 +262,20 @@ pub async fn where_is(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, Ap
 
 /// `POST /workspace-transfer/restore` `{workspace|project, version?, fromStore?}`: from this
 /// node's history, a version (a head record's digest) becomes the workspace's files again,
-/// committed as a `workspace-restore`.
+/// committed as a `workspace-restore`; `fromStore`: the object store's latest head (or that
+/// version) becomes this node's copy at an epoch above the store's.
 pub async fn restore(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let req = protocol::restore_request(&protocol::object(body)?)?;
     if req.from_store {
-        return Err(ApiError::with_status(
-            503,
-            "replication_off",
-            "No object store is configured on this node (replica_endpoint); restore from its own history instead",
-        ));
+        let restored = crate::transfer::from_store::restore(app, &req.ident, req.version.as_deref()).await?;
+        let mut answer = installed_json(&req.ident, &restored.installed);
+        answer["fromNode"] = json!(restored.from_node);
+        answer["fetched"] = json!({
+            "objects": restored.fetched.objects,
+            "bytes": restored.fetched.bytes,
+            "alreadyHere": restored.fetched.present,
+        });
+        return ok(200, answer);
     }
     let version = req.version.clone().ok_or_else(|| {
         ApiError::bad_request(
@@ -278,6 +287,39 @@ pub async fn restore(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiErro
     let installed = receive::install(app, &req.ident, &head, Install::Restored).await?;
     tracing::info!(event = "workspace_restored", workspace = %req.ident, version = %version, head = %installed.head.digest);
     ok(200, installed_json(&req.ident, &installed))
+}
+
+/// `POST /workspace-transfer/backup` `{workspace|project}`: the workspace's head replicated to
+/// the object store now.
+pub async fn backup(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    use crate::replica::{Outcome, ReplicaError};
+    let obj = protocol::object(body)?;
+    let ident = Ident::from_json(&obj).map_err(ProtocolError::from)?;
+    let replica = app.replica.as_ref().ok_or_else(|| ApiError::from(TransferFailed::ReplicationOff))?;
+    let (canonical, _) = receive::existing_workspace(app, &ident).map_err(ApiError::from)?;
+    let sent = replica.backup_now(&canonical).await.map_err(|e| match e {
+        ReplicaError::Moved { ref moved_to, epoch, .. } => {
+            ApiError::from_write(crate::writer::WriteError::Fenced { moved_to: moved_to.clone(), epoch })
+        }
+        ReplicaError::NoHead(_) => ApiError::bad_request("no_version", crate::error_chain(&e)),
+        ReplicaError::Client(_) => ApiError::with_status(502, "object_store_failed", crate::error_chain(&e)),
+        _ => ApiError::with_status(500, "internal", crate::error_chain(&e)),
+    })?;
+    let outcome = match &sent.outcome {
+        Outcome::Replicated => json!("replicated"),
+        Outcome::Fenced { epoch, node } => json!({"fenced": {"epoch": epoch, "movedTo": node}}),
+    };
+    ok(
+        200,
+        json!({
+            "ident": ident.to_json(),
+            "head": sent.head,
+            "epoch": sent.epoch,
+            "objects": {"listed": sent.listed, "sent": sent.objects},
+            "bytes": sent.bytes,
+            "outcome": outcome,
+        }),
+    )
 }
 
 /// The record of `digest` in this node's history of `ident`.

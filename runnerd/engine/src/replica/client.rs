@@ -166,6 +166,20 @@ impl Bucket {
         }
     }
 
+    /// The record `digest` (`sha256:<hex>`) as the bucket holds it: its ref, sized from the
+    /// object's metadata (a named version to restore), or none when the bucket lacks it.
+    pub async fn record_ref(&self, digest: &str) -> Result<Option<Ref>, ClientError> {
+        let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+        let probe =
+            Ref::new(crate::versioning::Pool::AgentState, hex, 0, crate::versioning::RECORD_MEDIA_TYPE);
+        let key = layout::object_key(&self.prefix, &probe);
+        match self.store.head(&Key::from(key.as_str())).await {
+            Ok(meta) => Ok(Some(Ref { size: meta.size, ..probe })),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.failed("look up", &key)(e)),
+        }
+    }
+
     /// Sends the object `r` from the local store; answers the bytes sent.
     pub async fn put_object(&self, versions: &Arc<Versions>, r: &Ref) -> Result<u64, ClientError> {
         let key = layout::object_key(&self.prefix, r);

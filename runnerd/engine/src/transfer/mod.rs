@@ -16,7 +16,9 @@
 //!   and the moves in flight that `where` shows.
 //! * [`status`]: `where` — head, epoch, fence, replication, a move in flight.
 //! * [`sweep`]: fenced copies removed after their grace.
+//! * [`from_store`]: a restore from the object store (`crate::replica`), on any node.
 
+pub mod from_store;
 pub mod ident;
 pub mod outgoing;
 pub mod protocol;
@@ -63,6 +65,12 @@ pub enum TransferFailed {
     Nested,
     #[error("the tree needs {needed} bytes and the data directory has {free} free")]
     NoSpace { needed: u64, free: u64 },
+    #[error("no object store is configured on this node (replica_endpoint)")]
+    ReplicationOff,
+    #[error("the object store holds no {ident}")]
+    NotInStore { ident: String },
+    #[error("the object store failed")]
+    Replica(#[source] crate::replica::ClientError),
     #[error("{ident} has no committed version to send")]
     NoHead { ident: String },
     #[error("the head is not a workspace version (a WorkspaceMutation or WorkspaceExecution with a tree)")]
@@ -104,6 +112,9 @@ impl TransferFailed {
             TransferFailed::Sending { .. } => "workspace_sending",
             TransferFailed::Exists { .. } => "workspace_exists",
             TransferFailed::Nested => "nested_workspaces",
+            TransferFailed::ReplicationOff => "replication_off",
+            TransferFailed::NotInStore { .. } => "not_in_store",
+            TransferFailed::Replica(_) => "object_store_failed",
             TransferFailed::NoSpace { .. } => "insufficient_space",
             TransferFailed::Store(TransferError::TooLarge { .. }) => "workspace_quota_exceeded",
             TransferFailed::NoHead { .. } => "no_version",
