@@ -344,7 +344,7 @@ async fn run(server: &Server, key: &str, code: &str) -> Value {
         .post_signed("/execute-shell", &keyed_shell_request("main", "s1", key, code))
         .await
         .unwrap();
-    (r.status == 200).then(|| r.json()).unwrap_or_else(|| json!({"status": r.status, "answer": r.json()}))
+    if r.status == 200 { r.json() } else { json!({"status": r.status, "answer": r.json()}) }
 }
 
 async fn restore_from_store(server: &Server, key: &str) -> (u16, Value) {
