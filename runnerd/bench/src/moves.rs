@@ -15,8 +15,9 @@
 //! * One small file changed on B, pushed back B→A: the bytes sent against the total.
 //! * A move of a workspace the target already holds in full (A→B again): its time.
 //!
-//! `RUNNERD_BENCH_MOVE_PERF=FILE` records `perf record -g` of the target runnerd during the
-//! first move into FILE (its timing then includes perf's overhead).
+//! `RUNNERD_BENCH_MOVE_PERF="record -g -o FILE"` (any perf arguments; `-p <target's pid>`
+//! is added) runs perf on the target runnerd during the push `RUNNERD_BENCH_MOVE_PERF_CASE`
+//! names (`b`, `c` or `d`; `b` unless set). That push's timing then includes perf's cost.
 //! Figures only, never pass/fail. Replication to an object store is not measured here.
 
 use std::os::unix::fs::MetadataExt;
@@ -204,8 +205,9 @@ async fn push(from: &crate::Daemon, to: &crate::Daemon) -> anyhow::Result<Pushed
 
 /// CPU ms (user + system) of this process's waited-for children so far.
 fn children_cpu_ms() -> f64 {
-    // SAFETY: getrusage writes into the struct it is given, nothing else.
+    // SAFETY: rusage is plain integers, for which all zeros is a valid value.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct it is given, nothing else.
     unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
     let ms = |t: libc::timeval| t.tv_sec as f64 * 1000.0 + t.tv_usec as f64 / 1000.0;
     ms(usage.ru_utime) + ms(usage.ru_stime)
@@ -228,6 +230,23 @@ fn tar_pipe(src: &Path, dst: &Path, sync_after: bool) -> anyhow::Result<(Duratio
     Ok((took, children_cpu_ms() - cpu))
 }
 
+/// One push's line: what was sent, its phases, both sides' CPU.
+fn describe(label: &str, p: &Pushed) {
+    let (so, to) = sent(&p.answer, "objects");
+    let (sb, tb) = sent(&p.answer, "bytes");
+    println!(
+        "    {label} sent {so} of {to} objects, {sb} of {tb} bytes ({:.1} MiB), epoch {}; listed {} ms, streamed {} ms, \
+         end {:.0} ms; CPU source {:.0} ms, target {:.0} ms",
+        sb as f64 / MIB,
+        p.answer["epoch"],
+        ms(p.listed),
+        ms(p.streamed),
+        secs(p.took) * 1000.0,
+        p.cpu.0,
+        p.cpu.1
+    );
+}
+
 fn sent(answer: &Value, what: &str) -> (u64, u64) {
     let n = |k: &str| answer[what][k].as_u64().unwrap_or(0);
     (n("sent"), n("total"))
@@ -241,19 +260,23 @@ fn ms(d: Option<Duration>) -> String {
     d.map_or_else(|| "?".to_owned(), |d| format!("{:.0}", d.as_secs_f64() * 1000.0))
 }
 
-/// `perf record -g` of `pid` into `out`, stopped (SIGINT) when the guard is dropped.
+/// perf with `RUNNERD_BENCH_MOVE_PERF`'s arguments on `pid` during `case`, when that case is
+/// the one chosen; stopped (SIGINT) when the guard is dropped.
 struct Perf(std::process::Child);
 impl Perf {
-    fn start(pid: u32, out: &Path) -> anyhow::Result<Perf> {
+    fn start(case: &str, pid: u32) -> anyhow::Result<Option<Perf>> {
+        let Ok(args) = std::env::var("RUNNERD_BENCH_MOVE_PERF") else { return Ok(None) };
+        if std::env::var("RUNNERD_BENCH_MOVE_PERF_CASE").as_deref().unwrap_or("b") != case {
+            return Ok(None);
+        }
         let child = Command::new("perf")
-            .args(["record", "-q", "-g", "-o"])
-            .arg(out)
+            .args(args.split_whitespace())
             .args(["-p", &pid.to_string()])
             .stdout(std::process::Stdio::null())
             .spawn()
             .context("starting perf")?;
         std::thread::sleep(Duration::from_millis(500));
-        Ok(Perf(child))
+        Ok(Some(Perf(child)))
     }
 }
 impl Drop for Perf {
@@ -316,10 +339,7 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
     let tar_dst = tar_scratch.0.join("copy");
     let tar_first = tar_pipe(&ws, &tar_dst, false)?;
 
-    let perf = match std::env::var_os("RUNNERD_BENCH_MOVE_PERF") {
-        Some(out) => Some(Perf::start(b.child.id(), Path::new(&out))?),
-        None => None,
-    };
+    let perf = Perf::start("b", b.child.id())?;
     let moved = push(&a, &b).await?;
     drop(perf);
 
@@ -334,8 +354,12 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
 
     let small = files[0].rel.to_str().context("an ASCII name")?.to_owned();
     shell(&cb, &format!("echo x >> {small}")).await?;
+    let perf = Perf::start("c", a.child.id())?;
     let back = push(&b, &a).await?;
+    drop(perf);
+    let perf = Perf::start("d", b.child.id())?;
     let again = push(&a, &b).await?;
+    drop(perf);
 
     let rate = |d: Duration| bytes as f64 / MIB / secs(d);
     println!(
@@ -366,7 +390,6 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
         "≥ 0.70"
     );
     let (sent_b, total_b) = sent(&back.answer, "bytes");
-    let (sent_o, total_o) = sent(&back.answer, "objects");
     let percent = 100.0 * sent_b as f64 / total_b.max(1) as f64;
     println!(
         "{:<46} {:>9.3} {:>9} {:>9.0} {:>8.4}% {:>10}",
@@ -388,32 +411,19 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
         "    (b)/(a) is the rate ratio over the workspace's {:.1} MiB of files: (a)'s seconds / (b)'s",
         bytes as f64 / MIB
     );
-    let (so, to) = sent(&moved.answer, "objects");
-    let (sb, tb) = sent(&moved.answer, "bytes");
-    println!(
-        "    (b) sent {so} of {to} objects, {sb} of {tb} bytes ({:.1} MiB); phases seen from A's `where` (20 ms polls): \
-         closure listed under the lease by {} ms, every byte streamed by {} ms, the target's commit (closure check, \
-         materialize, swap) and the fence until {:.0} ms",
-        sb as f64 / MIB,
-        ms(moved.listed),
-        ms(moved.streamed),
-        secs(moved.took) * 1000.0
-    );
-    println!(
-        "    (b) CPU: source {:.0} ms, target {:.0} ms; tar | tar's {:.0} ms",
-        moved.cpu.0, moved.cpu.1, tar.1
-    );
+    println!("    phases seen from the source's `where` (20 ms polls), ms since the request:");
+    println!("      listed: its live files committed and the closure listed, under the lease");
+    println!("      streamed: every byte the target lacked handed to the socket (after `missing`)");
+    println!("      end: the target's commit (closure check, materialize, swap, commit) and the fence");
+    describe("(b)", &moved);
+    describe("(c)", &back);
+    describe("(d)", &again);
+    println!("    (b) tar | tar's CPU for the same files: {:.0} ms", tar.1);
     println!(
         "    B after (b): where epoch {epoch_b}; an execution on B sees A's tree: same tree: {}",
         if same { "yes" } else { "no" }
     );
-    println!(
-        "    (c) changed `{small}`: sent {sent_o} of {total_o} objects, {sent_b} of {total_b} bytes ({percent:.4} %), epoch {}",
-        back.answer["epoch"]
-    );
-    let (ao, ato) = sent(&again.answer, "objects");
-    let (ab, atb) = sent(&again.answer, "bytes");
-    println!("    (d) sent {ao} of {ato} objects, {ab} of {atb} bytes, epoch {}", again.answer["epoch"]);
+    println!("    (c) changed `{small}`: {percent:.4} % of the bytes sent (target ≤ 1 %)");
     println!(
         "  replication lag after a 1 MiB commit (target ≤ 2 s): not measured here (no object store replica yet)"
     );
