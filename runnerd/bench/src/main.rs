@@ -19,6 +19,7 @@ mod history;
 mod limits;
 mod memory;
 mod metrics;
+mod moves;
 mod output;
 mod scale;
 mod versions;
@@ -76,6 +77,12 @@ Usage:
                                         concurrent requests and after M sequential
                                         executions, glibc defaults against runnerd's
                                         tuning, both in this run (default 500, 3000, 60)
+  runnerd-bench move                    a remote workspace of 10,000 files / 200 MiB pushed
+                                        between two runnerd on loopback against `tar | tar`
+                                        of the same directories; a second move after one
+                                        changed file (bytes sent), a move with nothing to
+                                        send (issue #34; RUNNERD_BENCH_MOVE_PERF=FILE: perf
+                                        record -g of the target during the first move)
 ";
 
 fn main() {
@@ -116,6 +123,7 @@ struct Choice {
     metrics: bool,
     scale: bool,
     history: bool,
+    moves: bool,
 }
 
 impl Choice {
@@ -130,6 +138,7 @@ impl Choice {
             metrics: false,
             scale: false,
             history: false,
+            moves: false,
         };
         while let Some(arg) = args.next() {
             let mut number = |name: &str| -> Option<u64> {
@@ -145,6 +154,7 @@ impl Choice {
                 "metrics" => c.metrics = true,
                 "workspace-scale" => c.scale = true,
                 "history" => c.history = true,
+                "move" => c.moves = true,
                 "output" => c.output = Some(64u64),
                 "--mib" if c.output.is_some() => {
                     let Some(n) = number(&arg) else { return Err(2) };
@@ -191,7 +201,7 @@ impl Choice {
 
     /// Runs the chosen benchmark.
     async fn measure(self) -> anyhow::Result<()> {
-        let Choice { iterations, versions, limits, output, memory, metrics, scale, history } = self;
+        let Choice { iterations, versions, limits, output, memory, metrics, scale, history, moves } = self;
         match versions {
             Some((files, mib, log_mb)) => bench_versions(files as usize, mib, log_mb).await,
             None if memory.is_some() => {
@@ -204,6 +214,10 @@ impl Choice {
             None if history => {
                 let setup = setup().await?;
                 crate::history::bench(setup.launcher.init_path()).await
+            }
+            None if moves => {
+                let setup = setup().await?;
+                crate::moves::bench(setup.launcher.init_path()).await
             }
             None if output.is_some() => bench_output(output.unwrap_or(64)).await,
             None => bench(iterations).await,
@@ -229,7 +243,7 @@ pub(crate) struct Setup {
     _scratch: Scratch,
 }
 
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(pub(crate) PathBuf);
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);

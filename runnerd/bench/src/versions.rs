@@ -24,7 +24,7 @@ pub struct TreeSize {
 }
 
 /// Deterministic, incompressible, distinct content per file (xorshift64*).
-fn fill(seed: u64, buf: &mut [u8]) {
+pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     for chunk in buf.chunks_mut(8) {
         x ^= x >> 12;
