@@ -13,7 +13,7 @@ use super::{Ident, TransferFailed, blocking};
 use crate::app::App;
 use crate::error::EngineError;
 use crate::versioning::snapshot::SnapshotScope;
-use crate::versioning::store::Store;
+use crate::versioning::store::{StagedObject, Store};
 use crate::versioning::{Ref, names::new_uuid_v4};
 use crate::workspace;
 use runner_store::transfer::{TransferError, budget, materialize};
@@ -37,32 +37,57 @@ pub struct Received {
     pub bytes: u64,
 }
 
+/// Objects staged before one flush publishes them, and the bytes (bounded: each holds an
+/// open temp file until then).
+const BATCH_OBJECTS: usize = 512;
+const BATCH_BYTES: u64 = 128 << 20;
+
 /// Reads frames (`<pool> <hex> <size>\n` then the bytes) until the stream ends at a frame
-/// boundary. Each object is published only if its bytes match its digest; the first that
-/// does not (or a stream cut inside a frame) ends the stream with an error, and what was
-/// published before it stays (a resumed move does not send it again).
+/// boundary. Each object is checked against its digest as it arrives and staged; every
+/// [`BATCH_OBJECTS`] objects or [`BATCH_BYTES`] bytes, one flush makes the batch durable and
+/// it is published. The first object that does not match (or a stream cut inside a frame)
+/// ends the stream with an error; the objects before it are published first (a resumed move
+/// does not send them again), the bad one never is.
 pub fn receive_objects(store: &Store, stream: &mut dyn BufRead) -> Result<Received, TransferFailed> {
     let mut got = Received::default();
-    let mut line = Vec::with_capacity(MAX_HEADER);
-    loop {
-        line.clear();
-        let n =
-            BufRead::read_until(&mut std::io::Read::take(&mut *stream, MAX_HEADER as u64), b'\n', &mut line)
-                .map_err(|e| TransferFailed::Task(format!("the object stream could not be read: {e}")))?;
-        if n == 0 {
-            return Ok(got);
+    let mut batch: Vec<StagedObject> = Vec::new();
+    let mut batch_bytes = 0u64;
+    let publish = |batch: &mut Vec<StagedObject>, got: &mut Received| -> Result<(), TransferFailed> {
+        let (stored, present) = store.publish_staged(std::mem::take(batch))?;
+        got.stored += stored;
+        got.present += present;
+        Ok(())
+    };
+    let read = (|| -> Result<(), TransferFailed> {
+        let mut line = Vec::with_capacity(MAX_HEADER);
+        loop {
+            line.clear();
+            let n = BufRead::read_until(
+                &mut std::io::Read::take(&mut *stream, MAX_HEADER as u64),
+                b'\n',
+                &mut line,
+            )
+            .map_err(|e| TransferFailed::Task(format!("the object stream could not be read: {e}")))?;
+            if n == 0 {
+                return Ok(());
+            }
+            let text = line.strip_suffix(b"\n").ok_or(protocol::ProtocolError::BadFrame)?;
+            let text = std::str::from_utf8(text).map_err(|_| protocol::ProtocolError::BadFrame)?;
+            let expected = protocol::parse_frame(text)?;
+            let mut body = std::io::Read::take(&mut *stream, expected.size);
+            let staged = store.stage_verified(&expected, &mut body)?;
+            got.bytes += expected.size;
+            batch_bytes += staged.size();
+            batch.push(staged);
+            if batch.len() >= BATCH_OBJECTS || batch_bytes >= BATCH_BYTES {
+                publish(&mut batch, &mut got)?;
+                batch_bytes = 0;
+            }
         }
-        let text = line.strip_suffix(b"\n").ok_or(protocol::ProtocolError::BadFrame)?;
-        let expected =
-            protocol::parse_frame(std::str::from_utf8(text).map_err(|_| protocol::ProtocolError::BadFrame)?)?;
-        let mut body = std::io::Read::take(&mut *stream, expected.size);
-        if store.put_verified(&expected, &mut body)? {
-            got.stored += 1;
-        } else {
-            got.present += 1;
-        }
-        got.bytes += expected.size;
-    }
+    })();
+    // What arrived whole is published even when the stream broke after it.
+    let published = publish(&mut batch, &mut got);
+    read.and(published).map(|()| got)
 }
 
 /// The workspace directory of `ident` on this node, created when it does not exist yet (a

@@ -358,6 +358,62 @@ impl Store {
         self.link_streamed(expected.pool, streamed)
     }
 
+    /// [`Store::put_verified`] without its fsync and link: the object is checked and left in
+    /// its temp file, to be published with others by [`Store::publish_staged`] after one
+    /// `syncfs` (an object stream of many small files pays one flush, not one per object).
+    /// A mismatch publishes nothing, as there.
+    pub fn stage_verified(
+        &self,
+        expected: &Ref,
+        reader: &mut dyn Read,
+    ) -> Result<StagedObject, VersionError> {
+        expected.validate()?;
+        if expected.is_record() && expected.pool != Pool::AgentState {
+            return Err(VersionError::InvalidRef);
+        }
+        if expected.is_record() {
+            record_within_bound(expected)?;
+        }
+        let mut bounded = reader.take(expected.size.saturating_add(1));
+        let streamed = self.stream_temp(expected.pool, &mut bounded)?;
+        if streamed.size != expected.size || streamed.hex != expected.hex() {
+            let arrived = if streamed.size > expected.size {
+                format!("more than {} bytes", expected.size)
+            } else {
+                format!("{} bytes with digest sha256:{}", streamed.size, streamed.hex)
+            };
+            return Err(VersionError::Mismatch {
+                digest: expected.digest.clone(),
+                size: expected.size,
+                arrived,
+            });
+        }
+        Ok(StagedObject { pool: expected.pool, streamed })
+    }
+
+    /// Publishes staged objects: one `syncfs` of the store's filesystem makes all their bytes
+    /// durable, then each is hard-linked to its digest name (an object already there is
+    /// re-hashed, as in [`Store::put_verified`]). A linked object is durable, as after a
+    /// single put. Answers (published now, already present).
+    pub fn publish_staged(&self, staged: Vec<StagedObject>) -> Result<(u64, u64), VersionError> {
+        let Some(first) = staged.first() else { return Ok((0, 0)) };
+        // SAFETY: syncfs takes a descriptor this function borrows for the call; it writes nothing
+        // through it.
+        if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&first.streamed.file)) } != 0 {
+            let path = first.streamed.tmp.0.clone();
+            return Err(io_err("flush the staged objects (syncfs)", &path)(io::Error::last_os_error()));
+        }
+        let (mut stored, mut present) = (0, 0);
+        for object in staged {
+            if self.link_synced(object.pool, object.streamed)? {
+                stored += 1;
+            } else {
+                present += 1;
+            }
+        }
+        Ok((stored, present))
+    }
+
     /// Writes `reader` into a new temp file of `pool`'s blob directory, hashing as it goes,
     /// with holes where the content has whole blocks of zeros: a sparse workspace file costs
     /// the store what it costs the workspace (issue #32). Not yet fsynced nor published.
@@ -387,8 +443,13 @@ impl Store {
     /// there is re-hashed (a mismatch is `Object integrity failure`). Whether this call
     /// published it.
     fn link_streamed(&self, pool: Pool, streamed: Streamed) -> Result<bool, VersionError> {
+        streamed.file.sync_all().map_err(io_err("fsync the temporary object", &streamed.tmp.0))?;
+        self.link_synced(pool, streamed)
+    }
+
+    /// [`Store::link_streamed`] for a temp file whose bytes are durable already.
+    fn link_synced(&self, pool: Pool, streamed: Streamed) -> Result<bool, VersionError> {
         let Streamed { tmp, file, hex, size } = streamed;
-        file.sync_all().map_err(io_err("fsync the temporary object", &tmp.0))?;
         let dir = self.blob_dir(pool);
         let final_path = dir.join(&hex);
         let mut fresh = false;
@@ -447,6 +508,22 @@ impl Store {
             return Err(VersionError::Integrity);
         }
         Ok(VerifiedReader::new(file, &path, r.size, r.hex()))
+    }
+
+    /// The bytes of `r`, read without hashing them again when this process hashed this very
+    /// object since its last change (its stamp is the one remembered: a write moves ctime,
+    /// which userspace cannot set back); through the verifying reader otherwise. For copies
+    /// out of the store of what was just received or written.
+    pub fn open_trusted(&self, r: &Ref) -> Result<Box<dyn Read + Send>, VersionError> {
+        let (file, path) = self.locate(r)?;
+        let meta = file.metadata().map_err(io_err("stat the object", &path))?;
+        if meta.len() != r.size {
+            return Err(VersionError::Integrity);
+        }
+        if self.is_verified(r.pool, r.hex(), &blob_stamp(&meta)) {
+            return Ok(Box::new(file));
+        }
+        Ok(Box::new(VerifiedReader::new(file, &path, r.size, r.hex())))
     }
 
     /// Cheap presence check: a file of the right size in the ref's own pool (content is not
@@ -944,6 +1021,25 @@ struct Streamed {
     size: u64,
 }
 
+/// An object checked against its ref and waiting, unpublished, in its temp file
+/// ([`Store::stage_verified`]); dropped unpublished, its temp file goes.
+pub struct StagedObject {
+    pool: Pool,
+    streamed: Streamed,
+}
+
+impl StagedObject {
+    pub fn size(&self) -> u64 {
+        self.streamed.size
+    }
+}
+
+impl fmt::Debug for StagedObject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagedObject").field("pool", &self.pool).field("hex", &self.streamed.hex).finish()
+    }
+}
+
 /// The stamp of an object this call just linked from `tmp`, taken from the descriptor its
 /// bytes were written through (not by name: whatever holds the name then is not what was
 /// hashed), after the temp name is removed (which changes the inode's ctime). `None` if the
@@ -1152,6 +1248,39 @@ mod tests {
         assert!(pending(&store).is_some(), "a directory left the set with a link its fsync may have missed");
         store.sync_pending().unwrap();
         assert_eq!(pending(&store), None);
+    }
+
+    /// Staged objects are checked as they arrive, published together after one flush, and
+    /// read back without a second hash (their stamps are this process's); one that does not
+    /// match is never staged, and one dropped unpublished leaves no temp file.
+    #[test]
+    fn staged_objects_are_checked_then_published_together() {
+        let (_dir, store) = temp_store();
+        let blob = |b: &[u8]| Ref::new(Pool::Data, &sha256_hex(b), b.len() as u64, OCTET_STREAM);
+        let (a, b, c) = (blob(b"alpha"), blob(b"beta"), blob(b"gamma"));
+        let staged = vec![
+            store.stage_verified(&a, &mut &b"alpha"[..]).unwrap(),
+            store.stage_verified(&b, &mut &b"beta"[..]).unwrap(),
+        ];
+        assert!(!store.has(&a) && !store.has(&b), "nothing is published before the flush");
+        assert!(matches!(store.stage_verified(&c, &mut &b"GAMMA"[..]), Err(VersionError::Mismatch { .. })));
+        let dropped = store.stage_verified(&c, &mut &b"gamma"[..]).unwrap();
+        drop(dropped);
+        assert_eq!(store.publish_staged(staged).unwrap(), (2, 0));
+        assert!(store.has(&a) && store.has(&b) && !store.has(&c));
+        let again = vec![store.stage_verified(&a, &mut &b"alpha"[..]).unwrap()];
+        assert_eq!(store.publish_staged(again).unwrap(), (0, 1), "already present");
+        let names: Vec<String> = fs::read_dir(store.blob_dir(Pool::Data))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names.len(), 2, "no temp file is left: {names:?}");
+        let mut read = Vec::new();
+        store.open_trusted(&a).unwrap().read_to_end(&mut read).unwrap();
+        assert_eq!(read, b"alpha");
+        let before = store.blobs_reverified();
+        store.validate_closure(&a).unwrap();
+        assert_eq!(store.blobs_reverified(), before, "an object this process hashed is trusted");
     }
 
     /// Objects copied from another node are published only when they are what their ref
