@@ -446,3 +446,19 @@ async fn runnerctl_pushes_locates_and_restores_a_version_from_history() {
     let (code, _, err) = runnerctl(&a, &["workspace", "where"]);
     assert_eq!(code, 1, "{err}");
 }
+
+#[tokio::test]
+async fn a_push_goes_only_to_the_configured_peers() {
+    let b = node(3600);
+    let a = Server::start_with(ServerOptions {
+        env: vec![("SCIENCE_AGENT_TRANSFER_PEERS".into(), format!("http://127.0.0.1:1, {}", url(&b)))],
+        ..ServerOptions::default()
+    });
+    let key = "moves/peers";
+    shell(&a, key, "echo x > f").await;
+    let (status, refused) = push(&a, json!({"workspace": key, "to": "http://127.0.0.2:4311"})).await;
+    assert_eq!((status, refused["code"].clone()), (403, json!("peer_not_allowed")), "{refused}");
+    assert_eq!(where_is(&a, &format!("workspace={key}")).await["fenced"], false);
+    let (status, moved) = push(&a, json!({"workspace": key, "to": url(&b)})).await;
+    assert_eq!(status, 200, "{moved}");
+}

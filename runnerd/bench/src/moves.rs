@@ -18,7 +18,11 @@
 //! `RUNNERD_BENCH_MOVE_PERF="record -g -o FILE"` (any perf arguments; `-p <target's pid>`
 //! is added) runs perf on the target runnerd during the push `RUNNERD_BENCH_MOVE_PERF_CASE`
 //! names (`b`, `c` or `d`; `b` unless set). That push's timing then includes perf's cost.
-//! Figures only, never pass/fail. Replication to an object store is not measured here.
+//! * With `RUNNERD_BENCH_REPLICA_ENDPOINT` and `_BUCKET` (scripts/bench starts a local
+//!   SeaweedFS and sets them when `weed` is installed): a third runnerd replicating to that
+//!   store; five 1 MiB commits, each's lag from its answer until `/health` shows it sent.
+//!
+//! Figures only, never pass/fail.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -424,8 +428,59 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
         if same { "yes" } else { "no" }
     );
     println!("    (c) changed `{small}`: {percent:.4} % of the bytes sent (target ≤ 1 %)");
+    replication_lag(init).await
+}
+
+/// The lag of 1 MiB commits to the object store named by `RUNNERD_BENCH_REPLICA_*`.
+async fn replication_lag(init: &Path) -> anyhow::Result<()> {
+    let (Ok(endpoint), Ok(bucket)) =
+        (std::env::var("RUNNERD_BENCH_REPLICA_ENDPOINT"), std::env::var("RUNNERD_BENCH_REPLICA_BUCKET"))
+    else {
+        println!(
+            "  replication lag after a 1 MiB commit (target ≤ 2 s): not measured (no RUNNERD_BENCH_REPLICA_ENDPOINT)"
+        );
+        return Ok(());
+    };
+    let env = [
+        ("SCIENCE_AGENT_REPLICA_ENDPOINT", endpoint.as_str()),
+        ("SCIENCE_AGENT_REPLICA_BUCKET", bucket.as_str()),
+        ("SCIENCE_AGENT_REPLICA_PREFIX", "bench/"),
+    ];
+    let daemon = start_runnerd_with(init, "move-r", &env)?;
+    let client = RunnerClient::new(daemon.endpoint.clone(), BENCH_TOKEN);
+    http_once(&client, "bench/lag").await?;
+    let mut lags = Vec::new();
+    for i in 0..5 {
+        let before = client.get("/health").await?.json()["replication"]["replications"].as_u64().unwrap_or(0);
+        let code = format!("head -c 1048576 /dev/urandom > blob-{i}");
+        let body = json!({
+            "agentId": "bench", "code": code, "executionId": new_execution_id(),
+            "permissionEpoch": permission_epoch("bench/lag"), "runnerWorkspaceKey": "bench/lag",
+        });
+        let reply = client.post_signed("/execute-shell", &body).await?;
+        if reply.status != 200 {
+            bail!("the 1 MiB commit answered {}: {}", reply.status, String::from_utf8_lossy(&reply.body));
+        }
+        let answered = Instant::now();
+        loop {
+            let r = client.get("/health").await?.json()["replication"].clone();
+            if r["pending"] == 0 && r["replications"].as_u64().unwrap_or(0) > before {
+                lags.push(answered.elapsed());
+                break;
+            }
+            if answered.elapsed() > Duration::from_secs(60) {
+                bail!("the commit was not replicated within 60 s: {r}");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let shown: Vec<String> = lags.iter().map(|l| format!("{:.0}", l.as_secs_f64() * 1000.0)).collect();
+    lags.sort();
     println!(
-        "  replication lag after a 1 MiB commit (target ≤ 2 s): not measured here (no object store replica yet)"
+        "  replication lag after a 1 MiB commit (target ≤ 2 s), {endpoint}: p50 {:.0} ms, max {:.0} ms (each: {} ms)",
+        lags[lags.len() / 2].as_secs_f64() * 1000.0,
+        lags[lags.len() - 1].as_secs_f64() * 1000.0,
+        shown.join(", ")
     );
     Ok(())
 }

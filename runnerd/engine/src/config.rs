@@ -75,6 +75,9 @@ pub struct RunnerConfig {
     /// Ours (issue #34): how long a copy that moved to another node keeps its files before
     /// they are removed (`crate::transfer::sweep`).
     pub moved_grace_secs: u64,
+    /// Ours (issue #34): the node URLs a push may send a workspace to (empty: any). A push
+    /// carries the fleet's token to its target, so a fleet names its nodes here.
+    pub transfer_peers: Vec<String>,
     /// Ours: replication to an S3-compatible object store (`crate::replica`); `None`: off.
     pub replica: Option<crate::replica::ReplicaSettings>,
     /// Ours (`SCIENCE_AGENT_NODE_URL`): the URL other nodes and the object store's head
@@ -212,6 +215,7 @@ impl RunnerConfig {
                 crate::transfer::sweep::GRACE_VAR,
                 crate::transfer::sweep::DEFAULT_GRACE_SECS,
             )?,
+            transfer_peers: vars.transfer_peers()?,
             replica,
             node_url,
         })
@@ -254,6 +258,22 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
             watches: self.positive(crate::journal::WATCHES_VAR, crate::journal::DEFAULT_WATCHES)?,
             files: self.positive(crate::journal::FILES_VAR, crate::journal::DEFAULT_FILES)?,
         })
+    }
+
+    /// The node URLs a push may target, each normalised as a node is named.
+    fn transfer_peers(&self) -> Result<Vec<String>, ConfigError> {
+        let var = crate::transfer::protocol::PEERS_VAR;
+        let Some(list) = self.get(var) else { return Ok(Vec::new()) };
+        list.split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                crate::transfer::protocol::node_url(p).ok_or_else(|| ConfigError::Invalid {
+                    name: var.to_owned(),
+                    reason: format!("{p:?} is not an http://host:port node URL"),
+                })
+            })
+            .collect()
     }
 
     /// Version history: retention, collection interval, the disk's free-space floor.
@@ -339,6 +359,7 @@ pub static SCHEMA: Schema = Schema {
         Key::new("history_gc_free_percent", crate::history::FREE_PERCENT_VAR, Kind::Integer),
         Key::new("history_gc_grace_secs", crate::history::GRACE_VAR, Kind::Integer),
         Key::new("moved_workspace_grace_secs", crate::transfer::sweep::GRACE_VAR, Kind::Integer),
+        Key::new("transfer_peers", crate::transfer::protocol::PEERS_VAR, Kind::Text),
         Key::new("package_cache_dir", crate::envs::settings::PACKAGE_CACHE_VAR, Kind::Text),
         Key::new("starter_python_specs", crate::envs::settings::STARTER_PYTHON_VAR, Kind::Text),
         Key::new("starter_r_specs", crate::envs::settings::STARTER_R_VAR, Kind::Text),
@@ -516,6 +537,8 @@ impl Loaded {
                     "history_gc_free_percent" => c.history.free_percent.to_string(),
                     "history_gc_grace_secs" => c.history.grace_secs.to_string(),
                     "moved_workspace_grace_secs" => c.moved_grace_secs.to_string(),
+                    "transfer_peers" if c.transfer_peers.is_empty() => "unset (any node)".to_owned(),
+                    "transfer_peers" => c.transfer_peers.join(","),
                     "replica_endpoint" => c
                         .replica
                         .as_ref()

@@ -184,6 +184,17 @@ fn installed_json(ident: &Ident, installed: &receive::Installed) -> Value {
 /// again. The fence is set only once the target has said it holds this head at this epoch.
 pub async fn push(app: &Arc<App>, token: &str, body: &[u8]) -> Result<ApiResponse, ApiError> {
     let req = protocol::push_request(&protocol::object(body)?)?;
+    let peers = &app.config.transfer_peers;
+    if !peers.is_empty() && !peers.contains(&req.to) {
+        return Err(ApiError::with_status(
+            403,
+            "peer_not_allowed",
+            format!(
+                "{} is not among this node's transfer_peers; a push carries the fleet's token to its target",
+                req.to
+            ),
+        ));
+    }
     let out = outgoing::prepare(app, &req.ident, &req.to).await?;
     let peer = Peer::new(&req.to, token);
     let lacking = peer.missing(&out.objects).await.map_err(peer_err)?;

@@ -7,6 +7,9 @@ use serde_json::{Map, Value};
 use super::ident::{Ident, IdentError};
 use crate::versioning::{Pool, Ref};
 
+/// The node URLs a push may target (`transfer_peers`; unset: any).
+pub const PEERS_VAR: &str = "SCIENCE_AGENT_TRANSFER_PEERS";
+
 /// The most refs one `missing` question may carry (a 2,000,000-byte body holds ~12,000).
 pub const MAX_ASKED: usize = 10_000;
 /// The most bytes one object in a stream may declare: the store's own bound on a file is

@@ -12,11 +12,10 @@ use super::protocol::{self, MAX_HEADER};
 use super::{Ident, TransferFailed, blocking};
 use crate::app::App;
 use crate::error::EngineError;
-use crate::versioning::snapshot::SnapshotScope;
 use crate::versioning::store::{StagedObject, Store};
 use crate::versioning::{Ref, names::new_uuid_v4};
 use crate::workspace;
-use runner_store::transfer::{TransferError, budget, materialize};
+use runner_store::transfer::{TransferError, budget, materialize, verify};
 
 /// Where materialized trees wait before they are swapped into their workspace: under the data
 /// directory, so the swap is a rename on one filesystem.
@@ -204,16 +203,9 @@ pub async fn install(
         fits(store, &tree, quota, &staging_parent)?;
         let staged = Staged::make(&staging_parent)?;
         let made = materialize::materialize(store, &tree, staged.dir.as_fd(), owner)?;
-        // What the workspace will hold must snapshot to the tree itself (a tree whose entries
-        // are out of order would not), within the quota, before the live copy is touched.
-        let scope = SnapshotScope { canonical: None, max_bytes: quota, reuse: None };
-        let seen = store.snapshot_scoped(&crate::fsat::pinned_dir(&staged.dir), &scope)?;
-        if seen.digest != tree.digest {
-            return Err(TransferFailed::Store(TransferError::TreeMismatch {
-                expected: tree.digest.clone(),
-                found: seen.digest,
-            }));
-        }
+        // What the workspace will hold must be what a snapshot records as the tree itself (a
+        // tree whose entries are out of order would not be), before the live copy is touched.
+        verify::matches_tree(store, &tree, staged.dir.as_fd())?;
         Ok((tree, (staged, made)))
     })
     .await?;

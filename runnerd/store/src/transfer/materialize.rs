@@ -419,6 +419,44 @@ mod tests {
             materialize(&store, &tree, open(&out).as_fd(), None)
                 .is_err_and(|e| matches!(e, TransferError::NotEmpty))
         );
+
+        // The structural check agrees with the snapshot, and finds each kind of difference.
+        let verify = |store: &Store| super::super::verify::matches_tree(store, &tree, open(&out).as_fd());
+        verify(&store).unwrap();
+        let differs = |what: &str, change: &dyn Fn(), undo: &dyn Fn()| {
+            change();
+            assert!(
+                matches!(verify(&store), Err(TransferError::TreeMismatch { .. })),
+                "{what} went unnoticed"
+            );
+            undo();
+            verify(&store).unwrap();
+        };
+        let chmod =
+            |p: &str, m: u32| fs::set_permissions(out.join(p), fs::Permissions::from_mode(m)).unwrap();
+        differs("an execute bit", &|| chmod("README.md", 0o755), &|| chmod("README.md", 0o644));
+        differs("a size", &|| fs::write(out.join("a/b/c/deep.txt"), b"deeper").unwrap(), &|| {
+            fs::write(out.join("a/b/c/deep.txt"), b"deep").unwrap()
+        });
+        differs("an extra file", &|| fs::write(out.join("empty/new"), b"").unwrap(), &|| {
+            fs::remove_file(out.join("empty/new")).unwrap()
+        });
+        let relink = |to: &str| {
+            fs::remove_file(out.join("dangling")).unwrap();
+            symlink(to, out.join("dangling")).unwrap();
+        };
+        differs("a link target", &|| relink("elsewhere"), &|| relink("nowhere/at/all"));
+        differs(
+            "a kind",
+            &|| {
+                fs::remove_dir(out.join("empty")).unwrap();
+                fs::write(out.join("empty"), b"").unwrap();
+            },
+            &|| {
+                fs::remove_file(out.join("empty")).unwrap();
+                fs::create_dir(out.join("empty")).unwrap();
+            },
+        );
     }
 
     #[test]

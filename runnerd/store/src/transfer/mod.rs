@@ -13,6 +13,7 @@ pub mod closure;
 pub mod materialize;
 mod nested;
 pub mod placement;
+pub mod verify;
 
 /// Everything that can go wrong moving a workspace.
 #[derive(Debug, thiserror::Error)]
