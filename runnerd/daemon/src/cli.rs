@@ -232,9 +232,9 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     if config.port == 0
         && config.socket_path.is_none()
         && loaded.settings.origin(crate::replica::settings::NODE_URL_VAR) == common::settings::Origin::Default
-        && !address.starts_with("unix:")
+        && address.starts_with("http://")
     {
-        config.node_url = format!("http://{address}");
+        config.node_url = address.clone();
     }
     let usable = sandbox.capability.sandbox_usable;
     let versions = open_versions(&config).await?;

@@ -47,7 +47,8 @@ pub async fn restore(
     // The bucket names this node now, unless another restore raised it meanwhile: then this
     // copy is the older one, and it is fenced as replication would fence it.
     let now = replica.read_head(ident).await.map_err(TransferFailed::Replica)?;
-    if let Some(newer) = now.filter(|d| d.epoch >= epoch) {
+    // (This node's own replicator may have written the document at this epoch already.)
+    if let Some(newer) = now.filter(|d| d.epoch > epoch || (d.epoch == epoch && d.node != replica.node)) {
         app.versions.placement().fence(&canonical, newer.epoch, &newer.node, crate::timefmt::now_ms())?;
         return Err(TransferFailed::Stale { ident: ident.to_string(), local: epoch, offered: newer.epoch });
     }

@@ -238,8 +238,28 @@ pub async fn install(
     .await?;
     let (head, epoch) = match how {
         Install::SameHead { epoch, .. } => {
-            app.versions.commit_imported(&writer, head, &tree).await?;
-            app.versions.placement().set_epoch(&canonical, epoch)?;
+            // The epoch first: the commit wakes the replicator, which must find this copy at
+            // its new epoch (at the old one, the bucket's document would look newer and the
+            // replicator would fence the copy that just arrived). Put back if the commit fails.
+            let placement = app.versions.placement();
+            let before = placement.get(&canonical)?;
+            placement.set_epoch(&canonical, epoch)?;
+            if let Err(e) = app.versions.commit_imported(&writer, head, &tree).await {
+                let restored = match before {
+                    Some(p) if p.moved_to.is_some() => placement.fence(
+                        &canonical,
+                        p.epoch,
+                        p.moved_to.as_deref().unwrap_or_default(),
+                        p.fenced_at_ms.unwrap_or_else(crate::timefmt::now_ms),
+                    ),
+                    Some(p) => placement.set_epoch(&canonical, p.epoch),
+                    None => placement.set_epoch(&canonical, 0),
+                };
+                if let Err(again) = restored {
+                    tracing::error!(event = "placement_not_restored", workspace = %canonical.display(), error = %crate::error_chain(&again));
+                }
+                return Err(e.into());
+            }
             (head.clone(), epoch)
         }
         Install::Restored => {

@@ -152,7 +152,9 @@ impl Placement {
     }
 
     /// Fences the copy here: it moved to `moved_to`, which holds `epoch` now; writes here are
-    /// refused and its files are removed once the grace period has passed.
+    /// refused and its files are removed once the grace period has passed. Never below the
+    /// epoch held: a fence decided on an older reading (a replication that read the epoch
+    /// before an import raised it) changes nothing.
     pub fn fence(
         &self,
         canonical: &Path,
@@ -164,7 +166,8 @@ impl Placement {
             "fence a workspace",
             "INSERT INTO placement(path, epoch, moved_to, fenced_at_ms) VALUES(?1, ?2, ?3, ?4)
              ON CONFLICT(path) DO UPDATE SET epoch = excluded.epoch, moved_to = excluded.moved_to,
-                 fenced_at_ms = excluded.fenced_at_ms, removed_at_ms = NULL",
+                 fenced_at_ms = excluded.fenced_at_ms, removed_at_ms = NULL
+             WHERE excluded.epoch >= placement.epoch",
             params![key(canonical)?, to_sql(epoch), moved_to, to_sql(now_ms)],
         )
     }
@@ -320,6 +323,21 @@ mod tests {
         std::fs::write(&target, b"").unwrap();
         std::fs::hard_link(&target, dir.path().join(PLACEMENT_DIR).join(PLACEMENT_DB)).unwrap();
         assert!(matches!(Placement::open(dir.path()), Err(TransferError::Planted { .. })));
+    }
+
+    /// A fence decided on an older reading (epoch 1, after an import raised it to 2) does
+    /// not lower the epoch or fence the copy; one at the epoch held or above does.
+    #[test]
+    fn a_fence_never_lowers_the_epoch() {
+        let (_dir, placement) = placement();
+        let ws = Path::new("/data/remote-workspaces/late");
+        placement.set_epoch(ws, 2).unwrap();
+        placement.fence(ws, 1, "http://old:1", 5).unwrap();
+        let p = placement.get(ws).unwrap().unwrap();
+        assert_eq!((p.epoch, p.moved_to), (2, None));
+        placement.fence(ws, 3, "http://new:1", 6).unwrap();
+        let p = placement.get(ws).unwrap().unwrap();
+        assert_eq!((p.epoch, p.moved_to.as_deref()), (3, Some("http://new:1")));
     }
 
     #[test]
