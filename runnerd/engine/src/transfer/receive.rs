@@ -38,7 +38,7 @@ pub struct Received {
 
 /// Objects staged before one flush publishes them, and the bytes (bounded: each holds an
 /// open temp file until then).
-const BATCH_OBJECTS: usize = 512;
+const BATCH_OBJECTS: usize = 256;
 const BATCH_BYTES: u64 = 128 << 20;
 
 /// Reads frames (`<pool> <hex> <size>\n` then the bytes) until the stream ends at a frame
