@@ -162,42 +162,86 @@ pub fn checked_tree(store: &Store, head: &Ref) -> Result<Ref, TransferFailed> {
 
 /// Makes `head` (whose closure is all here) the copy of `ident` on this node: refuses a
 /// stale epoch, a workspace a managed run holds or this node is sending, materializes the
-/// tree into a staging directory and checks that its snapshot is that very tree (within the
-/// quota), then under the writer lease empties the workspace, moves the tree in and commits.
-/// A failure before the swap leaves the workspace and its head as they were.
-pub async fn install(
-    app: &Arc<App>,
-    ident: &Ident,
-    head: &Ref,
-    how: Install,
-) -> Result<Installed, TransferFailed> {
+/// tree into a staging directory and checks it by structure against the tree, then under the
+/// writer lease (the refusals checked again) empties the workspace, moves the tree in and
+/// commits. A failure before the swap leaves the workspace and its head as they were.
+pub async fn install(app: &Arc<App>, ident: &Ident, head: &Ref, how: Install) -> Result<Installed, TransferFailed> {
     let (canonical, pinned) = ensure_workspace(app, ident)?;
-    let refusals = |app: &App| -> Result<(), TransferFailed> {
-        if app.moves.get(&canonical).is_some() {
-            return Err(TransferFailed::Sending { ident: ident.to_string() });
-        }
-        if app.managed.holds(&canonical) {
-            return Err(TransferFailed::Busy { ident: ident.to_string() });
-        }
-        if let Install::SameHead { epoch, replace_live } = how {
-            refuse_stale(app, ident, &canonical, epoch)?;
-            if !replace_live && live_copy(app, &canonical, &pinned, head)? {
-                return Err(TransferFailed::Exists { ident: ident.to_string() });
-            }
-        }
-        Ok(())
+    let here = Here { ident, canonical: &canonical, pinned: &pinned };
+    refusals(app, &here, head, how)?;
+    let (tree, staged, materialized) = stage(app, head, &pinned).await?;
+    let writer_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
+    let writer = match how {
+        // A restore from this node's history writes into this copy: a fenced one refuses it.
+        Install::Restored => app.versions.begin(&canonical, writer_pin, None).await,
+        Install::SameHead { .. } => app.versions.begin_import(&canonical, writer_pin, None).await,
     };
-    refusals(app)?;
+    let checked = writer.map_err(TransferFailed::from).and_then(|w| {
+        // Checked again under the lease: another install or a run may have won meanwhile.
+        refusals(app, &here, head, how)?;
+        Ok(w)
+    });
+    let writer = match checked {
+        Ok(w) => w,
+        Err(e) => {
+            discard(staged).await;
+            return Err(e);
+        }
+    };
+    let root = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
+    blocking(move || {
+        materialize::swap_in(staged.dir.as_fd(), root.as_fd())?;
+        drop(staged);
+        Ok(())
+    })
+    .await?;
+    let (head, epoch) = commit_head(app, &writer, &canonical, head, &tree, how).await?;
+    drop(writer);
+    Ok(Installed { canonical, head, tree, epoch, materialized })
+}
+
+/// The workspace an install writes: its name, canonical path and pinned directory.
+struct Here<'a> {
+    ident: &'a Ident,
+    canonical: &'a Path,
+    pinned: &'a OwnedFd,
+}
+
+/// Why an install must not go ahead (checked before staging and again under the lease).
+fn refusals(app: &App, here: &Here<'_>, head: &Ref, how: Install) -> Result<(), TransferFailed> {
+    let ident = || here.ident.to_string();
+    if app.moves.get(here.canonical).is_some() {
+        return Err(TransferFailed::Sending { ident: ident() });
+    }
+    if app.managed.holds(here.canonical) {
+        return Err(TransferFailed::Busy { ident: ident() });
+    }
+    if let Install::SameHead { epoch, replace_live } = how {
+        refuse_stale(app, here.ident, here.canonical, epoch)?;
+        if !replace_live && live_copy(app, here.canonical, here.pinned, head)? {
+            return Err(TransferFailed::Exists { ident: ident() });
+        }
+    }
+    Ok(())
+}
+
+/// The head's tree checked and written into a staging directory of its own, and checked
+/// there by structure, off the async threads.
+async fn stage(
+    app: &Arc<App>,
+    head: &Ref,
+    pinned: &OwnedFd,
+) -> Result<(Ref, Staged, materialize::Materialized), TransferFailed> {
     let versions = app.versions.clone();
-    let (head_c, owner) = (head.clone(), owner_of(&pinned));
+    let (head, owner) = (head.clone(), owner_of(pinned));
     let (staging_parent, quota) = (app.data_dir.clone(), app.config.max_workspace_bytes);
-    let nested_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
-    let (tree, staged) = blocking(move || {
+    let live = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
+    blocking(move || {
         let store = versions.store();
-        let tree = checked_tree(store, &head_c)?;
+        let tree = checked_tree(store, &head)?;
         // Workspaces nested in this one keep their files and leases inside it: emptying it
         // would take theirs too.
-        if materialize::contains_nested(nested_pin.as_fd())? {
+        if materialize::contains_nested(live.as_fd())? {
             return Err(TransferFailed::Nested);
         }
         fits(store, &tree, quota, &staging_parent)?;
@@ -206,70 +250,42 @@ pub async fn install(
         // What the workspace will hold must be what a snapshot records as the tree itself (a
         // tree whose entries are out of order would not be), before the live copy is touched.
         verify::matches_tree(store, &tree, staged.dir.as_fd())?;
-        Ok((tree, (staged, made)))
+        Ok((tree, staged, made))
     })
-    .await?;
-    let (staged, materialized) = staged;
-    let writer_pin = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
-    let writer = match how {
-        // A restore from this node's history writes into this copy: a fenced one refuses it.
-        Install::Restored => app.versions.begin(&canonical, writer_pin, None).await,
-        Install::SameHead { .. } => app.versions.begin_import(&canonical, writer_pin, None).await,
-    };
-    let writer = match writer {
-        Ok(w) => w,
-        Err(e) => {
-            discard(staged).await;
-            return Err(e.into());
-        }
-    };
-    // Checked again under the lease: another install or a run may have won meanwhile.
-    if let Err(e) = refusals(app) {
-        drop(writer);
-        discard(staged).await;
-        return Err(e);
-    }
-    let root = pinned.try_clone().map_err(|e| TransferFailed::Task(e.to_string()))?;
-    blocking(move || {
-        materialize::swap_in(staged.dir.as_fd(), root.as_fd())?;
-        drop(staged);
-        Ok(())
-    })
-    .await?;
-    let (head, epoch) = match how {
+    .await
+}
+
+/// Commits the installed files: the same head at its epoch, or a `workspace-restore`.
+async fn commit_head(
+    app: &Arc<App>,
+    writer: &crate::writer::Writer,
+    canonical: &Path,
+    head: &Ref,
+    tree: &Ref,
+    how: Install,
+) -> Result<(Ref, u64), TransferFailed> {
+    match how {
         Install::SameHead { epoch, .. } => {
             // The epoch first: the commit wakes the replicator, which must find this copy at
             // its new epoch (at the old one, the bucket's document would look newer and the
             // replicator would fence the copy that just arrived). Put back if the commit fails.
             let placement = app.versions.placement();
-            let before = placement.get(&canonical)?;
-            placement.set_epoch(&canonical, epoch)?;
-            if let Err(e) = app.versions.commit_imported(&writer, head, &tree).await {
-                let restored = match before {
-                    Some(p) if p.moved_to.is_some() => placement.fence(
-                        &canonical,
-                        p.epoch,
-                        p.moved_to.as_deref().unwrap_or_default(),
-                        p.fenced_at_ms.unwrap_or_else(crate::timefmt::now_ms),
-                    ),
-                    Some(p) => placement.set_epoch(&canonical, p.epoch),
-                    None => placement.set_epoch(&canonical, 0),
-                };
-                if let Err(again) = restored {
+            let before = placement.get(canonical)?;
+            placement.set_epoch(canonical, epoch)?;
+            if let Err(e) = app.versions.commit_imported(writer, head, tree).await {
+                if let Err(again) = placement.put_back(canonical, before.as_ref()) {
                     tracing::error!(event = "placement_not_restored", workspace = %canonical.display(), error = %crate::error_chain(&again));
                 }
                 return Err(e.into());
             }
-            (head.clone(), epoch)
+            Ok((head.clone(), epoch))
         }
         Install::Restored => {
-            app.versions.commit_mutation(&writer, "workspace-restore", None, true).await?;
-            let head = app.versions.head(&canonical)?.ok_or(TransferFailed::NotAHead)?;
-            (head, local_epoch(app, &canonical)?)
+            app.versions.commit_mutation(writer, "workspace-restore", None, true).await?;
+            let head = app.versions.head(canonical)?.ok_or(TransferFailed::NotAHead)?;
+            Ok((head, local_epoch(app, canonical)?))
         }
-    };
-    drop(writer);
-    Ok(Installed { canonical, head, tree, epoch, materialized })
+    }
 }
 
 /// The most entries a tree may bring (files, directories, links): beyond any real workspace,

@@ -172,6 +172,23 @@ impl Placement {
         )
     }
 
+    /// Puts a row back as it was read (`None`: none), its replication kept: what an import
+    /// that raised the epoch and then failed to commit undoes.
+    pub fn put_back(&self, canonical: &Path, was: Option<&Placed>) -> Result<(), TransferError> {
+        let ms = |v: Option<u64>| v.map(to_sql);
+        let (epoch, moved_to, fenced_at, removed_at) = match was {
+            Some(p) => (p.epoch, p.moved_to.as_deref(), ms(p.fenced_at_ms), ms(p.removed_at_ms)),
+            None => (0, None, None, None),
+        };
+        self.execute(
+            "put a workspace's placement back",
+            "INSERT INTO placement(path, epoch, moved_to, fenced_at_ms, removed_at_ms) VALUES(?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(path) DO UPDATE SET epoch = excluded.epoch, moved_to = excluded.moved_to,
+                 fenced_at_ms = excluded.fenced_at_ms, removed_at_ms = excluded.removed_at_ms",
+            params![key(canonical)?, to_sql(epoch), moved_to, fenced_at, removed_at],
+        )
+    }
+
     /// Fenced copies fenced before `before_ms` whose files are not removed yet.
     pub fn due_for_removal(&self, before_ms: u64) -> Result<Vec<PathBuf>, TransferError> {
         let sql = |source| TransferError::Sql { what: "list fenced workspaces", source };
@@ -323,6 +340,22 @@ mod tests {
         std::fs::write(&target, b"").unwrap();
         std::fs::hard_link(&target, dir.path().join(PLACEMENT_DIR).join(PLACEMENT_DB)).unwrap();
         assert!(matches!(Placement::open(dir.path()), Err(TransferError::Planted { .. })));
+    }
+
+    /// A row put back is the row that was read, whatever the epoch since.
+    #[test]
+    fn a_row_is_put_back_as_it_was() {
+        let (_dir, placement) = placement();
+        let ws = Path::new("/data/remote-workspaces/back");
+        placement.fence(ws, 4, "http://there:1", 7).unwrap();
+        let was = placement.get(ws).unwrap();
+        placement.set_epoch(ws, 9).unwrap();
+        placement.put_back(ws, was.as_ref()).unwrap();
+        assert_eq!(placement.get(ws).unwrap(), was);
+        let fresh = Path::new("/data/remote-workspaces/fresh");
+        placement.set_epoch(fresh, 3).unwrap();
+        placement.put_back(fresh, None).unwrap();
+        assert_eq!(placement.get(fresh).unwrap().map(|p| (p.epoch, p.moved_to)), Some((0, None)));
     }
 
     /// A fence decided on an older reading (epoch 1, after an import raised it to 2) does
