@@ -165,7 +165,12 @@ pub fn checked_tree(store: &Store, head: &Ref) -> Result<Ref, TransferFailed> {
 /// tree into a staging directory and checks it by structure against the tree, then under the
 /// writer lease (the refusals checked again) empties the workspace, moves the tree in and
 /// commits. A failure before the swap leaves the workspace and its head as they were.
-pub async fn install(app: &Arc<App>, ident: &Ident, head: &Ref, how: Install) -> Result<Installed, TransferFailed> {
+pub async fn install(
+    app: &Arc<App>,
+    ident: &Ident,
+    head: &Ref,
+    how: Install,
+) -> Result<Installed, TransferFailed> {
     let (canonical, pinned) = ensure_workspace(app, ident)?;
     let here = Here { ident, canonical: &canonical, pinned: &pinned };
     refusals(app, &here, head, how)?;
