@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::client::RunnerClient;
+use runnerd::transfer::Ident;
 
 /// How often a long push's progress is printed.
 const PROGRESS_EVERY: Duration = Duration::from_secs(2);
@@ -18,21 +19,12 @@ pub struct Target<'a> {
 }
 
 impl Target<'_> {
-    fn json(&self) -> Result<Value, String> {
+    /// The workspace, checked here as runnerd checks it.
+    fn ident(&self) -> Result<Ident, String> {
         match (self.key, self.project) {
-            (Some(key), None) => Ok(json!({"workspace": key})),
-            (None, Some(path)) => Ok(json!({"project": path})),
+            (Some(key), None) => Ident::remote(key).map_err(|e| e.to_string()),
+            (None, Some(path)) => Ident::project(path).map_err(|e| e.to_string()),
             _ => Err("name the workspace: a remote workspace KEY, or --project PATH (not both)".into()),
-        }
-    }
-
-    fn query(&self) -> String {
-        // Keys and project paths are `[A-Za-z0-9._-/]` (runnerd refuses anything else), which
-        // a query carries as it is.
-        match (self.key, self.project) {
-            (Some(key), _) => format!("workspace={key}"),
-            (_, Some(path)) => format!("project={path}"),
-            _ => String::new(),
         }
     }
 }
@@ -50,13 +42,14 @@ pub async fn run(
     target: Target<'_>,
     args: Args<'_>,
 ) -> anyhow::Result<i32> {
-    let mut body = target.json().map_err(anyhow::Error::msg)?;
+    let ident = target.ident().map_err(anyhow::Error::msg)?;
+    let mut body = ident.to_json();
     // Each request its own: a retry signed at the same timestamp is not refused as a replay.
     body["requestId"] = json!(runner_store::versioning::new_uuid_v4());
     // The client has no clock offset yet: one cheap request learns it from `Date`.
     let _ = client.raw("GET", "/health", &[], Vec::new()).await;
     let reply = match sub {
-        "where" => client.get(&format!("/workspace-transfer/where?{}", target.query())).await?,
+        "where" => client.get(&format!("/workspace-transfer/where?{}", ident.query())).await?,
         "push" => {
             let to = args.to.ok_or_else(|| anyhow::anyhow!("push needs --to URL (the target runnerd)"))?;
             body["to"] = json!(to);
@@ -65,7 +58,7 @@ pub async fn run(
             loop {
                 tokio::select! {
                     reply = &mut pushing => break reply?,
-                    _ = tokio::time::sleep(PROGRESS_EVERY) => progress(client, &target).await,
+                    _ = tokio::time::sleep(PROGRESS_EVERY) => progress(client, &ident).await,
                 }
             }
         }
@@ -94,8 +87,8 @@ pub async fn run(
 }
 
 /// One progress line from the move in flight (nothing when none is reported yet).
-async fn progress(client: &RunnerClient, target: &Target<'_>) {
-    let Ok(reply) = client.get(&format!("/workspace-transfer/where?{}", target.query())).await else {
+async fn progress(client: &RunnerClient, ident: &Ident) {
+    let Ok(reply) = client.get(&format!("/workspace-transfer/where?{}", ident.query())).await else {
         return;
     };
     let t = &reply.json()["transfer"];

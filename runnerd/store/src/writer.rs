@@ -496,6 +496,13 @@ impl Versions {
         if fence == Fence::Pass {
             return Ok(());
         }
+        self.fenced(canonical)
+    }
+
+    /// [`WriteError::Fenced`] when the workspace moved to another node (a placement that
+    /// cannot be read refuses too): for work that writes a workspace without this store's
+    /// lease (an NPU job) or is refused before it queues (a managed run).
+    pub fn fenced(&self, canonical: &Path) -> Result<(), WriteError> {
         match self.placement.get(canonical)? {
             Some(placed) => match placed.moved_to {
                 Some(moved_to) => Err(WriteError::Fenced { moved_to, epoch: placed.epoch }),

@@ -14,7 +14,7 @@ pub mod request;
 mod resources;
 pub mod skills;
 pub mod stream;
-pub mod transfer;
+mod transfer;
 mod versioning;
 
 use std::sync::Arc;

@@ -79,7 +79,8 @@ pub async fn submit(app: &App, body: &[u8]) -> Result<ApiResponse, ApiError> {
         return Err(ApiError::bad_request("invalid_workspace_key", "Invalid remote workspace key"));
     }
     let workspace_root = exec::locate(app, &request::workspace_ref(&obj))?.root;
-    super::transfer::refuse_fenced(app, &workspace_root)?;
+    // The broker runs jobs in the workspace without the writer lease: a moved one refuses here.
+    app.versions.fenced(&workspace_root).map_err(ApiError::from_write)?;
     let text = |name: &str| request::string(&obj, name).map(str::to_owned);
     let submission = Submission {
         session_id: text("sessionId"),

@@ -245,11 +245,7 @@ fn holds(answer: &Value, head: &Ref, epoch: u64) -> bool {
 /// live, and the target's copy, if its commit is still running, is refused by the next
 /// push's epoch or fenced by replication).
 async fn confirmed(peer: &Peer, ident: &Ident, out: &outgoing::Outgoing) -> Option<Value> {
-    let query = match ident {
-        Ident::Remote(key) => format!("workspace={key}"),
-        Ident::Project(path) => format!("project={path}"),
-    };
-    let answer = peer.get(&format!("/workspace-transfer/where?{query}")).await.ok()?;
+    let answer = peer.get(&format!("/workspace-transfer/where?{}", ident.query())).await.ok()?;
     let held = holds(&answer, &out.head, out.epoch) && answer["fenced"] == json!(false);
     tracing::warn!(event = "workspace_move_unconfirmed", workspace = %ident, to = %peer.url, confirmed = held);
     held.then_some(answer)
@@ -343,19 +339,6 @@ async fn local_version(app: &Arc<App>, ident: &Ident, digest: &str) -> Result<Re
             format!("{ident} has no version {digest} in this node's history"),
         )
     })
-}
-
-/// 409 `workspace_moved` when the workspace at `root` moved to another node (for routes that
-/// write without the writer lease: NPU jobs). A placement that cannot be read refuses too.
-pub fn refuse_fenced(app: &App, root: &std::path::Path) -> Result<(), ApiError> {
-    match app.versions.placement().get(root) {
-        Ok(Some(p)) if p.moved_to.is_some() => {
-            let moved_to = p.moved_to.unwrap_or_default();
-            Err(ApiError::from_write(crate::writer::WriteError::Fenced { moved_to, epoch: p.epoch }))
-        }
-        Ok(_) => Ok(()),
-        Err(e) => Err(ApiError::with_status(500, "internal", crate::error_chain(&e))),
-    }
 }
 
 /// The signed bytes of a `/workspace-transfer/objects` request: its path and query (its body

@@ -248,12 +248,11 @@ impl Manager {
             return Err(ManagedError::Poisoned);
         }
         // Fail closed: a placement that cannot be read may be a fence.
-        match app.versions.placement().get(&located.root) {
-            Ok(Some(placed)) if placed.moved_to.is_some() => {
-                let moved_to = placed.moved_to.unwrap_or_default();
-                return Err(ManagedError::Moved { moved_to, epoch: placed.epoch });
+        match app.versions.fenced(&located.root) {
+            Ok(()) => {}
+            Err(crate::writer::WriteError::Fenced { moved_to, epoch }) => {
+                return Err(ManagedError::Moved { moved_to, epoch });
             }
-            Ok(_) => {}
             Err(e) => return Err(internal(crate::error_chain(&e))),
         }
         let rec = ManagedExecution::queued(

@@ -67,6 +67,15 @@ impl Ident {
         }
     }
 
+    /// The query that names it (`workspace=K` or `project=P`): its segments are
+    /// `[A-Za-z0-9._-]`, which a query carries as they are.
+    pub fn query(&self) -> String {
+        match self {
+            Ident::Remote(key) => format!("workspace={key}"),
+            Ident::Project(path) => format!("project={path}"),
+        }
+    }
+
     /// The path's segments beneath the data directory (`remote-workspaces/…` or `projects/…`).
     pub fn segments(&self) -> Vec<&str> {
         let (top, rest) = match self {
@@ -159,6 +168,7 @@ mod tests {
             Path::new("/srv/data/remote-workspaces/p/s")
         );
         assert_eq!(Ident::Project("x".into()).object_name(), "project/x");
+        assert_eq!(Ident::Remote("p/s".into()).query(), "workspace=p/s");
     }
 
     #[test]

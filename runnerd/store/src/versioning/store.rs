@@ -333,29 +333,8 @@ impl Store {
     /// another node, whose bytes are only trusted once they hash to the ref. A record over
     /// [`MAX_RECORD_BYTES`] is refused before anything is read: it could never be read back.
     pub fn put_verified(&self, expected: &Ref, reader: &mut dyn Read) -> Result<bool, VersionError> {
-        expected.validate()?;
-        if expected.is_record() && expected.pool != Pool::AgentState {
-            return Err(VersionError::InvalidRef);
-        }
-        if expected.is_record() {
-            record_within_bound(expected)?;
-        }
-        let mut bounded = reader.take(expected.size.saturating_add(1));
-        let streamed = self.stream_temp(expected.pool, &mut bounded)?;
-        if streamed.size != expected.size || streamed.hex != expected.hex() {
-            let arrived = if streamed.size > expected.size {
-                format!("more than {} bytes", expected.size)
-            } else {
-                format!("{} bytes with digest sha256:{}", streamed.size, streamed.hex)
-            };
-            // The temp file goes with `streamed`.
-            return Err(VersionError::Mismatch {
-                digest: expected.digest.clone(),
-                size: expected.size,
-                arrived,
-            });
-        }
-        self.link_streamed(expected.pool, streamed)
+        let staged = self.stage_verified(expected, reader)?;
+        self.link_streamed(staged.pool, staged.streamed)
     }
 
     /// [`Store::put_verified`] without its fsync and link: the object is checked and left in
@@ -382,6 +361,7 @@ impl Store {
             } else {
                 format!("{} bytes with digest sha256:{}", streamed.size, streamed.hex)
             };
+            // The temp file goes with `streamed`.
             return Err(VersionError::Mismatch {
                 digest: expected.digest.clone(),
                 size: expected.size,
