@@ -260,6 +260,11 @@ async fn hostile_objects_and_heads_change_nothing_on_the_target() {
     let missing = b.client().post_signed("/workspace-transfer/missing", &asked).await.unwrap().json();
     assert_eq!(missing["missing"].as_array().unwrap().len(), 1, "{missing}");
 
+    // An object larger than the disk has free is refused before a byte of it is read.
+    let huge = format!("data {} {}\n", hex(b"x"), 1u64 << 45);
+    let (status, body) = stream_objects(&b, huge.into_bytes()).await;
+    assert_eq!((status, body["code"].clone()), (507, json!("insufficient_space")), "{body}");
+
     // A stream cut inside a frame: the complete object before it stays, the cut one does not.
     let mut cut = frame("data", b"complete", None);
     let partial = frame("data", b"never finished", None);

@@ -506,3 +506,23 @@ fn nix_uid() -> u32 {
     // SAFETY: getuid(2) cannot fail and touches no memory.
     unsafe { libc::getuid() }
 }
+
+/// The broker runs jobs in the workspace without the writer lease, so the lease's fence never
+/// sees them: a workspace that moved to another node (issue #34) refuses a job at submit.
+#[tokio::test]
+async fn a_job_is_refused_in_a_workspace_that_moved_away() {
+    let (server, _broker, _sockets) = start_pair(None, &[], &[]);
+    let other = Server::start();
+    let ws = server.project_workspace("npu-moved");
+    let project = ws.strip_prefix(server.data_dir.join("projects")).unwrap().to_str().unwrap().to_owned();
+    let client = server.client();
+    let to = format!("http://{}", other.address().trim_start_matches("http://"));
+    let push = json!({"project": project, "to": to, "requestId": marker()});
+    let moved = client.post_signed("/workspace-transfer/push", &push).await.unwrap();
+    assert_eq!(moved.status, 200, "{}", moved.json());
+    let (status, refused) = submit(&client, job_body("npu.smoke_test", &ws, json!({}))).await;
+    assert_eq!(
+        (status, refused["code"].clone(), refused["movedTo"].clone()),
+        (409, json!("workspace_moved"), json!(to))
+    );
+}

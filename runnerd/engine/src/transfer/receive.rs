@@ -73,6 +73,11 @@ pub fn receive_objects(store: &Store, stream: &mut dyn BufRead) -> Result<Receiv
             let text = line.strip_suffix(b"\n").ok_or(protocol::ProtocolError::BadFrame)?;
             let text = std::str::from_utf8(text).map_err(|_| protocol::ProtocolError::BadFrame)?;
             let expected = protocol::parse_frame(text)?;
+            // Objects that no head reaches yet are disk a sender can fill: never past what
+            // the data directory's filesystem has free.
+            if let Some(free) = free_bytes(store.root()).filter(|free| expected.size > *free) {
+                return Err(TransferFailed::NoSpace { needed: expected.size, free });
+            }
             let mut body = std::io::Read::take(&mut *stream, expected.size);
             let staged = store.stage_verified(&expected, &mut body)?;
             got.bytes += expected.size;
@@ -305,13 +310,16 @@ fn fits(store: &Store, tree: &Ref, quota: u64, data_dir: &Path) -> Result<(), Tr
     if quota > 0 && totals.bytes > quota {
         return Err(too_large().into());
     }
-    if let Ok(fs) = nix::sys::statvfs::statvfs(data_dir) {
-        let free = fs.blocks_available().saturating_mul(fs.fragment_size());
-        if totals.bytes > free {
-            return Err(TransferFailed::NoSpace { needed: totals.bytes, free });
-        }
+    if let Some(free) = free_bytes(data_dir).filter(|free| totals.bytes > *free) {
+        return Err(TransferFailed::NoSpace { needed: totals.bytes, free });
     }
     Ok(())
+}
+
+/// The bytes an unprivileged writer may still put on `path`'s filesystem (unknown: `None`).
+fn free_bytes(path: &Path) -> Option<u64> {
+    let fs = nix::sys::statvfs::statvfs(path).ok()?;
+    Some(fs.blocks_available().saturating_mul(fs.fragment_size()))
 }
 
 /// Removes a staged tree off the async threads (it may be large).
