@@ -58,6 +58,10 @@ pub struct Placed {
 #[derive(Debug)]
 pub struct Placement {
     conn: Mutex<Connection>,
+    /// Whether any copy here was ever fenced (since this process opened the database):
+    /// while none was, a writer's fence check reads nothing (every execution makes one).
+    /// Only ever set: this process is the database's only writer.
+    any_fenced: std::sync::atomic::AtomicBool,
     /// `runner-placement`, as opened and checked.
     _dir: OwnedFd,
 }
@@ -101,7 +105,15 @@ impl Placement {
         crate::coordination::enable_wal(&conn).map_err(sql("enable WAL"))?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(sql("set synchronous=FULL"))?;
         conn.execute_batch(SCHEMA).map_err(sql("create the schema"))?;
-        Ok(Placement { conn: Mutex::new(conn), _dir: dir })
+        let fenced: bool = conn
+            .query_row("SELECT EXISTS(SELECT 1 FROM placement WHERE moved_to IS NOT NULL)", [], |r| r.get(0))
+            .map_err(sql("look for fenced workspaces"))?;
+        Ok(Placement { conn: Mutex::new(conn), any_fenced: fenced.into(), _dir: dir })
+    }
+
+    /// Whether a fence may exist: `false` means none does, without a read.
+    pub fn may_be_fenced(&self) -> bool {
+        self.any_fenced.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -162,6 +174,8 @@ impl Placement {
         moved_to: &str,
         now_ms: u64,
     ) -> Result<(), TransferError> {
+        // Before the write: a checker that sees the row must also see the flag.
+        self.any_fenced.store(true, std::sync::atomic::Ordering::SeqCst);
         self.execute(
             "fence a workspace",
             "INSERT INTO placement(path, epoch, moved_to, fenced_at_ms) VALUES(?1, ?2, ?3, ?4)
@@ -176,6 +190,9 @@ impl Placement {
     /// that raised the epoch and then failed to commit undoes.
     pub fn put_back(&self, canonical: &Path, was: Option<&Placed>) -> Result<(), TransferError> {
         let ms = |v: Option<u64>| v.map(to_sql);
+        if was.is_some_and(|p| p.moved_to.is_some()) {
+            self.any_fenced.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         let (epoch, moved_to, fenced_at, removed_at) = match was {
             Some(p) => (p.epoch, p.moved_to.as_deref(), ms(p.fenced_at_ms), ms(p.removed_at_ms)),
             None => (0, None, None, None),
@@ -362,7 +379,8 @@ mod tests {
     /// not lower the epoch or fence the copy; one at the epoch held or above does.
     #[test]
     fn a_fence_never_lowers_the_epoch() {
-        let (_dir, placement) = placement();
+        let (dir, placement) = placement();
+        assert!(!placement.may_be_fenced(), "nothing fenced yet: no read needed");
         let ws = Path::new("/data/remote-workspaces/late");
         placement.set_epoch(ws, 2).unwrap();
         placement.fence(ws, 1, "http://old:1", 5).unwrap();
@@ -371,6 +389,9 @@ mod tests {
         placement.fence(ws, 3, "http://new:1", 6).unwrap();
         let p = placement.get(ws).unwrap().unwrap();
         assert_eq!((p.epoch, p.moved_to.as_deref()), (3, Some("http://new:1")));
+        assert!(placement.may_be_fenced());
+        drop(placement);
+        assert!(Placement::open(dir.path()).unwrap().may_be_fenced(), "a fence found at open counts");
     }
 
     #[test]
