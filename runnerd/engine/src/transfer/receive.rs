@@ -418,6 +418,27 @@ impl Drop for Staged {
 mod tests {
     use super::*;
 
+    /// Trees a killed install left staged go at start-up; a link planted in their place is
+    /// removed as a name, never followed.
+    #[test]
+    fn staged_trees_left_behind_are_swept_without_following_links() {
+        let data = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("keep"), b"k").unwrap();
+        let staging = data.path().join(STAGING);
+        std::fs::create_dir_all(staging.join("a/b/c")).unwrap();
+        std::fs::write(staging.join("a/b/c/f"), b"x").unwrap();
+        std::os::unix::fs::symlink(outside.path(), staging.join("link")).unwrap();
+        assert_eq!(sweep_staging(data.path()), 2);
+        assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+        assert!(outside.path().join("keep").exists(), "nothing reached through the link");
+        assert_eq!(
+            sweep_staging(tempfile::tempdir().unwrap().path()),
+            0,
+            "no staging directory: nothing to do"
+        );
+    }
+
     fn store() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
