@@ -203,21 +203,13 @@ impl Replica {
         let replica = self.clone();
         tokio::spawn(async move {
             let me = replica.clone();
-            match crate::blocking::run(move || me.unreplicated()).await {
-                Ok(heads) => {
-                    if !heads.is_empty() {
-                        tracing::info!(
-                            event = "replica_backfill",
-                            workspaces = heads.len(),
-                            reason = "heads committed while this process did not replicate them"
-                        );
-                    }
-                    let now = common::timefmt::now_ms();
-                    let mut q = replica.queue();
-                    for (canonical, head) in heads {
-                        q.push(&canonical, head, now);
-                    }
-                }
+            match crate::blocking::run(move || me.backfill()).await {
+                Ok(0) => {}
+                Ok(queued) => tracing::info!(
+                    event = "replica_backfill",
+                    workspaces = queued,
+                    reason = "heads committed while this process did not replicate them"
+                ),
                 Err(e) => tracing::warn!(event = "replica_backfill_failed", error = %e),
             }
             let mut failures = 0u32;
@@ -237,7 +229,10 @@ impl Replica {
                 };
                 let result = {
                     let _one = replica.running.lock().await;
-                    replicator::replicate(&replica.target(), &canonical, &pending.head).await
+                    // The head now, not the one queued: a requested backup may have sent a
+                    // newer head meanwhile, and the bucket's head must never go back.
+                    let head = replica.current_head(&canonical).await.unwrap_or(pending.head);
+                    replicator::replicate(&replica.target(), &canonical, &head).await
                 };
                 replica.record(&canonical, &result);
                 // A workspace that cannot be named or has moved is not retried.
@@ -249,22 +244,33 @@ impl Replica {
         });
     }
 
-    /// Every workspace here whose head is not the one last replicated (not fenced, with a
-    /// portable name): what a previous process left unsent when it stopped, or all of them
-    /// when replication has just been switched on.
-    fn unreplicated(&self) -> Vec<(PathBuf, Ref)> {
-        let mut out = Vec::new();
+    /// Queues every workspace here whose head is not the one last replicated (not fenced,
+    /// with a portable name): what a previous process left unsent when it stopped, or all of
+    /// them when replication has just been switched on. Each is checked and queued in one
+    /// step, and never over an entry a commit queued meanwhile (which is newer). Answers how
+    /// many it queued.
+    fn backfill(&self) -> usize {
+        let mut queued = 0;
         for canonical in self.versions.lifecycle().registered_roots() {
             if Ident::from_canonical(&self.data_real, &canonical).is_none() {
                 continue;
             }
             let Ok(Some(head)) = self.versions.head(&canonical) else { continue };
             let placed = self.versions.placement().get(&canonical).ok().flatten().unwrap_or_default();
-            if placed.moved_to.is_none() && placed.replicated_head.as_ref() != Some(&head) {
-                out.push((canonical, head));
+            if placed.moved_to.is_none()
+                && placed.replicated_head.as_ref() != Some(&head)
+                && self.queue().push_if_absent(&canonical, head, common::timefmt::now_ms())
+            {
+                queued += 1;
             }
         }
-        out
+        queued
+    }
+
+    /// The workspace's head as the version store has it now (`None` when it cannot be read).
+    async fn current_head(&self, canonical: &Path) -> Option<Ref> {
+        let (versions, canonical) = (self.versions.clone(), canonical.to_owned());
+        crate::blocking::run(move || versions.head(&canonical)).await.ok()?.ok()?
     }
 
     /// `/health`'s `replication`.

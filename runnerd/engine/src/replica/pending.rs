@@ -39,6 +39,18 @@ impl Queue {
         self.waiting.insert(canonical.to_owned(), Pending { head, since_ms, failures: 0 });
     }
 
+    /// A head found unreplicated by a scan (start-up's backfill): queued only when nothing
+    /// for that workspace is waiting or in flight, since a commit queued meanwhile is newer
+    /// than what the scan read. Answers whether it was queued.
+    pub fn push_if_absent(&mut self, canonical: &Path, head: Ref, now_ms: u64) -> bool {
+        let busy = self.waiting.contains_key(canonical)
+            || self.in_flight.as_ref().is_some_and(|(c, _)| c == canonical);
+        if !busy {
+            self.waiting.insert(canonical.to_owned(), Pending { head, since_ms: now_ms, failures: 0 });
+        }
+        !busy
+    }
+
     /// The workspace waiting longest among those that failed least, now in flight.
     pub fn take(&mut self) -> Option<(PathBuf, Pending)> {
         let oldest =
@@ -109,6 +121,23 @@ mod tests {
 
     fn r(n: u8) -> Ref {
         Ref::new(Pool::AgentState, &format!("{n:02x}").repeat(32), 1, crate::versioning::RECORD_MEDIA_TYPE)
+    }
+
+    #[test]
+    fn a_scan_never_replaces_what_a_commit_queued() {
+        let mut q = Queue::default();
+        let (a, b) = (Path::new("/d/a"), Path::new("/d/b"));
+        q.push(a, r(2), 100);
+        assert!(!q.push_if_absent(a, r(1), 200), "waiting: the commit's head is newer");
+        assert!(q.push_if_absent(b, r(3), 200));
+        let (path, _) = q.take().unwrap();
+        assert_eq!(path, a);
+        assert!(!q.push_if_absent(a, r(1), 300), "in flight");
+        q.finish(true);
+        assert_eq!(q.take().unwrap(), (b.to_owned(), Pending { head: r(3), since_ms: 200, failures: 0 }));
+        q.finish(true);
+        assert!(q.push_if_absent(a, r(4), 400));
+        assert_eq!(q.len(), 1);
     }
 
     #[test]
