@@ -57,8 +57,50 @@ pub fn locate() -> Option<PathBuf> {
     on_path.or_else(|| Some(PathBuf::from(CI_VENV_WEED)).filter(|p| p.is_file()))
 }
 
-/// Eight distinct free loopback ports (held open together, then released for weed).
+impl Ports {
+    fn all(&self) -> [u16; 8] {
+        [
+            self.master,
+            self.master_grpc,
+            self.volume,
+            self.volume_grpc,
+            self.filer,
+            self.filer_grpc,
+            self.s3,
+            self.s3_grpc,
+        ]
+    }
+}
+
+/// weed's Unix sockets in `/tmp` named after `port` (`seaweedfs-<role>-<port>.sock`). weed
+/// names some by port whatever its flags say, and leaves them behind when killed; one another
+/// user left (root's run before the unprivileged one) cannot be replaced, and weed exits.
+fn tmp_sockets(port: u16) -> Vec<PathBuf> {
+    let suffix = format!("-{port}.sock");
+    std::fs::read_dir("/tmp")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| n.starts_with("seaweedfs-") && n.ends_with(&suffix))
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Eight distinct free loopback ports (held open together, then released for weed), none
+/// of which names a socket weed left in `/tmp`.
 fn free_ports() -> Ports {
+    for _ in 0..50 {
+        let ports = draw_ports();
+        if ports.all().iter().all(|&p| tmp_sockets(p).is_empty()) {
+            return ports;
+        }
+    }
+    panic!("every drawn port names a SeaweedFS socket left in /tmp: remove /tmp/seaweedfs-*.sock");
+}
+
+fn draw_ports() -> Ports {
     let held: Vec<TcpListener> =
         (0..8).map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
     let p: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
@@ -121,6 +163,8 @@ impl Seaweed {
             .arg("-s3")
             .arg(format!("-s3.port={}", p.s3))
             .arg(format!("-s3.port.grpc={}", p.s3_grpc))
+            .arg(format!("-filer.localSocket={}", self.dir.path().join("filer.sock").display()))
+            .arg(format!("-s3.localSocket={}", self.dir.path().join("s3.sock").display()))
             // Fixed default ports otherwise: two servers at once would collide.
             .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             .stdin(Stdio::null())
@@ -267,6 +311,11 @@ impl Seaweed {
 impl Drop for Seaweed {
     fn drop(&mut self) {
         self.kill();
+        // What weed left in /tmp under our ports, so that no later run (another user's)
+        // draws a port whose socket it cannot replace.
+        for path in self.ports.all().into_iter().flat_map(tmp_sockets) {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
