@@ -139,6 +139,7 @@ pub async fn handle(
     match (req.method.as_str(), segments.as_slice()) {
         ("GET", ["status"]) => ok(status(&app, npu::active_jobs(&app).await)),
         ("GET", ["resources"]) => ok(resources::resources(&app).await),
+        ("GET", ["load"]) => ok(resources::load(&app).await),
         ("GET", ["npu", "devices"]) => {
             let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
             ok(serde_json::to_value(
@@ -259,6 +260,8 @@ pub async fn handle(
             let token = gate.token.expose().to_owned();
             detached(async move { transfer::push(&app, &token, &req.body).await }).await
         }
+        ("POST", ["workspace-transfer", "draining"]) => transfer::set_draining(&app, &req.body).await,
+        ("GET", ["workspace-transfer", "list"]) => transfer::list(&app, req.query.as_deref()).await,
         ("GET", ["workspace-transfer", "where"]) => transfer::where_is(&app, req.query.as_deref()).await,
         ("POST", ["workspace-transfer", "backup"]) => {
             detached(async move { transfer::backup(&app, &req.body).await }).await
