@@ -8,6 +8,7 @@ mod env_bounds;
 mod environments;
 mod environments_r;
 mod fail_well_http;
+mod fleet;
 mod full_disk;
 mod history;
 mod hosts_file;

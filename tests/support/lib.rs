@@ -4,6 +4,7 @@
 pub mod egress;
 pub mod journal;
 pub mod npu;
+pub mod router;
 pub mod seaweed;
 pub mod server;
 

@@ -97,6 +97,7 @@ pub async fn fleet(router: &Router, op: FleetOp, call: &Call, body: Option<&Valu
                 load.draining = draining;
                 router.fleet.polled(&node.member.url, Ok(load));
             }
+            let node = router.fleet.node(&node.member.url).unwrap_or(node);
             json(if draining { 202 } else { 200 }, &progress(router, &node).await)
         }
     }

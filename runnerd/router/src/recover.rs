@@ -19,6 +19,8 @@ use crate::route::{ASK_TIMEOUT, Router, keyed, unavailable};
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(600);
 /// How often the lost nodes' known workspaces are looked at.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
+/// How long the sweep leaves a workspace whose restore failed.
+const RETRY_FAILED_AFTER: Duration = Duration::from_secs(60);
 
 /// What the store says of a workspace no ready node holds.
 #[derive(Debug)]
@@ -66,6 +68,12 @@ pub async fn unseen(router: &Router, ws: &Workspace, unknown: &[String]) -> Resu
         Err(e) => return Err(unavailable("node_unavailable", e.to_string())),
     };
     if store["enabled"] != json!(true) {
+        // No store to ask: past the grace the silent nodes count as lost, and the workspace
+        // as new (if one of them returns holding it, that copy is the older: see the note on
+        // SCIENCE_AGENT_ROUTER_LOST_GRACE_SECS).
+        if past_grace(router, unknown, Instant::now()) {
+            return Ok(Unseen::New);
+        }
         return Err(unavailable(
             "workspace_unknown",
             format!(
@@ -149,7 +157,9 @@ pub async fn watch_losses(router: Arc<Router>, mut stopping: tokio::sync::watch:
     if router.config.lost_grace.is_none() {
         return;
     }
+    let mut retry_at: std::collections::HashMap<Workspace, Instant> = std::collections::HashMap::new();
     loop {
+        retry_at.retain(|_, t| *t > Instant::now());
         tokio::select! {
             _ = tokio::time::sleep(SWEEP_EVERY) => {}
             _ = stopping.changed() => return,
@@ -160,10 +170,20 @@ pub async fn watch_losses(router: Arc<Router>, mut stopping: tokio::sync::watch:
                 continue;
             }
             for ws in router.fleet.held_by(&node.member.url) {
-                if let Err(e) = restore(&router, &ws, node.member.pool).await {
-                    // Not retried from here: its next call looks again (the store decides).
-                    router.fleet.forget(&ws);
-                    tracing::warn!(event = "lost_workspace_not_restored", workspace = %ws, node = %node.member.url, error = %e.message);
+                if retry_at.get(&ws).is_some_and(|t| now < *t) {
+                    continue;
+                }
+                match restore(&router, &ws, node.member.pool).await {
+                    Ok(_) => {
+                        retry_at.remove(&ws);
+                    }
+                    Err(e) => {
+                        // Kept in the catalog (its calls answer 503, never a new workspace);
+                        // tried again after a pause, or at its next call.
+                        retry_at.insert(ws.clone(), now + RETRY_FAILED_AFTER);
+                        tracing::warn!(event = "lost_workspace_not_restored", workspace = %ws, node = %node.member.url,
+                            error = %e.message, retry_in_secs = RETRY_FAILED_AFTER.as_secs());
+                    }
                 }
             }
         }

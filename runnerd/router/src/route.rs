@@ -442,13 +442,15 @@ impl Router {
         let answers = futures::future::join_all(asks).await;
         let mut unknown: Vec<String> =
             nodes.iter().filter(|n| !n.routable()).map(|n| n.member.url.clone()).collect();
-        let mut best: Option<(u64, String)> = None;
+        // The live copy with the highest epoch; among equals, one with versions (a node that
+        // refused a new workspace's first call may keep its empty directory).
+        let mut best: Option<((u64, bool), String)> = None;
         for (url, answer) in answers {
             match answer {
                 Ok((200, v)) if v["exists"] == json!(true) && v["fenced"] == json!(false) => {
-                    let epoch = v["epoch"].as_u64().unwrap_or(0);
-                    if best.as_ref().is_none_or(|(e, _)| epoch > *e) {
-                        best = Some((epoch, url));
+                    let rank = (v["epoch"].as_u64().unwrap_or(0), !v["head"].is_null());
+                    if best.as_ref().is_none_or(|(r, _)| rank > *r) {
+                        best = Some((rank, url));
                     }
                 }
                 Ok((200 | 400 | 404, _)) => {}

@@ -80,7 +80,7 @@ pub fn body_limit(method: &str, path: &str) -> usize {
 }
 
 /// The routes that carry an execution signature.
-fn signed(method: &str, path: &str) -> bool {
+pub fn signed(method: &str, path: &str) -> bool {
     method == "POST"
         && (matches!(
             path,
@@ -126,7 +126,7 @@ pub async fn handle(
     client_gone: watch::Receiver<bool>,
 ) -> Result<ApiResponse, ApiError> {
     if signed(&req.method, &req.path) {
-        verify_signature(&app, gate, &req)?;
+        verify_signature(app.config.signature_max_age_ms, gate, &req)?;
     }
     // Exact paths only (contract §2): `//execute`, `/status/` or `/kernels//teardown` are
     // not routes. The signature check above saw this same string.
@@ -283,9 +283,10 @@ fn replay_checked(path: &str) -> bool {
     !(path == "/npu/jobs" || path.starts_with("/npu/jobs/"))
 }
 
-fn verify_signature(app: &App, gate: &Gate, req: &ApiRequest) -> Result<(), ApiError> {
+/// The execution signature of a signed route ([`signed`]) and its replay check, with
+/// runnerd's answers. Public: a fleet router decides exactly as the node would.
+pub fn verify_signature(max_age: u64, gate: &Gate, req: &ApiRequest) -> Result<(), ApiError> {
     let now = timefmt::now_ms();
-    let max_age = app.config.signature_max_age_ms;
     // A streamed object upload signs its path and query; its bytes are checked by digest.
     let streamed;
     let signed_bytes: &[u8] = if streams_upload(&req.method, &req.path) {
