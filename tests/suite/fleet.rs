@@ -295,22 +295,34 @@ async fn a_drain_moves_every_workspace_away_and_the_router_follows() {
     let (status, body) = shell(&router, "drain/w0", "cat f").await;
     assert_eq!((status, body["stdout"].as_str()), (200, Some("0\n")), "{body}");
     let from = node_url(&n[0]);
-    let reply = router.client().post_json("/fleet/drain", &json!({"node": from})).await.unwrap();
-    assert_eq!(reply.status, 202, "{}", reply.json());
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let p = router.client().get(&format!("/fleet/drain?node={from}")).await.unwrap().json();
-        if p["remaining"] == 0 && p["drain"]["done"] == true {
-            assert_eq!(
-                (&p["drain"]["moved"], &p["drain"]["failed"], &p["draining"]),
-                (&json!(3), &json!(0), &json!(true)),
-                "{p}"
-            );
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "{p}\n{}", router.stderr());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (code, listed, _) = router.runnerctl(&["fleet", "ls"]);
+    assert_eq!((code, listed.lines().count()), (0, 3), "{listed}");
+    assert!(listed.lines().nth(1).unwrap().contains("ready"), "{listed}");
+    // `runnerctl fleet drain` follows the drain to its end, its progress on stderr.
+    let ctl = {
+        let (url, from) = (router.url(), from.clone());
+        tokio::task::spawn_blocking(move || {
+            let out = std::process::Command::new(runner_tests::bin("runnerctl"))
+                .args(["--url", &url, "fleet", "drain", &from])
+                .env_clear()
+                .env("SCIENCE_AGENT_RUNNER_TOKEN", runner_tests::server::TEST_TOKEN)
+                .output()
+                .unwrap();
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            (out.status.code(), text(&out.stdout), text(&out.stderr))
+        })
+    };
+    let (code, stdout, stderr) = tokio::time::timeout(Duration::from_secs(120), ctl).await.unwrap().unwrap();
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}\n{}", router.stderr());
+    let p: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (&p["remaining"], &p["drain"]["moved"], &p["drain"]["failed"], &p["draining"]),
+        (&json!(0), &json!(3), &json!(0), &json!(true)),
+        "{p}"
+    );
+    assert!(stderr.contains("3 moved, 0 failed, 0 left"), "{stderr}");
+    let (_, listed, _) = router.runnerctl(&["fleet", "ls"]);
+    assert!(listed.contains("draining"), "{listed}");
     for i in 0..3 {
         let (status, body) = shell(&router, &format!("drain/w{i}"), "cat f").await;
         assert_eq!((status, body["stdout"].as_str()), (200, Some(format!("{i}\n").as_str())), "{body}");
@@ -329,8 +341,11 @@ async fn a_drain_moves_every_workspace_away_and_the_router_follows() {
     );
     let (status, _) = shell(&router, "drain/new", "true").await;
     assert_eq!((status, holders(&n, "drain/new")), (200, vec![1]));
-    let reply = router.client().post_json("/fleet/undrain", &json!({"node": from})).await.unwrap();
-    assert_eq!((reply.status, &reply.json()["draining"]), (200, &json!(false)), "{}", reply.json());
+    let (code, stdout, stderr) = router.runnerctl(&["fleet", "undrain", &from]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["draining"], json!(false), "{stdout}");
+    let (code, _, stderr) = router.runnerctl(&["fleet", "drain", "no-such-node"]);
+    assert!(code == 1 && stderr.contains("No node named"), "{stderr}");
 }
 
 #[tokio::test]

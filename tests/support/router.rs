@@ -70,6 +70,27 @@ impl Router {
         Router { child, dir, endpoint: Endpoint::parse(&address), stderr_log }
     }
 
+    /// `http://HOST:PORT`.
+    pub fn url(&self) -> String {
+        match &self.endpoint {
+            Endpoint::Tcp(a) => format!("http://{}", a.trim_start_matches("http://")),
+            Endpoint::Unix(p) => panic!("unix router at {}", p.display()),
+        }
+    }
+
+    /// `runnerctl --url <this router> ARGS…`: (exit status, stdout, stderr).
+    pub fn runnerctl(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(bin("runnerctl"))
+            .args(["--url", &self.url()])
+            .args(args)
+            .env_clear()
+            .env("SCIENCE_AGENT_RUNNER_TOKEN", TEST_TOKEN)
+            .output()
+            .expect("run runnerctl");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+    }
+
     pub fn client(&self) -> RunnerClient {
         RunnerClient::new(self.endpoint.clone(), TEST_TOKEN)
     }
