@@ -15,6 +15,7 @@ mod hosts_file;
 mod http_api;
 mod http_hostile;
 mod isolation;
+mod kube_standin;
 mod lifecycle;
 mod limits;
 mod managed;

@@ -3,6 +3,7 @@
 
 pub mod egress;
 pub mod journal;
+pub mod kube;
 pub mod npu;
 pub mod router;
 pub mod seaweed;
