@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use runner_tests::kube::KubeStandIn;
 use runner_tests::router::{Router, node_url};
 use runner_tests::server::{Server, ServerOptions, keyed_shell_request};
 use runner_tests::{sandbox_or_skip, seaweed::Seaweed};
@@ -393,4 +394,111 @@ async fn a_lost_nodes_workspace_is_restored_from_the_store_elsewhere() {
     let metrics = String::from_utf8(router.client().get("/metrics").await.unwrap().body).unwrap();
     assert!(metrics.contains("runner_router_restores_total{outcome=\"restored\"} 1"), "{metrics}");
     drop(n.remove(on));
+}
+
+/// A port free on each of `hosts` (nodes of one Service share a port, on their own addresses).
+fn common_port(hosts: &[&str]) -> u16 {
+    for _ in 0..50 {
+        let first = std::net::TcpListener::bind((hosts[0], 0)).unwrap();
+        let port = first.local_addr().unwrap().port();
+        let rest: Vec<_> = hosts[1..].iter().map(|h| std::net::TcpListener::bind((*h, port))).collect();
+        if rest.iter().all(Result::is_ok) {
+            return port;
+        }
+    }
+    panic!("no port free on all of {hosts:?}");
+}
+
+#[tokio::test]
+async fn kubernetes_endpoint_slices_say_which_nodes_are_ready() {
+    let test = "kubernetes_endpoint_slices_say_which_nodes_are_ready";
+    if !sandbox_or_skip(test) {
+        return;
+    }
+    let hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
+    let port = common_port(&hosts);
+    let port_text = port.to_string();
+    let n: Vec<Server> =
+        hosts.iter().map(|h| node_on(h, &[("SCIENCE_AGENT_RUNNER_PORT", port_text.as_str())])).collect();
+    let kube = KubeStandIn::start("runners");
+    let service = "runner-node-cpu";
+    kube.add_node(service, "node-a", hosts[0], port, true);
+    kube.add_node(service, "node-b", hosts[1], port, true);
+    let dir = runner_tests::scratch_dir();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: stand-in\n  cluster:\n    server: {}\n\
+             contexts:\n- name: stand-in\n  context:\n    cluster: stand-in\n    user: nobody\n    namespace: runners\n\
+             current-context: stand-in\nusers:\n- name: nobody\n  user: {{}}\n",
+            kube.url()
+        ),
+    )
+    .unwrap();
+    let router = Router::start(&[
+        ("SCIENCE_AGENT_ROUTER_KUBE_SERVICES".into(), format!("cpu={service}")),
+        ("SCIENCE_AGENT_ROUTER_LOST_GRACE_SECS".into(), "0".into()),
+        ("KUBECONFIG".into(), kubeconfig.display().to_string()),
+    ]);
+    let names = |v: &Value, routable: bool| -> BTreeSet<String> {
+        v["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|x| x["routable"] == routable)
+            .map(|x| x["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let set = |s: &[&str]| s.iter().map(|x| (*x).to_owned()).collect::<BTreeSet<_>>();
+    router
+        .until("node-a and node-b routable", Duration::from_secs(20), |v| {
+            names(v, true) == set(&["node-a", "node-b"])
+        })
+        .await;
+    let asked = kube.requests();
+    assert!(
+        asked
+            .iter()
+            .any(|r| r.contains("watch=true") && r.contains("labelSelector=kubernetes.io%2Fservice-name")),
+        "the router watches the pool's slices: {asked:?}"
+    );
+    let (status, body) = shell(&router, "kube/w", "echo here > f").await;
+    assert_eq!(status, 200, "{body}");
+    let on = holders(&n, "kube/w")[0];
+    let (on_name, other) = if on == 0 { ("node-a", 1) } else { ("node-b", 0) };
+    // The kubelet's probe fails: the endpoint is not ready; its workspace waits, a new one goes elsewhere.
+    kube.set_ready(service, on_name, false);
+    router.until("the node not ready", Duration::from_secs(20), |v| !names(v, true).contains(on_name)).await;
+    let reply = router
+        .client()
+        .post_signed("/execute-shell", &keyed_shell_request("a", "s", "kube/w", "cat f"))
+        .await
+        .unwrap();
+    assert_eq!((reply.status, reply.header("retry-after")), (503, Some("5")), "{}", reply.json());
+    let direct = n[other]
+        .client()
+        .post_signed("/execute-shell", &keyed_shell_request("a", "s", "kube/seen", "true"))
+        .await
+        .unwrap();
+    assert_eq!(direct.status, 200);
+    let (status, body) = shell(&router, "kube/seen", "true").await;
+    assert_eq!(status, 200, "a workspace a ready node holds is found there: {body}");
+    // A node joins; the one that was not ready comes back.
+    kube.add_node(service, "node-c", hosts[2], port, true);
+    kube.set_ready(service, on_name, true);
+    router
+        .until("three nodes routable", Duration::from_secs(20), |v| {
+            names(v, true) == set(&["node-a", "node-b", "node-c"])
+        })
+        .await;
+    let (status, body) = shell(&router, "kube/w", "cat f").await;
+    assert_eq!((status, body["stdout"].as_str()), (200, Some("here\n")), "{body}");
+    // A node removed from the Service is kept, not routable: its workspaces are not made anew.
+    kube.remove_node(service, "node-c");
+    router
+        .until("node-c gone from the Service", Duration::from_secs(20), |v| {
+            names(v, false).contains("node-c")
+        })
+        .await;
 }
