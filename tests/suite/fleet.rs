@@ -502,3 +502,44 @@ async fn kubernetes_endpoint_slices_say_which_nodes_are_ready() {
         })
         .await;
 }
+
+#[tokio::test]
+async fn uploads_stream_to_the_holder_and_skill_packages_reach_every_node() {
+    let test = "uploads_stream_to_the_holder_and_skill_packages_reach_every_node";
+    if !sandbox_or_skip(test) {
+        return;
+    }
+    let n = nodes(2, &[]);
+    let router = Router::over(&[&n[0], &n[1]], &[]);
+    all_routable(&router, 2).await;
+    let local = runner_tests::scratch_dir();
+    // A file upload (streamed through, never held whole) and its download, by runnerctl.
+    let big: Vec<u8> = (0..6u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    let input = local.path().join("big.bin");
+    std::fs::write(&input, &big).unwrap();
+    let (code, _, stderr) =
+        router.runnerctl(&["--workspace", "up/w", "put", input.to_str().unwrap(), "data/big.bin"]);
+    assert_eq!(code, 0, "{stderr}");
+    let held = holders(&n, "up/w");
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(std::fs::read(n[held[0]].path("remote-workspaces/up/w/data/big.bin")).unwrap(), big);
+    let back = local.path().join("back.bin");
+    let (code, _, stderr) =
+        router.runnerctl(&["--workspace", "up/w", "get", "data/big.bin", back.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(std::fs::read(&back).unwrap() == big, "the download is the upload");
+    // A skill package (a large body: read whole, as runnerd reads it) is published on every node.
+    let skill = local.path().join("demo");
+    std::fs::create_dir_all(&skill).unwrap();
+    std::fs::write(skill.join("SKILL.md"), "# demo\n").unwrap();
+    std::fs::write(skill.join("data.bin"), &big).unwrap();
+    let (code, stdout, stderr) = router.runnerctl(&["skills", "push", skill.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let id = serde_json::from_str::<Value>(&stdout).unwrap()["id"].as_str().unwrap().to_owned();
+    for node in &n {
+        let reply = node.client().get(&format!("/skill-packages/{id}")).await.unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.json());
+    }
+    let reply = router.client().get(&format!("/skill-packages/{id}")).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.json());
+}
