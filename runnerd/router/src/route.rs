@@ -88,7 +88,8 @@ pub(crate) fn keyed(
     m.entry(ws.clone()).or_default().clone()
 }
 
-/// Headers a proxy never passes on (RFC 9110 §7.6.1), plus `Host`, which names the node.
+/// Headers a proxy never passes on (RFC 9110 §7.6.1), plus `Host`, which names the node, and
+/// `Expect` (the router answered the client's `100-continue` and holds the body).
 fn hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
@@ -101,6 +102,7 @@ fn hop_by_hop(name: &HeaderName) -> bool {
             | "upgrade"
             | "proxy-authorization"
             | "proxy-authenticate"
+            | "expect"
     ) || name == HOST
 }
 
