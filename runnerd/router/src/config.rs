@@ -403,6 +403,21 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_is_valid() {
+        let example =
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../packaging/config/runner-router.toml.example");
+        let loaded = load(args(&["--config", example]), |_| None).unwrap();
+        assert_eq!(
+            loaded.config.membership,
+            Membership::Static(vec![
+                (Pool::Cpu, "http://10.0.0.2:4311".into()),
+                (Pool::Cpu, "http://10.0.0.3:4311".into())
+            ])
+        );
+        assert_eq!(loaded.origin("nodes"), Origin::File { path: example.into(), line: 18 });
+    }
+
+    #[test]
     fn refusals_name_the_setting() {
         let cases: &[(&[&str], &str)] = &[
             (&[], "no nodes"),
