@@ -695,12 +695,14 @@ fn the_router_names_the_pools_services_reads_the_token_from_the_secret_and_is_lo
     assert_eq!(token_file.file_name().and_then(|n| n.to_str()), Some(TOKEN_SECRET), "the Secret's key");
     assert!(secret.default_mode.is_some_and(|m| m & 0o007 == 0), "the token is not world-readable");
 
-    for (probe, which) in [(&container.readiness_probe, "readiness"), (&container.liveness_probe, "liveness")]
-    {
-        if let Some(problem) = health_probe_problem(probe.as_ref(), container, port) {
-            panic!("the router's {which} probe must be GET /health on {port}: {problem}");
-        }
+    if let Some(problem) = health_probe_problem(container.readiness_probe.as_ref(), container, port) {
+        panic!("the router's readiness probe must be GET /health on {port}: {problem}");
     }
+    // The router's /health answers 503 while no node is ready: that takes it out of its
+    // Service, and must never make the kubelet restart it. Liveness is the port.
+    let liveness = container.liveness_probe.as_ref().expect("the router has a liveness probe");
+    let tcp = liveness.tcp_socket.as_ref().expect("the router's liveness probe is a TCP connect, not /health");
+    assert_eq!(tcp.port, IntOrString::Int(port), "the liveness probe connects to the router's port");
     let problems = lock_down_problems(pod, container);
     assert!(problems.is_empty(), "the router: {}", problems.join(", "));
     let resources = container.resources.as_ref().expect("the router's resources");
