@@ -342,6 +342,17 @@ async fn a_drain_moves_every_workspace_away_and_the_router_follows() {
     );
     let (status, _) = shell(&router, "drain/new", "true").await;
     assert_eq!((status, holders(&n, "drain/new")), (200, vec![1]));
+    // Another replica, which never saw the drain, reads it from the node and agrees.
+    let other = Router::over(&[&n[0], &n[1]], &[]);
+    other
+        .until("the other router sees the drain", Duration::from_secs(20), |v| {
+            v["nodes"].as_array().unwrap().iter().any(|x| x["url"] == from.as_str() && x["draining"] == true)
+        })
+        .await;
+    let (status, _) = shell(&other, "drain/other", "true").await;
+    assert_eq!((status, holders(&n, "drain/other")), (200, vec![1]));
+    let (status, body) = shell(&other, "drain/w2", "cat f").await;
+    assert_eq!((status, body["stdout"].as_str()), (200, Some("2\n")), "it finds a moved workspace: {body}");
     let (code, stdout, stderr) = router.runnerctl(&["fleet", "undrain", &from]);
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["draining"], json!(false), "{stdout}");

@@ -701,7 +701,8 @@ fn the_router_names_the_pools_services_reads_the_token_from_the_secret_and_is_lo
     // The router's /health answers 503 while no node is ready: that takes it out of its
     // Service, and must never make the kubelet restart it. Liveness is the port.
     let liveness = container.liveness_probe.as_ref().expect("the router has a liveness probe");
-    let tcp = liveness.tcp_socket.as_ref().expect("the router's liveness probe is a TCP connect, not /health");
+    let tcp =
+        liveness.tcp_socket.as_ref().expect("the router's liveness probe is a TCP connect, not /health");
     assert_eq!(tcp.port, IntOrString::Int(port), "the liveness probe connects to the router's port");
     let problems = lock_down_problems(pod, container);
     assert!(problems.is_empty(), "the router: {}", problems.join(", "));
