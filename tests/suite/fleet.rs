@@ -44,7 +44,10 @@ async fn shell(router: &Router, key: &str, code: &str) -> (u16, Value) {
 async fn all_routable(router: &Router, n: usize) {
     router
         .until("every node routable", Duration::from_secs(20), |v| {
-            v["nodes"].as_array().is_some_and(|a| a.len() == n && a.iter().all(|x| x["routable"] == true))
+            // Routable, and each node's load read once (placement depends on it).
+            v["nodes"].as_array().is_some_and(|a| {
+                a.len() == n && a.iter().all(|x| x["routable"] == true && !x["load"].is_null())
+            })
         })
         .await;
 }
@@ -71,6 +74,13 @@ async fn every_call_of_a_workspace_lands_on_one_node_and_new_ones_spread() {
         used.insert(held[0]);
     }
     assert!(used.len() >= 2, "nine new workspaces spread over more than one node: {used:?}");
+    // A workspace inside another lives on its parent's node, in its directory.
+    for child in ["team/w3/agents/child", "team/w5/sub"] {
+        let (status, body) = shell(&router, child, "echo nested > n").await;
+        assert_eq!(status, 200, "{body}");
+        let parent = child.split('/').take(2).collect::<Vec<_>>().join("/");
+        assert_eq!(holders(&n, child), holders(&n, &parent), "{child} beside {parent}");
+    }
     // The router's own routes: /status and /resources combine the nodes', /health adds the fleet.
     let client = router.client();
     let resources = client.get("/resources").await.unwrap().json();
@@ -137,6 +147,16 @@ async fn bad_input_gets_the_answers_runnerd_gives() {
     assert_eq!(first.status, 200, "{}", first.json());
     let again = routed.raw("POST", "/execute-shell", &headers, bytes).await.unwrap();
     assert_eq!((again.status, &again.json()["code"]), (401, &json!("replayed_request")), "{}", again.json());
+    // Routes between nodes are not the caller's: a move to an address of the caller's choosing
+    // is refused before any node sees it.
+    let push = json!({"workspace": "bad/w", "to": "http://203.0.113.1:4311"});
+    let reply = routed.post_signed("/workspace-transfer/push", &push).await.unwrap();
+    assert_eq!((reply.status, &reply.json()["code"]), (403, &json!("node_internal")), "{}", reply.json());
+    let reply = routed.post_json("/environments", &json!({"name": "x"})).await.unwrap();
+    assert_eq!((reply.status, &reply.json()["code"]), (400, &json!("fleet_unsupported")), "{}", reply.json());
+    // The fleet's own changes are signed.
+    let reply = routed.post_json("/fleet/drain", &json!({"node": node_url(&n[0])})).await.unwrap();
+    assert_eq!(reply.status, 401, "{}", reply.json());
 }
 
 #[tokio::test]
@@ -219,7 +239,11 @@ async fn a_full_queue_sends_a_new_workspace_to_the_next_node() {
     assert!(!n[0].path(&format!("remote-workspaces/{key}/f")).exists());
     assert_eq!(hold.await.unwrap().status, 200);
     let metrics = String::from_utf8(router.client().get("/metrics").await.unwrap().body).unwrap();
-    assert!(metrics.contains("runner_router_placements_total{outcome=\"spilled\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("runner_router_placements_total{outcome=\"spilled\"} 1"),
+        "{metrics}\n{}",
+        router.stderr()
+    );
 }
 
 fn signal(server: &Server, sig: i32) {
@@ -394,7 +418,8 @@ async fn a_lost_nodes_workspace_is_restored_from_the_store_elsewhere() {
         if status == 200 {
             break body;
         }
-        assert_eq!((status, &body["code"]), (503, &json!("node_unavailable")), "{body}");
+        assert_eq!(status, 503, "{body}");
+        assert!(matches!(body["code"].as_str(), Some("node_unavailable" | "workspace_restoring")), "{body}");
         assert!(std::time::Instant::now() < deadline, "{body}\n{}", router.stderr());
         tokio::time::sleep(Duration::from_millis(300)).await;
     };

@@ -63,7 +63,10 @@ pub async fn run(client: &RunnerClient, sub: &str, node: Option<&str>) -> anyhow
             Ok(0)
         }
         ("drain" | "undrain", Some(node)) => {
-            let reply = client.post_json(&format!("/fleet/{sub}"), &json!({"node": node})).await?;
+            // The client's clock offset, learnt from `Date`, before a signed request.
+            let _ = client.raw("GET", "/health", &[], Vec::new()).await;
+            let body = json!({"node": node, "requestId": crate::client::new_execution_id()});
+            let reply = client.post_signed(&format!("/fleet/{sub}"), &body).await?;
             if !(200..300).contains(&reply.status) {
                 return Ok(refused(reply.status, &reply.json()));
             }

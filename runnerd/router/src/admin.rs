@@ -187,36 +187,61 @@ fn update(router: &Router, url: &str, f: impl FnOnce(&mut DrainProgress)) {
     }
 }
 
-/// Moves every live workspace of `node` to the best other node of its pool.
-async fn drain(router: Arc<Router>, node: Node) {
-    let url = node.member.url.clone();
-    let stop = router.drains.lock().unwrap_or_else(|p| p.into_inner()).get(&url).map(|p| p.stop.clone());
-    let stopped = || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed));
+/// The workspaces `url` holds live, every page of its list.
+async fn held_live(router: &Router, url: &str) -> Result<Vec<Workspace>, String> {
+    let mut out = Vec::new();
     let mut after: Option<String> = None;
-    'pages: loop {
+    loop {
         let path = match &after {
             Some(a) => format!("/workspace-transfer/list?after={}", crate::classify::query_escape(a)),
             None => "/workspace-transfer/list".to_owned(),
         };
-        let page = match router.client.json("GET", &url, &path, None, ASK_TIMEOUT).await {
+        let page = match router.client.json("GET", url, &path, None, ASK_TIMEOUT).await {
             Ok((200, v)) => v,
-            other => {
-                let why = format!("the node's list could not be read: {other:?}");
+            other => return Err(format!("the node's list could not be read: {other:?}")),
+        };
+        out.extend(page["workspaces"].as_array().into_iter().flatten().filter_map(Workspace::from_json));
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// The most passes a drain makes (a parent moves only after the workspaces inside it).
+const PASSES: usize = 3;
+
+/// Moves every live workspace of `node` to another node of its pool: nested workspaces
+/// before the ones they lie in, and a whole tree to one node; passes again while a pass moved
+/// something and something is left.
+async fn drain(router: Arc<Router>, node: Node) {
+    let url = node.member.url.clone();
+    let stop = router.drains.lock().unwrap_or_else(|p| p.into_inner()).get(&url).map(|p| p.stop.clone());
+    let stopped = || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed));
+    'passes: for _ in 0..PASSES {
+        let mut list = match held_live(&router, &url).await {
+            Ok(list) => list,
+            Err(why) => {
                 update(&router, &url, |p| p.errors.push(why));
                 break;
             }
         };
-        let list: Vec<Workspace> =
-            page["workspaces"].as_array().into_iter().flatten().filter_map(Workspace::from_json).collect();
+        if list.is_empty() {
+            break;
+        }
+        // Innermost first: `a/b` before `a`.
+        list.sort_by(|a, b| b.cmp(a));
+        let mut moved_this_pass = 0;
         for ws in list {
             if stopped() {
-                break 'pages;
+                break 'passes;
             }
             update(&router, &url, |p| p.current = Some(ws.to_string()));
             match move_one(&router, &node, &ws).await {
                 Ok(to) => {
                     router.fleet.hold(&ws, &to);
                     router.metrics.moved("moved");
+                    moved_this_pass += 1;
                     update(&router, &url, |p| p.moved += 1);
                 }
                 Err(why) => {
@@ -231,16 +256,20 @@ async fn drain(router: Arc<Router>, node: Node) {
                 }
             }
         }
-        match page["next"].as_str() {
-            Some(next) => after = Some(next.to_owned()),
-            None => break,
+        if moved_this_pass == 0 {
+            break;
         }
     }
     update(&router, &url, |p| {
         p.done = true;
         p.current = None;
     });
-    tracing::warn!(event = "node_drain_pass_done", node = %url);
+    tracing::warn!(event = "node_drain_done", node = %url);
+}
+
+/// The outermost workspace name of `ws` (`a` of `a/b/c`): a tree moves to one node.
+fn tree(ws: &Workspace) -> String {
+    ws.ancestors().last().unwrap_or(ws).to_string()
 }
 
 /// One workspace from `node` to the best other placeable node of its pool.
@@ -251,9 +280,8 @@ async fn move_one(router: &Router, node: &Node, ws: &Workspace) -> Result<String
         .into_iter()
         .filter(|n| n.member.pool == node.member.pool && n.member.url != node.member.url)
         .collect();
-    let to = placement::order(&ws.to_string(), &others, router.config.sample)
-        .into_iter()
-        .next()
+    // By the tree's hash alone: every workspace of one tree, and every router, picks the same.
+    let to = placement::restore_target(&tree(ws), &others)
         .ok_or_else(|| format!("no other {} node can take it", node.member.pool.name()))?;
     let mut body = ws.to_json();
     body["to"] = json!(to);

@@ -31,6 +31,10 @@ pub enum Target {
     NpuJob(String),
     /// To every routable node; the answers must agree.
     Broadcast,
+    /// `GET /skill-packages/:id`: published only when every routable node has it.
+    SkillPackage,
+    /// Refused by the router with this answer (see [`Refusal`]).
+    Refused(Refusal),
     /// To any routable node of the pool.
     Any(Pool),
 }
@@ -50,6 +54,19 @@ pub enum FleetOp {
     Progress,
     Drain,
     Undrain,
+}
+
+/// Requests the router does not pass on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Not an origin-form path (`OPTIONS *`, absolute-form): runnerd's 404.
+    NotFound,
+    /// Node-to-node routes (push, objects, commit, restore, backup, draining): they move or
+    /// fence a workspace, and only the router's drain and restore may ask for that.
+    NodeInternal,
+    /// Managed environments are made per node with ids of their own: a fleet cannot hold
+    /// one environment under one id yet.
+    Environments,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +136,27 @@ fn lexical(path: &str) -> Option<PathBuf> {
     Some(out)
 }
 
+/// The longest name the router keeps for a workspace (a longer one is left to the node).
+const MAX_NAME: usize = 1024;
+
+/// A remote workspace key as runnerd checks it (`None`: the node refuses it itself).
+fn remote(key: &str) -> Option<Workspace> {
+    match runnerd::transfer::Ident::remote(key).ok()? {
+        runnerd::transfer::Ident::Remote(k) => Some(Workspace::Remote(k)),
+        runnerd::transfer::Ident::Project(_) => None,
+    }
+}
+
+/// A path under `projects/`: normalised by the transfer routes' rules where it meets them,
+/// else kept as written (a project directory may have any name; the router only needs one
+/// name per directory).
+fn project(path: &str) -> Option<Workspace> {
+    match runnerd::transfer::Ident::project(path) {
+        Ok(runnerd::transfer::Ident::Project(p)) => Some(Workspace::Project(p)),
+        _ => (!path.is_empty() && path.len() <= MAX_NAME).then(|| Workspace::Project(path.to_owned())),
+    }
+}
+
 /// The workspace a `workspaceRoot` names beneath the nodes' data directory, if any.
 pub fn workspace_of_root(data_dir: &Path, root: &str) -> Option<Workspace> {
     let data = lexical(data_dir.to_str()?)?;
@@ -128,8 +166,8 @@ pub fn workspace_of_root(data_dir: &Path, root: &str) -> Option<Workspace> {
         return None;
     }
     match top {
-        "remote-workspaces" => Some(Workspace::Remote(tail.to_owned())),
-        "projects" => Some(Workspace::Project(tail.to_owned())),
+        "remote-workspaces" => remote(tail),
+        "projects" => project(tail),
         _ => None,
     }
 }
@@ -138,7 +176,7 @@ pub fn workspace_of_root(data_dir: &Path, root: &str) -> Option<Workspace> {
 /// string (it wins, as in runnerd), else `workspaceRoot`.
 fn workspace_of_body(data_dir: &Path, body: &Value) -> Option<Workspace> {
     match body.get("runnerWorkspaceKey").and_then(Value::as_str).map(str::trim) {
-        Some(key) if !key.is_empty() => Some(Workspace::Remote(key.to_owned())),
+        Some(key) if !key.is_empty() => remote(key),
         _ => workspace_of_root(data_dir, body.get("workspaceRoot")?.as_str()?),
     }
 }
@@ -161,14 +199,17 @@ fn named_workspace(q: Option<&str>, body: Option<&Value>) -> Option<Workspace> {
     let from_body = |field: &str| body.and_then(|b| b.get(field)).and_then(Value::as_str).map(str::to_owned);
     let pick = |field: &str| from_body(field).or_else(|| query(q, field)).map(|v| v.trim().to_owned());
     match (pick("workspace"), pick("project")) {
-        (Some(k), _) if !k.is_empty() => Some(Workspace::Remote(k)),
-        (_, Some(p)) if !p.is_empty() => Some(Workspace::Project(p)),
+        (Some(k), _) if !k.is_empty() => remote(&k),
+        (_, Some(p)) if !p.is_empty() => project(&p),
         _ => None,
     }
 }
 
 /// Where `method path?query` with `body` (parsed when [`needs_body`] asked for it) goes.
 pub fn classify(method: &str, path: &str, q: Option<&str>, body: Option<&Value>, data_dir: &Path) -> Target {
+    if !path.starts_with('/') {
+        return Target::Refused(Refusal::NotFound);
+    }
     let segments: Vec<&str> = path.strip_prefix('/').unwrap_or("").split('/').collect();
     let decoded = |s: &str| runnerd::api::query::decode_path(s);
     let ws = |creates| Target::Workspace {
@@ -195,10 +236,13 @@ pub fn classify(method: &str, path: &str, q: Option<&str>, body: Option<&Value>,
         ("GET" | "POST", ["npu", "jobs", id, ..]) if !id.is_empty() => Target::NpuJob(decoded(id)),
         ("GET", ["npu", ..]) => Target::Any(Pool::Ascend),
         ("GET", ["gpu", ..]) => Target::Any(Pool::Nvidia),
-        (_, ["remote-workspace", ..] | ["workspace-transfer", ..]) => {
+        ("GET", ["workspace-transfer", "where"]) | (_, ["remote-workspace", ..]) => {
             Target::Workspace { ws: named_workspace(q, body), pool: Pool::Cpu, creates: Creates::Nothing }
         }
-        ("POST" | "DELETE", ["skill-packages", ..] | ["environments", ..] | ["environment-setup"])
+        (_, ["workspace-transfer", ..]) => Target::Refused(Refusal::NodeInternal),
+        ("POST" | "DELETE", ["environments", ..]) => Target::Refused(Refusal::Environments),
+        ("GET", ["skill-packages", id]) if !id.is_empty() => Target::SkillPackage,
+        ("POST" | "DELETE", ["skill-packages", ..] | ["environment-setup"])
         | ("POST", ["kernels", ..] | ["versioning", "gc"]) => Target::Broadcast,
         _ => Target::Any(Pool::Cpu),
     }
@@ -332,13 +376,41 @@ mod tests {
                 w(Some(Workspace::Project("p".into())), Pool::Cpu, Creates::Nothing),
             ),
             ("GET", "/remote-workspace/files", None, None, w(None, Pool::Cpu, Creates::Nothing)),
+            ("POST", "/workspace-transfer/push", None, None, Target::Refused(Refusal::NodeInternal)),
+            ("POST", "/workspace-transfer/draining", None, None, Target::Refused(Refusal::NodeInternal)),
+            ("GET", "/workspace-transfer/list", None, None, Target::Refused(Refusal::NodeInternal)),
+            ("OPTIONS", "*", None, None, Target::Refused(Refusal::NotFound)),
+            ("GET", "http://node:1/status", None, None, Target::Refused(Refusal::NotFound)),
+            (
+                "POST",
+                "/execute-shell",
+                None,
+                Some(json!({"runnerWorkspaceKey": "../x"})),
+                w(None, Pool::Cpu, Creates::Nothing),
+            ),
+            (
+                "POST",
+                "/execute-shell",
+                None,
+                Some(json!({"runnerWorkspaceKey": " a/b "})),
+                w(remote("a/b"), Pool::Cpu, Creates::Nothing),
+            ),
+            (
+                "POST",
+                "/execute-shell",
+                None,
+                Some(json!({"runnerWorkspaceKey": "a//b"})),
+                w(None, Pool::Cpu, Creates::Nothing),
+            ),
+            ("POST", "/environments", None, None, Target::Refused(Refusal::Environments)),
             ("POST", "/skill-packages", None, None, Target::Broadcast),
             ("DELETE", "/skill-packages/abc", None, None, Target::Broadcast),
-            ("POST", "/environments/e/install", None, None, Target::Broadcast),
+            ("POST", "/environments/e/install", None, None, Target::Refused(Refusal::Environments)),
+            ("POST", "/environments", None, None, Target::Refused(Refusal::Environments)),
             ("POST", "/environment-setup", None, None, Target::Broadcast),
             ("POST", "/kernels/teardown", None, None, Target::Broadcast),
             ("POST", "/versioning/gc", None, None, Target::Broadcast),
-            ("GET", "/skill-packages/abc", None, None, Target::Any(Pool::Cpu)),
+            ("GET", "/skill-packages/abc", None, None, Target::SkillPackage),
             ("GET", "/environments", None, None, Target::Any(Pool::Cpu)),
             ("GET", "/kernels", None, None, Target::Any(Pool::Cpu)),
             ("GET", "/nowhere", None, None, Target::Any(Pool::Cpu)),

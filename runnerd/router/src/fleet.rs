@@ -57,6 +57,24 @@ impl Workspace {
         }
     }
 
+    /// The workspaces it lies inside, innermost first (`a/b/c`: `a/b`, then `a`): a nested
+    /// workspace lives on its parent's node, inside its directory.
+    pub fn ancestors(&self) -> Vec<Workspace> {
+        let (name, make): (&str, fn(String) -> Workspace) = match self {
+            Workspace::Remote(k) => (k, Workspace::Remote),
+            Workspace::Project(p) => (p, Workspace::Project),
+        };
+        let mut out = Vec::new();
+        let mut rest = name;
+        while let Some((parent, _)) = rest.rsplit_once('/') {
+            if !parent.is_empty() {
+                out.push(make(parent.to_owned()));
+            }
+            rest = parent;
+        }
+        out
+    }
+
     /// From a node's JSON form (`list` answers).
     pub fn from_json(v: &Value) -> Option<Workspace> {
         match (v["workspace"].as_str(), v["project"].as_str()) {
@@ -161,14 +179,23 @@ impl Node {
 /// The most entries each catalog map keeps (a cache: a miss asks the nodes).
 const CATALOG_LIMIT: usize = 200_000;
 
+/// Where a workspace is, as far as this router knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub url: String,
+    /// A node said so (`where`, a move, a restore); otherwise only this router's placement,
+    /// which the nodes are asked about again until one holds it.
+    pub confirmed: bool,
+}
+
 #[derive(Debug, Default)]
 struct Catalog {
-    workspaces: HashMap<Workspace, String>,
+    workspaces: HashMap<Workspace, Held>,
     executions: HashMap<String, String>,
     npu_jobs: HashMap<String, String>,
 }
 
-fn remember<K: std::hash::Hash + Eq>(map: &mut HashMap<K, String>, key: K, url: &str) {
+fn remember<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>, key: K, value: V) {
     if map.len() >= CATALOG_LIMIT && !map.contains_key(&key) {
         // Only a cache: forgetting a tenth costs one question to the nodes later for each.
         let keep = CATALOG_LIMIT - CATALOG_LIMIT / 10;
@@ -178,7 +205,7 @@ fn remember<K: std::hash::Hash + Eq>(map: &mut HashMap<K, String>, key: K, url: 
             n <= keep
         });
     }
-    map.insert(key, url.to_owned());
+    map.insert(key, value);
 }
 
 /// The router's view of the fleet.
@@ -280,12 +307,23 @@ impl Fleet {
         }
     }
 
+    /// The node holding `ws`, confirmed by a node or not.
     pub fn holder(&self, ws: &Workspace) -> Option<String> {
+        self.catalog().workspaces.get(ws).map(|h| h.url.clone())
+    }
+
+    pub fn held(&self, ws: &Workspace) -> Option<Held> {
         self.catalog().workspaces.get(ws).cloned()
     }
 
+    /// A node holds `ws` (it said so).
     pub fn hold(&self, ws: &Workspace, url: &str) {
-        remember(&mut self.catalog().workspaces, ws.clone(), url);
+        remember(&mut self.catalog().workspaces, ws.clone(), Held { url: url.to_owned(), confirmed: true });
+    }
+
+    /// This router placed `ws` on `url`; no node has said it holds it yet.
+    pub fn place(&self, ws: &Workspace, url: &str) {
+        remember(&mut self.catalog().workspaces, ws.clone(), Held { url: url.to_owned(), confirmed: false });
     }
 
     pub fn forget(&self, ws: &Workspace) {
@@ -295,7 +333,7 @@ impl Fleet {
     /// The workspaces the catalog places on `url`.
     pub fn held_by(&self, url: &str) -> Vec<Workspace> {
         let mut out: Vec<Workspace> =
-            self.catalog().workspaces.iter().filter(|(_, u)| *u == url).map(|(w, _)| w.clone()).collect();
+            self.catalog().workspaces.iter().filter(|(_, h)| h.url == url).map(|(w, _)| w.clone()).collect();
         out.sort();
         out
     }
@@ -305,7 +343,7 @@ impl Fleet {
     }
 
     pub fn runs(&self, id: &str, url: &str) {
-        remember(&mut self.catalog().executions, id.to_owned(), url);
+        remember(&mut self.catalog().executions, id.to_owned(), url.to_owned());
     }
 
     pub fn npu_job(&self, id: &str) -> Option<String> {
@@ -313,7 +351,7 @@ impl Fleet {
     }
 
     pub fn runs_npu_job(&self, id: &str, url: &str) {
-        remember(&mut self.catalog().npu_jobs, id.to_owned(), url);
+        remember(&mut self.catalog().npu_jobs, id.to_owned(), url.to_owned());
     }
 
     /// How many entries the catalog holds (workspaces, executions, NPU jobs).
@@ -378,10 +416,18 @@ mod tests {
     }
 
     #[test]
+    fn ancestors_innermost_first() {
+        let r = |k: &str| Workspace::Remote(k.into());
+        assert_eq!(r("a/b/c").ancestors(), vec![r("a/b"), r("a")]);
+        assert_eq!(r("a").ancestors(), Vec::<Workspace>::new());
+        assert_eq!(Workspace::Project("p/s".into()).ancestors(), vec![Workspace::Project("p".into())]);
+    }
+
+    #[test]
     fn the_catalog_is_bounded() {
         let mut map = HashMap::new();
         for i in 0..CATALOG_LIMIT + 5 {
-            remember(&mut map, i, "u");
+            remember(&mut map, i, "u".to_owned());
         }
         assert!(map.len() <= CATALOG_LIMIT, "{}", map.len());
     }

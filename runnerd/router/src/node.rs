@@ -94,7 +94,13 @@ impl NodeClient {
         })
     }
 
-    fn request(&self, method: &str, url: &str, path_query: &str, body: Option<&Value>) -> Request<Body> {
+    fn request(
+        &self,
+        method: &str,
+        url: &str,
+        path_query: &str,
+        body: Option<&Value>,
+    ) -> Result<Request<Body>, NodeError> {
         let bytes = body.map(|b| b.to_string().into_bytes()).unwrap_or_default();
         let mut builder = Request::builder()
             .method(method)
@@ -108,7 +114,7 @@ impl NodeClient {
                 .header("x-science-execution-timestamp", ts)
                 .header("x-science-execution-signature", signature);
         }
-        builder.body(full(bytes)).expect("a request of parts that were checked")
+        builder.body(full(bytes)).map_err(|e| NodeError::Request { url: url.to_owned(), source: Box::new(e) })
     }
 
     /// One of the router's own questions: `GET` or a signed `POST` of JSON, answered with
@@ -121,7 +127,7 @@ impl NodeClient {
         body: Option<&Value>,
         timeout: Duration,
     ) -> Result<(u16, Value), NodeError> {
-        let req = self.request(method, url, path_query, body);
+        let req = self.request(method, url, path_query, body)?;
         let answer = async {
             let response = self.send(url, req).await?;
             let status = response.status().as_u16();

@@ -9,6 +9,9 @@ use serde_json::{Value, json};
 use crate::fleet::{Node, Pool};
 use crate::node::{Body, full};
 use crate::route::{ASK_TIMEOUT, Router};
+
+/// How long `/health` waits for a node's.
+const HEALTH_ASK: std::time::Duration = std::time::Duration::from_secs(1);
 use crate::server::json;
 
 impl Router {
@@ -32,9 +35,10 @@ impl Router {
         }
     }
 
+    /// `/health`'s `fleet` (answered without a token: counts, never names or addresses,
+    /// which `GET /fleet/nodes` shows to callers with the token).
     fn fleet_summary(&self) -> Value {
         let nodes = self.fleet.nodes();
-        let now = std::time::Instant::now();
         let pools: serde_json::Map<String, Value> = Pool::ALL
             .iter()
             .filter_map(|p| {
@@ -45,11 +49,15 @@ impl Router {
                 })
             })
             .collect();
+        let source = match self.config.membership {
+            crate::config::Membership::Static(_) => "static",
+            crate::config::Membership::Kube { .. } => "kubernetes",
+        };
         json!({
             "role": "router",
             "routerVersion": env!("CARGO_PKG_VERSION"),
-            "membership": crate::discovery::describe(&self.config.membership),
-            "nodes": nodes.iter().map(|n| n.to_json(now)).collect::<Vec<_>>(),
+            "membership": source,
+            "nodes": nodes.len(),
             "routable": nodes.iter().filter(|n| n.routable()).count(),
             "pools": pools,
         })
@@ -58,9 +66,10 @@ impl Router {
     /// `GET /health`: a ready node's own health (every key a caller of runnerd reads), with
     /// `fleet` added; 503 when no node is ready.
     pub async fn health(&self) -> Response<Body> {
-        for node in self.fleet.nodes().into_iter().filter(Node::routable) {
+        // At most two nodes, briefly: an unauthenticated route must stay cheap.
+        for node in self.fleet.nodes().into_iter().filter(Node::routable).take(2) {
             if let Ok((200, mut health)) =
-                self.client.json("GET", &node.member.url, "/health", None, ASK_TIMEOUT).await
+                self.client.json("GET", &node.member.url, "/health", None, HEALTH_ASK).await
                 && health.is_object()
             {
                 health["fleet"] = self.fleet_summary();

@@ -137,19 +137,22 @@ impl Call {
     }
 
     /// The request as node `url` gets it.
-    fn to_node(&self, url: &str, body: Body) -> Request<Body> {
+    fn to_node(&self, url: &str, body: Body) -> Result<Request<Body>, NodeError> {
         let uri = match &self.query {
             Some(q) => format!("{url}{}?{q}", self.path),
             None => format!("{url}{}", self.path),
         };
-        let mut req =
-            Request::builder().method(self.method.as_str()).uri(uri).body(body).expect("checked parts");
+        let mut req = Request::builder()
+            .method(self.method.as_str())
+            .uri(uri)
+            .body(body)
+            .map_err(|e| NodeError::Request { url: url.to_owned(), source: Box::new(e) })?;
         for (name, value) in &self.headers {
             if !hop_by_hop(name) {
                 req.headers_mut().append(name.clone(), value.clone());
             }
         }
-        req
+        Ok(req)
     }
 }
 
@@ -202,6 +205,8 @@ impl Router {
             Target::Execution(id) => self.to_run(&mut call, &id, Run::Execution).await,
             Target::NpuJob(id) => self.to_run(&mut call, &id, Run::NpuJob).await,
             Target::Broadcast => self.broadcast(&mut call).await,
+            Target::SkillPackage => self.skill_package(&mut call).await,
+            Target::Refused(why) => error(&refusal(why)),
             Target::Any(pool) => self.to_any(&mut call, pool).await,
         };
         self.metrics.request(kind, response.status().as_u16(), started.elapsed());
@@ -218,7 +223,10 @@ impl Router {
             });
         };
         let started = Instant::now();
-        let response = self.client.send(url, call.to_node(url, body)).await;
+        let response = match call.to_node(url, body) {
+            Ok(req) => self.client.send(url, req).await,
+            Err(e) => Err(e),
+        };
         self.metrics.forwarded(started.elapsed());
         let response = match response {
             Ok(r) => r,
@@ -241,6 +249,8 @@ impl Router {
         let moved_to = value["movedTo"].as_str().map(str::to_owned);
         let mut response = Response::from_parts(parts, full(Bytes::from(bytes.to_vec())));
         response.headers_mut().remove(TRANSFER_ENCODING);
+        // The body is what was read (at most PEEK_LIMIT): its length is hyper's to state.
+        response.headers_mut().remove(hyper::header::CONTENT_LENGTH);
         Ok(Answer { response, status, code, moved_to })
     }
 
@@ -294,12 +304,28 @@ impl Router {
                     }
                     _ => self.fleet.forget(ws),
                 }
+                // Not followed (a streamed upload, a second move): the contract's 409 means
+                // something else on these routes, so the caller is asked to retry.
+                return Self::moved_retry(answer.response).await;
             }
             if (200..300).contains(&answer.status) {
+                if creates != Creates::Nothing || matches!(call.method.as_str(), "POST" | "PUT") {
+                    self.fleet.hold(ws, &url);
+                }
                 return self.record(creates, &url, body, answer.response).await;
             }
             return answer.response;
         }
+    }
+
+    /// A node's `409 workspace_moved` as a `503` with `Retry-After` (the same body and code).
+    async fn moved_retry(response: Response<Body>) -> Response<Body> {
+        let (mut parts, body) = response.into_parts();
+        let bytes = crate::node::collect(body, PEEK_LIMIT).await.unwrap_or_default();
+        parts.status = hyper::StatusCode::SERVICE_UNAVAILABLE;
+        parts.headers.insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(1u64));
+        parts.headers.remove(hyper::header::CONTENT_LENGTH);
+        Response::from_parts(parts, full(bytes))
     }
 
     /// A new managed execution or NPU job is remembered with its node.
@@ -349,7 +375,7 @@ impl Router {
     ) -> Result<(String, Answer), ApiError> {
         let mut last = None;
         for url in order {
-            self.fleet.hold(ws, url);
+            self.fleet.place(ws, url);
             self.fleet.placed(url);
             match self.send(url, call).await {
                 Ok(answer) if answer.status == 503 && answer.code.as_deref() == Some("queue_full") => {
@@ -385,22 +411,16 @@ impl Router {
 
     /// Where `ws` is: see the module documentation.
     async fn resolve(&self, ws: &Workspace, pool: Pool) -> Resolved {
-        if let Some(url) = self.fleet.holder(ws) {
-            if self.routable(&url) {
-                return Resolved::Holder(url);
-            }
-            return match crate::recover::after_loss(self, ws, &url).await {
-                Ok(Some(to)) => Resolved::Holder(to),
-                Ok(None) => Resolved::Unavailable(unavailable(
-                    "node_unavailable",
-                    format!("{ws} is on node {url}, which is not ready; retry later"),
-                )),
-                Err(e) => Resolved::Unavailable(e),
-            };
+        let settled = |held: &Option<crate::fleet::Held>| {
+            held.as_ref().filter(|h| h.confirmed && self.routable(&h.url)).map(|h| h.url.clone())
+        };
+        if let Some(url) = settled(&self.fleet.held(ws)) {
+            return Resolved::Holder(url);
         }
         let lock = keyed(&self.placing, ws);
         let _one = lock.lock().await;
-        if let Some(url) = self.fleet.holder(ws) {
+        let held = self.fleet.held(ws);
+        if let Some(url) = settled(&held) {
             return Resolved::Holder(url);
         }
         let found = self.locate(ws).await;
@@ -408,58 +428,114 @@ impl Router {
             self.fleet.hold(ws, &url);
             return Resolved::Holder(url);
         }
-        let nodes = self.pool_nodes(pool);
-        let order = placement::order(&ws.to_string(), &nodes, self.config.sample);
-        if found.unknown.is_empty() {
-            return if order.is_empty() {
-                Resolved::Unavailable(unavailable(
-                    "no_nodes",
-                    format!("No {} node is ready; retry later", pool.name()),
-                ))
-            } else {
-                Resolved::New(order)
-            };
+        // Placed by this router and not made yet: still its place.
+        if let Some(h) = held.as_ref().filter(|h| self.routable(&h.url)) {
+            return Resolved::Holder(h.url.clone());
         }
-        // A node that did not answer may hold it: only the object store can tell.
-        match crate::recover::unseen(self, ws, &found.unknown).await {
-            Ok(crate::recover::Unseen::New) if !order.is_empty() => Resolved::New(order),
-            Ok(crate::recover::Unseen::New) => Resolved::Unavailable(unavailable(
-                "no_nodes",
-                format!("No {} node is ready; retry later", pool.name()),
-            )),
-            Ok(crate::recover::Unseen::Restored(url)) => Resolved::Holder(url),
-            Err(e) => Resolved::Unavailable(e),
+        let known = held.map(|h| h.url);
+        let now = Instant::now();
+        let past = |urls: &[String]| crate::recover::past_grace(self, urls, now);
+        let decision =
+            crate::recover::decide(ws, known.as_deref(), &found.unknown, &found.absent, &found.store, past);
+        match decision {
+            crate::recover::Decision::New => {
+                let order = placement::order(&ws.to_string(), &self.pool_nodes(pool), self.config.sample);
+                match order.first() {
+                    Some(first) => {
+                        self.fleet.place(ws, first);
+                        Resolved::New(order)
+                    }
+                    None => Resolved::Unavailable(unavailable(
+                        "no_nodes",
+                        format!("No {} node can take a new workspace now; retry later", pool.name()),
+                    )),
+                }
+            }
+            crate::recover::Decision::Wait(e) => Resolved::Unavailable(e),
+            crate::recover::Decision::Restore { from } => {
+                let from_pool =
+                    from.as_deref().and_then(|u| self.fleet.node(u)).map_or(pool, |n| n.member.pool);
+                crate::recover::start_restore(self, ws, from_pool);
+                Resolved::Unavailable(unavailable(
+                    "workspace_restoring",
+                    format!(
+                        "{ws} was on {}, which is lost: it is being restored from the object store on another node; retry shortly",
+                        from.as_deref().unwrap_or("a node that is gone")
+                    ),
+                ))
+            }
         }
     }
 
-    /// Asks every routable node whether it holds `ws`: the live copy with the highest epoch,
-    /// and the nodes that could not tell (not routable, or no answer).
-    async fn locate(&self, ws: &Workspace) -> Located {
-        let path = format!("/workspace-transfer/where?{}", ws.query());
+    /// Asks every routable node whether it holds `ws` (one of them also what the object store
+    /// holds): the live copy with the highest epoch, else the node of a workspace it lies in;
+    /// the nodes that said no; those that could not say.
+    pub(crate) async fn locate(&self, ws: &Workspace) -> Located {
         let nodes = self.fleet.nodes();
-        let asks = nodes.iter().filter(|n| n.routable()).map(|n| {
-            let (client, path, url) = (&self.client, &path, n.member.url.clone());
-            async move { (url.clone(), client.json("GET", &url, path, None, ASK_TIMEOUT).await) }
-        });
-        let answers = futures::future::join_all(asks).await;
+        let routable: Vec<String> =
+            nodes.iter().filter(|n| n.routable()).map(|n| n.member.url.clone()).collect();
         let mut unknown: Vec<String> =
             nodes.iter().filter(|n| !n.routable()).map(|n| n.member.url.clone()).collect();
-        // The live copy with the highest epoch; among equals, one with versions (a node that
-        // refused a new workspace's first call may keep its empty directory).
+        let answers = self.ask_where(ws, &routable, true).await;
+        let mut store = crate::recover::StoreView::Unasked;
+        let mut absent = Vec::new();
         let mut best: Option<((u64, bool), String)> = None;
         for (url, answer) in answers {
             match answer {
-                Ok((200, v)) if v["exists"] == json!(true) && v["fenced"] == json!(false) => {
-                    let rank = (v["epoch"].as_u64().unwrap_or(0), !v["head"].is_null());
-                    if best.as_ref().is_none_or(|(r, _)| rank > *r) {
-                        best = Some((rank, url));
+                Ok((200, v)) => {
+                    if !v["store"].is_null() {
+                        store = crate::recover::StoreView::from_json(&v["store"]);
+                    }
+                    if v["exists"] == json!(true) && v["fenced"] == json!(false) {
+                        // Among equals, the copy with versions (a node that refused a new
+                        // workspace's first call may keep its empty directory).
+                        let rank = (v["epoch"].as_u64().unwrap_or(0), !v["head"].is_null());
+                        if best.as_ref().is_none_or(|(r, _)| rank > *r) {
+                            best = Some((rank, url));
+                        }
+                    } else {
+                        absent.push(url);
                     }
                 }
-                Ok((200 | 400 | 404, _)) => {}
+                Ok((400 | 404, _)) => absent.push(url),
                 Ok(_) | Err(_) => unknown.push(url),
             }
         }
-        Located { holder: best.map(|(_, u)| u), unknown }
+        let mut holder = best.map(|(_, u)| u);
+        if holder.is_none() {
+            for parent in ws.ancestors() {
+                let answers = self.ask_where(&parent, &routable, false).await;
+                // Only a workspace (with versions) holds another; a directory that only
+                // groups keys (`team` of `team/w1`) does not.
+                holder = answers.into_iter().find_map(|(url, a)| {
+                    matches!(a, Ok((200, ref v)) if v["exists"] == json!(true) && v["fenced"] == json!(false)
+                        && !v["head"].is_null())
+                    .then_some(url)
+                });
+                if holder.is_some() {
+                    break;
+                }
+            }
+        }
+        Located { holder, absent, unknown, store }
+    }
+
+    /// `where` for `ws` on each of `urls` at once (the first also asked for the store's head).
+    async fn ask_where(
+        &self,
+        ws: &Workspace,
+        urls: &[String],
+        store: bool,
+    ) -> Vec<(String, Result<(u16, Value), NodeError>)> {
+        let asks = urls.iter().enumerate().map(|(i, url)| {
+            let path = if store && i == 0 {
+                format!("/workspace-transfer/where?{}&store=1", ws.query())
+            } else {
+                format!("/workspace-transfer/where?{}", ws.query())
+            };
+            async move { (url.clone(), self.client.json("GET", url, &path, None, ASK_TIMEOUT).await) }
+        });
+        futures::future::join_all(asks).await
     }
 
     /// A managed execution or NPU job: to the node that runs it.
@@ -559,6 +635,30 @@ impl Router {
         error(&unavailable("no_nodes", "No runner node is ready; retry later"))
     }
 
+    /// `GET /skill-packages/:id`: `{id, root}` only when every routable node has the package;
+    /// else the answer of one that lacks it (`{id}`), so that the caller publishes it again
+    /// (a broadcast, idempotent) and a node that missed it, or joined since, gets it.
+    async fn skill_package(&self, call: &mut Call) -> Response<Body> {
+        let nodes: Vec<Node> = self.fleet.nodes().into_iter().filter(Node::routable).collect();
+        if nodes.is_empty() {
+            return error(&unavailable("no_nodes", "No runner node is ready; retry later"));
+        }
+        let path = match &call.query {
+            Some(q) => format!("{}?{q}", call.path),
+            None => call.path.clone(),
+        };
+        let asks = nodes.iter().map(|n| {
+            let (client, path) = (&self.client, &path);
+            async move { client.json("GET", &n.member.url, path, None, ASK_TIMEOUT).await }
+        });
+        let answers = futures::future::join_all(asks).await;
+        let lacking = answers.iter().find(|a| !matches!(a, Ok((200, v)) if v.get("root").is_some()));
+        match lacking.or(answers.first()) {
+            Some(Ok((status, v))) => json(*status, v),
+            _ => error(&unavailable("node_unavailable", "A runner node did not answer; retry later")),
+        }
+    }
+
     /// A change every node must hold alike (a skill package, an environment): sent to every
     /// routable node; the caller gets their common answer, or 502 naming each when they differ.
     async fn broadcast(&self, call: &mut Call) -> Response<Body> {
@@ -581,7 +681,11 @@ impl Router {
             let url = n.member.url.clone();
             let req = call.to_node(&url, full(bytes.clone()));
             async move {
-                let answer = match self.client.send(&url, req).await {
+                let sent = match req {
+                    Ok(req) => self.client.send(&url, req).await,
+                    Err(e) => Err(e),
+                };
+                let answer = match sent {
                     Ok(r) => {
                         let (parts, body) = r.into_parts();
                         match Limited::new(body, 8 << 20).collect().await {
@@ -627,10 +731,35 @@ impl Router {
     }
 }
 
+/// What the nodes said of a workspace.
 #[derive(Debug)]
-struct Located {
-    holder: Option<String>,
-    unknown: Vec<String>,
+pub(crate) struct Located {
+    /// The node with its live copy (or the directory it lies in).
+    pub holder: Option<String>,
+    /// Routable nodes that said they do not hold it.
+    pub absent: Vec<String>,
+    /// Nodes that could not say (not routable, or no answer).
+    pub unknown: Vec<String>,
+    /// What the object store holds of it.
+    pub store: crate::recover::StoreView,
+}
+
+/// The router's answer to a request it does not pass on.
+fn refusal(why: classify::Refusal) -> ApiError {
+    match why {
+        classify::Refusal::NotFound => ApiError::not_found(),
+        classify::Refusal::NodeInternal => ApiError::with_status(
+            403,
+            "node_internal",
+            "This route is between runner nodes: a fleet moves workspaces with runnerctl fleet drain, and \
+             restores them itself; call a node directly to use it",
+        ),
+        classify::Refusal::Environments => ApiError::bad_request(
+            "fleet_unsupported",
+            "Managed environments are made per node, with ids of their own, so a fleet cannot hold one \
+             environment under one id: manage them on each node (runnerctl --url NODE env ...)",
+        ),
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -656,6 +785,8 @@ fn target_kind(t: &Target) -> &'static str {
         Target::Execution(_) => "execution",
         Target::NpuJob(_) => "npu_job",
         Target::Broadcast => "broadcast",
+        Target::SkillPackage => "skill_package",
+        Target::Refused(_) => "refused",
         Target::Any(_) => "any",
     }
 }

@@ -23,9 +23,29 @@ use tokio::net::TcpListener;
 use crate::node::{Body, full};
 use crate::route::Router;
 
-/// How long a client may take to send its request head, and then its body.
+/// How long a client may take to send its request head, and then its body (runnerd's).
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
-const BODY_TIMEOUT: Duration = Duration::from_secs(300);
+const BODY_TIMEOUT: Duration = runnerd::http_limits::BODY_TIMEOUT;
+/// Connections served at once, as runnerd (more wait in the kernel's accept queue): the
+/// router's own descriptors, two per forwarded request, stay bounded.
+const MAX_CONNECTIONS: usize = runnerd::http_limits::MAX_CONNECTIONS;
+/// How long, and how much, a refused body is read and thrown away before its connection
+/// closes (runnerd's lingering close: a reset could destroy the answer before it is read).
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: u64 = 8 << 20;
+
+async fn discard(mut body: Incoming) {
+    let mut seen = 0u64;
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if seen > LINGER_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
+}
 
 /// A JSON answer of the router's own, shaped like runnerd's (a trailing newline, no-store).
 pub fn json(status: u16, body: &serde_json::Value) -> Response<Body> {
@@ -82,7 +102,12 @@ pub async fn serve(
     mut stopping: tokio::sync::watch::Receiver<bool>,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = stopping.changed() => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -108,6 +133,7 @@ pub async fn serve(
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;
+            drop(permit);
         });
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), graceful.shutdown()).await;
@@ -147,6 +173,7 @@ async fn handle(router: Arc<Router>, req: Request<Incoming>, peer: String) -> Re
     } else {
         let limit = runnerd::api::body_limit(&method, &path);
         if announced_over_limit(&parts.headers, limit) {
+            tokio::spawn(discard(incoming));
             let mut response = error(&too_large(limit));
             response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
             return response;
@@ -156,15 +183,21 @@ async fn handle(router: Arc<Router>, req: Request<Incoming>, peer: String) -> Re
             Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
                 return error(&too_large(limit));
             }
-            Ok(Err(_)) | Err(_) => {
+            Ok(Err(e)) => {
                 return error(&ApiError::bad_request(
                     "body_unreadable",
-                    "The request body could not be read",
+                    format!("Request body could not be read: {e}"),
                 ));
+            }
+            Err(_) => {
+                let message = format!("Request body was not received within {} s", BODY_TIMEOUT.as_secs());
+                return error(&ApiError::bad_request("body_timeout", message));
             }
         }
     };
-    if runnerd::api::signed(&method, &path) {
+    // The fleet's own changes (drain, undrain) are signed like every other change.
+    let fleet_change = method == "POST" && path.starts_with("/fleet/");
+    if runnerd::api::signed(&method, &path) || fleet_change {
         let text = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let check = ApiRequest {
             method: method.clone(),
