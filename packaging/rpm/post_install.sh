@@ -55,6 +55,6 @@ fi
 if [ "$1" -eq 1 ]; then
     # First install: enable or not as the distribution's presets say (Fedora: disabled
     # unless a preset names them); never start.
-    systemctl --no-reload preset egressd.service npu-brokerd.service runnerd.service runnerd.socket >/dev/null 2>&1 || :
+    systemctl --no-reload preset egressd.service npu-brokerd.service runnerd.service runnerd.socket runner-router.service >/dev/null 2>&1 || :
 fi
 advisory_selftest

@@ -6,5 +6,5 @@ if [ -d /run/systemd/system ]; then
 fi
 if [ "$1" -ge 1 ]; then
     # Upgrade: restart what was running; never start anything.
-    systemctl try-restart egressd.service npu-brokerd.service runnerd.service >/dev/null 2>&1 || :
+    systemctl try-restart egressd.service npu-brokerd.service runnerd.service runner-router.service >/dev/null 2>&1 || :
 fi

@@ -25,6 +25,8 @@ runnerd_threshold=35
 egressd_threshold=20
 # npu-brokerd (issue #7): target 2.5; it runs host jobs, so it keeps devices and the network.
 npu_brokerd_threshold=25
+# runner-router only forwards HTTP: a dynamic user in a private user namespace, nothing else.
+runner_router_threshold=15
 
 if dpkg-query -W -f '${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed'; then
     if [ "${CI:-}" = true ]; then
@@ -83,6 +85,8 @@ expect_file 755 root:root /usr/bin/runnerd
 expect_file 755 root:root /usr/bin/runnerctl
 expect_file 755 root:root /usr/bin/egressd
 expect_file 755 root:root /usr/bin/npu-brokerd
+expect_file 755 root:root /usr/bin/runner-router
+expect_file 644 root:root /usr/share/doc/sciencediscovery/runner-router.toml.example
 expect_file 644 root:root /usr/share/sciencediscovery/npu/workloads/npu-smoke-test.py
 expect_file 755 root:root /usr/libexec/sciencediscovery/sandbox-init
 expect_file 755 root:root /usr/libexec/sciencediscovery/egress-bridge
@@ -116,12 +120,15 @@ check "egressd --version runs" /usr/bin/egressd --version
 check "egressd --check-config as $egress with the unit's flags" runuser -u "$egress" -- \
     /usr/bin/egressd --runner-uid "$runner" --socket-group "$egress" --check-config
 check "npu-brokerd --version runs" /usr/bin/npu-brokerd --version
+check "runner-router --version runs" /usr/bin/runner-router --version
+check "runner-router --check-config accepts the shipped example" env SCIENCE_AGENT_RUNNER_TOKEN_FILE=/etc/sciencediscovery/runner-token \
+    /usr/bin/runner-router --check-config --config /usr/share/doc/sciencediscovery/runner-router.toml.example
 check "npu-brokerd --check-config as $npu with the unit's flags (the built-in whitelist is valid)" \
     runuser -u "$npu" -- /usr/bin/npu-brokerd --runner-uid "$runner" --socket-group "$npu" --check-config
 
 echo "==> units"
 unit_dir=$(dirname "$(dpkg -L "$pkg" | grep '/systemd/system/egressd.service$')")
-for u in runnerd.service runnerd.socket egressd.service npu-brokerd.service; do
+for u in runnerd.service runnerd.socket egressd.service npu-brokerd.service runner-router.service; do
     check "$unit_dir/$u installed" test -f "$unit_dir/$u"
 done
 check "sysusers.d/$pkg.conf installed" sh -c "dpkg -L $pkg | grep -q '/sysusers.d/$pkg.conf$'"
@@ -142,7 +149,7 @@ check "nothing runs as $runner, $egress or $npu (nothing started on install)" te
 echo "==> systemd-analyze verify"
 verify_out=$(systemd-analyze verify --man=no --recursive-errors=no \
     "$unit_dir/runnerd.socket" "$unit_dir/runnerd.service" "$unit_dir/egressd.service" \
-    "$unit_dir/npu-brokerd.service" 2>&1) || true
+    "$unit_dir/npu-brokerd.service" "$unit_dir/runner-router.service" 2>&1) || true
 if [ -z "$verify_out" ]; then
     ok "systemd-analyze verify: no output"
 else
@@ -154,7 +161,7 @@ echo "==> systemd-analyze security --offline"
 scores="$artifacts_dir/exposure.txt"
 : > "$scores"
 for pair in "runnerd.service:$runnerd_threshold" "egressd.service:$egressd_threshold" \
-            "npu-brokerd.service:$npu_brokerd_threshold"; do
+            "npu-brokerd.service:$npu_brokerd_threshold" "runner-router.service:$runner_router_threshold"; do
     unit=${pair%%:*} threshold=${pair#*:}
     out=$(systemd-analyze security --offline=true --threshold="$threshold" "$unit_dir/$unit" 2>&1) && rc=0 || rc=$?
     printf '%s\n' "$out" >> "$scores"
@@ -176,11 +183,12 @@ fi
 
 echo "==> rpm $(basename "$rpm")"
 rpm_files=$(rpm -qpl "$rpm" 2>/dev/null)
-for f in /usr/bin/runnerd /usr/bin/runnerctl /usr/bin/egressd /usr/bin/npu-brokerd \
+for f in /usr/bin/runnerd /usr/bin/runnerctl /usr/bin/egressd /usr/bin/npu-brokerd /usr/bin/runner-router \
          /usr/libexec/sciencediscovery/sandbox-init /usr/libexec/sciencediscovery/egress-bridge \
          /usr/libexec/sciencediscovery/runner-provisioner \
          /usr/lib/systemd/system/runnerd.service /usr/lib/systemd/system/runnerd.socket \
          /usr/lib/systemd/system/egressd.service /usr/lib/systemd/system/npu-brokerd.service \
+         /usr/lib/systemd/system/runner-router.service \
          /usr/lib/sysusers.d/sciencediscovery.conf /usr/share/sciencediscovery/npu/workloads/npu-smoke-test.py \
          /etc/sciencediscovery/runnerd.toml /etc/sciencediscovery/egressd.toml /etc/sciencediscovery/npu-brokerd.toml; do
     check "rpm carries $f" grep -qx "$f" <<< "$rpm_files"
@@ -203,12 +211,13 @@ check "the token and selftest code is identical in the .deb's postinst and the .
 
 echo "==> dpkg -P"
 dpkg -P "$pkg" > "$artifacts_dir/dpkg-purge.log" 2>&1 || { cat "$artifacts_dir/dpkg-purge.log" >&2; bad "dpkg -P failed"; }
-left=$( { ls "$unit_dir"/runnerd.* "$unit_dir"/egressd.* "$unit_dir"/npu-brokerd.* /usr/lib/sysusers.d/sciencediscovery.conf 2>/dev/null
-          find /etc/systemd/system -name 'runnerd.*' -o -name 'egressd.*' -o -name 'npu-brokerd.*' 2>/dev/null
+left=$( { ls "$unit_dir"/runnerd.* "$unit_dir"/egressd.* "$unit_dir"/npu-brokerd.* "$unit_dir"/runner-router.* \
+             /usr/lib/sysusers.d/sciencediscovery.conf 2>/dev/null
+          find /etc/systemd/system -name 'runnerd.*' -o -name 'egressd.*' -o -name 'npu-brokerd.*' -o -name 'runner-router.*' 2>/dev/null
           find /var/lib/systemd/deb-systemd-helper-enabled /var/lib/systemd/deb-systemd-helper-masked \
-               \( -name 'runnerd.*' -o -name 'egressd.*' -o -name 'npu-brokerd.*' \) 2>/dev/null
+               \( -name 'runnerd.*' -o -name 'egressd.*' -o -name 'npu-brokerd.*' -o -name 'runner-router.*' \) 2>/dev/null
           ls -d /etc/sciencediscovery /usr/libexec/sciencediscovery /usr/share/sciencediscovery /usr/bin/runnerd /usr/bin/egressd \
-                /usr/bin/npu-brokerd 2>/dev/null; } || true)
+                /usr/bin/npu-brokerd /usr/bin/runner-router 2>/dev/null; } || true)
 if [ -z "$left" ]; then
     ok "dpkg -P left no units, links, state, configuration or binaries"
 else

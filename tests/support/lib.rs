@@ -3,7 +3,9 @@
 
 pub mod egress;
 pub mod journal;
+pub mod kube;
 pub mod npu;
+pub mod router;
 pub mod seaweed;
 pub mod server;
 

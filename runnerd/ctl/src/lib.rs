@@ -19,6 +19,7 @@ use runnerd::token::{self, Fallback};
 use crate::client::{Endpoint, RunnerClient, encode, new_execution_id, permission_epoch};
 
 pub mod client;
+mod fleet;
 mod workspace;
 
 const USAGE: &str = "\
@@ -78,6 +79,13 @@ Usage:
   runnerctl workspace where KEY         head, epoch, fenced or not and where to, replicated head
                                         (every workspace command takes --project PATH instead of
                                         KEY for a workspace under <data>/projects)
+  runnerctl fleet ls                    the nodes behind a runner-router (--url): pool, state,
+                                        slots and queue
+  runnerctl fleet drain NODE            stop placing new workspaces on NODE (name or URL) and
+                                        move each of its workspaces to another node of its pool,
+                                        progress on stderr; exit 0 once it holds none (run it
+                                        again to resume)
+  runnerctl fleet undrain NODE          place on NODE again
 Options:
   --workspace KEY        remote workspace key (default: runnerctl/default)
   --workspace-root PATH  exec, run: a workspace directory under <data>/projects instead
@@ -217,7 +225,7 @@ fn parse(args: Vec<String>) -> Result<Options, String> {
                 o.script = Some(rest.join(" "));
             }
             "health" | "status" | "metrics" | "exec" | "run" | "logs" | "show" | "cancel" | "ls" | "put"
-            | "get" | "repair" | "skills" | "env" | "history" | "gc" | "workspace"
+            | "get" | "repair" | "skills" | "env" | "history" | "gc" | "workspace" | "fleet"
                 if o.command.is_empty() =>
             {
                 o.command = if arg == "run" { "exec".into() } else { arg }
@@ -241,7 +249,7 @@ fn complete(o: Options) -> Result<Options, String> {
     let wanted = match o.command.as_str() {
         "logs" | "show" | "cancel" | "repair" => 1..=1,
         "put" | "skills" => 2..=2,
-        "workspace" => 1..=2,
+        "workspace" | "fleet" => 1..=2,
         "get" => 1..=2,
         "env" => env_arity(o.positional.first().map(String::as_str))?,
         _ => 0..=0,
@@ -344,6 +352,7 @@ async fn execute(o: Options) -> anyhow::Result<i32> {
             };
             workspace::run(&client, &o.positional[0], target, args).await
         }
+        "fleet" => fleet::run(&client, &o.positional[0], o.positional.get(1).map(String::as_str)).await,
         "history" => {
             let reply = client.get("/versioning").await?;
             outln!("{}", serde_json::to_string_pretty(&reply.json())?);

@@ -22,6 +22,10 @@ pub mod auth;
 pub(crate) mod check;
 pub mod cli;
 pub(crate) mod http;
+/// The HTTP front's limits, which a fleet router in front of runnerd keeps the same.
+pub mod http_limits {
+    pub use crate::http::{BODY_TIMEOUT, MAX_CONNECTIONS};
+}
 pub mod memory;
 pub mod peer;
 pub(crate) mod selftest;

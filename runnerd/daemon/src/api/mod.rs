@@ -80,7 +80,7 @@ pub fn body_limit(method: &str, path: &str) -> usize {
 }
 
 /// The routes that carry an execution signature.
-fn signed(method: &str, path: &str) -> bool {
+pub fn signed(method: &str, path: &str) -> bool {
     method == "POST"
         && (matches!(
             path,
@@ -126,7 +126,7 @@ pub async fn handle(
     client_gone: watch::Receiver<bool>,
 ) -> Result<ApiResponse, ApiError> {
     if signed(&req.method, &req.path) {
-        verify_signature(&app, gate, &req)?;
+        verify_signature(app.config.signature_max_age_ms, gate, &req)?;
     }
     // Exact paths only (contract §2): `//execute`, `/status/` or `/kernels//teardown` are
     // not routes. The signature check above saw this same string.
@@ -139,6 +139,7 @@ pub async fn handle(
     match (req.method.as_str(), segments.as_slice()) {
         ("GET", ["status"]) => ok(status(&app, npu::active_jobs(&app).await)),
         ("GET", ["resources"]) => ok(resources::resources(&app).await),
+        ("GET", ["load"]) => ok(resources::load(&app).await),
         ("GET", ["npu", "devices"]) => {
             let refresh = query::get(req.query.as_deref(), "refresh").as_deref() == Some("1");
             ok(serde_json::to_value(
@@ -259,6 +260,8 @@ pub async fn handle(
             let token = gate.token.expose().to_owned();
             detached(async move { transfer::push(&app, &token, &req.body).await }).await
         }
+        ("POST", ["workspace-transfer", "draining"]) => transfer::set_draining(&app, &req.body).await,
+        ("GET", ["workspace-transfer", "list"]) => transfer::list(&app, req.query.as_deref()).await,
         ("GET", ["workspace-transfer", "where"]) => transfer::where_is(&app, req.query.as_deref()).await,
         ("POST", ["workspace-transfer", "backup"]) => {
             detached(async move { transfer::backup(&app, &req.body).await }).await
@@ -280,9 +283,10 @@ fn replay_checked(path: &str) -> bool {
     !(path == "/npu/jobs" || path.starts_with("/npu/jobs/"))
 }
 
-fn verify_signature(app: &App, gate: &Gate, req: &ApiRequest) -> Result<(), ApiError> {
+/// The execution signature of a signed route ([`signed`]) and its replay check, with
+/// runnerd's answers. Public: a fleet router decides exactly as the node would.
+pub fn verify_signature(max_age: u64, gate: &Gate, req: &ApiRequest) -> Result<(), ApiError> {
     let now = timefmt::now_ms();
-    let max_age = app.config.signature_max_age_ms;
     // A streamed object upload signs its path and query; its bytes are checked by digest.
     let streamed;
     let signed_bytes: &[u8] = if streams_upload(&req.method, &req.path) {

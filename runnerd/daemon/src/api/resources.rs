@@ -70,6 +70,29 @@ pub async fn resources(app: &App) -> Value {
     out
 }
 
+/// `GET /load` (issue #35, ours): what a fleet router places by, cheap enough to poll every
+/// few seconds — no subprocess, no chip probe: slots, queue, workspace disk, memory.
+pub async fn load(app: &App) -> Value {
+    let data_dir = app.data_dir.clone();
+    let disk = tokio::task::spawn_blocking(move || workspace_disk(&data_dir)).await.ok().flatten();
+    let meminfo_text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let a = &app.admission;
+    json!({
+        "capturedAt": timefmt::now_iso(),
+        "runnerVersion": env!("CARGO_PKG_VERSION"),
+        "running": a.running(),
+        "slots": a.max_concurrent(),
+        "admitted": a.admitted(),
+        "queueCapacity": a.capacity(),
+        "cpuCores": cpu_cores(),
+        "loadAverage1m": first_number("/proc/loadavg").unwrap_or(0.0),
+        "memoryFreeBytes": meminfo(&meminfo_text, "MemAvailable:").unwrap_or(0),
+        "diskAvailableBytes": disk.as_ref().and_then(|d| d["availableBytes"].as_u64()),
+        "diskTotalBytes": disk.as_ref().and_then(|d| d["totalBytes"].as_u64()),
+        "draining": crate::transfer::draining::get(&app.data_dir),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

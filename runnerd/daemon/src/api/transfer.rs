@@ -251,6 +251,44 @@ async fn confirmed(peer: &Peer, ident: &Ident, out: &outgoing::Outgoing) -> Opti
     held.then_some(answer)
 }
 
+/// `POST /workspace-transfer/draining {"draining": bool}`: a fleet router's drain (or its
+/// end); every router reads it back from `GET /load`.
+pub async fn set_draining(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError> {
+    let obj = protocol::object(body)?;
+    let draining = obj
+        .get("draining")
+        .and_then(Value::as_bool)
+        .ok_or_else(|| ApiError::bad_request("bad_request", "draining must be true or false"))?;
+    let data_dir = app.data_dir.clone();
+    tokio::task::spawn_blocking(move || crate::transfer::draining::set(&data_dir, draining))
+        .await
+        .map_err(|e| ApiError::with_status(500, "internal", e.to_string()))?
+        .map_err(|e| ApiError::with_status(500, "draining_io", format!("could not record the drain: {e}")))?;
+    tracing::info!(event = "node_draining", draining);
+    ok(200, json!({"draining": draining}))
+}
+
+/// `GET /workspace-transfer/list?after=NAME&limit=N`: the workspaces held live here, a page
+/// at a time (what a drain moves away); `next` continues, `null` at the end.
+pub async fn list(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiError> {
+    let after = query::get(q, "after").filter(|a| !a.is_empty());
+    let limit = match query::get(q, "limit") {
+        None => status::LIST_LIMIT,
+        Some(n) => common::settings::parse_non_negative(&n)
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|n| (1..=status::LIST_LIMIT).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request("bad_limit", format!("limit must be 1 to {}", status::LIST_LIMIT))
+            })?,
+    };
+    let app2 = app.clone();
+    let (held, next) = tokio::task::spawn_blocking(move || status::held(&app2, after.as_deref(), limit))
+        .await
+        .map_err(|e| ApiError::with_status(500, "internal", e.to_string()))?;
+    let workspaces: Vec<Value> = held.iter().map(Ident::to_json).collect();
+    ok(200, json!({"workspaces": workspaces, "next": next}))
+}
+
 /// `GET /workspace-transfer/where?workspace=K` (or `project=P`).
 pub async fn where_is(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiError> {
     let mut obj = serde_json::Map::new();
@@ -261,9 +299,22 @@ pub async fn where_is(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, Ap
     }
     let ident = Ident::from_json(&obj).map_err(ProtocolError::from)?;
     let app2 = app.clone();
-    let answer = tokio::task::spawn_blocking(move || status::where_is(&app2, &ident))
+    let ident2 = ident.clone();
+    let mut answer = tokio::task::spawn_blocking(move || status::where_is(&app2, &ident2))
         .await
         .map_err(|e| ApiError::with_status(500, "internal", e.to_string()))??;
+    // `store=1`: also the object store's head (a fleet router asks before it calls a
+    // workspace it finds nowhere new: one that was on a lost node is restored instead).
+    if query::get(q, "store").as_deref() == Some("1") {
+        answer["store"] = match &app.replica {
+            None => json!({"enabled": false}),
+            Some(replica) => match replica.read_head(&ident).await {
+                Ok(Some(doc)) => json!({"enabled": true, "head": doc.to_json()}),
+                Ok(None) => json!({"enabled": true, "head": null}),
+                Err(e) => json!({"enabled": true, "error": crate::error_chain(&e)}),
+            },
+        };
+    }
     ok(200, answer)
 }
 

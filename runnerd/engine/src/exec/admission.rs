@@ -160,6 +160,16 @@ impl Admission {
         self.max_concurrent.saturating_sub(self.slots.available_permits())
     }
 
+    /// The most executions holding a sandbox slot at once.
+    pub fn max_concurrent(&self) -> usize {
+        self.max_concurrent
+    }
+
+    /// The most executions queued and running together (beyond: `queue_full`).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Queued + running executions.
     pub fn admitted(&self) -> usize {
         self.admitted.load(Ordering::SeqCst)

@@ -18,6 +18,7 @@
 //! * [`sweep`]: fenced copies removed after their grace.
 //! * [`from_store`]: a restore from the object store (`crate::replica`), on any node.
 
+pub mod draining;
 pub mod from_store;
 pub mod ident;
 pub mod outgoing;

@@ -47,3 +47,40 @@ pub fn where_is(app: &App, ident: &Ident) -> Result<Value, TransferFailed> {
         "transfer": app.moves.get(&canonical).map(|p| p.to_json()),
     }))
 }
+
+/// The most workspaces one `list` answer names.
+pub const LIST_LIMIT: usize = 1000;
+
+/// `list`: the workspaces this node holds live (named, not fenced), in name order, at most
+/// `limit` after the name `after` (their `query()` form), and the name to continue from.
+/// What a drain moves away, page by page.
+pub fn held(app: &App, after: Option<&str>, limit: usize) -> (Vec<Ident>, Option<String>) {
+    let Ok(data_real) = std::fs::canonicalize(&app.data_dir) else { return (Vec::new(), None) };
+    let mut named: Vec<(String, std::path::PathBuf, Ident)> = app
+        .versions
+        .lifecycle()
+        .registered_roots()
+        .into_iter()
+        .filter_map(|canonical| {
+            let ident = Ident::from_canonical(&data_real, &canonical)?;
+            Some((ident.query(), canonical, ident))
+        })
+        .filter(|(name, _, _)| after.is_none_or(|a| name.as_str() > a))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let limit = limit.clamp(1, LIST_LIMIT);
+    let mut out = Vec::new();
+    let mut last = None;
+    for (name, canonical, ident) in named {
+        if out.len() == limit {
+            return (out, last);
+        }
+        let live = canonical.is_dir()
+            && app.versions.placement().get(&canonical).ok().flatten().is_none_or(|p| p.moved_to.is_none());
+        last = Some(name);
+        if live {
+            out.push(ident);
+        }
+    }
+    (out, None)
+}
