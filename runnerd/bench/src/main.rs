@@ -21,6 +21,7 @@ mod memory;
 mod metrics;
 mod moves;
 mod output;
+mod perf;
 mod scale;
 mod versions;
 
