@@ -14,6 +14,7 @@
 //! and runnerd's RSS idle and through concurrency 8.
 //! Figures, never pass/fail: tests do not time anything.
 
+mod fleet;
 mod floor;
 mod history;
 mod limits;
@@ -21,6 +22,7 @@ mod memory;
 mod metrics;
 mod moves;
 mod output;
+mod perf;
 mod scale;
 mod versions;
 
@@ -83,6 +85,17 @@ Usage:
                                         changed file (bytes sent), a move with nothing to
                                         send (issue #34; RUNNERD_BENCH_MOVE_PERF=FILE: perf
                                         record -g of the target during the first move)
+  runnerd-bench fleet [--iterations N] [--seconds S]
+                                        runner-router in front of runnerd nodes on loopback
+                                        against the nodes directly (issue #35): the router's
+                                        overhead at p50 over N sequential executions (default
+                                        200) and its CPU per execution, a new workspace's
+                                        first call and placement alone, and the throughput
+                                        of 8 clients over 3 nodes against one node, S s per
+                                        case (default 10); RUNNERD_BENCH_ROUTER=PATH: the
+                                        router (else the one next to this binary);
+                                        RUNNERD_BENCH_FLEET_PERF=ARGS: perf on the router
+                                        during the sequential case (_CASE=d: throughput)
 ";
 
 fn main() {
@@ -124,6 +137,8 @@ struct Choice {
     scale: bool,
     history: bool,
     moves: bool,
+    /// Seconds per throughput case.
+    fleet: Option<u64>,
 }
 
 impl Choice {
@@ -139,6 +154,7 @@ impl Choice {
             scale: false,
             history: false,
             moves: false,
+            fleet: None,
         };
         while let Some(arg) = args.next() {
             let mut number = |name: &str| -> Option<u64> {
@@ -155,6 +171,11 @@ impl Choice {
                 "workspace-scale" => c.scale = true,
                 "history" => c.history = true,
                 "move" => c.moves = true,
+                "fleet" => c.fleet = Some(10),
+                "--seconds" if c.fleet.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    c.fleet = Some(n.max(1));
+                }
                 "output" => c.output = Some(64u64),
                 "--mib" if c.output.is_some() => {
                     let Some(n) = number(&arg) else { return Err(2) };
@@ -201,7 +222,8 @@ impl Choice {
 
     /// Runs the chosen benchmark.
     async fn measure(self) -> anyhow::Result<()> {
-        let Choice { iterations, versions, limits, output, memory, metrics, scale, history, moves } = self;
+        let Choice { iterations, versions, limits, output, memory, metrics, scale, history, moves, fleet } =
+            self;
         match versions {
             Some((files, mib, log_mb)) => bench_versions(files as usize, mib, log_mb).await,
             None if memory.is_some() => {
@@ -218,6 +240,11 @@ impl Choice {
             None if moves => {
                 let setup = setup().await?;
                 crate::moves::bench(setup.launcher.init_path()).await
+            }
+            None if fleet.is_some() => {
+                let setup = setup().await?;
+                let seconds = Duration::from_secs(fleet.unwrap_or(10));
+                crate::fleet::bench(setup.launcher.init_path(), iterations, seconds).await
             }
             None if output.is_some() => bench_output(output.unwrap_or(64)).await,
             None => bench(iterations).await,

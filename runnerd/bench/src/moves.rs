@@ -35,9 +35,12 @@ use anyhow::{Context, bail};
 use runnerctl::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
 use serde_json::{Value, json};
 
+use crate::perf::Perf;
 use crate::{BENCH_TOKEN, Scratch, http_once, own_cpu_ms, start_runnerd_with};
 
 const KEY: &str = "bench/move";
+/// perf's arguments, and (`…_CASE`) the push it records.
+const PERF: &str = "RUNNERD_BENCH_MOVE_PERF";
 const FILES: usize = 10_000;
 const TOTAL: u64 = 200 << 20;
 /// Files of 256 B..8 KiB (sources, configs), of 8..64 KiB, and the large ones that take
@@ -264,35 +267,6 @@ fn ms(d: Option<Duration>) -> String {
     d.map_or_else(|| "?".to_owned(), |d| format!("{:.0}", d.as_secs_f64() * 1000.0))
 }
 
-/// perf with `RUNNERD_BENCH_MOVE_PERF`'s arguments on `pid` during `case`, when that case is
-/// the one chosen; stopped (SIGINT) when the guard is dropped.
-struct Perf(std::process::Child);
-impl Perf {
-    fn start(case: &str, pid: u32) -> anyhow::Result<Option<Perf>> {
-        let Ok(args) = std::env::var("RUNNERD_BENCH_MOVE_PERF") else { return Ok(None) };
-        if std::env::var("RUNNERD_BENCH_MOVE_PERF_CASE").as_deref().unwrap_or("b") != case {
-            return Ok(None);
-        }
-        let child = Command::new("perf")
-            .args(args.split_whitespace())
-            .args(["-p", &pid.to_string()])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .context("starting perf")?;
-        std::thread::sleep(Duration::from_millis(500));
-        Ok(Some(Perf(child)))
-    }
-}
-impl Drop for Perf {
-    fn drop(&mut self) {
-        if let Ok(pid) = i32::try_from(self.0.id()) {
-            // SAFETY: a signal to perf, our own child (not yet waited for, so its pid is its own).
-            unsafe { libc::kill(pid, libc::SIGINT) };
-        }
-        let _ = self.0.wait();
-    }
-}
-
 pub async fn bench(init: &Path) -> anyhow::Result<()> {
     // Both with the same token (BENCH_TOKEN): a push authenticates to the target with its own.
     // The fenced copy stays an hour: the second tar reads it after the move.
@@ -343,7 +317,7 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
     let tar_dst = tar_scratch.0.join("copy");
     let tar_first = tar_pipe(&ws, &tar_dst, false)?;
 
-    let perf = Perf::start("b", b.child.id())?;
+    let perf = Perf::start(PERF, "b", "b", b.child.id())?;
     let moved = push(&a, &b).await?;
     drop(perf);
 
@@ -358,10 +332,10 @@ pub async fn bench(init: &Path) -> anyhow::Result<()> {
 
     let small = files[0].rel.to_str().context("an ASCII name")?.to_owned();
     shell(&cb, &format!("echo x >> {small}")).await?;
-    let perf = Perf::start("c", a.child.id())?;
+    let perf = Perf::start(PERF, "b", "c", a.child.id())?;
     let back = push(&b, &a).await?;
     drop(perf);
-    let perf = Perf::start("d", b.child.id())?;
+    let perf = Perf::start(PERF, "b", "d", b.child.id())?;
     let again = push(&a, &b).await?;
     drop(perf);
 
