@@ -35,8 +35,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use runner_router::fleet::{Fleet, Load, Member, Pool};
 use runner_router::placement;
-use runnerctl::client::{Endpoint, RunnerClient, new_execution_id, permission_epoch};
-use serde_json::json;
+use runnerctl::client::{Endpoint, RunnerClient};
 
 use crate::perf::Perf;
 use crate::{
@@ -200,13 +199,7 @@ enum Outcome {
 
 /// One signed `POST /execute-shell` of `true` in the remote workspace `key`, as `agent`.
 async fn execute(client: &RunnerClient, key: &str, agent: &str) -> Outcome {
-    let body = json!({
-        "agentId": agent,
-        "code": "true",
-        "executionId": new_execution_id(),
-        "permissionEpoch": permission_epoch(key),
-        "runnerWorkspaceKey": key,
-    });
+    let body = crate::true_request(key, agent);
     let start = Instant::now();
     match client.post_signed("/execute-shell", &body).await {
         Ok(reply) if reply.status == 200 && reply.json()["exitCode"] == 0 => Outcome::Ok(start.elapsed()),

@@ -675,16 +675,22 @@ pub(crate) async fn http_once(client: &RunnerClient, key: &str) -> anyhow::Resul
     http_once_as(client, key, "bench").await
 }
 
-/// The same, as `agent`: one session-agent runs one execution at a time (contract §2A), so
-/// only distinct agents can run side by side.
-async fn http_once_as(client: &RunnerClient, key: &str, agent: &str) -> anyhow::Result<Duration> {
-    let body = serde_json::json!({
+/// A signed-route body running `true` in the remote workspace `key`, as `agent`, with a
+/// fresh execution id.
+pub(crate) fn true_request(key: &str, agent: &str) -> serde_json::Value {
+    serde_json::json!({
         "agentId": agent,
         "code": "true",
         "executionId": new_execution_id(),
         "permissionEpoch": permission_epoch(key),
         "runnerWorkspaceKey": key,
-    });
+    })
+}
+
+/// The same, as `agent`: one session-agent runs one execution at a time (contract §2A), so
+/// only distinct agents can run side by side.
+async fn http_once_as(client: &RunnerClient, key: &str, agent: &str) -> anyhow::Result<Duration> {
+    let body = true_request(key, agent);
     let start = Instant::now();
     let reply = client.post_signed("/execute-shell", &body).await?;
     if reply.status != 200 || reply.json()["exitCode"] != 0 {

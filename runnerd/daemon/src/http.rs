@@ -190,7 +190,7 @@ fn too_large(limit: usize) -> ApiError {
 const LINGER: Duration = Duration::from_secs(2);
 const LINGER_BYTES: u64 = 8 << 20;
 
-async fn discard(mut body: Incoming) {
+pub async fn discard(mut body: Incoming) {
     use http_body_util::BodyExt;
     let mut seen = 0u64;
     let _ = tokio::time::timeout(LINGER, async {
@@ -206,7 +206,7 @@ async fn discard(mut body: Incoming) {
 
 /// Whether `Content-Length` announces more than the route's limit ([`api::body_limit`]). A
 /// length that does not parse is left to hyper, which refuses it while reading the head.
-fn announced_over_limit(headers: &hyper::HeaderMap, limit: usize) -> bool {
+pub fn announced_over_limit(headers: &hyper::HeaderMap, limit: usize) -> bool {
     headers
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

@@ -22,9 +22,10 @@ pub mod auth;
 pub(crate) mod check;
 pub mod cli;
 pub(crate) mod http;
-/// The HTTP front's limits, which a fleet router in front of runnerd keeps the same.
+/// The HTTP front's limits, and how it refuses a body over them, which a fleet router in
+/// front of runnerd keeps the same.
 pub mod http_limits {
-    pub use crate::http::{BODY_TIMEOUT, MAX_CONNECTIONS};
+    pub use crate::http::{BODY_TIMEOUT, MAX_CONNECTIONS, announced_over_limit, discard};
 }
 pub mod memory;
 pub mod peer;

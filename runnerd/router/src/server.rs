@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{
-    AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, RETRY_AFTER,
-};
+use hyper::header::{AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
@@ -29,23 +27,6 @@ const BODY_TIMEOUT: Duration = runnerd::http_limits::BODY_TIMEOUT;
 /// Connections served at once, as runnerd (more wait in the kernel's accept queue): the
 /// router's own descriptors, two per forwarded request, stay bounded.
 const MAX_CONNECTIONS: usize = runnerd::http_limits::MAX_CONNECTIONS;
-/// How long, and how much, a refused body is read and thrown away before its connection
-/// closes (runnerd's lingering close: a reset could destroy the answer before it is read).
-const LINGER: Duration = Duration::from_secs(2);
-const LINGER_BYTES: u64 = 8 << 20;
-
-async fn discard(mut body: Incoming) {
-    let mut seen = 0u64;
-    let _ = tokio::time::timeout(LINGER, async {
-        while let Some(Ok(frame)) = body.frame().await {
-            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
-            if seen > LINGER_BYTES {
-                break;
-            }
-        }
-    })
-    .await;
-}
 
 /// A JSON answer of the router's own, shaped like runnerd's (a trailing newline, no-store).
 pub fn json(status: u16, body: &serde_json::Value) -> Response<Body> {
@@ -139,15 +120,6 @@ pub async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(10), graceful.shutdown()).await;
 }
 
-/// Whether `Content-Length` announces more than `limit`.
-fn announced_over_limit(headers: &hyper::HeaderMap, limit: usize) -> bool {
-    headers
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .is_some_and(|len| len > limit as u64)
-}
-
 async fn handle(router: Arc<Router>, req: Request<Incoming>, peer: String) -> Response<Body> {
     let method = req.method().as_str().to_owned();
     let path = req.uri().path().to_owned();
@@ -172,8 +144,8 @@ async fn handle(router: Arc<Router>, req: Request<Incoming>, peer: String) -> Re
         Received::Stream(incoming)
     } else {
         let limit = runnerd::api::body_limit(&method, &path);
-        if announced_over_limit(&parts.headers, limit) {
-            tokio::spawn(discard(incoming));
+        if runnerd::http_limits::announced_over_limit(&parts.headers, limit) {
+            tokio::spawn(runnerd::http_limits::discard(incoming));
             let mut response = error(&too_large(limit));
             response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
             return response;
