@@ -88,8 +88,12 @@ async fn every_call_of_a_workspace_lands_on_one_node_and_new_ones_spread() {
     assert_eq!(resources["cpuCores"].as_u64(), one["cpuCores"].as_u64().map(|c| c * 3), "{resources}");
     let status = client.get("/status").await.unwrap();
     assert_eq!((status.status, &status.json()["status"]), (200, &json!("ok")));
-    let health = client.get("/health").await.unwrap().json();
+    // Without a token: counts only, never a node's address.
+    let health = client.raw("GET", "/health", &[], Vec::new()).await.unwrap();
+    let text = String::from_utf8_lossy(&health.body).into_owned();
+    let health = health.json();
     assert_eq!((&health["status"], &health["fleet"]["routable"]), (&json!("ok"), &json!(3)), "{health}");
+    assert!(!text.contains("127.0.0."), "no node address in the unauthenticated /health: {text}");
     let metrics = String::from_utf8(client.get("/metrics").await.unwrap().body).unwrap();
     assert!(metrics.contains("runner_router_placements_total{outcome=\"placed\"} 9"), "{metrics}");
 }
