@@ -30,6 +30,9 @@ use crate::server::{Call, Received, error, json};
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(3);
 /// What a 503 of the router asks the caller to wait (seconds).
 pub const RETRY_AFTER_S: u64 = 5;
+/// Broadcasts served at once (the others wait): bounds what they hold to BROADCASTS × nodes
+/// × 8 MiB, whatever callers send.
+const BROADCASTS: usize = 4;
 /// The most bytes of a node's error answer the router reads to learn its `code`.
 const PEEK_LIMIT: usize = 64 << 10;
 
@@ -49,6 +52,8 @@ pub struct Router {
     pub(crate) restoring: Mutex<HashMap<Workspace, Arc<tokio::sync::Mutex<()>>>>,
     /// Drains this router runs (their progress), by node URL.
     pub(crate) drains: Mutex<HashMap<String, crate::admin::DrainProgress>>,
+    /// Broadcasts at once: each holds its body and every node's answer (up to 8 MiB each).
+    broadcasts: tokio::sync::Semaphore,
     /// Itself, for the tasks a request starts (a drain).
     me: std::sync::OnceLock<std::sync::Weak<Router>>,
 }
@@ -168,6 +173,7 @@ impl Router {
             placing: Mutex::default(),
             restoring: Mutex::default(),
             drains: Mutex::default(),
+            broadcasts: tokio::sync::Semaphore::new(BROADCASTS),
             me: std::sync::OnceLock::new(),
         }
     }
@@ -662,6 +668,9 @@ impl Router {
     /// A change every node must hold alike (a skill package, an environment): sent to every
     /// routable node; the caller gets their common answer, or 502 naming each when they differ.
     async fn broadcast(&self, call: &mut Call) -> Response<Body> {
+        let Ok(_turn) = self.broadcasts.acquire().await else {
+            return error(&unavailable("no_nodes", "The router is stopping; retry later"));
+        };
         let nodes: Vec<Node> = self.fleet.nodes().into_iter().filter(Node::routable).collect();
         let missed: Vec<String> = self
             .fleet
