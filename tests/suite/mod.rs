@@ -27,6 +27,7 @@ mod npu_broker;
 mod output_memory;
 mod planted;
 mod preflight;
+mod prestart;
 mod python_packages;
 mod quota;
 mod remote;

@@ -176,6 +176,7 @@ fn sandbox_config(config: &RunnerConfig, dev: bool) -> SandboxConfig {
         sandbox_init: startup::locate_sandbox_init(config.sandbox_init.clone()),
         sandbox_user: config.sandbox_user.clone(),
         dev,
+        prestart: config.prestart,
     }
 }
 
@@ -268,6 +269,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     http::serve(app.clone(), gate, listener, shutdown(signals, app.clone())).await;
     app.managed.close(MANAGED_GRACE).await;
     app.limits.remove_spares();
+    app.sandbox.isolation.forget(None, crate::isolation::prestart::Discard::Stopping);
     tracing::info!(event = "stopped");
     Ok(0)
 }

@@ -72,6 +72,8 @@ pub struct RunnerConfig {
     pub journal: crate::journal::JournalSettings,
     /// Ours: the version history's retention and collector (`crate::history`).
     pub history: crate::history::HistorySettings,
+    /// Ours (issue #37): how many sandboxes wait started ahead for executions' next calls.
+    pub prestart: crate::isolation::PrestartSettings,
     /// Ours (issue #34): how long a copy that moved to another node keeps its files before
     /// they are removed (`crate::transfer::sweep`).
     pub moved_grace_secs: u64,
@@ -211,6 +213,7 @@ impl RunnerConfig {
             scientific: crate::envs::settings::EnvSettings::from_vars(get)?,
             journal: vars.journal()?,
             history: vars.history()?,
+            prestart: vars.prestart()?,
             moved_grace_secs: vars.non_negative(
                 crate::transfer::sweep::GRACE_VAR,
                 crate::transfer::sweep::DEFAULT_GRACE_SECS,
@@ -222,12 +225,29 @@ impl RunnerConfig {
     }
 }
 
+/// Ours (issue #37): how many sandboxes wait started ahead on this node (0: none).
+pub const PRESTART_VAR: &str = "SCIENCE_AGENT_PRESTART_SANDBOXES";
+/// Ours (issue #37): how many of them wait for one session's agent.
+pub const PRESTART_PER_TENANT_VAR: &str = "SCIENCE_AGENT_PRESTART_PER_TENANT";
+/// Ours (issue #37): seconds a started sandbox waits before it is discarded.
+pub const PRESTART_IDLE_VAR: &str = "SCIENCE_AGENT_PRESTART_IDLE_SECS";
+
 /// The variables as [`RunnerConfig::from_vars`] reads them: an empty one is unset.
 struct Vars<F>(F);
 
 impl<F: Fn(&str) -> Option<String>> Vars<F> {
     fn get(&self, name: &str) -> Option<String> {
         (self.0)(name).filter(|v| !v.is_empty())
+    }
+
+    /// Pre-started sandboxes (issue #37): per node (0: off), per tenant, idle seconds.
+    fn prestart(&self) -> Result<crate::isolation::PrestartSettings, ConfigError> {
+        let d = crate::isolation::PrestartSettings::default();
+        Ok(crate::isolation::PrestartSettings {
+            per_node: self.non_negative(PRESTART_VAR, d.per_node as u64)? as usize,
+            per_tenant: self.positive(PRESTART_PER_TENANT_VAR, d.per_tenant)?,
+            idle: Duration::from_secs(self.positive(PRESTART_IDLE_VAR, d.idle.as_secs() as usize)? as u64),
+        })
     }
 
     fn non_negative(&self, name: &'static str, default: u64) -> Result<u64, ConfigError> {
@@ -359,6 +379,9 @@ pub static SCHEMA: Schema = Schema {
         Key::new("history_gc_free_percent", crate::history::FREE_PERCENT_VAR, Kind::Integer),
         Key::new("history_gc_grace_secs", crate::history::GRACE_VAR, Kind::Integer),
         Key::new("moved_workspace_grace_secs", crate::transfer::sweep::GRACE_VAR, Kind::Integer),
+        Key::new("prestart_sandboxes", PRESTART_VAR, Kind::Integer),
+        Key::new("prestart_per_tenant", PRESTART_PER_TENANT_VAR, Kind::Integer),
+        Key::new("prestart_idle_secs", PRESTART_IDLE_VAR, Kind::Integer),
         Key::new("transfer_peers", crate::transfer::protocol::PEERS_VAR, Kind::Text),
         Key::new("package_cache_dir", crate::envs::settings::PACKAGE_CACHE_VAR, Kind::Text),
         Key::new("starter_python_specs", crate::envs::settings::STARTER_PYTHON_VAR, Kind::Text),
@@ -537,6 +560,10 @@ impl Loaded {
                     "history_gc_free_percent" => c.history.free_percent.to_string(),
                     "history_gc_grace_secs" => c.history.grace_secs.to_string(),
                     "moved_workspace_grace_secs" => c.moved_grace_secs.to_string(),
+                    "prestart_sandboxes" if c.prestart.per_node == 0 => "0 (off)".to_owned(),
+                    "prestart_sandboxes" => c.prestart.per_node.to_string(),
+                    "prestart_per_tenant" => c.prestart.per_tenant.to_string(),
+                    "prestart_idle_secs" => c.prestart.idle.as_secs().to_string(),
                     "transfer_peers" if c.transfer_peers.is_empty() => "unset (any node)".to_owned(),
                     "transfer_peers" => c.transfer_peers.join(","),
                     "replica_endpoint" => c

@@ -149,6 +149,8 @@ pub struct Snapshot {
     pub history: HistoryCounts,
     /// Replication to the object store: (lag in seconds, workspaces pending); `None` when off.
     pub replication: Option<(f64, u64)>,
+    /// Sandboxes started ahead (issue #37); `None` when the backend keeps none.
+    pub prestart: Option<crate::isolation::prestart::Report>,
 }
 
 /// The version collector at a scrape (`crate::history::History::metrics`).
@@ -213,6 +215,64 @@ struct StateGauges {
     history_stored_bytes: Gauge,
     replication_lag: Gauge<f64, std::sync::atomic::AtomicU64>,
     replication_pending: Gauge,
+    prestart: PrestartGauges,
+}
+
+/// The pre-started sandboxes' state at a scrape (issue #37).
+#[derive(Debug)]
+struct PrestartGauges {
+    hits: Gauge,
+    misses: Family<Labels, Gauge>,
+    discards: Family<Labels, Gauge>,
+    started: Gauge,
+    failed: Gauge,
+    waiting: Gauge,
+    memory: Gauge,
+}
+
+impl PrestartGauges {
+    fn register(registry: &mut Registry) -> PrestartGauges {
+        let mut gauge = |name: &str, help: &str| registered(registry, name, help, Gauge::default());
+        let (hits, started, failed, waiting, memory) = (
+            gauge("prestart_hits", "Executions handed to a sandbox started ahead, since start-up"),
+            gauge("prestart_started", "Sandboxes started ahead for a workspace's next call, since start-up"),
+            gauge("prestart_start_failures", "Sandboxes that could not be started ahead, since start-up"),
+            gauge("prestart_waiting", "Sandboxes started ahead and waiting now"),
+            gauge(
+                "prestart_memory_bytes",
+                "Resident memory of the waiting sandboxes' processes (RSS summed per process)",
+            ),
+        );
+        let misses = registered(
+            registry,
+            "prestart_misses",
+            "Executions that found no sandbox waiting for their shape, by reason (cold, shape_changed, died)",
+            Family::<Labels, Gauge>::default(),
+        );
+        let discards = registered(
+            registry,
+            "prestart_discards",
+            "Sandboxes started ahead and ended unused, by reason (shape_changed, died, expired, \
+             workspace_changed, environment_changed, evicted, stopping)",
+            Family::<Labels, Gauge>::default(),
+        );
+        PrestartGauges { hits, misses, discards, started, failed, waiting, memory }
+    }
+
+    fn set(&self, report: &crate::isolation::prestart::Report) {
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.hits.set(count(report.hits));
+        self.started.set(count(report.started));
+        self.failed.set(count(report.failed));
+        self.waiting.set(count(report.waiting as u64));
+        self.memory.set(count(report.memory_bytes));
+        for (reason, n) in &report.misses {
+            self.misses.get_or_create(&vec![("reason", (*reason).into())]).set(count(*n));
+        }
+        for (reason, n) in &report.discards {
+            self.discards.get_or_create(&vec![("reason", (*reason).into())]).set(count(*n));
+        }
+    }
 }
 
 impl StateGauges {
@@ -290,7 +350,9 @@ impl StateGauges {
             "Workspaces whose newest head is not in the object store yet",
             Gauge::default(),
         );
+        let prestart = PrestartGauges::register(registry);
         StateGauges {
+            prestart,
             replication_lag,
             replication_pending,
             egress_decisions,
@@ -536,6 +598,9 @@ impl Metrics {
         for (why, n) in &j.walked {
             runs(why, *n);
         }
+        if let Some(report) = &snapshot.prestart {
+            self.state.prestart.set(report);
+        }
         for (verdict, n) in snapshot.egress.iter().flatten() {
             let verdict = bounded_verdict(verdict);
             self.state
@@ -746,6 +811,16 @@ mod tests {
                 disk_bytes_stored: None,
             },
             replication: Some((1.5, 2)),
+            prestart: Some(crate::isolation::prestart::Report {
+                settings: crate::isolation::PrestartSettings::default(),
+                waiting: 2,
+                memory_bytes: 8 << 20,
+                hits: 40,
+                misses: vec![("cold", 3), ("shape_changed", 1)],
+                discards: vec![("expired", 5)],
+                started: 44,
+                failed: 0,
+            }),
         });
         for line in [
             "runner_execution_requests_total{route=\"execute\",code=\"ok\"} 1",
@@ -768,6 +843,13 @@ mod tests {
             "runner_journal_runs{measured=\"journal\"} 5",
             "runner_journal_runs{measured=\"events_lost\"} 1",
             "runner_running 1",
+            "runner_prestart_hits 40",
+            "runner_prestart_waiting 2",
+            "runner_prestart_memory_bytes 8388608",
+            "runner_prestart_misses{reason=\"cold\"} 3",
+            "runner_prestart_misses{reason=\"shape_changed\"} 1",
+            "runner_prestart_discards{reason=\"expired\"} 5",
+            "runner_prestart_started 44",
             "runner_egress_decisions{verdict=\"denied\"} 4",
             "runner_egress_up 1",
             "runner_execution_duration_seconds_count{route=\"execute\"} 1",

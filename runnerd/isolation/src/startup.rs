@@ -26,6 +26,8 @@ pub struct SandboxConfig {
     pub sandbox_user: Option<String>,
     /// `--dev`: a root start may fall back to `nobody` for sandboxes.
     pub dev: bool,
+    /// Sandboxes started ahead for executions (issue #37).
+    pub prestart: crate::isolation::PrestartSettings,
 }
 
 /// Everything executions need from start-up.
@@ -147,13 +149,16 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         });
     }
     let launcher = Arc::new(launcher);
-    let isolation = Arc::new(Bubblewrap::new(
-        bwrap.clone(),
-        launcher.clone(),
-        capability.shape(),
-        preflight::sandbox_unusable_message(&bwrap.to_string_lossy(), capability.detail.as_deref()),
-        features.bind_fd,
-    ));
+    let isolation = Arc::new(
+        Bubblewrap::new(
+            bwrap.clone(),
+            launcher.clone(),
+            capability.shape(),
+            preflight::sandbox_unusable_message(&bwrap.to_string_lossy(), capability.detail.as_deref()),
+            features.bind_fd,
+        )
+        .with_prestart(config.prestart),
+    );
     Ok(SandboxRuntime {
         isolation,
         launcher,

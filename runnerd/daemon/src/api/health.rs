@@ -139,6 +139,31 @@ fn enforcement(app: &App) -> (Value, Value) {
     (enforced, reasons)
 }
 
+/// Sandboxes started ahead for executions' next calls (issue #37): the bounds, what waits
+/// now and its memory, the hits, misses and discards since start-up.
+fn prestarted(app: &App) -> Value {
+    let Some(r) = app.sandbox.isolation.prestarted() else {
+        return json!({"enabled": false, "reason": "off (SCIENCE_AGENT_PRESTART_SANDBOXES=0), or bwrap has no --bind-fd"});
+    };
+    let reasons = |list: &[(&str, u64)]| -> Value {
+        Value::Object(list.iter().map(|(k, n)| ((*k).to_owned(), json!(n))).collect())
+    };
+    json!({
+        "enabled": true,
+        "perNode": r.settings.per_node,
+        "perTenant": r.settings.per_tenant,
+        "idleSeconds": r.settings.idle.as_secs(),
+        "waiting": r.waiting,
+        "memoryBytes": r.memory_bytes,
+        "memory": "resident memory of the waiting sandboxes' processes (bwrap, its init, the interpreter), RSS summed per process",
+        "hits": r.hits,
+        "misses": reasons(&r.misses),
+        "discards": reasons(&r.discards),
+        "started": r.started,
+        "startFailures": r.failed,
+    })
+}
+
 /// How sandboxes are built on this host.
 fn sandbox_profile(app: &App) -> Value {
     let cap = &app.sandbox.capability;
@@ -152,6 +177,7 @@ fn sandbox_profile(app: &App) -> Value {
         "warnings": warnings,
         "workspaceIdmap": app.sandbox.idmap,
         "workspaceJournal": app.journal.describe(),
+        "prestartedSandboxes": prestarted(app),
         "callerWorkspaces": format!(
             "workspaces owned by the sandbox user ({}) are bound as they are; those owned by another user: \
              idmapped mounts {}",

@@ -376,6 +376,7 @@ async fn metrics(app: &App) -> ApiResponse {
         journal: app.journal.metrics(),
         history: app.history.metrics(),
         replication: app.replica.as_ref().map(|r| r.gauges()),
+        prestart: app.sandbox.isolation.prestarted(),
     };
     let text = app.metrics.render(&snapshot);
     ApiResponse {

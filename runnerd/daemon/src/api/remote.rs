@@ -321,6 +321,7 @@ pub async fn clear(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiEr
     let op = blocking(move || files::clear(&fd).map_err(remote_err)).await;
     let committed = app.versions.commit_mutation(&writer, "workspace-clear", None, op.is_ok()).await;
     drop(writer);
+    app.sandbox.isolation.forget(Some(&root), crate::isolation::prestart::Discard::Workspace);
     committed.map_err(write_err)?;
     op?;
     tracing::info!(event = "workspace_cleared", workspace = %root.display());

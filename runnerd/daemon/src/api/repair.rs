@@ -27,6 +27,7 @@ pub async fn repair(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError
     let root = workspace::validated_workspace(&app.data_dir, &root)?;
     let pinned = workspace::open_beneath(&app.data_dir, &root)?;
     tracing::warn!(event = "workspace_repair_requested", workspace = %root.display(), key = %key);
+    app.sandbox.isolation.forget(Some(&root), crate::isolation::prestart::Discard::Workspace);
     let repaired = app.versions.repair(&root, pinned).await.map_err(ApiError::from_write)?;
     let previous = repaired.previous.as_ref().map(|(head, verified)| {
         let verified = match verified {

@@ -131,14 +131,9 @@ fn sandbox_spec<'a>(
 }
 
 /// The job's limits: rlimits (the quota as the largest file, the request's limits), and the
-/// execution's cgroup with its join files. `None` with the outcome recorded when the cgroup
-/// could not be made.
-fn limited(
-    app: &App,
-    p: &Prepared,
-    audit: &FinishAudit,
-    job: &mut Job<'_>,
-) -> Result<Option<crate::limits::ExecCgroup>, EngineError> {
+/// execution's cgroup with its join files (the backend gives back the one the sandbox ran
+/// in). An error with the outcome recorded when the cgroup could not be made.
+fn limited(app: &App, p: &Prepared, audit: &FinishAudit, job: &mut Job<'_>) -> Result<(), EngineError> {
     job.rlimits = default_rlimits(measure::file_size_cap(p.max_workspace));
     job.rlimits.extend(crate::limits::rlimits_for(app.limits.mode, &p.limits, p.timeout_ms));
     let made = app.limits.create(&p.limits).and_then(|c| {
@@ -148,7 +143,8 @@ fn limited(
     match made {
         Ok((cgroup, fds)) => {
             job.cgroup_procs = fds;
-            Ok(cgroup)
+            job.cgroup = cgroup;
+            Ok(())
         }
         Err(e) => {
             let error = crate::error_chain(&e);
@@ -177,7 +173,12 @@ async fn launch(
     );
     let spec = sandbox_spec(app, p, root_fd, &staged, &layout, python_packages.as_deref())?;
     let mut job = Job::new(spec);
-    let cgroup = limited(app, p, audit, &mut job)?;
+    limited(app, p, audit, &mut job)?;
+    // An execution's sandbox may wait for it, started ahead (issue #37).
+    job.prestart = Some(crate::isolation::Prestart {
+        tenant: format!("{}\u{1f}{}", p.session_id, p.agent_id),
+        cgroups: app.limits.cgroups(),
+    });
     let rlimits = job.rlimits.clone();
     job.stdin = p.code.clone().into_bytes();
     job.timeout = (p.timeout_ms > 0).then(|| Duration::from_millis(p.timeout_ms));
@@ -193,14 +194,15 @@ async fn launch(
     audit.mark(crate::metrics::Phase::Launch);
     let launched = Instant::now();
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
-    let ran = app.sandbox.isolation.run(job, &mut Tee { budget: &mut output, extra: logs }).await;
+    let Ran { outcome, env, cwd, cgroup } =
+        app.sandbox.isolation.run(job, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
     // The workspace as the run left it (`createdFiles`), measured in the cgroup's blocking
     // task right after its kill rather than on a hop of its own; only for a run that ended
     // (the launcher saw the sandbox end). A launch failure, an unresponsive sandbox, a
     // timeout or a cancel answers without it, so nothing waits on a walk of a workspace a
     // live sandbox may still be writing.
-    let ended = matches!(&ran.outcome, Ok(o) if matches!(o.termination, Termination::Exited(_) | Termination::Signaled(_)));
+    let ended = matches!(&outcome, Ok(o) if matches!(o.termination, Termination::Exited(_) | Termination::Signaled(_)));
     let walked = root_fd.try_clone();
     let (usage, after) = app
         .limits
@@ -216,7 +218,6 @@ async fn launch(
         .unwrap_or_else(|| {
             (None, Some(After::Walked(measure::unmeasured("the measuring task stopped"), None)))
         });
-    let Ran { outcome, env, cwd } = ran;
     let outcome = launched_or_failed(app, p, audit, outcome, launched)?;
     let end = End { outcome, after, usage, rlimits, env, cwd, started_at };
     finished(app, p, audit, stop, &staged, end, output)
@@ -232,7 +233,8 @@ fn launched_or_failed(
 ) -> Result<crate::launch::Outcome, EngineError> {
     let e = match outcome {
         Ok(o) => {
-            if let Some(latency) = o.launch_latency {
+            // A sandbox started ahead was launched before this run: nothing to count.
+            if let Some(latency) = o.launch_latency.filter(|_| !o.served_ahead) {
                 app.metrics.launched(p.profile.name(), latency);
             }
             if let Some(c) = &audit.clock {

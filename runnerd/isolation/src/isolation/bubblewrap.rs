@@ -1,7 +1,9 @@
 //! The bubblewrap backend: a [`SandboxSpec`] becomes bwrap's argv ([`argv::build`], pure),
 //! its descriptors are placed at the slot numbers that argv names, and sandbox-init starts it
-//! ([`Launcher::run`]). Also the backend's start-up probe form ([`probe`]): the original's
-//! probe argv, unfiltered, through the same launcher.
+//! ([`Launcher::run`]). An execution's next sandbox of the same shape is started ahead and
+//! waits in the [`Pool`] (issue #37); a call of that shape is handed to it
+//! ([`crate::launch::Waiting::finish`]). Also the backend's start-up probe form ([`probe`]):
+//! the original's probe argv, unfiltered, through the same launcher.
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -10,10 +12,12 @@ use std::time::Duration;
 
 use common::plan::IdPair;
 
+use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Shape};
 use super::{Isolation, Job, Ran, RunFuture, SandboxSpec};
 use crate::launch::{Launch, LaunchError, Launcher, Outcome, OutputSink};
+use crate::limits::{ExecCgroup, Limits};
 use crate::sandbox::argv::{self, BwrapSpec, EgressMount, ExtraBind, SkillsMount};
-use crate::sandbox::{FdSlots, SandboxShape, WorkspaceFds};
+use crate::sandbox::{FdSlots, SandboxCommand, SandboxShape, WorkspaceFds};
 
 /// bubblewrap through sandbox-init, in the form the start-up probes decided.
 #[derive(Debug)]
@@ -25,6 +29,8 @@ pub struct Bubblewrap {
     unusable: String,
     /// bwrap has `--bind-fd` (0.8 or later).
     bind_fd: bool,
+    /// Sandboxes started ahead for executions (issue #37); `None`: off.
+    pool: Option<Arc<Pool>>,
 }
 
 impl Bubblewrap {
@@ -35,8 +41,114 @@ impl Bubblewrap {
         unusable: String,
         bind_fd: bool,
     ) -> Bubblewrap {
-        Bubblewrap { bwrap, launcher, shape, unusable, bind_fd }
+        Bubblewrap { bwrap, launcher, shape, unusable, bind_fd, pool: None }
     }
+
+    /// Starts executions' next sandboxes ahead, within `settings` (none when its per-node
+    /// bound is 0, or without `--bind-fd`: a sandbox bound by path could not be checked to
+    /// hold the objects a later call names).
+    pub fn with_prestart(mut self, settings: PrestartSettings) -> Bubblewrap {
+        self.pool = (settings.per_node > 0 && self.bind_fd).then(|| Pool::new(settings));
+        self
+    }
+
+    /// What the next sandbox of `job`'s shape needs, when the job is an execution's that
+    /// may be served ahead: its shape, and its own duplicates of the descriptors.
+    fn next_of(&self, job: &mut Job<'_>, cmd: &SandboxCommand, shape: SandboxShape) -> Option<Next> {
+        self.pool.as_ref()?;
+        let prestart = job.prestart.take()?;
+        let dirs = job.spec.workspace_dirs.filter(|_| prestartable(&job.spec))?;
+        let slots = command(&job.spec, shape, true).1.placed().ok()?;
+        let cwd = match job.spec.cwd.filter(|c| !c.is_empty() && *c != ".") {
+            Some(rel) => {
+                let (dir, _) =
+                    runner_store::fsat::walk_beneath(dirs.root.fd, Path::new(rel).components()).ok()?;
+                Some(prestart::identity(&dir).ok()?)
+            }
+            None => None,
+        };
+        let limits = job.cgroup.as_ref().map(|c| *c.limits());
+        let shape = Shape {
+            options: cmd.options.clone(),
+            command: cmd.command.clone(),
+            profile: cmd.seccomp,
+            rlimits: job.rlimits.clone(),
+            limits,
+            idmaps: slots.idmaps().to_vec(),
+            objects: slots.identities().ok()?,
+            cwd,
+        };
+        let root = job.spec.workspace.root().to_owned();
+        Some(Next { root, prestart, shape, cmd: cmd.clone(), slots, rlimits: job.rlimits.clone(), limits })
+    }
+
+    /// Starts the next sandbox of a shape in the background and files it in the pool, when
+    /// the pool's bounds admit it; `cgroup` is a fresh one of the shape's limits, if at hand.
+    fn start_next(&self, next: Next, cgroup: Option<ExecCgroup>) {
+        let Some(pool) = &self.pool else { return };
+        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant) else { return };
+        pool.ensure_sweeper();
+        let (pool, launcher, bwrap) = (pool.clone(), self.launcher.clone(), self.bwrap.clone());
+        tokio::spawn(async move {
+            let Next { shape, cmd, slots, rlimits, limits, prestart, .. } = next;
+            let made = match (cgroup, limits) {
+                (Some(c), _) => Ok(Some(c)),
+                (None, Some(l)) => tokio::task::spawn_blocking(move || prestart.cgroups.create(&l))
+                    .await
+                    .map_err(|_| StartError::Panicked)
+                    .and_then(|r| r.map_err(StartError::Cgroup)),
+                (None, None) => Ok(None),
+            };
+            let joined = made.and_then(|c| {
+                let joins = c.as_ref().map(|c| c.procs_fds()).transpose().map_err(StartError::Cgroup)?;
+                Ok((c, joins.unwrap_or_default()))
+            });
+            let (cgroup, joins) = match joined {
+                Ok(joined) => joined,
+                Err(e) => return pool.failed(reservation, &e),
+            };
+            let mut launch = Launch::sandboxed(bwrap, cmd, slots);
+            launch.rlimits = rlimits;
+            launch.cgroup_procs = joins;
+            match launcher.start(launch).await {
+                Ok(waiting) => pool.insert(reservation, shape, waiting, cgroup),
+                Err(e) => pool.failed(reservation, &StartError::Launch(e)),
+            }
+        });
+    }
+}
+
+/// Whether an execution's sandbox can wait for it: not a caller's own command (probes,
+/// provisioning steps), no chips (probed and claimed right before each launch), no extra
+/// binds or variables, and the workspace bound by descriptor.
+fn prestartable(spec: &SandboxSpec<'_>) -> bool {
+    spec.command.is_none()
+        && spec.accel.is_none()
+        && spec.binds.is_empty()
+        && spec.extra_env.is_empty()
+        && spec.workspace_dirs.is_some()
+}
+
+/// Why a sandbox could not be started ahead (logged; the next call launches as usual).
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("its cgroup could not be made")]
+    Cgroup(#[source] crate::limits::cgroup::CgroupError),
+    #[error("making its cgroup panicked")]
+    Panicked,
+    #[error("it could not be launched")]
+    Launch(#[source] LaunchError),
+}
+
+/// What starting the next sandbox of an execution's shape takes.
+struct Next {
+    root: PathBuf,
+    prestart: Prestart,
+    shape: Shape,
+    cmd: SandboxCommand,
+    slots: FdSlots,
+    rlimits: Vec<common::plan::Rlimit>,
+    limits: Option<Limits>,
 }
 
 impl Isolation for Bubblewrap {
@@ -52,11 +164,11 @@ impl Isolation for Bubblewrap {
         self.bind_fd
     }
 
-    fn run<'a>(&'a self, job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
+    fn run<'a>(&'a self, mut job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
         Box::pin(async move {
             let Some(shape) = self.shape else {
                 let outcome = Err(LaunchError::Unavailable(self.unusable.clone()));
-                return Ran { outcome, env: Vec::new(), cwd: String::new() };
+                return Ran { outcome, env: Vec::new(), cwd: String::new(), cgroup: job.cgroup };
             };
             let (cmd, slots) = command(&job.spec, shape, self.bind_fd);
             let (env, cwd) = (cmd.env.clone(), cmd.cwd.clone());
@@ -64,18 +176,48 @@ impl Isolation for Bubblewrap {
                 Ok(slots) => slots,
                 Err(source) => {
                     let outcome = Err(LaunchError::Io { what: "pass a descriptor to the sandbox", source });
-                    return Ran { outcome, env, cwd };
+                    return Ran { outcome, env, cwd, cgroup: job.cgroup };
                 }
             };
-            let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd, slots);
-            launch.stdin = job.stdin;
-            launch.timeout = job.timeout;
-            launch.cancel = job.stop;
-            launch.rlimits = job.rlimits;
-            launch.cgroup_procs = job.cgroup_procs;
-            let outcome = self.launcher.run(launch, sink).await;
-            Ran { outcome, env, cwd }
+            let next = self.next_of(&mut job, &cmd, shape);
+            let taken = match (&self.pool, &next) {
+                (Some(pool), Some(next)) => pool.take(&next.root, &next.shape).ok(),
+                _ => None,
+            };
+            let (outcome, ran_in, spare) = match taken {
+                // The job's own cgroup, fresh and of the same limits, serves the next one.
+                Some(entry) => {
+                    let outcome =
+                        entry.waiting.finish(&self.launcher, job.stdin, job.timeout, job.stop, sink).await;
+                    (outcome, entry.cgroup, job.cgroup)
+                }
+                None => {
+                    let mut launch = Launch::sandboxed(self.bwrap.clone(), cmd, slots);
+                    launch.stdin = job.stdin;
+                    launch.timeout = job.timeout;
+                    launch.cancel = job.stop;
+                    launch.rlimits = job.rlimits;
+                    launch.cgroup_procs = job.cgroup_procs;
+                    (self.launcher.run(launch, sink).await, job.cgroup, None)
+                }
+            };
+            match next {
+                // A sandbox that could not be launched is not started again ahead.
+                Some(next) if outcome.is_ok() => self.start_next(next, spare),
+                _ => drop(spare),
+            }
+            Ran { outcome, env, cwd, cgroup: ran_in }
         })
+    }
+
+    fn forget(&self, workspace: Option<&Path>, why: Discard) {
+        if let Some(pool) = &self.pool {
+            pool.forget(workspace, why);
+        }
+    }
+
+    fn prestarted(&self) -> Option<prestart::Report> {
+        self.pool.as_ref().map(|p| p.report())
     }
 }
 

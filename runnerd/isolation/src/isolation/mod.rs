@@ -8,10 +8,12 @@
 //! ([`crate::sandbox::argv`]), places the descriptors in numbered slots, and starts it
 //! through sandbox-init ([`crate::launch::Launcher`]). Its start-up probes (the sandbox's
 //! form, idmapped mounts) use the same launcher with the original's probe argv
-//! ([`bubblewrap::probe`]). A microVM backend or pre-started sandboxes implement the trait;
-//! nothing in `exec`, `envs` or `managed` changes for them.
+//! ([`bubblewrap::probe`]). An execution's job may be served by a sandbox the backend started
+//! ahead of it ([`prestart`], issue #37): the job says so ([`Job::prestart`]) and gives the
+//! backend its cgroup ([`Job::cgroup`]); [`Ran::cgroup`] is the one the sandbox ran in.
 
 pub mod bubblewrap;
+pub mod prestart;
 
 use std::fmt;
 use std::future::Future;
@@ -25,9 +27,11 @@ use common::seccomp::Profile;
 use tokio::sync::watch;
 
 pub use bubblewrap::Bubblewrap;
+pub use prestart::{Prestart, PrestartSettings};
 
 use crate::accel_mount::AccelMount;
 use crate::launch::{LaunchError, Outcome, OutputSink};
+use crate::limits::ExecCgroup;
 use crate::sandbox::{HostRuntime, Language, WorkspaceLayout};
 
 /// What one sandbox holds and runs, whatever isolates it.
@@ -148,6 +152,13 @@ pub struct Job<'a> {
     pub rlimits: Vec<Rlimit>,
     /// The execution's cgroups' join files (`crate::limits::ExecCgroup::procs_fds`).
     pub cgroup_procs: Vec<OwnedFd>,
+    /// The execution's cgroup, given to the backend, which joins it or, serving the job
+    /// from a sandbox started ahead, keeps it for the next one; [`Ran::cgroup`] is the one
+    /// the sandbox ran in.
+    pub cgroup: Option<ExecCgroup>,
+    /// An execution's: its sandbox may have been started ahead, and the next one of its
+    /// shape is (issue #37). `None` (probes, provisioning steps): never.
+    pub prestart: Option<Prestart>,
 }
 
 impl<'a> Job<'a> {
@@ -160,6 +171,8 @@ impl<'a> Job<'a> {
             stop: None,
             rlimits: crate::launch::default_rlimits(None),
             cgroup_procs: Vec::new(),
+            cgroup: None,
+            prestart: None,
         }
     }
 }
@@ -172,6 +185,9 @@ pub struct Ran {
     pub env: Vec<(String, String)>,
     /// The working directory inside the sandbox.
     pub cwd: String,
+    /// The cgroup the sandbox ran in (the job's, or a pre-started sandbox's): its counters
+    /// are the run's.
+    pub cgroup: Option<ExecCgroup>,
 }
 
 /// The future of [`Isolation::run`].
@@ -192,4 +208,13 @@ pub trait Isolation: Send + Sync + fmt::Debug {
 
     /// Runs `job` to its end, streaming its output into `sink`.
     fn run<'a>(&'a self, job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a>;
+
+    /// Discards every sandbox started ahead for `workspace` or beneath it (all with `None`):
+    /// the workspace was cleared, repaired, moved or deleted, or runnerd stops.
+    fn forget(&self, _workspace: Option<&Path>, _why: prestart::Discard) {}
+
+    /// The pre-started sandboxes' state, where the backend keeps any.
+    fn prestarted(&self) -> Option<prestart::Report> {
+        None
+    }
 }

@@ -155,8 +155,10 @@ pub struct Outcome {
     pub sandbox_pid: Option<i32>,
     pub elapsed: Duration,
     /// From the start of the launch to bubblewrap executing (sandbox-init's hand-over done),
-    /// when it got that far.
+    /// when it got that far; for a sandbox started ahead, to the script's hand-over.
     pub launch_latency: Option<Duration>,
+    /// The run was handed to a sandbox started ahead of it (issue #37).
+    pub served_ahead: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -338,17 +340,58 @@ impl Launcher {
             self.plan(launch)?;
         let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;
+        let sandbox = Sandbox::new(spawned.child.id().map(|p| p as i32).unwrap_or(0));
+        tokio::spawn(sandbox.clone().watch(info));
+        let handshake = handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program);
+        let running = Running { sandbox, child: spawned.child, stdin: stdin_w, stdout, stderr };
+        self.attend(running, handshake, Attend { ahead: false, input, timeout, cancel, started }, sink).await
+    }
 
-        let mut child = spawned.child;
+    /// Starts a sandbox ahead of its input (issue #37): bwrap runs, and its command waits on
+    /// stdin until [`Waiting::finish`] hands it over. The launch's timeout and cancel are not
+    /// used: the run's own start at the hand-over. An unfinished `Waiting` ends its sandbox
+    /// when dropped.
+    pub async fn start(&self, launch: Launch) -> Result<Waiting, LaunchError> {
+        let started = Instant::now();
+        let Planned { plan, fds, stdin: (stdin_w, _), stdout, stderr, info, .. } = self.plan(launch)?;
+        let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
+        let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;
+        let sandbox = Sandbox::new(spawned.child.id().map(|p| p as i32).unwrap_or(0));
+        tokio::spawn(sandbox.clone().watch(info));
+        let running = Running { sandbox, child: spawned.child, stdin: stdin_w, stdout, stderr };
+        // Ends the sandbox if the hand-over fails.
+        let mut waiting = Waiting { running: Some(running), launch_latency: Duration::ZERO };
+        let handshake = handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program);
+        match tokio::time::timeout(DRAIN_LIMIT, handshake).await {
+            Ok(Ok(())) => {
+                waiting.launch_latency = started.elapsed();
+                Ok(waiting)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(LaunchError::Unresponsive { init: None }),
+        }
+    }
+
+    /// Attends a started sandbox: `ready` (sandbox-init's hand-over, or nothing for a
+    /// sandbox started ahead), then stdin fed and the output streamed until bwrap exits, the
+    /// deadline passes or the run is cancelled; every process of the namespace gone before
+    /// it answers (R-RUN-4).
+    async fn attend(
+        &self,
+        running: Running,
+        ready: impl std::future::Future<Output = Result<(), LaunchError>>,
+        how: Attend,
+        sink: &mut dyn OutputSink,
+    ) -> Result<Outcome, LaunchError> {
+        let Running { sandbox, mut child, stdin: stdin_w, stdout, stderr } = running;
+        let Attend { ahead, input, timeout, cancel, started } = how;
         // bwrap (sandbox-init's image after exec) is not reaped before `work` ends, so its
         // pid cannot be reused meanwhile.
-        let sandbox = Sandbox::new(child.id().map(|p| p as i32).unwrap_or(0));
-        tokio::spawn(sandbox.clone().watch(info));
         let mut guard = EndOnDrop { sandbox: &sandbox, armed: true };
 
         let handed_over = std::sync::Mutex::new(None);
         let work = async {
-            handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program).await?;
+            ready.await?;
             *handed_over.lock().unwrap_or_else(|p| p.into_inner()) = Some(started.elapsed());
             let stdin = pipe::Sender::from_owned_fd(stdin_w).map_err(io_err("open the stdin pipe"))?;
             let feeder = tokio::spawn(feed_stdin(stdin, input));
@@ -392,7 +435,100 @@ impl Launcher {
             sandbox_pid: sandbox.init_pid(),
             elapsed: started.elapsed(),
             launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
+            served_ahead: ahead,
         })
+    }
+}
+
+/// A sandbox's processes and runnerd's ends of its pipes.
+#[derive(Debug)]
+struct Running {
+    sandbox: Arc<Sandbox>,
+    child: tokio::process::Child,
+    stdin: OwnedFd,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+}
+
+/// How a run is attended: its input, its deadline and cancel, and when its clock started.
+struct Attend {
+    /// Started ahead: `started` is the hand-over.
+    ahead: bool,
+    input: Vec<u8>,
+    timeout: Option<Duration>,
+    cancel: Option<watch::Receiver<bool>>,
+    started: Instant,
+}
+
+/// A sandbox started by [`Launcher::start`]: bwrap runs and its command waits on stdin.
+/// Dropped unfinished, it ends the sandbox (every process of its namespace).
+#[derive(Debug)]
+pub struct Waiting {
+    running: Option<Running>,
+    /// From the start to bubblewrap executing.
+    launch_latency: Duration,
+}
+
+impl Waiting {
+    /// From the start of its launch to bubblewrap executing.
+    pub fn launch_latency(&self) -> Duration {
+        self.launch_latency
+    }
+
+    /// Whether bwrap still runs (a sandbox whose setup failed, or that was killed, has
+    /// exited).
+    pub fn alive(&mut self) -> bool {
+        self.running.as_mut().is_some_and(|r| matches!(r.child.try_wait(), Ok(None)))
+    }
+
+    /// Host pids of the sandbox's processes (bwrap's monitor, the namespace's init and what
+    /// it started), for their memory; empty once finished.
+    pub fn pids(&self) -> Vec<i32> {
+        let Some(r) = &self.running else { return Vec::new() };
+        let mut pids: Vec<i32> = r.child.id().map(|p| p as i32).into_iter().collect();
+        if let Some(init) = r.sandbox.init_pid() {
+            pids.push(init);
+            let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"));
+            pids.extend(
+                children.unwrap_or_default().split_whitespace().filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+        pids
+    }
+
+    /// Hands `input` to the waiting command and attends the run as [`Launcher::run`] does;
+    /// the deadline, the cancel and the outcome's `elapsed` start now.
+    pub async fn finish(
+        mut self,
+        launcher: &Launcher,
+        input: Vec<u8>,
+        timeout: Option<Duration>,
+        cancel: Option<watch::Receiver<bool>>,
+        sink: &mut dyn OutputSink,
+    ) -> Result<Outcome, LaunchError> {
+        let running = self.running.take().expect("a Waiting is finished once");
+        let how = Attend { ahead: true, input, timeout, cancel, started: Instant::now() };
+        launcher.attend(running, async { Ok(()) }, how, sink).await
+    }
+}
+
+impl Waiting {
+    /// Ends the sandbox and waits until its namespace is gone and bwrap reaped (a discarded
+    /// sandbox's cgroup can be removed after this).
+    pub async fn end(mut self) {
+        if let Some(mut r) = self.running.take() {
+            r.sandbox.end();
+            r.sandbox.ensure_ended(DRAIN_LIMIT).await;
+            let _ = tokio::time::timeout(DRAIN_LIMIT, r.child.wait()).await;
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(r) = &self.running {
+            r.sandbox.end();
+        }
     }
 }
 

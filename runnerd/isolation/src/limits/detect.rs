@@ -115,6 +115,12 @@ impl Enforcement {
         self.maker.as_ref().map(|m| m.take(limits)).transpose()
     }
 
+    /// What makes execution cgroups, for a backend that starts a sandbox ahead of the
+    /// execution it will serve (issue #37).
+    pub fn cgroups(&self) -> CgroupSource {
+        CgroupSource(self.maker.clone())
+    }
+
     /// An execution's end in one blocking task ([`super::end`]): its cgroup ended and its
     /// counters read, then `then`, both answered; then the removal, and a spare with the same
     /// limits made for the next run.
@@ -138,6 +144,16 @@ impl Enforcement {
         if let Some(maker) = &self.maker {
             maker.close();
         }
+    }
+}
+
+/// Makes execution cgroups as [`Enforcement::create`] does (`None` in rlimits-only).
+#[derive(Debug, Clone, Default)]
+pub struct CgroupSource(Option<Arc<Maker>>);
+
+impl CgroupSource {
+    pub fn create(&self, limits: &Limits) -> Result<Option<ExecCgroup>, CgroupError> {
+        self.0.as_ref().map(|m| m.take(limits)).transpose()
     }
 }
 

@@ -16,7 +16,7 @@ use common::plan::{Resource, Rlimit};
 use common::settings::{MAX_SAFE_INTEGER, parse_non_negative};
 
 pub use cgroup::{ExecCgroup, Usage};
-pub use detect::{Enforcement, Mode};
+pub use detect::{CgroupSource, Enforcement, Mode};
 
 /// The limits one execution runs under. 0 means unlimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

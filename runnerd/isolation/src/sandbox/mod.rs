@@ -52,6 +52,11 @@ impl FdSlots {
         &self.idmaps
     }
 
+    /// (device, inode) of each slot's file, in slot order: what the sandbox mounts.
+    pub fn identities(&self) -> std::io::Result<Vec<(u64, u64)>> {
+        self.fds.iter().map(crate::isolation::prestart::identity).collect()
+    }
+
     /// The first number after the slots (where the launcher's own descriptors go).
     pub fn next(&self) -> i32 {
         common::plan::FIRST_EXTRA_FD + self.fds.len() as i32

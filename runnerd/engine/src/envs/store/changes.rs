@@ -59,6 +59,8 @@ impl EnvStore {
             let _ = remove_prefix(prefix);
             return Err(e);
         }
+        // A starter published again replaces the one sandboxes started ahead bind.
+        app.sandbox.isolation.forget(None, crate::isolation::prestart::Discard::Environment);
         Ok(env)
     }
 
@@ -185,6 +187,8 @@ impl EnvStore {
             return Err(e);
         }
         audit("environment_changed", &env.id, &rev, &revision.packages.len().to_string());
+        // A sandbox started ahead binds the prefix by path, as it was.
+        app.sandbox.isolation.forget(None, crate::isolation::prestart::Discard::Environment);
         Ok(revision)
     }
 }

@@ -1,0 +1,536 @@
+//! Pre-started sandboxes (issue #37). An agent calls again and again in the same workspace
+//! with the same policy, so when an execution ends, the sandbox for the next call of the
+//! same *shape* is started at once and left waiting: bwrap run, namespaces and mounts made,
+//! seccomp on, the cgroup joined, the interpreter blocked reading its script from stdin. A
+//! call with that shape takes it and writes its script; any other call launches as before.
+//!
+//! The shape is what the sandbox is, compared in full ([`Shape`]): bwrap's argv (the
+//! environment, the policy's gateway path, the environment prefix, the limits' tmpfs sizes,
+//! the seccomp profile …), the rlimits, the cgroup's limits, and the identity (device and
+//! inode) of every directory and socket mounted by descriptor and of the working directory.
+//! A workspace swapped for another directory, a gateway socket egressd made anew, a skill
+//! package published again: each is another object, hence another shape, and the waiting
+//! sandbox is discarded, never used. A pre-started sandbox serves exactly one execution and
+//! its whole PID namespace then ends, as every sandbox's does (R-RUN-1, R-RUN-4).
+//!
+//! What it holds while it waits: no writer lease, no queue slot, no files (its `/tmp` is its
+//! own, empty tmpfs); the workspace is bound, live, so the script sees it as it is when the
+//! call starts. It is invisible to quota, receipts and `/status`. It is discarded when its
+//! workspace is cleared, repaired, moved or deleted ([`Pool::forget`]), when a call of its
+//! workspace has another shape (the policy's or the environment's revision changed, other
+//! limits …), after [`PrestartSettings::idle`], and when runnerd stops; the pool is bounded
+//! per node and per tenant.
+//!
+//! This module is the pool and its pure decisions; the bubblewrap backend starts and hands
+//! over the sandboxes ([`super::bubblewrap`]).
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use common::plan::{Idmap, Rlimit};
+use common::seccomp::Profile;
+
+use crate::launch::Waiting;
+use crate::limits::{CgroupSource, ExecCgroup, Limits};
+
+/// How many sandboxes wait, for whom, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrestartSettings {
+    /// At most this many wait on this node; 0 turns pre-starting off.
+    pub per_node: usize,
+    /// At most this many wait for one tenant (a session's agent).
+    pub per_tenant: usize,
+    /// A sandbox not taken within this is discarded.
+    pub idle: Duration,
+}
+
+impl Default for PrestartSettings {
+    fn default() -> Self {
+        PrestartSettings { per_node: 16, per_tenant: 8, idle: Duration::from_secs(120) }
+    }
+}
+
+/// An execution's part of a job: who it runs for, and how the next sandbox's cgroup is
+/// made. Probes and provisioning steps have none: they are never pre-started.
+#[derive(Debug, Clone)]
+pub struct Prestart {
+    pub tenant: String,
+    pub cgroups: CgroupSource,
+}
+
+/// Everything a pre-started sandbox must match to serve a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    pub options: Vec<String>,
+    pub command: Vec<String>,
+    pub profile: Profile,
+    pub rlimits: Vec<Rlimit>,
+    /// The cgroup's limits (`None`: rlimits only).
+    pub limits: Option<Limits>,
+    pub idmaps: Vec<Idmap>,
+    /// (device, inode) of each descriptor the sandbox mounts, in slot order.
+    pub objects: Vec<(u64, u64)>,
+    /// (device, inode) of the working directory when it is not the workspace root.
+    pub cwd: Option<(u64, u64)>,
+}
+
+/// (device, inode) of an open file.
+pub fn identity(fd: impl AsFd) -> std::io::Result<(u64, u64)> {
+    let st = nix::sys::stat::fstat(fd.as_fd()).map_err(std::io::Error::from)?;
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// Why a call found no sandbox waiting for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Miss {
+    /// None waited for this workspace (its first call, or the last one was discarded).
+    Cold,
+    /// One waited, for another shape; it is discarded.
+    Shape,
+    /// One waited, but its bwrap had exited.
+    Died,
+}
+
+impl Miss {
+    pub const ALL: [Miss; 3] = [Miss::Cold, Miss::Shape, Miss::Died];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Miss::Cold => "cold",
+            Miss::Shape => "shape_changed",
+            Miss::Died => "died",
+        }
+    }
+}
+
+/// Why a waiting sandbox was ended unused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discard {
+    /// Its workspace's call had another shape.
+    Shape,
+    /// Its bwrap had exited.
+    Died,
+    /// Not taken within [`PrestartSettings::idle`].
+    Expired,
+    /// Its workspace was cleared, repaired, moved or deleted.
+    Workspace,
+    /// A scientific environment changed (its prefix is bound by path).
+    Environment,
+    /// The node's or its tenant's bound made room for a newer one.
+    Evicted,
+    /// runnerd stops.
+    Stopping,
+}
+
+impl Discard {
+    pub const ALL: [Discard; 7] = [
+        Discard::Shape,
+        Discard::Died,
+        Discard::Expired,
+        Discard::Workspace,
+        Discard::Environment,
+        Discard::Evicted,
+        Discard::Stopping,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Discard::Shape => "shape_changed",
+            Discard::Died => "died",
+            Discard::Expired => "expired",
+            Discard::Workspace => "workspace_changed",
+            Discard::Environment => "environment_changed",
+            Discard::Evicted => "evicted",
+            Discard::Stopping => "stopping",
+        }
+    }
+}
+
+/// What a call finds: the sandbox waiting for its shape, or why none.
+pub fn classify(waiting: Option<(&Shape, bool)>, wanted: &Shape) -> Result<(), Miss> {
+    match waiting {
+        None => Err(Miss::Cold),
+        Some((shape, _)) if shape != wanted => Err(Miss::Shape),
+        Some((_, false)) => Err(Miss::Died),
+        Some((_, true)) => Ok(()),
+    }
+}
+
+/// Whether one more sandbox may wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Yes,
+    /// After the one at this index of the list is evicted.
+    Evicting(usize),
+    /// Pre-starting is off.
+    No,
+}
+
+/// Whether one more may wait for `tenant`, given who waits since when. The tenant's own
+/// oldest goes first when the tenant is at its bound; else the node's oldest when the node
+/// is.
+pub fn admit(settings: &PrestartSettings, waiting: &[(&str, Instant)], tenant: &str) -> Admission {
+    if settings.per_node == 0 || settings.per_tenant == 0 {
+        return Admission::No;
+    }
+    let oldest = |of_tenant: bool| {
+        waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, (t, _))| !of_tenant || *t == tenant)
+            .min_by_key(|(_, (_, at))| *at)
+            .map(|(i, _)| i)
+    };
+    let mine = waiting.iter().filter(|(t, _)| *t == tenant).count();
+    let evict = if mine >= settings.per_tenant {
+        oldest(true)
+    } else if waiting.len() >= settings.per_node {
+        oldest(false)
+    } else {
+        None
+    };
+    evict.map_or(Admission::Yes, Admission::Evicting)
+}
+
+/// One sandbox waiting for its workspace's next call.
+#[derive(Debug)]
+pub struct Entry {
+    pub shape: Shape,
+    pub tenant: String,
+    pub waiting: Waiting,
+    /// The cgroup it joined; the run's, when it is taken.
+    pub cgroup: Option<ExecCgroup>,
+    pub since: Instant,
+}
+
+/// The counters `/metrics` and `/health` show.
+#[derive(Debug, Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: [AtomicU64; 3],
+    discards: [AtomicU64; 7],
+    started: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// The pool's state for `/metrics` and `/health`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub settings: PrestartSettings,
+    pub waiting: usize,
+    /// Resident memory of the waiting sandboxes' processes (RSS summed, so shared pages
+    /// count once per process).
+    pub memory_bytes: u64,
+    pub hits: u64,
+    pub misses: Vec<(&'static str, u64)>,
+    pub discards: Vec<(&'static str, u64)>,
+    pub started: u64,
+    pub failed: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The expiry sweep runs (started with the first sandbox).
+    sweeping: bool,
+    /// At most one per workspace root (executions of one workspace never overlap).
+    entries: HashMap<PathBuf, Entry>,
+    /// Workspaces whose next sandbox is being started (counted against the bounds).
+    starting: HashMap<PathBuf, String>,
+    /// Raised by every [`Pool::forget`]: a start that began before it is discarded.
+    generation: u64,
+}
+
+/// The pre-started sandboxes of one backend.
+#[derive(Debug)]
+pub struct Pool {
+    settings: PrestartSettings,
+    state: Mutex<State>,
+    counters: Counters,
+}
+
+/// A place in the pool held for a sandbox being started.
+#[derive(Debug)]
+pub struct Reservation {
+    pub root: PathBuf,
+    pub tenant: String,
+    generation: u64,
+}
+
+impl Pool {
+    pub fn new(settings: PrestartSettings) -> Arc<Pool> {
+        Arc::new(Pool { settings, state: Mutex::default(), counters: Counters::default() })
+    }
+
+    pub fn settings(&self) -> &PrestartSettings {
+        &self.settings
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The sandbox waiting for `root` if it has exactly `shape`; else why not. A waiting
+    /// sandbox of another shape, or a dead one, is discarded.
+    pub fn take(&self, root: &Path, shape: &Shape) -> Result<Entry, Miss> {
+        let mut entry = self.lock().entries.remove(root);
+        let alive = entry.as_mut().map(|e| e.waiting.alive());
+        let verdict = classify(entry.as_ref().map(|e| &e.shape).zip(alive), shape);
+        match (verdict, entry) {
+            (Ok(()), Some(entry)) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                Ok(entry)
+            }
+            (Err(miss), entry) => {
+                self.counters.misses[Miss::ALL.iter().position(|m| *m == miss).unwrap_or(0)]
+                    .fetch_add(1, Ordering::Relaxed);
+                if let Some(entry) = entry {
+                    let why = if miss == Miss::Died { Discard::Died } else { Discard::Shape };
+                    self.discard(entry, why);
+                }
+                Err(miss)
+            }
+            (Ok(()), None) => unreachable!("classify answers Ok only for a waiting sandbox"),
+        }
+    }
+
+    /// Holds a place for `root`'s next sandbox, evicting what the bounds require; `None`
+    /// when pre-starting is off or one already waits or starts for `root`.
+    pub fn reserve(&self, root: &Path, tenant: &str) -> Option<Reservation> {
+        let mut state = self.lock();
+        if state.entries.contains_key(root) || state.starting.contains_key(root) {
+            return None;
+        }
+        loop {
+            let ages: Vec<(PathBuf, &str, Instant)> = state
+                .entries
+                .iter()
+                .map(|(p, e)| (p.clone(), e.tenant.as_str(), e.since))
+                .chain(state.starting.iter().map(|(p, t)| (p.clone(), t.as_str(), Instant::now())))
+                .collect();
+            let view: Vec<(&str, Instant)> = ages.iter().map(|(_, t, at)| (*t, *at)).collect();
+            match admit(&self.settings, &view, tenant) {
+                Admission::No => return None,
+                Admission::Yes => break,
+                Admission::Evicting(i) => {
+                    let victim = ages[i].0.clone();
+                    drop(view);
+                    drop(ages);
+                    // A start in flight is never the oldest (it counts as now); should
+                    // the bound be all starts, none is evicted and this one waits out.
+                    let entry = state.entries.remove(&victim)?;
+                    self.discard(entry, Discard::Evicted);
+                }
+            }
+        }
+        state.starting.insert(root.to_owned(), tenant.to_owned());
+        Some(Reservation { root: root.to_owned(), tenant: tenant.to_owned(), generation: state.generation })
+    }
+
+    /// Puts a started sandbox in its reserved place, unless its workspace was forgotten
+    /// since the reservation (then it is discarded).
+    pub fn insert(
+        &self,
+        reservation: Reservation,
+        shape: Shape,
+        waiting: Waiting,
+        cgroup: Option<ExecCgroup>,
+    ) {
+        self.counters.started.fetch_add(1, Ordering::Relaxed);
+        let entry =
+            Entry { shape, tenant: reservation.tenant.clone(), waiting, cgroup, since: Instant::now() };
+        let mut state = self.lock();
+        state.starting.remove(&reservation.root);
+        if state.generation != reservation.generation {
+            drop(state);
+            self.discard(entry, Discard::Workspace);
+            return;
+        }
+        state.entries.insert(reservation.root, entry);
+    }
+
+    /// A reserved start that failed: the place is given back.
+    pub fn failed(&self, reservation: Reservation, error: &dyn std::error::Error) {
+        self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        self.lock().starting.remove(&reservation.root);
+        tracing::debug!(event = "prestart_failed", workspace = %reservation.root.display(), error = %common::error_chain(error));
+    }
+
+    /// Discards what waits for `root` or beneath it (every workspace with `None`): its
+    /// workspace was cleared, repaired, moved or deleted, or runnerd stops.
+    pub fn forget(&self, root: Option<&Path>, why: Discard) {
+        let gone: Vec<Entry> = {
+            let mut state = self.lock();
+            state.generation += 1;
+            let keys: Vec<PathBuf> =
+                state.entries.keys().filter(|p| root.is_none_or(|r| p.starts_with(r))).cloned().collect();
+            keys.iter().filter_map(|k| state.entries.remove(k)).collect()
+        };
+        for entry in gone {
+            self.discard(entry, why);
+        }
+    }
+
+    /// Starts the task that discards what waited longer than the idle limit, once; it ends
+    /// with the pool.
+    pub fn ensure_sweeper(self: &Arc<Self>) {
+        {
+            let mut state = self.lock();
+            if std::mem::replace(&mut state.sweeping, true) {
+                return;
+            }
+        }
+        let pool = Arc::downgrade(self);
+        let every = (self.settings.idle / 4).max(Duration::from_secs(1));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                match pool.upgrade() {
+                    Some(pool) => pool.expire(Instant::now()),
+                    None => return,
+                }
+            }
+        });
+    }
+
+    /// Discards every sandbox that waited longer than the idle limit.
+    pub fn expire(&self, now: Instant) {
+        let idle = self.settings.idle;
+        let gone: Vec<Entry> = {
+            let mut state = self.lock();
+            let keys: Vec<PathBuf> = state
+                .entries
+                .iter()
+                .filter(|(_, e)| now.saturating_duration_since(e.since) >= idle)
+                .map(|(p, _)| p.clone())
+                .collect();
+            keys.iter().filter_map(|k| state.entries.remove(k)).collect()
+        };
+        for entry in gone {
+            self.discard(entry, Discard::Expired);
+        }
+    }
+
+    /// Ends an unused sandbox off the caller's path: its namespace gone first, then its
+    /// cgroup removed.
+    fn discard(&self, entry: Entry, why: Discard) {
+        self.counters.discards[Discard::ALL.iter().position(|d| *d == why).unwrap_or(0)]
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(event = "prestart_discarded", reason = why.name());
+        let Entry { waiting, cgroup, .. } = entry;
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    waiting.end().await;
+                    if let Some(cgroup) = cgroup {
+                        let _ = tokio::task::spawn_blocking(move || drop(cgroup)).await;
+                    }
+                });
+            }
+            // No runtime (a test's or runnerd's last moments): the drops end it.
+            Err(_) => drop((waiting, cgroup)),
+        }
+    }
+
+    /// The counters, and the waiting sandboxes' number and memory.
+    pub fn report(&self) -> Report {
+        let pids: Vec<i32> = self.lock().entries.values().flat_map(|e| e.waiting.pids()).collect();
+        let waiting = self.lock().entries.len();
+        let c = &self.counters;
+        Report {
+            settings: self.settings,
+            waiting,
+            memory_bytes: pids.iter().map(|p| resident_bytes(*p)).sum(),
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: Miss::ALL
+                .iter()
+                .zip(&c.misses)
+                .map(|(m, n)| (m.name(), n.load(Ordering::Relaxed)))
+                .collect(),
+            discards: Discard::ALL
+                .iter()
+                .zip(&c.discards)
+                .map(|(d, n)| (d.name(), n.load(Ordering::Relaxed)))
+                .collect(),
+            started: c.started.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A process's resident memory (`/proc/PID/statm`, which any user may read), 0 if gone.
+fn resident_bytes(pid: i32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/statm")).unwrap_or_default();
+    let pages: u64 = text.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * u64::try_from(page).unwrap_or(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(option: &str) -> Shape {
+        Shape {
+            options: vec![option.to_owned()],
+            command: vec!["/usr/bin/bash".into(), "-s".into()],
+            profile: Profile::Baseline,
+            rlimits: Vec::new(),
+            limits: None,
+            idmaps: Vec::new(),
+            objects: vec![(1, 2)],
+            cwd: None,
+        }
+    }
+
+    #[test]
+    fn a_call_takes_only_a_live_sandbox_of_exactly_its_shape() {
+        let wanted = shape("--bind-fd");
+        let mut other_object = wanted.clone();
+        other_object.objects = vec![(1, 3)];
+        let mut other_cwd = wanted.clone();
+        other_cwd.cwd = Some((1, 9));
+        let mut other_limits = wanted.clone();
+        other_limits.limits = Some(Limits { memory_bytes: 1, pids: 0, cpu_millicores: 0, tmp_bytes: 0 });
+        type Case<'a> = (Option<(&'a Shape, bool)>, Result<(), Miss>);
+        let cases: [Case; 7] = [
+            (None, Err(Miss::Cold)),
+            (Some((&wanted, true)), Ok(())),
+            (Some((&wanted, false)), Err(Miss::Died)),
+            (Some((&shape("--bind"), true)), Err(Miss::Shape)),
+            (Some((&other_object, true)), Err(Miss::Shape)),
+            (Some((&other_cwd, true)), Err(Miss::Shape)),
+            (Some((&other_limits, true)), Err(Miss::Shape)),
+        ];
+        for (i, (waiting, expected)) in cases.into_iter().enumerate() {
+            assert_eq!(classify(waiting, &wanted), expected, "case {i}");
+        }
+    }
+
+    #[test]
+    fn the_bounds_evict_the_tenants_oldest_then_the_nodes_oldest() {
+        let s = PrestartSettings { per_node: 3, per_tenant: 2, idle: Duration::from_secs(60) };
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        type Case<'a> = (&'a [(&'a str, Instant)], &'a str, Admission);
+        let cases: [Case; 6] = [
+            (&[], "a", Admission::Yes),
+            (&[("a", at(5))], "a", Admission::Yes),
+            // a at its bound: a's oldest (index 1) goes, not b's older one.
+            (&[("b", at(0)), ("a", at(5)), ("a", at(9))], "a", Admission::Evicting(1)),
+            // the node at its bound, c under its own: the node's oldest goes.
+            (&[("a", at(7)), ("b", at(3)), ("a", at(9))], "c", Admission::Evicting(1)),
+            (&[("a", at(7)), ("b", at(3))], "c", Admission::Yes),
+            (&[("a", at(7))], "b", Admission::Yes),
+        ];
+        for (i, (waiting, tenant, expected)) in cases.into_iter().enumerate() {
+            assert_eq!(admit(&s, waiting, tenant), expected, "case {i}");
+        }
+        let off = PrestartSettings { per_node: 0, ..s };
+        assert_eq!(admit(&off, &[], "a"), Admission::No);
+    }
+}

@@ -1,0 +1,254 @@
+//! Issue #37: pre-started sandboxes, through the HTTP API of a real runnerd. After a call,
+//! the sandbox for the workspace's next call of the same shape is started and waits; the
+//! next call takes it. Nothing carries over between the two calls, the waiting sandbox sees
+//! the workspace as it is when its call starts, a call of another shape never takes it, and
+//! each discard trigger discards it. Counts come from `/health`'s `prestartedSandboxes`.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use runner_tests::sandbox_or_skip;
+use runner_tests::server::{Server, ServerOptions, keyed_shell_request, shell_request};
+use runnerctl::client::RunnerClient;
+use serde_json::{Value, json};
+
+fn server(env: &[(&str, &str)]) -> Server {
+    Server::start_with(ServerOptions {
+        env: env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+        ..ServerOptions::default()
+    })
+}
+
+async fn pool(client: &RunnerClient) -> Value {
+    let health = client.get("/health").await.unwrap().json();
+    health["sandboxProfile"]["prestartedSandboxes"].clone()
+}
+
+/// Waits until `ready` holds of the pool's state (a liveness bound only: 30 s).
+async fn until(client: &RunnerClient, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = pool(client).await;
+        if ready(&state) {
+            return state;
+        }
+        assert!(Instant::now() < deadline, "{what}: {state}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn waiting(client: &RunnerClient) -> Value {
+    until(client, "a sandbox waits", |p| p["waiting"].as_u64() == Some(1)).await
+}
+
+async fn shell(client: &RunnerClient, workspace: &Path, code: &str) -> Value {
+    let reply =
+        client.post_signed("/execute-shell", &shell_request("a", "s", workspace, code)).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    reply.json()
+}
+
+fn hits(p: &Value) -> u64 {
+    p["hits"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn nothing_carries_over_between_two_calls_served_ahead() {
+    if !sandbox_or_skip("nothing_carries_over_between_two_calls_served_ahead") {
+        return;
+    }
+    let s = server(&[]);
+    let client = s.client();
+    let ws = s.project_workspace("carry");
+    assert_eq!(pool(&client).await["enabled"], json!(true));
+    let first = shell(
+        &client,
+        &ws,
+        "echo left > /tmp/left; echo shm > /dev/shm/left; export LEFT=1; \
+         (setsid sleep 1000 >/dev/null 2>&1 &); echo $$",
+    )
+    .await;
+    assert_eq!(first["exitCode"], json!(0), "{first}");
+    let before = hits(&waiting(&client).await);
+    let second = shell(
+        &client,
+        &ws,
+        "ls -A /tmp /dev/shm; echo \"LEFT=${LEFT:-unset}\"; \
+         for p in /proc/[0-9]*; do cat $p/comm; done | sort | tr '\\n' ' '",
+    )
+    .await;
+    assert_eq!(second["exitCode"], json!(0), "{second}");
+    let out = second["stdout"].as_str().unwrap();
+    assert!(!out.contains("left"), "a file of the last call is there: {out}");
+    assert!(out.contains("LEFT=unset"), "{out}");
+    assert!(!out.contains("sleep"), "the last call's background process is alive: {out}");
+    let after = pool(&client).await;
+    assert_eq!(hits(&after), before + 1, "the second call was not served ahead: {after}");
+}
+
+#[tokio::test]
+async fn a_sandbox_served_ahead_sees_the_workspace_as_it_is_when_its_call_starts() {
+    if !sandbox_or_skip("a_sandbox_served_ahead_sees_the_workspace_as_it_is_when_its_call_starts") {
+        return;
+    }
+    let s = server(&[]);
+    let client = s.client();
+    let ws = s.project_workspace("live");
+    let first = shell(&client, &ws, "echo one > written-by-the-last-call; echo gone > to-delete").await;
+    assert_eq!(first["exitCode"], json!(0), "{first}");
+    let before = hits(&waiting(&client).await);
+    // Between the calls, from the host: one file written, one deleted.
+    std::fs::write(ws.join("written-by-the-host"), "host").unwrap();
+    std::fs::remove_file(ws.join("to-delete")).unwrap();
+    let second = shell(&client, &ws, "ls; cat written-by-the-host; echo; cat written-by-the-last-call").await;
+    let out = second["stdout"].as_str().unwrap();
+    assert_eq!(out, "written-by-the-host\nwritten-by-the-last-call\nhost\none\n", "{second}");
+    assert_eq!(hits(&pool(&client).await), before + 1);
+    // What the call served ahead wrote is the call's own, in its receipt.
+    let third = shell(&client, &ws, "echo new > made-now").await;
+    assert_eq!(third["createdFiles"], json!(["made-now"]), "{third}");
+}
+
+#[tokio::test]
+async fn a_call_of_another_shape_never_takes_the_waiting_sandbox() {
+    if !sandbox_or_skip("a_call_of_another_shape_never_takes_the_waiting_sandbox") {
+        return;
+    }
+    let s = server(&[]);
+    let client = s.client();
+    let ws = s.project_workspace("shape");
+    shell(&client, &ws, "mkdir sub").await;
+    let p = waiting(&client).await;
+    let (hits0, shape0) = (hits(&p), p["misses"]["shape_changed"].as_u64().unwrap());
+    // Another working directory: another shape.
+    let in_sub = || {
+        let mut body = shell_request("a", "s", &ws, "pwd");
+        body["cwd"] = json!("sub");
+        body
+    };
+    let reply = client.post_signed("/execute-shell", &in_sub()).await.unwrap().json();
+    assert!(reply["stdout"].as_str().unwrap().ends_with("/sub\n"), "{reply}");
+    let p = waiting(&client).await;
+    assert_eq!((hits(&p), p["misses"]["shape_changed"].as_u64().unwrap()), (hits0, shape0 + 1), "{p}");
+    assert!(p["discards"]["shape_changed"].as_u64().unwrap() >= 1, "{p}");
+    // The same cwd again takes the one started for it.
+    let reply = client.post_signed("/execute-shell", &in_sub()).await.unwrap().json();
+    assert!(reply["stdout"].as_str().is_some_and(|o| o.ends_with("/sub\n")), "{reply}");
+    assert_eq!(hits(&pool(&client).await), hits0 + 1);
+    // A workspace of another tenant or another key is another workspace: never this one.
+    let other = s.project_workspace("shape-other");
+    let reply = shell(&client, &other, "pwd; ls").await;
+    assert_eq!(reply["exitCode"], json!(0));
+    assert_eq!(hits(&pool(&client).await), hits0 + 1, "another workspace's call took a sandbox");
+}
+
+#[tokio::test]
+async fn a_workspace_swapped_or_moved_is_never_followed() {
+    if !sandbox_or_skip("a_workspace_swapped_or_moved_is_never_followed") {
+        return;
+    }
+    let s = server(&[]);
+    let client = s.client();
+    let ws = s.project_workspace("swap");
+    shell(&client, &ws, "echo old > marker").await;
+    let before = waiting(&client).await;
+    // The directory moves away and another takes its name.
+    let moved = ws.with_file_name("workspace.moved");
+    std::fs::rename(&ws, &moved).unwrap();
+    let ws = s.project_workspace("swap");
+    let reply = shell(&client, &ws, "ls -A; echo new > marker").await;
+    assert_eq!(reply["stdout"], json!(""), "the call saw the moved directory: {reply}");
+    assert_eq!(std::fs::read_to_string(moved.join("marker")).unwrap(), "old\n");
+    let after = waiting(&client).await;
+    assert_eq!(hits(&after), hits(&before), "{after}");
+    assert_eq!(
+        after["discards"]["shape_changed"].as_u64().unwrap(),
+        before["discards"]["shape_changed"].as_u64().unwrap() + 1,
+        "{after}"
+    );
+    // Swapped for a symlink: the call is refused as before, and nothing is run in the
+    // directory the waiting sandbox holds.
+    let aside = ws.with_file_name("workspace.aside");
+    std::fs::rename(&ws, &aside).unwrap();
+    std::os::unix::fs::symlink(&moved, &ws).unwrap();
+    let reply = client
+        .post_signed("/execute-shell", &shell_request("a", "s", &ws, "echo x > followed"))
+        .await
+        .unwrap();
+    assert_ne!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert!(!moved.join("followed").exists() && !aside.join("followed").exists());
+    assert_eq!(hits(&pool(&client).await), hits(&after));
+}
+
+#[tokio::test]
+async fn each_discard_trigger_discards() {
+    if !sandbox_or_skip("each_discard_trigger_discards") {
+        return;
+    }
+    let s = server(&[("SCIENCE_AGENT_PRESTART_IDLE_SECS", "2")]);
+    let client = s.client();
+    let discarded = |p: &Value, why: &str| p["discards"][why].as_u64().unwrap();
+    // Cleared, then repaired: each ends the sandbox waiting for that workspace.
+    let key = "discards";
+    let run = |code: &'static str| {
+        let client = &client;
+        async move {
+            let reply = client.post_signed("/execute-shell", &keyed_shell_request("a", "s", key, code)).await;
+            assert_eq!(reply.unwrap().status, 200);
+        }
+    };
+    run("echo x > f").await;
+    let p = waiting(&client).await;
+    let n = discarded(&p, "workspace_changed");
+    let cleared = client
+        .send_bytes("DELETE", &format!("/remote-workspace?workspace={key}"), &[], Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(cleared.status, 200, "{}", String::from_utf8_lossy(&cleared.body));
+    let p = until(&client, "cleared", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(discarded(&p, "workspace_changed"), n + 1, "{p}");
+    run("true").await;
+    waiting(&client).await;
+    let repaired = client.post_signed("/remote-workspace/repair", &json!({"workspace": key})).await.unwrap();
+    assert_eq!(repaired.status, 200, "{}", String::from_utf8_lossy(&repaired.body));
+    let p = until(&client, "repaired", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(discarded(&p, "workspace_changed"), n + 2, "{p}");
+    // Not taken within the idle limit (2 s here).
+    run("true").await;
+    waiting(&client).await;
+    let p = until(&client, "expired", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(discarded(&p, "expired"), 1, "{p}");
+    // Another shape (other limits) for the same workspace: the waiting one goes.
+    run("true").await;
+    let p = waiting(&client).await;
+    let mut body = keyed_shell_request("a", "s", key, "true");
+    body["executionTimeoutMs"] = json!(12_345);
+    body["resourceLimits"] = json!({"pids": 77});
+    assert_eq!(client.post_signed("/execute-shell", &body).await.unwrap().status, 200);
+    let q = waiting(&client).await;
+    assert_eq!(discarded(&q, "shape_changed"), discarded(&p, "shape_changed") + 1, "{q}");
+    assert_eq!(hits(&q), hits(&p));
+}
+
+#[tokio::test]
+async fn with_prestarting_off_every_call_launches() {
+    if !sandbox_or_skip("with_prestarting_off_every_call_launches") {
+        return;
+    }
+    let s = server(&[("SCIENCE_AGENT_PRESTART_SANDBOXES", "0")]);
+    let client = s.client();
+    let p = pool(&client).await;
+    assert_eq!(p["enabled"], json!(false), "{p}");
+    let ws = s.project_workspace("off");
+    for _ in 0..2 {
+        assert_eq!(shell(&client, &ws, "true").await["exitCode"], json!(0));
+    }
+    let metrics = String::from_utf8(client.get("/metrics").await.unwrap().body).unwrap();
+    for line in [
+        "runner_prestart_started 0",
+        "runner_prestart_hits 0",
+        "runner_launch_seconds_count{profile=\"baseline\"} 2",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} missing from\n{metrics}");
+    }
+}
