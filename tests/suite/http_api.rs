@@ -556,7 +556,12 @@ async fn a_timed_out_or_abandoned_run_still_starts_the_next_sandbox_init() {
     if !sandbox_or_skip("a_timed_out_or_abandoned_run_still_starts_the_next_sandbox_init") {
         return;
     }
-    let server = Server::start();
+    // Issue #18's sandbox-init alone: a sandbox started ahead (issue #37) would serve these
+    // runs and take the waiting sandbox-init itself (suite::prestart ends such runs too).
+    let server = Server::start_with(runner_tests::server::ServerOptions {
+        env: vec![("SCIENCE_AGENT_PRESTART_SANDBOXES".into(), "0".into())],
+        ..Default::default()
+    });
     let client = std::sync::Arc::new(server.client());
     let ws = server.project_workspace("next-init");
     let reply = client.post_signed("/execute-shell", &shell_request("main", "s", &ws, "true")).await.unwrap();

@@ -176,7 +176,10 @@ async fn v1_as_root_kills_a_memory_hog_and_says_so() {
     if !root_v1_or_skip("v1_as_root_kills_a_memory_hog_and_says_so") {
         return;
     }
-    let server = start(&[("SCIENCE_AGENT_CGROUP_MODE", "cgroup-v1")]);
+    // The spares of issue #18 alone: sandboxes started ahead (issue #37) would take them
+    // (suite::prestart checks limits in those).
+    let server =
+        start(&[("SCIENCE_AGENT_CGROUP_MODE", "cgroup-v1"), ("SCIENCE_AGENT_PRESTART_SANDBOXES", "0")]);
     let h = health(&server).await;
     assert_eq!(h["cgroupMode"], "cgroup-v1", "{h}");
     assert_eq!(h["cgroupDelegated"], false, "root is not delegated to");
@@ -212,6 +215,45 @@ async fn v1_as_root_kills_a_memory_hog_and_says_so() {
     assert!(left.is_empty(), "cgroups left behind: {left:?}");
     let mine_now = exec_cgroups(&root).into_iter().filter(|p| p.to_string_lossy().contains(&mine)).count();
     assert!(mine_now <= 2, "{:?}", exec_cgroups(&root));
+    let mut server = server;
+    assert!(server.stop().success());
+    let left = exec_cgroups_left(&root, &mine);
+    assert!(left.is_empty(), "cgroups left after a graceful stop: {left:?}");
+}
+
+/// Issue #37: a run handed to a sandbox started ahead runs in that sandbox's cgroup, made
+/// with the run's limits: the memory limit holds there, the OOM is explained, the counters
+/// are the run's, and a graceful stop leaves no cgroup.
+#[tokio::test]
+async fn v1_a_memory_hog_served_ahead_is_killed_in_its_own_cgroup() {
+    if !root_v1_or_skip("v1_a_memory_hog_served_ahead_is_killed_in_its_own_cgroup") {
+        return;
+    }
+    let server = start(&[("SCIENCE_AGENT_CGROUP_MODE", "cgroup-v1")]);
+    let root = PathBuf::from(health(&server).await["cgroupRoot"].as_str().unwrap().to_owned());
+    let mine = format!("exec-{}-", server.pid().unwrap());
+    let ws = server.project_workspace("hog-ahead");
+    let limit = 128u64 << 20;
+    let first = run(&server, &ws, "echo first", json!({"memoryBytes": limit})).await;
+    assert_eq!(first["stdout"], "first\n", "{first}");
+    let pool = |h: &Value| h["sandboxProfile"]["prestartedSandboxes"].clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let before = loop {
+        let p = pool(&health(&server).await);
+        if p["waiting"] == 1 {
+            break p;
+        }
+        assert!(std::time::Instant::now() < deadline, "no sandbox waits: {p}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let r = run(&server, &ws, HOG, json!({"memoryBytes": limit})).await;
+    assert_eq!(
+        pool(&health(&server).await)["hits"],
+        before["hits"].as_u64().unwrap() + 1,
+        "not served ahead"
+    );
+    assert_oom(&r, limit);
+    assert!(r["resourceUsage"]["cpuTimeMs"].is_u64(), "{r}");
     let mut server = server;
     assert!(server.stop().success());
     let left = exec_cgroups_left(&root, &mine);

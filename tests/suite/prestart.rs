@@ -230,6 +230,70 @@ async fn each_discard_trigger_discards() {
     assert_eq!(hits(&q), hits(&p));
 }
 
+/// Host processes whose command line contains `needle`.
+fn processes_matching(needle: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).replace('\0', " ").contains(needle))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned() {
+    if !sandbox_or_skip("a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned") {
+        return;
+    }
+    let s = server(&[]);
+    let client = std::sync::Arc::new(s.client());
+    let ws = s.project_workspace("ends");
+    let marker = format!("{}", 400_000 + std::process::id() % 100_000);
+    let with_timeout = |code: &str| {
+        let mut body = shell_request("a", "s", &ws, code);
+        body["executionTimeoutMs"] = json!(1500);
+        body
+    };
+    let r = client.post_signed("/execute-shell", &with_timeout("true")).await.unwrap().json();
+    assert_eq!(r["exitCode"], json!(0), "{r}");
+    // The sandbox waits longer than the deadline: the deadline runs from the hand-over.
+    let p = waiting(&client).await;
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let r =
+        client.post_signed("/execute-shell", &with_timeout("sleep 0.5; echo in-time")).await.unwrap().json();
+    assert_eq!(r["stdout"], json!("in-time\n"), "{r}");
+    let p2 = waiting(&client).await;
+    assert_eq!(hits(&p2), hits(&p) + 1, "{p2}");
+    let r = client
+        .post_signed("/execute-shell", &with_timeout(&format!("sleep 9{marker}")))
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(r["error"], json!("Shell execution timed out after 1500 ms"), "{r}");
+    assert!(processes_matching(&format!("sleep 9{marker}")).is_empty(), "the timed out run left its sandbox");
+    let p3 = waiting(&client).await;
+    assert_eq!(hits(&p3), hits(&p2) + 1, "{p3}");
+    // Abandoned: the client goes while the run served ahead runs.
+    let c = client.clone();
+    let body = with_timeout(&format!("sleep 8{marker}"));
+    let call = tokio::spawn(async move { c.post_signed("/execute-shell", &body).await });
+    let start = Instant::now();
+    while processes_matching(&format!("sleep 8{marker}")).is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(15), "the run never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    call.abort();
+    let start = Instant::now();
+    while !processes_matching(&format!("sleep 8{marker}")).is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(15), "the abandoned run left its sandbox");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(hits(&pool(&client).await), hits(&p3) + 1);
+}
+
 #[tokio::test]
 async fn with_prestarting_off_every_call_launches() {
     if !sandbox_or_skip("with_prestarting_off_every_call_launches") {

@@ -23,6 +23,7 @@ mod metrics;
 mod moves;
 mod output;
 mod perf;
+mod prestart;
 mod scale;
 mod versions;
 
@@ -85,6 +86,15 @@ Usage:
                                         changed file (bytes sent), a move with nothing to
                                         send (issue #34; RUNNERD_BENCH_MOVE_PERF=FILE: perf
                                         record -g of the target during the first move)
+  runnerd-bench prestart [--iterations N] [--pause-ms P] [--seconds S]
+                                        sandboxes started ahead (issue #37): an agent's
+                                        sequential `true` in one workspace, P ms apart
+                                        (default 50), with and without them, bare bwrap in
+                                        the same rounds; hit rate, the floor left, CPU per
+                                        execution, a miss, a waiting sandbox's memory, and
+                                        2/4/8 clients for S s each (default 5)
+                                        (RUNNERD_BENCH_ORIGINAL_URL/_TOKEN/_PID: the original
+                                        runner, measured alike)
   runnerd-bench fleet [--iterations N] [--seconds S]
                                         runner-router in front of runnerd nodes on loopback
                                         against the nodes directly (issue #35): the router's
@@ -139,6 +149,8 @@ struct Choice {
     moves: bool,
     /// Seconds per throughput case.
     fleet: Option<u64>,
+    /// `prestart`: (ms between calls, seconds per throughput case).
+    prestart: Option<(u64, u64)>,
 }
 
 impl Choice {
@@ -155,6 +167,7 @@ impl Choice {
             history: false,
             moves: false,
             fleet: None,
+            prestart: None,
         };
         while let Some(arg) = args.next() {
             let mut number = |name: &str| -> Option<u64> {
@@ -172,6 +185,12 @@ impl Choice {
                 "history" => c.history = true,
                 "move" => c.moves = true,
                 "fleet" => c.fleet = Some(10),
+                "prestart" => c.prestart = Some((50, 5)),
+                "--pause-ms" | "--seconds" if c.prestart.is_some() => {
+                    let Some(n) = number(&arg) else { return Err(2) };
+                    let p = c.prestart.get_or_insert((50, 5));
+                    if arg == "--pause-ms" { p.0 = n } else { p.1 = n.max(1) }
+                }
                 "--seconds" if c.fleet.is_some() => {
                     let Some(n) = number(&arg) else { return Err(2) };
                     c.fleet = Some(n.max(1));
@@ -222,8 +241,19 @@ impl Choice {
 
     /// Runs the chosen benchmark.
     async fn measure(self) -> anyhow::Result<()> {
-        let Choice { iterations, versions, limits, output, memory, metrics, scale, history, moves, fleet } =
-            self;
+        let Choice {
+            iterations,
+            versions,
+            limits,
+            output,
+            memory,
+            metrics,
+            scale,
+            history,
+            moves,
+            fleet,
+            prestart,
+        } = self;
         match versions {
             Some((files, mib, log_mb)) => bench_versions(files as usize, mib, log_mb).await,
             None if memory.is_some() => {
@@ -245,6 +275,12 @@ impl Choice {
                 let setup = setup().await?;
                 let seconds = Duration::from_secs(fleet.unwrap_or(10));
                 crate::fleet::bench(setup.launcher.init_path(), iterations, seconds).await
+            }
+            None if prestart.is_some() => {
+                let (pause, seconds) = prestart.expect("checked");
+                let setup = setup().await?;
+                let (pause, span) = (Duration::from_millis(pause), Duration::from_secs(seconds));
+                crate::prestart::bench(&setup, iterations, pause, span).await
             }
             None if output.is_some() => bench_output(output.unwrap_or(64)).await,
             None => bench(iterations).await,
@@ -330,7 +366,7 @@ pub(crate) fn bare_once(bwrap: &Path, args: &[String], program: &[u8]) -> anyhow
 
 /// When a bare launch counts as done.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Until {
+pub(crate) enum Until {
     /// bwrap (its monitor) has exited, as a shell running it would see.
     BwrapExits,
     /// ... and its sandbox's init (PID 1 of the namespace) is gone too: what runnerd waits
@@ -341,7 +377,11 @@ enum Until {
 
 /// `n` bare launches of the API's `bash -s` with `true` on stdin (the baseline of (c)), one
 /// after another: each one's time, and the wall time of all.
-fn bare_shell_runs(setup: &Setup, n: usize, until: Until) -> anyhow::Result<(Vec<Duration>, Duration)> {
+pub(crate) fn bare_shell_runs(
+    setup: &Setup,
+    n: usize,
+    until: Until,
+) -> anyhow::Result<(Vec<Duration>, Duration)> {
     let start = Instant::now();
     let runs = (0..n)
         .map(|_| bare_with_stdin(&setup.bwrap, &setup.shell_args, &setup.program, Some(b"true"), until))
@@ -689,7 +729,7 @@ pub(crate) fn true_request(key: &str, agent: &str) -> serde_json::Value {
 
 /// The same, as `agent`: one session-agent runs one execution at a time (contract §2A), so
 /// only distinct agents can run side by side.
-async fn http_once_as(client: &RunnerClient, key: &str, agent: &str) -> anyhow::Result<Duration> {
+pub(crate) async fn http_once_as(client: &RunnerClient, key: &str, agent: &str) -> anyhow::Result<Duration> {
     let body = true_request(key, agent);
     let start = Instant::now();
     let reply = client.post_signed("/execute-shell", &body).await?;
@@ -749,7 +789,7 @@ fn floor_ratio(run: f64, launcher_extra: f64, durable_commit: f64, bare_shell: f
 
 /// The phases in the order an execution passes them (a phase this list does not know
 /// comes last, as scraped), so that two runs' breakdowns read side by side.
-fn in_pipeline_order(phases: &[(String, f64, f64)]) -> Vec<(&str, f64, f64)> {
+pub(crate) fn in_pipeline_order(phases: &[(String, f64, f64)]) -> Vec<(&str, f64, f64)> {
     const ORDER: [&str; 8] = ["parse", "admit", "lease", "launch", "wait", "snapshot", "commit", "answer"];
     let rank = |p: &str| ORDER.iter().position(|o| *o == p).unwrap_or(ORDER.len());
     let mut out: Vec<(&str, f64, f64)> = phases.iter().map(|(p, s, c)| (p.as_str(), *s, *c)).collect();
@@ -758,7 +798,7 @@ fn in_pipeline_order(phases: &[(String, f64, f64)]) -> Vec<(&str, f64, f64)> {
 }
 
 /// `runner_execution_phase_seconds` sums and counts by phase, from a scrape.
-fn phase_totals(text: &str) -> Vec<(String, f64, f64)> {
+pub(crate) fn phase_totals(text: &str) -> Vec<(String, f64, f64)> {
     let mut out: Vec<(String, f64, f64)> = Vec::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("runner_execution_phase_seconds_") else { continue };

@@ -118,15 +118,15 @@ impl Bubblewrap {
     }
 }
 
-/// Whether an execution's sandbox can wait for it: not a caller's own command (probes,
-/// provisioning steps), no chips (probed and claimed right before each launch), no extra
-/// binds or variables, and the workspace bound by descriptor.
+/// Whether an execution's sandbox can wait for it ([`prestart::ahead`]).
 fn prestartable(spec: &SandboxSpec<'_>) -> bool {
-    spec.command.is_none()
-        && spec.accel.is_none()
-        && spec.binds.is_empty()
-        && spec.extra_env.is_empty()
-        && spec.workspace_dirs.is_some()
+    prestart::ahead(&prestart::Parts {
+        own_command: spec.command.is_some(),
+        chips: spec.accel.is_some(),
+        extra: !spec.binds.is_empty() || !spec.extra_env.is_empty(),
+        egress: spec.egress.is_some(),
+        by_descriptor: spec.workspace_dirs.is_some(),
+    })
 }
 
 /// Why a sandbox could not be started ahead (logged; the next call launches as usual).

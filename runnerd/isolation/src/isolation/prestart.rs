@@ -62,6 +62,28 @@ pub struct Prestart {
     pub cgroups: CgroupSource,
 }
 
+/// What decides whether a job's sandbox may be started ahead ([`ahead`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Parts {
+    /// A caller's own command (a probe, a provisioning step) instead of the interpreter.
+    pub own_command: bool,
+    /// Accelerator chips: probed and claimed right before each launch.
+    pub chips: bool,
+    /// Extra binds or variables (provisioning steps).
+    pub extra: bool,
+    /// A domain-allowlist gateway: egressd gives each sandbox a socket of its own for the
+    /// life of its lease, so one started ahead would hold a socket the next call's lease is
+    /// not (it could never match, and would keep a gateway open while it waits).
+    pub egress: bool,
+    /// The workspace is bound by descriptor (else its identity cannot be checked).
+    pub by_descriptor: bool,
+}
+
+/// Whether a job with these parts may be served by a sandbox started ahead.
+pub fn ahead(p: &Parts) -> bool {
+    !p.own_command && !p.chips && !p.extra && !p.egress && p.by_descriptor
+}
+
 /// Everything a pre-started sandbox must match to serve a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Shape {
@@ -414,14 +436,17 @@ impl Pool {
         }
     }
 
-    /// Ends an unused sandbox off the caller's path: its namespace gone first, then its
-    /// cgroup removed.
+    /// Ends an unused sandbox off the caller's path (in the caller's, when runnerd stops):
+    /// its namespace gone first, then its cgroup removed.
     fn discard(&self, entry: Entry, why: Discard) {
         self.counters.discards[Discard::ALL.iter().position(|d| *d == why).unwrap_or(0)]
             .fetch_add(1, Ordering::Relaxed);
         tracing::debug!(event = "prestart_discarded", reason = why.name());
         let Entry { waiting, cgroup, .. } = entry;
         match tokio::runtime::Handle::try_current() {
+            // runnerd stops: ended now, while the caller waits (the drops kill the sandbox,
+            // then everything left in its cgroup, and remove the cgroup).
+            _ if why == Discard::Stopping => drop((waiting, cgroup)),
             Ok(rt) => {
                 rt.spawn(async move {
                     waiting.end().await;
@@ -508,6 +533,24 @@ mod tests {
         ];
         for (i, (waiting, expected)) in cases.into_iter().enumerate() {
             assert_eq!(classify(waiting, &wanted), expected, "case {i}");
+        }
+    }
+
+    #[test]
+    fn only_an_executions_plain_sandbox_is_started_ahead() {
+        let plain = Parts { by_descriptor: true, ..Parts::default() };
+        assert!(ahead(&plain));
+        for (i, p) in [
+            Parts { own_command: true, ..plain },
+            Parts { chips: true, ..plain },
+            Parts { extra: true, ..plain },
+            Parts { egress: true, ..plain },
+            Parts { by_descriptor: false, ..plain },
+        ]
+        .iter()
+        .enumerate()
+        {
+            assert!(!ahead(p), "case {i}");
         }
     }
 

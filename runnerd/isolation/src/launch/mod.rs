@@ -362,7 +362,10 @@ impl Launcher {
         // Ends the sandbox if the hand-over fails.
         let mut waiting = Waiting { running: Some(running), launch_latency: Duration::ZERO };
         let handshake = handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program);
-        match tokio::time::timeout(DRAIN_LIMIT, handshake).await {
+        let answered = tokio::time::timeout(DRAIN_LIMIT, handshake).await;
+        // This start took the sandbox-init waiting ahead: the next launch gets another.
+        self.spawner.prepare_next();
+        match answered {
             Ok(Ok(())) => {
                 waiting.launch_latency = started.elapsed();
                 Ok(waiting)
