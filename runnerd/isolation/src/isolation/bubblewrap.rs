@@ -31,7 +31,15 @@ pub struct Bubblewrap {
     bind_fd: bool,
     /// Sandboxes started ahead for executions (issue #37); `None`: off.
     pool: Option<Arc<Pool>>,
+    /// The next sandbox of each workspace whose call has not ended yet: it starts at
+    /// [`Isolation::call_ended`], after the call's commit, so that its start does not compete
+    /// with the call's own answer for the CPU.
+    pending: std::sync::Mutex<std::collections::HashMap<PathBuf, (Next, Option<ExecCgroup>)>>,
 }
+
+/// The most calls whose next sandbox waits for their end (a call that never ends — its
+/// sandbox did not die — keeps its entry; the oldest go first beyond this).
+const PENDING_MAX: usize = 256;
 
 impl Bubblewrap {
     pub fn new(
@@ -41,7 +49,7 @@ impl Bubblewrap {
         unusable: String,
         bind_fd: bool,
     ) -> Bubblewrap {
-        Bubblewrap { bwrap, launcher, shape, unusable, bind_fd, pool: None }
+        Bubblewrap { bwrap, launcher, shape, unusable, bind_fd, pool: None, pending: Default::default() }
     }
 
     /// Starts executions' next sandboxes ahead, within `settings` (none when its per-node
@@ -79,7 +87,19 @@ impl Bubblewrap {
             cwd,
         };
         let root = job.spec.workspace.root().to_owned();
-        Some(Next { root, prestart, shape, cmd: cmd.clone(), slots, rlimits: job.rlimits.clone(), limits })
+        let (cmd, rlimits, made) = (cmd.clone(), job.rlimits.clone(), std::time::Instant::now());
+        Some(Next { root, made, prestart, shape, cmd, slots, rlimits, limits })
+    }
+
+    /// Keeps what the next sandbox of a call's workspace needs until the call ends
+    /// ([`Isolation::call_ended`]).
+    fn hold_next(&self, next: Next, cgroup: Option<ExecCgroup>) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if pending.len() >= PENDING_MAX && !pending.contains_key(&next.root) {
+            let oldest = pending.iter().min_by_key(|(_, (n, _))| n.made).map(|(k, _)| k.clone());
+            oldest.and_then(|k| pending.remove(&k));
+        }
+        pending.insert(next.root.clone(), (next, cgroup));
     }
 
     /// Starts the next sandbox of a shape in the background and files it in the pool, when
@@ -141,8 +161,10 @@ enum StartError {
 }
 
 /// What starting the next sandbox of an execution's shape takes.
+#[derive(Debug)]
 struct Next {
     root: PathBuf,
+    made: std::time::Instant,
     prestart: Prestart,
     shape: Shape,
     cmd: SandboxCommand,
@@ -203,11 +225,18 @@ impl Isolation for Bubblewrap {
             };
             match next {
                 // A sandbox that could not be launched is not started again ahead.
-                Some(next) if outcome.is_ok() => self.start_next(next, spare),
+                Some(next) if outcome.is_ok() => self.hold_next(next, spare),
                 _ => drop(spare),
             }
             Ran { outcome, env, cwd, cgroup: ran_in }
         })
+    }
+
+    fn call_ended(&self, workspace: &Path) {
+        let held = self.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(workspace);
+        if let Some((next, cgroup)) = held {
+            self.start_next(next, cgroup);
+        }
     }
 
     fn forget(&self, workspace: Option<&Path>, why: Discard) {

@@ -209,6 +209,10 @@ pub trait Isolation: Send + Sync + fmt::Debug {
     /// Runs `job` to its end, streaming its output into `sink`.
     fn run<'a>(&'a self, job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a>;
 
+    /// An execution's call in `workspace` is over (its version committed, its locks gone):
+    /// a sandbox for the workspace's next call may start now.
+    fn call_ended(&self, _workspace: &Path) {}
+
     /// Discards every sandbox started ahead for `workspace` or beneath it (all with `None`):
     /// the workspace was cleared, repaired, moved or deleted, or runnerd stops.
     fn forget(&self, _workspace: Option<&Path>, _why: prestart::Discard) {}
