@@ -177,7 +177,14 @@ async fn a_workspace_swapped_or_moved_is_never_followed() {
         .unwrap();
     assert_ne!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
     assert!(!moved.join("followed").exists() && !aside.join("followed").exists());
-    assert_eq!(hits(&pool(&client).await), hits(&after));
+    // ... and the sandbox that waited for that path is ended.
+    let gone = until(&client, "the swapped workspace's sandbox ended", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(hits(&gone), hits(&after));
+    assert_eq!(
+        gone["discards"]["workspace_changed"].as_u64().unwrap(),
+        after["discards"]["workspace_changed"].as_u64().unwrap() + 1,
+        "{gone}"
+    );
 }
 
 #[tokio::test]
@@ -292,6 +299,44 @@ async fn a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(hits(&pool(&client).await), hits(&p3) + 1);
+}
+
+#[tokio::test]
+async fn a_restore_or_a_move_discards_the_waiting_sandbox() {
+    if !sandbox_or_skip("a_restore_or_a_move_discards_the_waiting_sandbox") {
+        return;
+    }
+    let (a, b) = (server(&[]), server(&[]));
+    let client = a.client();
+    let key = "prestart/moves";
+    let run = |code: &'static str| {
+        let client = &client;
+        async move {
+            let reply = client.post_signed("/execute-shell", &keyed_shell_request("a", "s", key, code)).await;
+            let reply = reply.unwrap();
+            assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+            reply.json()
+        }
+    };
+    run("echo one > f").await;
+    let v1 = client.get(&format!("/workspace-transfer/where?workspace={key}")).await.unwrap().json();
+    let v1 = v1["head"]["digest"].as_str().unwrap().to_owned();
+    run("echo two > f").await;
+    let p = waiting(&client).await;
+    let n = p["discards"]["workspace_changed"].as_u64().unwrap();
+    let body = json!({"workspace": key, "version": v1, "requestId": runnerctl::client::new_execution_id()});
+    let restored = client.post_signed("/workspace-transfer/restore", &body).await.unwrap();
+    assert_eq!(restored.status, 200, "{}", String::from_utf8_lossy(&restored.body));
+    let p = until(&client, "restored", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(p["discards"]["workspace_changed"].as_u64().unwrap(), n + 1, "{p}");
+    assert_eq!(run("cat f").await["stdout"], json!("one\n"));
+    waiting(&client).await;
+    let to = format!("http://{}", b.address().trim_start_matches("http://"));
+    let body = json!({"workspace": key, "to": to, "requestId": runnerctl::client::new_execution_id()});
+    let pushed = client.post_signed("/workspace-transfer/push", &body).await.unwrap();
+    assert_eq!(pushed.status, 200, "{}", String::from_utf8_lossy(&pushed.body));
+    let p = until(&client, "moved", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(p["discards"]["workspace_changed"].as_u64().unwrap(), n + 2, "{p}");
 }
 
 #[tokio::test]

@@ -41,7 +41,11 @@ pub fn locate(app: &App, ws: &WorkspaceRef) -> Result<Located, EngineError> {
     let root = ws.root.as_deref().ok_or_else(|| {
         EngineError::invalid(ErrorCode::WorkspaceRequired, "workspaceRoot or runnerWorkspaceKey is required")
     })?;
-    let root = validated_workspace(data, Path::new(root))?;
+    let root = validated_workspace(data, Path::new(root)).inspect_err(|_| {
+        // Whatever waits for this path (a sandbox started ahead) mounts what is no longer a
+        // workspace there: a directory swapped for a link, or gone.
+        app.sandbox.isolation.forget(Some(Path::new(root)), crate::isolation::prestart::Discard::Workspace);
+    })?;
     let read_only = match &ws.read_only {
         Some(p) => Some(validated_workspace(data, Path::new(p))?),
         None => None,
