@@ -209,8 +209,13 @@ async fn watches_stay_bounded_over_a_thousand_workspaces() {
     if !sandbox_or_skip("watches_stay_bounded_over_a_thousand_workspaces") {
         return;
     }
+    // The journal's descriptors alone: sandboxes started ahead hold pipes of their own,
+    // within their own bound (suite::prestart checks that one).
     let server = Server::start_with(ServerOptions {
-        env: vec![("SCIENCE_AGENT_JOURNAL_WORKSPACES".into(), "4".into())],
+        env: vec![
+            ("SCIENCE_AGENT_JOURNAL_WORKSPACES".into(), "4".into()),
+            ("SCIENCE_AGENT_PRESTART_SANDBOXES".into(), "0".into()),
+        ],
         ..ServerOptions::default()
     });
     let client = std::sync::Arc::new(server.client());

@@ -253,7 +253,8 @@ async fn v1_a_memory_hog_served_ahead_is_killed_in_its_own_cgroup() {
         "not served ahead"
     );
     assert_oom(&r, limit);
-    assert!(r["resourceUsage"]["cpuTimeMs"].is_u64(), "{r}");
+    // The counters are this run's: its Python allocated up to the limit.
+    assert!(r["resourceUsage"]["cpuTimeMs"].as_u64().unwrap() > 0, "{r}");
     let mut server = server;
     assert!(server.stop().success());
     let left = exec_cgroups_left(&root, &mine);

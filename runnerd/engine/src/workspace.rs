@@ -44,7 +44,9 @@ pub fn locate(app: &App, ws: &WorkspaceRef) -> Result<Located, EngineError> {
     let root = validated_workspace(data, Path::new(root)).inspect_err(|_| {
         // Whatever waits for this path (a sandbox started ahead) mounts what is no longer a
         // workspace there: a directory swapped for a link, or gone.
-        app.sandbox.isolation.forget(Some(Path::new(root)), crate::isolation::prestart::Discard::Workspace);
+        // Exactly this path: a refused path must not reach other workspaces' sandboxes.
+        let scope = crate::isolation::prestart::Scope::Exactly(Path::new(root));
+        app.sandbox.isolation.forget(scope, crate::isolation::prestart::Discard::Workspace);
     })?;
     let read_only = match &ws.read_only {
         Some(p) => Some(validated_workspace(data, Path::new(p))?),

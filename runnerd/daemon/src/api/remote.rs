@@ -320,8 +320,9 @@ pub async fn clear(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiEr
     let writer = app.versions.begin(&root, pinned, None).await.map_err(write_err)?;
     let op = blocking(move || files::clear(&fd).map_err(remote_err)).await;
     let committed = app.versions.commit_mutation(&writer, "workspace-clear", None, op.is_ok()).await;
+    // While the lease is held: no call can end and start another in between.
+    app.sandbox.isolation.forget(crate::isolation::prestart::Scope::Beneath(&root), crate::isolation::prestart::Discard::Workspace);
     drop(writer);
-    app.sandbox.isolation.forget(Some(&root), crate::isolation::prestart::Discard::Workspace);
     committed.map_err(write_err)?;
     op?;
     tracing::info!(event = "workspace_cleared", workspace = %root.display());

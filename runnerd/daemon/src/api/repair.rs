@@ -12,6 +12,7 @@ use super::ApiResponse;
 use super::error::ApiError;
 use super::request;
 use crate::app::App;
+use crate::isolation::prestart::{Discard, Scope};
 use crate::workspace;
 
 pub const KEY_REQUIRED: &str = "workspace is required";
@@ -27,8 +28,11 @@ pub async fn repair(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError
     let root = workspace::validated_workspace(&app.data_dir, &root)?;
     let pinned = workspace::open_beneath(&app.data_dir, &root)?;
     tracing::warn!(event = "workspace_repair_requested", workspace = %root.display(), key = %key);
-    app.sandbox.isolation.forget(Some(&root), crate::isolation::prestart::Discard::Workspace);
-    let repaired = app.versions.repair(&root, pinned).await.map_err(ApiError::from_write)?;
+    let repaired = app.versions.repair(&root, pinned).await.map_err(ApiError::from_write);
+    // After the repair held the workspace: a sandbox started by a call that ended meanwhile
+    // goes too.
+    app.sandbox.isolation.forget(Scope::Beneath(&root), Discard::Workspace);
+    let repaired = repaired?;
     let previous = repaired.previous.as_ref().map(|(head, verified)| {
         let verified = match verified {
             Ok(objects) => json!({"ok": true, "objects": objects}),

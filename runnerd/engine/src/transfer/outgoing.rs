@@ -138,7 +138,7 @@ impl Outgoing {
         self.app
             .sandbox
             .isolation
-            .forget(Some(&self.canonical), crate::isolation::prestart::Discard::Workspace);
+            .forget(crate::isolation::prestart::Scope::Beneath(&self.canonical), crate::isolation::prestart::Discard::Workspace);
         drop(self.writer.take());
         tracing::info!(event = "workspace_moved", workspace = %self.ident, to = %self.progress.to,
             epoch = self.epoch, head = %self.head.digest);

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::plan::IdPair;
 
-use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Shape};
+use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Scope, Shape};
 use super::{Isolation, Job, Ran, RunFuture, SandboxSpec};
 use crate::launch::{Launch, LaunchError, Launcher, Outcome, OutputSink};
 use crate::limits::{ExecCgroup, Limits};
@@ -56,7 +56,8 @@ impl Bubblewrap {
     /// bound is 0, or without `--bind-fd`: a sandbox bound by path could not be checked to
     /// hold the objects a later call names).
     pub fn with_prestart(mut self, settings: PrestartSettings) -> Bubblewrap {
-        self.pool = (settings.per_node > 0 && self.bind_fd).then(|| Pool::new(settings));
+        let usable = self.shape.is_some() && self.bind_fd;
+        self.pool = (settings.per_node > 0 && usable).then(|| Pool::new(settings));
         self
     }
 
@@ -75,6 +76,11 @@ impl Bubblewrap {
             }
             None => None,
         };
+        // The directory this call runs in: what a waiting sandbox must be in to serve it.
+        let runs_in = match cwd {
+            Some(id) => id,
+            None => prestart::identity(dirs.root.fd).ok()?,
+        };
         let limits = job.cgroup.as_ref().map(|c| *c.limits());
         let shape = Shape {
             options: cmd.options.clone(),
@@ -88,25 +94,33 @@ impl Bubblewrap {
         };
         let root = job.spec.workspace.root().to_owned();
         let (cmd, rlimits, made) = (cmd.clone(), job.rlimits.clone(), std::time::Instant::now());
-        Some(Next { root, made, prestart, shape, cmd, slots, rlimits, limits })
+        Some(Next { root, made, runs_in, prestart, shape, cmd, slots, rlimits, limits })
     }
 
     /// Keeps what the next sandbox of a call's workspace needs until the call ends
     /// ([`Isolation::call_ended`]).
     fn hold_next(&self, next: Next, cgroup: Option<ExecCgroup>) {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        if pending.len() >= PENDING_MAX && !pending.contains_key(&next.root) {
-            let oldest = pending.iter().min_by_key(|(_, (n, _))| n.made).map(|(k, _)| k.clone());
-            oldest.and_then(|k| pending.remove(&k));
-        }
-        pending.insert(next.root.clone(), (next, cgroup));
+        let dropped = {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let mut dropped = Vec::new();
+            if pending.len() >= PENDING_MAX && !pending.contains_key(&next.root) {
+                let oldest = pending.iter().min_by_key(|(_, (n, _))| n.made).map(|(k, _)| k.clone());
+                dropped.extend(oldest.and_then(|k| pending.remove(&k)).map(|(_, c)| c));
+            }
+            dropped.extend(pending.insert(next.root.clone(), (next, cgroup)).map(|(_, c)| c));
+            dropped
+        };
+        dropped.into_iter().for_each(release);
     }
 
     /// Starts the next sandbox of a shape in the background and files it in the pool, when
     /// the pool's bounds admit it; `cgroup` is a fresh one of the shape's limits, if at hand.
     fn start_next(&self, next: Next, cgroup: Option<ExecCgroup>) {
-        let Some(pool) = &self.pool else { return };
-        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant) else { return };
+        let Some(pool) = &self.pool else { return release(cgroup) };
+        let environment = next.shape.binds_environment();
+        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant, environment) else {
+            return release(cgroup);
+        };
         pool.ensure_sweeper();
         let (pool, launcher, bwrap) = (pool.clone(), self.launcher.clone(), self.bwrap.clone());
         tokio::spawn(async move {
@@ -149,6 +163,16 @@ fn prestartable(spec: &SandboxSpec<'_>) -> bool {
     })
 }
 
+/// Removes an unused execution cgroup off the async threads (its removal may wait on the
+/// kernel in every hierarchy); in place where there is no runtime.
+fn release(cgroup: Option<ExecCgroup>) {
+    let Some(cgroup) = cgroup else { return };
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn_blocking(move || drop(cgroup))),
+        Err(_) => drop(cgroup),
+    }
+}
+
 /// Why a sandbox could not be started ahead (logged; the next call launches as usual).
 #[derive(Debug, thiserror::Error)]
 enum StartError {
@@ -165,6 +189,8 @@ enum StartError {
 struct Next {
     root: PathBuf,
     made: std::time::Instant,
+    /// (device, inode) of the directory the call runs in.
+    runs_in: (u64, u64),
     prestart: Prestart,
     shape: Shape,
     cmd: SandboxCommand,
@@ -201,9 +227,17 @@ impl Isolation for Bubblewrap {
                     return Ran { outcome, env, cwd, cgroup: job.cgroup };
                 }
             };
+            let asked = job.prestart.is_some();
             let next = self.next_of(&mut job, &cmd, shape);
             let taken = match (&self.pool, &next) {
-                (Some(pool), Some(next)) => pool.take(&next.root, &next.shape).ok(),
+                (Some(pool), Some(next)) => pool.take(&next.root, &next.shape, next.runs_in).ok(),
+                // An execution whose shape could not be made (a cwd that cannot be walked,
+                // a workspace not bound by descriptor…): nothing waiting for its workspace
+                // can be checked to match it.
+                (Some(pool), None) if asked => {
+                    pool.forget(Scope::Exactly(job.spec.workspace.root()), Discard::Shape);
+                    None
+                }
                 _ => None,
             };
             let (outcome, ran_in, spare) = match taken {
@@ -226,7 +260,7 @@ impl Isolation for Bubblewrap {
             match next {
                 // A sandbox that could not be launched is not started again ahead.
                 Some(next) if outcome.is_ok() => self.hold_next(next, spare),
-                _ => drop(spare),
+                _ => release(spare),
             }
             Ran { outcome, env, cwd, cgroup: ran_in }
         })
@@ -239,10 +273,22 @@ impl Isolation for Bubblewrap {
         }
     }
 
-    fn forget(&self, workspace: Option<&Path>, why: Discard) {
-        if let Some(pool) = &self.pool {
-            pool.forget(workspace, why);
-        }
+    fn forget(&self, scope: Scope<'_>, why: Discard) {
+        let Some(pool) = &self.pool else { return };
+        // What waits for a call's end in that scope is dropped too (an environment change
+        // reaches only what binds one).
+        let dropped: Vec<Option<ExecCgroup>> = {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let env_only = why == Discard::Environment;
+            let keys: Vec<PathBuf> = pending
+                .iter()
+                .filter(|(root, (next, _))| scope.holds(root) && (!env_only || next.shape.binds_environment()))
+                .map(|(root, _)| root.clone())
+                .collect();
+            keys.iter().filter_map(|k| pending.remove(k)).map(|(_, c)| c).collect()
+        };
+        dropped.into_iter().for_each(release);
+        pool.forget(scope, why);
     }
 
     fn prestarted(&self) -> Option<prestart::Report> {

@@ -213,9 +213,9 @@ pub trait Isolation: Send + Sync + fmt::Debug {
     /// a sandbox for the workspace's next call may start now.
     fn call_ended(&self, _workspace: &Path) {}
 
-    /// Discards every sandbox started ahead for `workspace` or beneath it (all with `None`):
-    /// the workspace was cleared, repaired, moved or deleted, or runnerd stops.
-    fn forget(&self, _workspace: Option<&Path>, _why: prestart::Discard) {}
+    /// Discards the sandboxes started ahead for the workspaces in `scope`: cleared,
+    /// repaired, moved or no longer a workspace, an environment changed, or runnerd stops.
+    fn forget(&self, _scope: prestart::Scope<'_>, _why: prestart::Discard) {}
 
     /// The pre-started sandboxes' state, where the backend keeps any.
     fn prestarted(&self) -> Option<prestart::Report> {

@@ -100,10 +100,38 @@ pub struct Shape {
     pub cwd: Option<(u64, u64)>,
 }
 
+impl Shape {
+    /// Whether the sandbox binds a scientific environment's prefix (by path: a change to
+    /// any environment discards it).
+    pub fn binds_environment(&self) -> bool {
+        self.options.iter().any(|o| o == crate::sandbox::argv::SCIENCE_ENV_MOUNT)
+    }
+}
+
 /// (device, inode) of an open file.
 pub fn identity(fd: impl AsFd) -> std::io::Result<(u64, u64)> {
     let st = nix::sys::stat::fstat(fd.as_fd()).map_err(std::io::Error::from)?;
     Ok((st.st_dev, st.st_ino))
+}
+
+/// Which waiting sandboxes a [`Pool::forget`] reaches.
+#[derive(Debug, Clone, Copy)]
+pub enum Scope<'a> {
+    All,
+    /// This workspace and every workspace beneath it.
+    Beneath(&'a Path),
+    /// This workspace root only.
+    Exactly(&'a Path),
+}
+
+impl Scope<'_> {
+    pub fn holds(&self, root: &Path) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Beneath(r) => root.starts_with(r),
+            Scope::Exactly(r) => root == *r,
+        }
+    }
 }
 
 /// Why a call found no sandbox waiting for it.
@@ -192,30 +220,43 @@ pub enum Admission {
     No,
 }
 
-/// Whether one more may wait for `tenant`, given who waits since when. The tenant's own
-/// oldest goes first when the tenant is at its bound; else the node's oldest when the node
-/// is.
+/// Whether one more may wait for `tenant`, given who waits since when. A tenant at its own
+/// bound gives up its own oldest. On a full node, a tenant already holding its fair share
+/// (the node's bound over the tenants waiting, itself included) also gives up its own
+/// oldest; one below it takes the oldest of the tenant holding the most, so that no caller
+/// can fill the node and push every other one out.
 pub fn admit(settings: &PrestartSettings, waiting: &[(&str, Instant)], tenant: &str) -> Admission {
     if settings.per_node == 0 || settings.per_tenant == 0 {
         return Admission::No;
     }
-    let oldest = |of_tenant: bool| {
-        waiting
-            .iter()
-            .enumerate()
-            .filter(|(_, (t, _))| !of_tenant || *t == tenant)
-            .min_by_key(|(_, (_, at))| *at)
-            .map(|(i, _)| i)
+    let oldest_of = |who: &str| {
+        waiting.iter().enumerate().filter(|(_, (t, _))| *t == who).min_by_key(|(_, (_, at))| *at).map(|(i, _)| i)
     };
-    let mine = waiting.iter().filter(|(t, _)| *t == tenant).count();
-    let evict = if mine >= settings.per_tenant {
-        oldest(true)
-    } else if waiting.len() >= settings.per_node {
-        oldest(false)
+    let held = |who: &str| waiting.iter().filter(|(t, _)| *t == who).count();
+    let mine = held(tenant);
+    if mine >= settings.per_tenant {
+        return oldest_of(tenant).map_or(Admission::No, Admission::Evicting);
+    }
+    if waiting.len() < settings.per_node {
+        return Admission::Yes;
+    }
+    let mut tenants: Vec<&str> = waiting.iter().map(|(t, _)| *t).collect();
+    tenants.push(tenant);
+    tenants.sort_unstable();
+    tenants.dedup();
+    let fair = settings.per_node.div_ceil(tenants.len());
+    let victim = if mine >= fair {
+        tenant
     } else {
-        None
+        // The tenant holding the most (the older of two equal holders' oldest goes).
+        let most = tenants.iter().filter(|t| **t != tenant).map(|t| held(t)).max().unwrap_or(0);
+        let candidates = waiting.iter().enumerate().filter(|(_, (t, _))| *t != tenant && held(t) == most);
+        match candidates.min_by_key(|(_, (_, at))| *at) {
+            Some((i, _)) => return Admission::Evicting(i),
+            None => tenant,
+        }
     };
-    evict.map_or(Admission::Yes, Admission::Evicting)
+    oldest_of(victim).map_or(Admission::No, Admission::Evicting)
 }
 
 /// One sandbox waiting for its workspace's next call.
@@ -260,10 +301,13 @@ struct State {
     sweeping: bool,
     /// At most one per workspace root (executions of one workspace never overlap).
     entries: HashMap<PathBuf, Entry>,
-    /// Workspaces whose next sandbox is being started (counted against the bounds).
-    starting: HashMap<PathBuf, String>,
-    /// Raised by every [`Pool::forget`]: a start that began before it is discarded.
-    generation: u64,
+    /// Workspaces whose next sandbox is being started (counted against the bounds): its
+    /// tenant, and whether it binds a scientific environment.
+    starting: HashMap<PathBuf, (String, bool)>,
+    /// Starts in flight that a [`Pool::forget`] reached: discarded when they arrive.
+    voided: std::collections::HashSet<PathBuf>,
+    /// runnerd stops: nothing more is started or kept.
+    closed: bool,
 }
 
 /// The pre-started sandboxes of one backend.
@@ -279,7 +323,6 @@ pub struct Pool {
 pub struct Reservation {
     pub root: PathBuf,
     pub tenant: String,
-    generation: u64,
 }
 
 impl Pool {
@@ -295,20 +338,25 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The sandbox waiting for `root` if it has exactly `shape`; else why not. A waiting
-    /// sandbox of another shape, or a dead one, is discarded.
-    pub fn take(&self, root: &Path, shape: &Shape) -> Result<Entry, Miss> {
+    /// The sandbox waiting for `root` if it has exactly `shape` and its working directory
+    /// is now the directory `cwd` (device, inode) the call runs in; else why not. A waiting
+    /// sandbox of another shape, in another directory, or a dead one, is discarded.
+    pub fn take(&self, root: &Path, shape: &Shape, cwd: (u64, u64)) -> Result<Entry, Miss> {
         let mut entry = self.lock().entries.remove(root);
         let alive = entry.as_mut().map(|e| e.waiting.alive());
-        let verdict = classify(entry.as_ref().map(|e| &e.shape).zip(alive), shape);
+        let mut verdict = classify(entry.as_ref().map(|e| &e.shape).zip(alive), shape);
+        // bwrap changed into the working directory by path when it started: the directory
+        // it is in must be the one this call found, whatever happened in between.
+        if verdict.is_ok() && entry.as_ref().and_then(|e| e.waiting.cwd()) != Some(cwd) {
+            verdict = Err(Miss::Shape);
+        }
         match (verdict, entry) {
             (Ok(()), Some(entry)) => {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
                 Ok(entry)
             }
             (Err(miss), entry) => {
-                self.counters.misses[Miss::ALL.iter().position(|m| *m == miss).unwrap_or(0)]
-                    .fetch_add(1, Ordering::Relaxed);
+                self.missed(miss);
                 if let Some(entry) = entry {
                     let why = if miss == Miss::Died { Discard::Died } else { Discard::Shape };
                     self.discard(entry, why);
@@ -319,56 +367,56 @@ impl Pool {
         }
     }
 
-    /// Holds a place for `root`'s next sandbox, evicting what the bounds require; `None`
-    /// when pre-starting is off or one already waits or starts for `root`.
-    pub fn reserve(&self, root: &Path, tenant: &str) -> Option<Reservation> {
+    /// A call that could be served ahead found nothing for its shape (`take` counts its
+    /// own).
+    pub fn missed(&self, miss: Miss) {
+        self.counters.misses[Miss::ALL.iter().position(|m| *m == miss).unwrap_or(0)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Holds a place for `root`'s next sandbox (`environment`: it binds a scientific
+    /// environment), evicting what the bounds require; `None` when pre-starting is off or
+    /// closed, or one already waits or starts for `root`.
+    pub fn reserve(&self, root: &Path, tenant: &str, environment: bool) -> Option<Reservation> {
         let mut state = self.lock();
-        if state.entries.contains_key(root) || state.starting.contains_key(root) {
+        if state.closed || state.entries.contains_key(root) || state.starting.contains_key(root) {
             return None;
         }
         loop {
-            let ages: Vec<(PathBuf, &str, Instant)> = state
+            let now = Instant::now();
+            let ages: Vec<(PathBuf, String, Instant)> = state
                 .entries
                 .iter()
-                .map(|(p, e)| (p.clone(), e.tenant.as_str(), e.since))
-                .chain(state.starting.iter().map(|(p, t)| (p.clone(), t.as_str(), Instant::now())))
+                .map(|(p, e)| (p.clone(), e.tenant.clone(), e.since))
+                .chain(state.starting.iter().map(|(p, (t, _))| (p.clone(), t.clone(), now)))
                 .collect();
-            let view: Vec<(&str, Instant)> = ages.iter().map(|(_, t, at)| (*t, *at)).collect();
+            let view: Vec<(&str, Instant)> = ages.iter().map(|(_, t, at)| (t.as_str(), *at)).collect();
             match admit(&self.settings, &view, tenant) {
                 Admission::No => return None,
                 Admission::Yes => break,
                 Admission::Evicting(i) => {
-                    let victim = ages[i].0.clone();
-                    drop(view);
-                    drop(ages);
-                    // A start in flight is never the oldest (it counts as now); should
-                    // the bound be all starts, none is evicted and this one waits out.
-                    let entry = state.entries.remove(&victim)?;
+                    // A start in flight is never evicted (it counts as the newest); when the
+                    // bound is all starts, this one is not made.
+                    let entry = state.entries.remove(&ages[i].0)?;
                     self.discard(entry, Discard::Evicted);
                 }
             }
         }
-        state.starting.insert(root.to_owned(), tenant.to_owned());
-        Some(Reservation { root: root.to_owned(), tenant: tenant.to_owned(), generation: state.generation })
+        state.starting.insert(root.to_owned(), (tenant.to_owned(), environment));
+        Some(Reservation { root: root.to_owned(), tenant: tenant.to_owned() })
     }
 
     /// Puts a started sandbox in its reserved place, unless its workspace was forgotten
-    /// since the reservation (then it is discarded).
-    pub fn insert(
-        &self,
-        reservation: Reservation,
-        shape: Shape,
-        waiting: Waiting,
-        cgroup: Option<ExecCgroup>,
-    ) {
+    /// since the reservation, or runnerd stops (then it is discarded).
+    pub fn insert(&self, reservation: Reservation, shape: Shape, waiting: Waiting, cgroup: Option<ExecCgroup>) {
         self.counters.started.fetch_add(1, Ordering::Relaxed);
-        let entry =
-            Entry { shape, tenant: reservation.tenant.clone(), waiting, cgroup, since: Instant::now() };
+        let entry = Entry { shape, tenant: reservation.tenant.clone(), waiting, cgroup, since: Instant::now() };
         let mut state = self.lock();
         state.starting.remove(&reservation.root);
-        if state.generation != reservation.generation {
+        let voided = state.voided.remove(&reservation.root);
+        if voided || state.closed {
+            let why = if state.closed { Discard::Stopping } else { Discard::Workspace };
             drop(state);
-            self.discard(entry, Discard::Workspace);
+            self.discard(entry, why);
             return;
         }
         state.entries.insert(reservation.root, entry);
@@ -377,18 +425,35 @@ impl Pool {
     /// A reserved start that failed: the place is given back.
     pub fn failed(&self, reservation: Reservation, error: &dyn std::error::Error) {
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
-        self.lock().starting.remove(&reservation.root);
+        let mut state = self.lock();
+        state.starting.remove(&reservation.root);
+        state.voided.remove(&reservation.root);
+        drop(state);
         tracing::debug!(event = "prestart_failed", workspace = %reservation.root.display(), error = %common::error_chain(error));
     }
 
-    /// Discards what waits for `root` or beneath it (every workspace with `None`): its
-    /// workspace was cleared, repaired, moved or deleted, or runnerd stops.
-    pub fn forget(&self, root: Option<&Path>, why: Discard) {
+    /// Discards what waits (or is being started) for the workspaces in `scope`: cleared,
+    /// repaired, moved or no longer a workspace. For [`Discard::Environment`], only what
+    /// binds a scientific environment; for [`Discard::Stopping`], the pool closes too.
+    pub fn forget(&self, scope: Scope<'_>, why: Discard) {
         let gone: Vec<Entry> = {
             let mut state = self.lock();
-            state.generation += 1;
-            let keys: Vec<PathBuf> =
-                state.entries.keys().filter(|p| root.is_none_or(|r| p.starts_with(r))).cloned().collect();
+            state.closed |= why == Discard::Stopping;
+            let env_only = why == Discard::Environment;
+            let hit = |p: &Path| scope.holds(p);
+            let in_flight: Vec<PathBuf> = state
+                .starting
+                .iter()
+                .filter(|(p, (_, env))| hit(p) && (!env_only || *env))
+                .map(|(p, _)| p.clone())
+                .collect();
+            state.voided.extend(in_flight);
+            let keys: Vec<PathBuf> = state
+                .entries
+                .iter()
+                .filter(|(p, e)| hit(p) && (!env_only || e.shape.binds_environment()))
+                .map(|(p, _)| p.clone())
+                .collect();
             keys.iter().filter_map(|k| state.entries.remove(k)).collect()
         };
         for entry in gone {
@@ -462,8 +527,11 @@ impl Pool {
 
     /// The counters, and the waiting sandboxes' number and memory.
     pub fn report(&self) -> Report {
-        let pids: Vec<i32> = self.lock().entries.values().flat_map(|e| e.waiting.pids()).collect();
-        let waiting = self.lock().entries.len();
+        let (pids, waiting) = {
+            let state = self.lock();
+            let pids: Vec<i32> = state.entries.values().flat_map(|e| e.waiting.pids()).collect();
+            (pids, state.entries.len())
+        };
         let c = &self.counters;
         Report {
             settings: self.settings,
@@ -565,8 +633,9 @@ mod tests {
             (&[("a", at(5))], "a", Admission::Yes),
             // a at its bound: a's oldest (index 1) goes, not b's older one.
             (&[("b", at(0)), ("a", at(5)), ("a", at(9))], "a", Admission::Evicting(1)),
-            // the node at its bound, c under its own: the node's oldest goes.
-            (&[("a", at(7)), ("b", at(3)), ("a", at(9))], "c", Admission::Evicting(1)),
+            // the node at its bound, c below its fair share (1 of 3): the oldest of the
+            // tenant holding the most (a) goes, not the node's oldest (b's).
+            (&[("a", at(7)), ("b", at(3)), ("a", at(9))], "c", Admission::Evicting(0)),
             (&[("a", at(7)), ("b", at(3))], "c", Admission::Yes),
             (&[("a", at(7))], "b", Admission::Yes),
         ];
@@ -575,5 +644,11 @@ mod tests {
         }
         let off = PrestartSettings { per_node: 0, ..s };
         assert_eq!(admit(&off, &[], "a"), Admission::No);
+        // One caller cannot fill the node and push the others out: holding its fair share
+        // (2 of 3 between a and c), c gives up its own oldest; b, holding none, takes a's.
+        let wide = PrestartSettings { per_node: 3, per_tenant: 3, ..s };
+        assert_eq!(admit(&wide, &[("a", at(1)), ("c", at(5)), ("c", at(6))], "c"), Admission::Evicting(1));
+        assert_eq!(admit(&wide, &[("a", at(1)), ("a", at(2)), ("a", at(3))], "b"), Admission::Evicting(0));
+        assert_eq!(admit(&wide, &[("a", at(1)), ("a", at(2)), ("a", at(3))], "a"), Admission::Evicting(0));
     }
 }

@@ -484,6 +484,16 @@ impl Waiting {
         self.running.as_mut().is_some_and(|r| matches!(r.child.try_wait(), Ok(None)))
     }
 
+    /// (device, inode) of the working directory of the sandbox's namespace init, which
+    /// bwrap changed into before it started the command (read through
+    /// `/proc/PID/cwd`); `None` before bwrap reported its init, or where it cannot be read.
+    pub fn cwd(&self) -> Option<(u64, u64)> {
+        let init = self.running.as_ref()?.sandbox.init_pid()?;
+        let st = std::fs::metadata(format!("/proc/{init}/cwd")).ok()?;
+        use std::os::unix::fs::MetadataExt;
+        Some((st.dev(), st.ino()))
+    }
+
     /// Host pids of the sandbox's processes (bwrap's monitor, the namespace's init and what
     /// it started), for their memory; empty once finished.
     pub fn pids(&self) -> Vec<i32> {
