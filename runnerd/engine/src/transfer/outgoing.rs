@@ -135,10 +135,10 @@ impl Outgoing {
     pub fn fence(mut self) -> Result<(), TransferFailed> {
         let now = crate::timefmt::now_ms();
         self.app.versions.placement().fence(&self.canonical, self.epoch, &self.progress.to, now)?;
-        self.app
-            .sandbox
-            .isolation
-            .forget(crate::isolation::prestart::Scope::Beneath(&self.canonical), crate::isolation::prestart::Discard::Workspace);
+        self.app.sandbox.isolation.forget(
+            crate::isolation::prestart::Scope::Beneath(&self.canonical),
+            crate::isolation::prestart::Discard::Workspace,
+        );
         drop(self.writer.take());
         tracing::info!(event = "workspace_moved", workspace = %self.ident, to = %self.progress.to,
             epoch = self.epoch, head = %self.head.digest);

@@ -207,7 +207,10 @@ pub async fn install(
     .await?;
     let (head, epoch) = commit_head(app, &writer, &canonical, head, &tree, how).await?;
     // A sandbox started ahead for the files that were here would mount a tree now gone.
-    app.sandbox.isolation.forget(crate::isolation::prestart::Scope::Beneath(&canonical), crate::isolation::prestart::Discard::Workspace);
+    app.sandbox.isolation.forget(
+        crate::isolation::prestart::Scope::Beneath(&canonical),
+        crate::isolation::prestart::Discard::Workspace,
+    );
     drop(writer);
     Ok(Installed { canonical, head, tree, epoch, materialized })
 }

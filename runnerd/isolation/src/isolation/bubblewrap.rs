@@ -163,6 +163,22 @@ fn prestartable(spec: &SandboxSpec<'_>) -> bool {
     })
 }
 
+/// How long a call waits for a sandbox started ahead that bwrap is still setting up (a
+/// fresh launch costs more than what is left of one).
+const SETTLE_LIMIT: Duration = Duration::from_millis(100);
+
+/// `entry` if bwrap has set it up (waiting at most [`SETTLE_LIMIT`]) in the directory the call
+/// runs in: bwrap entered it by path when it started, so whatever happened in between, the
+/// directory it is in must be the one the call found. Else it is discarded.
+async fn ready_in(pool: &Pool, entry: prestart::Entry, runs_in: (u64, u64)) -> Option<prestart::Entry> {
+    if entry.waiting.settled(SETTLE_LIMIT).await && entry.waiting.cwd() == Some(runs_in) {
+        pool.served();
+        return Some(entry);
+    }
+    pool.refuse(entry, prestart::Miss::Shape);
+    None
+}
+
 /// Removes an unused execution cgroup off the async threads (its removal may wait on the
 /// kernel in every hierarchy); in place where there is no runtime.
 fn release(cgroup: Option<ExecCgroup>) {
@@ -230,7 +246,10 @@ impl Isolation for Bubblewrap {
             let asked = job.prestart.is_some();
             let next = self.next_of(&mut job, &cmd, shape);
             let taken = match (&self.pool, &next) {
-                (Some(pool), Some(next)) => pool.take(&next.root, &next.shape, next.runs_in).ok(),
+                (Some(pool), Some(next)) => match pool.take(&next.root, &next.shape) {
+                    Ok(entry) => ready_in(pool, entry, next.runs_in).await,
+                    Err(_) => None,
+                },
                 // An execution whose shape could not be made (a cwd that cannot be walked,
                 // a workspace not bound by descriptor…): nothing waiting for its workspace
                 // can be checked to match it.
@@ -282,7 +301,9 @@ impl Isolation for Bubblewrap {
             let env_only = why == Discard::Environment;
             let keys: Vec<PathBuf> = pending
                 .iter()
-                .filter(|(root, (next, _))| scope.holds(root) && (!env_only || next.shape.binds_environment()))
+                .filter(|(root, (next, _))| {
+                    scope.holds(root) && (!env_only || next.shape.binds_environment())
+                })
                 .map(|(root, _)| root.clone())
                 .collect();
             keys.iter().filter_map(|k| pending.remove(k)).map(|(_, c)| c).collect()

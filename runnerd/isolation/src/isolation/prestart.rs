@@ -230,7 +230,12 @@ pub fn admit(settings: &PrestartSettings, waiting: &[(&str, Instant)], tenant: &
         return Admission::No;
     }
     let oldest_of = |who: &str| {
-        waiting.iter().enumerate().filter(|(_, (t, _))| *t == who).min_by_key(|(_, (_, at))| *at).map(|(i, _)| i)
+        waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, (t, _))| *t == who)
+            .min_by_key(|(_, (_, at))| *at)
+            .map(|(i, _)| i)
     };
     let held = |who: &str| waiting.iter().filter(|(t, _)| *t == who).count();
     let mine = held(tenant);
@@ -338,28 +343,20 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The sandbox waiting for `root` if it has exactly `shape` and its working directory
-    /// is now the directory `cwd` (device, inode) the call runs in; else why not. A waiting
-    /// sandbox of another shape, in another directory, or a dead one, is discarded.
-    pub fn take(&self, root: &Path, shape: &Shape, cwd: (u64, u64)) -> Result<Entry, Miss> {
+    /// The sandbox waiting for `root` if it has exactly `shape` and bwrap still runs; else
+    /// why not (a waiting sandbox of another shape, or a dead one, is discarded). The
+    /// caller then checks where it is ([`Pool::take`] is followed by [`Pool::served`] or
+    /// [`Pool::refuse`]).
+    pub fn take(&self, root: &Path, shape: &Shape) -> Result<Entry, Miss> {
         let mut entry = self.lock().entries.remove(root);
         let alive = entry.as_mut().map(|e| e.waiting.alive());
-        let mut verdict = classify(entry.as_ref().map(|e| &e.shape).zip(alive), shape);
-        // bwrap changed into the working directory by path when it started: the directory
-        // it is in must be the one this call found, whatever happened in between.
-        if verdict.is_ok() && entry.as_ref().and_then(|e| e.waiting.cwd()) != Some(cwd) {
-            verdict = Err(Miss::Shape);
-        }
-        match (verdict, entry) {
-            (Ok(()), Some(entry)) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                Ok(entry)
-            }
+        match (classify(entry.as_ref().map(|e| &e.shape).zip(alive), shape), entry) {
+            (Ok(()), Some(entry)) => Ok(entry),
             (Err(miss), entry) => {
-                self.missed(miss);
                 if let Some(entry) = entry {
-                    let why = if miss == Miss::Died { Discard::Died } else { Discard::Shape };
-                    self.discard(entry, why);
+                    self.refuse(entry, miss);
+                } else {
+                    self.missed(miss);
                 }
                 Err(miss)
             }
@@ -367,10 +364,23 @@ impl Pool {
         }
     }
 
+    /// A taken sandbox serves its call.
+    pub fn served(&self) {
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A taken sandbox does not serve its call (`miss` says why): it is discarded.
+    pub fn refuse(&self, entry: Entry, miss: Miss) {
+        self.missed(miss);
+        let why = if miss == Miss::Died { Discard::Died } else { Discard::Shape };
+        self.discard(entry, why);
+    }
+
     /// A call that could be served ahead found nothing for its shape (`take` counts its
     /// own).
     pub fn missed(&self, miss: Miss) {
-        self.counters.misses[Miss::ALL.iter().position(|m| *m == miss).unwrap_or(0)].fetch_add(1, Ordering::Relaxed);
+        self.counters.misses[Miss::ALL.iter().position(|m| *m == miss).unwrap_or(0)]
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Holds a place for `root`'s next sandbox (`environment`: it binds a scientific
@@ -407,9 +417,16 @@ impl Pool {
 
     /// Puts a started sandbox in its reserved place, unless its workspace was forgotten
     /// since the reservation, or runnerd stops (then it is discarded).
-    pub fn insert(&self, reservation: Reservation, shape: Shape, waiting: Waiting, cgroup: Option<ExecCgroup>) {
+    pub fn insert(
+        &self,
+        reservation: Reservation,
+        shape: Shape,
+        waiting: Waiting,
+        cgroup: Option<ExecCgroup>,
+    ) {
         self.counters.started.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry { shape, tenant: reservation.tenant.clone(), waiting, cgroup, since: Instant::now() };
+        let entry =
+            Entry { shape, tenant: reservation.tenant.clone(), waiting, cgroup, since: Instant::now() };
         let mut state = self.lock();
         state.starting.remove(&reservation.root);
         let voided = state.voided.remove(&reservation.root);

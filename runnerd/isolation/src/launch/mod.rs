@@ -484,6 +484,26 @@ impl Waiting {
         self.running.as_mut().is_some_and(|r| matches!(r.child.try_wait(), Ok(None)))
     }
 
+    /// Waits (at most `limit`) until bwrap has set the sandbox up: its namespace init has
+    /// started the command, so the mounts are made and the working directory entered.
+    /// Whether it did.
+    pub async fn settled(&self, limit: Duration) -> bool {
+        let Some(r) = &self.running else { return false };
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(init) = r.sandbox.init_pid() {
+                let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"));
+                if children.is_ok_and(|c| !c.trim().is_empty()) {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+    }
+
     /// (device, inode) of the working directory of the sandbox's namespace init, which
     /// bwrap changed into before it started the command (read through
     /// `/proc/PID/cwd`); `None` before bwrap reported its init, or where it cannot be read.

@@ -60,7 +60,9 @@ impl EnvStore {
             return Err(e);
         }
         // A starter published again replaces the one sandboxes started ahead bind.
-        app.sandbox.isolation.forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
+        app.sandbox
+            .isolation
+            .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
         Ok(env)
     }
 
@@ -188,7 +190,9 @@ impl EnvStore {
         }
         audit("environment_changed", &env.id, &rev, &revision.packages.len().to_string());
         // A sandbox started ahead binds the prefix by path, as it was.
-        app.sandbox.isolation.forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
+        app.sandbox
+            .isolation
+            .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
         Ok(revision)
     }
 }
