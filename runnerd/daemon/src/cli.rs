@@ -176,6 +176,7 @@ fn sandbox_config(config: &RunnerConfig, dev: bool) -> SandboxConfig {
         sandbox_init: startup::locate_sandbox_init(config.sandbox_init.clone()),
         sandbox_user: config.sandbox_user.clone(),
         dev,
+        isolation: config.isolation.clone(),
     }
 }
 

@@ -83,25 +83,23 @@ pub struct ExitRecord {
     pub oom_killed: bool,
 }
 
-/// A checked exit record.
+/// A checked exit record. `oom`: the guest kernel's OOM killer ran during the command (it
+/// may have killed a child the command then reported, as a cgroup's counter would say).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
-    Code(u8),
-    /// A signal, and whether the guest's OOM killer sent it.
-    Signal {
-        signal: u8,
-        oom: bool,
-    },
+    Code { code: u8, oom: bool },
+    Signal { signal: u8, oom: bool },
 }
 
 impl ExitRecord {
-    /// One exit code in 0..=255 or one signal in 1..=64, nothing else. An OOM claim is only
-    /// believed with SIGKILL (the OOM killer's signal).
+    /// One exit code in 0..=255 or one signal in 1..=64, nothing else. The OOM flag is the
+    /// guest kernel's counter: a guest can only mislead its own result with it.
     pub fn check(self) -> Result<Exit, WireError> {
+        let oom = self.oom_killed;
         match (self.code, self.signal) {
-            (Some(code), None) if (0..=255).contains(&code) => Ok(Exit::Code(code as u8)),
+            (Some(code), None) if (0..=255).contains(&code) => Ok(Exit::Code { code: code as u8, oom }),
             (None, Some(signal)) if (1..=64).contains(&signal) => {
-                Ok(Exit::Signal { signal: signal as u8, oom: self.oom_killed && signal == libc::SIGKILL })
+                Ok(Exit::Signal { signal: signal as u8, oom })
             }
             _ => Err(WireError::BadExit(self)),
         }
@@ -304,18 +302,18 @@ mod tests {
     fn exit_records_are_checked() {
         let r = |code, signal, oom| ExitRecord { code, signal, oom_killed: oom };
         let table = [
-            (r(Some(0), None, false), Some(Exit::Code(0))),
-            (r(Some(255), None, false), Some(Exit::Code(255))),
+            (r(Some(0), None, false), Some(Exit::Code { code: 0, oom: false })),
+            (r(Some(255), None, false), Some(Exit::Code { code: 255, oom: false })),
             (r(Some(256), None, false), None),
             (r(Some(-1), None, false), None),
             (r(None, Some(9), true), Some(Exit::Signal { signal: 9, oom: true })),
-            // An OOM claim with another signal is not believed.
-            (r(None, Some(15), true), Some(Exit::Signal { signal: 15, oom: false })),
+            (r(None, Some(15), false), Some(Exit::Signal { signal: 15, oom: false })),
             (r(None, Some(0), false), None),
             (r(None, Some(65), false), None),
             (r(Some(0), Some(9), false), None),
             (r(None, None, false), None),
-            (r(Some(1), None, true), Some(Exit::Code(1))),
+            // A child OOM-killed, the command exiting 1 because of it.
+            (r(Some(1), None, true), Some(Exit::Code { code: 1, oom: true })),
         ];
         for (record, want) in table {
             assert_eq!(record.check().ok(), want, "{record:?}");
@@ -338,7 +336,7 @@ mod tests {
         let bad = GuestMsg::Exit(ExitRecord { code: Some(1), signal: Some(9), oom_killed: false });
         assert!(matches!(h.accept(bad), Err(WireError::BadExit(_))));
         assert!(!h.done());
-        assert_eq!(h.accept(exit.clone()).unwrap(), Event::Exit(Exit::Code(3)));
+        assert_eq!(h.accept(exit.clone()).unwrap(), Event::Exit(Exit::Code { code: 3, oom: false }));
         // A flood after the exit is refused, not believed.
         assert!(matches!(h.accept(exit), Err(WireError::OutOfOrder(_))));
         assert!(matches!(h.accept(GuestMsg::Stdout(b"late".to_vec())), Err(WireError::OutOfOrder(_))));

@@ -26,6 +26,8 @@ pub struct SandboxConfig {
     pub sandbox_user: Option<String>,
     /// `--dev`: a root start may fall back to `nobody` for sandboxes.
     pub dev: bool,
+    /// The executions' default backend and the microvm backend's settings (issue #36).
+    pub isolation: crate::isolation::select::IsolationSettings,
 }
 
 /// Everything executions need from start-up.
@@ -46,6 +48,22 @@ pub struct SandboxRuntime {
     pub warnings: Vec<Warning>,
     pub seccomp_files: Vec<PathBuf>,
     pub probes: CapabilityCache,
+    /// The microvm backend (issue #36), built whatever the default; its `unavailable` says
+    /// why it cannot run here.
+    pub microvm: Arc<crate::isolation::Microvm>,
+    /// The backend of executions that name none.
+    pub default_backend: crate::isolation::select::Backend,
+}
+
+impl SandboxRuntime {
+    /// The backend an execution runs in. Everything else (provisioning, probes, selftest)
+    /// uses [`SandboxRuntime::isolation`].
+    pub fn backend(&self, backend: crate::isolation::select::Backend) -> &dyn Isolation {
+        match backend {
+            crate::isolation::select::Backend::Bwrap => &*self.isolation,
+            crate::isolation::select::Backend::Microvm => &*self.microvm,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +172,14 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         preflight::sandbox_unusable_message(&bwrap.to_string_lossy(), capability.detail.as_deref()),
         features.bind_fd,
     ));
+    let microvm = Arc::new(crate::isolation::Microvm::new(
+        config.isolation.microvm.clone(),
+        bwrap.clone(),
+        launcher.clone(),
+        user.clone(),
+        capability.shape(),
+        features.bind_fd,
+    ));
     Ok(SandboxRuntime {
         isolation,
         launcher,
@@ -166,6 +192,8 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         warnings,
         seccomp_files,
         probes,
+        microvm,
+        default_backend: config.isolation.default,
     })
 }
 

@@ -12,6 +12,8 @@
 //! nothing in `exec`, `envs` or `managed` changes for them.
 
 pub mod bubblewrap;
+pub mod microvm;
+pub mod select;
 
 use std::fmt;
 use std::future::Future;
@@ -25,6 +27,7 @@ use common::seccomp::Profile;
 use tokio::sync::watch;
 
 pub use bubblewrap::Bubblewrap;
+pub use microvm::Microvm;
 
 use crate::accel_mount::AccelMount;
 use crate::launch::{LaunchError, Outcome, OutputSink};
@@ -148,6 +151,9 @@ pub struct Job<'a> {
     pub rlimits: Vec<Rlimit>,
     /// The execution's cgroups' join files (`crate::limits::ExecCgroup::procs_fds`).
     pub cgroup_procs: Vec<OwnedFd>,
+    /// The request's resource limits, for a backend that enforces them itself (a microVM's
+    /// size); `None`: the defaults.
+    pub limits: Option<crate::limits::Limits>,
 }
 
 impl<'a> Job<'a> {
@@ -160,6 +166,7 @@ impl<'a> Job<'a> {
             stop: None,
             rlimits: crate::launch::default_rlimits(None),
             cgroup_procs: Vec::new(),
+            limits: None,
         }
     }
 }

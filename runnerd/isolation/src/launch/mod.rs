@@ -157,6 +157,9 @@ pub struct Outcome {
     /// From the start of the launch to bubblewrap executing (sandbox-init's hand-over done),
     /// when it got that far.
     pub launch_latency: Option<Duration>,
+    /// Whether a guest kernel's OOM killer ended the command, when the backend runs one
+    /// (microvm); `None` here: the cgroup's counters say.
+    pub guest_oom: Option<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -392,6 +395,7 @@ impl Launcher {
             sandbox_pid: sandbox.init_pid(),
             elapsed: started.elapsed(),
             launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
+            guest_oom: None,
         })
     }
 }
