@@ -1,0 +1,227 @@
+//! The microvm isolation backend (issue #36) through the real runnerd: commands in a QEMU
+//! microvm guest with its own kernel, no NIC, the workspace shared over 9p. Each VM boots in
+//! ~2–4 s under TCG, so the checks are packed into few executions.
+//!
+//! Needs QEMU (`qemu-system-x86`) and the guest from `scripts/build-microvm-guest` (found in
+//! `$MICROVM_GUEST_DIR`, else `$CARGO_TARGET_DIR/microvm`, else `target/microvm`): in CI a
+//! missing one fails the test, elsewhere it is skipped loudly. The refusals need neither.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use runner_tests::server::{Server, ServerOptions, shell_request};
+use runner_tests::{in_ci, sandbox_or_skip};
+use serde_json::json;
+
+const QEMU: &str = "/usr/bin/qemu-system-x86_64";
+
+/// The prepared guest's directory (vmlinux, initramfs.cpio.gz, kernel-release).
+fn guest_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("MICROVM_GUEST_DIR") {
+        return d.into();
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"), PathBuf::from);
+    target.join("microvm")
+}
+
+/// Whether a VM can run here; fails in CI, skips loudly elsewhere.
+fn microvm_or_skip(test: &str) -> bool {
+    if !sandbox_or_skip(test) {
+        return false;
+    }
+    let dir = guest_dir();
+    let missing = if !std::path::Path::new(QEMU).exists() {
+        Some(format!("{QEMU} is missing (apt-get install qemu-system-x86)"))
+    } else if !dir.join("vmlinux").exists() || !dir.join("initramfs.cpio.gz").exists() {
+        Some(format!("no guest in {} (run scripts/build-microvm-guest)", dir.display()))
+    } else {
+        None
+    };
+    match missing {
+        None => true,
+        Some(why) if in_ci() => panic!("{test}: {why}"),
+        Some(why) => {
+            eprintln!("\n!!! SKIPPING {test}: {why} !!!\n");
+            false
+        }
+    }
+}
+
+fn start(extra: &[(&str, &str)]) -> Server {
+    let dir = guest_dir();
+    let mut env = vec![
+        ("SCIENCE_AGENT_MICROVM_KERNEL".to_owned(), dir.join("vmlinux").display().to_string()),
+        ("SCIENCE_AGENT_MICROVM_INITRAMFS".to_owned(), dir.join("initramfs.cpio.gz").display().to_string()),
+    ];
+    env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    Server::start_with(ServerOptions { env, ..ServerOptions::default() })
+}
+
+async fn run(
+    server: &Server,
+    ws: &std::path::Path,
+    code: &str,
+    extra: serde_json::Value,
+) -> serde_json::Value {
+    let mut body = shell_request("main", "session-microvm", ws, code);
+    body["isolation"] = json!("microvm");
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    let r = reply.json();
+    assert_eq!(reply.status, 200, "{r}\nrunnerd: {}", server.stderr());
+    r
+}
+
+/// No QEMU process started by this server is left (R-RUN-4 on the host: the VMM is gone).
+fn no_qemu_left(server: &Server) {
+    let runnerd = server.pid().unwrap();
+    let parent = |pid: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    };
+    let ours = |mut pid: u32| {
+        while let Some(p) = parent(pid).filter(|p| *p > 1) {
+            if p == runnerd {
+                return true;
+            }
+            pid = p;
+        }
+        false
+    };
+    let left: Vec<_> =
+        runner_tests::processes_matching("qemu-system").into_iter().filter(|(pid, _)| ours(*pid)).collect();
+    assert!(left.is_empty(), "QEMU left behind: {left:?}");
+}
+
+#[tokio::test]
+async fn a_command_runs_in_its_own_kernel_without_a_nic_and_writes_the_workspace() {
+    if !microvm_or_skip("a_command_runs_in_its_own_kernel_without_a_nic_and_writes_the_workspace") {
+        return;
+    }
+    let server = start(&[]);
+    let ws = server.project_workspace("vm");
+    let script = r#"
+echo "kernel $(uname -r)"
+echo "to stderr" >&2
+echo "ifaces $(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
+echo "id $(id -u)"
+echo written > out.txt
+if touch /usr/should-fail 2>/dev/null; then echo "usr writable"; else echo "usr read-only"; fi
+sleep 30 &
+exit 3
+"#;
+    let r = run(&server, &ws, script, json!({})).await;
+    let release = std::fs::read_to_string(guest_dir().join("kernel-release")).unwrap();
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let stdout = r["stdout"].as_str().unwrap();
+    assert_eq!(r["exitCode"], 3, "{r}");
+    assert_eq!(r["sandbox"], "microvm", "{r}");
+    assert!(stdout.contains(&format!("kernel {}", release.trim())), "{r}");
+    assert_ne!(release.trim(), host.trim());
+    assert!(stdout.contains("ifaces lo,\n"), "only loopback: {r}");
+    assert!(stdout.contains("usr read-only"), "{r}");
+    assert!(!stdout.contains("id 0\n"), "the command must not run as root in the guest: {r}");
+    assert_eq!(r["stderr"], "to stderr\n", "{r}");
+    assert_eq!(std::fs::read_to_string(ws.join("out.txt")).unwrap(), "written\n");
+    let created: Vec<&str> =
+        r["createdFiles"].as_array().unwrap().iter().filter_map(|f| f.as_str()).collect();
+    assert!(created.iter().any(|f| f.ends_with("out.txt")), "{r}");
+    // The background `sleep` did not keep the VM: the answer came, and no QEMU is left.
+    no_qemu_left(&server);
+
+    // A signal, reported as bwrap reports it (128+N).
+    let r = run(&server, &ws, "kill -TERM $$", json!({})).await;
+    assert_eq!(r["exitCode"], 128 + libc::SIGTERM, "{r}");
+}
+
+#[tokio::test]
+async fn a_timeout_kills_the_vm_and_keeps_the_workspace() {
+    if !microvm_or_skip("a_timeout_kills_the_vm_and_keeps_the_workspace") {
+        return;
+    }
+    let server = start(&[]);
+    let ws = server.project_workspace("timeout");
+    let mut body = shell_request("main", "session-microvm", &ws, "echo before > before.txt; sleep 300");
+    body["isolation"] = json!("microvm");
+    body["executionTimeoutMs"] = json!(15_000);
+    let started = std::time::Instant::now();
+    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    let r = reply.json();
+    assert!(started.elapsed() < Duration::from_secs(40), "{r}");
+    assert!(r.to_string().contains("timed out"), "{r}");
+    assert_eq!(std::fs::read_to_string(ws.join("before.txt")).unwrap(), "before\n");
+    no_qemu_left(&server);
+}
+
+#[tokio::test]
+async fn a_memory_hog_is_oom_killed_inside_and_explained() {
+    if !microvm_or_skip("a_memory_hog_is_oom_killed_inside_and_explained") {
+        return;
+    }
+    let server = start(&[]);
+    let ws = server.project_workspace("oom");
+    // Touched memory, 16 MiB at a time: a VM of 256 MiB runs out and its kernel OOM-kills.
+    let code = "echo start; python3 -c 'l = []\nwhile True: l.append(b\"x\" * (16 << 20))'";
+    let r = run(&server, &ws, code, json!({"resourceLimits": {"memoryBytes": 256 << 20}})).await;
+    assert_eq!(r["exitCode"], 128 + libc::SIGKILL, "bash -e ends with python's SIGKILL: {r}");
+    assert!(r["stdout"].as_str().unwrap().starts_with("start"), "{r}");
+    // The shell's child died of the OOM killer; bash then exited 1 (-e): the guest counted it.
+    assert_eq!(r["oomKilled"], true, "{r}");
+}
+
+#[tokio::test]
+async fn unavailable_or_unknown_backends_are_refused_with_400_and_health_says_why() {
+    // No QEMU run needed: the guest named here does not exist.
+    let server = start(&[("SCIENCE_AGENT_MICROVM_KERNEL", "/nonexistent/vmlinux")]);
+    let ws = server.project_workspace("refused");
+    for (isolation, want) in [
+        (json!("microvm"), "scripts/build-microvm-guest"),
+        (json!("firecracker"), "isolation must be bwrap or microvm"),
+        (json!(7), "must be a string"),
+    ] {
+        let mut body = shell_request("main", "session-microvm", &ws, "echo ran > ran.txt");
+        body["isolation"] = isolation;
+        let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+        let e = reply.json();
+        assert_eq!(reply.status, 400, "{e}");
+        assert_eq!(e["code"], "invalid_isolation", "{e}");
+        assert!(e["error"].as_str().unwrap().contains(want), "{e}");
+        assert!(!ws.join("ran.txt").exists(), "nothing may run");
+    }
+    let health = server.client().get("/health").await.unwrap().json();
+    let vm = &health["isolation"]["backends"]["microvm"];
+    assert_eq!(vm["available"], false, "{health}");
+    assert!(vm["reason"].as_str().unwrap().contains("/nonexistent/vmlinux"), "{health}");
+    assert_eq!(health["isolation"]["default"], "bwrap", "{health}");
+}
+
+#[tokio::test]
+async fn domain_allowlist_is_refused_under_microvm_before_anything_runs() {
+    // A backend whose files all check out (QEMU is never started: the refusal comes first).
+    let server = start(&[
+        ("SCIENCE_AGENT_MICROVM_QEMU", "/usr/bin/true"),
+        ("SCIENCE_AGENT_MICROVM_KERNEL", "/etc/hostname"),
+        ("SCIENCE_AGENT_MICROVM_INITRAMFS", "/etc/hostname"),
+    ]);
+    let ws = server.project_workspace("egress");
+    let mut body = shell_request("main", "session-microvm", &ws, "echo ran > ran.txt");
+    body["isolation"] = json!("microvm");
+    body["permissionEpoch"]["networkPolicy"] = json!("domain-allowlist");
+    body["permissionEpoch"]["networkAccess"] =
+        json!({"mode": "domain-allowlist", "revision": "rev-1", "allowedDomains": ["example.org"]});
+    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    let e = reply.json();
+    assert_eq!(reply.status, 400, "{e}");
+    assert_eq!(e["code"], "invalid_isolation", "{e}");
+    assert!(
+        e["error"].as_str().unwrap().contains("domain-allowlist is not available with isolation microvm"),
+        "{e}"
+    );
+    assert!(!ws.join("ran.txt").exists(), "nothing may run");
+    let health = server.client().get("/health").await.unwrap().json();
+    assert_eq!(health["isolation"]["backends"]["microvm"]["available"], true, "{health}");
+    assert_eq!(health["isolation"]["backends"]["microvm"]["accel"], "tcg", "{health}");
+}
