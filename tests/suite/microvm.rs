@@ -3,8 +3,8 @@
 //! ~2–4 s under TCG, so the checks are packed into few executions.
 //!
 //! Needs QEMU (`qemu-system-x86`) and the guest from `scripts/build-microvm-guest` (found in
-//! `$MICROVM_GUEST_DIR`, else `$CARGO_TARGET_DIR/microvm`, else `target/microvm`): in CI a
-//! missing one fails the test, elsewhere it is skipped loudly. The refusals need neither.
+//! `$MICROVM_GUEST_DIR`, else `microvm/` beside the binaries' `debug/`): in CI a missing one
+//! fails the test, elsewhere it is skipped loudly. The refusals need neither.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -15,18 +15,17 @@ use serde_json::json;
 
 const QEMU: &str = "/usr/bin/qemu-system-x86_64";
 
-/// The prepared guest's directory (vmlinux, initramfs.cpio.gz, kernel-release).
+/// The prepared guest's directory (vmlinux, initramfs.cpio.gz, kernel-release): beside the
+/// binaries' profile directory, as `scripts/build-microvm-guest` leaves it.
 fn guest_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("MICROVM_GUEST_DIR") {
         return d.into();
     }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"), PathBuf::from);
-    target.join("microvm")
+    runner_tests::bin_dir().parent().map_or_else(|| PathBuf::from("target"), PathBuf::from).join("microvm")
 }
 
 /// Whether a VM can run here; fails in CI, skips loudly elsewhere.
-fn microvm_or_skip(test: &str) -> bool {
+pub(crate) fn microvm_or_skip(test: &str) -> bool {
     if !sandbox_or_skip(test) {
         return false;
     }
@@ -48,7 +47,7 @@ fn microvm_or_skip(test: &str) -> bool {
     }
 }
 
-fn start(extra: &[(&str, &str)]) -> Server {
+pub(crate) fn start(extra: &[(&str, &str)]) -> Server {
     let dir = guest_dir();
     let mut env = vec![
         ("SCIENCE_AGENT_MICROVM_KERNEL".to_owned(), dir.join("vmlinux").display().to_string()),
@@ -75,8 +74,9 @@ async fn run(
     r
 }
 
-/// No QEMU process started by this server is left (R-RUN-4 on the host: the VMM is gone).
-fn no_qemu_left(server: &Server) {
+/// The QEMU processes this server started (descendants of its runnerd; the command line
+/// names bwrap too for the sandbox's own bwrap processes, which are skipped).
+fn qemu_of(server: &Server) -> Vec<(u32, String)> {
     let runnerd = server.pid().unwrap();
     let parent = |pid: u32| -> Option<u32> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -91,9 +91,19 @@ fn no_qemu_left(server: &Server) {
         }
         false
     };
-    let left: Vec<_> =
-        runner_tests::processes_matching("qemu-system").into_iter().filter(|(pid, _)| ours(*pid)).collect();
+    runner_tests::processes_matching("qemu-system").into_iter().filter(|(pid, _)| ours(*pid)).collect()
+}
+
+/// No QEMU process started by this server is left (R-RUN-4 on the host: the VMM is gone).
+fn no_qemu_left(server: &Server) {
+    let left = qemu_of(server);
     assert!(left.is_empty(), "QEMU left behind: {left:?}");
+}
+
+/// What the kernel says of a process: `/proc/<pid>/status`'s `name:` value.
+fn status_field(pid: u32, name: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')).unwrap_or("").trim().to_owned()
 }
 
 #[tokio::test]
@@ -148,8 +158,52 @@ async fn a_timeout_kills_the_vm_and_keeps_the_workspace() {
     body["isolation"] = json!("microvm");
     body["executionTimeoutMs"] = json!(15_000);
     let started = std::time::Instant::now();
-    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
-    let r = reply.json();
+    let client = server.client();
+    let request =
+        tokio::spawn(async move { client.post_signed("/execute-shell", &body).await.unwrap().json() });
+
+    // Meanwhile: QEMU is confined. The VMM itself (not bwrap) runs as the unprivileged
+    // sandbox user, under a seccomp filter (ours, then QEMU's -sandbox), with no new
+    // privileges, and its root holds nothing of the host but /usr, the guest and its shares.
+    let vmm = loop {
+        let found: Vec<_> =
+            qemu_of(&server).into_iter().filter(|(_, c)| c.starts_with("/usr/bin/qemu")).collect();
+        if let Some((pid, _)) = found.first() {
+            break *pid;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "no QEMU started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let uid = status_field(vmm, "Uid");
+    assert!(!uid.starts_with("0\t") && !uid.is_empty(), "QEMU runs as uid {uid:?}");
+    assert_eq!(uid.split_whitespace().next().unwrap(), runner_tests::sandbox_user().uid.to_string());
+    assert_eq!(status_field(vmm, "Seccomp"), "2", "QEMU runs under a seccomp filter");
+    assert_eq!(status_field(vmm, "NoNewPrivs"), "1");
+    assert_eq!(status_field(vmm, "CapEff"), "0000000000000000", "no capabilities in its namespace");
+    if runner_tests::is_root() {
+        // Its view of the filesystem (a non-root test cannot look into its namespace).
+        let root = format!("/proc/{vmm}/root");
+        let mut top: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        top.sort();
+        assert_eq!(top, ["bin", "dev", "etc", "lib", "lib64", "proc", "tmp", "usr", "vm"], "QEMU's root");
+        let mut etc: Vec<String> = std::fs::read_dir(format!("{root}/etc"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        etc.sort();
+        assert_eq!(etc, ["group", "passwd"], "no host /etc in QEMU's root");
+        let mut vm: Vec<String> = std::fs::read_dir(format!("{root}/vm/share"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        vm.sort();
+        assert_eq!(vm, ["ws"], "only the workspace is shared");
+    }
+
+    let r = request.await.unwrap();
     assert!(started.elapsed() < Duration::from_secs(40), "{r}");
     assert!(r.to_string().contains("timed out"), "{r}");
     assert_eq!(std::fs::read_to_string(ws.join("before.txt")).unwrap(), "before\n");

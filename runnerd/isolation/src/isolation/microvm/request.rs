@@ -49,6 +49,12 @@ pub fn plan(
     agent: &OwnedFd,
     by_fd: bool,
 ) -> std::io::Result<Planned> {
+    // Only for the environment it sets (the skill variables); the guest mounts the shares.
+    let skills = spec.skills.map(|s| argv::SkillsMount {
+        packages: s.packages.to_owned(),
+        extensions: s.extensions.to_owned(),
+        fds: None,
+    });
     let cmd = argv::build(&BwrapSpec {
         shape: SandboxShape { proc_mode: ProcMode::New, disable_userns: false },
         host: spec.host,
@@ -66,7 +72,7 @@ pub fn plan(
         // The operator's python-packages are not shared into the guest (yet): without the
         // mount, the environment must not point at it.
         python_packages: None,
-        skills: None,
+        skills: skills.as_ref(),
         profile: spec.profile,
         binds: &[],
         extra_env: spec.extra_env,
