@@ -20,6 +20,7 @@ mod history;
 mod limits;
 mod memory;
 mod metrics;
+mod microvm;
 mod moves;
 mod output;
 mod perf;
@@ -74,6 +75,10 @@ Usage:
                                         churning file, one collection's cost, and `true` p50
                                         with collections back to back against without
                                         (issue #32), bare bwrap in the same run
+  runnerd-bench microvm [--iterations N] `true` in cold microvm guests (default 10) against
+                                        bare bwrap and runnerd's bwrap backend, the VMM's
+                                        peak RSS, KVM or TCG (RUNNERD_BENCH_MICROVM_DIR: the
+                                        guest from scripts/build-microvm-guest; issue #36)
   runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
                                         runnerd's RSS idle, at peak and S s after N
                                         concurrent requests and after M sequential
@@ -137,6 +142,8 @@ struct Choice {
     scale: bool,
     history: bool,
     moves: bool,
+    /// `microvm` (issue #36).
+    microvm: bool,
     /// Seconds per throughput case.
     fleet: Option<u64>,
 }
@@ -154,6 +161,7 @@ impl Choice {
             scale: false,
             history: false,
             moves: false,
+            microvm: false,
             fleet: None,
         };
         while let Some(arg) = args.next() {
@@ -171,6 +179,10 @@ impl Choice {
                 "workspace-scale" => c.scale = true,
                 "history" => c.history = true,
                 "move" => c.moves = true,
+                "microvm" => {
+                    c.microvm = true;
+                    c.iterations = 10;
+                }
                 "fleet" => c.fleet = Some(10),
                 "--seconds" if c.fleet.is_some() => {
                     let Some(n) = number(&arg) else { return Err(2) };
@@ -222,8 +234,19 @@ impl Choice {
 
     /// Runs the chosen benchmark.
     async fn measure(self) -> anyhow::Result<()> {
-        let Choice { iterations, versions, limits, output, memory, metrics, scale, history, moves, fleet } =
-            self;
+        let Choice {
+            iterations,
+            versions,
+            limits,
+            output,
+            memory,
+            metrics,
+            scale,
+            history,
+            moves,
+            microvm,
+            fleet,
+        } = self;
         match versions {
             Some((files, mib, log_mb)) => bench_versions(files as usize, mib, log_mb).await,
             None if memory.is_some() => {
@@ -233,6 +256,10 @@ impl Choice {
             None if limits => crate::limits::bench(iterations).await,
             None if metrics => bench_metrics(iterations).await,
             None if scale => bench_scale().await,
+            None if microvm => {
+                let setup = setup().await?;
+                crate::microvm::bench(setup.launcher.init_path(), iterations).await
+            }
             None if history => {
                 let setup = setup().await?;
                 crate::history::bench(setup.launcher.init_path()).await
