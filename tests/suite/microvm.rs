@@ -120,6 +120,7 @@ echo "ifaces $(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
 echo "id $(id -u)"
 echo written > out.txt
 if touch /usr/should-fail 2>/dev/null; then echo "usr writable"; else echo "usr read-only"; fi
+python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); socket.create_connection(s.getsockname()); print('loopback up')"
 sleep 30 &
 exit 3
 "#;
@@ -133,6 +134,7 @@ exit 3
     assert_ne!(release.trim(), host.trim());
     assert!(stdout.contains("ifaces lo,\n"), "only loopback: {r}");
     assert!(stdout.contains("usr read-only"), "{r}");
+    assert!(stdout.contains("loopback up"), "lo is up, as in bwrap's namespace: {r}");
     assert!(!stdout.contains("id 0\n"), "the command must not run as root in the guest: {r}");
     assert_eq!(r["stderr"], "to stderr\n", "{r}");
     assert_eq!(std::fs::read_to_string(ws.join("out.txt")).unwrap(), "written\n");
@@ -145,6 +147,19 @@ exit 3
     // A signal, reported as bwrap reports it (128+N).
     let r = run(&server, &ws, "kill -TERM $$", json!({})).await;
     assert_eq!(r["exitCode"], 128 + libc::SIGTERM, "{r}");
+
+    // /execute: Python, the same interpreter as the bwrap form, in the guest.
+    let mut body = shell_request(
+        "main",
+        "session-microvm",
+        &ws,
+        "import os, sys; print(6 * 7, sys.executable, os.getcwd())",
+    );
+    body["isolation"] = json!("microvm");
+    let reply = server.client().post_signed("/execute", &body).await.unwrap();
+    let r = reply.json();
+    assert_eq!((reply.status, r["exitCode"].clone()), (200, json!(0)), "{r}");
+    assert_eq!(r["stdout"], "42 /usr/bin/python3 /workspace\n", "{r}");
 }
 
 #[tokio::test]

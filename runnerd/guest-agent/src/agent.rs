@@ -7,7 +7,7 @@
 //! 5. build `/newroot`: the 9p shares (`/usr` read-only, the workspace writable, the
 //!    environment prefix read-only at `/opt/science-env`, skills at `/skills` and
 //!    `/skill-extensions`), `/proc`, `/dev`, a sized `/tmp`, `/etc/passwd` and `/etc/group`,
-//!    the interpreter masks;
+//!    the interpreter masks; bring `lo` up;
 //! 6. start the command chrooted there as the request's unprivileged uid, in its own
 //!    session, with the request's environment and cwd; stdin comes from `Stdin` frames;
 //! 7. stream its stdout and stderr as frames until it exits, then SIGKILL every other
@@ -117,6 +117,7 @@ fn serve(port_slot: &mut Option<File>) -> Result<(), AgentError> {
     };
     // 5.
     build_root(&request)?;
+    loopback_up()?;
     // 6. – 8.
     let record = run_command(&request, port, decoder)?;
     send(port, &GuestMsg::Exit(record))
@@ -249,6 +250,28 @@ fn build_root(r: &RunRequest) -> Result<(), AgentError> {
         if Path::new(&target).exists() {
             mount(Some("/dev/null"), &target, None, libc::MS_BIND, None)?;
         }
+    }
+    Ok(())
+}
+
+/// Brings `lo` up, as bwrap's network namespace has it: the guest's only interface (no NIC),
+/// so `127.0.0.1` works inside and nothing leaves.
+fn loopback_up() -> Result<(), AgentError> {
+    // SAFETY: a new socket, checked; owned below.
+    let fd = cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })
+        .map_err(sys("open a socket for lo"))?;
+    // SAFETY: the descriptor was just created and is owned by nobody else.
+    let sock = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain old data; all zeroes is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq we pass, which outlives the calls.
+    unsafe {
+        cvt(libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr)).map_err(sys("read lo's flags"))?;
+        ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+        cvt(libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr)).map_err(sys("bring lo up"))?;
     }
     Ok(())
 }
