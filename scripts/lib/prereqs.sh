@@ -20,6 +20,8 @@ ensure_prereqs() {
     # initramfs (issue #36); without recommends (no firmware bundles or GUI libraries).
     [ -x /usr/bin/qemu-system-x86_64 ] || lean+=(qemu-system-x86)
     command -v cpio >/dev/null || lean+=(cpio)
+    # busybox-static: the hostile guest's /init in tests/suite/microvm.rs.
+    [ -x /bin/busybox ] || lean+=(busybox-static)
     if [ "${#missing[@]}" -gt 0 ] || [ "${#lean[@]}" -gt 0 ]; then
         local sudo=()
         [ "$(id -u)" = 0 ] || sudo=(sudo)

@@ -294,3 +294,104 @@ async fn domain_allowlist_is_refused_under_microvm_before_anything_runs() {
     assert_eq!(health["isolation"]["backends"]["microvm"]["available"], true, "{health}");
     assert_eq!(health["isolation"]["backends"]["microvm"]["accel"], "tcg", "{health}");
 }
+
+/// An initramfs whose `/init` is hostile: busybox loads the real guest's modules, then writes
+/// `payload` raw to the agent's port and keeps the VM alive. In `dir`, readable by anyone.
+fn hostile_initramfs(dir: &std::path::Path, name: &str, payload: &[u8]) -> PathBuf {
+    use std::process::Command;
+    let root = dir.join(format!("{name}-root"));
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    let unpack = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "gzip -dc '{}' | (cd '{}' && cpio -idm --quiet)",
+            guest_dir().join("initramfs.cpio.gz").display(),
+            root.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(unpack.success(), "unpack the guest's initramfs");
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).expect("busybox-static is installed");
+    std::fs::write(root.join("payload"), payload).unwrap();
+    let init = r#"#!/bin/busybox sh
+B=/bin/busybox
+$B mount -t proc proc /proc; $B mount -t sysfs sys /sys; $B mount -t devtmpfs dev /dev
+for m in $($B cat /lib/modules/load.list); do $B insmod /lib/modules/$m.ko; done
+for p in /sys/class/virtio-ports/*; do
+  [ "$($B cat $p/name)" = org.sciencediscovery.agent ] && port=/dev/${p##*/}
+done
+$B cat /payload > $port
+$B sleep 1000
+"#;
+    std::fs::write(root.join("init"), init).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(root.join("init"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = dir.join(format!("{name}.cpio.gz"));
+    let pack = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "cd '{}' && find . | cpio -o -H newc --quiet -R 0:0 | gzip -1 > '{}'",
+            root.display(),
+            out.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(pack.success(), "pack the hostile initramfs");
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
+    out
+}
+
+/// A frame as the wire has it: `u32` LE length + body.
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+#[tokio::test]
+async fn hostile_guest_messages_are_refused_and_runnerd_carries_on() {
+    if !microvm_or_skip("hostile_guest_messages_are_refused_and_runnerd_carries_on") {
+        return;
+    }
+    if !std::path::Path::new("/bin/busybox").exists() {
+        assert!(!in_ci(), "busybox-static is missing");
+        eprintln!(
+            "\n!!! SKIPPING hostile_guest_messages_are_refused_and_runnerd_carries_on: no /bin/busybox !!!\n"
+        );
+        return;
+    }
+    let scratch = runner_tests::scratch_dir();
+    // Ready (variant 0, protocol 1), then:
+    let ready = frame(&[0, 1]);
+    let oversized = [ready.clone(), u32::MAX.to_le_bytes().to_vec()].concat();
+    // Exit (variant 3) with both a code (Some 0) and a signal (Some 9): not an exit record.
+    let bad_exit = [ready.clone(), frame(&[3, 1, 0, 1, 18, 0])].concat();
+    // Output before Ready, then a flood of it.
+    let early: Vec<u8> = (0..2000).flat_map(|_| frame(&[1, 3, b'x', b'y', b'z'])).collect();
+    for (name, payload, want) in [
+        ("oversized", oversized, "announced 4294967295 bytes"),
+        ("bad-exit", bad_exit, "neither one exit code nor one signal"),
+        ("early", early, "before ready"),
+    ] {
+        let initramfs = hostile_initramfs(scratch.path(), name, &payload);
+        let server = start(&[("SCIENCE_AGENT_MICROVM_INITRAMFS", initramfs.to_str().unwrap())]);
+        let ws = server.project_workspace("hostile");
+        let mut body = shell_request("main", "session-microvm", &ws, "echo ran > ran.txt");
+        body["isolation"] = json!("microvm");
+        body["executionTimeoutMs"] = json!(60_000);
+        let started = std::time::Instant::now();
+        let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+        let e = reply.json();
+        // Refused as soon as the frame arrives, not at the timeout; the VM is ended.
+        assert!(started.elapsed() < Duration::from_secs(30), "{name}: {e}");
+        assert_eq!(e["code"], "sandbox_launch_failed", "{name} ({}): {e}", reply.status);
+        assert!(e.to_string().contains("broke the protocol") && e.to_string().contains(want), "{name}: {e}");
+        assert!(!ws.join("ran.txt").exists());
+        no_qemu_left(&server);
+        // runnerd carries on: health answers and a bwrap execution runs.
+        assert_eq!(server.client().get("/health").await.unwrap().status, 200);
+        let plain = shell_request("main", "session-microvm", &ws, "echo fine");
+        let r = server.client().post_signed("/execute-shell", &plain).await.unwrap().json();
+        assert_eq!(r["stdout"], "fine\n", "{name}: {r}");
+    }
+}
