@@ -268,7 +268,7 @@ async fn unavailable_or_unknown_backends_are_refused_with_400_and_health_says_wh
 }
 
 #[tokio::test]
-async fn domain_allowlist_is_refused_under_microvm_before_anything_runs() {
+async fn domain_allowlist_and_chips_are_refused_under_microvm_before_anything_runs() {
     // A backend whose files all check out (QEMU is never started: the refusal comes first).
     let server = start(&[
         ("SCIENCE_AGENT_MICROVM_QEMU", "/usr/bin/true"),
@@ -289,6 +289,15 @@ async fn domain_allowlist_is_refused_under_microvm_before_anything_runs() {
         e["error"].as_str().unwrap().contains("domain-allowlist is not available with isolation microvm"),
         "{e}"
     );
+    assert!(!ws.join("ran.txt").exists(), "nothing may run");
+    // Chips cannot be passed into a VM either.
+    let mut body = shell_request("main", "session-microvm", &ws, "echo ran > ran.txt");
+    body["isolation"] = json!("microvm");
+    body["npuDevices"] = json!([0]);
+    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    let e = reply.json();
+    assert_eq!((reply.status, e["code"].as_str()), (400, Some("invalid_isolation")), "{e}");
+    assert!(e["error"].as_str().unwrap().contains("cannot be passed into a microvm"), "{e}");
     assert!(!ws.join("ran.txt").exists(), "nothing may run");
     let health = server.client().get("/health").await.unwrap().json();
     assert_eq!(health["isolation"]["backends"]["microvm"]["available"], true, "{health}");

@@ -242,7 +242,8 @@ pub fn prepare(
     let (cwd, deferred_cwd) = working_directory(app, &located.root, req.cwd, opts)?;
     let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
         .map_err(|m| EngineError::invalid(ErrorCode::InvalidResourceLimits, m))?;
-    let isolation = crate::exec::backend::chosen(app, req.isolation.as_deref(), &network)?;
+    let accel = !npu_devices.is_empty() || !gpu_devices.is_empty();
+    let isolation = crate::exec::backend::chosen(app, req.isolation.as_deref(), &network, accel)?;
     if let Some(why) = app.sandbox.backend(isolation).unavailable() {
         return Err(EngineError::unavailable(ErrorCode::SandboxUnavailable, why));
     }
