@@ -404,3 +404,32 @@ async fn hostile_guest_messages_are_refused_and_runnerd_carries_on() {
         assert_eq!(r["stdout"], "fine\n", "{name}: {r}");
     }
 }
+
+/// `SCIENCE_AGENT_MICROVM_ACCEL=kvm` is believed only after a guest booted under KVM at
+/// start-up, as the sandbox user: on this project's hosts (PVM, or `/dev/kvm` only root's) the
+/// backend is unavailable with the reason; on a host with working KVM it runs.
+#[tokio::test]
+async fn kvm_is_used_only_when_a_guest_boots_under_it() {
+    if !microvm_or_skip("kvm_is_used_only_when_a_guest_boots_under_it") {
+        return;
+    }
+    let server = start(&[("SCIENCE_AGENT_MICROVM_ACCEL", "kvm")]);
+    let health = server.client().get("/health").await.unwrap().json();
+    let vm = &health["isolation"]["backends"]["microvm"];
+    assert_eq!(vm["accel"], "kvm", "{health}");
+    if vm["available"] == true {
+        let ws = server.project_workspace("kvm");
+        let r = run(&server, &ws, "echo on-kvm", json!({})).await;
+        assert_eq!(r["stdout"], "on-kvm\n", "{r}");
+    } else {
+        let reason = vm["reason"].as_str().unwrap();
+        assert!(reason.starts_with("SCIENCE_AGENT_MICROVM_ACCEL=kvm"), "{health}");
+        eprintln!("KVM unusable here, as /health says: {reason}");
+        let ws = server.project_workspace("kvm");
+        let mut body = shell_request("main", "session-microvm", &ws, "true");
+        body["isolation"] = json!("microvm");
+        let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+        assert_eq!(reply.status, 400, "{}", reply.json());
+    }
+    no_qemu_left(&server);
+}

@@ -172,14 +172,16 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         preflight::sandbox_unusable_message(&bwrap.to_string_lossy(), capability.detail.as_deref()),
         features.bind_fd,
     ));
-    let microvm = Arc::new(crate::isolation::Microvm::new(
+    let mut microvm = crate::isolation::Microvm::new(
         config.isolation.microvm.clone(),
         bwrap.clone(),
         launcher.clone(),
         user.clone(),
         capability.shape(),
         features.bind_fd,
-    ));
+    );
+    microvm.probe_kvm().await;
+    let microvm = Arc::new(microvm);
     Ok(SandboxRuntime {
         isolation,
         launcher,

@@ -45,6 +45,8 @@ pub const DEFAULT_MEMORY_MIB: u64 = 512;
 pub const MIN_MEMORY_MIB: u64 = 128;
 /// How long a guest that reported its end may take to power off before QEMU is killed.
 const POWER_OFF_GRACE: Duration = Duration::from_secs(5);
+/// How long a KVM boot probe may take to reach the agent (a stock guest on KVM: well under 1 s).
+const KVM_PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 /// How much of QEMU's own stdout/stderr (the guest console) is kept for error messages.
 const CONSOLE_TAIL: usize = 4096;
 
@@ -57,7 +59,7 @@ pub struct MicrovmSettings {
     pub kernel: PathBuf,
     /// `SCIENCE_AGENT_MICROVM_INITRAMFS`: the initramfs with the guest agent.
     pub initramfs: PathBuf,
-    /// `SCIENCE_AGENT_MICROVM_ACCEL`: `kvm` or `tcg`.
+    /// `SCIENCE_AGENT_MICROVM_ACCEL`: `kvm` (believed after [`Microvm::probe_kvm`]) or `tcg`.
     pub accel: Accel,
 }
 
@@ -98,6 +100,79 @@ impl Microvm {
     ) -> Microvm {
         let unusable = unusable(&settings, shape.is_some(), &user);
         Microvm { settings, bwrap, launcher, user, shape, bind_fd, unusable }
+    }
+
+    /// With `SCIENCE_AGENT_MICROVM_ACCEL=kvm`, boots one guest under KVM through the launcher
+    /// (as the sandbox user, who must be able to open `/dev/kvm`) and waits for its agent's
+    /// `Ready`; a host whose KVM cannot boot a stock kernel (PVM) makes the backend
+    /// unavailable with the reason, instead of every run hanging until its timeout.
+    pub async fn probe_kvm(&mut self) {
+        if self.settings.accel != Accel::Kvm || self.unusable.is_some() {
+            return;
+        }
+        if let Err(why) = self.boot_probe().await {
+            self.unusable = Some(format!(
+                "SCIENCE_AGENT_MICROVM_ACCEL=kvm, but no guest booted under KVM within {} s: {why}; set it to tcg",
+                KVM_PROBE_TIMEOUT.as_secs()
+            ));
+        }
+    }
+
+    async fn boot_probe(&self) -> Result<(), String> {
+        let (host_end, guest_end) = std::os::unix::net::UnixStream::pair().map_err(|e| e.to_string())?;
+        let mut slots = crate::sandbox::FdSlots::default();
+        let agent_fd = slots.push(&OwnedFd::from(guest_end)).map_err(|e| e.to_string())?;
+        let shares = [argv::Share { tag: "usr", source: argv::Source::Path("/usr".into()), writable: false }];
+        let vm = VmArgs {
+            kernel: &self.settings.kernel,
+            initramfs: &self.settings.initramfs,
+            accel: Accel::Kvm,
+            memory_mib: MIN_MEMORY_MIB * 2,
+            cpus: 1,
+            agent_fd,
+            shares: &shares,
+            disable_userns: self.shape.is_some_and(|s| s.disable_userns),
+        };
+        let (kill_tx, kill_rx) = watch::channel(false);
+        let launch = Launch {
+            bwrap: self.bwrap.clone(),
+            options: argv::bwrap_options(&vm),
+            command: argv::qemu_argv(&self.settings.qemu, &vm),
+            filter: Some(Filter::Profile(Profile::Baseline)),
+            rlimits: Vec::new(),
+            stdin: Vec::new(),
+            timeout: Some(KVM_PROBE_TIMEOUT),
+            cancel: Some(kill_rx),
+            extra_fds: slots,
+            cgroup_procs: Vec::new(),
+        };
+        host_end.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let mut stream = tokio::net::UnixStream::from_std(host_end).map_err(|e| e.to_string())?;
+        let ready = async {
+            use tokio::io::AsyncReadExt;
+            let mut decoder = runner_guest_agent::wire::Decoder::default();
+            let mut buf = [0u8; 1024];
+            let booted = loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => break false,
+                    Ok(n) => decoder.feed(&buf[..n]),
+                }
+                match decoder.next_msg::<runner_guest_agent::wire::GuestMsg>() {
+                    Ok(Some(runner_guest_agent::wire::GuestMsg::Ready { .. })) => break true,
+                    Ok(None) => {}
+                    _ => break false,
+                }
+            };
+            let _ = kill_tx.send(true);
+            booted
+        };
+        let mut console = Console::default();
+        let (launched, booted) = tokio::join!(self.launcher.run(launch, &mut console), ready);
+        match (launched, booted) {
+            (_, true) => Ok(()),
+            (Err(e), false) => Err(e.to_string()),
+            (Ok(_), false) => Err(format!("its console: {}", String::from_utf8_lossy(&console.0).trim())),
+        }
     }
 
     pub fn accel(&self) -> Accel {
