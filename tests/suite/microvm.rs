@@ -433,3 +433,39 @@ async fn kvm_is_used_only_when_a_guest_boots_under_it() {
     }
     no_qemu_left(&server);
 }
+
+/// A managed run in a VM is cancelled like any other: the VMM is killed, the record says
+/// `cancelled`, and what the run wrote before stays.
+#[tokio::test]
+async fn a_managed_run_in_a_vm_is_cancelled() {
+    if !microvm_or_skip("a_managed_run_in_a_vm_is_cancelled") {
+        return;
+    }
+    let server = start(&[]);
+    let client = server.client();
+    let ws = server.project_workspace("cancel");
+    let mut body = shell_request("main", "session-microvm", &ws, "echo started > started.txt; sleep 300");
+    body["isolation"] = json!("microvm");
+    let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+    assert_eq!(reply.status, 202, "{}", reply.json());
+    let id = reply.json()["id"].as_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !ws.join("started.txt").exists() {
+        assert!(std::time::Instant::now() < deadline, "the VM never started the command");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cancel = client
+        .raw(
+            "POST",
+            &format!("/shell-executions/{id}/cancel?sessionId=session-microvm&agentId=main"),
+            &[("authorization", format!("Bearer {}", client.token()))],
+            Vec::new(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(cancel.status, 202, "{}", String::from_utf8_lossy(&cancel.body));
+    let record = runner_tests::server::finished_record(&client, &id, "session-microvm", "main").await;
+    assert_eq!(record["state"], "cancelled", "{record}");
+    assert_eq!(std::fs::read_to_string(ws.join("started.txt")).unwrap(), "started\n");
+    no_qemu_left(&server);
+}
