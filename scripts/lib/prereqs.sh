@@ -16,6 +16,12 @@ ensure_prereqs() {
     # copy into a real r-base conda package; without it they skip (and fail in CI).
     local lean=()
     [ -x /usr/lib/R/bin/exec/R ] || lean+=(r-base-core)
+    # qemu-system-x86 and cpio: the microvm backend's VMM and scripts/build-microvm-guest's
+    # initramfs (issue #36); without recommends (no firmware bundles or GUI libraries).
+    [ -x /usr/bin/qemu-system-x86_64 ] || lean+=(qemu-system-x86)
+    command -v cpio >/dev/null || lean+=(cpio)
+    # busybox-static: the hostile guest's /init in tests/suite/microvm.rs.
+    [ -x /bin/busybox ] || lean+=(busybox-static)
     if [ "${#missing[@]}" -gt 0 ] || [ "${#lean[@]}" -gt 0 ]; then
         local sudo=()
         [ "$(id -u)" = 0 ] || sudo=(sudo)

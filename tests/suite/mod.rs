@@ -20,6 +20,7 @@ mod lifecycle;
 mod limits;
 mod managed;
 mod metrics;
+mod microvm;
 mod moves;
 mod network;
 mod network_tenants;

@@ -616,3 +616,36 @@ async fn delete_removes_a_package_but_not_while_an_execution_mounts_it() {
     .await;
     assert_eq!((status, result["exitCode"].clone()), (200, json!(7)), "{result}");
 }
+
+/// The same under isolation microvm (issue #36): the package over a read-only 9p share, the
+/// extensions over a writable one, and a managed run (`/shell-executions`) in a VM too.
+#[tokio::test]
+async fn the_selected_package_mounts_read_only_in_a_microvm_too() {
+    if !crate::suite::microvm::microvm_or_skip("the_selected_package_mounts_read_only_in_a_microvm_too") {
+        return;
+    }
+    let server = crate::suite::microvm::start(&[]);
+    let client = server.client();
+    let (_, selected) = publish(&client, &[&demo()]).await;
+    let ws = server.project_workspace("mounted-vm");
+    let extra = json!({"skillPackagesRoot": selected["root"], "isolation": "microvm"});
+    let (status, result) = shell(&client, &ws, PROBE, extra).await;
+    assert_eq!(status, 200, "{result}");
+    assert_eq!(result["sandbox"], "microvm", "{result}");
+    assert_eq!(result["stdout"], json!(".manifest.json demo \nread-only\nselected\n"), "{result}");
+    assert_eq!(result["exitCode"], json!(7));
+    let note = ws.join(".sciencediscovery/skill-extensions/note.txt");
+    assert_eq!(std::fs::read_to_string(&note).unwrap(), "from-sandbox\n");
+
+    let mut body = shell_request("main", "skills-session", &ws, "uname -r; sh /skills/demo/scripts/run.sh");
+    body["skillPackagesRoot"] = selected["root"].clone();
+    body["isolation"] = json!("microvm");
+    let reply = client.post_signed("/shell-executions", &body).await.unwrap();
+    assert_eq!(reply.status, 202, "{}", reply.json());
+    let id = reply.json()["id"].as_str().unwrap().to_owned();
+    let record = finished_record(&client, &id, "skills-session", "main").await;
+    assert_eq!(record["result"]["exitCode"], json!(7), "{record}");
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let stdout = record["result"]["stdout"].as_str().unwrap().to_owned();
+    assert!(stdout.ends_with("\nselected\n") && !stdout.contains(host.trim()), "{record}");
+}

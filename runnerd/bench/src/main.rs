@@ -20,6 +20,7 @@ mod history;
 mod limits;
 mod memory;
 mod metrics;
+mod microvm;
 mod moves;
 mod output;
 mod perf;
@@ -75,6 +76,10 @@ Usage:
                                         churning file, one collection's cost, and `true` p50
                                         with collections back to back against without
                                         (issue #32), bare bwrap in the same run
+  runnerd-bench microvm [--iterations N] `true` in cold microvm guests (default 10) against
+                                        bare bwrap and runnerd's bwrap backend, the VMM's
+                                        peak RSS, KVM or TCG (RUNNERD_BENCH_MICROVM_DIR: the
+                                        guest from scripts/build-microvm-guest; issue #36)
   runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
                                         runnerd's RSS idle, at peak and S s after N
                                         concurrent requests and after M sequential
@@ -147,6 +152,8 @@ struct Choice {
     scale: bool,
     history: bool,
     moves: bool,
+    /// `microvm` (issue #36).
+    microvm: bool,
     /// Seconds per throughput case.
     fleet: Option<u64>,
     /// `prestart`: (ms between calls, seconds per throughput case).
@@ -166,6 +173,7 @@ impl Choice {
             scale: false,
             history: false,
             moves: false,
+            microvm: false,
             fleet: None,
             prestart: None,
         };
@@ -184,6 +192,10 @@ impl Choice {
                 "workspace-scale" => c.scale = true,
                 "history" => c.history = true,
                 "move" => c.moves = true,
+                "microvm" => {
+                    c.microvm = true;
+                    c.iterations = 10;
+                }
                 "fleet" => c.fleet = Some(10),
                 "prestart" => c.prestart = Some((50, 5)),
                 "--pause-ms" | "--seconds" if c.prestart.is_some() => {
@@ -251,6 +263,7 @@ impl Choice {
             scale,
             history,
             moves,
+            microvm,
             fleet,
             prestart,
         } = self;
@@ -263,6 +276,10 @@ impl Choice {
             None if limits => crate::limits::bench(iterations).await,
             None if metrics => bench_metrics(iterations).await,
             None if scale => bench_scale().await,
+            None if microvm => {
+                let setup = setup().await?;
+                crate::microvm::bench(setup.launcher.init_path(), iterations).await
+            }
             None if history => {
                 let setup = setup().await?;
                 crate::history::bench(setup.launcher.init_path()).await

@@ -177,6 +177,7 @@ fn sandbox_config(config: &RunnerConfig, dev: bool) -> SandboxConfig {
         sandbox_user: config.sandbox_user.clone(),
         dev,
         prestart: config.prestart,
+        isolation: config.isolation.clone(),
     }
 }
 

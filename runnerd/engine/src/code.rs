@@ -22,6 +22,8 @@ common::named_enum! {
         InvalidMounts => "invalid_mounts",
         InvalidLimit => "invalid_limit",
         InvalidResourceLimits => "invalid_resource_limits",
+        /// `isolation` names no backend, or one this host cannot run (issue #36).
+        InvalidIsolation => "invalid_isolation",
         InvalidAccelerators => "invalid_accelerators",
         InvalidNetworkAccess => "invalid_network_access",
         InvalidEgressProxy => "invalid_egress_proxy",

@@ -85,6 +85,9 @@ pub struct RunnerConfig {
     /// Ours (`SCIENCE_AGENT_NODE_URL`): the URL other nodes and the object store's head
     /// documents name this node by.
     pub node_url: String,
+    /// Ours (issue #36): the executions' default isolation backend and the microvm backend's
+    /// QEMU, kernel, initramfs and accelerator (`runner_isolation::isolation::select`).
+    pub isolation: crate::isolation::select::IsolationSettings,
 }
 
 /// A setting's value that start-up refuses. `name` is the variable; when the value came from
@@ -221,6 +224,8 @@ impl RunnerConfig {
             transfer_peers: vars.transfer_peers()?,
             replica,
             node_url,
+            isolation: crate::isolation::select::IsolationSettings::from_vars(get)
+                .map_err(|e| ConfigError::Invalid { name: e.name.to_owned(), reason: e.reason })?,
         })
     }
 }
@@ -399,6 +404,11 @@ pub static SCHEMA: Schema = Schema {
         Key::new("replica_secret_access_key_file", crate::replica::settings::SECRET_FILE_VAR, Kind::Text),
         Key::new("replica_allow_http", crate::replica::settings::ALLOW_HTTP_VAR, Kind::Bool),
         Key::new("node_url", crate::replica::settings::NODE_URL_VAR, Kind::Text),
+        Key::new("isolation", crate::isolation::select::ISOLATION_VAR, Kind::Text),
+        Key::new("microvm_qemu", crate::isolation::select::QEMU_VAR, Kind::Text),
+        Key::new("microvm_kernel", crate::isolation::select::KERNEL_VAR, Kind::Text),
+        Key::new("microvm_initramfs", crate::isolation::select::INITRAMFS_VAR, Kind::Text),
+        Key::new("microvm_accel", crate::isolation::select::ACCEL_VAR, Kind::Text),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -585,6 +595,8 @@ impl Loaded {
                     }),
                     "replica_allow_http" => replica_row(c, |r| r.allow_http.to_string()),
                     "node_url" => c.node_url.clone(),
+                    "isolation" | "microvm_qemu" | "microvm_kernel" | "microvm_initramfs"
+                    | "microvm_accel" => c.isolation.row(k.name),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),

@@ -28,6 +28,8 @@ pub struct SandboxConfig {
     pub dev: bool,
     /// Sandboxes started ahead for executions (issue #37).
     pub prestart: crate::isolation::PrestartSettings,
+    /// The executions' default backend and the microvm backend's settings (issue #36).
+    pub isolation: crate::isolation::select::IsolationSettings,
 }
 
 /// Everything executions need from start-up.
@@ -48,6 +50,22 @@ pub struct SandboxRuntime {
     pub warnings: Vec<Warning>,
     pub seccomp_files: Vec<PathBuf>,
     pub probes: CapabilityCache,
+    /// The microvm backend (issue #36), built whatever the default; its `unavailable` says
+    /// why it cannot run here.
+    pub microvm: Arc<crate::isolation::Microvm>,
+    /// The backend of executions that name none.
+    pub default_backend: crate::isolation::select::Backend,
+}
+
+impl SandboxRuntime {
+    /// The backend an execution runs in. Everything else (provisioning, probes, selftest)
+    /// uses [`SandboxRuntime::isolation`].
+    pub fn backend(&self, backend: crate::isolation::select::Backend) -> &dyn Isolation {
+        match backend {
+            crate::isolation::select::Backend::Bwrap => &*self.isolation,
+            crate::isolation::select::Backend::Microvm => &*self.microvm,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +177,16 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         )
         .with_prestart(config.prestart),
     );
+    let mut microvm = crate::isolation::Microvm::new(
+        config.isolation.microvm.clone(),
+        bwrap.clone(),
+        launcher.clone(),
+        user.clone(),
+        capability.shape(),
+        features.bind_fd,
+    );
+    microvm.probe_kvm().await;
+    let microvm = Arc::new(microvm);
     Ok(SandboxRuntime {
         isolation,
         launcher,
@@ -171,6 +199,8 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         warnings,
         seccomp_files,
         probes,
+        microvm,
+        default_backend: config.isolation.default,
     })
 }
 

@@ -96,6 +96,11 @@ pub fn health(
     health["replication"] =
         app.replica.as_ref().map_or_else(crate::replica::Replica::health_off, |r| r.health());
     health["sharedDatabases"] = app.versions.damaged_json();
+    health["isolation"] = crate::isolation::select::health(
+        app.sandbox.default_backend,
+        &*app.sandbox.isolation,
+        &app.sandbox.microvm,
+    );
     health
 }
 

@@ -245,6 +245,8 @@ pub const FIELDS: &[Field] = &[
         ErrorCode::WorkspaceOutsideRoots,
         Text::Fixed(OUTSIDE_ROOTS),
     ),
+    // Ours (issue #36): the isolation backend, `bwrap` or `microvm`.
+    field(&["isolation"], Kind::String, On::All, ErrorCode::InvalidIsolation, Text::Typed(NOT_A_STRING)),
     field(
         &["skillPackagesRoot"],
         Kind::String,
@@ -519,6 +521,7 @@ pub fn parse(route: Route, mut obj: Object) -> Result<ExecRequest, EngineError> 
         max_workspace_bytes: limit_of("maxWorkspaceBytes"),
         cwd: owned(&obj, "cwd").filter(|c| shell && !c.is_empty()),
         resource_limits: set(obj.get(crate::limits::REQUEST_FIELD)),
+        isolation: owned(&obj, "isolation"),
     })
 }
 

@@ -12,6 +12,7 @@
 
 pub mod admission;
 mod audit;
+pub mod backend;
 pub mod dedupe;
 pub mod engine;
 pub mod network_mode;

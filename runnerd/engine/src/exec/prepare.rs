@@ -117,6 +117,8 @@ pub struct Prepared {
     pub skills: Option<crate::skills::Requested>,
     /// Keeps that package from being deleted until this execution has ended (issue #32).
     pub skill_hold: Option<crate::skills::in_use::Hold>,
+    /// The backend this run uses (issue #36; `crate::exec::backend`).
+    pub isolation: crate::isolation::select::Backend,
 }
 
 /// The environment a run uses (contract §2A "Environment selection"): with the store
@@ -240,7 +242,9 @@ pub fn prepare(
     let (cwd, deferred_cwd) = working_directory(app, &located.root, req.cwd, opts)?;
     let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
         .map_err(|m| EngineError::invalid(ErrorCode::InvalidResourceLimits, m))?;
-    if let Some(why) = app.sandbox.isolation.unavailable() {
+    let accel = !npu_devices.is_empty() || !gpu_devices.is_empty();
+    let isolation = crate::exec::backend::chosen(app, req.isolation.as_deref(), &network, accel)?;
+    if let Some(why) = app.sandbox.backend(isolation).unavailable() {
         return Err(EngineError::unavailable(ErrorCode::SandboxUnavailable, why));
     }
     Ok(Prepared {
@@ -266,6 +270,7 @@ pub fn prepare(
         gpu_devices,
         limits,
         skill_hold: skills.as_ref().map(|r| app.skills_in_use.hold(&r.id)),
+        isolation,
         skills,
     })
 }

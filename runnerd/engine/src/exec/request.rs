@@ -99,6 +99,8 @@ pub struct ExecRequest {
     /// Shell: `cwd`, when non-empty.
     pub cwd: Option<String>,
     pub resource_limits: Option<Value>,
+    /// Ours (issue #36): `isolation`, the backend this execution asks for.
+    pub isolation: Option<String>,
 }
 
 /// The contract's text when the mounts are not exactly one read-write workspace mount.

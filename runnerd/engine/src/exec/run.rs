@@ -183,6 +183,7 @@ async fn launch(
     job.stdin = p.code.clone().into_bytes();
     job.timeout = (p.timeout_ms > 0).then(|| Duration::from_millis(p.timeout_ms));
     job.stop = Some(stop.watch());
+    job.limits = Some(p.limits);
     let watch = staged.watch.clone();
     let watchdog = tokio::spawn(quota_watchdog(
         root_fd.try_clone().map_err(EngineError::internal)?,
@@ -195,7 +196,7 @@ async fn launch(
     let launched = Instant::now();
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
     let Ran { outcome, env, cwd, cgroup } =
-        app.sandbox.isolation.run(job, &mut Tee { budget: &mut output, extra: logs }).await;
+        app.sandbox.backend(p.isolation).run(job, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();
     // The workspace as the run left it (`createdFiles`), measured in the cgroup's blocking
     // task right after its kill rather than on a hop of its own; only for a run that ended
@@ -295,7 +296,11 @@ fn finished(
     end: End,
     output: OutputBudget,
 ) -> Result<ExecutionResult, EngineError> {
-    let End { outcome, after, usage, rlimits, env, cwd, started_at } = end;
+    let End { outcome, after, mut usage, rlimits, env, cwd, started_at } = end;
+    // A microVM's guest kernel counts its own OOM kills; the host cgroup never held it.
+    if let Some(oom) = outcome.guest_oom {
+        usage = Some(crate::limits::Usage { oom_kills: u64::from(oom), ..Default::default() });
+    }
     let finish = |outcome_name: super::Outcome, exit: Option<i32>| {
         audit.finished(outcome_name, exit, Some(outcome.elapsed), None);
     };
@@ -333,7 +338,7 @@ fn finished(
         network_access_revision: p.network.revision.clone(),
         network_policy: p.network.mode.clone(),
         runner_version: runner_version(),
-        sandbox: app.sandbox.isolation.name(),
+        sandbox: app.sandbox.backend(p.isolation).name(),
         started_at,
         working_directory: cwd,
         limits,

@@ -43,7 +43,7 @@ pub(super) async fn stage(
     root_fd: &OwnedFd,
     journal: &mut Option<crate::journal::RunWatch>,
 ) -> Result<Staged, EngineError> {
-    if let Some(why) = app.sandbox.isolation.unavailable() {
+    if let Some(why) = app.sandbox.backend(p.isolation).unavailable() {
         return Err(EngineError::unavailable(ErrorCode::SandboxUnavailable, why));
     }
     let parent_fd = match p.read_only.as_ref() {
@@ -125,7 +125,7 @@ async fn with_resources(
     staged.skills = match &p.skills {
         // A bind by path would reach `.sciencediscovery` again after it was checked; an
         // enclosing workspace's sandbox could swap it for a symlink in between.
-        Some(_) if !app.sandbox.isolation.binds_by_descriptor() => {
+        Some(_) if !app.sandbox.backend(p.isolation).binds_by_descriptor() => {
             return Err(EngineError::unavailable(
                 ErrorCode::SkillsUnavailable,
                 "Skill packages need bubblewrap with --bind-fd (0.8 or later) on this host",

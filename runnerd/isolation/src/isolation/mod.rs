@@ -14,6 +14,8 @@
 
 pub mod bubblewrap;
 pub mod prestart;
+pub mod microvm;
+pub mod select;
 
 use std::fmt;
 use std::future::Future;
@@ -28,6 +30,7 @@ use tokio::sync::watch;
 
 pub use bubblewrap::Bubblewrap;
 pub use prestart::{Prestart, PrestartSettings};
+pub use microvm::Microvm;
 
 use crate::accel_mount::AccelMount;
 use crate::launch::{LaunchError, Outcome, OutputSink};
@@ -159,6 +162,9 @@ pub struct Job<'a> {
     /// An execution's: its sandbox may have been started ahead, and the next one of its
     /// shape is (issue #37). `None` (probes, provisioning steps): never.
     pub prestart: Option<Prestart>,
+    /// The request's resource limits, for a backend that enforces them itself (a microVM's
+    /// size); `None`: the defaults.
+    pub limits: Option<crate::limits::Limits>,
 }
 
 impl<'a> Job<'a> {
@@ -173,6 +179,7 @@ impl<'a> Job<'a> {
             cgroup_procs: Vec::new(),
             cgroup: None,
             prestart: None,
+            limits: None,
         }
     }
 }

@@ -159,6 +159,9 @@ pub struct Outcome {
     pub launch_latency: Option<Duration>,
     /// The run was handed to a sandbox started ahead of it (issue #37).
     pub served_ahead: bool,
+    /// Whether a guest kernel's OOM killer ended the command, when the backend runs one
+    /// (microvm); `None` here: the cgroup's counters say.
+    pub guest_oom: Option<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -439,6 +442,7 @@ impl Launcher {
             elapsed: started.elapsed(),
             launch_latency: *handed_over.lock().unwrap_or_else(|p| p.into_inner()),
             served_ahead: ahead,
+            guest_oom: None,
         })
     }
 }

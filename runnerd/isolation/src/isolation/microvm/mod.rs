@@ -1,0 +1,549 @@
+//! The microvm backend (issue #36): each job in a QEMU `-M microvm` guest of its own, so
+//! memory, CPU and processes are limited by a separate kernel and a kernel bug reachable
+//! through seccomp's allowlist is not a host escape.
+//!
+//! A job runs like this:
+//! 1. [`request::plan`] turns the spec into the guest agent's request (the bwrap form's
+//!    command, environment and cwd) and 9p shares, by descriptor where bwrap can bind one;
+//! 2. QEMU is started through the same launcher as every bwrap sandbox — sandbox-init, bwrap,
+//!    seccomp, the unprivileged sandbox user — seeing only `/usr`, the kernel, the initramfs,
+//!    the shares and its end of a socket pair ([`argv`]); `-sandbox on` adds QEMU's filter;
+//! 3. [`channel::converse`] sends the request and input over runnerd's end and streams the
+//!    guest's output into the job's sink, believing nothing the protocol does not allow;
+//! 4. the guest agent ends every guest process, reports, and powers the VM off. A timeout,
+//!    a cancel, a protocol breach, or a guest that does not power off ends QEMU through the
+//!    launcher (SIGKILL to its PID namespace): no process and no mount stay behind.
+//!
+//! The VM's size is the request's `memoryBytes` and `cpus`; the execution's cgroup is not
+//! joined, because its memory limit would count QEMU's own overhead and kill the VMM instead
+//! of OOM-killing inside the guest.
+
+pub mod argv;
+pub mod channel;
+pub mod request;
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::plan::Resource;
+use common::seccomp::Profile;
+use runner_guest_agent::wire::Exit;
+use tokio::sync::watch;
+
+use self::argv::{Accel, VmArgs};
+use self::channel::Verdict;
+use super::{Isolation, Job, Ran, RunFuture};
+use crate::launch::{Filter, Launch, LaunchError, Launcher, Outcome, OutputSink, Stream, Termination};
+use crate::sandbox::SandboxShape;
+use crate::sandbox::user::Identity;
+
+/// The guest's memory when the request sets none.
+pub const DEFAULT_MEMORY_MIB: u64 = 512;
+/// Below this a Debian kernel with the agent does not boot reliably.
+pub const MIN_MEMORY_MIB: u64 = 128;
+/// How long a guest that reported its end may take to power off before QEMU is killed.
+const POWER_OFF_GRACE: Duration = Duration::from_secs(5);
+/// How long a KVM boot probe may take to reach the agent (a stock guest on KVM: well under 1 s).
+const KVM_PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How much of QEMU's own stdout/stderr (the guest console) is kept for error messages.
+const CONSOLE_TAIL: usize = 4096;
+
+/// `SCIENCE_AGENT_MICROVM_*`: where QEMU and the prepared guest are, and which accelerator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicrovmSettings {
+    /// `SCIENCE_AGENT_MICROVM_QEMU`: QEMU's binary (it runs inside the sandbox, so under `/usr`).
+    pub qemu: PathBuf,
+    /// `SCIENCE_AGENT_MICROVM_KERNEL`: the ELF vmlinux (`scripts/build-microvm-guest`).
+    pub kernel: PathBuf,
+    /// `SCIENCE_AGENT_MICROVM_INITRAMFS`: the initramfs with the guest agent.
+    pub initramfs: PathBuf,
+    /// `SCIENCE_AGENT_MICROVM_ACCEL`: `kvm` (believed after [`Microvm::probe_kvm`]) or `tcg`.
+    pub accel: Accel,
+}
+
+impl Default for MicrovmSettings {
+    fn default() -> Self {
+        MicrovmSettings {
+            qemu: PathBuf::from("/usr/bin/qemu-system-x86_64"),
+            kernel: PathBuf::from("/usr/lib/sciencediscovery/microvm/vmlinux"),
+            initramfs: PathBuf::from("/usr/lib/sciencediscovery/microvm/initramfs.cpio.gz"),
+            accel: Accel::Tcg,
+        }
+    }
+}
+
+/// QEMU microvm guests through the launcher.
+#[derive(Debug)]
+pub struct Microvm {
+    settings: MicrovmSettings,
+    bwrap: PathBuf,
+    launcher: Arc<Launcher>,
+    user: Identity,
+    shape: Option<SandboxShape>,
+    bind_fd: bool,
+    /// Why no VM can start here (`None`: they can).
+    unusable: Option<String>,
+}
+
+impl Microvm {
+    /// Checks what can be checked without booting: QEMU, the kernel, the initramfs, `/dev/kvm`
+    /// when asked for, and that the bwrap sandbox QEMU runs in can be built.
+    pub fn new(
+        settings: MicrovmSettings,
+        bwrap: PathBuf,
+        launcher: Arc<Launcher>,
+        user: Identity,
+        shape: Option<SandboxShape>,
+        bind_fd: bool,
+    ) -> Microvm {
+        let unusable = unusable(&settings, shape.is_some(), &user);
+        Microvm { settings, bwrap, launcher, user, shape, bind_fd, unusable }
+    }
+
+    /// With `SCIENCE_AGENT_MICROVM_ACCEL=kvm`, boots one guest under KVM through the launcher
+    /// (as the sandbox user, who must be able to open `/dev/kvm`) and waits for its agent's
+    /// `Ready`; a host whose KVM cannot boot a stock kernel (PVM) makes the backend
+    /// unavailable with the reason, instead of every run hanging until its timeout.
+    pub async fn probe_kvm(&mut self) {
+        if self.settings.accel != Accel::Kvm || self.unusable.is_some() {
+            return;
+        }
+        if let Err(why) = self.boot_probe().await {
+            self.unusable = Some(format!(
+                "SCIENCE_AGENT_MICROVM_ACCEL=kvm, but no guest booted under KVM within {} s: {why}; set it to tcg",
+                KVM_PROBE_TIMEOUT.as_secs()
+            ));
+        }
+    }
+
+    async fn boot_probe(&self) -> Result<(), String> {
+        let (host_end, guest_end) = std::os::unix::net::UnixStream::pair().map_err(|e| e.to_string())?;
+        let mut slots = crate::sandbox::FdSlots::default();
+        let agent_fd = slots.push(&OwnedFd::from(guest_end)).map_err(|e| e.to_string())?;
+        let shares = [argv::Share { tag: "usr", source: argv::Source::Path("/usr".into()), writable: false }];
+        let vm = VmArgs {
+            kernel: &self.settings.kernel,
+            initramfs: &self.settings.initramfs,
+            accel: Accel::Kvm,
+            memory_mib: MIN_MEMORY_MIB * 2,
+            cpus: 1,
+            agent_fd,
+            shares: &shares,
+            disable_userns: self.shape.is_some_and(|s| s.disable_userns),
+        };
+        let (kill_tx, kill_rx) = watch::channel(false);
+        let launch = Launch {
+            bwrap: self.bwrap.clone(),
+            options: argv::bwrap_options(&vm),
+            command: argv::qemu_argv(&self.settings.qemu, &vm),
+            filter: Some(Filter::Profile(Profile::Baseline)),
+            rlimits: Vec::new(),
+            stdin: Vec::new(),
+            timeout: Some(KVM_PROBE_TIMEOUT),
+            cancel: Some(kill_rx),
+            extra_fds: slots,
+            cgroup_procs: Vec::new(),
+        };
+        host_end.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let mut stream = tokio::net::UnixStream::from_std(host_end).map_err(|e| e.to_string())?;
+        let ready = async {
+            use tokio::io::AsyncReadExt;
+            let mut decoder = runner_guest_agent::wire::Decoder::default();
+            let mut buf = [0u8; 1024];
+            let booted = loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => break false,
+                    Ok(n) => decoder.feed(&buf[..n]),
+                }
+                match decoder.next_msg::<runner_guest_agent::wire::GuestMsg>() {
+                    Ok(Some(runner_guest_agent::wire::GuestMsg::Ready { .. })) => break true,
+                    Ok(None) => {}
+                    _ => break false,
+                }
+            };
+            let _ = kill_tx.send(true);
+            booted
+        };
+        let mut console = Console::default();
+        let (launched, booted) = tokio::join!(self.launcher.run(launch, &mut console), ready);
+        match (launched, booted) {
+            (_, true) => Ok(()),
+            (Err(e), false) => Err(e.to_string()),
+            (Ok(_), false) => Err(format!("its console: {}", String::from_utf8_lossy(&console.0).trim())),
+        }
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.settings.accel
+    }
+
+    pub fn settings(&self) -> &MicrovmSettings {
+        &self.settings
+    }
+}
+
+/// Why `settings` cannot run a VM for `user`; `None` when they can.
+fn unusable(settings: &MicrovmSettings, bwrap_usable: bool, user: &Identity) -> Option<String> {
+    if !bwrap_usable {
+        return Some(
+            "isolation microvm runs QEMU inside a bubblewrap sandbox, and none can be built on this host"
+                .into(),
+        );
+    }
+    if !settings.qemu.starts_with("/usr/") {
+        return Some(format!(
+            "SCIENCE_AGENT_MICROVM_QEMU={} is outside /usr, the only host directory QEMU's sandbox sees",
+            settings.qemu.display()
+        ));
+    }
+    if !is_executable(&settings.qemu) {
+        return Some(format!(
+            "QEMU was not found at {} (install qemu-system-x86, or set SCIENCE_AGENT_MICROVM_QEMU)",
+            settings.qemu.display()
+        ));
+    }
+    for (what, path, var) in [
+        ("guest kernel", &settings.kernel, "SCIENCE_AGENT_MICROVM_KERNEL"),
+        ("guest initramfs", &settings.initramfs, "SCIENCE_AGENT_MICROVM_INITRAMFS"),
+    ] {
+        if let Some(why) = unreadable_by(path, user) {
+            return Some(format!(
+                "the {what} {} {why} (prepare it with scripts/build-microvm-guest and set {var})",
+                path.display()
+            ));
+        }
+    }
+    if settings.accel == Accel::Kvm {
+        let kvm = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm");
+        if let Err(e) = kvm {
+            return Some(format!("SCIENCE_AGENT_MICROVM_ACCEL=kvm but /dev/kvm cannot be opened: {e}"));
+        }
+    }
+    None
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Why the sandbox user cannot read `path` (a regular file, readable by its other bits, or
+/// owned by the user); a coarse check: the launch itself is the final word.
+fn unreadable_by(path: &Path, user: &Identity) -> Option<String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    match std::fs::metadata(path) {
+        Err(e) => Some(format!("cannot be read: {e}")),
+        Ok(m) if !m.is_file() => Some("is not a regular file".into()),
+        Ok(m) => {
+            let mode = m.permissions().mode();
+            let readable = mode & 0o004 != 0
+                || (m.uid() == user.uid && mode & 0o400 != 0)
+                || (m.gid() == user.gid && mode & 0o040 != 0);
+            (!readable).then(|| {
+                format!("is not readable by the sandbox user {} (mode {:o})", user.name, mode & 0o777)
+            })
+        }
+    }
+}
+
+/// The guest's size from the request's limits: memory in MiB (at least [`MIN_MEMORY_MIB`]),
+/// whole vCPUs (rounded up, at most the host's).
+pub fn vm_size(limits: Option<&crate::limits::Limits>, host_cpus: u32) -> (u64, u32) {
+    let memory = limits.map(|l| l.memory_bytes).filter(|b| *b > 0).map(|b| b / (1024 * 1024));
+    let memory = memory.unwrap_or(DEFAULT_MEMORY_MIB).max(MIN_MEMORY_MIB);
+    let cpus = limits.map(|l| l.cpu_millicores).filter(|m| *m > 0).map(|m| m.div_ceil(1000) as u32);
+    (memory, cpus.unwrap_or(1).clamp(1, host_cpus.max(1)))
+}
+
+/// The job's outcome from the launcher's and the conversation's: the launcher's timeout or
+/// cancel first, then what the guest reported (a signal as bwrap reports it, 128+N), else
+/// why the VM ended without a report.
+fn judge(
+    launched: Result<Outcome, LaunchError>,
+    verdict: Verdict,
+    stopped: bool,
+    console: &[u8],
+) -> Result<Outcome, LaunchError> {
+    let mut outcome = launched?;
+    let tail = || String::from_utf8_lossy(console).trim().to_owned();
+    outcome.termination = match (outcome.termination, verdict) {
+        (Termination::TimedOut, _) => Termination::TimedOut,
+        (_, _) if stopped => Termination::Cancelled,
+        (_, Verdict::Exit(Exit::Code { code, oom })) => {
+            outcome.guest_oom = Some(oom);
+            Termination::Exited(code.into())
+        }
+        (_, Verdict::Exit(Exit::Signal { signal, oom })) => {
+            outcome.guest_oom = Some(oom);
+            Termination::Exited(128 + i32::from(signal))
+        }
+        (_, Verdict::Failed(text)) => {
+            return Err(LaunchError::Unavailable(format!(
+                "the microvm guest could not start the command: {text}"
+            )));
+        }
+        (_, Verdict::Refused(e)) => {
+            return Err(LaunchError::Unavailable(format!(
+                "the microvm guest broke the protocol and its VM was ended: {e}"
+            )));
+        }
+        (_, Verdict::Closed { ready }) => {
+            let stage = if ready { "before reporting the command's end" } else { "before its agent started" };
+            return Err(LaunchError::Unavailable(format!(
+                "the microvm ended {stage}; its console: {}",
+                tail()
+            )));
+        }
+        (_, Verdict::Io(e)) => return Err(LaunchError::Io { what: "talk to the microvm guest", source: e }),
+    };
+    Ok(outcome)
+}
+
+/// Keeps the last [`CONSOLE_TAIL`] bytes of QEMU's own output (the guest console).
+#[derive(Debug, Default)]
+struct Console(Vec<u8>);
+
+impl OutputSink for Console {
+    fn write(&mut self, _: Stream, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
+        if self.0.len() > CONSOLE_TAIL {
+            self.0.drain(..self.0.len() - CONSOLE_TAIL);
+        }
+    }
+}
+
+impl Isolation for Microvm {
+    fn name(&self) -> &'static str {
+        "microvm"
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        self.unusable.clone()
+    }
+
+    fn binds_by_descriptor(&self) -> bool {
+        self.bind_fd
+    }
+
+    fn run<'a>(&'a self, mut job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
+        // The execution's cgroup is given back unjoined: its memory limit would count QEMU's
+        // own overhead and kill QEMU rather than the command (the guest's size is the limit).
+        let cgroup = job.cgroup.take();
+        let ran = self.run_vm(job, sink);
+        Box::pin(async move { Ran { cgroup, ..ran.await } })
+    }
+}
+
+impl Microvm {
+    /// [`Isolation::run`]'s VM: QEMU through the launcher, the guest agent over its channel.
+    fn run_vm<'a>(&'a self, job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
+        Box::pin(async move {
+            let refused = |why: String| Ran {
+                outcome: Err(LaunchError::Unavailable(why)),
+                env: Vec::new(),
+                cwd: String::new(),
+                cgroup: None,
+            };
+            if let Some(why) = self.unavailable() {
+                return refused(why);
+            }
+            if let Some(why) = request::unsupported(&job.spec) {
+                return refused(why.to_owned());
+            }
+            let io = |what| {
+                move |source| Ran {
+                    outcome: Err(LaunchError::Io { what, source }),
+                    env: Vec::new(),
+                    cwd: String::new(),
+                    cgroup: None,
+                }
+            };
+            let (host_end, guest_end) = match std::os::unix::net::UnixStream::pair() {
+                Ok(p) => p,
+                Err(e) => return io("create the microvm channel")(e),
+            };
+            let guest_end = OwnedFd::from(guest_end);
+            let mut planned = match request::plan(&job.spec, &self.user, &guest_end, self.bind_fd) {
+                Ok(p) => p,
+                Err(e) => return io("pass a descriptor to the microvm")(e),
+            };
+            // Only QEMU holds the guest's end now: its exit closes the channel.
+            drop(guest_end);
+            let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+            let (memory_mib, cpus) = vm_size(job.limits.as_ref(), host_cpus);
+            planned.request.pids = job.limits.as_ref().map_or(0, |l| l.pids);
+            let vm = VmArgs {
+                kernel: &self.settings.kernel,
+                initramfs: &self.settings.initramfs,
+                accel: self.settings.accel,
+                memory_mib,
+                cpus,
+                agent_fd: planned.agent_slot,
+                shares: &planned.shares,
+                disable_userns: self.shape.is_some_and(|s| s.disable_userns),
+            };
+            let options = argv::bwrap_options(&vm);
+            let command = argv::qemu_argv(&self.settings.qemu, &vm);
+            let (env, cwd) = (planned.env.clone(), planned.cwd.clone());
+            let stream = match host_end
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::UnixStream::from_std(host_end))
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    return Ran {
+                        outcome: Err(LaunchError::Io { what: "open the microvm channel", source: e }),
+                        env,
+                        cwd,
+                        cgroup: None,
+                    };
+                }
+            };
+
+            // The launcher ends QEMU on this: the job's stop, a protocol breach, or a guest
+            // that does not power off after its report.
+            let (kill_tx, kill_rx) = watch::channel(false);
+            let kill_tx = Arc::new(kill_tx);
+            let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            if let Some(mut stop) = job.stop {
+                let (tx, stopped) = (kill_tx.clone(), stopped.clone());
+                tokio::spawn(async move {
+                    if stop.wait_for(|s| *s).await.is_ok() {
+                        stopped.store(true, std::sync::atomic::Ordering::SeqCst);
+                        let _ = tx.send(true);
+                    }
+                });
+            }
+            let launch = Launch {
+                bwrap: self.bwrap.clone(),
+                options,
+                command,
+                // QEMU's channel is a descriptor it inherits: it needs no socket call, so the
+                // baseline profile's socket denials hold for it too.
+                filter: Some(Filter::Profile(Profile::Baseline)),
+                // QEMU's own address space is not the guest's limit: no RLIMIT_AS or CPU time.
+                rlimits: job
+                    .rlimits
+                    .into_iter()
+                    .filter(|r| matches!(r.resource, Resource::Core | Resource::NoFile | Resource::FSize))
+                    .collect(),
+                stdin: Vec::new(),
+                timeout: job.timeout,
+                cancel: Some(kill_rx),
+                extra_fds: std::mem::take(&mut planned.slots),
+                cgroup_procs: Vec::new(),
+            };
+            let mut console = Console::default();
+            let talk = async {
+                let verdict = channel::converse(stream, planned.request, job.stdin, sink).await;
+                let tx = kill_tx.clone();
+                match verdict {
+                    Verdict::Exit(_) => {
+                        tokio::spawn(async move {
+                            tokio::time::sleep(POWER_OFF_GRACE).await;
+                            let _ = tx.send(true);
+                        });
+                    }
+                    _ => {
+                        let _ = tx.send(true);
+                    }
+                }
+                verdict
+            };
+            let (launched, verdict) = tokio::join!(self.launcher.run(launch, &mut console), talk);
+            let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
+            Ran { outcome: judge(launched, verdict, stopped, &console.0), env, cwd, cgroup: None }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::Limits;
+
+    #[test]
+    fn the_vm_is_sized_from_the_limits() {
+        let l = |memory_bytes, cpu_millicores| Limits { memory_bytes, pids: 0, cpu_millicores, tmp_bytes: 0 };
+        let table = [
+            (None, (DEFAULT_MEMORY_MIB, 1)),
+            (Some(l(0, 0)), (DEFAULT_MEMORY_MIB, 1)),
+            (Some(l(1 << 30, 1500)), (1024, 2)),
+            (Some(l(64 << 20, 500)), (MIN_MEMORY_MIB, 1)),
+            (Some(l(256 << 20, 64_000)), (256, 8)),
+        ];
+        for (limits, want) in table {
+            assert_eq!(vm_size(limits.as_ref(), 8), want, "{limits:?}");
+        }
+    }
+
+    fn outcome(termination: Termination) -> Result<Outcome, LaunchError> {
+        Ok(Outcome {
+            termination,
+            sandbox_pid: None,
+            elapsed: Duration::ZERO,
+            launch_latency: None,
+            served_ahead: false,
+            guest_oom: None,
+        })
+    }
+
+    #[test]
+    fn the_outcome_believes_the_launcher_first_then_the_checked_report() {
+        let t = |r: Result<Outcome, LaunchError>| {
+            r.map(|o| (o.termination, o.guest_oom)).map_err(|e| e.to_string())
+        };
+        let code = |code| Verdict::Exit(Exit::Code { code, oom: false });
+        assert_eq!(
+            t(judge(outcome(Termination::Exited(0)), code(3), false, b"")),
+            Ok((Termination::Exited(3), Some(false)))
+        );
+        assert_eq!(
+            t(judge(outcome(Termination::TimedOut), code(0), false, b"")),
+            Ok((Termination::TimedOut, None))
+        );
+        assert_eq!(
+            t(judge(outcome(Termination::Cancelled), code(0), true, b"")),
+            Ok((Termination::Cancelled, None))
+        );
+        let oom = Verdict::Exit(Exit::Signal { signal: 9, oom: true });
+        assert_eq!(
+            t(judge(outcome(Termination::Cancelled), oom, false, b"")),
+            Ok((Termination::Exited(137), Some(true)))
+        );
+        let refused = Verdict::Refused(runner_guest_agent::wire::WireError::Oversized(1 << 30));
+        assert!(
+            t(judge(outcome(Termination::Cancelled), refused, false, b""))
+                .unwrap_err()
+                .contains("broke the protocol")
+        );
+        let closed = judge(
+            outcome(Termination::Exited(0)),
+            Verdict::Closed { ready: false },
+            false,
+            b"Kernel panic\n",
+        );
+        assert!(t(closed).unwrap_err().contains("before its agent started; its console: Kernel panic"));
+    }
+
+    #[test]
+    fn unusable_settings_say_what_to_do() {
+        let who = Identity {
+            uid: 65534,
+            gid: 65534,
+            name: "nobody".into(),
+            origin: crate::sandbox::user::Origin::Runner,
+        };
+        let mut s = MicrovmSettings { qemu: "/usr/bin/true".into(), ..MicrovmSettings::default() };
+        assert!(unusable(&s, false, &who).unwrap().contains("bubblewrap"));
+        s.qemu = "/opt/qemu".into();
+        assert!(unusable(&s, true, &who).unwrap().contains("outside /usr"));
+        s.qemu = "/usr/bin/no-such-qemu".into();
+        assert!(unusable(&s, true, &who).unwrap().contains("install qemu-system-x86"));
+        s.qemu = "/usr/bin/true".into();
+        s.kernel = "/no/such/vmlinux".into();
+        assert!(unusable(&s, true, &who).unwrap().contains("scripts/build-microvm-guest"));
+    }
+}

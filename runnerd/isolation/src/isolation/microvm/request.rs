@@ -1,0 +1,133 @@
+//! From a [`SandboxSpec`] to what the guest agent runs and what QEMU shares: the command,
+//! environment and cwd are the bwrap form's own ([`argv::build`] decides them, so the two
+//! backends cannot drift), the mounts become 9p shares, each directory by the descriptor
+//! runnerd checked where bwrap can bind one.
+
+use std::os::fd::OwnedFd;
+
+use runner_guest_agent::wire::RunRequest;
+
+use super::argv::{Share, Source};
+use crate::isolation::{Dir, SandboxSpec};
+use crate::sandbox::argv::{self, BwrapSpec, ProcMode, SandboxShape};
+use crate::sandbox::user::Identity;
+use crate::sandbox::{FdSlots, WorkspaceLayout};
+
+/// What the spec asks for that a VM cannot give yet; the job is refused, never run with
+/// less than it asked.
+pub fn unsupported(spec: &SandboxSpec<'_>) -> Option<&'static str> {
+    if spec.egress.is_some() {
+        return Some(
+            "network policy domain-allowlist is not available with isolation microvm yet (the guest has no NIC and \
+             no egress channel); use network none or isolation bwrap",
+        );
+    }
+    if spec.accel.is_some_and(|a| !a.is_empty()) {
+        return Some("accelerators cannot be passed into a microvm; use isolation bwrap");
+    }
+    if !spec.binds.is_empty() {
+        return Some("provisioning steps (extra binds) do not run under isolation microvm; they use bwrap");
+    }
+    None
+}
+
+/// The request, the shares, and the descriptors the shares and the channel name.
+#[derive(Debug)]
+pub struct Planned {
+    pub request: RunRequest,
+    pub shares: Vec<Share>,
+    pub slots: FdSlots,
+    pub agent_slot: i32,
+    pub env: Vec<(String, String)>,
+    pub cwd: String,
+}
+
+/// Plans `spec` for user `who`, QEMU's end of the channel being `agent`.
+pub fn plan(
+    spec: &SandboxSpec<'_>,
+    who: &Identity,
+    agent: &OwnedFd,
+    by_fd: bool,
+) -> std::io::Result<Planned> {
+    // Only for the environment it sets (the skill variables); the guest mounts the shares.
+    let skills = spec.skills.map(|s| argv::SkillsMount {
+        packages: s.packages.to_owned(),
+        extensions: s.extensions.to_owned(),
+        fds: None,
+    });
+    let cmd = argv::build(&BwrapSpec {
+        shape: SandboxShape { proc_mode: ProcMode::New, disable_userns: false },
+        host: spec.host,
+        workspace: spec.workspace,
+        cwd: spec.cwd,
+        language: spec.language,
+        interpreter_masks: spec.interpreter_masks,
+        python: spec.python,
+        science_env: spec.science_env,
+        workspace_fds: None,
+        egress: None,
+        accel: None,
+        command: spec.command,
+        tmp_bytes: spec.tmp_bytes,
+        // The operator's python-packages are not shared into the guest (yet): without the
+        // mount, the environment must not point at it.
+        python_packages: None,
+        skills: skills.as_ref(),
+        profile: spec.profile,
+        binds: &[],
+        extra_env: spec.extra_env,
+    });
+    let mut slots = FdSlots::default();
+    let agent_slot = slots.push(agent)?;
+    let mut shares = vec![Share { tag: "usr", source: Source::Path("/usr".into()), writable: false }];
+    let mut dir = |slots: &mut FdSlots,
+                   tag: &'static str,
+                   d: Option<Dir<'_>>,
+                   path: &std::path::Path,
+                   writable: bool| {
+        let source = match d.filter(|_| by_fd) {
+            Some(d) => Source::Fd(slots.push_dir(d.fd, d.owner, !writable)?),
+            None => Source::Path(path.to_string_lossy().into_owned()),
+        };
+        shares.push(Share { tag, source, writable });
+        Ok::<_, std::io::Error>(())
+    };
+    let dirs = spec.workspace_dirs;
+    let (parent_path, workspace_parent) = match spec.workspace {
+        WorkspaceLayout::Plain { read_only_parent: Some(p), .. } => {
+            (Some(p), Some("/parent_workspace".to_owned()))
+        }
+        WorkspaceLayout::Nested { parent, .. } => (Some(parent), Some("/workspace".to_owned())),
+        WorkspaceLayout::Plain { read_only_parent: None, .. } => (None, None),
+    };
+    if let Some(p) = parent_path {
+        dir(&mut slots, "wsparent", dirs.and_then(|d| d.read_only), p, false)?;
+    }
+    dir(&mut slots, "ws", dirs.map(|d| d.root), spec.workspace.root(), true)?;
+    if let Some(prefix) = spec.science_env {
+        dir(&mut slots, "env", None, prefix, false)?;
+    }
+    if let Some(s) = spec.skills {
+        dir(&mut slots, "skills", Some(Dir { fd: s.fds.0, owner: None }), s.packages, false)?;
+        dir(&mut slots, "skillext", Some(Dir { fd: s.fds.1, owner: None }), s.extensions, true)?;
+    }
+    let name = crate::sandbox::host::sandbox_user_name(Some(&who.name));
+    let (passwd, group) = crate::sandbox::host::identity_lines(name, who.uid, who.gid);
+    let request = RunRequest {
+        argv: cmd.command.clone(),
+        env: cmd.env.clone(),
+        cwd: cmd.cwd.clone(),
+        workspace: spec.workspace.mount_point(),
+        workspace_parent,
+        uid: who.uid,
+        gid: who.gid,
+        science_env: spec.science_env.is_some(),
+        skills: spec.skills.is_some(),
+        masks: spec.interpreter_masks.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
+        tmp_bytes: argv::tmpfs_sizes(spec.tmp_bytes).0,
+        pids: 0,
+        passwd: passwd.into_bytes(),
+        group: group.into_bytes(),
+    };
+    Ok(Planned { request, shares, slots, agent_slot, env: cmd.env, cwd: cmd.cwd })
+}
