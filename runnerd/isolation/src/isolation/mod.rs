@@ -13,8 +13,8 @@
 //! backend its cgroup ([`Job::cgroup`]); [`Ran::cgroup`] is the one the sandbox ran in.
 
 pub mod bubblewrap;
-pub mod prestart;
 pub mod microvm;
+pub mod prestart;
 pub mod select;
 
 use std::fmt;
@@ -29,8 +29,8 @@ use common::seccomp::Profile;
 use tokio::sync::watch;
 
 pub use bubblewrap::Bubblewrap;
-pub use prestart::{Prestart, PrestartSettings};
 pub use microvm::Microvm;
+pub use prestart::{Prestart, PrestartSettings};
 
 use crate::accel_mount::AccelMount;
 use crate::launch::{LaunchError, Outcome, OutputSink};
