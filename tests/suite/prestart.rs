@@ -4,6 +4,7 @@
 //! the workspace as it is when its call starts, a call of another shape never takes it, and
 //! each discard trigger discards it. Counts come from `/health`'s `prestartedSandboxes`.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -232,6 +233,14 @@ async fn each_discard_trigger_discards() {
     assert_eq!(hits(&q), hits(&p));
 }
 
+/// Whether some process's working directory is the directory (`dev`, `ino`).
+fn process_in(dev: u64, ino: u64) -> bool {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .any(|e| std::fs::metadata(e.path().join("cwd")).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
+}
+
 /// Host processes whose command line contains `needle`.
 fn processes_matching(needle: &str) -> Vec<u32> {
     std::fs::read_dir("/proc")
@@ -408,7 +417,14 @@ async fn a_working_directory_swapped_in_between_is_never_run_in() {
         .json();
     assert_eq!(r["stdout"], json!("A\n"), "{r}");
     let p = waiting(&client).await;
-    // From the host, A goes back under the name: a call in `sub` must run in A.
+    // Once the waiting sandbox has entered C (bwrap changes into it after its start is
+    // filed), A goes back under the name from the host: a call in `sub` must run in A.
+    let c = std::fs::metadata(ws.join("sub")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !process_in(c.dev(), c.ino()) {
+        assert!(Instant::now() < deadline, "no sandbox entered the new directory");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     std::fs::rename(ws.join("sub"), ws.join("sub.c")).unwrap();
     std::fs::rename(ws.join("sub.a"), ws.join("sub")).unwrap();
     let r = client.post_signed("/execute-shell", &in_sub("cat marker")).await.unwrap().json();
