@@ -91,7 +91,12 @@ fn qemu_of(server: &Server) -> Vec<(u32, String)> {
         }
         false
     };
-    runner_tests::processes_matching("qemu-system").into_iter().filter(|(pid, _)| ours(*pid)).collect()
+    // An orphan (its sandbox gone, re-parented to PID 1) is the leak to catch, whoever
+    // started it: no test leaves a QEMU without its bwrap.
+    runner_tests::processes_matching("qemu-system")
+        .into_iter()
+        .filter(|(pid, _)| ours(*pid) || parent(*pid) == Some(1))
+        .collect()
 }
 
 /// No QEMU process started by this server is left (R-RUN-4 on the host: the VMM is gone).
@@ -120,6 +125,7 @@ echo "ifaces $(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
 echo "id $(id -u)"
 echo written > out.txt
 if touch /usr/should-fail 2>/dev/null; then echo "usr writable"; else echo "usr read-only"; fi
+echo "usr mount $(awk '$2 == "/usr" { split($4, o, ","); print o[1] }' /proc/mounts)"
 python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); socket.create_connection(s.getsockname()); print('loopback up')"
 sleep 30 &
 exit 3
@@ -134,6 +140,8 @@ exit 3
     assert_ne!(release.trim(), host.trim());
     assert!(stdout.contains("ifaces lo,\n"), "only loopback: {r}");
     assert!(stdout.contains("usr read-only"), "{r}");
+    // Mounted read-only, not only unwritable by a non-root uid.
+    assert!(stdout.contains("usr mount ro\n"), "{r}");
     assert!(stdout.contains("loopback up"), "lo is up, as in bwrap's namespace: {r}");
     assert!(!stdout.contains("id 0\n"), "the command must not run as root in the guest: {r}");
     assert_eq!(r["stderr"], "to stderr\n", "{r}");

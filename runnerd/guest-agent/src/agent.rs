@@ -287,7 +287,7 @@ fn run_command(r: &RunRequest, port: &mut File, decoder: Decoder) -> Result<Exit
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let (root, cwd) = (cstr(NEWROOT), cstr(&r.cwd));
-    let (uid, gid, pids) = (r.uid, r.gid, r.pids);
+    let (uid, gid, pids, fsize) = (r.uid, r.gid, r.pids, r.fsize);
     // SAFETY: the closure runs in the forked child of this single-threaded process and only
     // makes async-signal-safe calls.
     unsafe {
@@ -303,6 +303,10 @@ fn run_command(r: &RunRequest, port: &mut File, decoder: Decoder) -> Result<Exit
             }
             let core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
             cvt(libc::setrlimit(libc::RLIMIT_CORE, &core))?;
+            if fsize > 0 {
+                let lim = libc::rlimit { rlim_cur: fsize, rlim_max: fsize };
+                cvt(libc::setrlimit(libc::RLIMIT_FSIZE, &lim))?;
+            }
             cvt(libc::setuid(uid))?;
             Ok(())
         });

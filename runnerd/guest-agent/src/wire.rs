@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped when a message changes shape; the host refuses a guest of another version.
-pub const PROTOCOL: u16 = 1;
+pub const PROTOCOL: u16 = 2;
 /// The largest frame body either side accepts. The host's `Run` (argv, environment,
 /// identity files) must fit; output travels in [`MAX_CHUNK`] pieces well below it.
 pub const MAX_FRAME: usize = 256 * 1024;
@@ -55,6 +55,8 @@ pub struct RunRequest {
     pub tmp_bytes: u64,
     /// The most processes the user may have (the request's `pids`; 0: unlimited).
     pub pids: u64,
+    /// The largest file the command may write (the workspace quota; 0: unlimited).
+    pub fsize: u64,
     /// `/etc/passwd` and `/etc/group` as the bwrap form writes them.
     pub passwd: Vec<u8>,
     pub group: Vec<u8>,
@@ -141,31 +143,38 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, WireError> {
 #[derive(Debug, Default)]
 pub struct Decoder {
     buf: Vec<u8>,
+    /// Where the next frame starts in `buf`: decoded frames are not moved out one by one
+    /// (a flood of tiny frames would cost a move of everything behind each), the consumed
+    /// prefix goes once per [`Decoder::feed`].
+    at: usize,
 }
 
 impl Decoder {
     pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.drain(..self.at);
+        self.at = 0;
         self.buf.extend_from_slice(bytes);
     }
 
     /// The next complete message, `None` until one is complete.
     pub fn next_msg<T: DeserializeOwned>(&mut self) -> Result<Option<T>, WireError> {
-        let Some(header) = self.buf.get(..4) else { return Ok(None) };
+        let rest = &self.buf[self.at..];
+        let Some(header) = rest.get(..4) else { return Ok(None) };
         let len = u32::from_le_bytes(header.try_into().expect("four bytes")) as usize;
         if len > MAX_FRAME {
             return Err(WireError::Oversized(len));
         }
-        if self.buf.len() < 4 + len {
+        if rest.len() < 4 + len {
             return Ok(None);
         }
-        let msg = postcard::from_bytes(&self.buf[4..4 + len]).map_err(WireError::Malformed);
-        self.buf.drain(..4 + len);
+        let msg = postcard::from_bytes(&rest[4..4 + len]).map_err(WireError::Malformed);
+        self.at += 4 + len;
         msg.map(Some)
     }
 
     /// Bytes held that are not yet a message.
     pub fn pending(&self) -> usize {
-        self.buf.len()
+        self.buf.len() - self.at
     }
 }
 
@@ -206,6 +215,9 @@ impl HostSide {
             GuestMsg::Stdout(b) | GuestMsg::Stderr(b) if b.len() > MAX_CHUNK => {
                 Err(WireError::ChunkTooLarge(b.len()))
             }
+            // Output costs the guest at least a byte a frame: a flood of empty frames would
+            // cost the host work the output budget never counts.
+            GuestMsg::Stdout(b) | GuestMsg::Stderr(b) if b.is_empty() => Err(WireError::OutOfOrder("an empty output chunk")),
             GuestMsg::Stdout(b) => Ok(Event::Stdout(b)),
             GuestMsg::Stderr(b) => Ok(Event::Stderr(b)),
             GuestMsg::Exit(record) => {
@@ -251,6 +263,7 @@ mod tests {
             masks: vec![],
             tmp_bytes: 1 << 20,
             pids: 64,
+            fsize: 0,
             passwd: b"sandbox:x:1000:1000::/workspace:/bin/sh\n".to_vec(),
             group: b"sandbox:x:1000:\n".to_vec(),
         }
@@ -271,6 +284,28 @@ mod tests {
         }
         assert_eq!(got, msgs);
         assert_eq!(d.pending(), 0);
+    }
+
+    #[test]
+    fn a_flood_of_small_frames_decodes_from_one_buffer_and_empty_output_is_refused() {
+        // Many frames in one feed are read in place (no move of what is behind each), and
+        // the consumed prefix goes at the next feed.
+        let one = encode(&GuestMsg::Stdout(b"x".to_vec())).unwrap();
+        let mut d = Decoder::default();
+        d.feed(&one.repeat(10_000));
+        let mut side = HostSide::default();
+        side.accept(GuestMsg::Ready { protocol: PROTOCOL }).unwrap();
+        let mut n = 0;
+        while let Some(m) = d.next_msg::<GuestMsg>().unwrap() {
+            assert_eq!(side.accept(m).unwrap(), Event::Stdout(b"x".to_vec()));
+            n += 1;
+        }
+        assert_eq!((n, d.pending()), (10_000, 0));
+        d.feed(&one);
+        assert_eq!((d.pending(), d.buf.len()), (one.len(), one.len()), "the consumed prefix stayed");
+        for empty in [GuestMsg::Stdout(Vec::new()), GuestMsg::Stderr(Vec::new())] {
+            assert!(matches!(side.accept(empty), Err(WireError::OutOfOrder(_))));
+        }
     }
 
     #[test]

@@ -308,7 +308,7 @@ fn finished(
     let (created_files, modified_files) = changed_files(p, &staged.before, after, exit_code, &finish)?;
     let collected = output.finish_text();
     finish(RunOutcome::Completed.into(), Some(exit_code));
-    let limits = crate::limits::outcome_fields(
+    let mut limits = crate::limits::outcome_fields(
         outcome.termination,
         collected.stderr.is_empty(),
         usage.as_ref(),
@@ -316,13 +316,18 @@ fn finished(
         &rlimits,
         app.limits.mode,
     );
+    // In a microVM the limits are the VM's size, not a cgroup's (issue #36).
+    let microvm = p.isolation == crate::isolation::select::Backend::Microvm;
+    if microvm {
+        limits.resource_limits.enforced = crate::isolation::microvm::enforced(&p.limits);
+    }
     app.metrics.limits_in_result(&limits);
     let execution_id = &p.execution_id;
     Ok(ExecutionResult {
         exit_code,
         stdout: collected.stdout,
         stderr: collected.stderr,
-        cgroup_mode: app.limits.mode.label(),
+        cgroup_mode: if microvm { "microvm" } else { app.limits.mode.label() },
         created_files,
         modified_files,
         environment_revision_id: staged

@@ -113,7 +113,12 @@ pub fn bwrap_options(vm: &VmArgs<'_>) -> Vec<String> {
 /// QEMU's argv, the binary first.
 pub fn qemu_argv(qemu: &Path, vm: &VmArgs<'_>) -> Vec<String> {
     let mut a = Vec::with_capacity(64);
-    push(&mut a, &[&qemu.to_string_lossy(), "-M", "microvm,pit=on", "-accel", vm.accel.name()]);
+    // TCG's translation cache bounded (QEMU's default grows to an eighth of the host's RAM).
+    let accel = match vm.accel {
+        Accel::Tcg => "tcg,tb-size=64",
+        Accel::Kvm => "kvm",
+    };
+    push(&mut a, &[&qemu.to_string_lossy(), "-M", "microvm,pit=on", "-accel", accel]);
     if vm.accel == Accel::Kvm {
         // `-cpu host` alone dies on MSR 0x10a (ARCH_CAPABILITIES) on some hosts.
         push(&mut a, &["-cpu", "host,-arch-capabilities"]);
@@ -182,7 +187,7 @@ mod tests {
         assert!(!a.iter().any(|x| x.contains("netdev") || x == "-nic" || x == "-net"));
         for w in [
             &["-nodefaults"][..],
-            &["-accel", "tcg"],
+            &["-accel", "tcg,tb-size=64"],
             &["-m", "512", "-smp", "2"],
             &["-global", "virtio-mmio.force-legacy=false"],
             &["-kernel", "/vm/vmlinux", "-initrd", "/vm/initramfs"],

@@ -71,6 +71,8 @@ pub async fn converse(
             },
         };
         decoder.feed(&buf[..n]);
+        // One read's frames, then the runtime's other tasks get their turn.
+        tokio::task::yield_now().await;
         loop {
             let msg = match decoder.next_msg::<GuestMsg>() {
                 Ok(Some(m)) => m,
@@ -126,6 +128,7 @@ mod tests {
             masks: vec![],
             tmp_bytes: 1 << 20,
             pids: 0,
+            fsize: 0,
             passwd: vec![],
             group: vec![],
         }

@@ -248,6 +248,35 @@ fn unreadable_by(path: &Path, user: &Identity) -> Option<String> {
     }
 }
 
+/// What QEMU may take on the host beyond the guest's RAM: its TCG translation cache
+/// (`tb-size`), its mapping of the kernel, its devices and threads' buffers.
+pub const VMM_OVERHEAD_MIB: u64 = 384;
+
+/// The limits of QEMU's host cgroup for a guest of `memory_mib` and `cpus`.
+pub fn vmm_limits(memory_mib: u64, cpus: u32) -> crate::limits::Limits {
+    crate::limits::Limits {
+        memory_bytes: (memory_mib + VMM_OVERHEAD_MIB) << 20,
+        // QEMU's vCPU, I/O and 9p worker threads.
+        pids: 256,
+        cpu_millicores: u64::from(cpus) * 1000,
+        tmp_bytes: 0,
+    }
+}
+
+/// What a run in a VM of these limits enforces, for the result's `resourceLimits.enforced`
+/// (`true`, or `"partial"` where the VM is larger than asked: at least 128 MiB, whole vCPUs).
+pub fn enforced(limits: &crate::limits::Limits) -> crate::limits::EnforcedField {
+    use serde_json::json;
+    let at_least = limits.memory_bytes == 0 || limits.memory_bytes >= MIN_MEMORY_MIB << 20;
+    let whole = limits.cpu_millicores % 1000 == 0;
+    crate::limits::EnforcedField {
+        memory_bytes: if at_least { json!(true) } else { json!("partial") },
+        pids: json!(true),
+        cpu: if whole { json!(true) } else { json!("partial") },
+        tmp_bytes: json!(true),
+    }
+}
+
 /// The guest's size from the request's limits: memory in MiB (at least [`MIN_MEMORY_MIB`]),
 /// whole vCPUs (rounded up, at most the host's).
 pub fn vm_size(limits: Option<&crate::limits::Limits>, host_cpus: u32) -> (u64, u32) {
@@ -289,10 +318,13 @@ fn judge(
                 "the microvm guest broke the protocol and its VM was ended: {e}"
             )));
         }
-        (_, Verdict::Closed { ready }) => {
-            let stage = if ready { "before reporting the command's end" } else { "before its agent started" };
+        // After `Ready` the command ran: a VM that ends without its report (QEMU killed by its
+        // cgroup or a file size limit, a guest kernel that panicked) is a run killed, whose
+        // workspace is measured and committed like any other's.
+        (_, Verdict::Closed { ready: true }) => Termination::Signaled(libc::SIGKILL),
+        (_, Verdict::Closed { ready: false }) => {
             return Err(LaunchError::Unavailable(format!(
-                "the microvm ended {stage}; its console: {}",
+                "the microvm ended before its agent started; its console: {}",
                 tail()
             )));
         }
@@ -374,6 +406,31 @@ impl Microvm {
             let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
             let (memory_mib, cpus) = vm_size(job.limits.as_ref(), host_cpus);
             planned.request.pids = job.limits.as_ref().map_or(0, |l| l.pids);
+            // The largest file (the quota) is the command's limit inside the guest, not
+            // QEMU's: QEMU's own writes go to the shares on the command's behalf.
+            planned.request.fsize =
+                job.rlimits.iter().find(|r| r.resource == Resource::FSize).and_then(|r| r.hard).unwrap_or(0);
+            // A /tmp larger than the guest's RAM would deadlock the guest kernel on memory
+            // (tmpfs pages cannot be freed): at most half of it.
+            planned.request.tmp_bytes = planned.request.tmp_bytes.min((memory_mib << 20) / 2);
+            // QEMU's host cgroup (issue #36's review): the guest's RAM plus QEMU's own margin,
+            // its threads and the vCPUs' CPU time, so that neither a guest nor a compromised
+            // QEMU takes more of the host; `None` where runnerd has no cgroups (rlimits only).
+            let vmm_cgroup = match job.prestart.as_ref().map(|p| p.cgroups.clone()) {
+                Some(cgroups) => {
+                    let limits = vmm_limits(memory_mib, cpus);
+                    match tokio::task::spawn_blocking(move || cgroups.create(&limits)).await {
+                        Ok(Ok(c)) => c,
+                        Ok(Err(e)) => return refused(format!("the microvm's cgroup could not be made: {e}")),
+                        Err(_) => return refused("making the microvm's cgroup panicked".to_owned()),
+                    }
+                }
+                None => None,
+            };
+            let joins = match vmm_cgroup.as_ref().map(|c| c.procs_fds()).transpose() {
+                Ok(j) => j.unwrap_or_default(),
+                Err(e) => return refused(format!("the microvm's cgroup could not be joined: {e}")),
+            };
             let vm = VmArgs {
                 kernel: &self.settings.kernel,
                 initramfs: &self.settings.initramfs,
@@ -423,17 +480,18 @@ impl Microvm {
                 // QEMU's channel is a descriptor it inherits: it needs no socket call, so the
                 // baseline profile's socket denials hold for it too.
                 filter: Some(Filter::Profile(Profile::Baseline)),
-                // QEMU's own address space is not the guest's limit: no RLIMIT_AS or CPU time.
+                // QEMU's own address space is not the guest's limit: no RLIMIT_AS or CPU time;
+                // the file size limit is the guest command's (above).
                 rlimits: job
                     .rlimits
                     .into_iter()
-                    .filter(|r| matches!(r.resource, Resource::Core | Resource::NoFile | Resource::FSize))
+                    .filter(|r| matches!(r.resource, Resource::Core | Resource::NoFile))
                     .collect(),
                 stdin: Vec::new(),
                 timeout: job.timeout,
                 cancel: Some(kill_rx),
                 extra_fds: std::mem::take(&mut planned.slots),
-                cgroup_procs: Vec::new(),
+                cgroup_procs: joins,
             };
             let mut console = Console::default();
             let talk = async {
@@ -454,7 +512,18 @@ impl Microvm {
             };
             let (launched, verdict) = tokio::join!(self.launcher.run(launch, &mut console), talk);
             let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
-            Ran { outcome: judge(launched, verdict, stopped, &console.0), env, cwd, cgroup: None }
+            let timed_out = matches!(&launched, Ok(o) if o.termination == Termination::TimedOut);
+            if matches!(verdict, Verdict::Closed { ready: true }) && launched.is_ok() && !stopped && !timed_out {
+                // The command ran (its files are measured and committed as any run's): say
+                // on its stderr why no exit status came.
+                let note = format!(
+                    "\nrunner: the microvm ended before it reported the command's end (the guest kernel or QEMU \
+                     was stopped: out of memory, a file over the quota, a panic); its console: {}\n",
+                    String::from_utf8_lossy(&console.0).trim()
+                );
+                sink.write(crate::launch::Stream::Stderr, note.as_bytes());
+            }
+            Ran { outcome: judge(launched, verdict, stopped, &console.0), env, cwd, cgroup: vmm_cgroup }
         })
     }
 }
@@ -526,6 +595,27 @@ mod tests {
             b"Kernel panic\n",
         );
         assert!(t(closed).unwrap_err().contains("before its agent started; its console: Kernel panic"));
+        // After Ready the command ran: a VM gone without a report is a run killed (measured
+        // and committed), not a launch that failed.
+        let killed = judge(outcome(Termination::Exited(0)), Verdict::Closed { ready: true }, false, b"");
+        assert_eq!(t(killed), Ok((Termination::Signaled(libc::SIGKILL), None)));
+    }
+
+    #[test]
+    fn qemu_gets_the_guest_plus_its_margin_and_results_say_what_the_vm_enforces() {
+        let l = vmm_limits(512, 2);
+        assert_eq!((l.memory_bytes, l.pids, l.cpu_millicores), ((512 + VMM_OVERHEAD_MIB) << 20, 256, 2000));
+        let asked = |memory_bytes, cpu_millicores| crate::limits::Limits {
+            memory_bytes,
+            pids: 0,
+            cpu_millicores,
+            tmp_bytes: 0,
+        };
+        let e = enforced(&asked(256 << 20, 2000));
+        assert_eq!((e.memory_bytes, e.cpu), (serde_json::json!(true), serde_json::json!(true)));
+        // Below the smallest guest, or a fraction of a CPU: the VM is larger than asked.
+        let e = enforced(&asked(64 << 20, 500));
+        assert_eq!((e.memory_bytes, e.cpu), (serde_json::json!("partial"), serde_json::json!("partial")));
     }
 
     #[test]

@@ -126,6 +126,7 @@ pub fn plan(
         masks: spec.interpreter_masks.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
         tmp_bytes: argv::tmpfs_sizes(spec.tmp_bytes).0,
         pids: 0,
+        fsize: 0,
         passwd: passwd.into_bytes(),
         group: group.into_bytes(),
     };
