@@ -360,11 +360,18 @@ impl Isolation for Microvm {
     }
 
     fn run<'a>(&'a self, mut job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
-        // The execution's cgroup is given back unjoined: its memory limit would count QEMU's
-        // own overhead and kill QEMU rather than the command (the guest's size is the limit).
-        let cgroup = job.cgroup.take();
+        // The execution's cgroup is not joined: its memory limit would count QEMU's own
+        // overhead and kill QEMU rather than the command (the guest's size is the limit).
+        // QEMU joins a cgroup of its own (`vmm_limits`), whose counters the run reports.
+        let unjoined = job.cgroup.take();
         let ran = self.run_vm(job, sink);
-        Box::pin(async move { Ran { cgroup, ..ran.await } })
+        Box::pin(async move {
+            let ran = ran.await;
+            if let Some(c) = unjoined {
+                drop(tokio::task::spawn_blocking(move || drop(c)));
+            }
+            ran
+        })
     }
 }
 
