@@ -458,7 +458,8 @@ async fn a_managed_run_in_a_vm_is_cancelled() {
     assert_eq!(reply.status, 202, "{}", reply.json());
     let id = reply.json()["id"].as_str().unwrap().to_owned();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !ws.join("started.txt").exists() {
+    // Its content, not only the name: the guest creates the file before it writes to it.
+    while std::fs::read_to_string(ws.join("started.txt")).ok().as_deref() != Some("started\n") {
         assert!(std::time::Instant::now() < deadline, "the VM never started the command");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
