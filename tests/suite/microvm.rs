@@ -125,7 +125,7 @@ echo "ifaces $(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
 echo "id $(id -u)"
 echo written > out.txt
 if touch /usr/should-fail 2>/dev/null; then echo "usr writable"; else echo "usr read-only"; fi
-echo "usr mount $(awk '$2 == "/usr" { split($4, o, ","); print o[1] }' /proc/mounts)"
+echo "usr mount $(grep ' /usr ' /proc/mounts | cut -d' ' -f4 | cut -d, -f1)"
 python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); socket.create_connection(s.getsockname()); print('loopback up')"
 sleep 30 &
 exit 3
@@ -378,8 +378,8 @@ async fn hostile_guest_messages_are_refused_and_runnerd_carries_on() {
         return;
     }
     let scratch = runner_tests::scratch_dir();
-    // Ready (variant 0, protocol 1), then:
-    let ready = frame(&[0, 1]);
+    // Ready (variant 0, protocol 2: runner_guest_agent::wire::PROTOCOL), then:
+    let ready = frame(&[0, 2]);
     let oversized = [ready.clone(), u32::MAX.to_le_bytes().to_vec()].concat();
     // Exit (variant 3) with both a code (Some 0) and a signal (Some 9): not an exit record.
     let bad_exit = [ready.clone(), frame(&[3, 1, 0, 1, 18, 0])].concat();

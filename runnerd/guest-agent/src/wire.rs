@@ -28,7 +28,7 @@ pub const PORT_NAME: &str = "org.sciencediscovery.agent";
 /// What the host sends.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum HostMsg {
-    Run(RunRequest),
+    Run(Box<RunRequest>),
     Stdin(Vec<u8>),
     StdinEnd,
 }
@@ -217,7 +217,9 @@ impl HostSide {
             }
             // Output costs the guest at least a byte a frame: a flood of empty frames would
             // cost the host work the output budget never counts.
-            GuestMsg::Stdout(b) | GuestMsg::Stderr(b) if b.is_empty() => Err(WireError::OutOfOrder("an empty output chunk")),
+            GuestMsg::Stdout(b) | GuestMsg::Stderr(b) if b.is_empty() => {
+                Err(WireError::OutOfOrder("an empty output chunk"))
+            }
             GuestMsg::Stdout(b) => Ok(Event::Stdout(b)),
             GuestMsg::Stderr(b) => Ok(Event::Stderr(b)),
             GuestMsg::Exit(record) => {
@@ -271,7 +273,8 @@ mod tests {
 
     #[test]
     fn messages_round_trip_in_pieces() {
-        let msgs = vec![HostMsg::Run(request()), HostMsg::Stdin(b"input".to_vec()), HostMsg::StdinEnd];
+        let msgs =
+            vec![HostMsg::Run(Box::new(request())), HostMsg::Stdin(b"input".to_vec()), HostMsg::StdinEnd];
         let bytes: Vec<u8> = msgs.iter().flat_map(|m| encode(m).unwrap()).collect();
         let mut d = Decoder::default();
         let mut got = Vec::new();
@@ -391,6 +394,6 @@ mod tests {
     fn a_request_too_large_for_a_frame_is_not_encoded() {
         let mut r = request();
         r.env = vec![("X".into(), "y".repeat(MAX_FRAME))];
-        assert!(matches!(encode(&HostMsg::Run(r)), Err(WireError::Oversized(_))));
+        assert!(matches!(encode(&HostMsg::Run(Box::new(r))), Err(WireError::Oversized(_))));
     }
 }

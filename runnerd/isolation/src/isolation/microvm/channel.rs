@@ -40,7 +40,7 @@ pub async fn converse(
 ) -> Verdict {
     let (mut rd, mut wr) = stream.into_split();
     let write = async move {
-        let mut frames = vec![HostMsg::Run(request)];
+        let mut frames = vec![HostMsg::Run(Box::new(request))];
         frames.extend(stdin.chunks(wire::MAX_CHUNK).map(|c| HostMsg::Stdin(c.to_vec())));
         frames.push(HostMsg::StdinEnd);
         for msg in frames {
@@ -180,7 +180,10 @@ mod tests {
         .await;
         assert!(matches!(v, Verdict::Exit(Exit::Code { code: 7, oom: false })), "{v:?}");
         assert_eq!(sink.0, vec![(Stream::Stdout, b"out".to_vec()), (Stream::Stderr, b"err".to_vec())]);
-        assert_eq!(sent, vec![HostMsg::Run(request()), HostMsg::Stdin(b"input".to_vec()), HostMsg::StdinEnd]);
+        assert_eq!(
+            sent,
+            vec![HostMsg::Run(Box::new(request())), HostMsg::Stdin(b"input".to_vec()), HostMsg::StdinEnd]
+        );
     }
 
     #[tokio::test]

@@ -520,7 +520,11 @@ impl Microvm {
             let (launched, verdict) = tokio::join!(self.launcher.run(launch, &mut console), talk);
             let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
             let timed_out = matches!(&launched, Ok(o) if o.termination == Termination::TimedOut);
-            if matches!(verdict, Verdict::Closed { ready: true }) && launched.is_ok() && !stopped && !timed_out {
+            if matches!(verdict, Verdict::Closed { ready: true })
+                && launched.is_ok()
+                && !stopped
+                && !timed_out
+            {
                 // The command ran (its files are measured and committed as any run's): say
                 // on its stderr why no exit status came.
                 let note = format!(
