@@ -385,11 +385,16 @@ impl Pool {
 
     /// Holds a place for `root`'s next sandbox (`environment`: it binds a scientific
     /// environment), evicting what the bounds require; `None` when pre-starting is off or
-    /// closed, or one already waits or starts for `root`.
+    /// closed, or one is already being started for `root`. One still waiting for `root` is
+    /// replaced: its call's `take` came first, so it was filed after it, for the call before
+    /// (whose shape the newest call's replaces).
     pub fn reserve(&self, root: &Path, tenant: &str, environment: bool) -> Option<Reservation> {
         let mut state = self.lock();
-        if state.closed || state.entries.contains_key(root) || state.starting.contains_key(root) {
+        if state.closed || state.starting.contains_key(root) {
             return None;
+        }
+        if let Some(older) = state.entries.remove(root) {
+            self.discard(older, Discard::Shape);
         }
         loop {
             let now = Instant::now();
