@@ -163,9 +163,10 @@ fn prestartable(spec: &SandboxSpec<'_>) -> bool {
     })
 }
 
-/// How long a call waits for a sandbox started ahead that bwrap is still setting up (a
-/// fresh launch costs more than what is left of one).
-const SETTLE_LIMIT: Duration = Duration::from_millis(100);
+/// How long a call waits for a sandbox started ahead that bwrap is still setting up: what
+/// is left of a setup that began earlier is less than a fresh launch's whole one, however
+/// loaded the host; only a bwrap stuck in its setup costs this much.
+const SETTLE_LIMIT: Duration = Duration::from_secs(2);
 
 /// `entry` if bwrap has set it up (waiting at most [`SETTLE_LIMIT`]) in the directory the call
 /// runs in: bwrap entered it by path when it started, so whatever happened in between, the
