@@ -247,10 +247,12 @@ impl Isolation for Bubblewrap {
             let asked = job.prestart.is_some();
             let next = self.next_of(&mut job, &cmd, shape);
             let taken = match (&self.pool, &next) {
-                (Some(pool), Some(next)) => match pool.take(&next.root, &next.shape) {
-                    Ok(entry) => ready_in(pool, entry, next.runs_in).await,
-                    Err(_) => None,
-                },
+                (Some(pool), Some(next)) => {
+                    match pool.take_started(&next.root, &next.shape, SETTLE_LIMIT).await {
+                        Ok(entry) => ready_in(pool, entry, next.runs_in).await,
+                        Err(_) => None,
+                    }
+                }
                 // An execution whose shape could not be made (a cwd that cannot be walked,
                 // a workspace not bound by descriptor…): nothing waiting for its workspace
                 // can be checked to match it.

@@ -321,6 +321,8 @@ pub struct Pool {
     settings: PrestartSettings,
     state: Mutex<State>,
     counters: Counters,
+    /// Wakes calls waiting for a start in flight for their workspace ([`Pool::take_started`]).
+    filed: tokio::sync::Notify,
 }
 
 /// A place in the pool held for a sandbox being started.
@@ -332,7 +334,8 @@ pub struct Reservation {
 
 impl Pool {
     pub fn new(settings: PrestartSettings) -> Arc<Pool> {
-        Arc::new(Pool { settings, state: Mutex::default(), counters: Counters::default() })
+        let filed = tokio::sync::Notify::new();
+        Arc::new(Pool { settings, state: Mutex::default(), counters: Counters::default(), filed })
     }
 
     pub fn settings(&self) -> &PrestartSettings {
@@ -361,6 +364,25 @@ impl Pool {
                 Err(miss)
             }
             (Ok(()), None) => unreachable!("classify answers Ok only for a waiting sandbox"),
+        }
+    }
+
+    /// [`Pool::take`], once the start in flight for `root`, if any, is filed (at most
+    /// `limit`): a call right after the last one would otherwise launch afresh while that
+    /// start, then unused, is spent.
+    pub async fn take_started(&self, root: &Path, shape: &Shape, limit: Duration) -> Result<Entry, Miss> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let filed = self.filed.notified();
+            tokio::pin!(filed);
+            filed.as_mut().enable();
+            let in_flight = {
+                let state = self.lock();
+                !state.entries.contains_key(root) && state.starting.contains_key(root)
+            };
+            if !in_flight || tokio::time::timeout_at(deadline, filed).await.is_err() {
+                return self.take(root, shape);
+            }
         }
     }
 
@@ -442,6 +464,8 @@ impl Pool {
             return;
         }
         state.entries.insert(reservation.root, entry);
+        drop(state);
+        self.filed.notify_waiters();
     }
 
     /// A reserved start that failed: the place is given back.
@@ -451,6 +475,7 @@ impl Pool {
         state.starting.remove(&reservation.root);
         state.voided.remove(&reservation.root);
         drop(state);
+        self.filed.notify_waiters();
         tracing::debug!(event = "prestart_failed", workspace = %reservation.root.display(), error = %common::error_chain(error));
     }
 
