@@ -766,9 +766,9 @@ fn runnerds_measured() -> Vec<(String, PathBuf)> {
     out
 }
 
-/// runnerd's own CPU time so far (utime + stime of the process, fields 14 and 15 of
-/// `/proc/PID/stat`; its children's `cutime`/`cstime` are not counted), in ms.
-pub(crate) fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
+/// A process's own CPU time so far (utime + stime, fields 14 and 15 of `/proc/PID/stat`)
+/// and its reaped children's (cutime + cstime, 16 and 17), in ms.
+pub(crate) fn cpu_ms(pid: u32) -> anyhow::Result<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) may hold spaces; the fields after its `)` start at 3.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no ')' in /proc/PID/stat")?;
@@ -781,7 +781,13 @@ pub(crate) fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
     if hz <= 0 {
         bail!("sysconf(_SC_CLK_TCK) failed");
     }
-    Ok((ticks(14)? + ticks(15)?) as f64 * 1000.0 / hz as f64)
+    let ms = |a: u64, b: u64| (a + b) as f64 * 1000.0 / hz as f64;
+    Ok((ms(ticks(14)?, ticks(15)?), ms(ticks(16)?, ticks(17)?)))
+}
+
+/// runnerd's own CPU time so far in ms ([`cpu_ms`]; its children's are not counted).
+pub(crate) fn own_cpu_ms(pid: u32) -> anyhow::Result<f64> {
+    Ok(cpu_ms(pid)?.0)
 }
 
 /// runnerd's threads' CPU time so far in ms, to the nanosecond (the first field of each
@@ -839,7 +845,7 @@ pub(crate) fn phase_totals(text: &str) -> Vec<(String, f64, f64)> {
     out
 }
 
-async fn scrape(client: &RunnerClient) -> Vec<(String, f64, f64)> {
+pub(crate) async fn scrape(client: &RunnerClient) -> Vec<(String, f64, f64)> {
     match client.get("/metrics").await {
         Ok(r) if r.status == 200 => phase_totals(&String::from_utf8_lossy(&r.body)),
         _ => Vec::new(),

@@ -9,13 +9,12 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use runnerctl::client::{Endpoint, RunnerClient};
 use serde_json::Value;
 
 use crate::{
-    BENCH_TOKEN, Daemon, Setup, Stats, Until, bare_shell_runs, http_once_as, in_pipeline_order, phase_totals,
-    rss_kib, start_runnerd_with, stats,
+    BENCH_TOKEN, Daemon, Setup, Stats, Until, bare_shell_runs, cpu_ms, http_once_as, in_pipeline_order,
+    rss_kib, scrape, start_runnerd_with, stats,
 };
 
 /// Interleaved rounds of the sequential cases.
@@ -52,17 +51,6 @@ impl Sequential {
         let n = self.samples.len().max(1) as f64;
         (self.own_ms / n, self.tree_ms / n)
     }
-}
-
-/// utime+stime and cutime+cstime of a process, ms (`/proc/PID/stat` fields 14–17).
-fn cpu_ms(pid: u32) -> anyhow::Result<(f64, f64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no ')' in /proc/PID/stat")?;
-    let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
-    // SAFETY: sysconf reads a constant of the running system.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let ms = |a: usize, b: usize| (f[a - 3] + f[b - 3]) as f64 * 1000.0 / hz;
-    Ok((ms(14, 15), ms(16, 17)))
 }
 
 /// `n` calls one after another in the workspace `key` (a new key per call when `fresh`),
@@ -360,11 +348,4 @@ fn phase_delta(before: &[(String, f64, f64)], after: &[(String, f64, f64)]) -> V
         }
     }
     out
-}
-
-async fn scrape(client: &RunnerClient) -> Vec<(String, f64, f64)> {
-    match client.get("/metrics").await {
-        Ok(r) if r.status == 200 => phase_totals(&String::from_utf8_lossy(&r.body)),
-        _ => Vec::new(),
-    }
 }
