@@ -241,19 +241,6 @@ fn process_in(dev: u64, ino: u64) -> bool {
         .any(|e| std::fs::metadata(e.path().join("cwd")).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
 }
 
-/// Host processes whose command line contains `needle`.
-fn processes_matching(needle: &str) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).replace('\0', " ").contains(needle))
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned() {
     if !sandbox_or_skip("a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned") {
@@ -284,7 +271,10 @@ async fn a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned
         .unwrap()
         .json();
     assert_eq!(r["error"], json!("Shell execution timed out after 1500 ms"), "{r}");
-    assert!(processes_matching(&format!("sleep 9{marker}")).is_empty(), "the timed out run left its sandbox");
+    assert!(
+        runner_tests::processes_matching(&format!("sleep 9{marker}")).is_empty(),
+        "the timed out run left its sandbox"
+    );
     let p3 = waiting(&client).await;
     assert_eq!(hits(&p3), hits(&p2) + 1, "{p3}");
     // Abandoned: the client goes while the run served ahead runs.
@@ -292,13 +282,13 @@ async fn a_run_served_ahead_times_out_from_its_hand_over_and_ends_when_abandoned
     let body = with_timeout(&format!("sleep 8{marker}"));
     let call = tokio::spawn(async move { c.post_signed("/execute-shell", &body).await });
     let start = Instant::now();
-    while processes_matching(&format!("sleep 8{marker}")).is_empty() {
+    while runner_tests::processes_matching(&format!("sleep 8{marker}")).is_empty() {
         assert!(start.elapsed() < Duration::from_secs(15), "the run never started");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     call.abort();
     let start = Instant::now();
-    while !processes_matching(&format!("sleep 8{marker}")).is_empty() {
+    while !runner_tests::processes_matching(&format!("sleep 8{marker}")).is_empty() {
         assert!(start.elapsed() < Duration::from_secs(15), "the abandoned run left its sandbox");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -489,6 +479,32 @@ async fn descriptors_stay_bounded_over_a_hundred_workspaces() {
     assert!(p["discards"]["evicted"].as_u64().unwrap() >= 90, "{p}");
     let late = descriptors_settle(pid, early + 4).await;
     assert!(late <= early + 4, "descriptors grew from {early} to {late} with 4 sandboxes waiting");
+}
+
+#[tokio::test]
+async fn a_waiting_sandbox_dies_with_runnerd_even_killed() {
+    if !sandbox_or_skip("a_waiting_sandbox_dies_with_runnerd_even_killed") {
+        return;
+    }
+    let s = server(&[]);
+    let client = s.client();
+    let ws = s.project_workspace("dies");
+    shell(&client, &ws, "true").await;
+    waiting(&client).await;
+    // The waiting interpreter is found by its working directory: the workspace.
+    let here = std::fs::metadata(&ws).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !process_in(here.dev(), here.ino()) {
+        assert!(Instant::now() < deadline, "no waiting sandbox is in the workspace");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // SAFETY: kill(2) on the pid of the runnerd this test started.
+    unsafe { libc::kill(s.pid().unwrap() as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while process_in(here.dev(), here.ino()) {
+        assert!(Instant::now() < deadline, "a sandbox started ahead outlived a killed runnerd");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test]
