@@ -47,11 +47,15 @@ pub(crate) fn microvm_or_skip(test: &str) -> bool {
     }
 }
 
+/// A server whose VMs boot from the prepared guest. Its pool is off unless `extra` turns it
+/// on: each VM booted ahead and never used costs seconds of TCG on CI's two cores, and the
+/// checks of single runs (no QEMU left after the answer) would see the next one booting.
 pub(crate) fn start(extra: &[(&str, &str)]) -> Server {
     let dir = guest_dir();
     let mut env = vec![
         ("SCIENCE_AGENT_MICROVM_KERNEL".to_owned(), dir.join("vmlinux").display().to_string()),
         ("SCIENCE_AGENT_MICROVM_INITRAMFS".to_owned(), dir.join("initramfs.cpio.gz").display().to_string()),
+        ("SCIENCE_AGENT_MICROVM_POOL".to_owned(), "0".to_owned()),
     ];
     env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     Server::start_with(ServerOptions { env, ..ServerOptions::default() })
@@ -477,4 +481,140 @@ async fn a_managed_run_in_a_vm_is_cancelled() {
     assert_eq!(record["state"], "cancelled", "{record}");
     assert_eq!(std::fs::read_to_string(ws.join("started.txt")).unwrap(), "started\n");
     no_qemu_left(&server);
+}
+
+/// The microvm pool's block of `/health`.
+async fn vm_pool(server: &Server) -> serde_json::Value {
+    let health = server.client().get("/health").await.unwrap().json();
+    health["isolation"]["backends"]["microvm"]["pool"].clone()
+}
+
+/// Waits until `ready` holds of the pool (a liveness bound only: a TCG boot on a loaded
+/// host takes up to ~12 s).
+async fn vm_pool_until(
+    server: &Server,
+    what: &str,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let p = vm_pool(server).await;
+        if ready(&p) {
+            return p;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: {p}\nrunnerd: {}", server.stderr());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_vm_booted_ahead_serves_one_call_of_its_shape_and_nothing_carries_over() {
+    if !microvm_or_skip("a_vm_booted_ahead_serves_one_call_of_its_shape_and_nothing_carries_over") {
+        return;
+    }
+    let mut server = start(&[("SCIENCE_AGENT_MICROVM_POOL", "2")]);
+    let p = vm_pool(&server).await;
+    assert_eq!(
+        (p["enabled"].clone(), p["perNode"].clone(), p["waiting"].clone()),
+        (json!(true), json!(2), json!(0)),
+        "{p}"
+    );
+    let ws = server.project_workspace("vm-pool");
+    std::fs::create_dir(ws.join("sub")).unwrap();
+    // The first call boots its own VM, and leaves what must not carry over.
+    let first = "echo left > /tmp/left; echo one > one.txt; setsid sleep 300 >/dev/null 2>&1 < /dev/null & echo booted";
+    let r = run(&server, &ws, first, json!({})).await;
+    assert_eq!((r["exitCode"].clone(), r["stdout"].clone()), (json!(0), json!("booted\n")), "{r}");
+    let p = vm_pool_until(&server, "a VM boots for the workspace's next call", |p| p["waiting"] == json!(1))
+        .await;
+    assert_eq!(p["hits"], 0, "{p}");
+    assert!(p["memoryBytes"].as_u64().unwrap() > 16 << 20, "a booted VM's memory is stated: {p}");
+    let vms = qemu_of(&server);
+    assert_eq!(vms.iter().filter(|(_, c)| c.starts_with("/usr/bin/qemu")).count(), 1, "{vms:?}");
+
+    // The host changes the workspace in between: the booted VM sees it as it is now. The
+    // call has another cwd and language than the one the VM was booted after: a booted
+    // guest takes any command of its shape (shares, size).
+    std::fs::write(ws.join("host.txt"), "from the host\n").unwrap();
+    std::fs::remove_file(ws.join("one.txt")).unwrap();
+    let second = r#"
+test -e /tmp/left && echo "tmp carried over"
+pgrep -x sleep >/dev/null && echo "process carried over"
+cat ../host.txt
+test -e ../one.txt && echo "deleted file seen"
+echo two > two.txt
+pwd
+"#;
+    let r = run(&server, &ws, second, json!({"cwd": "sub"})).await;
+    assert_eq!(r["exitCode"], 0, "{r}");
+    assert_eq!(r["stdout"], "from the host\n/workspace/sub\n", "{r}");
+    let created: Vec<&str> =
+        r["createdFiles"].as_array().unwrap().iter().filter_map(|f| f.as_str()).collect();
+    assert_eq!(created, ["sub/two.txt"], "the receipt is the call's own: {r}");
+    let p = vm_pool_until(&server, "the next VM boots", |p| p["waiting"] == json!(1)).await;
+    assert_eq!(p["hits"], 1, "the second call was served by the booted VM: {p}");
+    assert_eq!(p["started"], 2, "{p}");
+
+    // A deadline runs from the hand-over, and a VM served ahead that times out is killed.
+    let mut body = shell_request("main", "session-microvm", &ws, "echo start > started.txt; sleep 300");
+    body["isolation"] = json!("microvm");
+    body["executionTimeoutMs"] = json!(3000);
+    let r = server.client().post_signed("/execute-shell", &body).await.unwrap().json();
+    assert_eq!(r["code"], "execution_timeout", "{r}");
+    assert_eq!(std::fs::read_to_string(ws.join("started.txt")).unwrap(), "start\n");
+    let p = vm_pool(&server).await;
+    assert_eq!(p["hits"], 2, "{p}");
+
+    // Another shape (the guest's size): the waiting VM is discarded, the call boots its own.
+    let p = vm_pool_until(&server, "the next VM boots", |p| p["waiting"] == json!(1)).await;
+    let shape_changed = p["discards"]["shape_changed"].as_u64().unwrap();
+    let r = run(&server, &ws, "echo big", json!({"resourceLimits": {"memoryBytes": 384u64 << 20}})).await;
+    assert_eq!(r["stdout"], "big\n", "{r}");
+    let p = vm_pool(&server).await;
+    assert_eq!(
+        (p["hits"].clone(), p["discards"]["shape_changed"].as_u64().unwrap()),
+        (json!(2), shape_changed + 1),
+        "{p}"
+    );
+
+    // runnerd stops: the waiting VM and its QEMU end with it.
+    vm_pool_until(&server, "the next VM boots", |p| p["waiting"] == json!(1)).await;
+    assert!(server.stop().success());
+    let orphans: Vec<_> = runner_tests::processes_matching("qemu-system")
+        .into_iter()
+        .filter(|(pid, _)| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit_once(')').is_some_and(|(_, r)| r.split_whitespace().nth(1) == Some("1"))
+            })
+        })
+        .collect();
+    assert!(orphans.is_empty(), "QEMU left after a stop: {orphans:?}");
+}
+
+#[tokio::test]
+async fn clearing_a_workspace_discards_its_booted_vm() {
+    if !microvm_or_skip("clearing_a_workspace_discards_its_booted_vm") {
+        return;
+    }
+    let server = start(&[("SCIENCE_AGENT_MICROVM_POOL", "1")]);
+    let client = server.client();
+    let key = "vm-pool-clear";
+    let mut body = runner_tests::server::keyed_shell_request("a", "s", key, "echo x > f");
+    body["isolation"] = json!("microvm");
+    let reply = client.post_signed("/execute-shell", &body).await.unwrap();
+    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    vm_pool_until(&server, "a VM boots", |p| p["waiting"] == json!(1)).await;
+    let cleared = client
+        .send_bytes("DELETE", &format!("/remote-workspace?workspace={key}"), &[], Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(cleared.status, 200, "{}", String::from_utf8_lossy(&cleared.body));
+    let p = vm_pool_until(&server, "cleared", |p| p["waiting"] == json!(0)).await;
+    assert_eq!(p["discards"]["workspace_changed"], 1, "{p}");
+    // Its QEMU is gone (the discard ends it off the request's path).
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !qemu_of(&server).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "QEMU left: {:?}", qemu_of(&server));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -270,9 +270,7 @@ async fn serve(loaded: Loaded, sink: Option<Sink>, fallback: Fallback, dev: bool
     http::serve(app.clone(), gate, listener, shutdown(signals, app.clone())).await;
     app.managed.close(MANAGED_GRACE).await;
     app.limits.remove_spares();
-    app.sandbox
-        .isolation
-        .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Stopping);
+    app.sandbox.forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Stopping);
     tracing::info!(event = "stopped");
     Ok(0)
 }

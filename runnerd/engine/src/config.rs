@@ -409,6 +409,8 @@ pub static SCHEMA: Schema = Schema {
         Key::new("microvm_kernel", crate::isolation::select::KERNEL_VAR, Kind::Text),
         Key::new("microvm_initramfs", crate::isolation::select::INITRAMFS_VAR, Kind::Text),
         Key::new("microvm_accel", crate::isolation::select::ACCEL_VAR, Kind::Text),
+        Key::new("microvm_pool", crate::isolation::select::POOL_VAR, Kind::Integer),
+        Key::new("microvm_pool_per_tenant", crate::isolation::select::POOL_PER_TENANT_VAR, Kind::Integer),
         Key::new("log_level", common::audit::LEVEL_VAR, Kind::Text),
         Key::new("log_target", common::audit::TARGET_VAR, Kind::Text),
     ],
@@ -595,8 +597,13 @@ impl Loaded {
                     }),
                     "replica_allow_http" => replica_row(c, |r| r.allow_http.to_string()),
                     "node_url" => c.node_url.clone(),
-                    "isolation" | "microvm_qemu" | "microvm_kernel" | "microvm_initramfs"
-                    | "microvm_accel" => c.isolation.row(k.name),
+                    "isolation"
+                    | "microvm_qemu"
+                    | "microvm_kernel"
+                    | "microvm_initramfs"
+                    | "microvm_accel"
+                    | "microvm_pool"
+                    | "microvm_pool_per_tenant" => c.isolation.row(k.name),
                     "log_level" => self.log.level_name().to_owned(),
                     "log_target" => self.log.target_name().to_owned(),
                     other => c.limits.show(other).unwrap_or_else(|| format!("<{other}>")),

@@ -46,7 +46,7 @@ pub fn locate(app: &App, ws: &WorkspaceRef) -> Result<Located, EngineError> {
         // workspace there: a directory swapped for a link, or gone.
         // Exactly this path: a refused path must not reach other workspaces' sandboxes.
         let scope = crate::isolation::prestart::Scope::Exactly(Path::new(root));
-        app.sandbox.isolation.forget(scope, crate::isolation::prestart::Discard::Workspace);
+        app.sandbox.forget(scope, crate::isolation::prestart::Discard::Workspace);
     })?;
     let read_only = match &ws.read_only {
         Some(p) => Some(validated_workspace(data, Path::new(p))?),

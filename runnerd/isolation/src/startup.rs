@@ -66,6 +66,23 @@ impl SandboxRuntime {
             crate::isolation::select::Backend::Microvm => &*self.microvm,
         }
     }
+
+    /// A workspace's call ended (its version committed): each backend starts what waits for
+    /// that workspace's next call, if it ran the call ([`Isolation::call_ended`]).
+    pub fn call_ended(&self, workspace: &std::path::Path) {
+        self.isolation.call_ended(workspace);
+        self.microvm.call_ended(workspace);
+    }
+
+    /// Discards what waits, in every backend, for the workspaces in `scope` ([`Isolation::forget`]).
+    pub fn forget(
+        &self,
+        scope: crate::isolation::prestart::Scope<'_>,
+        why: crate::isolation::prestart::Discard,
+    ) {
+        self.isolation.forget(scope, why);
+        self.microvm.forget(scope, why);
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -177,8 +194,10 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
         )
         .with_prestart(config.prestart),
     );
+    let mut microvm_settings = config.isolation.microvm.clone();
+    microvm_settings.pool.idle = config.prestart.idle;
     let mut microvm = crate::isolation::Microvm::new(
-        config.isolation.microvm.clone(),
+        microvm_settings,
         bwrap.clone(),
         launcher.clone(),
         user.clone(),

@@ -180,7 +180,6 @@ pub(crate) async fn uninstall(app: &App, peer: &str, id: &str, body: &[u8]) -> R
 pub(crate) async fn delete(app: &App, peer: &str, id: &str) -> Result<ApiResponse, ApiError> {
     let deleted = app.envs.delete(id).await;
     app.sandbox
-        .isolation
         .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
     audit(peer, "delete", id, "", &deleted, |_| String::new());
     ok(json!({"deleted": deleted?}))

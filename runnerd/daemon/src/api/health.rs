@@ -101,6 +101,17 @@ pub fn health(
         &*app.sandbox.isolation,
         &app.sandbox.microvm,
     );
+    health["isolation"]["backends"]["microvm"]["pool"] = match crate::isolation::Isolation::prestarted(
+        &*app.sandbox.microvm,
+    ) {
+        Some(r) => pool_block(
+            &r,
+            "resident memory of the waiting VMs' processes (bwrap, QEMU with the guest's touched RAM), RSS summed per process",
+        ),
+        None => {
+            json!({"enabled": false, "reason": "off (SCIENCE_AGENT_MICROVM_POOL=0), no VM can start here, or bwrap has no --bind-fd"})
+        }
+    };
     health
 }
 
@@ -150,6 +161,15 @@ fn prestarted(app: &App) -> Value {
     let Some(r) = app.sandbox.isolation.prestarted() else {
         return json!({"enabled": false, "reason": "off (SCIENCE_AGENT_PRESTART_SANDBOXES=0), or bwrap has no --bind-fd"});
     };
+    pool_block(
+        &r,
+        "resident memory of the waiting sandboxes' processes (bwrap, its init, the interpreter), RSS summed per process",
+    )
+}
+
+/// A pool of sandboxes (or VMs) started ahead: its bounds, what waits and its memory, the
+/// hits, misses and discards since start-up.
+fn pool_block(r: &crate::isolation::prestart::Report, memory: &str) -> Value {
     let reasons = |list: &[(&str, u64)]| -> Value {
         Value::Object(list.iter().map(|(k, n)| ((*k).to_owned(), json!(n))).collect())
     };
@@ -160,7 +180,7 @@ fn prestarted(app: &App) -> Value {
         "idleSeconds": r.settings.idle.as_secs(),
         "waiting": r.waiting,
         "memoryBytes": r.memory_bytes,
-        "memory": "resident memory of the waiting sandboxes' processes (bwrap, its init, the interpreter), RSS summed per process",
+        "memory": memory,
         "hits": r.hits,
         "misses": reasons(&r.misses),
         "discards": reasons(&r.discards),

@@ -321,7 +321,7 @@ pub async fn clear(app: &Arc<App>, q: Option<&str>) -> Result<ApiResponse, ApiEr
     let op = blocking(move || files::clear(&fd).map_err(remote_err)).await;
     let committed = app.versions.commit_mutation(&writer, "workspace-clear", None, op.is_ok()).await;
     // While the lease is held: no call can end and start another in between.
-    app.sandbox.isolation.forget(
+    app.sandbox.forget(
         crate::isolation::prestart::Scope::Beneath(&root),
         crate::isolation::prestart::Discard::Workspace,
     );

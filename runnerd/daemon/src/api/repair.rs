@@ -31,7 +31,7 @@ pub async fn repair(app: &Arc<App>, body: &[u8]) -> Result<ApiResponse, ApiError
     let repaired = app.versions.repair(&root, pinned).await.map_err(ApiError::from_write);
     // After the repair held the workspace: a sandbox started by a call that ended meanwhile
     // goes too.
-    app.sandbox.isolation.forget(Scope::Beneath(&root), Discard::Workspace);
+    app.sandbox.forget(Scope::Beneath(&root), Discard::Workspace);
     let repaired = repaired?;
     let previous = repaired.previous.as_ref().map(|(head, verified)| {
         let verified = match verified {

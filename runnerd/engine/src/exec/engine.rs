@@ -140,7 +140,7 @@ impl Execution<'_> {
         let committed = route.commit(&writer, &mut ran).await;
         drop(writer);
         drop(held);
-        app.sandbox.isolation.call_ended(root);
+        app.sandbox.call_ended(root);
         Flow::Finished { ran: Box::new(ran), committed }
     }
 }

@@ -135,7 +135,7 @@ impl Outgoing {
     pub fn fence(mut self) -> Result<(), TransferFailed> {
         let now = crate::timefmt::now_ms();
         self.app.versions.placement().fence(&self.canonical, self.epoch, &self.progress.to, now)?;
-        self.app.sandbox.isolation.forget(
+        self.app.sandbox.forget(
             crate::isolation::prestart::Scope::Beneath(&self.canonical),
             crate::isolation::prestart::Discard::Workspace,
         );

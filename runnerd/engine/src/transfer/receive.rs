@@ -207,7 +207,7 @@ pub async fn install(
     .await?;
     let (head, epoch) = commit_head(app, &writer, &canonical, head, &tree, how).await?;
     // A sandbox started ahead for the files that were here would mount a tree now gone.
-    app.sandbox.isolation.forget(
+    app.sandbox.forget(
         crate::isolation::prestart::Scope::Beneath(&canonical),
         crate::isolation::prestart::Discard::Workspace,
     );

@@ -31,15 +31,10 @@ pub struct Bubblewrap {
     bind_fd: bool,
     /// Sandboxes started ahead for executions (issue #37); `None`: off.
     pool: Option<Arc<Pool>>,
-    /// The next sandbox of each workspace whose call has not ended yet: it starts at
-    /// [`Isolation::call_ended`], after the call's commit, so that its start does not compete
-    /// with the call's own answer for the CPU.
-    pending: std::sync::Mutex<std::collections::HashMap<PathBuf, (Next, Option<ExecCgroup>)>>,
+    /// The next sandbox of each workspace whose call has not ended yet, with a fresh
+    /// cgroup of its limits if one is at hand.
+    pending: prestart::Pending<(Next, Option<ExecCgroup>)>,
 }
-
-/// The most calls whose next sandbox waits for their end (a call that never ends — its
-/// sandbox did not die — keeps its entry; the oldest go first beyond this).
-const PENDING_MAX: usize = 256;
 
 impl Bubblewrap {
     pub fn new(
@@ -93,24 +88,14 @@ impl Bubblewrap {
             cwd,
         };
         let root = job.spec.workspace.root().to_owned();
-        let (cmd, rlimits, made) = (cmd.clone(), job.rlimits.clone(), std::time::Instant::now());
-        Some(Next { root, made, runs_in, prestart, shape, cmd, slots, rlimits, limits })
+        let (cmd, rlimits) = (cmd.clone(), job.rlimits.clone());
+        Some(Next { root, runs_in, prestart, shape, cmd, slots, rlimits, limits })
     }
 
     /// Keeps what the next sandbox of a call's workspace needs until the call ends
     /// ([`Isolation::call_ended`]).
     fn hold_next(&self, next: Next, cgroup: Option<ExecCgroup>) {
-        let dropped = {
-            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            let mut dropped = Vec::new();
-            if pending.len() >= PENDING_MAX && !pending.contains_key(&next.root) {
-                let oldest = pending.iter().min_by_key(|(_, (n, _))| n.made).map(|(k, _)| k.clone());
-                dropped.extend(oldest.and_then(|k| pending.remove(&k)).map(|(_, c)| c));
-            }
-            dropped.extend(pending.insert(next.root.clone(), (next, cgroup)).map(|(_, c)| c));
-            dropped
-        };
-        dropped.into_iter().for_each(release);
+        self.pending.hold(next.root.clone(), (next, cgroup)).into_iter().for_each(|(_, c)| release(c));
     }
 
     /// Starts the next sandbox of a shape in the background and files it in the pool, when
@@ -145,7 +130,7 @@ impl Bubblewrap {
             launch.rlimits = rlimits;
             launch.cgroup_procs = joins;
             match launcher.start(launch).await {
-                Ok(waiting) => pool.insert(reservation, shape, waiting, cgroup),
+                Ok(waiting) => pool.insert(reservation, shape, waiting, cgroup, ()),
                 Err(e) => pool.failed(reservation, &StartError::Launch(e)),
             }
         });
@@ -205,7 +190,6 @@ enum StartError {
 #[derive(Debug)]
 struct Next {
     root: PathBuf,
-    made: std::time::Instant,
     /// (device, inode) of the directory the call runs in.
     runs_in: (u64, u64),
     prestart: Prestart,
@@ -289,8 +273,7 @@ impl Isolation for Bubblewrap {
     }
 
     fn call_ended(&self, workspace: &Path) {
-        let held = self.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(workspace);
-        if let Some((next, cgroup)) = held {
+        if let Some((next, cgroup)) = self.pending.take(workspace) {
             self.start_next(next, cgroup);
         }
     }
@@ -299,19 +282,9 @@ impl Isolation for Bubblewrap {
         let Some(pool) = &self.pool else { return };
         // What waits for a call's end in that scope is dropped too (an environment change
         // reaches only what binds one).
-        let dropped: Vec<Option<ExecCgroup>> = {
-            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            let env_only = why == Discard::Environment;
-            let keys: Vec<PathBuf> = pending
-                .iter()
-                .filter(|(root, (next, _))| {
-                    scope.holds(root) && (!env_only || next.shape.binds_environment())
-                })
-                .map(|(root, _)| root.clone())
-                .collect();
-            keys.iter().filter_map(|k| pending.remove(k)).map(|(_, c)| c).collect()
-        };
-        dropped.into_iter().for_each(release);
+        let env_only = why == Discard::Environment;
+        let dropped = self.pending.forget(scope, |(next, _)| !env_only || next.shape.binds_environment());
+        dropped.into_iter().for_each(|(_, c)| release(c));
         pool.forget(scope, why);
     }
 

@@ -104,7 +104,8 @@ impl Shape {
     /// Whether the sandbox binds a scientific environment's prefix (by path: a change to
     /// any environment discards it).
     pub fn binds_environment(&self) -> bool {
-        self.options.iter().any(|o| o == crate::sandbox::argv::SCIENCE_ENV_MOUNT)
+        use super::microvm::argv::ENV_SHARE;
+        self.options.iter().any(|o| o == crate::sandbox::argv::SCIENCE_ENV_MOUNT || o == ENV_SHARE)
     }
 }
 
@@ -264,15 +265,17 @@ pub fn admit(settings: &PrestartSettings, waiting: &[(&str, Instant)], tenant: &
     oldest_of(victim).map_or(Admission::No, Admission::Evicting)
 }
 
-/// One sandbox waiting for its workspace's next call.
+/// One sandbox waiting for its workspace's next call; `G` is what else the backend keeps
+/// for it (a microVM's channel to its booted guest).
 #[derive(Debug)]
-pub struct Entry {
+pub struct Entry<G = ()> {
     pub shape: Shape,
     pub tenant: String,
     pub waiting: Waiting,
     /// The cgroup it joined; the run's, when it is taken.
     pub cgroup: Option<ExecCgroup>,
     pub since: Instant,
+    pub guest: G,
 }
 
 /// The counters `/metrics` and `/health` show.
@@ -300,12 +303,12 @@ pub struct Report {
     pub failed: u64,
 }
 
-#[derive(Debug, Default)]
-struct State {
+#[derive(Debug)]
+struct State<G> {
     /// The expiry sweep runs (started with the first sandbox).
     sweeping: bool,
     /// At most one per workspace root (executions of one workspace never overlap).
-    entries: HashMap<PathBuf, Entry>,
+    entries: HashMap<PathBuf, Entry<G>>,
     /// Workspaces whose next sandbox is being started (counted against the bounds): its
     /// tenant, and whether it binds a scientific environment.
     starting: HashMap<PathBuf, (String, bool)>,
@@ -315,11 +318,23 @@ struct State {
     closed: bool,
 }
 
-/// The pre-started sandboxes of one backend.
+impl<G> Default for State<G> {
+    fn default() -> Self {
+        State {
+            sweeping: false,
+            entries: HashMap::new(),
+            starting: HashMap::new(),
+            voided: Default::default(),
+            closed: false,
+        }
+    }
+}
+
+/// The pre-started sandboxes of one backend (`G`: what it keeps beside each, [`Entry`]).
 #[derive(Debug)]
-pub struct Pool {
+pub struct Pool<G = ()> {
     settings: PrestartSettings,
-    state: Mutex<State>,
+    state: Mutex<State<G>>,
     counters: Counters,
     /// Wakes calls waiting for a start in flight for their workspace ([`Pool::take_started`]).
     filed: tokio::sync::Notify,
@@ -332,8 +347,8 @@ pub struct Reservation {
     pub tenant: String,
 }
 
-impl Pool {
-    pub fn new(settings: PrestartSettings) -> Arc<Pool> {
+impl<G: Send + 'static> Pool<G> {
+    pub fn new(settings: PrestartSettings) -> Arc<Pool<G>> {
         let filed = tokio::sync::Notify::new();
         Arc::new(Pool { settings, state: Mutex::default(), counters: Counters::default(), filed })
     }
@@ -342,7 +357,7 @@ impl Pool {
         &self.settings
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<G>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -350,7 +365,7 @@ impl Pool {
     /// why not (a waiting sandbox of another shape, or a dead one, is discarded). The
     /// caller then checks where it is ([`Pool::take`] is followed by [`Pool::served`] or
     /// [`Pool::refuse`]).
-    pub fn take(&self, root: &Path, shape: &Shape) -> Result<Entry, Miss> {
+    pub fn take(&self, root: &Path, shape: &Shape) -> Result<Entry<G>, Miss> {
         let mut entry = self.lock().entries.remove(root);
         let alive = entry.as_mut().map(|e| e.waiting.alive());
         match (classify(entry.as_ref().map(|e| &e.shape).zip(alive), shape), entry) {
@@ -370,7 +385,7 @@ impl Pool {
     /// [`Pool::take`], once the start in flight for `root`, if any, is filed (at most
     /// `limit`): a call right after the last one would otherwise launch afresh while that
     /// start, then unused, is spent.
-    pub async fn take_started(&self, root: &Path, shape: &Shape, limit: Duration) -> Result<Entry, Miss> {
+    pub async fn take_started(&self, root: &Path, shape: &Shape, limit: Duration) -> Result<Entry<G>, Miss> {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let filed = self.filed.notified();
@@ -392,7 +407,7 @@ impl Pool {
     }
 
     /// A taken sandbox does not serve its call (`miss` says why): it is discarded.
-    pub fn refuse(&self, entry: Entry, miss: Miss) {
+    pub fn refuse(&self, entry: Entry<G>, miss: Miss) {
         self.missed(miss);
         let why = if miss == Miss::Died { Discard::Died } else { Discard::Shape };
         self.discard(entry, why);
@@ -450,10 +465,11 @@ impl Pool {
         shape: Shape,
         waiting: Waiting,
         cgroup: Option<ExecCgroup>,
+        guest: G,
     ) {
         self.counters.started.fetch_add(1, Ordering::Relaxed);
-        let entry =
-            Entry { shape, tenant: reservation.tenant.clone(), waiting, cgroup, since: Instant::now() };
+        let tenant = reservation.tenant.clone();
+        let entry = Entry { shape, tenant, waiting, cgroup, since: Instant::now(), guest };
         let mut state = self.lock();
         state.starting.remove(&reservation.root);
         let voided = state.voided.remove(&reservation.root);
@@ -483,7 +499,7 @@ impl Pool {
     /// repaired, moved or no longer a workspace. For [`Discard::Environment`], only what
     /// binds a scientific environment; for [`Discard::Stopping`], the pool closes too.
     pub fn forget(&self, scope: Scope<'_>, why: Discard) {
-        let gone: Vec<Entry> = {
+        let gone: Vec<Entry<G>> = {
             let mut state = self.lock();
             state.closed |= why == Discard::Stopping;
             let env_only = why == Discard::Environment;
@@ -533,7 +549,7 @@ impl Pool {
     /// Discards every sandbox that waited longer than the idle limit.
     pub fn expire(&self, now: Instant) {
         let idle = self.settings.idle;
-        let gone: Vec<Entry> = {
+        let gone: Vec<Entry<G>> = {
             let mut state = self.lock();
             let keys: Vec<PathBuf> = state
                 .entries
@@ -550,25 +566,26 @@ impl Pool {
 
     /// Ends an unused sandbox off the caller's path (in the caller's, when runnerd stops):
     /// its namespace gone first, then its cgroup removed.
-    fn discard(&self, entry: Entry, why: Discard) {
+    fn discard(&self, entry: Entry<G>, why: Discard) {
         self.counters.discards[Discard::ALL.iter().position(|d| *d == why).unwrap_or(0)]
             .fetch_add(1, Ordering::Relaxed);
         tracing::debug!(event = "prestart_discarded", reason = why.name());
-        let Entry { waiting, cgroup, .. } = entry;
+        let Entry { waiting, cgroup, guest, .. } = entry;
         match tokio::runtime::Handle::try_current() {
             // runnerd stops: ended now, while the caller waits (the drops kill the sandbox,
             // then everything left in its cgroup, and remove the cgroup).
-            _ if why == Discard::Stopping => drop((waiting, cgroup)),
+            _ if why == Discard::Stopping => drop((waiting, cgroup, guest)),
             Ok(rt) => {
                 rt.spawn(async move {
                     waiting.end().await;
+                    drop(guest);
                     if let Some(cgroup) = cgroup {
                         let _ = tokio::task::spawn_blocking(move || drop(cgroup)).await;
                     }
                 });
             }
             // No runtime (a test's or runnerd's last moments): the drops end it.
-            Err(_) => drop((waiting, cgroup)),
+            Err(_) => drop((waiting, cgroup, guest)),
         }
     }
 
@@ -598,6 +615,59 @@ impl Pool {
             started: c.started.load(Ordering::Relaxed),
             failed: c.failed.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// The most calls whose next sandbox waits for their end (a call that never ends — its
+/// sandbox did not die — keeps its entry; the oldest go first beyond this).
+pub const PENDING_MAX: usize = 256;
+
+/// The next sandbox of each workspace whose call has not ended yet: a backend starts it at
+/// [`super::Isolation::call_ended`], after the call's commit, so that its start does not
+/// compete with the call's own answer for the CPU. Bounded by [`PENDING_MAX`].
+#[derive(Debug)]
+pub struct Pending<N> {
+    held: Mutex<HashMap<PathBuf, (Instant, N)>>,
+}
+
+impl<N> Default for Pending<N> {
+    fn default() -> Self {
+        Pending { held: Mutex::new(HashMap::new()) }
+    }
+}
+
+impl<N> Pending<N> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<PathBuf, (Instant, N)>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `next` until `root`'s call ends; what it replaces, or the oldest beyond the
+    /// bound, comes back to be released.
+    pub fn hold(&self, root: PathBuf, next: N) -> Vec<N> {
+        let mut held = self.lock();
+        let mut dropped = Vec::new();
+        if held.len() >= PENDING_MAX && !held.contains_key(&root) {
+            let oldest = held.iter().min_by_key(|(_, (at, _))| *at).map(|(k, _)| k.clone());
+            dropped.extend(oldest.and_then(|k| held.remove(&k)).map(|(_, n)| n));
+        }
+        dropped.extend(held.insert(root, (Instant::now(), next)).map(|(_, n)| n));
+        dropped
+    }
+
+    /// What waits for `root`'s call to end.
+    pub fn take(&self, root: &Path) -> Option<N> {
+        self.lock().remove(root).map(|(_, n)| n)
+    }
+
+    /// Removes (and gives back) what waits in `scope` and `reached` selects.
+    pub fn forget(&self, scope: Scope<'_>, reached: impl Fn(&N) -> bool) -> Vec<N> {
+        let mut held = self.lock();
+        let keys: Vec<PathBuf> = held
+            .iter()
+            .filter(|(root, (_, n))| scope.holds(root) && reached(n))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.iter().filter_map(|k| held.remove(k)).map(|(_, n)| n).collect()
     }
 }
 

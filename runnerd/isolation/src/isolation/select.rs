@@ -13,14 +13,18 @@ pub const QEMU_VAR: &str = "SCIENCE_AGENT_MICROVM_QEMU";
 pub const KERNEL_VAR: &str = "SCIENCE_AGENT_MICROVM_KERNEL";
 pub const INITRAMFS_VAR: &str = "SCIENCE_AGENT_MICROVM_INITRAMFS";
 pub const ACCEL_VAR: &str = "SCIENCE_AGENT_MICROVM_ACCEL";
+pub const POOL_VAR: &str = "SCIENCE_AGENT_MICROVM_POOL";
+pub const POOL_PER_TENANT_VAR: &str = "SCIENCE_AGENT_MICROVM_POOL_PER_TENANT";
 
 /// The configuration file's keys, each with its variable.
-pub const KEYS: [(&str, &str); 5] = [
+pub const KEYS: [(&str, &str); 7] = [
     ("isolation", ISOLATION_VAR),
     ("microvm_qemu", QEMU_VAR),
     ("microvm_kernel", KERNEL_VAR),
     ("microvm_initramfs", INITRAMFS_VAR),
     ("microvm_accel", ACCEL_VAR),
+    ("microvm_pool", POOL_VAR),
+    ("microvm_pool_per_tenant", POOL_PER_TENANT_VAR),
 ];
 
 /// An isolation backend by name.
@@ -89,6 +93,18 @@ impl IsolationSettings {
         };
         let fallback = MicrovmSettings::default();
         let path = |name, default: PathBuf| get(name).map_or(default, PathBuf::from);
+        let count = |name: &'static str, default: usize, least: usize| match get(name) {
+            None => Ok(default),
+            Some(v) => v.trim().parse::<usize>().ok().filter(|n| *n >= least).ok_or_else(|| SettingError {
+                name,
+                reason: format!("must be a whole number of at least {least}, not {v:?}"),
+            }),
+        };
+        let pool = super::PrestartSettings {
+            per_node: count(POOL_VAR, fallback.pool.per_node, 0)?,
+            per_tenant: count(POOL_PER_TENANT_VAR, fallback.pool.per_tenant, 1)?,
+            idle: fallback.pool.idle,
+        };
         Ok(IsolationSettings {
             default,
             microvm: MicrovmSettings {
@@ -96,6 +112,7 @@ impl IsolationSettings {
                 kernel: path(KERNEL_VAR, fallback.kernel),
                 initramfs: path(INITRAMFS_VAR, fallback.initramfs),
                 accel,
+                pool,
             },
         })
     }
@@ -108,6 +125,8 @@ impl IsolationSettings {
             "microvm_kernel" => self.microvm.kernel.display().to_string(),
             "microvm_initramfs" => self.microvm.initramfs.display().to_string(),
             "microvm_accel" => self.microvm.accel.name().to_owned(),
+            "microvm_pool" => self.microvm.pool.per_node.to_string(),
+            "microvm_pool_per_tenant" => self.microvm.pool.per_tenant.to_string(),
             _ => String::new(),
         }
     }
@@ -168,6 +187,11 @@ mod tests {
         assert_eq!(settings(&[(ISOLATION_VAR, "")]).unwrap().default, Backend::Bwrap);
         assert_eq!(settings(&[(ISOLATION_VAR, "firecracker")]).unwrap_err().name, ISOLATION_VAR);
         assert_eq!(settings(&[(ACCEL_VAR, "hvf")]).unwrap_err().name, ACCEL_VAR);
+        assert_eq!(d.microvm.pool, super::super::microvm::DEFAULT_POOL);
+        let p = settings(&[(POOL_VAR, "0"), (POOL_PER_TENANT_VAR, "3")]).unwrap().microvm.pool;
+        assert_eq!((p.per_node, p.per_tenant), (0, 3));
+        assert_eq!(settings(&[(POOL_VAR, "-1")]).unwrap_err().name, POOL_VAR);
+        assert_eq!(settings(&[(POOL_PER_TENANT_VAR, "0")]).unwrap_err().name, POOL_PER_TENANT_VAR);
     }
 
     #[test]

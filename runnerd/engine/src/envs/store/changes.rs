@@ -61,7 +61,6 @@ impl EnvStore {
         }
         // A starter published again replaces the one sandboxes started ahead bind.
         app.sandbox
-            .isolation
             .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
         Ok(env)
     }
@@ -191,7 +190,6 @@ impl EnvStore {
         audit("environment_changed", &env.id, &rev, &revision.packages.len().to_string());
         // A sandbox started ahead binds the prefix by path, as it was.
         app.sandbox
-            .isolation
             .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
         Ok(revision)
     }

@@ -69,6 +69,10 @@ pub struct VmArgs<'a> {
 pub const KERNEL_CMDLINE: &str =
     "console=ttyS0 quiet loglevel=3 tsc_early_khz=2445406 reboot=t panic=-1 pci=off rdinit=/init";
 
+/// Where QEMU's sandbox holds the environment prefix's share: a VM waiting in the pool that
+/// binds it is discarded when an environment changes ([`crate::isolation::prestart::Shape`]).
+pub const ENV_SHARE: &str = "/vm/share/env";
+
 const IN_KERNEL: &str = "/vm/vmlinux";
 const IN_INITRAMFS: &str = "/vm/initramfs";
 
@@ -212,7 +216,7 @@ mod tests {
         assert!(a.contains(&"local,id=env,path=/vm/share/env,security_model=none,readonly=on".to_owned()));
         let b = bwrap_options(&v);
         assert!(window(&b, &["--bind-fd", "5", "/vm/share/ws"]));
-        assert!(window(&b, &["--ro-bind", "/envs/e1", "/vm/share/env"]));
+        assert!(window(&b, &["--ro-bind", "/envs/e1", ENV_SHARE]));
         assert!(window(&b, &["--ro-bind", "/cache/vmlinux", "/vm/vmlinux"]));
         // /usr is QEMU's own and the guest's; never a second bind, never /dev/kvm under TCG.
         assert_eq!(b.iter().filter(|x| *x == "/usr").count(), 2);

@@ -31,74 +31,122 @@ pub enum Verdict {
     Io(std::io::Error),
 }
 
-/// Runs one conversation to its final message or the channel's end.
+/// runnerd's end of one VM's agent channel, and what the guest said on it so far.
+#[derive(Debug)]
+pub struct Channel {
+    stream: UnixStream,
+    side: HostSide,
+    decoder: Decoder,
+    ready: bool,
+}
+
+impl Channel {
+    pub fn new(stream: UnixStream) -> Channel {
+        Channel { stream, side: HostSide::default(), decoder: Decoder::default(), ready: false }
+    }
+
+    /// Waits for the guest's `Ready` (a VM booted ahead, or the KVM probe's); anything else
+    /// the guest says first, or the channel's end, is the verdict.
+    pub async fn ready(&mut self) -> Result<(), Verdict> {
+        let mut buf = [0u8; 1024];
+        loop {
+            match self.decoder.next_msg::<GuestMsg>() {
+                Err(e) => return Err(Verdict::Refused(e)),
+                Ok(Some(msg)) => {
+                    return match self.side.accept(msg) {
+                        Ok(Event::Ready) => {
+                            self.ready = true;
+                            Ok(())
+                        }
+                        // Before `Ready` the side accepts nothing else.
+                        Ok(_) => Err(Verdict::Refused(WireError::OutOfOrder("a message before ready"))),
+                        Err(e) => Err(Verdict::Refused(e)),
+                    };
+                }
+                Ok(None) => {}
+            }
+            match self.stream.read(&mut buf).await {
+                Ok(0) => return Err(Verdict::Closed { ready: false }),
+                Ok(n) => self.decoder.feed(&buf[..n]),
+                Err(e) => return Err(Verdict::Io(e)),
+            }
+        }
+    }
+
+    /// Runs the conversation to its final message or the channel's end: the request and
+    /// the input sent, the guest's output into `sink`.
+    pub async fn converse(self, request: RunRequest, stdin: Vec<u8>, sink: &mut dyn OutputSink) -> Verdict {
+        let Channel { stream, mut side, mut decoder, mut ready } = self;
+        let (mut rd, mut wr) = stream.into_split();
+        let write = async move {
+            let mut frames = vec![HostMsg::Run(Box::new(request))];
+            frames.extend(stdin.chunks(wire::MAX_CHUNK).map(|c| HostMsg::Stdin(c.to_vec())));
+            frames.push(HostMsg::StdinEnd);
+            for msg in frames {
+                let frame = wire::encode(&msg)?;
+                wr.write_all(&frame).await.map_err(|_| WireError::OutOfOrder("a closed channel"))?;
+            }
+            // Kept open: closing our end would disconnect the port, and the guest's writes
+            // would then block.
+            std::future::pending::<()>().await;
+            Ok::<(), WireError>(())
+        };
+        tokio::pin!(write);
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            // The frames in hand first (a booted VM's decoder may hold some already).
+            loop {
+                let msg = match decoder.next_msg::<GuestMsg>() {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break,
+                    Err(e) => return Verdict::Refused(e),
+                };
+                match side.accept(msg) {
+                    Ok(Event::Ready) => ready = true,
+                    Ok(Event::Stdout(b)) => sink.write(Stream::Stdout, &b),
+                    Ok(Event::Stderr(b)) => sink.write(Stream::Stderr, &b),
+                    Ok(Event::Exit(exit)) => return Verdict::Exit(exit),
+                    Ok(Event::Failed(text)) => return Verdict::Failed(text),
+                    Err(e) => return Verdict::Refused(e),
+                }
+            }
+            // A sink with a backlog is let drain before the next read (as the launcher
+            // does); meanwhile the guest waits on a full channel.
+            while let Some(drained) = sink.backlog() {
+                let notified = drained.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if sink.backlog().is_none() || tokio::time::timeout(BACKLOG_WAIT, notified).await.is_err() {
+                    break;
+                }
+            }
+            let n = tokio::select! {
+                r = &mut write => match r {
+                    // A request too large for a frame: the guest never hears of it.
+                    Err(e) => return Verdict::Refused(e),
+                    Ok(()) => continue,
+                },
+                r = rd.read(&mut buf) => match r {
+                    Ok(0) => return Verdict::Closed { ready },
+                    Ok(n) => n,
+                    Err(e) => return Verdict::Io(e),
+                },
+            };
+            decoder.feed(&buf[..n]);
+            // One read's frames, then the runtime's other tasks get their turn.
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Runs one conversation with a VM that has not said `Ready` yet ([`Channel::converse`]).
 pub async fn converse(
     stream: UnixStream,
     request: RunRequest,
     stdin: Vec<u8>,
     sink: &mut dyn OutputSink,
 ) -> Verdict {
-    let (mut rd, mut wr) = stream.into_split();
-    let write = async move {
-        let mut frames = vec![HostMsg::Run(Box::new(request))];
-        frames.extend(stdin.chunks(wire::MAX_CHUNK).map(|c| HostMsg::Stdin(c.to_vec())));
-        frames.push(HostMsg::StdinEnd);
-        for msg in frames {
-            let frame = wire::encode(&msg)?;
-            wr.write_all(&frame).await.map_err(|_| WireError::OutOfOrder("a closed channel"))?;
-        }
-        // Kept open: closing our end would disconnect the port, and the guest's writes
-        // would then block.
-        std::future::pending::<()>().await;
-        Ok::<(), WireError>(())
-    };
-    tokio::pin!(write);
-    let mut side = HostSide::default();
-    let mut ready = false;
-    let mut decoder = Decoder::default();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = tokio::select! {
-            r = &mut write => match r {
-                // A request too large for a frame: the guest never hears of it.
-                Err(e) => return Verdict::Refused(e),
-                Ok(()) => continue,
-            },
-            r = rd.read(&mut buf) => match r {
-                Ok(0) => return Verdict::Closed { ready },
-                Ok(n) => n,
-                Err(e) => return Verdict::Io(e),
-            },
-        };
-        decoder.feed(&buf[..n]);
-        // One read's frames, then the runtime's other tasks get their turn.
-        tokio::task::yield_now().await;
-        loop {
-            let msg = match decoder.next_msg::<GuestMsg>() {
-                Ok(Some(m)) => m,
-                Ok(None) => break,
-                Err(e) => return Verdict::Refused(e),
-            };
-            match side.accept(msg) {
-                Ok(Event::Ready) => ready = true,
-                Ok(Event::Stdout(b)) => sink.write(Stream::Stdout, &b),
-                Ok(Event::Stderr(b)) => sink.write(Stream::Stderr, &b),
-                Ok(Event::Exit(exit)) => return Verdict::Exit(exit),
-                Ok(Event::Failed(text)) => return Verdict::Failed(text),
-                Err(e) => return Verdict::Refused(e),
-            }
-        }
-        // A sink with a backlog is let drain before the next read (as the launcher does);
-        // meanwhile the guest waits on a full channel.
-        while let Some(drained) = sink.backlog() {
-            let notified = drained.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if sink.backlog().is_none() || tokio::time::timeout(BACKLOG_WAIT, notified).await.is_err() {
-                break;
-            }
-        }
-    }
+    Channel::new(stream).converse(request, stdin, sink).await
 }
 
 #[cfg(test)]

@@ -33,7 +33,8 @@ use runner_guest_agent::wire::Exit;
 use tokio::sync::watch;
 
 use self::argv::{Accel, VmArgs};
-use self::channel::Verdict;
+use self::channel::{Channel, Verdict};
+use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Scope, Shape};
 use super::{Isolation, Job, Ran, RunFuture};
 use crate::launch::{Filter, Launch, LaunchError, Launcher, Outcome, OutputSink, Stream, Termination};
 use crate::sandbox::SandboxShape;
@@ -61,7 +62,16 @@ pub struct MicrovmSettings {
     pub initramfs: PathBuf,
     /// `SCIENCE_AGENT_MICROVM_ACCEL`: `kvm` (believed after [`Microvm::probe_kvm`]) or `tcg`.
     pub accel: Accel,
+    /// `SCIENCE_AGENT_MICROVM_POOL` and `_POOL_PER_TENANT`: how many booted VMs wait for
+    /// their workspace's next call (0: none); their idle limit is the pre-started
+    /// sandboxes' (`SCIENCE_AGENT_PRESTART_IDLE_SECS`).
+    pub pool: PrestartSettings,
 }
+
+/// A VM waiting in the pool costs its guest's RAM that the kernel touched plus QEMU's own
+/// (about 260 MiB under TCG with Debian's kernel): a few per node, one per tenant.
+pub const DEFAULT_POOL: PrestartSettings =
+    PrestartSettings { per_node: 2, per_tenant: 1, idle: Duration::from_secs(120) };
 
 impl Default for MicrovmSettings {
     fn default() -> Self {
@@ -70,6 +80,7 @@ impl Default for MicrovmSettings {
             kernel: PathBuf::from("/usr/lib/sciencediscovery/microvm/vmlinux"),
             initramfs: PathBuf::from("/usr/lib/sciencediscovery/microvm/initramfs.cpio.gz"),
             accel: Accel::Tcg,
+            pool: DEFAULT_POOL,
         }
     }
 }
@@ -85,6 +96,11 @@ pub struct Microvm {
     bind_fd: bool,
     /// Why no VM can start here (`None`: they can).
     unusable: Option<String>,
+    /// Booted VMs, each waiting for its workspace's next call and serving exactly one
+    /// (issue #36's pool); `None`: off, or no VM can start here.
+    pool: Option<Arc<Pool<Channel>>>,
+    /// The next VM of each workspace whose call has not ended yet.
+    pending: prestart::Pending<VmNext>,
 }
 
 impl Microvm {
@@ -99,7 +115,19 @@ impl Microvm {
         bind_fd: bool,
     ) -> Microvm {
         let unusable = unusable(&settings, shape.is_some(), &user);
-        Microvm { settings, bwrap, launcher, user, shape, bind_fd, unusable }
+        let pool =
+            (settings.pool.per_node > 0 && bind_fd && unusable.is_none()).then(|| Pool::new(settings.pool));
+        Microvm {
+            settings,
+            bwrap,
+            launcher,
+            user,
+            shape,
+            bind_fd,
+            unusable,
+            pool,
+            pending: Default::default(),
+        }
     }
 
     /// With `SCIENCE_AGENT_MICROVM_ACCEL=kvm`, boots one guest under KVM through the launcher
@@ -147,22 +175,9 @@ impl Microvm {
             cgroup_procs: Vec::new(),
         };
         host_end.set_nonblocking(true).map_err(|e| e.to_string())?;
-        let mut stream = tokio::net::UnixStream::from_std(host_end).map_err(|e| e.to_string())?;
+        let stream = tokio::net::UnixStream::from_std(host_end).map_err(|e| e.to_string())?;
         let ready = async {
-            use tokio::io::AsyncReadExt;
-            let mut decoder = runner_guest_agent::wire::Decoder::default();
-            let mut buf = [0u8; 1024];
-            let booted = loop {
-                match stream.read(&mut buf).await {
-                    Ok(0) | Err(_) => break false,
-                    Ok(n) => decoder.feed(&buf[..n]),
-                }
-                match decoder.next_msg::<runner_guest_agent::wire::GuestMsg>() {
-                    Ok(Some(runner_guest_agent::wire::GuestMsg::Ready { .. })) => break true,
-                    Ok(None) => {}
-                    _ => break false,
-                }
-            };
+            let booted = Channel::new(stream).ready().await.is_ok();
             let _ = kill_tx.send(true);
             booted
         };
@@ -373,11 +388,241 @@ impl Isolation for Microvm {
             ran
         })
     }
+
+    fn call_ended(&self, workspace: &Path) {
+        if let Some(next) = self.pending.take(workspace) {
+            self.boot_next(next);
+        }
+    }
+
+    fn forget(&self, scope: Scope<'_>, why: Discard) {
+        let Some(pool) = &self.pool else { return };
+        let env_only = why == Discard::Environment;
+        drop(self.pending.forget(scope, |next| !env_only || next.shape.binds_environment()));
+        pool.forget(scope, why);
+    }
+
+    fn prestarted(&self) -> Option<prestart::Report> {
+        self.pool.as_ref().map(|p| p.report())
+    }
+}
+
+/// One VM as planned from a job: QEMU's sandbox and argv, the descriptors they name, the
+/// guest agent's request, and runnerd's end of the channel.
+#[derive(Debug)]
+struct VmPlan {
+    options: Vec<String>,
+    command: Vec<String>,
+    slots: crate::sandbox::FdSlots,
+    rlimits: Vec<common::plan::Rlimit>,
+    channel: std::os::unix::net::UnixStream,
+    request: runner_guest_agent::wire::RunRequest,
+    memory_mib: u64,
+    cpus: u32,
+    env: Vec<(String, String)>,
+    cwd: String,
+    /// Where in `slots` the channel's guest end is (a fresh socket each VM: not a shape).
+    agent_index: usize,
+}
+
+impl VmPlan {
+    /// What a VM booted from this plan is, for the pool ([`Shape`]): QEMU's sandbox and argv
+    /// (the shares, the guest's size), its rlimits and cgroup, and the identity of every
+    /// directory it shares by descriptor. The request is not in it: a booted guest takes
+    /// any command, cwd and environment.
+    fn shape(&self) -> std::io::Result<Shape> {
+        let mut objects = self.slots.identities()?;
+        objects.remove(self.agent_index);
+        Ok(Shape {
+            options: self.options.clone(),
+            command: self.command.clone(),
+            profile: Profile::Baseline,
+            rlimits: self.rlimits.clone(),
+            limits: Some(vmm_limits(self.memory_mib, self.cpus)),
+            idmaps: self.slots.idmaps().to_vec(),
+            objects,
+            cwd: None,
+        })
+    }
+
+    /// QEMU's launch, its deadline and cancel left to the run.
+    fn launch(self, bwrap: PathBuf, joins: Vec<OwnedFd>) -> (Launch, std::os::unix::net::UnixStream) {
+        let launch = Launch {
+            bwrap,
+            options: self.options,
+            command: self.command,
+            // QEMU's channel is a descriptor it inherits: it needs no socket call, so the
+            // baseline profile's socket denials hold for it too.
+            filter: Some(Filter::Profile(Profile::Baseline)),
+            rlimits: self.rlimits,
+            stdin: Vec::new(),
+            timeout: None,
+            cancel: None,
+            extra_fds: self.slots,
+            cgroup_procs: joins,
+        };
+        (launch, self.channel)
+    }
+}
+
+/// What booting a call's workspace's next VM takes (held until the call ends).
+#[derive(Debug)]
+struct VmNext {
+    root: PathBuf,
+    prestart: Prestart,
+    shape: Shape,
+    plan: VmPlan,
+}
+
+/// QEMU for a run: launched now, or booted ahead and waiting in the pool.
+enum Vmm {
+    Cold(Launch),
+    Booted(crate::launch::Waiting),
+}
+
+/// How long a VM may take to boot to its agent's `Ready` when it boots ahead, and how long
+/// a call waits for its workspace's VM still booting (a boot further along than a fresh
+/// one; only a stuck boot costs this much).
+const BOOT_LIMIT: Duration = Duration::from_secs(20);
+
+/// Why a VM could not be booted ahead (logged; the next call boots its own).
+#[derive(Debug, thiserror::Error)]
+enum BootError {
+    #[error("its cgroup could not be made")]
+    Cgroup(#[source] crate::limits::cgroup::CgroupError),
+    #[error("making its cgroup panicked")]
+    Panicked,
+    #[error("QEMU could not be launched")]
+    Launch(#[source] LaunchError),
+    #[error("its guest agent did not say ready: {0}")]
+    NotReady(String),
 }
 
 impl Microvm {
-    /// [`Isolation::run`]'s VM: QEMU through the launcher, the guest agent over its channel.
-    fn run_vm<'a>(&'a self, job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
+    /// Plans `job`'s VM (a second call plans the next VM's, with its own descriptors).
+    fn plan(&self, job: &Job<'_>) -> std::io::Result<VmPlan> {
+        let (channel, guest_end) = std::os::unix::net::UnixStream::pair()?;
+        let guest_end = OwnedFd::from(guest_end);
+        let mut planned = request::plan(&job.spec, &self.user, &guest_end, self.bind_fd)?;
+        let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        let (memory_mib, cpus) = vm_size(job.limits.as_ref(), host_cpus);
+        planned.request.pids = job.limits.as_ref().map_or(0, |l| l.pids);
+        // The largest file (the quota) is the command's limit inside the guest, not
+        // QEMU's: QEMU's own writes go to the shares on the command's behalf.
+        planned.request.fsize =
+            job.rlimits.iter().find(|r| r.resource == Resource::FSize).and_then(|r| r.hard).unwrap_or(0);
+        // A /tmp larger than the guest's RAM would deadlock the guest kernel on memory
+        // (tmpfs pages cannot be freed): at most half of it.
+        planned.request.tmp_bytes = planned.request.tmp_bytes.min((memory_mib << 20) / 2);
+        let vm = VmArgs {
+            kernel: &self.settings.kernel,
+            initramfs: &self.settings.initramfs,
+            accel: self.settings.accel,
+            memory_mib,
+            cpus,
+            agent_fd: planned.agent_slot,
+            shares: &planned.shares,
+            disable_userns: self.shape.is_some_and(|s| s.disable_userns),
+        };
+        Ok(VmPlan {
+            options: argv::bwrap_options(&vm),
+            command: argv::qemu_argv(&self.settings.qemu, &vm),
+            agent_index: (planned.agent_slot - common::plan::FIRST_EXTRA_FD) as usize,
+            slots: planned.slots,
+            // QEMU's own address space is not the guest's limit: no RLIMIT_AS or CPU time;
+            // the file size limit is the guest command's (above).
+            rlimits: job
+                .rlimits
+                .iter()
+                .filter(|r| matches!(r.resource, Resource::Core | Resource::NoFile))
+                .cloned()
+                .collect(),
+            channel,
+            request: planned.request,
+            memory_mib,
+            cpus,
+            env: planned.env,
+            cwd: planned.cwd,
+        })
+    }
+
+    /// The next VM of `job`'s workspace, when the job is an execution whose VM may be
+    /// booted ahead ([`prestart::ahead`]: no egress, chips or own command, the workspace
+    /// bound by descriptor).
+    fn next_of(&self, job: &mut Job<'_>) -> Option<VmNext> {
+        self.pool.as_ref()?;
+        let parts = prestart::Parts {
+            own_command: job.spec.command.is_some(),
+            chips: job.spec.accel.is_some_and(|a| !a.is_empty()),
+            extra: !job.spec.binds.is_empty() || !job.spec.extra_env.is_empty(),
+            egress: job.spec.egress.is_some(),
+            by_descriptor: job.spec.workspace_dirs.is_some() && self.bind_fd,
+        };
+        if !prestart::ahead(&parts) {
+            return None;
+        }
+        let prestart = job.prestart.clone()?;
+        let plan = self.plan(job).ok()?;
+        let shape = plan.shape().ok()?;
+        Some(VmNext { root: job.spec.workspace.root().to_owned(), prestart, shape, plan })
+    }
+
+    /// Boots the next VM of a workspace in the background and files it in the pool once
+    /// its agent said `Ready`, when the pool's bounds admit it.
+    fn boot_next(&self, next: VmNext) {
+        let Some(pool) = &self.pool else { return };
+        let environment = next.shape.binds_environment();
+        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant, environment) else {
+            return;
+        };
+        pool.ensure_sweeper();
+        let (pool, launcher, bwrap) = (pool.clone(), self.launcher.clone(), self.bwrap.clone());
+        tokio::spawn(async move {
+            let VmNext { prestart, shape, plan, .. } = next;
+            let limits = vmm_limits(plan.memory_mib, plan.cpus);
+            let made = tokio::task::spawn_blocking(move || prestart.cgroups.create(&limits))
+                .await
+                .map_err(|_| BootError::Panicked)
+                .and_then(|r| r.map_err(BootError::Cgroup));
+            let joined = made.and_then(|c| {
+                let joins = c.as_ref().map(|c| c.procs_fds()).transpose().map_err(BootError::Cgroup)?;
+                Ok((c, joins.unwrap_or_default()))
+            });
+            let (cgroup, joins) = match joined {
+                Ok(joined) => joined,
+                Err(e) => return pool.failed(reservation, &e),
+            };
+            let (launch, channel) = plan.launch(bwrap, joins);
+            let waiting = match launcher.start(launch).await {
+                Ok(waiting) => waiting,
+                Err(e) => return pool.failed(reservation, &BootError::Launch(e)),
+            };
+            let channel = channel
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::UnixStream::from_std(channel))
+                .map(Channel::new);
+            let booted = match channel {
+                Ok(mut channel) => match tokio::time::timeout(BOOT_LIMIT, channel.ready()).await {
+                    Ok(Ok(())) => Ok(channel),
+                    Ok(Err(verdict)) => Err(BootError::NotReady(format!("{verdict:?}"))),
+                    Err(_) => Err(BootError::NotReady(format!("not within {} s", BOOT_LIMIT.as_secs()))),
+                },
+                Err(e) => Err(BootError::NotReady(e.to_string())),
+            };
+            match booted {
+                Ok(channel) => pool.insert(reservation, shape, waiting, cgroup, channel),
+                Err(e) => {
+                    waiting.end().await;
+                    drop(tokio::task::spawn_blocking(move || drop(cgroup)));
+                    pool.failed(reservation, &e);
+                }
+            }
+        });
+    }
+
+    /// [`Isolation::run`]'s VM: a booted one from the pool when one of the job's shape
+    /// waits, else QEMU through the launcher; the guest agent over its channel.
+    fn run_vm<'a>(&'a self, mut job: Job<'a>, sink: &'a mut dyn OutputSink) -> RunFuture<'a> {
         Box::pin(async move {
             let refused = |why: String| Ran {
                 outcome: Err(LaunchError::Unavailable(why)),
@@ -391,151 +636,149 @@ impl Microvm {
             if let Some(why) = request::unsupported(&job.spec) {
                 return refused(why.to_owned());
             }
-            let io = |what| {
-                move |source| Ran {
-                    outcome: Err(LaunchError::Io { what, source }),
-                    env: Vec::new(),
-                    cwd: String::new(),
-                    cgroup: None,
+            let plan = match self.plan(&job) {
+                Ok(p) => p,
+                Err(source) => {
+                    let outcome = Err(LaunchError::Io { what: "pass a descriptor to the microvm", source });
+                    return Ran { outcome, env: Vec::new(), cwd: String::new(), cgroup: None };
                 }
             };
-            let (host_end, guest_end) = match std::os::unix::net::UnixStream::pair() {
-                Ok(p) => p,
-                Err(e) => return io("create the microvm channel")(e),
-            };
-            let guest_end = OwnedFd::from(guest_end);
-            let mut planned = match request::plan(&job.spec, &self.user, &guest_end, self.bind_fd) {
-                Ok(p) => p,
-                Err(e) => return io("pass a descriptor to the microvm")(e),
-            };
-            // Only QEMU holds the guest's end now: its exit closes the channel.
-            drop(guest_end);
-            let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-            let (memory_mib, cpus) = vm_size(job.limits.as_ref(), host_cpus);
-            planned.request.pids = job.limits.as_ref().map_or(0, |l| l.pids);
-            // The largest file (the quota) is the command's limit inside the guest, not
-            // QEMU's: QEMU's own writes go to the shares on the command's behalf.
-            planned.request.fsize =
-                job.rlimits.iter().find(|r| r.resource == Resource::FSize).and_then(|r| r.hard).unwrap_or(0);
-            // A /tmp larger than the guest's RAM would deadlock the guest kernel on memory
-            // (tmpfs pages cannot be freed): at most half of it.
-            planned.request.tmp_bytes = planned.request.tmp_bytes.min((memory_mib << 20) / 2);
-            // QEMU's host cgroup (issue #36's review): the guest's RAM plus QEMU's own margin,
-            // its threads and the vCPUs' CPU time, so that neither a guest nor a compromised
-            // QEMU takes more of the host; `None` where runnerd has no cgroups (rlimits only).
-            let vmm_cgroup = match job.prestart.as_ref().map(|p| p.cgroups.clone()) {
-                Some(cgroups) => {
-                    let limits = vmm_limits(memory_mib, cpus);
-                    match tokio::task::spawn_blocking(move || cgroups.create(&limits)).await {
-                        Ok(Ok(c)) => c,
-                        Ok(Err(e)) => return refused(format!("the microvm's cgroup could not be made: {e}")),
-                        Err(_) => return refused("making the microvm's cgroup panicked".to_owned()),
+            let next = self.next_of(&mut job);
+            let taken = match (&self.pool, &next) {
+                (Some(pool), Some(next)) => {
+                    match pool.take_started(&next.root, &next.shape, BOOT_LIMIT).await {
+                        Ok(entry) => {
+                            pool.served();
+                            Some(entry)
+                        }
+                        Err(_) => None,
                     }
                 }
-                None => None,
+                _ => None,
             };
-            let joins = match vmm_cgroup.as_ref().map(|c| c.procs_fds()).transpose() {
-                Ok(j) => j.unwrap_or_default(),
-                Err(e) => return refused(format!("the microvm's cgroup could not be joined: {e}")),
-            };
-            let vm = VmArgs {
-                kernel: &self.settings.kernel,
-                initramfs: &self.settings.initramfs,
-                accel: self.settings.accel,
-                memory_mib,
-                cpus,
-                agent_fd: planned.agent_slot,
-                shares: &planned.shares,
-                disable_userns: self.shape.is_some_and(|s| s.disable_userns),
-            };
-            let options = argv::bwrap_options(&vm);
-            let command = argv::qemu_argv(&self.settings.qemu, &vm);
-            let (env, cwd) = (planned.env.clone(), planned.cwd.clone());
-            let stream = match host_end
-                .set_nonblocking(true)
-                .and_then(|()| tokio::net::UnixStream::from_std(host_end))
-            {
-                Ok(s) => s,
-                Err(e) => {
-                    return Ran {
-                        outcome: Err(LaunchError::Io { what: "open the microvm channel", source: e }),
-                        env,
-                        cwd,
-                        cgroup: None,
+            let (env, cwd, request) = (plan.env.clone(), plan.cwd.clone(), plan.request.clone());
+            let (vmm, channel, vmm_cgroup) = match taken {
+                Some(entry) => (Vmm::Booted(entry.waiting), entry.guest, entry.cgroup),
+                None => {
+                    // QEMU's host cgroup (issue #36's review): the guest's RAM plus QEMU's own
+                    // margin, its threads and the vCPUs' CPU time, so that neither a guest
+                    // nor a compromised QEMU takes more of the host; `None` where runnerd
+                    // has no cgroups (rlimits only).
+                    let vmm_cgroup = match job.prestart.as_ref().map(|p| p.cgroups.clone()) {
+                        Some(cgroups) => {
+                            let limits = vmm_limits(plan.memory_mib, plan.cpus);
+                            match tokio::task::spawn_blocking(move || cgroups.create(&limits)).await {
+                                Ok(Ok(c)) => c,
+                                Ok(Err(e)) => {
+                                    return refused(format!("the microvm's cgroup could not be made: {e}"));
+                                }
+                                Err(_) => return refused("making the microvm's cgroup panicked".to_owned()),
+                            }
+                        }
+                        None => None,
                     };
-                }
-            };
-
-            // The launcher ends QEMU on this: the job's stop, a protocol breach, or a guest
-            // that does not power off after its report.
-            let (kill_tx, kill_rx) = watch::channel(false);
-            let kill_tx = Arc::new(kill_tx);
-            let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            if let Some(mut stop) = job.stop {
-                let (tx, stopped) = (kill_tx.clone(), stopped.clone());
-                tokio::spawn(async move {
-                    if stop.wait_for(|s| *s).await.is_ok() {
-                        stopped.store(true, std::sync::atomic::Ordering::SeqCst);
-                        let _ = tx.send(true);
-                    }
-                });
-            }
-            let launch = Launch {
-                bwrap: self.bwrap.clone(),
-                options,
-                command,
-                // QEMU's channel is a descriptor it inherits: it needs no socket call, so the
-                // baseline profile's socket denials hold for it too.
-                filter: Some(Filter::Profile(Profile::Baseline)),
-                // QEMU's own address space is not the guest's limit: no RLIMIT_AS or CPU time;
-                // the file size limit is the guest command's (above).
-                rlimits: job
-                    .rlimits
-                    .into_iter()
-                    .filter(|r| matches!(r.resource, Resource::Core | Resource::NoFile))
-                    .collect(),
-                stdin: Vec::new(),
-                timeout: job.timeout,
-                cancel: Some(kill_rx),
-                extra_fds: std::mem::take(&mut planned.slots),
-                cgroup_procs: joins,
-            };
-            let mut console = Console::default();
-            let talk = async {
-                let verdict = channel::converse(stream, planned.request, job.stdin, sink).await;
-                let tx = kill_tx.clone();
-                match verdict {
-                    Verdict::Exit(_) => {
-                        tokio::spawn(async move {
-                            tokio::time::sleep(POWER_OFF_GRACE).await;
-                            let _ = tx.send(true);
-                        });
-                    }
-                    _ => {
-                        let _ = tx.send(true);
+                    let joins = match vmm_cgroup.as_ref().map(|c| c.procs_fds()).transpose() {
+                        Ok(j) => j.unwrap_or_default(),
+                        Err(e) => return refused(format!("the microvm's cgroup could not be joined: {e}")),
+                    };
+                    let (launch, channel) = plan.launch(self.bwrap.clone(), joins);
+                    let channel = channel
+                        .set_nonblocking(true)
+                        .and_then(|()| tokio::net::UnixStream::from_std(channel))
+                        .map(Channel::new);
+                    match channel {
+                        Ok(channel) => (Vmm::Cold(launch), channel, vmm_cgroup),
+                        Err(e) => {
+                            return Ran {
+                                outcome: Err(LaunchError::Io { what: "open the microvm channel", source: e }),
+                                env,
+                                cwd,
+                                cgroup: None,
+                            };
+                        }
                     }
                 }
-                verdict
             };
-            let (launched, verdict) = tokio::join!(self.launcher.run(launch, &mut console), talk);
-            let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
-            let timed_out = matches!(&launched, Ok(o) if o.termination == Termination::TimedOut);
-            if matches!(verdict, Verdict::Closed { ready: true })
-                && launched.is_ok()
-                && !stopped
-                && !timed_out
-            {
-                // The command ran (its files are measured and committed as any run's): say
-                // on its stderr why no exit status came.
-                let note = format!(
-                    "\nrunner: the microvm ended before it reported the command's end (the guest kernel or QEMU \
-                     was stopped: out of memory, a file over the quota, a panic); its console: {}\n",
-                    String::from_utf8_lossy(&console.0).trim()
-                );
-                sink.write(crate::launch::Stream::Stderr, note.as_bytes());
+            let outcome = self.conduct(vmm, channel, request, job.stdin, job.timeout, job.stop, sink).await;
+            // A VM that could not be launched is not booted again ahead.
+            if let Some(next) = next.filter(|_| outcome.is_ok()) {
+                drop(self.pending.hold(next.root.clone(), next));
             }
-            Ran { outcome: judge(launched, verdict, stopped, &console.0), env, cwd, cgroup: vmm_cgroup }
+            Ran { outcome, env, cwd, cgroup: vmm_cgroup }
         })
+    }
+
+    /// Runs the command in the VM: QEMU attended by the launcher (its deadline and cancel
+    /// from now), the conversation over `channel`; QEMU ended when the guest breaks the
+    /// protocol or does not power off after its report.
+    #[allow(clippy::too_many_arguments)]
+    async fn conduct(
+        &self,
+        vmm: Vmm,
+        channel: Channel,
+        request: runner_guest_agent::wire::RunRequest,
+        stdin: Vec<u8>,
+        timeout: Option<Duration>,
+        stop: Option<watch::Receiver<bool>>,
+        sink: &mut dyn OutputSink,
+    ) -> Result<Outcome, LaunchError> {
+        // The launcher ends QEMU on this: the job's stop, a protocol breach, or a guest
+        // that does not power off after its report.
+        let (kill_tx, kill_rx) = watch::channel(false);
+        let kill_tx = Arc::new(kill_tx);
+        let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if let Some(mut stop) = stop {
+            let (tx, stopped) = (kill_tx.clone(), stopped.clone());
+            tokio::spawn(async move {
+                if stop.wait_for(|s| *s).await.is_ok() {
+                    stopped.store(true, std::sync::atomic::Ordering::SeqCst);
+                    let _ = tx.send(true);
+                }
+            });
+        }
+        let mut console = Console::default();
+        let talk = async {
+            let verdict = channel.converse(request, stdin, sink).await;
+            let tx = kill_tx.clone();
+            match verdict {
+                Verdict::Exit(_) => {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(POWER_OFF_GRACE).await;
+                        let _ = tx.send(true);
+                    });
+                }
+                _ => {
+                    let _ = tx.send(true);
+                }
+            }
+            verdict
+        };
+        let vmm = async {
+            match vmm {
+                Vmm::Cold(mut launch) => {
+                    launch.timeout = timeout;
+                    launch.cancel = Some(kill_rx);
+                    self.launcher.run(launch, &mut console).await
+                }
+                Vmm::Booted(waiting) => {
+                    waiting.finish(&self.launcher, Vec::new(), timeout, Some(kill_rx), &mut console).await
+                }
+            }
+        };
+        let (launched, verdict) = tokio::join!(vmm, talk);
+        let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
+        let timed_out = matches!(&launched, Ok(o) if o.termination == Termination::TimedOut);
+        if matches!(verdict, Verdict::Closed { ready: true }) && launched.is_ok() && !stopped && !timed_out {
+            // The command ran (its files are measured and committed as any run's): say on
+            // its stderr why no exit status came.
+            let note = format!(
+                "\nrunner: the microvm ended before it reported the command's end (the guest kernel or QEMU \
+                 was stopped: out of memory, a file over the quota, a panic); its console: {}\n",
+                String::from_utf8_lossy(&console.0).trim()
+            );
+            sink.write(crate::launch::Stream::Stderr, note.as_bytes());
+        }
+        judge(launched, verdict, stopped, &console.0)
     }
 }
 
