@@ -76,9 +76,10 @@ Usage:
                                         churning file, one collection's cost, and `true` p50
                                         with collections back to back against without
                                         (issue #32), bare bwrap in the same run
-  runnerd-bench microvm [--iterations N] `true` in cold microvm guests (default 10) against
-                                        bare bwrap and runnerd's bwrap backend, the VMM's
-                                        peak RSS, KVM or TCG (RUNNERD_BENCH_MICROVM_DIR: the
+  runnerd-bench microvm [--iterations N] `true` in cold and pooled microvm guests (default
+                                        10 each) against bare bwrap and runnerd's bwrap
+                                        backend, the VMM's peak RSS, an idle pooled VM's
+                                        memory, KVM or TCG (RUNNERD_BENCH_MICROVM_DIR: the
                                         guest from scripts/build-microvm-guest; issue #36)
   runnerd-bench memory [--concurrent N] [--sequential M] [--settle S]
                                         runnerd's RSS idle, at peak and S s after N
