@@ -129,6 +129,7 @@ pub fn plan(
         fsize: 0,
         passwd: passwd.into_bytes(),
         group: group.into_bytes(),
+        egress_port: None,
     };
     Ok(Planned { request, shares, slots, agent_slot, env: cmd.env, cwd: cmd.cwd })
 }
