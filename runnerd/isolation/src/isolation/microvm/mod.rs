@@ -10,6 +10,7 @@
 //!    the shares and its end of a socket pair ([`argv`]); `-sandbox on` adds QEMU's filter;
 //! 3. [`channel::converse`] sends the request and input over runnerd's end and streams the
 //!    guest's output into the job's sink, believing nothing the protocol does not allow;
+//!    with egress, [`egress`] relays a second port to egressd's gateway (no port without);
 //! 4. the guest agent ends every guest process, reports, and powers the VM off. A timeout,
 //!    a cancel, a protocol breach, or a guest that does not power off ends QEMU through the
 //!    launcher (SIGKILL to its PID namespace): no process and no mount stay behind.
@@ -20,6 +21,7 @@
 
 pub mod argv;
 pub mod channel;
+pub mod egress;
 pub mod request;
 
 use std::os::fd::OwnedFd;
@@ -130,6 +132,7 @@ impl Microvm {
             memory_mib: MIN_MEMORY_MIB * 2,
             cpus: 1,
             agent_fd,
+            egress_fd: None,
             shares: &shares,
             disable_userns: self.shape.is_some_and(|s| s.disable_userns),
         };
@@ -410,6 +413,10 @@ impl Microvm {
             };
             // Only QEMU holds the guest's end now: its exit closes the channel.
             drop(guest_end);
+            let egress = match egress::open(&job.spec, &mut planned) {
+                Ok(e) => e,
+                Err(e) => return io("create the microvm's egress channel")(e),
+            };
             let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
             let (memory_mib, cpus) = vm_size(job.limits.as_ref(), host_cpus);
             planned.request.pids = job.limits.as_ref().map_or(0, |l| l.pids);
@@ -445,6 +452,7 @@ impl Microvm {
                 memory_mib,
                 cpus,
                 agent_fd: planned.agent_slot,
+                egress_fd: planned.egress_slot,
                 shares: &planned.shares,
                 disable_userns: self.shape.is_some_and(|s| s.disable_userns),
             };
@@ -499,6 +507,11 @@ impl Microvm {
                 cancel: Some(kill_rx),
                 extra_fds: std::mem::take(&mut planned.slots),
                 cgroup_procs: joins,
+            };
+            // Relayed to egressd until the run ends (dropped with this future).
+            let _egress = match egress.map(egress::Channel::serve).transpose() {
+                Ok(e) => e,
+                Err(e) => return io("open the microvm's egress channel")(e),
             };
             let mut console = Console::default();
             let talk = async {
