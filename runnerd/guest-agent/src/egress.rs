@@ -348,3 +348,140 @@ fn too_many(limit: usize) -> String {
          \r\n"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    /// The host's end of a bridge started on an ephemeral port, and that port.
+    struct Host {
+        port: UnixStream,
+        decoder: Decoder,
+        tcp: u16,
+    }
+
+    impl Host {
+        fn start() -> Host {
+            let (host, guest) = UnixStream::pair().unwrap();
+            let bridge = prepare(File::from(OwnedFd::from(guest)), 0).unwrap();
+            let tcp = bridge.listener.local_addr().unwrap().port();
+            bridge.start().unwrap();
+            Host { port: host, decoder: Decoder::default(), tcp }
+        }
+
+        fn send(&mut self, msg: &EgressDown) {
+            self.port.write_all(&wire::encode(msg).unwrap()).unwrap();
+        }
+
+        /// The next frame, `None` after `wait` without one.
+        fn next(&mut self, wait: Duration) -> Option<EgressUp> {
+            self.port.set_read_timeout(Some(wait)).unwrap();
+            let mut buf = [0u8; 64 * 1024];
+            loop {
+                if let Some(m) = self.decoder.next_msg::<EgressUp>().unwrap() {
+                    return Some(m);
+                }
+                match self.port.read(&mut buf) {
+                    Ok(n) if n > 0 => self.decoder.feed(&buf[..n]),
+                    _ => return None,
+                }
+            }
+        }
+
+        fn expect(&mut self) -> EgressUp {
+            self.next(Duration::from_secs(10)).expect("a frame from the guest")
+        }
+
+        fn client(&self) -> TcpStream {
+            let c = TcpStream::connect((Ipv4Addr::LOCALHOST, self.tcp)).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            c
+        }
+    }
+
+    fn read_all(mut c: &TcpStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        let _ = c.read_to_end(&mut got);
+        got
+    }
+
+    #[test]
+    fn a_connection_is_a_stream_both_ways_and_closes_each_side() {
+        let mut host = Host::start();
+        let client = host.client();
+        assert_eq!(host.expect(), EgressUp::Open { id: 0 });
+        (&client).write_all(b"GET http://x/ HTTP/1.1\r\n\r\n").unwrap();
+        assert_eq!(
+            host.expect(),
+            EgressUp::Data { id: 0, bytes: b"GET http://x/ HTTP/1.1\r\n\r\n".to_vec() }
+        );
+        host.send(&EgressDown::Data { id: 0, bytes: b"HTTP/1.1 200 OK\r\n\r\nok".to_vec() });
+        host.send(&EgressDown::Close { id: 0 });
+        assert_eq!(read_all(&client), b"HTTP/1.1 200 OK\r\n\r\nok");
+        assert_eq!(host.expect(), EgressUp::Ack { id: 0, bytes: 21 });
+        drop(client);
+        assert_eq!(host.expect(), EgressUp::Close { id: 0 });
+        // The next connection is a new stream.
+        let _second = host.client();
+        assert_eq!(host.expect(), EgressUp::Open { id: 1 });
+    }
+
+    #[test]
+    fn the_guest_sends_no_more_than_the_window_until_the_host_acknowledges() {
+        let mut host = Host::start();
+        let client = host.client();
+        assert_eq!(host.expect(), EgressUp::Open { id: 0 });
+        let writer = std::thread::spawn({
+            let c = client.try_clone().unwrap();
+            move || (&c).write_all(&vec![b'u'; 3 * EGRESS_WINDOW])
+        });
+        let mut got = 0;
+        while let Some(m) = host.next(Duration::from_millis(500)) {
+            let EgressUp::Data { bytes, .. } = m else { panic!("{m:?}") };
+            got += bytes.len();
+        }
+        assert_eq!(got, EGRESS_WINDOW, "exactly one window before an acknowledgement");
+        host.send(&EgressDown::Ack { id: 0, bytes: 100 });
+        let mut more = 0;
+        while let Some(EgressUp::Data { bytes, .. }) = host.next(Duration::from_millis(500)) {
+            more += bytes.len();
+        }
+        assert_eq!(more, 100);
+        host.send(&EgressDown::Ack { id: 0, bytes: (3 * EGRESS_WINDOW) as u32 });
+        while got + more < 3 * EGRESS_WINDOW {
+            let EgressUp::Data { bytes, .. } = host.expect() else { panic!("data") };
+            more += bytes.len();
+        }
+        writer.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn an_unreachable_gateway_is_a_502_and_the_cap_a_503() {
+        let mut host = Host::start();
+        let client = host.client();
+        assert_eq!(host.expect(), EgressUp::Open { id: 0 });
+        (&client).write_all(b"GET http://x/ HTTP/1.1\r\n\r\n").unwrap();
+        host.send(&EgressDown::OpenFailed { id: 0 });
+        let answer = String::from_utf8(read_all(&client)).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 502 Bad Gateway\r\n"), "{answer}");
+        // Its end is reported like any other.
+        loop {
+            match host.expect() {
+                EgressUp::Close { id: 0 } => break,
+                EgressUp::Data { id: 0, .. } => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        let held: Vec<TcpStream> = (0..EGRESS_MAX_STREAMS).map(|_| host.client()).collect();
+        for id in 1..=EGRESS_MAX_STREAMS as u32 {
+            assert_eq!(host.expect(), EgressUp::Open { id });
+        }
+        let over = host.client();
+        let answer = String::from_utf8(read_all(&over)).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{answer}");
+        drop(held);
+    }
+}
