@@ -280,29 +280,14 @@ async fn unavailable_or_unknown_backends_are_refused_with_400_and_health_says_wh
 }
 
 #[tokio::test]
-async fn domain_allowlist_and_chips_are_refused_under_microvm_before_anything_runs() {
+async fn chips_are_refused_under_microvm_before_anything_runs() {
     // A backend whose files all check out (QEMU is never started: the refusal comes first).
     let server = start(&[
         ("SCIENCE_AGENT_MICROVM_QEMU", "/usr/bin/true"),
         ("SCIENCE_AGENT_MICROVM_KERNEL", "/etc/hostname"),
         ("SCIENCE_AGENT_MICROVM_INITRAMFS", "/etc/hostname"),
     ]);
-    let ws = server.project_workspace("egress");
-    let mut body = shell_request("main", "session-microvm", &ws, "echo ran > ran.txt");
-    body["isolation"] = json!("microvm");
-    body["permissionEpoch"]["networkPolicy"] = json!("domain-allowlist");
-    body["permissionEpoch"]["networkAccess"] =
-        json!({"mode": "domain-allowlist", "revision": "rev-1", "allowedDomains": ["example.org"]});
-    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
-    let e = reply.json();
-    assert_eq!(reply.status, 400, "{e}");
-    assert_eq!(e["code"], "invalid_isolation", "{e}");
-    assert!(
-        e["error"].as_str().unwrap().contains("domain-allowlist is not available with isolation microvm"),
-        "{e}"
-    );
-    assert!(!ws.join("ran.txt").exists(), "nothing may run");
-    // Chips cannot be passed into a VM either.
+    let ws = server.project_workspace("chips");
     let mut body = shell_request("main", "session-microvm", &ws, "echo ran > ran.txt");
     body["isolation"] = json!("microvm");
     body["npuDevices"] = json!([0]);
@@ -314,6 +299,100 @@ async fn domain_allowlist_and_chips_are_refused_under_microvm_before_anything_ru
     let health = server.client().get("/health").await.unwrap().json();
     assert_eq!(health["isolation"]["backends"]["microvm"]["available"], true, "{health}");
     assert_eq!(health["isolation"]["backends"]["microvm"]["accel"], "tcg", "{health}");
+    let network = health["isolation"]["backends"]["microvm"]["enforces"]["network"].as_str().unwrap();
+    assert!(network.contains("egressd"), "{health}");
+}
+
+#[tokio::test]
+async fn domain_allowlist_reaches_egressd_through_the_guest_bridge_and_nothing_else_does() {
+    if !microvm_or_skip("domain_allowlist_reaches_egressd_through_the_guest_bridge_and_nothing_else_does") {
+        return;
+    }
+    use runner_tests::egress::{Egressd, FakeDns, Upstream, with_network};
+    // Both names resolve (at egressd's resolver) to the host's loopback, where the upstream
+    // listens; only mirror.test is allowlisted.
+    let dns = FakeDns::start(&[("mirror.test", &["127.0.0.1"]), ("blocked.test", &["127.0.0.1"])]);
+    let upstream = Upstream::start();
+    let egressd = Egressd::start(dns.addr, &[]);
+    let env = egressd.runner_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let server = start(&env);
+    let ws = server.project_workspace("egress");
+    let port = upstream.port;
+    // One VM for every check (a boot costs seconds under TCG).
+    let script = format!(
+        r#"
+echo "env=$HTTP_PROXY|$HTTPS_PROXY|$http_proxy|$https_proxy|${{NO_PROXY:-}}"
+echo "plain=$(curl -sS --max-time 60 http://mirror.test:{port}/hello)"
+echo "tunnel=$(curl -sS --max-time 60 --proxytunnel http://mirror.test:{port}/through)"
+echo "blocked=$(curl -s --max-time 60 -o /dev/null -w '%{{http_code}}' http://blocked.test:{port}/)"
+python3 - <<'PY'
+import socket, urllib.request
+print("py=" + urllib.request.urlopen("http://mirror.test:{port}/py", timeout=60).read().decode())
+try:
+    print("dns=" + repr(socket.getaddrinfo("mirror.test", 80)))
+except OSError as e:
+    print("dns=failed " + type(e).__name__)
+PY
+echo "direct=$(curl -s --noproxy '*' -o /dev/null -w '%{{http_code}}' --max-time 5 http://127.0.0.1:{port}/ ; echo " rc=$?")"
+echo "ifaces=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
+echo "ports=$(ls /dev/ | grep -c '^vport')"
+"#
+    );
+    let mut body = with_network(
+        shell_request("main", "session-microvm", &ws, &script),
+        &["mirror.test"],
+        true,
+        "rev-vm",
+    );
+    body["isolation"] = json!("microvm");
+    body["executionTimeoutMs"] = json!(240_000);
+    let reply = server.client().post_signed("/execute-shell", &body).await.unwrap();
+    let r = reply.json();
+    assert_eq!(reply.status, 200, "{r}\nrunnerd: {}", server.stderr());
+    let out = r["stdout"].as_str().unwrap();
+    let line = |key: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("no {key} in {r}\negressd: {}", egressd.log()))
+            .to_owned()
+    };
+    // The bwrap form's proxy variables, pointing at the guest's own bridge.
+    assert_eq!(
+        line("env"),
+        "http://127.0.0.1:18118|http://127.0.0.1:18118|http://127.0.0.1:18118|http://127.0.0.1:18118|",
+        "{r}"
+    );
+    assert_eq!(line("plain"), "ok /hello", "{r}\negressd: {}", egressd.log());
+    assert_eq!(line("tunnel"), "ok /through", "{r}");
+    assert_eq!(line("py"), "ok /py", "{r}");
+    // egressd's allowlist, not the VM, refuses the other name.
+    assert_eq!(line("blocked"), "403", "{r}");
+    // No resolver answers inside the guest, and nothing is reached but through the proxy.
+    assert!(line("dns").starts_with("failed "), "{r}");
+    assert_eq!(line("direct"), "000 rc=7", "{r}");
+    assert_eq!(line("ifaces"), "lo,", "still no NIC: {r}");
+    assert_eq!(line("ports"), "2", "the agent's port and the egress port: {r}");
+    assert_eq!(r["exitCode"], 0, "{r}");
+    assert_eq!(r["sandbox"], "microvm", "{r}");
+    assert_eq!(
+        (&r["networkPolicy"], &r["networkAccessRevision"]),
+        (&json!("domain-allowlist"), &json!("rev-vm")),
+        "{r}"
+    );
+    let seen = upstream.requests.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3, "only the allowed requests reached the upstream: {seen:?}");
+    let log = egressd.log();
+    for needle in ["decision=\"allowed\"", "decision=\"denied\"", "revision=rev-vm"] {
+        assert!(log.contains(needle), "{needle} missing from egressd's log:\n{log}");
+    }
+    no_qemu_left(&server);
+
+    // Policy none: no egress port in the guest, no proxy variables.
+    let script = r#"echo "env=${HTTP_PROXY:-unset}"; echo "ports=$(ls /dev/ | grep -c '^vport')""#;
+    let r = run(&server, &ws, script, json!({})).await;
+    assert_eq!(r["stdout"], "env=unset\nports=1\n", "{r}");
+    no_qemu_left(&server);
 }
 
 /// An initramfs whose `/init` is hostile: busybox loads the real guest's modules, then writes
@@ -382,8 +461,8 @@ async fn hostile_guest_messages_are_refused_and_runnerd_carries_on() {
         return;
     }
     let scratch = runner_tests::scratch_dir();
-    // Ready (variant 0, protocol 2: runner_guest_agent::wire::PROTOCOL), then:
-    let ready = frame(&[0, 2]);
+    // Ready (variant 0, protocol 3: runner_guest_agent::wire::PROTOCOL), then:
+    let ready = frame(&[0, 3]);
     let oversized = [ready.clone(), u32::MAX.to_le_bytes().to_vec()].concat();
     // Exit (variant 3) with both a code (Some 0) and a signal (Some 9): not an exit record.
     let bad_exit = [ready.clone(), frame(&[3, 1, 0, 1, 18, 0])].concat();

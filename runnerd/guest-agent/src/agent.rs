@@ -8,6 +8,8 @@
 //!    environment prefix read-only at `/opt/science-env`, skills at `/skills` and
 //!    `/skill-extensions`), `/proc`, `/dev`, a sized `/tmp`, `/etc/passwd` and `/etc/group`,
 //!    the interpreter masks; bring `lo` up;
+//!    with egress, open the port named [`wire::EGRESS_PORT_NAME`] and listen on
+//!    `127.0.0.1:<egress_port>` ([`crate::egress`]) — still no NIC, no resolver;
 //! 6. start the command chrooted there as the request's unprivileged uid, in its own
 //!    session, with the request's environment and cwd; stdin comes from `Stdin` frames;
 //! 7. stream its stdout and stderr as frames until it exits, then SIGKILL every other
@@ -16,7 +18,8 @@
 //!    and reboot — with `-no-reboot` QEMU then exits.
 //!
 //! Any failure is reported as `Failed` when the port is open, then the VM ends the same way.
-//! The agent is single-threaded except for the stdin feeder, started after the fork.
+//! The agent is single-threaded except for the stdin feeder and the egress bridge's threads,
+//! all started after the fork (the bridge's listener is bound before it).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -51,6 +54,8 @@ pub enum AgentError {
     Wire(#[source] wire::WireError),
     #[error("the host's first message was not a run request")]
     NotARun,
+    #[error("the egress bridge could not start")]
+    Egress(#[source] crate::egress::EgressError),
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(io::Error) -> AgentError {
@@ -118,8 +123,15 @@ fn serve(port_slot: &mut Option<File>) -> Result<(), AgentError> {
     // 5.
     build_root(&request)?;
     loopback_up()?;
+    let bridge = match request.egress_port {
+        Some(tcp_port) => {
+            let egress = open_port(wire::EGRESS_PORT_NAME)?;
+            Some(crate::egress::prepare(egress, tcp_port).map_err(AgentError::Egress)?)
+        }
+        None => None,
+    };
     // 6. – 8.
-    let record = run_command(&request, port, decoder)?;
+    let record = run_command(&request, port, decoder, bridge)?;
     send(port, &GuestMsg::Exit(record))
 }
 
@@ -277,7 +289,12 @@ fn loopback_up() -> Result<(), AgentError> {
 }
 
 /// Runs the command to its end and reports how it ended.
-fn run_command(r: &RunRequest, port: &mut File, decoder: Decoder) -> Result<ExitRecord, AgentError> {
+fn run_command(
+    r: &RunRequest,
+    port: &mut File,
+    decoder: Decoder,
+    bridge: Option<crate::egress::Bridge>,
+) -> Result<ExitRecord, AgentError> {
     let oom_before = oom_kills();
     let mut cmd = Command::new(r.argv.first().map(String::as_str).unwrap_or("/bin/false"));
     cmd.args(r.argv.iter().skip(1))
@@ -313,6 +330,14 @@ fn run_command(r: &RunRequest, port: &mut File, decoder: Decoder) -> Result<Exit
     }
     let mut child = cmd.spawn().map_err(sys(format!("start {}", r.argv.first().map_or("", |s| s))))?;
     let pid = child.id() as libc::pid_t;
+    // The bridge's listener was bound before the fork; its connections are served from now.
+    if let Some(bridge) = bridge
+        && let Err(e) = bridge.start()
+    {
+        // SAFETY: kill on our own child's pid.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        return Err(AgentError::Egress(e));
+    }
     let stdin = child.stdin.take().map(OwnedFd::from);
     let stdout = child.stdout.take().map(OwnedFd::from);
     let stderr = child.stderr.take().map(OwnedFd::from);

@@ -9,12 +9,18 @@
 //! ([`MAX_FRAME`], refused from its header before any body is buffered), output chunks are
 //! bounded ([`MAX_CHUNK`]), an exit record must be one code *or* one signal in range
 //! ([`ExitRecord::check`]), and anything out of order ends the VM ([`HostSide`]).
+//!
+//! A run with egress (`domain-allowlist`) has a second port, [`EGRESS_PORT_NAME`], with its
+//! own messages: the guest's bridge multiplexes its loopback proxy connections over it as
+//! streams ([`EgressUp`], [`EgressDown`]), each with a credit window ([`EGRESS_WINDOW`]) in
+//! both directions, so neither side ever buffers more than the window per stream and one
+//! stalled connection never blocks the others. Without egress the port does not exist.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped when a message changes shape; the host refuses a guest of another version.
-pub const PROTOCOL: u16 = 2;
+pub const PROTOCOL: u16 = 3;
 /// The largest frame body either side accepts. The host's `Run` (argv, environment,
 /// identity files) must fit; output travels in [`MAX_CHUNK`] pieces well below it.
 pub const MAX_FRAME: usize = 256 * 1024;
@@ -24,6 +30,40 @@ pub const MAX_CHUNK: usize = 64 * 1024;
 pub const MAX_TEXT: usize = 4096;
 /// The virtio-serial port's name (`virtserialport,name=…`).
 pub const PORT_NAME: &str = "org.sciencediscovery.agent";
+/// The egress port's name; present only in a VM whose run has egress.
+pub const EGRESS_PORT_NAME: &str = "org.sciencediscovery.egress";
+/// The most egress streams open at once (the guest's bridge admits no more connections; the
+/// host takes one more `Open` as a breach).
+pub const EGRESS_MAX_STREAMS: usize = 64;
+/// Bytes one side may send on a stream beyond what the other acknowledged ([`EgressUp::Ack`],
+/// [`EgressDown::Ack`]).
+pub const EGRESS_WINDOW: usize = 128 * 1024;
+
+/// Guest → host on the egress port. Stream ids are strictly increasing and never reused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EgressUp {
+    /// A proxy client connected to the guest's bridge: connect one to the gateway.
+    Open { id: u32 },
+    /// Bytes from the client (1..=[`MAX_CHUNK`], within the window).
+    Data { id: u32, bytes: Vec<u8> },
+    /// `bytes` of the host's data were written to the client: the host may send that many more.
+    Ack { id: u32, bytes: u32 },
+    /// The client sent its end (or is gone): no more data on this stream from the guest.
+    Close { id: u32 },
+}
+
+/// Host → guest on the egress port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EgressDown {
+    /// The gateway could not be reached: the bridge answers its client 502.
+    OpenFailed { id: u32 },
+    /// Bytes from the gateway (1..=[`MAX_CHUNK`], within the window).
+    Data { id: u32, bytes: Vec<u8> },
+    /// `bytes` of the guest's data were written to the gateway.
+    Ack { id: u32, bytes: u32 },
+    /// The gateway sent its end: no more data on this stream from the host.
+    Close { id: u32 },
+}
 
 /// What the host sends.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +100,9 @@ pub struct RunRequest {
     /// `/etc/passwd` and `/etc/group` as the bwrap form writes them.
     pub passwd: Vec<u8>,
     pub group: Vec<u8>,
+    /// With egress: the loopback port the guest's bridge listens on before the command
+    /// starts (the proxy variables in `env` name it); the egress port exists then only.
+    pub egress_port: Option<u16>,
 }
 
 /// What the guest sends.
@@ -268,6 +311,7 @@ mod tests {
             fsize: 0,
             passwd: b"sandbox:x:1000:1000::/workspace:/bin/sh\n".to_vec(),
             group: b"sandbox:x:1000:\n".to_vec(),
+            egress_port: Some(18118),
         }
     }
 

@@ -243,7 +243,7 @@ pub fn prepare(
     let limits = crate::limits::requested(req.resource_limits.as_ref(), &cfg.limits)
         .map_err(|m| EngineError::invalid(ErrorCode::InvalidResourceLimits, m))?;
     let accel = !npu_devices.is_empty() || !gpu_devices.is_empty();
-    let isolation = crate::exec::backend::chosen(app, req.isolation.as_deref(), &network, accel)?;
+    let isolation = crate::exec::backend::chosen(app, req.isolation.as_deref(), accel)?;
     if let Some(why) = app.sandbox.backend(isolation).unavailable() {
         return Err(EngineError::unavailable(ErrorCode::SandboxUnavailable, why));
     }
@@ -296,9 +296,17 @@ pub async fn attach_egress(app: &App, p: &mut Prepared) -> Result<(), EngineErro
         allow_private_network: p.network.allow_private_network,
         pinned_origins: Vec::new(),
     };
-    // The host uid the sandbox runs as (runnerd's own, or the user a root runnerd hands
-    // sandboxes to): the only uid the lease's socket admits.
-    let sandbox_uid = app.sandbox.user.uid;
+    // The host uid that connects to the lease's socket, the only uid it admits. Under bwrap:
+    // the uid the sandbox runs as (runnerd's own, or the user a root runnerd hands sandboxes
+    // to), which connects through the socket bound into the sandbox. Under microvm: runnerd
+    // itself, which relays the guest's egress port to the socket (`microvm::egress`). That is
+    // no weaker: the socket is bound into no sandbox for a VM (QEMU and the guest never see
+    // it; the guest reaches it only through runnerd's relay, whose streams egressd judges as
+    // any sandbox's), and in an unprivileged runnerd the two uids are the same anyway.
+    let sandbox_uid = match p.isolation {
+        crate::isolation::select::Backend::Bwrap => app.sandbox.user.uid,
+        crate::isolation::select::Backend::Microvm => nix::unistd::geteuid().as_raw(),
+    };
     match app.egress.acquire(policy, p.egress_route.clone(), sandbox_uid).await {
         Ok(lease) => {
             p.egress = Some(lease);

@@ -159,7 +159,7 @@ pub fn health(default: Backend, bwrap: &dyn super::Isolation, microvm: &super::M
         "pids": "RLIMIT_NPROC of the command's user inside the guest",
         "tmpBytes": "the size of the guest's /tmp tmpfs",
         "workspaceBytes": "as with bwrap: measured and enforced on the host",
-        "network": "none: the VM has no NIC (domain-allowlist is refused under microvm for now)",
+        "network": "the VM has no NIC; domain-allowlist: a second virtio-serial port, relayed by runnerd to egressd's gateway (HTTP_PROXY inside), present only with egress",
     });
     serde_json::json!({
         "default": default.name(),

@@ -59,6 +59,8 @@ pub struct VmArgs<'a> {
     pub cpus: u32,
     /// The descriptor number of QEMU's end of the agent channel.
     pub agent_fd: i32,
+    /// The descriptor number of QEMU's end of the egress channel; `None`: no egress port.
+    pub egress_fd: Option<i32>,
     pub shares: &'a [Share],
     /// bwrap's `--disable-userns` (the start-up probe's shape).
     pub disable_userns: bool,
@@ -141,6 +143,18 @@ pub fn qemu_argv(qemu: &Path, vm: &VmArgs<'_>) -> Vec<String> {
         &mut a,
         &["-device", &format!("virtserialport,chardev=agent,name={}", runner_guest_agent::wire::PORT_NAME)],
     );
+    if let Some(fd) = vm.egress_fd {
+        // Egress (`domain-allowlist`) only: a second port to runnerd, which relays it to
+        // egressd. Without it the guest has no way out at all.
+        push(&mut a, &["-chardev", &format!("socket,id=egress,fd={fd}")]);
+        push(
+            &mut a,
+            &[
+                "-device",
+                &format!("virtserialport,chardev=egress,name={}", runner_guest_agent::wire::EGRESS_PORT_NAME),
+            ],
+        );
+    }
     for share in vm.shares {
         let ro = if share.writable { "" } else { ",readonly=on" };
         push(
@@ -167,6 +181,7 @@ mod tests {
             memory_mib: 512,
             cpus: 2,
             agent_fd: 9,
+            egress_fd: None,
             shares,
             disable_userns: false,
         }
@@ -204,6 +219,21 @@ mod tests {
         assert!(!a.contains(&"-cpu".to_owned()));
         let k = qemu_argv(Path::new("/q"), &vm(&s, Accel::Kvm));
         assert!(window(&k, &["-accel", "kvm", "-cpu", "host,-arch-capabilities"]));
+    }
+
+    #[test]
+    fn the_egress_port_exists_only_with_egress() {
+        let s = shares();
+        let none = qemu_argv(Path::new("/q"), &vm(&s, Accel::Tcg));
+        assert!(!none.iter().any(|x| x.contains("egress")), "{none:?}");
+        let with = qemu_argv(Path::new("/q"), &VmArgs { egress_fd: Some(11), ..vm(&s, Accel::Tcg) });
+        assert!(window(&with, &["-chardev", "socket,id=egress,fd=11"]), "{with:?}");
+        assert!(window(
+            &with,
+            &["-device", "virtserialport,chardev=egress,name=org.sciencediscovery.egress"]
+        ));
+        // Still no NIC: egress is a serial port to runnerd, never a network device.
+        assert!(!with.iter().any(|x| x.contains("netdev") || x == "-nic" || x == "-net"));
     }
 
     #[test]

@@ -179,6 +179,7 @@ mod tests {
             fsize: 0,
             passwd: vec![],
             group: vec![],
+            egress_port: None,
         }
     }
 

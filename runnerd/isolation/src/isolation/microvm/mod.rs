@@ -10,6 +10,7 @@
 //!    the shares and its end of a socket pair ([`argv`]); `-sandbox on` adds QEMU's filter;
 //! 3. [`channel::converse`] sends the request and input over runnerd's end and streams the
 //!    guest's output into the job's sink, believing nothing the protocol does not allow;
+//!    with egress, [`egress`] relays a second port to egressd's gateway (no port without);
 //! 4. the guest agent ends every guest process, reports, and powers the VM off. A timeout,
 //!    a cancel, a protocol breach, or a guest that does not power off ends QEMU through the
 //!    launcher (SIGKILL to its PID namespace): no process and no mount stay behind.
@@ -20,6 +21,7 @@
 
 pub mod argv;
 pub mod channel;
+pub mod egress;
 pub mod request;
 
 use std::os::fd::OwnedFd;
@@ -158,6 +160,7 @@ impl Microvm {
             memory_mib: MIN_MEMORY_MIB * 2,
             cpus: 1,
             agent_fd,
+            egress_fd: None,
             shares: &shares,
             disable_userns: self.shape.is_some_and(|s| s.disable_userns),
         };
@@ -423,6 +426,8 @@ struct VmPlan {
     cwd: String,
     /// Where in `slots` the channel's guest end is (a fresh socket each VM: not a shape).
     agent_index: usize,
+    /// runnerd's end of the egress port, with `domain-allowlist` (never booted ahead).
+    egress: Option<egress::Channel>,
 }
 
 impl VmPlan {
@@ -504,6 +509,7 @@ impl Microvm {
         let (channel, guest_end) = std::os::unix::net::UnixStream::pair()?;
         let guest_end = OwnedFd::from(guest_end);
         let mut planned = request::plan(&job.spec, &self.user, &guest_end, self.bind_fd)?;
+        let egress = egress::open(&job.spec, &mut planned)?;
         let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         let (memory_mib, cpus) = vm_size(job.limits.as_ref(), host_cpus);
         planned.request.pids = job.limits.as_ref().map_or(0, |l| l.pids);
@@ -521,6 +527,7 @@ impl Microvm {
             memory_mib,
             cpus,
             agent_fd: planned.agent_slot,
+            egress_fd: planned.egress_slot,
             shares: &planned.shares,
             disable_userns: self.shape.is_some_and(|s| s.disable_userns),
         };
@@ -543,6 +550,7 @@ impl Microvm {
             cpus,
             env: planned.env,
             cwd: planned.cwd,
+            egress,
         })
     }
 
@@ -636,7 +644,7 @@ impl Microvm {
             if let Some(why) = request::unsupported(&job.spec) {
                 return refused(why.to_owned());
             }
-            let plan = match self.plan(&job) {
+            let mut plan = match self.plan(&job) {
                 Ok(p) => p,
                 Err(source) => {
                     let outcome = Err(LaunchError::Io { what: "pass a descriptor to the microvm", source });
@@ -657,6 +665,7 @@ impl Microvm {
                 _ => None,
             };
             let (env, cwd, request) = (plan.env.clone(), plan.cwd.clone(), plan.request.clone());
+            let plan_egress = plan.egress.take();
             let (vmm, channel, vmm_cgroup) = match taken {
                 Some(entry) => (Vmm::Booted(entry.waiting), entry.guest, entry.cgroup),
                 None => {
@@ -697,6 +706,14 @@ impl Microvm {
                             };
                         }
                     }
+                }
+            };
+            // Relayed to egressd until the run ends (dropped with this future).
+            let _egress = match plan_egress.map(egress::Channel::serve).transpose() {
+                Ok(e) => e,
+                Err(source) => {
+                    let outcome = Err(LaunchError::Io { what: "open the microvm's egress channel", source });
+                    return Ran { outcome, env, cwd, cgroup: vmm_cgroup };
                 }
             };
             let outcome = self.conduct(vmm, channel, request, job.stdin, job.timeout, job.stop, sink).await;

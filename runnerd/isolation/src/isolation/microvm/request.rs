@@ -1,10 +1,12 @@
 //! From a [`SandboxSpec`] to what the guest agent runs and what QEMU shares: the command,
 //! environment and cwd are the bwrap form's own ([`argv::build`] decides them, so the two
-//! backends cannot drift), the mounts become 9p shares, each directory by the descriptor
-//! runnerd checked where bwrap can bind one.
+//! backends cannot drift; with egress, its proxy variables too, the guest agent taking the
+//! bridge's place), the mounts become 9p shares, each directory by the descriptor runnerd
+//! checked where bwrap can bind one.
 
 use std::os::fd::OwnedFd;
 
+use common::egress::protocol;
 use runner_guest_agent::wire::RunRequest;
 
 use super::argv::{Share, Source};
@@ -16,12 +18,6 @@ use crate::sandbox::{FdSlots, WorkspaceLayout};
 /// What the spec asks for that a VM cannot give yet; the job is refused, never run with
 /// less than it asked.
 pub fn unsupported(spec: &SandboxSpec<'_>) -> Option<&'static str> {
-    if spec.egress.is_some() {
-        return Some(
-            "network policy domain-allowlist is not available with isolation microvm yet (the guest has no NIC and \
-             no egress channel); use network none or isolation bwrap",
-        );
-    }
     if spec.accel.is_some_and(|a| !a.is_empty()) {
         return Some("accelerators cannot be passed into a microvm; use isolation bwrap");
     }
@@ -31,6 +27,24 @@ pub fn unsupported(spec: &SandboxSpec<'_>) -> Option<&'static str> {
     None
 }
 
+/// The bwrap form's command without its egress bridge in front (`egress-bridge --socket S
+/// --port P -- CMD…` → `CMD…`, `P`): in a VM the guest agent is the bridge, on that port.
+/// `None` when the command does not start with exactly that prefix.
+pub fn without_bridge(command: &[String]) -> Option<(Vec<String>, u16)> {
+    match command {
+        [bridge, socket_flag, socket, port_flag, port, end, rest @ ..]
+            if bridge == protocol::SANDBOX_BRIDGE
+                && socket_flag == "--socket"
+                && socket == protocol::SANDBOX_SOCKET
+                && port_flag == "--port"
+                && end == "--" =>
+        {
+            Some((rest.to_vec(), port.parse().ok()?))
+        }
+        _ => None,
+    }
+}
+
 /// The request, the shares, and the descriptors the shares and the channel name.
 #[derive(Debug)]
 pub struct Planned {
@@ -38,6 +52,8 @@ pub struct Planned {
     pub shares: Vec<Share>,
     pub slots: FdSlots,
     pub agent_slot: i32,
+    /// QEMU's end of the egress port's channel ([`super::egress::open`]); `None`: no port.
+    pub egress_slot: Option<i32>,
     pub env: Vec<(String, String)>,
     pub cwd: String,
 }
@@ -55,6 +71,11 @@ pub fn plan(
         extensions: s.extensions.to_owned(),
         fds: None,
     });
+    let egress_mount = spec.egress.map(|_| argv::EgressMount {
+        bridge: protocol::SANDBOX_BRIDGE.into(),
+        gateway_socket: protocol::SANDBOX_SOCKET.into(),
+        gateway_fd: None,
+    });
     let cmd = argv::build(&BwrapSpec {
         shape: SandboxShape { proc_mode: ProcMode::New, disable_userns: false },
         host: spec.host,
@@ -65,7 +86,9 @@ pub fn plan(
         python: spec.python,
         science_env: spec.science_env,
         workspace_fds: None,
-        egress: None,
+        // With egress, the bwrap form's proxy variables and port (so the two backends cannot
+        // drift); its bridge mount and socket are not the VM's (QEMU gets neither).
+        egress: egress_mount.as_ref(),
         accel: None,
         command: spec.command,
         tmp_bytes: spec.tmp_bytes,
@@ -77,6 +100,13 @@ pub fn plan(
         binds: &[],
         extra_env: spec.extra_env,
     });
+    let (command, egress_port) = match &egress_mount {
+        Some(_) => match without_bridge(&cmd.command) {
+            Some((command, port)) => (command, Some(port)),
+            None => return Err(std::io::Error::other("the sandbox command has no egress bridge to replace")),
+        },
+        None => (cmd.command.clone(), None),
+    };
     let mut slots = FdSlots::default();
     let agent_slot = slots.push(agent)?;
     let mut shares = vec![Share { tag: "usr", source: Source::Path("/usr".into()), writable: false }];
@@ -114,7 +144,7 @@ pub fn plan(
     let name = crate::sandbox::host::sandbox_user_name(Some(&who.name));
     let (passwd, group) = crate::sandbox::host::identity_lines(name, who.uid, who.gid);
     let request = RunRequest {
-        argv: cmd.command.clone(),
+        argv: command,
         env: cmd.env.clone(),
         cwd: cmd.cwd.clone(),
         workspace: spec.workspace.mount_point(),
@@ -129,6 +159,7 @@ pub fn plan(
         fsize: 0,
         passwd: passwd.into_bytes(),
         group: group.into_bytes(),
+        egress_port,
     };
-    Ok(Planned { request, shares, slots, agent_slot, env: cmd.env, cwd: cmd.cwd })
+    Ok(Planned { request, shares, slots, agent_slot, egress_slot: None, env: cmd.env, cwd: cmd.cwd })
 }
