@@ -279,6 +279,62 @@ async fn unavailable_or_unknown_backends_are_refused_with_400_and_health_says_wh
     assert_eq!(health["isolation"]["default"], "bwrap", "{health}");
 }
 
+/// The default accelerator setting, `auto`: KVM only when the sandbox user can open
+/// `/dev/kvm` and a guest boots under it at start-up, else TCG — and `/health` says which and
+/// why.
+#[tokio::test]
+async fn auto_picks_kvm_only_where_a_guest_boots_under_it_and_says_why() {
+    if !microvm_or_skip("auto_picks_kvm_only_where_a_guest_boots_under_it_and_says_why") {
+        return;
+    }
+    let server = start(&[]);
+    // Where KVM may work, its start-up boot runs in the background: its end is waited for.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let health = loop {
+        let health = server.client().get("/health").await.unwrap().json();
+        let trying = health["isolation"]["backends"]["microvm"]["accelReason"]
+            .as_str()
+            .is_some_and(|r| r.contains("to try it"));
+        if !trying || std::time::Instant::now() > deadline {
+            break health;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let vm = &health["isolation"]["backends"]["microvm"];
+    assert_eq!(
+        (vm["available"].clone(), vm["accelSetting"].clone()),
+        (json!(true), json!("auto")),
+        "{health}"
+    );
+    let reason = vm["accelReason"].as_str().unwrap();
+    match vm["accel"].as_str().unwrap() {
+        "kvm" => assert!(reason.starts_with("KVM: a guest booted"), "{health}"),
+        "tcg" => assert!(reason.starts_with("TCG: ") && reason.contains("/dev/kvm"), "{health}"),
+        other => panic!("accel {other}: {health}"),
+    }
+    // Where the sandbox user cannot open /dev/kvm (this project's machines: 0600 root, or
+    // no device), TCG without a boot at start-up.
+    use std::os::unix::fs::MetadataExt;
+    let user = runner_tests::sandbox_user();
+    let openable = std::fs::metadata("/dev/kvm").is_ok_and(|m| {
+        let mode = m.mode();
+        mode & 0o6 == 0o6
+            || (m.uid() == user.uid && mode & 0o600 == 0o600)
+            || (m.gid() == user.gid && mode & 0o60 == 0o60)
+    });
+    if !openable {
+        assert_eq!(vm["accel"], "tcg", "{health}");
+        assert!(
+            reason.contains("cannot be opened read-write by the sandbox user")
+                || reason.contains("No such file"),
+            "{health}"
+        );
+    }
+    let ws = server.project_workspace("auto");
+    let r = run(&server, &ws, "echo on-$(uname -r)", json!({})).await;
+    assert_eq!(r["exitCode"], 0, "{r}");
+}
+
 #[tokio::test]
 async fn chips_are_refused_under_microvm_before_anything_runs() {
     // A backend whose files all check out (QEMU is never started: the refusal comes first).

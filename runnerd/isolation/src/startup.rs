@@ -206,6 +206,7 @@ pub async fn prepare(config: &SandboxConfig) -> Result<SandboxRuntime, StartupEr
     );
     microvm.probe_kvm().await;
     let microvm = Arc::new(microvm);
+    microvm.try_kvm();
     Ok(SandboxRuntime {
         isolation,
         launcher,

@@ -5,8 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::microvm::MicrovmSettings;
-use super::microvm::argv::Accel;
+use super::microvm::{AccelSetting, MicrovmSettings};
 
 pub const ISOLATION_VAR: &str = "SCIENCE_AGENT_ISOLATION";
 pub const QEMU_VAR: &str = "SCIENCE_AGENT_MICROVM_QEMU";
@@ -81,15 +80,12 @@ impl IsolationSettings {
                 reason: format!("must be {}, not {v:?}", Backend::NAMES),
             })?,
         };
-        let accel = match get(ACCEL_VAR).as_deref() {
-            None | Some("tcg") => Accel::Tcg,
-            Some("kvm") => Accel::Kvm,
-            Some(v) => {
-                return Err(SettingError {
-                    name: ACCEL_VAR,
-                    reason: format!("must be kvm or tcg, not {v:?}"),
-                });
-            }
+        let accel = match get(ACCEL_VAR) {
+            None => AccelSetting::Auto,
+            Some(v) => AccelSetting::parse(&v).ok_or_else(|| SettingError {
+                name: ACCEL_VAR,
+                reason: format!("must be auto, kvm or tcg, not {v:?}"),
+            })?,
         };
         let fallback = MicrovmSettings::default();
         let path = |name, default: PathBuf| get(name).map_or(default, PathBuf::from);
@@ -152,6 +148,8 @@ pub fn health(default: Backend, bwrap: &dyn super::Isolation, microvm: &super::M
     };
     let mut vm = entry(microvm);
     vm["accel"] = microvm.accel().name().into();
+    vm["accelSetting"] = microvm.settings().accel.name().into();
+    vm["accelReason"] = microvm.accel_reason().into();
     vm["kernel"] = microvm.settings().kernel.display().to_string().into();
     vm["enforces"] = serde_json::json!({
         "memoryBytes": "the guest's RAM (QEMU -m, at least 128 MiB): the guest kernel's OOM killer ends the command and the answer still comes back",
@@ -178,11 +176,11 @@ mod tests {
     #[test]
     fn settings_table() {
         let d = settings(&[]).unwrap();
-        assert_eq!((d.default, d.microvm.accel), (Backend::Bwrap, Accel::Tcg));
+        assert_eq!((d.default, d.microvm.accel), (Backend::Bwrap, AccelSetting::Auto));
         let s = settings(&[(ISOLATION_VAR, "microvm"), (ACCEL_VAR, "kvm"), (KERNEL_VAR, "/k")]).unwrap();
         assert_eq!(
             (s.default, s.microvm.accel, s.microvm.kernel.as_path()),
-            (Backend::Microvm, Accel::Kvm, "/k".as_ref())
+            (Backend::Microvm, AccelSetting::Kvm, "/k".as_ref())
         );
         assert_eq!(settings(&[(ISOLATION_VAR, "")]).unwrap().default, Backend::Bwrap);
         assert_eq!(settings(&[(ISOLATION_VAR, "firecracker")]).unwrap_err().name, ISOLATION_VAR);

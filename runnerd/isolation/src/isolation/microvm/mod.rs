@@ -62,8 +62,8 @@ pub struct MicrovmSettings {
     pub kernel: PathBuf,
     /// `SCIENCE_AGENT_MICROVM_INITRAMFS`: the initramfs with the guest agent.
     pub initramfs: PathBuf,
-    /// `SCIENCE_AGENT_MICROVM_ACCEL`: `kvm` (believed after [`Microvm::probe_kvm`]) or `tcg`.
-    pub accel: Accel,
+    /// `SCIENCE_AGENT_MICROVM_ACCEL`: `auto`, `kvm` or `tcg` ([`Microvm::probe_kvm`] decides).
+    pub accel: AccelSetting,
     /// `SCIENCE_AGENT_MICROVM_POOL` and `_POOL_PER_TENANT`: how many booted VMs wait for
     /// their workspace's next call (0: none); their idle limit is the pre-started
     /// sandboxes' (`SCIENCE_AGENT_PRESTART_IDLE_SECS`).
@@ -81,8 +81,38 @@ impl Default for MicrovmSettings {
             qemu: PathBuf::from("/usr/bin/qemu-system-x86_64"),
             kernel: PathBuf::from("/usr/lib/sciencediscovery/microvm/vmlinux"),
             initramfs: PathBuf::from("/usr/lib/sciencediscovery/microvm/initramfs.cpio.gz"),
-            accel: Accel::Tcg,
+            accel: AccelSetting::Auto,
             pool: DEFAULT_POOL,
+        }
+    }
+}
+
+/// Which accelerator the operator asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccelSetting {
+    /// KVM when the sandbox user can open `/dev/kvm` and a guest boots under it at
+    /// start-up; TCG otherwise, and `/health` says why.
+    Auto,
+    /// KVM, or the backend is unavailable with the reason.
+    Kvm,
+    Tcg,
+}
+
+impl AccelSetting {
+    pub fn parse(value: &str) -> Option<AccelSetting> {
+        match value {
+            "auto" => Some(AccelSetting::Auto),
+            "kvm" => Some(AccelSetting::Kvm),
+            "tcg" => Some(AccelSetting::Tcg),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AccelSetting::Auto => "auto",
+            AccelSetting::Kvm => "kvm",
+            AccelSetting::Tcg => "tcg",
         }
     }
 }
@@ -98,6 +128,9 @@ pub struct Microvm {
     bind_fd: bool,
     /// Why no VM can start here (`None`: they can).
     unusable: Option<String>,
+    /// The accelerator the VMs use, and why (under `auto`): decided by [`Microvm::probe_kvm`]
+    /// and, where KVM may work, by [`Microvm::try_kvm`] in the background.
+    accel: std::sync::Mutex<(Accel, Option<String>)>,
     /// Booted VMs, each waiting for its workspace's next call and serving exactly one
     /// (issue #36's pool); `None`: off, or no VM can start here.
     pool: Option<Arc<Pool<Channel>>>,
@@ -119,6 +152,7 @@ impl Microvm {
         let unusable = unusable(&settings, shape.is_some(), &user);
         let pool =
             (settings.pool.per_node > 0 && bind_fd && unusable.is_none()).then(|| Pool::new(settings.pool));
+        let accel = if settings.accel == AccelSetting::Kvm { Accel::Kvm } else { Accel::Tcg };
         Microvm {
             settings,
             bwrap,
@@ -129,23 +163,74 @@ impl Microvm {
             unusable,
             pool,
             pending: Default::default(),
+            accel: std::sync::Mutex::new((accel, None)),
         }
     }
 
-    /// With `SCIENCE_AGENT_MICROVM_ACCEL=kvm`, boots one guest under KVM through the launcher
+    /// Decides the accelerator. With `kvm`, boots one guest under KVM through the launcher
     /// (as the sandbox user, who must be able to open `/dev/kvm`) and waits for its agent's
-    /// `Ready`; a host whose KVM cannot boot a stock kernel (PVM) makes the backend
-    /// unavailable with the reason, instead of every run hanging until its timeout.
+    /// `Ready`: a host whose KVM cannot boot a stock kernel (PVM) makes the backend
+    /// unavailable with the reason, instead of every run hanging until its timeout. With
+    /// `auto`, TCG, and whether [`Microvm::try_kvm`] should try KVM (the sandbox user may
+    /// open `/dev/kvm`; else why not).
     pub async fn probe_kvm(&mut self) {
-        if self.settings.accel != Accel::Kvm || self.unusable.is_some() {
+        if self.unusable.is_some() {
             return;
         }
-        if let Err(why) = self.boot_probe().await {
-            self.unusable = Some(format!(
-                "SCIENCE_AGENT_MICROVM_ACCEL=kvm, but no guest booted under KVM within {} s: {why}; set it to tcg",
-                KVM_PROBE_TIMEOUT.as_secs()
-            ));
+        match self.settings.accel {
+            AccelSetting::Tcg => {}
+            AccelSetting::Kvm => {
+                if let Err(why) = self.boot_probe().await {
+                    self.unusable = Some(format!(
+                        "SCIENCE_AGENT_MICROVM_ACCEL=kvm, but no guest booted under KVM within {} s: {why}; set it to tcg or auto",
+                        KVM_PROBE_TIMEOUT.as_secs()
+                    ));
+                }
+            }
+            AccelSetting::Auto => {
+                let kvm =
+                    std::fs::metadata(KVM_DEVICE).map_err(|e| format!("{KVM_DEVICE}: {e}")).and_then(|m| {
+                        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+                        kvm_openable(m.file_type().is_char_device(), m.mode(), m.uid(), m.gid(), &self.user)
+                    });
+                let reason = match kvm {
+                    Err(why) => format!("TCG: {why}"),
+                    Ok(()) => TRYING_KVM.to_owned(),
+                };
+                self.set_accel(Accel::Tcg, reason);
+            }
         }
+    }
+
+    /// Under `auto` where the sandbox user may open `/dev/kvm`: boots one guest under KVM in
+    /// the background (start-up does not wait; runs meanwhile use TCG) and switches to KVM if
+    /// it reached the guest agent, else says why TCG stays.
+    pub fn try_kvm(self: &Arc<Self>) {
+        if self.accel_reason().as_deref() != Some(TRYING_KVM) {
+            return;
+        }
+        let vm = self.clone();
+        tokio::spawn(async move {
+            match vm.boot_probe().await {
+                Ok(()) => vm.set_accel(Accel::Kvm, "KVM: a guest booted under it at start-up".to_owned()),
+                Err(why) => vm.set_accel(
+                    Accel::Tcg,
+                    format!(
+                        "TCG: the sandbox user can open {KVM_DEVICE}, but no guest booted under KVM within {} s: {why}",
+                        KVM_PROBE_TIMEOUT.as_secs()
+                    ),
+                ),
+            }
+            tracing::info!(
+                event = "microvm_accel",
+                accel = vm.accel().name(),
+                reason = vm.accel_reason().unwrap_or_default()
+            );
+        });
+    }
+
+    fn set_accel(&self, accel: Accel, reason: String) {
+        *self.accel.lock().unwrap_or_else(|p| p.into_inner()) = (accel, Some(reason));
     }
 
     async fn boot_probe(&self) -> Result<(), String> {
@@ -194,7 +279,12 @@ impl Microvm {
     }
 
     pub fn accel(&self) -> Accel {
-        self.settings.accel
+        self.accel.lock().unwrap_or_else(|p| p.into_inner()).0
+    }
+
+    /// Why [`Microvm::accel`] is what it is, under `auto`.
+    pub fn accel_reason(&self) -> Option<String> {
+        self.accel.lock().unwrap_or_else(|p| p.into_inner()).1.clone()
     }
 
     pub fn settings(&self) -> &MicrovmSettings {
@@ -233,13 +323,39 @@ fn unusable(settings: &MicrovmSettings, bwrap_usable: bool, user: &Identity) -> 
             ));
         }
     }
-    if settings.accel == Accel::Kvm {
-        let kvm = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm");
+    if settings.accel == AccelSetting::Kvm {
+        let kvm = std::fs::OpenOptions::new().read(true).write(true).open(KVM_DEVICE);
         if let Err(e) = kvm {
             return Some(format!("SCIENCE_AGENT_MICROVM_ACCEL=kvm but /dev/kvm cannot be opened: {e}"));
         }
     }
     None
+}
+
+const KVM_DEVICE: &str = "/dev/kvm";
+/// `auto`'s reason while [`Microvm::try_kvm`] boots its guest.
+const TRYING_KVM: &str = "TCG while a guest boots under KVM to try it (start-up probe)";
+
+/// Whether the sandbox user may open `/dev/kvm` read-write, from its type, mode and owner:
+/// QEMU runs as that user with its uid and primary gid only (no supplementary groups), so
+/// membership of a `kvm` group it is not primary in does not count. Else why not.
+fn kvm_openable(char_device: bool, mode: u32, uid: u32, gid: u32, user: &Identity) -> Result<(), String> {
+    if !char_device {
+        return Err(format!("{KVM_DEVICE} is not a character device"));
+    }
+    let rw = |shift: u32| (mode >> shift) & 0o6 == 0o6;
+    let allowed = (uid == user.uid && rw(6)) || (gid == user.gid && rw(3)) || rw(0);
+    if allowed {
+        Ok(())
+    } else {
+        Err(format!(
+            "{KVM_DEVICE} (mode {:o}, owner {uid}:{gid}) cannot be opened read-write by the sandbox user {} ({}:{})",
+            mode & 0o777,
+            user.name,
+            user.uid,
+            user.gid
+        ))
+    }
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -304,9 +420,10 @@ pub fn vm_size(limits: Option<&crate::limits::Limits>, host_cpus: u32) -> (u64, 
     (memory, cpus.unwrap_or(1).clamp(1, host_cpus.max(1)))
 }
 
-/// The job's outcome from the launcher's and the conversation's: the launcher's timeout or
-/// cancel first, then what the guest reported (a signal as bwrap reports it, 128+N), else
-/// why the VM ended without a report.
+/// The job's outcome from the launcher's and the conversation's: the job's cancel first, then
+/// what the guest reported (a signal as bwrap reports it, 128+N) — a report means the command
+/// ended before QEMU was killed, so a deadline that passed while the guest powered off is not
+/// the command's timeout — then the launcher's timeout, else why the VM ended without a report.
 fn judge(
     launched: Result<Outcome, LaunchError>,
     verdict: Verdict,
@@ -316,7 +433,6 @@ fn judge(
     let mut outcome = launched?;
     let tail = || String::from_utf8_lossy(console).trim().to_owned();
     outcome.termination = match (outcome.termination, verdict) {
-        (Termination::TimedOut, _) => Termination::TimedOut,
         (_, _) if stopped => Termination::Cancelled,
         (_, Verdict::Exit(Exit::Code { code, oom })) => {
             outcome.guest_oom = Some(oom);
@@ -326,6 +442,7 @@ fn judge(
             outcome.guest_oom = Some(oom);
             Termination::Exited(128 + i32::from(signal))
         }
+        (Termination::TimedOut, _) => Termination::TimedOut,
         (_, Verdict::Failed(text)) => {
             return Err(LaunchError::Unavailable(format!(
                 "the microvm guest could not start the command: {text}"
@@ -523,7 +640,7 @@ impl Microvm {
         let vm = VmArgs {
             kernel: &self.settings.kernel,
             initramfs: &self.settings.initramfs,
-            accel: self.settings.accel,
+            accel: self.accel(),
             memory_mib,
             cpus,
             agent_fd: planned.agent_slot,
@@ -782,7 +899,28 @@ impl Microvm {
                 }
             }
         };
-        let (launched, verdict) = tokio::join!(vmm, talk);
+        // QEMU's end closes the channel, so the conversation ends with it; if QEMU could not
+        // be ended (the launcher gave up on it), the conversation is not waited for forever.
+        let (launched, verdict) = {
+            tokio::pin!(vmm, talk);
+            let mut heard = None;
+            let launched = loop {
+                tokio::select! {
+                    launched = &mut vmm => break launched,
+                    verdict = &mut talk, if heard.is_none() => heard = Some(verdict),
+                }
+            };
+            let verdict = match heard {
+                Some(v) => v,
+                None => match tokio::time::timeout(crate::launch::DRAIN_LIMIT, &mut talk).await {
+                    Ok(v) => v,
+                    Err(_) => {
+                        Verdict::Io(std::io::Error::other("the microvm channel stayed open after QEMU ended"))
+                    }
+                },
+            };
+            (launched, verdict)
+        };
         let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
         let timed_out = matches!(&launched, Ok(o) if o.termination == Termination::TimedOut);
         if matches!(verdict, Verdict::Closed { ready: true }) && launched.is_ok() && !stopped && !timed_out {
@@ -831,7 +969,7 @@ mod tests {
     }
 
     #[test]
-    fn the_outcome_believes_the_launcher_first_then_the_checked_report() {
+    fn the_outcome_believes_the_cancel_then_the_checked_report_then_the_deadline() {
         let t = |r: Result<Outcome, LaunchError>| {
             r.map(|o| (o.termination, o.guest_oom)).map_err(|e| e.to_string())
         };
@@ -840,8 +978,14 @@ mod tests {
             t(judge(outcome(Termination::Exited(0)), code(3), false, b"")),
             Ok((Termination::Exited(3), Some(false)))
         );
+        // The guest reported before QEMU was killed: the command ended in time (the deadline
+        // passed while the guest powered off).
         assert_eq!(
             t(judge(outcome(Termination::TimedOut), code(0), false, b"")),
+            Ok((Termination::Exited(0), Some(false)))
+        );
+        assert_eq!(
+            t(judge(outcome(Termination::TimedOut), Verdict::Closed { ready: true }, false, b"")),
             Ok((Termination::TimedOut, None))
         );
         assert_eq!(
@@ -887,6 +1031,25 @@ mod tests {
         // Below the smallest guest, or a fraction of a CPU: the VM is larger than asked.
         let e = enforced(&asked(64 << 20, 500));
         assert_eq!((e.memory_bytes, e.cpu), (serde_json::json!("partial"), serde_json::json!("partial")));
+    }
+
+    #[test]
+    fn kvm_is_tried_only_when_the_sandbox_user_can_open_it() {
+        let who =
+            Identity { uid: 999, gid: 992, name: "sbx".into(), origin: crate::sandbox::user::Origin::Runner };
+        let table = [
+            ((true, 0o600, 0, 0), false),
+            ((true, 0o660, 0, 107), false),
+            ((true, 0o660, 0, 992), true),
+            ((true, 0o600, 999, 0), true),
+            ((true, 0o666, 0, 0), true),
+            ((true, 0o664, 0, 0), false),
+            ((false, 0o666, 0, 0), false),
+        ];
+        for ((chr, mode, uid, gid), ok) in table {
+            assert_eq!(kvm_openable(chr, mode, uid, gid, &who).is_ok(), ok, "{mode:o} {uid}:{gid}");
+        }
+        assert!(kvm_openable(true, 0o600, 0, 0, &who).unwrap_err().contains("sbx (999:992)"));
     }
 
     #[test]
