@@ -712,7 +712,22 @@ pwd
         "{p}"
     );
 
+    // A call of the same workspace in bwrap: the VM booted for the next microvm call goes
+    // (it would only hold the tenant's place), and so does one still booting.
+    let p = vm_pool_until(&server, "the next VM boots", |p| p["waiting"] == json!(1)).await;
+    let mut body = shell_request("main", "session-microvm", &ws, "echo in-bwrap");
+    body["isolation"] = json!("bwrap");
+    let r = server.client().post_signed("/execute-shell", &body).await.unwrap().json();
+    assert_eq!(r["stdout"], "in-bwrap\n", "{r}");
+    let q = vm_pool(&server).await;
+    assert_eq!(
+        (q["waiting"].clone(), q["discards"]["shape_changed"].as_u64().unwrap()),
+        (json!(0), p["discards"]["shape_changed"].as_u64().unwrap() + 1),
+        "{q}"
+    );
+
     // runnerd stops: the waiting VM and its QEMU end with it.
+    run(&server, &ws, "true", json!({})).await;
     vm_pool_until(&server, "the next VM boots", |p| p["waiting"] == json!(1)).await;
     assert!(server.stop().success());
     let orphans: Vec<_> = runner_tests::processes_matching("qemu-system")

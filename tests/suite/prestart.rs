@@ -231,6 +231,19 @@ async fn each_discard_trigger_discards() {
     let q = waiting(&client).await;
     assert_eq!(discarded(&q, "shape_changed"), discarded(&p, "shape_changed") + 1, "{q}");
     assert_eq!(hits(&q), hits(&p));
+    // A refused environment deletion changed no prefix: nothing waiting is discarded (any
+    // caller could otherwise flush every tenant's waiting sandbox).
+    for id in ["no-such-environment", "starter-python"] {
+        let refused =
+            client.send_bytes("DELETE", &format!("/environments/{id}"), &[], Vec::new()).await.unwrap();
+        assert_ne!(refused.status, 200, "{}", String::from_utf8_lossy(&refused.body));
+    }
+    let r = pool(&client).await;
+    assert_eq!(
+        (r["waiting"].clone(), discarded(&r, "environment_changed")),
+        (json!(1), discarded(&q, "environment_changed")),
+        "{r}"
+    );
 }
 
 /// Whether some process's working directory is the directory (`dev`, `ino`).

@@ -179,8 +179,12 @@ pub(crate) async fn uninstall(app: &App, peer: &str, id: &str, body: &[u8]) -> R
 
 pub(crate) async fn delete(app: &App, peer: &str, id: &str) -> Result<ApiResponse, ApiError> {
     let deleted = app.envs.delete(id).await;
-    app.sandbox
-        .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
+    // Only a deletion that happened can have removed a prefix something waits with: a
+    // refused one (unknown id, a starter…) must not discard every caller's waiting sandbox.
+    if deleted.is_ok() {
+        app.sandbox
+            .forget(crate::isolation::prestart::Scope::All, crate::isolation::prestart::Discard::Environment);
+    }
     audit(peer, "delete", id, "", &deleted, |_| String::new());
     ok(json!({"deleted": deleted?}))
 }

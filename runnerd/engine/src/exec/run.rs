@@ -195,6 +195,7 @@ async fn launch(
     audit.mark(crate::metrics::Phase::Launch);
     let launched = Instant::now();
     let mut output = OutputBudget::pooled(p.max_output, &app.output_pool);
+    app.sandbox.running_in(p.isolation, job.spec.workspace.root());
     let Ran { outcome, env, cwd, cgroup } =
         app.sandbox.backend(p.isolation).run(job, &mut Tee { budget: &mut output, extra: logs }).await;
     watchdog.abort();

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::plan::IdPair;
 
-use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Scope, Shape};
+use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Scope, Shape, release};
 use super::{Isolation, Job, Ran, RunFuture, SandboxSpec};
 use crate::launch::{Launch, LaunchError, Launcher, Outcome, OutputSink};
 use crate::limits::{ExecCgroup, Limits};
@@ -102,8 +102,7 @@ impl Bubblewrap {
     /// the pool's bounds admit it; `cgroup` is a fresh one of the shape's limits, if at hand.
     fn start_next(&self, next: Next, cgroup: Option<ExecCgroup>) {
         let Some(pool) = &self.pool else { return release(cgroup) };
-        let environment = next.shape.binds_environment();
-        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant, environment) else {
+        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant, &next.shape) else {
             return release(cgroup);
         };
         pool.ensure_sweeper();
@@ -163,16 +162,6 @@ async fn ready_in(pool: &Pool, entry: prestart::Entry, runs_in: (u64, u64)) -> O
     }
     pool.refuse(entry, prestart::Miss::Shape);
     None
-}
-
-/// Removes an unused execution cgroup off the async threads (its removal may wait on the
-/// kernel in every hierarchy); in place where there is no runtime.
-fn release(cgroup: Option<ExecCgroup>) {
-    let Some(cgroup) = cgroup else { return };
-    match tokio::runtime::Handle::try_current() {
-        Ok(rt) => drop(rt.spawn_blocking(move || drop(cgroup))),
-        Err(_) => drop(cgroup),
-    }
 }
 
 /// Why a sandbox could not be started ahead (logged; the next call launches as usual).

@@ -310,8 +310,8 @@ struct State<G> {
     /// At most one per workspace root (executions of one workspace never overlap).
     entries: HashMap<PathBuf, Entry<G>>,
     /// Workspaces whose next sandbox is being started (counted against the bounds): its
-    /// tenant, and whether it binds a scientific environment.
-    starting: HashMap<PathBuf, (String, bool)>,
+    /// tenant and its shape.
+    starting: HashMap<PathBuf, (String, Shape)>,
     /// Starts in flight that a [`Pool::forget`] reached: discarded when they arrive.
     voided: std::collections::HashSet<PathBuf>,
     /// runnerd stops: nothing more is started or kept.
@@ -391,14 +391,19 @@ impl<G: Send + 'static> Pool<G> {
             let filed = self.filed.notified();
             tokio::pin!(filed);
             filed.as_mut().enable();
-            let in_flight = {
-                let state = self.lock();
-                !state.entries.contains_key(root) && state.starting.contains_key(root)
-            };
-            if !in_flight || tokio::time::timeout_at(deadline, filed).await.is_err() {
+            if !self.in_flight_for(root, shape) || tokio::time::timeout_at(deadline, filed).await.is_err() {
                 return self.take(root, shape);
             }
         }
+    }
+
+    /// Whether a start in flight for `root` can serve a call of `shape` (what a call waits
+    /// for): nothing filed yet, of that shape, and not voided by a forget since.
+    fn in_flight_for(&self, root: &Path, shape: &Shape) -> bool {
+        let state = self.lock();
+        !state.entries.contains_key(root)
+            && !state.voided.contains(root)
+            && state.starting.get(root).is_some_and(|(_, s)| s == shape)
     }
 
     /// A taken sandbox serves its call.
@@ -420,12 +425,11 @@ impl<G: Send + 'static> Pool<G> {
             .fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Holds a place for `root`'s next sandbox (`environment`: it binds a scientific
-    /// environment), evicting what the bounds require; `None` when pre-starting is off or
-    /// closed, or one is already being started for `root`. One still waiting for `root` is
-    /// replaced: its call's `take` came first, so it was filed after it, for the call before
-    /// (whose shape the newest call's replaces).
-    pub fn reserve(&self, root: &Path, tenant: &str, environment: bool) -> Option<Reservation> {
+    /// Holds a place for `root`'s next sandbox, of `shape`, evicting what the bounds require;
+    /// `None` when pre-starting is off or closed, or one is already being started for `root`.
+    /// One still waiting for `root` is replaced: its call's `take` came first, so it was filed
+    /// after it, for the call before (whose shape the newest call's replaces).
+    pub fn reserve(&self, root: &Path, tenant: &str, shape: &Shape) -> Option<Reservation> {
         let mut state = self.lock();
         if state.closed || state.starting.contains_key(root) {
             return None;
@@ -453,7 +457,7 @@ impl<G: Send + 'static> Pool<G> {
                 }
             }
         }
-        state.starting.insert(root.to_owned(), (tenant.to_owned(), environment));
+        state.starting.insert(root.to_owned(), (tenant.to_owned(), shape.clone()));
         Some(Reservation { root: root.to_owned(), tenant: tenant.to_owned() })
     }
 
@@ -477,6 +481,8 @@ impl<G: Send + 'static> Pool<G> {
             let why = if state.closed { Discard::Stopping } else { Discard::Workspace };
             drop(state);
             self.discard(entry, why);
+            // A call may still wait for this start (it checks `voided` when woken).
+            self.filed.notify_waiters();
             return;
         }
         state.entries.insert(reservation.root, entry);
@@ -507,7 +513,7 @@ impl<G: Send + 'static> Pool<G> {
             let in_flight: Vec<PathBuf> = state
                 .starting
                 .iter()
-                .filter(|(p, (_, env))| hit(p) && (!env_only || *env))
+                .filter(|(p, (_, shape))| hit(p) && (!env_only || shape.binds_environment()))
                 .map(|(p, _)| p.clone())
                 .collect();
             state.voided.extend(in_flight);
@@ -522,6 +528,8 @@ impl<G: Send + 'static> Pool<G> {
         for entry in gone {
             self.discard(entry, why);
         }
+        // Calls waiting for a start this voided stop waiting.
+        self.filed.notify_waiters();
     }
 
     /// Starts the task that discards what waited longer than the idle limit, once; it ends
@@ -671,6 +679,16 @@ impl<N> Pending<N> {
     }
 }
 
+/// Removes an unused execution cgroup off the async threads (its removal may wait on the
+/// kernel in every hierarchy); in place where there is no runtime.
+pub fn release(cgroup: Option<ExecCgroup>) {
+    let Some(cgroup) = cgroup else { return };
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn_blocking(move || drop(cgroup))),
+        Err(_) => drop(cgroup),
+    }
+}
+
 /// A process's resident memory (`/proc/PID/statm`, which any user may read), 0 if gone.
 fn resident_bytes(pid: i32) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/statm")).unwrap_or_default();
@@ -719,6 +737,23 @@ mod tests {
         for (i, (waiting, expected)) in cases.into_iter().enumerate() {
             assert_eq!(classify(waiting, &wanted), expected, "case {i}");
         }
+    }
+
+    #[test]
+    fn a_call_waits_only_for_a_start_that_can_serve_it() {
+        let pool: Arc<Pool> = Pool::new(PrestartSettings::default());
+        let (root, other_root) = (Path::new("/ws/a"), Path::new("/ws/b"));
+        let (a, b) = (shape("--bind-fd"), shape("--bind"));
+        assert!(!pool.in_flight_for(root, &a), "nothing started");
+        let reservation = pool.reserve(root, "t", &a).unwrap();
+        assert!(pool.in_flight_for(root, &a));
+        assert!(!pool.in_flight_for(root, &b), "another shape: it could not serve the call");
+        assert!(!pool.in_flight_for(other_root, &a), "another workspace");
+        // A forget voids it: the call stops waiting for a start that will be discarded.
+        pool.forget(Scope::Exactly(root), Discard::Workspace);
+        assert!(!pool.in_flight_for(root, &a));
+        pool.failed(reservation, &std::io::Error::other("test"));
+        assert!(pool.reserve(root, "t", &a).is_some(), "the place is given back");
     }
 
     #[test]

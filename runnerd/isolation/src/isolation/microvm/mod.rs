@@ -36,7 +36,7 @@ use tokio::sync::watch;
 
 use self::argv::{Accel, VmArgs};
 use self::channel::{Channel, Verdict};
-use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Scope, Shape};
+use super::prestart::{self, Discard, Pool, Prestart, PrestartSettings, Scope, Shape, release};
 use super::{Isolation, Job, Ran, RunFuture};
 use crate::launch::{Filter, Launch, LaunchError, Launcher, Outcome, OutputSink, Stream, Termination};
 use crate::sandbox::SandboxShape;
@@ -602,6 +602,16 @@ enum Vmm {
     Booted(crate::launch::Waiting),
 }
 
+/// Completes when `stop` says so; never without one.
+async fn stopped(stop: Option<watch::Receiver<bool>>) {
+    if let Some(mut stop) = stop
+        && stop.wait_for(|s| *s).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
+}
+
 /// How long a VM may take to boot to its agent's `Ready` when it boots ahead, and how long
 /// a call waits for its workspace's VM still booting (a boot further along than a fresh
 /// one; only a stuck boot costs this much).
@@ -696,8 +706,7 @@ impl Microvm {
     /// its agent said `Ready`, when the pool's bounds admit it.
     fn boot_next(&self, next: VmNext) {
         let Some(pool) = &self.pool else { return };
-        let environment = next.shape.binds_environment();
-        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant, environment) else {
+        let Some(reservation) = pool.reserve(&next.root, &next.prestart.tenant, &next.shape) else {
             return;
         };
         pool.ensure_sweeper();
@@ -709,18 +718,24 @@ impl Microvm {
                 .await
                 .map_err(|_| BootError::Panicked)
                 .and_then(|r| r.map_err(BootError::Cgroup));
-            let joined = made.and_then(|c| {
-                let joins = c.as_ref().map(|c| c.procs_fds()).transpose().map_err(BootError::Cgroup)?;
-                Ok((c, joins.unwrap_or_default()))
-            });
-            let (cgroup, joins) = match joined {
-                Ok(joined) => joined,
+            let cgroup = match made {
+                Ok(c) => c,
                 Err(e) => return pool.failed(reservation, &e),
+            };
+            let joins = match cgroup.as_ref().map(|c| c.procs_fds()).transpose() {
+                Ok(joins) => joins.unwrap_or_default(),
+                Err(e) => {
+                    release(cgroup);
+                    return pool.failed(reservation, &BootError::Cgroup(e));
+                }
             };
             let (launch, channel) = plan.launch(bwrap, joins);
             let waiting = match launcher.start(launch).await {
                 Ok(waiting) => waiting,
-                Err(e) => return pool.failed(reservation, &BootError::Launch(e)),
+                Err(e) => {
+                    release(cgroup);
+                    return pool.failed(reservation, &BootError::Launch(e));
+                }
             };
             let channel = channel
                 .set_nonblocking(true)
@@ -738,7 +753,7 @@ impl Microvm {
                 Ok(channel) => pool.insert(reservation, shape, waiting, cgroup, channel),
                 Err(e) => {
                     waiting.end().await;
-                    drop(tokio::task::spawn_blocking(move || drop(cgroup)));
+                    release(cgroup);
                     pool.failed(reservation, &e);
                 }
             }
@@ -769,18 +784,44 @@ impl Microvm {
                 }
             };
             let next = self.next_of(&mut job);
+            if next.is_none() && job.prestart.is_some() {
+                // An execution whose next VM cannot be booted ahead (egress, a shape that
+                // could not be made…): what waits for its workspace, booted for the call
+                // before, would only hold a place until it expired.
+                self.forget(Scope::Exactly(job.spec.workspace.root()), Discard::Shape);
+            }
+            // A VM still booting for this call is waited for, but not past the call's own
+            // deadline, and not once the call is cancelled.
+            let limit = job.timeout.map_or(BOOT_LIMIT, |t| t.min(BOOT_LIMIT));
             let taken = match (&self.pool, &next) {
                 (Some(pool), Some(next)) => {
-                    match pool.take_started(&next.root, &next.shape, BOOT_LIMIT).await {
-                        Ok(entry) => {
-                            pool.served();
-                            Some(entry)
-                        }
-                        Err(_) => None,
+                    tokio::select! {
+                        taken = pool.take_started(&next.root, &next.shape, limit) => taken.ok(),
+                        () = stopped(job.stop.clone()) => None,
                     }
                 }
                 _ => None,
             };
+            if job.stop.as_ref().is_some_and(|s| *s.borrow()) {
+                // Cancelled before its VM was handed the command: nothing ran (a VM taken
+                // meanwhile ends, unused).
+                if let Some(entry) = taken {
+                    drop(entry.waiting);
+                    release(entry.cgroup);
+                }
+                let outcome = Ok(Outcome {
+                    termination: Termination::Cancelled,
+                    sandbox_pid: None,
+                    elapsed: Duration::ZERO,
+                    launch_latency: None,
+                    served_ahead: false,
+                    guest_oom: None,
+                });
+                return Ran { outcome, env: plan.env, cwd: plan.cwd, cgroup: None };
+            }
+            if let (Some(pool), Some(_)) = (&self.pool, &taken) {
+                pool.served();
+            }
             let (env, cwd, request) = (plan.env.clone(), plan.cwd.clone(), plan.request.clone());
             let plan_egress = plan.egress.take();
             let (vmm, channel, vmm_cgroup) = match taken {
@@ -860,7 +901,12 @@ impl Microvm {
         // that does not power off after its report.
         let (kill_tx, kill_rx) = watch::channel(false);
         let kill_tx = Arc::new(kill_tx);
-        let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Already stopped (between the pool and here): the command is never sent.
+        let already = stop.as_ref().is_some_and(|s| *s.borrow());
+        if already {
+            let _ = kill_tx.send(true);
+        }
+        let stopped = Arc::new(std::sync::atomic::AtomicBool::new(already));
         if let Some(mut stop) = stop {
             let (tx, stopped) = (kill_tx.clone(), stopped.clone());
             tokio::spawn(async move {
@@ -872,6 +918,9 @@ impl Microvm {
         }
         let mut console = Console::default();
         let talk = async {
+            if already {
+                return Verdict::Closed { ready: false };
+            }
             let verdict = channel.converse(request, stdin, sink).await;
             let tx = kill_tx.clone();
             match verdict {
