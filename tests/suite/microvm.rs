@@ -767,4 +767,22 @@ async fn clearing_a_workspace_discards_its_booted_vm() {
         assert!(std::time::Instant::now() < deadline, "QEMU left: {:?}", qemu_of(&server));
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Cleared while the next VM boots: the boot ends early, nothing is filed, no QEMU stays.
+    let mut body = runner_tests::server::keyed_shell_request("a", "s", key, "echo y > g");
+    body["isolation"] = json!("microvm");
+    assert_eq!(client.post_signed("/execute-shell", &body).await.unwrap().status, 200);
+    let cleared = client
+        .send_bytes("DELETE", &format!("/remote-workspace?workspace={key}"), &[], Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(cleared.status, 200, "{}", String::from_utf8_lossy(&cleared.body));
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !qemu_of(&server).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "QEMU left: {:?}", qemu_of(&server));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let p = vm_pool(&server).await;
+    assert_eq!(p["waiting"], 0, "{p}");
+    assert_eq!(p["discards"]["workspace_changed"], 2, "the voided boot counts as discarded: {p}");
+    assert_eq!(p["startFailures"], 0, "{p}");
 }

@@ -87,6 +87,43 @@ async fn nothing_carries_over_between_two_calls_served_ahead() {
     assert_eq!(hits(&after), before + 1, "the second call was not served ahead: {after}");
 }
 
+/// Python (`/execute`) is served ahead like the shell: the interpreter waits for its script,
+/// nothing of the last call's interpreter or files is there, and its memory is stated.
+#[tokio::test]
+async fn python_is_served_ahead_and_nothing_carries_over() {
+    if !sandbox_or_skip("python_is_served_ahead_and_nothing_carries_over") {
+        return;
+    }
+    let s = server(&[]);
+    let client = s.client();
+    let ws = s.project_workspace("python");
+    let python = |code: &str| {
+        let client = &client;
+        let body = shell_request("a", "s", &ws, code);
+        async move {
+            let reply = client.post_signed("/execute", &body).await.unwrap();
+            assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+            reply.json()
+        }
+    };
+    let first = python(
+        "import os; carried = 1; open('/tmp/left', 'w').write('x'); os.environ['LEFT'] = '1'; print('one')",
+    )
+    .await;
+    assert_eq!(first["stdout"], "one\n", "{first}");
+    let p = waiting(&client).await;
+    assert!(p["memoryBytes"].as_u64().unwrap() > 1 << 20, "a waiting interpreter's memory is stated: {p}");
+    let second = python(
+        "import os, sys; print(os.path.exists('/tmp/left'), os.environ.get('LEFT'), 'carried' in globals(), sys.executable)",
+    )
+    .await;
+    assert_eq!(second["exitCode"], json!(0), "{second}");
+    assert_eq!(second["stdout"], "False None False /usr/bin/python3\n", "{second}");
+    let q = pool(&client).await;
+    assert_eq!(hits(&q), hits(&p) + 1, "the second call was not served ahead: {q}");
+    eprintln!("a waiting python sandbox: {} bytes resident", p["memoryBytes"]);
+}
+
 #[tokio::test]
 async fn a_sandbox_served_ahead_sees_the_workspace_as_it_is_when_its_call_starts() {
     if !sandbox_or_skip("a_sandbox_served_ahead_sees_the_workspace_as_it_is_when_its_call_starts") {

@@ -406,6 +406,23 @@ impl<G: Send + 'static> Pool<G> {
             && state.starting.get(root).is_some_and(|(_, s)| s == shape)
     }
 
+    /// Completes once the start in flight for `root` is voided by a forget, or the pool
+    /// closes (a start that takes long, such as a VM's boot, then ends early).
+    pub async fn until_voided(&self, root: &Path) {
+        loop {
+            let filed = self.filed.notified();
+            tokio::pin!(filed);
+            filed.as_mut().enable();
+            {
+                let state = self.lock();
+                if state.closed || state.voided.contains(root) {
+                    return;
+                }
+            }
+            filed.await;
+        }
+    }
+
     /// A taken sandbox serves its call.
     pub fn served(&self) {
         self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -492,10 +509,15 @@ impl<G: Send + 'static> Pool<G> {
 
     /// A reserved start that failed: the place is given back.
     pub fn failed(&self, reservation: Reservation, error: &dyn std::error::Error) {
-        self.counters.failed.fetch_add(1, Ordering::Relaxed);
         let mut state = self.lock();
         state.starting.remove(&reservation.root);
-        state.voided.remove(&reservation.root);
+        // A start that ended early because a forget voided it was discarded, not failed.
+        if state.voided.remove(&reservation.root) {
+            let workspace = Discard::ALL.iter().position(|d| *d == Discard::Workspace).unwrap_or(0);
+            self.counters.discards[workspace].fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        }
         drop(state);
         self.filed.notify_waiters();
         tracing::debug!(event = "prestart_failed", workspace = %reservation.root.display(), error = %common::error_chain(error));

@@ -628,6 +628,8 @@ enum BootError {
     Launch(#[source] LaunchError),
     #[error("its guest agent did not say ready: {0}")]
     NotReady(String),
+    #[error("its workspace was forgotten while it booted")]
+    Voided,
 }
 
 impl Microvm {
@@ -742,10 +744,15 @@ impl Microvm {
                 .and_then(|()| tokio::net::UnixStream::from_std(channel))
                 .map(Channel::new);
             let booted = match channel {
-                Ok(mut channel) => match tokio::time::timeout(BOOT_LIMIT, channel.ready()).await {
-                    Ok(Ok(())) => Ok(channel),
-                    Ok(Err(verdict)) => Err(BootError::NotReady(format!("{verdict:?}"))),
-                    Err(_) => Err(BootError::NotReady(format!("not within {} s", BOOT_LIMIT.as_secs()))),
+                // A boot its workspace's forget voided (cleared, moved, an environment
+                // changed…) ends now, not when its guest is up: it would be discarded then.
+                Ok(mut channel) => tokio::select! {
+                    ready = tokio::time::timeout(BOOT_LIMIT, channel.ready()) => match ready {
+                        Ok(Ok(())) => Ok(channel),
+                        Ok(Err(verdict)) => Err(BootError::NotReady(format!("{verdict:?}"))),
+                        Err(_) => Err(BootError::NotReady(format!("not within {} s", BOOT_LIMIT.as_secs()))),
+                    },
+                    () = pool.until_voided(&reservation.root) => Err(BootError::Voided),
                 },
                 Err(e) => Err(BootError::NotReady(e.to_string())),
             };
