@@ -169,7 +169,7 @@ impl Table {
         self.live.contains_key(&id)
     }
 
-    /// The host's `Close` or `OpenFailed` goes out (`false`: the stream was gone already);
+    /// The host's `Close`, `Reset` or `OpenFailed` goes out (`false`: the stream was gone already);
     /// the stream is gone once the guest closed it too.
     pub fn host_close(&mut self, id: u32) -> bool {
         match self.live.get_mut(&id) {
@@ -274,6 +274,8 @@ enum Event {
     Down(u32, Vec<u8>),
     /// The gateway's end.
     Eof(u32),
+    /// The gateway's connection failed while reading (a reset).
+    Reset(u32),
 }
 
 /// The guest's bytes for one stream's gateway connection, not yet taken by its task: one
@@ -528,10 +530,14 @@ async fn relay_watched(
                         outbox.push(&EgressDown::Data { id, bytes }).map_err(EgressError::Wire)?;
                     }
                 }
-                Event::Eof(id) | Event::Failed(id) => {
+                Event::Eof(id) | Event::Failed(id) | Event::Reset(id) => {
                     let failed = matches!(event, Event::Failed(_));
                     if table.host_close(id) {
-                        let msg = if failed { EgressDown::OpenFailed { id } } else { EgressDown::Close { id } };
+                        let msg = match event {
+                            Event::Failed(_) => EgressDown::OpenFailed { id },
+                            Event::Reset(_) => EgressDown::Reset { id },
+                            _ => EgressDown::Close { id },
+                        };
                         outbox.push(&msg).map_err(EgressError::Wire)?;
                     }
                     if !table.is_live(id) {
@@ -583,12 +589,18 @@ async fn stream(
     };
     let down = async {
         let mut buf = vec![0u8; MAX_CHUNK];
+        let mut end = Event::Eof(id);
         loop {
             let Ok(permit) = credit.acquire().await else { break };
             let room = (credit.available_permits() + 1).min(MAX_CHUNK);
             let n = match r.read(&mut buf[..room]).await {
-                Ok(0) | Err(_) => break,
+                Ok(0) => break,
                 Ok(n) => n,
+                // Not an end: the client must not take a truncated answer for a whole one.
+                Err(_) => {
+                    end = Event::Reset(id);
+                    break;
+                }
             };
             permit.forget();
             // Only this task takes permits: the rest of the `room` counted is still there.
@@ -597,7 +609,7 @@ async fn stream(
             }
             let _ = events.send(Event::Down(id, buf[..n].to_vec())).await;
         }
-        let _ = events.send(Event::Eof(id)).await;
+        let _ = events.send(end).await;
     };
     tokio::join!(up, down);
 }

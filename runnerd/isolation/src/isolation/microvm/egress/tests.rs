@@ -560,3 +560,45 @@ async fn a_guest_that_never_reads_its_port_cannot_grow_runnerds_queue() {
     drop(rd);
     assert!(matches!(relay.await.unwrap(), Ok(())));
 }
+
+#[tokio::test]
+async fn a_gateway_connection_that_fails_is_a_reset_not_an_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("0123456789abcdef");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    // A gateway that answers part, then closes with the request unread: a Unix socket's
+    // peer then reads ECONNRESET after the data.
+    std::thread::spawn(move || {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let (mut conn, _) = listener.accept().unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\npart").unwrap();
+        let mut b = [0u8; 1];
+        // SAFETY: `b` is valid for writes of one byte and `conn` is an open socket for the
+        // call; MSG_PEEK waits for the request without taking it.
+        let n = unsafe { libc::recv(conn.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
+        assert_eq!(n, 1);
+        drop(conn);
+        std::thread::park();
+    });
+    let (mut guest, relay) = start(Gateway::Path(path));
+    guest
+        .send(&[
+            EgressUp::Open { id: 2 },
+            EgressUp::Data { id: 2, bytes: b"GET / HTTP/1.1\r\n\r\n".to_vec() },
+        ])
+        .await;
+    let mut got = Vec::new();
+    loop {
+        match guest.next(Duration::from_secs(10)).await.expect("a frame") {
+            EgressDown::Data { id: 2, bytes } => got.extend_from_slice(&bytes),
+            EgressDown::Ack { id: 2, .. } => {}
+            EgressDown::Reset { id: 2 } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(got, b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\npart");
+    // The stream ends as after a close: the guest's close reaps it; the channel goes on.
+    guest.send(&[EgressUp::Close { id: 2 }, EgressUp::Open { id: 3 }]).await;
+    assert!(!relay.is_finished());
+}
