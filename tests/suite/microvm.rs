@@ -517,8 +517,8 @@ async fn hostile_guest_messages_are_refused_and_runnerd_carries_on() {
         return;
     }
     let scratch = runner_tests::scratch_dir();
-    // Ready (variant 0, protocol 3: runner_guest_agent::wire::PROTOCOL), then:
-    let ready = frame(&[0, 3]);
+    // Ready (variant 0, protocol 4: runner_guest_agent::wire::PROTOCOL), then:
+    let ready = frame(&[0, 4]);
     let oversized = [ready.clone(), u32::MAX.to_le_bytes().to_vec()].concat();
     // Exit (variant 3) with both a code (Some 0) and a signal (Some 9): not an exit record.
     let bad_exit = [ready.clone(), frame(&[3, 1, 0, 1, 18, 0])].concat();

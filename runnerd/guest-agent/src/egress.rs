@@ -11,7 +11,8 @@
 //! - one acceptor, which admits at most [`wire::EGRESS_MAX_STREAMS`] connections (503
 //!   beyond, as the bridge does) and sends `Open` for each;
 //! - per connection, an *up* thread (client → host, never more than the host's credit
-//!   ahead) and a *down* thread (host → client, acknowledging what the client took);
+//!   ahead) and a *down* thread (host → client, acknowledging what the client took; at the
+//!   host's `Reset` the client's connection is reset, so a truncated answer never looks whole);
 //! - one port reader, which hands the host's frames to the connections without blocking.
 //!
 //! Frames to the host are written under one lock, each whole. The host trusts nothing here;
@@ -130,6 +131,8 @@ struct ConnState {
     host_closed: bool,
     /// The host sent `OpenFailed`.
     failed: bool,
+    /// The host sent `Reset`: the client's connection is reset, not ended.
+    reset: bool,
     /// Up and down threads that have finished; the second removes the connection.
     finished: u8,
 }
@@ -208,10 +211,10 @@ impl Hub {
         loop {
             let credit = {
                 let mut st = lock(&conn.state);
-                while st.credit == 0 && !st.failed && !self.dead() {
+                while st.credit == 0 && !st.failed && !st.reset && !self.dead() {
                     st = conn.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
                 }
-                if st.failed || self.dead() {
+                if st.failed || st.reset || self.dead() {
                     break;
                 }
                 st.credit
@@ -232,7 +235,7 @@ impl Hub {
     }
 
     /// Host → client, acknowledging each chunk; the client's write side shut at the host's
-    /// end, or a 502 when the host could not reach the gateway.
+    /// end, a reset at the host's `Reset`, or a 502 when the host could not reach the gateway.
     fn down(&self, id: u32, conn: &Conn) {
         let mut client_gone = false;
         loop {
@@ -249,8 +252,17 @@ impl Hub {
             client_gone = client_gone || (&conn.tcp).write_all(&bytes).is_err();
             let _ = self.send(&EgressUp::Ack { id, bytes: bytes.len() as u32 });
         }
-        let failed = lock(&conn.state).failed;
-        if failed || self.dead() {
+        let (failed, reset) = {
+            let st = lock(&conn.state);
+            (st.failed, st.reset)
+        };
+        if reset && !self.dead() {
+            // The client gets ECONNRESET, never a clean end of a truncated answer: with a zero
+            // linger the socket's close (the connection's last handle, dropped once both
+            // threads finished) sends RST; shutting the read side ends the up thread's read.
+            let _ = abort_on_close(&conn.tcp);
+            let _ = conn.tcp.shutdown(Shutdown::Read);
+        } else if failed || self.dead() {
             // Answered, then what the client had started to send is read and dropped for a
             // moment, so that closing does not reset the connection before it reads the 502.
             let _ = (&conn.tcp).write_all(BAD_GATEWAY);
@@ -320,7 +332,8 @@ impl Hub {
             EgressDown::OpenFailed { id }
             | EgressDown::Data { id, .. }
             | EgressDown::Ack { id, .. }
-            | EgressDown::Close { id } => *id,
+            | EgressDown::Close { id }
+            | EgressDown::Reset { id } => *id,
         };
         let Some(conn) = lock(&self.conns).get(&id).cloned() else { return };
         let mut st = lock(&conn.state);
@@ -332,9 +345,31 @@ impl Hub {
                 st.host_closed = true;
                 st.failed = true;
             }
+            EgressDown::Reset { .. } => {
+                st.host_closed = true;
+                st.reset = true;
+            }
         }
         conn.changed.notify_all();
     }
+}
+
+/// Makes `tcp`'s close send RST (`SO_LINGER` on with a zero timeout) instead of FIN.
+fn abort_on_close(tcp: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: `tcp` is an open socket for the call; the option value is a valid `linger` of
+    // the length passed, read only during the call.
+    let r = unsafe {
+        libc::setsockopt(
+            tcp.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// The answer beyond the connection cap (the bridge's own words).
@@ -430,6 +465,30 @@ mod tests {
     }
 
     #[test]
+    fn a_reset_reaches_the_client_as_a_reset_not_an_end() {
+        let mut host = Host::start();
+        let client = host.client();
+        assert_eq!(host.expect(), EgressUp::Open { id: 0 });
+        host.send(&EgressDown::Data {
+            id: 0,
+            bytes: b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\npart".to_vec(),
+        });
+        host.send(&EgressDown::Reset { id: 0 });
+        let mut got = Vec::new();
+        let err = (&client).read_to_end(&mut got).expect_err("not a clean end");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionReset, "{err}");
+        assert!(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\npart".starts_with(&got), "{got:?}");
+        // The host hears the data taken and the stream's end from the guest's side too.
+        loop {
+            match host.expect() {
+                EgressUp::Ack { id: 0, .. } => {}
+                EgressUp::Close { id: 0 } => break,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn the_guest_sends_no_more_than_the_window_until_the_host_acknowledges() {
         let mut host = Host::start();
         let client = host.client();
@@ -475,9 +534,23 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        let held: Vec<TcpStream> = (0..EGRESS_MAX_STREAMS).map(|_| host.client()).collect();
-        for id in 1..=EGRESS_MAX_STREAMS as u32 {
-            assert_eq!(host.expect(), EgressUp::Open { id });
+        // The refused connection counts until its down thread finished (after the client
+        // left): one answered 503 meanwhile is tried again.
+        drop(client);
+        let mut held = Vec::new();
+        while held.len() < EGRESS_MAX_STREAMS {
+            let c = host.client();
+            match host.next(Duration::from_secs(5)) {
+                Some(m) => {
+                    assert_eq!(m, EgressUp::Open { id: held.len() as u32 + 1 });
+                    held.push(c);
+                }
+                None => {
+                    let answer = String::from_utf8(read_all(&c)).unwrap();
+                    assert!(answer.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{answer}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
         }
         let over = host.client();
         let answer = String::from_utf8(read_all(&over)).unwrap();

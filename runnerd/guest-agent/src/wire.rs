@@ -20,7 +20,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped when a message changes shape; the host refuses a guest of another version.
-pub const PROTOCOL: u16 = 3;
+pub const PROTOCOL: u16 = 4;
 /// The largest frame body either side accepts. The host's `Run` (argv, environment,
 /// identity files) must fit; output travels in [`MAX_CHUNK`] pieces well below it.
 pub const MAX_FRAME: usize = 256 * 1024;
@@ -63,6 +63,9 @@ pub enum EgressDown {
     Ack { id: u32, bytes: u32 },
     /// The gateway sent its end: no more data on this stream from the host.
     Close { id: u32 },
+    /// The gateway's connection failed (a read error such as a reset): what the client got
+    /// is incomplete, so the bridge resets its connection instead of ending it cleanly.
+    Reset { id: u32 },
 }
 
 /// What the host sends.

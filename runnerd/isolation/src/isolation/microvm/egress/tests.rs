@@ -12,7 +12,7 @@ fn the_table_admits_only_what_the_protocol_allows() {
         Data(u32, usize),
         Ack(u32, u32),
         GuestClose(u32),
-        Sent(u32, usize),
+        Delivered(u32, usize),
         Written(u32, usize),
         HostClose(u32),
     }
@@ -32,9 +32,9 @@ fn the_table_admits_only_what_the_protocol_allows() {
         (Written(3, 10), Ok(())),
         (Data(3, 10), Ok(())),
         (Data(3, 1), Err(Breach::Window(3))),
-        // Acknowledgements cover only what was sent.
+        // Acknowledgements cover only what was written to the port (queued is not enough).
         (Ack(3, 1), Err(Breach::Ack(3, 1))),
-        (Sent(3, 100), Ok(())),
+        (Delivered(3, 100), Ok(())),
         (Ack(3, 0), Err(Breach::Ack(3, 0))),
         (Ack(3, 60), Ok(())),
         (Ack(3, 41), Err(Breach::Ack(3, 41))),
@@ -64,8 +64,8 @@ fn the_table_admits_only_what_the_protocol_allows() {
             Data(id, n) => t.data(id, n),
             Ack(id, n) => t.ack(id, n),
             GuestClose(id) => t.guest_close(id).map(drop),
-            Sent(id, n) => {
-                assert!(t.sent(id, n));
+            Delivered(id, n) => {
+                assert!(t.delivered(id, n));
                 Ok(())
             }
             Written(id, n) => {
@@ -366,4 +366,247 @@ async fn a_hostile_guest_loses_its_egress_channel() {
         let mut b = [0u8; 1];
         assert_eq!(guest.rd.read(&mut b).await.unwrap(), 0, "{what}");
     }
+}
+
+#[test]
+fn the_outbox_coalesces_acknowledgements_and_counts_data_once_written() {
+    // The stated sizes are the largest frames.
+    assert!(
+        wire::encode(&EgressDown::Data { id: u32::MAX, bytes: vec![0; MAX_CHUNK] }).unwrap().len()
+            <= MAX_DOWN_FRAME
+    );
+    assert!(wire::encode(&EgressDown::Ack { id: u32::MAX, bytes: u32::MAX }).unwrap().len() <= ACK_FRAME);
+    let mut o = Outbox::default();
+    // A thousand one-byte writes to the gateway owe one acknowledgement.
+    for _ in 0..1000 {
+        o.ack(1, 1);
+    }
+    o.ack(2, 5);
+    assert_eq!(o.bytes(), 2 * ACK_FRAME);
+    o.push(&EgressDown::Data { id: 1, bytes: vec![7; 10] }).unwrap();
+    o.push(&EgressDown::Close { id: 1 }).unwrap();
+    // Written three bytes at a time: a `Data` counts only once its last byte went out.
+    let mut port = Vec::new();
+    let mut delivered = Vec::new();
+    loop {
+        let pending = o.pending().unwrap();
+        if pending.is_empty() {
+            break;
+        }
+        let n = pending.len().min(3);
+        port.extend_from_slice(&pending[..n]);
+        if let Some(d) = o.wrote(n) {
+            delivered.push((d, port.len()));
+        }
+    }
+    assert_eq!(o.bytes(), 0);
+    let mut d = Decoder::default();
+    d.feed(&port);
+    let mut msgs = Vec::new();
+    let mut ends = Vec::new();
+    while let Some(m) = d.next_msg::<EgressDown>().unwrap() {
+        msgs.push(m);
+        ends.push(port.len() - d.pending());
+    }
+    let at = |m: &EgressDown| msgs.iter().position(|x| x == m).unwrap_or_else(|| panic!("{m:?} in {msgs:?}"));
+    assert_eq!(msgs.len(), 4, "{msgs:?}");
+    at(&EgressDown::Ack { id: 1, bytes: 1000 });
+    at(&EgressDown::Ack { id: 2, bytes: 5 });
+    let data = at(&EgressDown::Data { id: 1, bytes: vec![7; 10] });
+    assert!(data < at(&EgressDown::Close { id: 1 }), "in order: {msgs:?}");
+    assert_eq!(delivered, vec![((1, 10), ends[data])]);
+    // Frames are taken only while there is room: the outbox never holds more than its maximum.
+    while o.has_room() {
+        o.push(&EgressDown::Data { id: 3, bytes: vec![0; MAX_CHUNK] }).unwrap();
+        o.ack(4, 1);
+    }
+    assert!(o.bytes() >= OUTBOX_ROOM && o.bytes() <= OUTBOX_MAX, "{}", o.bytes());
+    assert_eq!(o.high_water(), o.bytes());
+}
+
+/// The data bytes per stream in the complete frames waiting in `rd`, left there (`MSG_PEEK`).
+fn peek_data(rd: &tokio::net::unix::OwnedReadHalf, buf: &mut [u8]) -> HashMap<u32, usize> {
+    use std::os::fd::AsRawFd;
+    let fd = AsRef::<UnixStream>::as_ref(rd).as_raw_fd();
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes and `fd` is an open socket for
+    // the call; MSG_PEEK leaves the bytes in the socket, MSG_DONTWAIT never blocks.
+    let n =
+        unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let mut decoder = Decoder::default();
+    decoder.feed(&buf[..usize::try_from(n).unwrap_or(0)]);
+    let mut seen = HashMap::new();
+    while let Some(m) = decoder.next_msg::<EgressDown>().unwrap() {
+        if let EgressDown::Data { id, bytes } = m {
+            *seen.entry(id).or_default() += bytes.len();
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn a_guest_that_never_reads_its_port_cannot_grow_runnerds_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = echo_gateway(dir.path());
+    let (host, guest) = UnixStream::pair().unwrap();
+    let high_water = Arc::new(AtomicUsize::new(0));
+    let relay = tokio::spawn({
+        let high_water = high_water.clone();
+        async move { relay_watched(host, Gateway::Path(path), &high_water).await }
+    });
+    let (mut rd, mut wr) = guest.into_split();
+    // Every stream floods one-byte frames (within its window: the guest never reads an
+    // acknowledgement), each echoed back by the gateway; the guest reads nothing, but
+    // acknowledges every byte that reached its port (peeking), so runnerd's credit allows all.
+    const STREAMS: u32 = EGRESS_MAX_STREAMS as u32;
+    const PER_STREAM: usize = 16 * 1024;
+    let byte = |i: usize| (i % 251) as u8;
+    let mut flood = (0..STREAMS).map(|id| EgressUp::Open { id }).chain(
+        (0..PER_STREAM).flat_map(|i| (0..STREAMS).map(move |id| EgressUp::Data { id, bytes: vec![byte(i)] })),
+    );
+    let mut out: Vec<u8> = Vec::new();
+    let mut acked: HashMap<u32, usize> = HashMap::new();
+    let mut peek = vec![0u8; 4 << 20];
+    let mut flooded = false;
+    loop {
+        while out.len() < 64 * 1024 {
+            match flood.next() {
+                Some(m) => out.extend(wire::encode(&m).unwrap()),
+                None => {
+                    flooded = true;
+                    break;
+                }
+            }
+        }
+        for (id, n) in peek_data(&rd, &mut peek) {
+            let a = acked.entry(id).or_default();
+            if n > *a {
+                out.extend(wire::encode(&EgressUp::Ack { id, bytes: (n - *a) as u32 }).unwrap());
+                *a = n;
+            }
+        }
+        if out.is_empty() {
+            break;
+        }
+        // `write` is cancel-safe: a write that does not finish wrote nothing. One that waits
+        // this long means runnerd stopped reading the port (time only ends the flood).
+        match tokio::time::timeout(Duration::from_secs(2), wr.write(&out)).await {
+            Ok(n) => drop(out.drain(..n.unwrap())),
+            Err(_) => break,
+        }
+    }
+    // Whether the flood stalled or was all taken, the echoes fill the outbox (more than the
+    // port holds comes back, and nothing reads it); time only bounds the wait.
+    for _ in 0..100 {
+        if high_water.load(Ordering::Relaxed) >= OUTBOX_ROOM {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let held = high_water.load(Ordering::Relaxed);
+    eprintln!(
+        "flooded everything: {flooded}; runnerd's outbox held at most {held} bytes (bound {OUTBOX_MAX})"
+    );
+    assert!(!relay.is_finished(), "a stalled guest only stalls");
+    assert!(held <= OUTBOX_MAX, "{held} > {OUTBOX_MAX}");
+    assert!(held >= OUTBOX_ROOM, "the flood filled the outbox: {held}");
+
+    // Reading again, the guest gets everything, in order, and every stream's close.
+    let (acks, mut acks_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let rest: Vec<u8> = flood.flat_map(|m| wire::encode(&m).unwrap()).collect();
+    let writer = tokio::spawn(async move {
+        wr.write_all(&out).await.unwrap();
+        wr.write_all(&rest).await.unwrap();
+        while let Some(frame) = acks_rx.recv().await {
+            wr.write_all(&frame).await.unwrap();
+        }
+    });
+    let mut got: HashMap<u32, Vec<u8>> = HashMap::new();
+    let mut decoder = Decoder::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut closed = 0;
+    let mut closing = false;
+    while closed < STREAMS {
+        let msg = match decoder.next_msg::<EgressDown>().unwrap() {
+            Some(m) => m,
+            None => {
+                let n = tokio::time::timeout(Duration::from_secs(20), rd.read(&mut buf))
+                    .await
+                    .expect("progress")
+                    .unwrap();
+                assert!(n > 0, "the relay ended: {:?}", relay.is_finished());
+                decoder.feed(&buf[..n]);
+                continue;
+            }
+        };
+        match msg {
+            EgressDown::Data { id, bytes } => {
+                let g = got.entry(id).or_default();
+                g.extend_from_slice(&bytes);
+                let a = acked.entry(id).or_default();
+                if g.len() > *a {
+                    acks.send(wire::encode(&EgressUp::Ack { id, bytes: (g.len() - *a) as u32 }).unwrap())
+                        .unwrap();
+                    *a = g.len();
+                }
+            }
+            EgressDown::Ack { .. } => {}
+            EgressDown::Close { .. } => closed += 1,
+            other => panic!("{other:?}"),
+        }
+        if !closing && got.len() == STREAMS as usize && got.values().all(|g| g.len() == PER_STREAM) {
+            closing = true;
+            for id in 0..STREAMS {
+                acks.send(wire::encode(&EgressUp::Close { id }).unwrap()).unwrap();
+            }
+        }
+    }
+    let want: Vec<u8> = (0..PER_STREAM).map(byte).collect();
+    assert!(got.values().all(|g| *g == want), "every stream's bytes came back in order");
+    assert!(high_water.load(Ordering::Relaxed) <= OUTBOX_MAX);
+    drop(acks);
+    writer.await.unwrap();
+    drop(rd);
+    assert!(matches!(relay.await.unwrap(), Ok(())));
+}
+
+#[tokio::test]
+async fn a_gateway_connection_that_fails_is_a_reset_not_an_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("0123456789abcdef");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    // A gateway that answers part, then closes with the request unread: a Unix socket's
+    // peer then reads ECONNRESET after the data.
+    std::thread::spawn(move || {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let (mut conn, _) = listener.accept().unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\npart").unwrap();
+        let mut b = [0u8; 1];
+        // SAFETY: `b` is valid for writes of one byte and `conn` is an open socket for the
+        // call; MSG_PEEK waits for the request without taking it.
+        let n = unsafe { libc::recv(conn.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
+        assert_eq!(n, 1);
+        drop(conn);
+        std::thread::park();
+    });
+    let (mut guest, relay) = start(Gateway::Path(path));
+    guest
+        .send(&[
+            EgressUp::Open { id: 2 },
+            EgressUp::Data { id: 2, bytes: b"GET / HTTP/1.1\r\n\r\n".to_vec() },
+        ])
+        .await;
+    let mut got = Vec::new();
+    loop {
+        match guest.next(Duration::from_secs(10)).await.expect("a frame") {
+            EgressDown::Data { id: 2, bytes } => got.extend_from_slice(&bytes),
+            EgressDown::Ack { id: 2, .. } => {}
+            EgressDown::Reset { id: 2 } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(got, b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\npart");
+    // The stream ends as after a close: the guest's close reaps it; the channel goes on.
+    guest.send(&[EgressUp::Close { id: 2 }, EgressUp::Open { id: 3 }]).await;
+    assert!(!relay.is_finished());
 }
