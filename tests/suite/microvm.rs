@@ -82,10 +82,7 @@ async fn run(
 /// names bwrap too for the sandbox's own bwrap processes, which are skipped).
 fn qemu_of(server: &Server) -> Vec<(u32, String)> {
     let runnerd = server.pid().unwrap();
-    let parent = |pid: u32| -> Option<u32> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
-    };
+    let parent = parent_of;
     let ours = |mut pid: u32| {
         while let Some(p) = parent(pid).filter(|p| *p > 1) {
             if p == runnerd {
@@ -101,6 +98,12 @@ fn qemu_of(server: &Server) -> Vec<(u32, String)> {
         .into_iter()
         .filter(|(pid, _)| ours(*pid) || parent(*pid) == Some(1))
         .collect()
+}
+
+/// A process's parent (`/proc/PID/stat`'s fourth field), if it still runs.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// No QEMU process started by this server is left (R-RUN-4 on the host: the VMM is gone).
@@ -732,11 +735,7 @@ pwd
     assert!(server.stop().success());
     let orphans: Vec<_> = runner_tests::processes_matching("qemu-system")
         .into_iter()
-        .filter(|(pid, _)| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-                s.rsplit_once(')').is_some_and(|(_, r)| r.split_whitespace().nth(1) == Some("1"))
-            })
-        })
+        .filter(|(pid, _)| parent_of(*pid) == Some(1))
         .collect();
     assert!(orphans.is_empty(), "QEMU left after a stop: {orphans:?}");
 }
