@@ -508,12 +508,15 @@ async fn relay_watched(
                             }
                         }
                         EgressUp::Close { id } => {
-                            if table.guest_close(id).map_err(EgressError::Breach)? {
+                            let done = table.guest_close(id).map_err(EgressError::Breach)?;
+                            // Its task's half toward the gateway ends either way (it waits on
+                            // this buffer: removed unclosed, the task would outlive the stream
+                            // and keep its egressd connection open).
+                            if let Some(to) = streams.get_mut(&id).and_then(|s| s.to_gateway.take()) {
+                                to.close();
+                            }
+                            if done {
                                 streams.remove(&id);
-                            } else if let Some(s) = streams.get_mut(&id) {
-                                if let Some(to) = s.to_gateway.take() {
-                                    to.close();
-                                }
                             }
                         }
                     }

@@ -610,3 +610,42 @@ async fn a_gateway_connection_that_fails_is_a_reset_not_an_end() {
     guest.send(&[EgressUp::Close { id: 2 }, EgressUp::Open { id: 3 }]).await;
     assert!(!relay.is_finished());
 }
+
+#[tokio::test]
+async fn a_stream_the_gateway_ended_first_lets_go_of_its_gateway_at_the_guests_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("0123456789abcdef");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    // A gateway that answers and ends its side first (`Connection: close`), then waits for
+    // the relay to end its own: the stream's task must not outlive the stream.
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut conn, _) = listener.accept().unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\ndone").unwrap();
+        conn.shutdown(std::net::Shutdown::Write).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut rest = Vec::new();
+        seen_tx.send(conn.read_to_end(&mut rest).map(|_| rest)).unwrap();
+    });
+    let (mut guest, relay) = start(Gateway::Path(path));
+    guest
+        .send(&[
+            EgressUp::Open { id: 1 },
+            EgressUp::Data { id: 1, bytes: b"GET / HTTP/1.1\r\n\r\n".to_vec() },
+        ])
+        .await;
+    loop {
+        match guest.next(Duration::from_secs(10)).await.expect("a frame") {
+            EgressDown::Close { id: 1 } => break,
+            EgressDown::Data { id: 1, .. } | EgressDown::Ack { id: 1, .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    // The guest's close after the gateway's: the relay's half toward the gateway ends, so
+    // the gateway reads its end (not a timeout), and the channel goes on.
+    guest.send(&[EgressUp::Close { id: 1 }]).await;
+    let seen = tokio::task::spawn_blocking(move || seen_rx.recv().unwrap()).await.unwrap();
+    assert_eq!(seen.expect("the gateway read its end, not a timeout"), b"GET / HTTP/1.1\r\n\r\n");
+    assert!(!relay.is_finished());
+}
