@@ -25,7 +25,6 @@
 //! over the sandboxes ([`super::bubblewrap`]).
 
 use std::collections::HashMap;
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -110,9 +109,8 @@ impl Shape {
 }
 
 /// (device, inode) of an open file.
-pub fn identity(fd: impl AsFd) -> std::io::Result<(u64, u64)> {
-    let st = nix::sys::stat::fstat(fd.as_fd()).map_err(std::io::Error::from)?;
-    Ok((st.st_dev, st.st_ino))
+pub fn identity(fd: &impl std::os::fd::AsRawFd) -> std::io::Result<(u64, u64)> {
+    runner_store::fsat::Stat::of_fd(fd).map(|st| (st.dev, st.ino))
 }
 
 /// Which waiting sandboxes a [`Pool::forget`] reaches.

@@ -355,7 +355,6 @@ impl Launcher {
     /// used: the run's own start at the hand-over. An unfinished `Waiting` ends its sandbox
     /// when dropped.
     pub async fn start(&self, launch: Launch) -> Result<Waiting, LaunchError> {
-        let started = Instant::now();
         let Planned { plan, fds, stdin: (stdin_w, _), stdout, stderr, info, .. } = self.plan(launch)?;
         let frame = channel::encode_frame(PROTOCOL_VERSION, &plan).map_err(LaunchError::Channel)?;
         let spawned = self.spawner.spawn(frame, fds).await.map_err(LaunchError::Spawn)?;
@@ -363,16 +362,13 @@ impl Launcher {
         tokio::spawn(sandbox.clone().watch(info));
         let running = Running { sandbox, child: spawned.child, stdin: stdin_w, stdout, stderr };
         // Ends the sandbox if the hand-over fails.
-        let mut waiting = Waiting { running: Some(running), launch_latency: Duration::ZERO };
+        let waiting = Waiting { running: Some(running) };
         let handshake = handshake::wait_for_exec(spawned.channel, spawned.hand_over, &plan.program);
         let answered = tokio::time::timeout(DRAIN_LIMIT, handshake).await;
         // This start took the sandbox-init waiting ahead: the next launch gets another.
         self.spawner.prepare_next();
         match answered {
-            Ok(Ok(())) => {
-                waiting.launch_latency = started.elapsed();
-                Ok(waiting)
-            }
+            Ok(Ok(())) => Ok(waiting),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(LaunchError::Unresponsive { init: None }),
         }
@@ -472,16 +468,9 @@ struct Attend {
 #[derive(Debug)]
 pub struct Waiting {
     running: Option<Running>,
-    /// From the start to bubblewrap executing.
-    launch_latency: Duration,
 }
 
 impl Waiting {
-    /// From the start of its launch to bubblewrap executing.
-    pub fn launch_latency(&self) -> Duration {
-        self.launch_latency
-    }
-
     /// Whether bwrap still runs (a sandbox whose setup failed, or that was killed, has
     /// exited).
     pub fn alive(&mut self) -> bool {
