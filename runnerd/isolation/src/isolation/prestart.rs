@@ -131,6 +131,15 @@ impl Scope<'_> {
             Scope::Exactly(r) => root == *r,
         }
     }
+
+    /// The keys of `map` in this scope: one lookup for one workspace (every execution that
+    /// cannot be served ahead forgets its own), a walk otherwise.
+    fn keys<V>(&self, map: &HashMap<PathBuf, V>) -> Vec<PathBuf> {
+        match self {
+            Scope::Exactly(r) => map.contains_key(*r).then(|| r.to_path_buf()).into_iter().collect(),
+            _ => map.keys().filter(|k| self.holds(k)).cloned().collect(),
+        }
+    }
 }
 
 /// Why a call found no sandbox waiting for it.
@@ -525,31 +534,32 @@ impl<G: Send + 'static> Pool<G> {
     /// repaired, moved or no longer a workspace. For [`Discard::Environment`], only what
     /// binds a scientific environment; for [`Discard::Stopping`], the pool closes too.
     pub fn forget(&self, scope: Scope<'_>, why: Discard) {
-        let gone: Vec<Entry<G>> = {
+        let reaches = |shape: &Shape| why != Discard::Environment || shape.binds_environment();
+        let (gone, voided_any) = {
             let mut state = self.lock();
             state.closed |= why == Discard::Stopping;
-            let env_only = why == Discard::Environment;
-            let hit = |p: &Path| scope.holds(p);
-            let in_flight: Vec<PathBuf> = state
-                .starting
-                .iter()
-                .filter(|(p, (_, shape))| hit(p) && (!env_only || shape.binds_environment()))
-                .map(|(p, _)| p.clone())
+            let in_flight: Vec<PathBuf> = scope
+                .keys(&state.starting)
+                .into_iter()
+                .filter(|p| state.starting.get(p).is_some_and(|(_, shape)| reaches(shape)))
                 .collect();
+            let voided_any = !in_flight.is_empty();
             state.voided.extend(in_flight);
-            let keys: Vec<PathBuf> = state
-                .entries
-                .iter()
-                .filter(|(p, e)| hit(p) && (!env_only || e.shape.binds_environment()))
-                .map(|(p, _)| p.clone())
+            let keys: Vec<PathBuf> = scope
+                .keys(&state.entries)
+                .into_iter()
+                .filter(|p| state.entries.get(p).is_some_and(|e| reaches(&e.shape)))
                 .collect();
-            keys.iter().filter_map(|k| state.entries.remove(k)).collect()
+            let gone: Vec<Entry<G>> = keys.iter().filter_map(|k| state.entries.remove(k)).collect();
+            (gone, voided_any)
         };
         for entry in gone {
             self.discard(entry, why);
         }
         // Calls waiting for a start this voided stop waiting.
-        self.filed.notify_waiters();
+        if voided_any {
+            self.filed.notify_waiters();
+        }
     }
 
     /// Starts the task that discards what waited longer than the idle limit, once; it ends
@@ -619,11 +629,16 @@ impl<G: Send + 'static> Pool<G> {
 
     /// The counters, and the waiting sandboxes' number and memory.
     pub fn report(&self) -> Report {
-        let (pids, waiting) = {
+        // Which sandboxes wait, under the lock; their processes and memory read from /proc
+        // after it (the lock is the calls' too).
+        let (inits, waiting) = {
             let state = self.lock();
-            let pids: Vec<i32> = state.entries.values().flat_map(|e| e.waiting.pids()).collect();
-            (pids, state.entries.len())
+            let inits: Vec<(Option<i32>, Option<i32>)> =
+                state.entries.values().map(|e| e.waiting.roots()).collect();
+            (inits, state.entries.len())
         };
+        let pids: Vec<i32> =
+            inits.into_iter().flat_map(|(bwrap, init)| crate::launch::sandbox_pids(bwrap, init)).collect();
         let c = &self.counters;
         Report {
             settings: self.settings,
@@ -690,11 +705,8 @@ impl<N> Pending<N> {
     /// Removes (and gives back) what waits in `scope` and `reached` selects.
     pub fn forget(&self, scope: Scope<'_>, reached: impl Fn(&N) -> bool) -> Vec<N> {
         let mut held = self.lock();
-        let keys: Vec<PathBuf> = held
-            .iter()
-            .filter(|(root, (_, n))| scope.holds(root) && reached(n))
-            .map(|(k, _)| k.clone())
-            .collect();
+        let keys: Vec<PathBuf> =
+            scope.keys(&held).into_iter().filter(|k| held.get(k).is_some_and(|(_, n)| reached(n))).collect();
         keys.iter().filter_map(|k| held.remove(k)).map(|(_, n)| n).collect()
     }
 }

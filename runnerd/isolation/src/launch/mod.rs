@@ -485,8 +485,7 @@ impl Waiting {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(init) = r.sandbox.init_pid() {
-                let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"));
-                if children.is_ok_and(|c| !c.trim().is_empty()) {
+                if !children(init).is_empty() {
                     return true;
                 }
             }
@@ -507,19 +506,13 @@ impl Waiting {
         Some((st.dev(), st.ino()))
     }
 
-    /// Host pids of the sandbox's processes (bwrap's monitor, the namespace's init and what
-    /// it started), for their memory; empty once finished.
-    pub fn pids(&self) -> Vec<i32> {
-        let Some(r) = &self.running else { return Vec::new() };
-        let mut pids: Vec<i32> = r.child.id().map(|p| p as i32).into_iter().collect();
-        if let Some(init) = r.sandbox.init_pid() {
-            pids.push(init);
-            let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"));
-            pids.extend(
-                children.unwrap_or_default().split_whitespace().filter_map(|p| p.parse::<i32>().ok()),
-            );
+    /// bwrap's pid and its namespace init's (as the host sees them), without reading /proc:
+    /// what [`sandbox_pids`] starts from.
+    pub fn roots(&self) -> (Option<i32>, Option<i32>) {
+        match &self.running {
+            Some(r) => (r.child.id().map(|p| p as i32), r.sandbox.init_pid()),
+            None => (None, None),
         }
-        pids
     }
 
     /// Hands `input` to the waiting command and attends the run as [`Launcher::run`] does;
@@ -556,6 +549,22 @@ impl Drop for Waiting {
             r.sandbox.end();
         }
     }
+}
+
+/// Host pids of a sandbox's processes: bwrap's monitor, its namespace init and what the init
+/// started (for their memory).
+pub fn sandbox_pids(bwrap: Option<i32>, init: Option<i32>) -> Vec<i32> {
+    let mut pids: Vec<i32> = bwrap.into_iter().chain(init).collect();
+    if let Some(init) = init {
+        pids.extend(children(init));
+    }
+    pids
+}
+
+/// The children of `init` (`/proc/PID/task/PID/children`); none if it is gone.
+fn children(init: i32) -> Vec<i32> {
+    let text = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap_or_default();
+    text.split_whitespace().filter_map(|p| p.parse().ok()).collect()
 }
 
 /// A launch ready for the spawner: the plan, the descriptors it places, and runnerd's ends.

@@ -502,9 +502,7 @@ impl Isolation for Microvm {
         let ran = self.run_vm(job, sink);
         Box::pin(async move {
             let ran = ran.await;
-            if let Some(c) = unjoined {
-                drop(tokio::task::spawn_blocking(move || drop(c)));
-            }
+            release(unjoined);
             ran
         })
     }
@@ -813,8 +811,10 @@ impl Microvm {
                 // Cancelled before its VM was handed the command: nothing ran (a VM taken
                 // meanwhile ends, unused).
                 if let Some(entry) = taken {
-                    drop(entry.waiting);
-                    release(entry.cgroup);
+                    tokio::spawn(async move {
+                        entry.waiting.end().await;
+                        release(entry.cgroup);
+                    });
                 }
                 let outcome = Ok(Outcome {
                     termination: Termination::Cancelled,
@@ -853,7 +853,10 @@ impl Microvm {
                     };
                     let joins = match vmm_cgroup.as_ref().map(|c| c.procs_fds()).transpose() {
                         Ok(j) => j.unwrap_or_default(),
-                        Err(e) => return refused(format!("the microvm's cgroup could not be joined: {e}")),
+                        Err(e) => {
+                            release(vmm_cgroup);
+                            return refused(format!("the microvm's cgroup could not be joined: {e}"));
+                        }
                     };
                     let (launch, channel) = plan.launch(self.bwrap.clone(), joins);
                     let channel = channel
@@ -863,12 +866,9 @@ impl Microvm {
                     match channel {
                         Ok(channel) => (Vmm::Cold(launch), channel, vmm_cgroup),
                         Err(e) => {
-                            return Ran {
-                                outcome: Err(LaunchError::Io { what: "open the microvm channel", source: e }),
-                                env,
-                                cwd,
-                                cgroup: None,
-                            };
+                            let outcome =
+                                Err(LaunchError::Io { what: "open the microvm channel", source: e });
+                            return Ran { outcome, env, cwd, cgroup: vmm_cgroup };
                         }
                     }
                 }
