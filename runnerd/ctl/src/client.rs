@@ -114,7 +114,9 @@ impl RunnerClient {
         if let Some(date) = response.header("date").and_then(|d| httpdate::parse_http_date(d).ok()) {
             let server_ms =
                 date.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
-            self.clock_offset_ms.store(server_ms - (sent_at + received_at) / 2, Ordering::Relaxed);
+            let previous = self.clock_offset_ms.load(Ordering::Relaxed);
+            self.clock_offset_ms
+                .store(learnt_offset(previous, sent_at, received_at, server_ms), Ordering::Relaxed);
         }
         Ok(response)
     }
@@ -218,9 +220,41 @@ pub fn encode(s: &str) -> String {
 /// How long `runnerctl` waits for `/health` at most.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The clock offset to keep after an exchange sent at `sent_at` and answered at
+/// `received_at` (local milliseconds) whose `Date` says `date_ms`. A `Date` has one-second
+/// resolution: the server read its clock, somewhere in `[date_ms, date_ms + 999]`, while the
+/// exchange lasted, so the offset lies in `[date_ms - received_at, date_ms + 999 - sent_at]`.
+/// `previous` is kept where it agrees with that, else moved the least that makes it agree.
+/// (The original's midpoint formula, `date_ms - (sent_at + received_at) / 2`, jumps by up to
+/// a second with each answer, so two bodies signed milliseconds apart by two clients could
+/// carry one timestamp, and one identical body one signature, a replay to the receiver.)
+fn learnt_offset(previous: i64, sent_at: i64, received_at: i64, date_ms: i64) -> i64 {
+    let (lowest, highest) = (date_ms - received_at, date_ms + 999 - sent_at);
+    // `max` then `min`, not `clamp`: a local clock stepped back mid-exchange makes an empty
+    // range, which must not panic (the offset then ends at `highest`).
+    previous.max(lowest).min(highest)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_offset_moves_only_as_far_as_the_date_header_proves() {
+        let second = 1_700_000_000_000_i64;
+        for (previous, sent, received, date, expected, why) in [
+            (0, second + 300, second + 310, second, 0, "same clocks: the date's second holds the exchange"),
+            (0, second + 990, second + 1_010, second, 0, "an answer at the turn of the second"),
+            (-5, second + 300, second + 310, second, -5, "a learnt offset that still agrees is kept"),
+            (0, second + 300, second + 310, second + 5_000, 4_690, "a server 5 s ahead: the least move"),
+            (0, second + 300, second + 310, second - 5_000, -4_301, "a server 5 s behind: the least move"),
+            (4_690, second + 300, second + 310, second, 699, "a jump back is followed"),
+            (0, second + 310, second + 300, second, 0, "a clock stepped back mid-exchange"),
+            (0, second + 2_000, second + 300, second, -1_001, "an empty range does not panic"),
+        ] {
+            assert_eq!(learnt_offset(previous, sent, received, date), expected, "{why}");
+        }
+    }
 
     #[test]
     fn endpoints() {
