@@ -246,14 +246,15 @@ impl PrestartGauges {
         let misses = registered(
             registry,
             "prestart_misses",
-            "Executions that found no sandbox waiting for their shape, by reason (cold, shape_changed, died)",
+            "Executions that found no sandbox waiting for their shape, by reason (cold, shape_changed, died, \
+             unsettled)",
             Family::<Labels, Gauge>::default(),
         );
         let discards = registered(
             registry,
             "prestart_discards",
-            "Sandboxes started ahead and ended unused, by reason (shape_changed, died, expired, \
-             workspace_changed, environment_changed, evicted, stopping)",
+            "Sandboxes started ahead and ended unused, by reason (shape_changed, died, unsettled, \
+             expired, workspace_changed, environment_changed, evicted, stopping)",
             Family::<Labels, Gauge>::default(),
         );
         PrestartGauges { hits, misses, discards, started, failed, waiting, memory }
@@ -814,6 +815,7 @@ mod tests {
             prestart: Some(crate::isolation::prestart::Report {
                 settings: crate::isolation::PrestartSettings::default(),
                 waiting: 2,
+                settled: 2,
                 memory_bytes: 8 << 20,
                 hits: 40,
                 misses: vec![("cold", 3), ("shape_changed", 1)],

@@ -179,6 +179,7 @@ fn pool_block(r: &crate::isolation::prestart::Report, memory: &str) -> Value {
         "perTenant": r.settings.per_tenant,
         "idleSeconds": r.settings.idle.as_secs(),
         "waiting": r.waiting,
+        "settled": r.settled,
         "memoryBytes": r.memory_bytes,
         "memory": memory,
         "hits": r.hits,

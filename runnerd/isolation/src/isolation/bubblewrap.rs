@@ -156,12 +156,16 @@ const SETTLE_LIMIT: Duration = Duration::from_secs(2);
 /// runs in: bwrap entered it by path when it started, so whatever happened in between, the
 /// directory it is in must be the one the call found. Else it is discarded.
 async fn ready_in(pool: &Pool, entry: prestart::Entry, runs_in: (u64, u64)) -> Option<prestart::Entry> {
-    if entry.waiting.settled(SETTLE_LIMIT).await && entry.waiting.cwd() == Some(runs_in) {
-        pool.served();
-        return Some(entry);
+    if !entry.waiting.settled(SETTLE_LIMIT).await {
+        pool.refuse(entry, prestart::Miss::Unsettled);
+        return None;
     }
-    pool.refuse(entry, prestart::Miss::Shape);
-    None
+    if entry.waiting.cwd() != Some(runs_in) {
+        pool.refuse(entry, prestart::Miss::Shape);
+        return None;
+    }
+    pool.served();
+    Some(entry)
 }
 
 /// Why a sandbox could not be started ahead (logged; the next call launches as usual).

@@ -151,16 +151,19 @@ pub enum Miss {
     Shape,
     /// One waited, but its bwrap had exited.
     Died,
+    /// One waited, but bwrap had not finished setting it up within the time a call gives it.
+    Unsettled,
 }
 
 impl Miss {
-    pub const ALL: [Miss; 3] = [Miss::Cold, Miss::Shape, Miss::Died];
+    pub const ALL: [Miss; 4] = [Miss::Cold, Miss::Shape, Miss::Died, Miss::Unsettled];
 
     pub fn name(self) -> &'static str {
         match self {
             Miss::Cold => "cold",
             Miss::Shape => "shape_changed",
             Miss::Died => "died",
+            Miss::Unsettled => "unsettled",
         }
     }
 }
@@ -172,6 +175,8 @@ pub enum Discard {
     Shape,
     /// Its bwrap had exited.
     Died,
+    /// Its call found bwrap still setting it up.
+    Unsettled,
     /// Not taken within [`PrestartSettings::idle`].
     Expired,
     /// Its workspace was cleared, repaired, moved or deleted.
@@ -185,9 +190,10 @@ pub enum Discard {
 }
 
 impl Discard {
-    pub const ALL: [Discard; 7] = [
+    pub const ALL: [Discard; 8] = [
         Discard::Shape,
         Discard::Died,
+        Discard::Unsettled,
         Discard::Expired,
         Discard::Workspace,
         Discard::Environment,
@@ -199,6 +205,7 @@ impl Discard {
         match self {
             Discard::Shape => "shape_changed",
             Discard::Died => "died",
+            Discard::Unsettled => "unsettled",
             Discard::Expired => "expired",
             Discard::Workspace => "workspace_changed",
             Discard::Environment => "environment_changed",
@@ -289,8 +296,8 @@ pub struct Entry<G = ()> {
 #[derive(Debug, Default)]
 struct Counters {
     hits: AtomicU64,
-    misses: [AtomicU64; 3],
-    discards: [AtomicU64; 7],
+    misses: [AtomicU64; Miss::ALL.len()],
+    discards: [AtomicU64; Discard::ALL.len()],
     started: AtomicU64,
     failed: AtomicU64,
 }
@@ -300,6 +307,8 @@ struct Counters {
 pub struct Report {
     pub settings: PrestartSettings,
     pub waiting: usize,
+    /// Of those, the ones bwrap has finished setting up (their command runs, waiting).
+    pub settled: usize,
     /// Resident memory of the waiting sandboxes' processes (RSS summed, so shared pages
     /// count once per process).
     pub memory_bytes: u64,
@@ -438,7 +447,11 @@ impl<G: Send + 'static> Pool<G> {
     /// A taken sandbox does not serve its call (`miss` says why): it is discarded.
     pub fn refuse(&self, entry: Entry<G>, miss: Miss) {
         self.missed(miss);
-        let why = if miss == Miss::Died { Discard::Died } else { Discard::Shape };
+        let why = match miss {
+            Miss::Died => Discard::Died,
+            Miss::Unsettled => Discard::Unsettled,
+            Miss::Cold | Miss::Shape => Discard::Shape,
+        };
         self.discard(entry, why);
     }
 
@@ -637,12 +650,14 @@ impl<G: Send + 'static> Pool<G> {
                 state.entries.values().map(|e| e.waiting.roots()).collect();
             (inits, state.entries.len())
         };
+        let settled = inits.iter().filter(|(_, init)| crate::launch::set_up(*init)).count();
         let pids: Vec<i32> =
             inits.into_iter().flat_map(|(bwrap, init)| crate::launch::sandbox_pids(bwrap, init)).collect();
         let c = &self.counters;
         Report {
             settings: self.settings,
             waiting,
+            settled,
             memory_bytes: pids.iter().map(|p| resident_bytes(*p)).sum(),
             hits: c.hits.load(Ordering::Relaxed),
             misses: Miss::ALL

@@ -484,10 +484,8 @@ impl Waiting {
         let Some(r) = &self.running else { return false };
         let deadline = Instant::now() + limit;
         loop {
-            if let Some(init) = r.sandbox.init_pid() {
-                if !children(init).is_empty() {
-                    return true;
-                }
+            if set_up(r.sandbox.init_pid()) {
+                return true;
             }
             if Instant::now() >= deadline {
                 return false;
@@ -559,6 +557,12 @@ pub fn sandbox_pids(bwrap: Option<i32>, init: Option<i32>) -> Vec<i32> {
         pids.extend(children(init));
     }
     pids
+}
+
+/// Whether bwrap has set a sandbox up: its namespace init (`init`, once bwrap reported it)
+/// has started the command.
+pub fn set_up(init: Option<i32>) -> bool {
+    init.is_some_and(|init| !children(init).is_empty())
 }
 
 /// The children of `init` (`/proc/PID/task/PID/children`); none if it is gone.
