@@ -649,3 +649,78 @@ async fn a_stream_the_gateway_ended_first_lets_go_of_its_gateway_at_the_guests_c
     assert_eq!(seen.expect("the gateway read its end, not a timeout"), b"GET / HTTP/1.1\r\n\r\n");
     assert!(!relay.is_finished());
 }
+
+#[tokio::test]
+async fn a_stalled_stream_stalls_only_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("0123456789abcdef");
+    let listener = UnixListener::bind(&path).unwrap();
+    // The first connection answers 1 MiB and never reads what it is sent; the rest echo.
+    tokio::spawn(async move {
+        let (mut stalled, _) = listener.accept().await.unwrap();
+        tokio::spawn(async move {
+            let _ = stalled.write_all(&vec![b'z'; 1 << 20]).await;
+            std::future::pending::<()>().await;
+        });
+        while let Ok((conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = conn.into_split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    });
+    let (mut guest, relay) = start(Gateway::Path(path));
+    // Stream 1: its gateway's answer is never acknowledged by the guest, and a full window
+    // the guest sends it is never read by its gateway.
+    guest.send(&[EgressUp::Open { id: 1 }]).await;
+    let mut stalled = 0;
+    while stalled == 0 {
+        match guest.next(Duration::from_secs(10)).await.expect("stream 1's first data") {
+            EgressDown::Data { id: 1, bytes } => stalled += bytes.len(),
+            other => panic!("{other:?}"),
+        }
+    }
+    let window: Vec<EgressUp> = (0..EGRESS_WINDOW / MAX_CHUNK)
+        .map(|_| EgressUp::Data { id: 1, bytes: vec![b'u'; MAX_CHUNK] })
+        .collect();
+    guest.send(&window).await;
+    // Stream 2 meanwhile carries three windows' worth there and back.
+    guest.send(&[EgressUp::Open { id: 2 }]).await;
+    let big: Vec<u8> = (0..EGRESS_WINDOW * 3).map(|i| (i % 253) as u8).collect();
+    let (mut sent, mut credit, mut back) = (0, EGRESS_WINDOW, Vec::new());
+    let mut closed = false;
+    while !closed {
+        while sent < big.len() && credit > 0 {
+            let n = credit.min(MAX_CHUNK).min(big.len() - sent);
+            guest.send(&[EgressUp::Data { id: 2, bytes: big[sent..sent + n].to_vec() }]).await;
+            (sent, credit) = (sent + n, credit - n);
+            if sent == big.len() {
+                guest.send(&[EgressUp::Close { id: 2 }]).await;
+            }
+        }
+        match guest.next(Duration::from_secs(10)).await.expect("stream 2 goes on") {
+            EgressDown::Data { id: 2, bytes } => {
+                back.extend_from_slice(&bytes);
+                guest.send(&[EgressUp::Ack { id: 2, bytes: bytes.len() as u32 }]).await;
+            }
+            EgressDown::Data { id: 1, bytes } => stalled += bytes.len(),
+            // What the stalled gateway's socket buffer took of stream 1's window.
+            EgressDown::Ack { id: 1, .. } => {}
+            EgressDown::Ack { id: 2, bytes } => credit += bytes as usize,
+            EgressDown::Close { id: 2 } => closed = true,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(back == big, "stream 2 came back whole ({} of {} bytes)", back.len(), big.len());
+    // Stream 1 got exactly its window and no more, and the channel lives.
+    while let Some(m) = guest.next(Duration::from_millis(300)).await {
+        match m {
+            EgressDown::Data { id: 1, bytes } => stalled += bytes.len(),
+            EgressDown::Ack { id: 1, .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(stalled, EGRESS_WINDOW);
+    assert!(!relay.is_finished());
+}
