@@ -692,6 +692,14 @@ pwd
     let p = vm_pool_until(&server, "the next VM boots", |p| p["waiting"] == json!(1)).await;
     assert_eq!(p["hits"], 1, "the second call was served by the booted VM: {p}");
     assert_eq!(p["started"], 2, "{p}");
+    // /metrics says the same, in series of its own beside bwrap's pool.
+    let scrape = server.client().get("/metrics").await.unwrap();
+    let text = String::from_utf8_lossy(&scrape.body);
+    for line in
+        ["runner_microvm_pool_hits 1", "runner_microvm_pool_waiting 1", "runner_microvm_pool_started 2"]
+    {
+        assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
+    }
 
     // A deadline runs from the hand-over, and a VM served ahead that times out is killed.
     let mut body = shell_request("main", "session-microvm", &ws, "echo start > started.txt; sleep 300");

@@ -151,6 +151,8 @@ pub struct Snapshot {
     pub replication: Option<(f64, u64)>,
     /// Sandboxes started ahead (issue #37); `None` when the backend keeps none.
     pub prestart: Option<crate::isolation::prestart::Report>,
+    /// VMs booted ahead (issue #36); `None` when the microvm backend keeps none.
+    pub microvm_pool: Option<crate::isolation::prestart::Report>,
 }
 
 /// The version collector at a scrape (`crate::history::History::metrics`).
@@ -216,9 +218,11 @@ struct StateGauges {
     replication_lag: Gauge<f64, std::sync::atomic::AtomicU64>,
     replication_pending: Gauge,
     prestart: PrestartGauges,
+    microvm_pool: PrestartGauges,
 }
 
-/// The pre-started sandboxes' state at a scrape (issue #37).
+/// A pool's state at a scrape: bwrap's pre-started sandboxes (issue #37) or the VMs booted
+/// ahead (issue #36).
 #[derive(Debug)]
 struct PrestartGauges {
     hits: Gauge,
@@ -231,30 +235,41 @@ struct PrestartGauges {
 }
 
 impl PrestartGauges {
-    fn register(registry: &mut Registry) -> PrestartGauges {
-        let mut gauge = |name: &str, help: &str| registered(registry, name, help, Gauge::default());
+    /// The gauges of one pool: `prefix` names its series (`prestart` for bwrap's sandboxes,
+    /// `microvm_pool` for VMs), `what` says in their help what waits.
+    fn register(registry: &mut Registry, prefix: &str, what: &str) -> PrestartGauges {
+        let mut gauge = |name: &str, help: String| {
+            registered(registry, &format!("{prefix}_{name}"), &help, Gauge::default())
+        };
         let (hits, started, failed, waiting, memory) = (
-            gauge("prestart_hits", "Executions handed to a sandbox started ahead, since start-up"),
-            gauge("prestart_started", "Sandboxes started ahead for a workspace's next call, since start-up"),
-            gauge("prestart_start_failures", "Sandboxes that could not be started ahead, since start-up"),
-            gauge("prestart_waiting", "Sandboxes started ahead and waiting now"),
+            gauge("hits", format!("Executions handed to {what} started ahead, since start-up")),
             gauge(
-                "prestart_memory_bytes",
-                "Resident memory of the waiting sandboxes' processes (RSS summed per process)",
+                "started",
+                format!("How many {what} were started ahead for a workspace's next call, since start-up"),
+            ),
+            gauge("start_failures", format!("How many {what} could not be started ahead, since start-up")),
+            gauge("waiting", format!("How many {what} started ahead wait now")),
+            gauge(
+                "memory_bytes",
+                format!("Resident memory of the waiting {what}' processes (RSS summed per process)"),
             ),
         );
         let misses = registered(
             registry,
-            "prestart_misses",
-            "Executions that found no sandbox waiting for their shape, by reason (cold, shape_changed, died, \
-             unsettled)",
+            &format!("{prefix}_misses"),
+            &format!(
+                "Executions that found none of the {what} waiting for their shape, by reason ({})",
+                crate::isolation::prestart::Miss::ALL.map(|m| m.name()).join(", ")
+            ),
             Family::<Labels, Gauge>::default(),
         );
         let discards = registered(
             registry,
-            "prestart_discards",
-            "Sandboxes started ahead and ended unused, by reason (shape_changed, died, unsettled, \
-             expired, workspace_changed, environment_changed, evicted, stopping)",
+            &format!("{prefix}_discards"),
+            &format!(
+                "How many {what} started ahead were ended unused, by reason ({})",
+                crate::isolation::prestart::Discard::ALL.map(|d| d.name()).join(", ")
+            ),
             Family::<Labels, Gauge>::default(),
         );
         PrestartGauges { hits, misses, discards, started, failed, waiting, memory }
@@ -351,9 +366,11 @@ impl StateGauges {
             "Workspaces whose newest head is not in the object store yet",
             Gauge::default(),
         );
-        let prestart = PrestartGauges::register(registry);
+        let prestart = PrestartGauges::register(registry, "prestart", "sandboxes");
+        let microvm_pool = PrestartGauges::register(registry, "microvm_pool", "VMs");
         StateGauges {
             prestart,
+            microvm_pool,
             replication_lag,
             replication_pending,
             egress_decisions,
@@ -602,6 +619,9 @@ impl Metrics {
         if let Some(report) = &snapshot.prestart {
             self.state.prestart.set(report);
         }
+        if let Some(report) = &snapshot.microvm_pool {
+            self.state.microvm_pool.set(report);
+        }
         for (verdict, n) in snapshot.egress.iter().flatten() {
             let verdict = bounded_verdict(verdict);
             self.state
@@ -823,6 +843,17 @@ mod tests {
                 started: 44,
                 failed: 0,
             }),
+            microvm_pool: Some(crate::isolation::prestart::Report {
+                settings: crate::isolation::PrestartSettings::default(),
+                waiting: 1,
+                settled: 1,
+                memory_bytes: 280 << 20,
+                hits: 20,
+                misses: vec![("cold", 1)],
+                discards: vec![("shape_changed", 2)],
+                started: 23,
+                failed: 1,
+            }),
         });
         for line in [
             "runner_execution_requests_total{route=\"execute\",code=\"ok\"} 1",
@@ -852,6 +883,13 @@ mod tests {
             "runner_prestart_misses{reason=\"shape_changed\"} 1",
             "runner_prestart_discards{reason=\"expired\"} 5",
             "runner_prestart_started 44",
+            "runner_microvm_pool_hits 20",
+            "runner_microvm_pool_waiting 1",
+            "runner_microvm_pool_memory_bytes 293601280",
+            "runner_microvm_pool_misses{reason=\"cold\"} 1",
+            "runner_microvm_pool_discards{reason=\"shape_changed\"} 2",
+            "runner_microvm_pool_started 23",
+            "runner_microvm_pool_start_failures 1",
             "runner_egress_decisions{verdict=\"denied\"} 4",
             "runner_egress_up 1",
             "runner_execution_duration_seconds_count{route=\"execute\"} 1",

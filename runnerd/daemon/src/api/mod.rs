@@ -377,6 +377,7 @@ async fn metrics(app: &App) -> ApiResponse {
         history: app.history.metrics(),
         replication: app.replica.as_ref().map(|r| r.gauges()),
         prestart: app.sandbox.isolation.prestarted(),
+        microvm_pool: crate::isolation::Isolation::prestarted(&*app.sandbox.microvm),
     };
     let text = app.metrics.render(&snapshot);
     ApiResponse {
