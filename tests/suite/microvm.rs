@@ -163,18 +163,32 @@ exit 3
     let r = run(&server, &ws, "kill -TERM $$", json!({})).await;
     assert_eq!(r["exitCode"], 128 + libc::SIGTERM, "{r}");
 
-    // /execute: Python, the same interpreter as the bwrap form, in the guest.
-    let mut body = shell_request(
-        "main",
-        "session-microvm",
-        &ws,
-        "import os, sys; print(6 * 7, sys.executable, os.getcwd())",
-    );
+    // /execute: Python, the same interpreter as the bwrap form, in the guest, with the
+    // operator's python-packages shared read-only where the bwrap form binds them.
+    let packages = server.data_dir.join("python-packages").join("py3");
+    std::fs::create_dir_all(&packages).unwrap();
+    std::fs::write(packages.join("tinymod.py"), "WHERE = 'py3'\n").unwrap();
+    let code = r#"
+import os, sys, tinymod
+print(6 * 7, sys.executable, os.getcwd())
+print(tinymod.WHERE, os.environ.get("PYTHONPATH"), sys.flags.isolated)
+try:
+    open(os.path.join(os.path.dirname(tinymod.__file__), "planted.py"), "w")
+    print("write allowed")
+except OSError:
+    print("write refused")
+"#;
+    let mut body = shell_request("main", "session-microvm", &ws, code);
     body["isolation"] = json!("microvm");
     let reply = server.client().post_signed("/execute", &body).await.unwrap();
     let r = reply.json();
     assert_eq!((reply.status, r["exitCode"].clone()), (200, json!(0)), "{r}");
-    assert_eq!(r["stdout"], "42 /usr/bin/python3 /workspace\n", "{r}");
+    assert_eq!(
+        r["stdout"],
+        "42 /usr/bin/python3 /workspace\npy3 /opt/sciencediscovery-python-packages 0\nwrite refused\n",
+        "{r}"
+    );
+    assert!(!packages.join("planted.py").exists());
 }
 
 #[tokio::test]
@@ -520,8 +534,9 @@ async fn hostile_guest_messages_are_refused_and_runnerd_carries_on() {
         return;
     }
     let scratch = runner_tests::scratch_dir();
-    // Ready (variant 0, protocol 4: runner_guest_agent::wire::PROTOCOL), then:
-    let ready = frame(&[0, 4]);
+    // Ready (variant 0, the protocol's version: one postcard byte while it is under 128), then:
+    let protocol = u8::try_from(runner_guest_agent::wire::PROTOCOL).ok().filter(|p| *p < 128).unwrap();
+    let ready = frame(&[0, protocol]);
     let oversized = [ready.clone(), u32::MAX.to_le_bytes().to_vec()].concat();
     // Exit (variant 3) with both a code (Some 0) and a signal (Some 9): not an exit record.
     let bad_exit = [ready.clone(), frame(&[3, 1, 0, 1, 18, 0])].concat();

@@ -241,6 +241,10 @@ fn build_root(r: &RunRequest) -> Result<(), AgentError> {
         mkdir("/opt/science-env")?;
         mount(Some("env"), &at("/opt/science-env"), Some("9p"), ro, Some(NINEP))?;
     }
+    if let Some(packages) = &r.python_packages {
+        mkdir(packages)?;
+        mount(Some("pypkg"), &at(packages), Some("9p"), ro, Some(NINEP))?;
+    }
     if r.skills {
         mkdir("/skills")?;
         mount(Some("skills"), &at("/skills"), Some("9p"), ro, Some(NINEP))?;

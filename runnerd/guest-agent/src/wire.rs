@@ -20,7 +20,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// Bumped when a message changes shape; the host refuses a guest of another version.
-pub const PROTOCOL: u16 = 4;
+pub const PROTOCOL: u16 = 5;
 /// The largest frame body either side accepts. The host's `Run` (argv, environment,
 /// identity files) must fit; output travels in [`MAX_CHUNK`] pieces well below it.
 pub const MAX_FRAME: usize = 256 * 1024;
@@ -92,6 +92,8 @@ pub struct RunRequest {
     /// Shares present besides `/usr` and the workspace.
     pub science_env: bool,
     pub skills: bool,
+    /// The operator's python-packages share, if any, and where it goes (read-only).
+    pub python_packages: Option<String>,
     /// Host interpreter paths hidden from the command (the bwrap form's masks).
     pub masks: Vec<String>,
     /// `/tmp`'s size in bytes.
@@ -308,6 +310,7 @@ mod tests {
             gid: 1000,
             science_env: false,
             skills: true,
+            python_packages: Some("/opt/sciencediscovery-python-packages".into()),
             masks: vec![],
             tmp_bytes: 1 << 20,
             pids: 64,

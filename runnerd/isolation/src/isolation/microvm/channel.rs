@@ -173,6 +173,7 @@ mod tests {
             gid: 1000,
             science_env: false,
             skills: false,
+            python_packages: None,
             masks: vec![],
             tmp_bytes: 1 << 20,
             pids: 0,

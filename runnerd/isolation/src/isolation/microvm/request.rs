@@ -92,9 +92,7 @@ pub fn plan(
         accel: None,
         command: spec.command,
         tmp_bytes: spec.tmp_bytes,
-        // The operator's python-packages are not shared into the guest (yet): without the
-        // mount, the environment must not point at it.
-        python_packages: None,
+        python_packages: spec.python_packages,
         skills: skills.as_ref(),
         profile: spec.profile,
         binds: &[],
@@ -137,6 +135,12 @@ pub fn plan(
     if let Some(prefix) = spec.science_env {
         dir(&mut slots, "env", None, prefix, false)?;
     }
+    // The operator's python-packages, as the bwrap form binds them: by the path the engine
+    // checked for this execution, read-only, never beside a science environment.
+    let python_packages = spec.python_packages.filter(|_| spec.science_env.is_none());
+    if let Some(packages) = python_packages {
+        dir(&mut slots, "pypkg", None, packages, false)?;
+    }
     if let Some(s) = spec.skills {
         dir(&mut slots, "skills", Some(Dir { fd: s.fds.0, owner: None }), s.packages, false)?;
         dir(&mut slots, "skillext", Some(Dir { fd: s.fds.1, owner: None }), s.extensions, true)?;
@@ -153,6 +157,7 @@ pub fn plan(
         gid: who.gid,
         science_env: spec.science_env.is_some(),
         skills: spec.skills.is_some(),
+        python_packages: python_packages.map(|_| crate::sandbox::host::PYTHON_PACKAGES_MOUNT.to_owned()),
         masks: spec.interpreter_masks.iter().map(|p| p.to_string_lossy().into_owned()).collect(),
         tmp_bytes: argv::tmpfs_sizes(spec.tmp_bytes).0,
         pids: 0,
