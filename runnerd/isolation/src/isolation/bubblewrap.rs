@@ -155,9 +155,11 @@ const SETTLE_LIMIT: Duration = Duration::from_secs(2);
 /// `entry` if bwrap has set it up (waiting at most [`SETTLE_LIMIT`]) in the directory the call
 /// runs in: bwrap entered it by path when it started, so whatever happened in between, the
 /// directory it is in must be the one the call found. Else it is discarded.
-async fn ready_in(pool: &Pool, entry: prestart::Entry, runs_in: (u64, u64)) -> Option<prestart::Entry> {
+async fn ready_in(pool: &Pool, mut entry: prestart::Entry, runs_in: (u64, u64)) -> Option<prestart::Entry> {
     if !entry.waiting.settled(SETTLE_LIMIT).await {
-        pool.refuse(entry, prestart::Miss::Unsettled);
+        // One whose bwrap exited meanwhile did not fail to settle: it died.
+        let miss = if entry.waiting.alive() { prestart::Miss::Unsettled } else { prestart::Miss::Died };
+        pool.refuse(entry, miss);
         return None;
     }
     if entry.waiting.cwd() != Some(runs_in) {

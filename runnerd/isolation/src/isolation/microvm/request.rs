@@ -168,3 +168,55 @@ pub fn plan(
     };
     Ok(Planned { request, shares, slots, agent_slot, egress_slot: None, env: cmd.env, cwd: cmd.cwd })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::sandbox::{HostRuntime, Language};
+
+    fn planned(python_packages: Option<&Path>, science_env: Option<&Path>) -> Planned {
+        let host = HostRuntime::default();
+        let ws = WorkspaceLayout::new("/data/projects/p/ws".into(), None);
+        let mut spec = SandboxSpec::new(&host, &ws, Language::Python);
+        spec.python_packages = python_packages;
+        spec.science_env = science_env;
+        let who = Identity {
+            uid: 999,
+            gid: 995,
+            name: "sbx".into(),
+            origin: crate::sandbox::user::Origin::Configured,
+        };
+        let agent: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        plan(&spec, &who, &agent, false).unwrap()
+    }
+
+    fn share<'p>(p: &'p Planned, tag: &str) -> Option<&'p Share> {
+        p.shares.iter().find(|s| s.tag == tag)
+    }
+
+    #[test]
+    fn python_packages_are_shared_read_only_where_the_bwrap_form_binds_them_and_never_beside_an_environment()
+    {
+        let packages = Path::new("/data/python-packages/py3");
+        let with = planned(Some(packages), None);
+        let pypkg = share(&with, "pypkg").expect("a pypkg share");
+        assert!(!pypkg.writable);
+        assert!(matches!(&pypkg.source, Source::Path(p) if p == "/data/python-packages/py3"));
+        let mount = crate::sandbox::host::PYTHON_PACKAGES_MOUNT;
+        assert_eq!(with.request.python_packages.as_deref(), Some(mount));
+        assert!(with.env.contains(&("PYTHONPATH".to_owned(), mount.to_owned())), "{:?}", with.env);
+
+        let without = planned(None, None);
+        assert!(share(&without, "pypkg").is_none());
+        assert_eq!(without.request.python_packages, None);
+        assert!(!without.env.iter().any(|(k, _)| k == "PYTHONPATH"), "{:?}", without.env);
+
+        // A science environment wins, as in the bwrap form.
+        let beside = planned(Some(packages), Some(Path::new("/data/envs/e1")));
+        assert!(share(&beside, "pypkg").is_none());
+        assert_eq!(beside.request.python_packages, None);
+        assert!(share(&beside, "env").is_some_and(|s| !s.writable));
+    }
+}
