@@ -190,6 +190,16 @@ pub enum Discard {
 }
 
 impl Discard {
+    /// Why a sandbox a call took but refused (for `miss`) is discarded.
+    pub fn refused(miss: Miss) -> Discard {
+        match miss {
+            Miss::Died => Discard::Died,
+            Miss::Unsettled => Discard::Unsettled,
+            // A taken sandbox is never cold: it waited, for another shape.
+            Miss::Cold | Miss::Shape => Discard::Shape,
+        }
+    }
+
     pub const ALL: [Discard; 8] = [
         Discard::Shape,
         Discard::Died,
@@ -447,12 +457,7 @@ impl<G: Send + 'static> Pool<G> {
     /// A taken sandbox does not serve its call (`miss` says why): it is discarded.
     pub fn refuse(&self, entry: Entry<G>, miss: Miss) {
         self.missed(miss);
-        let why = match miss {
-            Miss::Died => Discard::Died,
-            Miss::Unsettled => Discard::Unsettled,
-            Miss::Cold | Miss::Shape => Discard::Shape,
-        };
-        self.discard(entry, why);
+        self.discard(entry, Discard::refused(miss));
     }
 
     /// A call that could be served ahead found nothing for its shape (`take` counts its
@@ -748,6 +753,21 @@ fn resident_bytes(pid: i32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_sandbox_is_discarded_for_its_miss_and_every_reason_has_its_own_name() {
+        for (miss, discard) in [
+            (Miss::Shape, Discard::Shape),
+            (Miss::Died, Discard::Died),
+            (Miss::Unsettled, Discard::Unsettled),
+        ] {
+            assert_eq!(Discard::refused(miss), discard);
+            assert_eq!(miss.name(), discard.name());
+        }
+        let names = |n: Vec<&str>| n.iter().collect::<std::collections::BTreeSet<_>>().len() == n.len();
+        assert!(names(Miss::ALL.map(|m| m.name()).to_vec()));
+        assert!(names(Discard::ALL.map(|d| d.name()).to_vec()));
+    }
 
     fn shape(option: &str) -> Shape {
         Shape {
