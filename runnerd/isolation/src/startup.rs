@@ -76,7 +76,7 @@ impl SandboxRuntime {
 
     /// An execution of `workspace` runs in `backend`: what the other backend keeps waiting
     /// for that workspace was made for a call of another backend, cannot serve the next one,
-    /// and goes (a VM booted ahead holds a tenant's place and ~260 MiB).
+    /// and goes (a VM booted ahead holds a tenant's place and about 280 MiB under TCG).
     pub fn running_in(&self, backend: crate::isolation::select::Backend, workspace: &std::path::Path) {
         let other: &dyn Isolation = match backend {
             crate::isolation::select::Backend::Bwrap => &*self.microvm,

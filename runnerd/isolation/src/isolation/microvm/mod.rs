@@ -71,7 +71,7 @@ pub struct MicrovmSettings {
 }
 
 /// A VM waiting in the pool costs its guest's RAM that the kernel touched plus QEMU's own
-/// (about 260 MiB under TCG with Debian's kernel): a few per node, one per tenant.
+/// (about 280 MiB under TCG, measured with Debian's kernel): a few per node, one per tenant.
 pub const DEFAULT_POOL: PrestartSettings =
     PrestartSettings { per_node: 2, per_tenant: 1, idle: Duration::from_secs(120) };
 
