@@ -808,3 +808,40 @@ async fn clearing_a_workspace_discards_its_booted_vm() {
     assert_eq!(p["discards"]["workspace_changed"], 2, "the voided boot counts as discarded: {p}");
     assert_eq!(p["startFailures"], 0, "{p}");
 }
+
+/// The other direction of the pool test's "a bwrap call discards the waiting VM": a microvm
+/// call in a workspace discards the bwrap sandbox waiting for that workspace's next call
+/// (made for a bwrap call, it could not serve the next one and would only hold a place).
+#[tokio::test]
+async fn a_microvm_call_discards_the_bwrap_sandbox_waiting_for_its_workspace() {
+    if !microvm_or_skip("a_microvm_call_discards_the_bwrap_sandbox_waiting_for_its_workspace") {
+        return;
+    }
+    let server = start(&[]);
+    let ws = server.project_workspace("both");
+    let bwrap_pool = || async {
+        let health = server.client().get("/health").await.unwrap().json();
+        health["sandboxProfile"]["prestartedSandboxes"].clone()
+    };
+    let body = shell_request("main", "session-microvm", &ws, "echo in-bwrap");
+    let r = server.client().post_signed("/execute-shell", &body).await.unwrap().json();
+    assert_eq!(r["stdout"], "in-bwrap\n", "{r}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let before = loop {
+        let p = bwrap_pool().await;
+        if p["waiting"] == 1 {
+            break p;
+        }
+        assert!(std::time::Instant::now() < deadline, "no bwrap sandbox waits: {p}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let r = run(&server, &ws, "echo in-vm", json!({})).await;
+    assert_eq!(r["stdout"], "in-vm\n", "{r}");
+    let after = bwrap_pool().await;
+    assert_eq!(
+        (after["waiting"].clone(), after["discards"]["shape_changed"].as_u64().unwrap()),
+        (json!(0), before["discards"]["shape_changed"].as_u64().unwrap() + 1),
+        "{after}"
+    );
+    assert_eq!(after["hits"], before["hits"], "{after}");
+}
